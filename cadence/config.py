@@ -1,0 +1,315 @@
+"""Typed configuration and the named presets (tiny, w1.3, w14, w57).
+
+Every shape the engine uses comes from here; nothing else hard-codes a token count. Each field is
+documented in the docstring right below it. ``CadenceConfig.validate()`` runs on construction and
+rejects impossible combinations with a message that names the numbers.
+
+Geometry in one picture (W57 / W14, 704x1088)::
+
+    video chunk   4 frames x 704 x 1088 x 3        (166.7 ms at 24 fps, 8,000 audio samples at 48 kHz)
+      | VAE, stride 4x16x16, z=48
+    latent chunk  48 x 1 x 44 x 68                 (one latent frame)
+      | patch 1x2x2
+    tokens        1 x 22 x 34 = 748 tokens of dim 8192 (W57)
+
+Self-attention of a chunk sees: the sink (the reference image, encoded to ``sink_frames`` latent
+frames), the previous ``window_chunks - 1`` chunks, and the whole current chunk. At W57 that is
+(1 + 19 + 1) x 748 = 15,708 keys for 748 queries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, replace
+
+from cadence.errors import ConfigError
+
+#: The media clock: audio samples per second. Every chunk's audio is frames * 48000 / fps samples.
+AUDIO_SAMPLE_RATE = 48_000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of the diffusion transformer (Wan architecture)."""
+
+    dim: int = 128
+    """Hidden width of the transformer (= num_heads * head_dim)."""
+    num_heads: int = 4
+    """Attention heads in self-, cross- and audio attention."""
+    head_dim: int = 32
+    """Channels per head; must be even and split into RoPE (frame, height, width) parts."""
+    ffn_dim: int = 256
+    """Inner width of the GELU feed-forward network."""
+    num_layers: int = 2
+    """Number of transformer blocks."""
+    patch: tuple[int, int, int] = (1, 2, 2)
+    """Patch size (frames, height, width) in latent units."""
+    in_channels: int = 16
+    """Latent channels going in (the VAE's z)."""
+    out_channels: int = 16
+    """Latent channels coming out (the VAE's z)."""
+    text_dim: int = 64
+    """Width of the prompt embedding fed to the text projection (4096 for Wan's umT5)."""
+    text_len: int = 16
+    """Number of prompt-embedding tokens (512 for Wan); cross-attention K/V are computed once per session."""
+    freq_dim: int = 256
+    """Width of the sinusoidal timestep embedding."""
+    audio_dim: int = 64
+    """Width of one audio feature token (the audio front end's output)."""
+    audio_tokens_per_frame: int = 4
+    """Audio tokens aligned to one latent frame (its 4 video frames = 166.7 ms of audio)."""
+    audio_every: int = 1
+    """Audio cross-attention in every k-th block (block i has it when i % k == 0); 0 disables audio."""
+    eps: float = 1e-6
+    """Epsilon of the layer norms and q/k RMS norms."""
+    rope_theta: float = 10_000.0
+    """RoPE base."""
+    cross_attn_norm: bool = True
+    """Affine LayerNorm before text cross-attention (Wan: true)."""
+
+    @property
+    def rope_split(self) -> tuple[int, int, int]:
+        """Channels of each head given to the (frame, height, width) rotary parts, as Wan splits them."""
+        hw = 2 * (self.head_dim // 6)
+        return (self.head_dim - 2 * hw, hw, hw)
+
+    def has_audio(self, block: int) -> bool:
+        return self.audio_every > 0 and block % self.audio_every == 0
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """The video autoencoder's geometry (Wan 2.1: 4x8x8, z=16; Wan 2.2: 4x16x16, z=48)."""
+
+    stride: tuple[int, int, int] = (4, 8, 8)
+    """Compression (frames, height, width): one latent frame holds `stride[0]` video frames."""
+    latent_channels: int = 16
+    """Channels of the latent (z)."""
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Chunk geometry, sampler and cache policy of a stream."""
+
+    height: int = 128
+    """Video height in pixels."""
+    width: int = 128
+    """Video width in pixels."""
+    fps: int = 24
+    """Video frames per second delivered to the viewer."""
+    latent_frames_per_chunk: int = 1
+    """Latent frames generated per chunk (1 = 4 video frames = 166.7 ms at 24 fps)."""
+    passes: int = 4
+    """Denoising network passes per chunk."""
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    """Timesteps (0..1000) of the passes before the shift is applied (Self-Forcing's 4-step list)."""
+    shift: float = 5.0
+    """Timestep shift: sigma' = shift*sigma / (1 + (shift-1)*sigma)."""
+    sampler: str = "euler"
+    """'euler' (flow-matching ODE step) or 'renoise' (predict x0, re-noise to the next sigma, Self-Forcing)."""
+    commit: str = "last_pass"
+    """When the chunk's K/V enter the cache: 'last_pass' (during the last denoising pass) or
+    'clean_pass' (one extra pass at t=0 on the denoised latent)."""
+    window_chunks: int = 4
+    """Generated chunks a query sees, the current one included (W57: 20)."""
+    sink_frames: int = 1
+    """Latent frames of the reference image kept as a sink at the front of every window."""
+    cache: str = "naive"
+    """Self-attention cache implementation: 'naive' (re-rotate and concatenate every call)."""
+
+
+@dataclass(frozen=True)
+class CadenceConfig:
+    """A whole engine configuration: model, VAE and stream geometry."""
+
+    name: str = "custom"
+    """Preset name (for logs and benchmark files)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The transformer."""
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    """The autoencoder's geometry."""
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    """Chunk geometry, sampler and cache."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived geometry -------------------------------------------------------------------
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.stream.height // self.vae.stride[1], self.stream.width // self.vae.stride[2]
+
+    @property
+    def token_grid(self) -> tuple[int, int]:
+        """Tokens per latent frame along (height, width)."""
+        lh, lw = self.latent_hw
+        return lh // self.model.patch[1], lw // self.model.patch[2]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        gh, gw = self.token_grid
+        return gh * gw
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.tokens_per_frame * self.stream.latent_frames_per_chunk // self.model.patch[0]
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.tokens_per_frame * self.stream.sink_frames // self.model.patch[0]
+
+    @property
+    def video_frames_per_chunk(self) -> int:
+        return self.stream.latent_frames_per_chunk * self.vae.stride[0]
+
+    @property
+    def audio_samples_per_chunk(self) -> int:
+        return self.video_frames_per_chunk * AUDIO_SAMPLE_RATE // self.stream.fps
+
+    @property
+    def chunk_seconds(self) -> float:
+        return self.video_frames_per_chunk / self.stream.fps
+
+    @property
+    def kv_tokens(self) -> int:
+        """Keys a query sees in steady state: sink + full window (current chunk included)."""
+        return self.sink_tokens + self.stream.window_chunks * self.tokens_per_chunk
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self) -> None:
+        m, v, s = self.model, self.vae, self.stream
+        errs: list[str] = []
+        if m.num_heads * m.head_dim != m.dim:
+            errs.append(f"num_heads ({m.num_heads}) x head_dim ({m.head_dim}) = "
+                        f"{m.num_heads * m.head_dim} must equal dim ({m.dim})")
+        if m.head_dim % 2 or m.head_dim < 6:
+            errs.append(f"head_dim ({m.head_dim}) must be even and >= 6 for 3D RoPE")
+        elif any(p % 2 for p in m.rope_split) or min(m.rope_split) <= 0:
+            errs.append(f"head_dim ({m.head_dim}) splits into RoPE parts {m.rope_split}; each must be even "
+                        "and positive")
+        for what, n in (("dim", m.dim), ("ffn_dim", m.ffn_dim), ("num_layers", m.num_layers),
+                        ("text_len", m.text_len), ("text_dim", m.text_dim), ("freq_dim", m.freq_dim)):
+            if n <= 0:
+                errs.append(f"{what} must be positive, got {n}")
+        if m.freq_dim % 2:
+            errs.append(f"freq_dim ({m.freq_dim}) must be even")
+        if m.audio_every < 0:
+            errs.append(f"audio_every must be >= 0, got {m.audio_every}")
+        if m.audio_every and (m.audio_dim <= 0 or m.audio_tokens_per_frame <= 0):
+            errs.append(f"audio_dim ({m.audio_dim}) and audio_tokens_per_frame ({m.audio_tokens_per_frame}) "
+                        "must be positive when audio is on")
+        if m.in_channels != v.latent_channels or m.out_channels != v.latent_channels:
+            errs.append(f"model in/out channels ({m.in_channels}/{m.out_channels}) must equal the VAE's "
+                        f"latent channels ({v.latent_channels})")
+        for axis, (px, st, pt) in enumerate(zip((s.height, s.width), v.stride[1:], m.patch[1:])):
+            name = ("height", "width")[axis]
+            if px <= 0 or px % (st * pt):
+                errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
+        if v.stride[0] != 4:
+            errs.append(f"VAE temporal stride must be 4 (4 video frames per latent frame), got {v.stride[0]}")
+        if s.latent_frames_per_chunk <= 0 or s.latent_frames_per_chunk % m.patch[0]:
+            errs.append(f"latent_frames_per_chunk ({s.latent_frames_per_chunk}) must be a positive multiple of "
+                        f"the temporal patch ({m.patch[0]})")
+        if s.sink_frames < 0 or s.sink_frames % m.patch[0]:
+            errs.append(f"sink_frames ({s.sink_frames}) must be a non-negative multiple of the temporal patch "
+                        f"({m.patch[0]})")
+        if s.passes <= 0 or len(s.timesteps) != s.passes:
+            errs.append(f"passes ({s.passes}) must be positive and equal len(timesteps) ({len(s.timesteps)})")
+        if any(not (0.0 < t <= 1000.0) for t in s.timesteps) or list(s.timesteps) != sorted(
+                s.timesteps, reverse=True):
+            errs.append(f"timesteps {s.timesteps} must be decreasing values in (0, 1000]")
+        if s.shift <= 0:
+            errs.append(f"shift must be positive, got {s.shift}")
+        if s.sampler not in ("euler", "renoise"):
+            errs.append(f"sampler must be 'euler' or 'renoise', got {s.sampler!r}")
+        if s.commit not in ("last_pass", "clean_pass"):
+            errs.append(f"commit must be 'last_pass' or 'clean_pass', got {s.commit!r}")
+        if s.window_chunks < 1:
+            errs.append(f"window_chunks must be >= 1 (the current chunk), got {s.window_chunks}")
+        if s.cache not in ("naive",):
+            errs.append(f"cache must be 'naive', got {s.cache!r}")
+        if s.fps <= 0 or (self.video_frames_per_chunk * AUDIO_SAMPLE_RATE) % s.fps:
+            errs.append(f"fps {s.fps} must divide {self.video_frames_per_chunk} frames x {AUDIO_SAMPLE_RATE} Hz "
+                        "into whole audio samples per chunk")
+        if errs:
+            raise ConfigError(f"invalid configuration {self.name!r}: " + "; ".join(errs))
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def with_overrides(self, **sections: dict) -> "CadenceConfig":
+        """Copy with fields replaced per section, e.g. ``with_overrides(model={"num_layers": 30})``."""
+        kw = {}
+        for sec, fields in sections.items():
+            if sec == "name":
+                kw["name"] = fields
+                continue
+            cur = getattr(self, sec)
+            known = {f.name for f in dataclasses.fields(cur)}
+            bad = set(fields) - known
+            if bad:
+                raise ConfigError(f"unknown {sec} field(s) {sorted(bad)}; known: {sorted(known)}")
+            kw[sec] = replace(cur, **fields)
+        return replace(self, **kw)
+
+    def shape_summary(self) -> dict:
+        """The `shape` block of benchmark JSON files (BENCHMARKS.md)."""
+        return {
+            "tokens_per_chunk": self.tokens_per_chunk,
+            "window_chunks": self.stream.window_chunks,
+            "sink_chunks": self.stream.sink_frames // self.stream.latent_frames_per_chunk
+            if self.stream.sink_frames % self.stream.latent_frames_per_chunk == 0 else None,
+            "sink_tokens": self.sink_tokens,
+            "passes_per_chunk": self.stream.passes,
+            "kv_tokens": self.kv_tokens,
+            "height": self.stream.height,
+            "width": self.stream.width,
+            "layers": self.model.num_layers,
+        }
+
+
+def _wan(dim: int, heads: int, ffn: int, layers: int) -> dict:
+    return dict(dim=dim, num_heads=heads, head_dim=dim // heads, ffn_dim=ffn, num_layers=layers,
+                text_dim=4096, text_len=512, audio_dim=1024, audio_tokens_per_frame=8)
+
+
+PRESETS: dict[str, CadenceConfig] = {
+    # Small enough to run the whole path on a 2-core CPU: 128x128 video, 64 tokens per chunk.
+    "tiny": CadenceConfig(
+        name="tiny",
+        model=ModelConfig(dim=128, num_heads=4, head_dim=32, ffn_dim=256, num_layers=2, patch=(1, 2, 2),
+                          in_channels=16, out_channels=16, text_dim=64, text_len=16, audio_dim=64,
+                          audio_tokens_per_frame=4, audio_every=1),
+        vae=VAEConfig(stride=(4, 8, 8), latent_channels=16),
+        stream=StreamConfig(height=128, width=128, latent_frames_per_chunk=1, window_chunks=4, sink_frames=1),
+    ),
+    # Wan 2.1 1.3B geometry as the open Self-Forcing/CausVid models use it: 480x832, 3 latent frames
+    # (12 video frames) per chunk, 1560 x 3 = 4680 tokens; 21 latent frames visible (sink 1 + 6 x 3 + ... ).
+    "w1.3": CadenceConfig(
+        name="w1.3",
+        model=ModelConfig(in_channels=16, out_channels=16, audio_every=4, patch=(1, 2, 2),
+                          **_wan(1536, 12, 8960, 30)),
+        vae=VAEConfig(stride=(4, 8, 8), latent_channels=16),
+        stream=StreamConfig(height=480, width=832, latent_frames_per_chunk=3, window_chunks=6, sink_frames=1),
+    ),
+    "w14": CadenceConfig(
+        name="w14",
+        model=ModelConfig(in_channels=48, out_channels=48, audio_every=4, patch=(1, 2, 2),
+                          **_wan(5120, 40, 13824, 40)),
+        vae=VAEConfig(stride=(4, 16, 16), latent_channels=48),
+        stream=StreamConfig(height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1),
+    ),
+    "w57": CadenceConfig(
+        name="w57",
+        model=ModelConfig(in_channels=48, out_channels=48, audio_every=4, patch=(1, 2, 2),
+                          **_wan(8192, 64, 24576, 60)),
+        vae=VAEConfig(stride=(4, 16, 16), latent_channels=48),
+        stream=StreamConfig(height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1),
+    ),
+}
+
+
+def get_preset(name: str) -> CadenceConfig:
+    """The named preset; a clear error for an unknown name."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
