@@ -1,0 +1,36 @@
+"""The cache seam: what self-attention asks of whatever keeps past chunks' keys and values.
+
+A chunk's pass calls, per layer, ``cache.attend(layer, q, k, v, commit)`` with the current chunk's
+queries, keys and values *before* RoPE ([1, tokens, heads, head_dim], q/k already RMS-normed).
+The cache rotates them at the chunk's positions, attends over what the chunk may see (the sink,
+the previous chunks inside the window, the whole current chunk) and, when ``commit`` is true,
+keeps the chunk's K/V for later chunks. How it keeps them (raw or rotated, bf16 or FP8, a list or
+a ring) is the cache's business; the model never looks inside.
+
+Before the passes of a chunk the runtime calls ``begin_chunk(frame_start, num_frames, sink)``:
+host-side bookkeeping only (Python ints, no device reads), so the step stays free of host syncs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class SelfAttentionCache(ABC):
+    """Interface between the model's self-attention and a K/V store."""
+
+    @abstractmethod
+    def begin_chunk(self, frame_start: int, num_frames: int, sink: bool = False) -> None:
+        """Set the current chunk: its first latent frame position, its latent frames, and whether it
+        is the sink (the reference image), which sees only itself and is kept for the whole stream."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, commit: bool) -> torch.Tensor:
+        """Attention output [1, tokens, heads*head_dim] for the current chunk at `layer`; keep K/V if
+        `commit`."""
+
+    def reset(self) -> None:
+        """Forget everything (new session)."""
+        raise NotImplementedError

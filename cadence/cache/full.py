@@ -1,0 +1,37 @@
+"""A "cache" that is no cache: one forward over a whole sequence with an optional mask.
+
+Used for the bidirectional single-chunk forward (parity with diffusers) and for the reference
+forward with an explicit block-causal mask that chunked generation must reproduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cadence.model.attention import attention
+from cadence.model.rope import apply_rope
+
+
+class FullSequence:
+    """Implements ``attend`` for a whole sequence: rotate q and k at the given angles, apply `mask`."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None):
+        self.cos, self.sin, self.mask = cos, sin, mask
+
+    def attend(self, layer: int, q, k, v, commit: bool) -> torch.Tensor:
+        return attention(apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin), v, self.mask)
+
+
+def block_causal_mask(frame_chunk: torch.Tensor, tokens_per_frame: int, window_chunks: int) -> torch.Tensor:
+    """Boolean [N, N] mask (True = may attend) for a sequence of latent frames labelled by chunk.
+
+    `frame_chunk[f]` is the chunk index of latent frame f, with -1 for sink frames. A query in chunk
+    c sees the sink and chunks c' with 0 <= c - c' < window_chunks (its own chunk whole); sink
+    queries see only the sink.
+    """
+    c = frame_chunk.repeat_interleave(tokens_per_frame)
+    q, k = c[:, None], c[None, :]
+    sink_k = k < 0
+    sink_q = q < 0
+    within = (q - k >= 0) & (q - k < window_chunks) & ~sink_k
+    return torch.where(sink_q, sink_k, sink_k | within)

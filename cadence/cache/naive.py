@@ -1,0 +1,94 @@
+"""The naive K/V cache: what the production system did at launch, kept as baseline and reference.
+
+Per layer it keeps each chunk's raw (un-rotated) K and V in the model dtype, in a list bounded by
+the window. On every attention call it concatenates the window, re-applies RoPE to every cached
+key at its position and, when ``fp8`` is on, re-quantises the whole window to FP8 (e4m3, one scale
+per token and head) and back. All of that is "cache upkeep", timed under the ``cache`` region; the
+ring cache (RoPE and FP8 once, at write time) is measured against it.
+
+Positions are absolute latent-frame indices: the sink at 0..sink_frames-1, chunk i at
+sink_frames + i * frames_per_chunk onwards. Everything indexed on the device is built with
+``arange`` from Python ints: no host syncs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from cadence.cache.base import SelfAttentionCache
+from cadence.model.attention import attention
+from cadence.model.rope import Rope3D, apply_rope
+from cadence.telemetry.spans import region
+
+FP8_MAX = 448.0
+
+
+def fake_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Quantise to FP8 e4m3 with one scale per (token, head) and dequantise (clamped before the cast:
+    torch 2.11 turns overflow into NaN)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+    scale = amax / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+class NaiveCache(SelfAttentionCache):
+    """Raw K/V per chunk; window concatenated, re-rotated (and optionally re-quantised) every call."""
+
+    def __init__(self, num_layers: int, window_chunks: int, grid: tuple[int, int], rope: Rope3D,
+                 device: torch.device | str, fp8: bool = False):
+        self.num_layers = num_layers
+        self.window_chunks = window_chunks
+        self.grid = grid
+        self.rope = rope
+        self.device = torch.device(device)
+        self.fp8 = fp8
+        self.reset()
+
+    def reset(self) -> None:
+        self.sink: list[tuple[torch.Tensor, torch.Tensor, int, int] | None] = [None] * self.num_layers
+        self.past: list[deque] = [deque(maxlen=max(self.window_chunks - 1, 0)) for _ in range(self.num_layers)]
+        self.cur: tuple[int, int, bool] | None = None
+
+    def begin_chunk(self, frame_start: int, num_frames: int, sink: bool = False) -> None:
+        self.cur = (frame_start, num_frames, sink)
+        frames = torch.arange(frame_start, frame_start + num_frames, device=self.device)
+        self.cur_cos, self.cur_sin = self.rope.cos_sin(frames, *self.grid)
+
+    def _visible(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        _, _, is_sink = self.cur
+        if is_sink:
+            return []
+        out = [self.sink[layer]] if self.sink[layer] is not None else []
+        if self.window_chunks > 1:
+            out.extend(self.past[layer])
+        return out
+
+    def attend(self, layer: int, q, k, v, commit: bool) -> torch.Tensor:
+        start, nf, is_sink = self.cur
+        with region("cache"):
+            qr = apply_rope(q, self.cur_cos, self.cur_sin)
+            entries = self._visible(layer) + [(k, v, start, nf)]
+            k_all = torch.cat([e[0] for e in entries], dim=1)
+            v_all = torch.cat([e[1] for e in entries], dim=1)
+            frames = torch.cat([torch.arange(s, s + n, device=self.device) for _, _, s, n in entries])
+            cos, sin = self.rope.cos_sin(frames, *self.grid)
+            k_all = apply_rope(k_all, cos, sin)
+            if self.fp8:
+                k_all, v_all = fake_fp8(k_all), fake_fp8(v_all)
+        out = attention(qr, k_all, v_all)
+        if commit:
+            if is_sink:
+                self.sink[layer] = (k, v, start, nf)
+            elif self.window_chunks > 1:
+                self.past[layer].append((k, v, start, nf))
+        return out
+
+    def memory_bytes(self) -> int:
+        n = 0
+        for layer in range(self.num_layers):
+            for e in ([self.sink[layer]] if self.sink[layer] is not None else []) + list(self.past[layer]):
+                n += e[0].numel() * e[0].element_size() + e[1].numel() * e[1].element_size()
+        return n

@@ -1,0 +1,144 @@
+"""The generation loop: reference image + prompt + audio in, latent chunks (and frames) out.
+
+    gen = build_generator(get_preset("tiny"))
+    for out in gen.stream(image, "a person talking", audio, num_chunks=10, seed=0):
+        ...  # out.latents [C, F, h, w], out.frames uint8 [T, H, W, 3]
+
+A :class:`Session` owns one stream's state: its cache (the sink = the VAE-encoded reference image,
+written once at t=0), the prompt's cross-attention K/V (computed once), a seeded device generator
+and the position of the next chunk. ``Session.step`` is the chunk step: device work only, no host
+syncs; the same seed gives the same output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from cadence.cache.naive import NaiveCache
+from cadence.config import CadenceConfig
+from cadence.errors import InputError
+from cadence.model.audio import AudioFeatures
+from cadence.model.dit import WanDiT
+from cadence.model.standin_vae import StandInVAE
+from cadence.model.text import ByteTextEncoder
+from cadence.model.weights import build_model
+from cadence.runtime.chunk import denoise_chunk
+from cadence.runtime.sampler import Schedule
+
+
+@dataclass
+class ChunkOutput:
+    index: int
+    latents: torch.Tensor  # [C, F, h, w] float32, on the model's device
+    frames: torch.Tensor  # uint8 CPU [T, H, W, 3]
+    audio: torch.Tensor  # float32 CPU [cfg.audio_samples_per_chunk], this chunk's audio
+
+
+def make_cache(cfg: CadenceConfig, model: WanDiT, fp8: bool = False) -> NaiveCache:
+    """The self-attention cache the config asks for."""
+    if cfg.stream.cache == "naive":
+        return NaiveCache(cfg.model.num_layers, cfg.stream.window_chunks, cfg.token_grid, model.rope,
+                          model.device, fp8=fp8)
+    raise ValueError(f"unknown cache {cfg.stream.cache!r}")
+
+
+class Session:
+    """One stream: cache, prompt K/V, noise generator, next chunk position."""
+
+    def __init__(self, gen: "StreamGenerator", image: torch.Tensor, prompt: str | torch.Tensor, seed: int):
+        cfg, model = gen.cfg, gen.model
+        self.gen, self.cfg, self.model = gen, cfg, model
+        dev = model.device
+        self.cache = make_cache(cfg, model)
+        emb = gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
+        if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
+            raise InputError(f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
+                             f"got {list(emb.shape)}")
+        self.text = model.prepare_text(emb[None].to(dev))
+        self.noise_gen = torch.Generator(device=dev).manual_seed(seed)
+        lh, lw = cfg.latent_hw
+        self.latent_shape = (cfg.vae.latent_channels, cfg.stream.latent_frames_per_chunk, lh, lw)
+        # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
+        sf = cfg.stream.sink_frames
+        self.next_frame = 0
+        if sf:
+            lat = gen.vae.encode(image.to(dev)[:, None]).repeat(1, sf, 1, 1)
+            silence = torch.zeros(gen.audio.samples_per_frame * sf, device=dev)
+            self.cache.begin_chunk(0, sf, sink=True)
+            model.forward_chunk(lat, gen.timesteps[-1:], self.text, self._audio_feats(silence), self.cache, commit=True)
+            self.next_frame = sf
+        self.index = 0
+
+    def _audio_feats(self, samples: torch.Tensor) -> torch.Tensor | None:
+        return self.gen.audio(samples) if self.model.audio_embed is not None else None
+
+    def step(self, audio: torch.Tensor) -> torch.Tensor:
+        """Generate the next chunk from its audio samples [audio_samples_per_chunk] (on the device).
+        Returns its clean latent [C, F, h, w] float32."""
+        cfg, sched = self.cfg, self.gen.schedule
+        nf = cfg.stream.latent_frames_per_chunk
+        self.cache.begin_chunk(self.next_frame, nf)
+        noise = torch.randn(self.latent_shape, generator=self.noise_gen, device=self.model.device)
+        renoise = None
+        if sched.rule == "renoise" and sched.passes > 1:
+            renoise = torch.randn((sched.passes - 1, *self.latent_shape), generator=self.noise_gen,
+                                  device=self.model.device)
+        x = denoise_chunk(self.model, self.cache, sched, cfg.stream.commit, noise, self.text,
+                          self._audio_feats(audio), self.gen.timesteps, renoise)
+        self.next_frame += nf
+        self.index += 1
+        return x
+
+
+class StreamGenerator:
+    """Model + stand-in VAE, text and audio front ends; makes sessions and streams chunks."""
+
+    def __init__(self, cfg: CadenceConfig, model: WanDiT):
+        self.cfg, self.model = cfg, model
+        dev = model.device
+        self.vae = StandInVAE(cfg, dev)
+        self.text_encoder = ByteTextEncoder(cfg.model)
+        self.audio = AudioFeatures(cfg, dev)
+        self.schedule = Schedule.from_config(cfg.stream)
+        # Model timesteps of every pass and 0 (the sink and the clean pass), built once, on the device.
+        ts = [self.schedule.timestep(i) for i in range(self.schedule.passes)] + [0.0]
+        self.timesteps = torch.tensor(ts, dtype=torch.float32).to(dev)
+
+    def session(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0) -> Session:
+        h, w = self.cfg.stream.height, self.cfg.stream.width
+        if tuple(image.shape) != (3, h, w):
+            raise InputError(f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, "
+                             f"got {list(image.shape)}")
+        return Session(self, image, prompt, seed)
+
+    @torch.no_grad()
+    def stream(self, image: torch.Tensor, prompt: str | torch.Tensor, audio: torch.Tensor, num_chunks: int,
+               seed: int = 0) -> Iterator[ChunkOutput]:
+        """Yield `num_chunks` chunks. `audio`: float32 mono 48 kHz samples, at least
+        num_chunks * audio_samples_per_chunk long."""
+        if num_chunks <= 0:
+            raise InputError(f"number of chunks must be positive, got {num_chunks}")
+        spc = self.cfg.audio_samples_per_chunk
+        if audio.ndim != 1 or audio.numel() < num_chunks * spc:
+            raise InputError(f"audio must be mono with >= {num_chunks * spc} samples for {num_chunks} chunks, "
+                             f"got shape {list(audio.shape)}")
+        sess = self.session(image, prompt, seed)
+        audio_dev = audio[: num_chunks * spc].float().to(self.model.device)  # one copy, outside the steps
+        for i in range(num_chunks):
+            lat = sess.step(audio_dev[i * spc:(i + 1) * spc])
+            frames = self.vae.decode(lat).cpu()
+            yield ChunkOutput(index=i, latents=lat, frames=frames, audio=audio[i * spc:(i + 1) * spc])
+
+
+def build_generator(cfg: CadenceConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    seed: int = 0, weights: str | None = None) -> StreamGenerator:
+    """Model built on `device` (random weights from `seed`, or loaded from `weights`) + generator."""
+    from cadence.model.weights import load_weights
+
+    model = build_model(cfg, device, dtype, seed=None if weights else seed)
+    if weights:
+        load_weights(model, weights)
+    return StreamGenerator(cfg, model)

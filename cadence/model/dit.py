@@ -1,0 +1,264 @@
+"""The Wan-architecture diffusion transformer, chunk-causal, batch size one.
+
+Plain PyTorch. Block forwards are the math; modulation fields are named. Self-attention goes
+through a cache object (``cadence.cache``): chunked generation uses a real K/V cache, the
+reference forward over a whole sequence uses :class:`cadence.cache.full.FullSequence`.
+
+Per block (Wan 2.1, adaLN with six modulation vectors, computed in float32)::
+
+    h = LN(x) * (1 + mod.attn.scale) + mod.attn.shift
+    x = x + SelfAttn(h) * mod.attn.gate               q/k RMS-normed across heads, 3D RoPE, block-causal
+    x = x + CrossAttn(LN_affine(x), text)             text K/V computed once per session
+    x = x + AudioAttn(LN_affine(x), audio)            every `audio_every`-th block; per latent frame
+    h = LN(x) * (1 + mod.ffn.scale) + mod.ffn.shift
+    x = x + FFN(h) * mod.ffn.gate                     GELU (tanh)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from cadence.config import CadenceConfig, ModelConfig
+from cadence.model.attention import attention
+from cadence.model.layers import MLP2, LayerNorm32, Linear, RMSNorm, timestep_embedding
+from cadence.model.rope import Rope3D
+
+
+@dataclass
+class ModSet:
+    """shift / scale / gate for one residual branch, float32, broadcastable to [B, N, dim]."""
+
+    shift: torch.Tensor
+    scale: torch.Tensor
+    gate: torch.Tensor
+
+
+@dataclass
+class BlockMod:
+    attn: ModSet
+    ffn: ModSet
+
+
+def _split_mod(table: torch.Tensor, temb6: torch.Tensor) -> BlockMod:
+    """table [1, 6, dim] + temb6 [B, 6, dim] or [B, N, 6, dim] -> named fields with a token axis."""
+    if temb6.ndim == 3:
+        m = (table + temb6.float()).unsqueeze(1)  # [B, 1, 6, dim]
+    else:
+        m = table.unsqueeze(0) + temb6.float()  # [B, N, 6, dim]
+    f = m.unbind(2)
+    return BlockMod(attn=ModSet(f[0], f[1], f[2]), ffn=ModSet(f[3], f[4], f[5]))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        d = cfg.dim
+        self.heads = cfg.num_heads
+        self.qkv = Linear(d, 3 * d, device=device, dtype=dtype)
+        self.norm_q = RMSNorm(d, cfg.eps, device=device, dtype=dtype)
+        self.norm_k = RMSNorm(d, cfg.eps, device=device, dtype=dtype)
+        self.out = Linear(d, d, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cache, layer: int, commit: bool) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = self.norm_q(q).unflatten(-1, (self.heads, -1))
+        k = self.norm_k(k).unflatten(-1, (self.heads, -1))
+        v = v.unflatten(-1, (self.heads, -1))
+        return self.out(cache.attend(layer, q, k, v, commit))
+
+
+class CrossAttention(nn.Module):
+    """Attention from the chunk's tokens to a context (text tokens, or audio tokens per frame)."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        d = cfg.dim
+        self.heads = cfg.num_heads
+        self.q = Linear(d, d, device=device, dtype=dtype)
+        self.kv = Linear(d, 2 * d, device=device, dtype=dtype)
+        self.norm_q = RMSNorm(d, cfg.eps, device=device, dtype=dtype)
+        self.norm_k = RMSNorm(d, cfg.eps, device=device, dtype=dtype)
+        self.out = Linear(d, d, device=device, dtype=dtype)
+
+    def context_kv(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [B, L, dim] -> (k, v) [B, L, heads, head_dim]; for text this runs once per session."""
+        k, v = self.kv(ctx).chunk(2, dim=-1)
+        return self.norm_k(k).unflatten(-1, (self.heads, -1)), v.unflatten(-1, (self.heads, -1))
+
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], groups: int = 1) -> torch.Tensor:
+        """x [B, N, dim]; kv [B*groups, L, heads, head_dim]. With groups > 1 the tokens are split into
+        `groups` equal consecutive runs (latent frames) and run g attends only to context g."""
+        b, n, _ = x.shape
+        q = self.norm_q(self.q(x)).unflatten(-1, (self.heads, -1))
+        if groups > 1:
+            q = q.reshape(b * groups, n // groups, self.heads, -1)
+        o = attention(q, kv[0], kv[1])
+        return self.out(o.reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, audio: bool, device=None, dtype=None):
+        super().__init__()
+        d = cfg.dim
+        self.norm1 = LayerNorm32(d, cfg.eps, affine=False, device=device)
+        self.self_attn = SelfAttention(cfg, device, dtype)
+        self.norm2 = LayerNorm32(d, cfg.eps, affine=True, device=device) if cfg.cross_attn_norm else None
+        self.cross_attn = CrossAttention(cfg, device, dtype)
+        if audio:
+            self.norm_audio = LayerNorm32(d, cfg.eps, affine=True, device=device)
+            self.audio_attn = CrossAttention(cfg, device, dtype)
+        else:
+            self.norm_audio = self.audio_attn = None
+        self.norm3 = LayerNorm32(d, cfg.eps, affine=False, device=device)
+        self.ffn = MLP2(d, cfg.ffn_dim, d, "gelu", device, dtype)
+        self.modulation = nn.Parameter(torch.empty(1, 6, d, device=device, dtype=torch.float32))
+
+    def forward(self, x, temb6, cache, layer: int, commit: bool, text_kv, audio_ctx, frames: int):
+        mod = _split_mod(self.modulation, temb6)
+        dt = x.dtype
+        h = (self.norm1(x) * (1 + mod.attn.scale) + mod.attn.shift).to(dt)
+        x = (x.float() + self.self_attn(h, cache, layer, commit) * mod.attn.gate).to(dt)
+        h = self.norm2(x).to(dt) if self.norm2 is not None else x
+        x = x + self.cross_attn(h, text_kv)
+        if self.audio_attn is not None and audio_ctx is not None:
+            x = x + self.audio_attn(self.norm_audio(x).to(dt), self.audio_attn.context_kv(audio_ctx), groups=frames)
+        h = (self.norm3(x) * (1 + mod.ffn.scale) + mod.ffn.shift).to(dt)
+        x = (x.float() + self.ffn(h).float() * mod.ffn.gate).to(dt)
+        return x
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        d = cfg.dim
+        self.norm = LayerNorm32(d, cfg.eps, affine=False, device=device)
+        self.modulation = nn.Parameter(torch.empty(1, 2, d, device=device, dtype=torch.float32))
+        self.proj = Linear(d, cfg.out_channels * math.prod(cfg.patch), device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        # temb [B, dim] or [B, N, dim]
+        t = temb.float().unsqueeze(-2)  # [B, 1, dim] or [B, N, 1, dim]
+        m = self.modulation + t if temb.ndim == 2 else self.modulation.unsqueeze(0) + t
+        shift, scale = m.unbind(-2)
+        if temb.ndim == 2:
+            shift, scale = shift.unsqueeze(1), scale.unsqueeze(1)
+        return self.proj((self.norm(x) * (1 + scale) + shift).to(x.dtype))
+
+
+@dataclass
+class TextContext:
+    """Cross-attention K/V of the prompt for every block, computed once per session."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class WanDiT(nn.Module):
+    """Chunk-causal Wan DiT. Construct on any device (``meta`` for instant construction)."""
+
+    def __init__(self, cfg: CadenceConfig, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        m = cfg.model
+        self.mcfg = m
+        d = m.dim
+        self.patch_embed = Linear(m.in_channels * math.prod(m.patch), d, device=device, dtype=dtype)
+        self.time_embed = MLP2(m.freq_dim, d, d, "silu", device, torch.float32)
+        self.time_proj = Linear(d, 6 * d, device=device, dtype=torch.float32)
+        self.text_embed = MLP2(m.text_dim, d, d, "gelu", device, dtype)
+        self.audio_embed = (MLP2(m.audio_dim, d, d, "gelu", device, dtype) if m.audio_every > 0 else None)
+        self.blocks = nn.ModuleList([Block(m, m.has_audio(i), device, dtype) for i in range(m.num_layers)])
+        self.head = Head(m, device, dtype)
+        rope_dev = "cpu" if device is None or torch.device(device).type == "meta" else device
+        self.rope = Rope3D(m.rope_split, m.rope_theta, device=rope_dev)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.weight.device
+
+    # ---- pieces --------------------------------------------------------------------------
+    def patchify(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W] latents -> [B, F'*H'*W', C*pt*ph*pw] patches, tokens ordered (f, h, w)."""
+        b, c, f, h, w = x.shape
+        pt, ph, pw = self.mcfg.patch
+        x = x.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
+        x = x.permute(0, 2, 4, 6, 1, 3, 5, 7)  # b, f', h', w', c, pt, ph, pw (conv3d weight order)
+        return x.reshape(b, (f // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
+
+    def unpatchify(self, y: torch.Tensor, f: int, h: int, w: int) -> torch.Tensor:
+        """[B, N, C*pt*ph*pw] -> [B, C, F, H, W] (grid in latent units f, h, w)."""
+        b = y.shape[0]
+        pt, ph, pw = self.mcfg.patch
+        y = y.reshape(b, f // pt, h // ph, w // pw, pt, ph, pw, -1)
+        y = y.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return y.reshape(b, -1, f, h, w)
+
+    def time_embedding(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """t [B] or [B, N] (0..1000) -> temb [.., dim] and its 6-way projection [.., 6, dim] (float32)."""
+        temb = self.time_embed(timestep_embedding(t, self.mcfg.freq_dim))
+        proj = self.time_proj(torch.nn.functional.silu(temb))
+        return temb, proj.unflatten(-1, (6, -1))
+
+    def prepare_text(self, text: torch.Tensor) -> TextContext:
+        """Prompt embedding [B, L, text_dim] -> per-block cross-attention K/V (once per session)."""
+        ctx = self.text_embed(text.to(self.dtype))
+        return TextContext([blk.cross_attn.context_kv(ctx) for blk in self.blocks])
+
+    def embed_audio(self, audio: torch.Tensor | None) -> torch.Tensor | None:
+        """Audio features [B, F, A, audio_dim] -> [B*F, A, dim] (one context per latent frame)."""
+        if audio is None or self.audio_embed is None:
+            return None
+        b, f, a, _ = audio.shape
+        return self.audio_embed(audio.to(self.dtype)).reshape(b * f, a, -1)
+
+    def _blocks(self, x, temb6, cache, commit, text: TextContext, audio_ctx, frames: int):
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, temb6, cache, i, commit, text.kv[i], audio_ctx, frames)
+        return x
+
+    # ---- forwards ------------------------------------------------------------------------
+    def forward_chunk(self, x: torch.Tensor, t: torch.Tensor, text: TextContext, audio: torch.Tensor | None,
+                      cache, commit: bool) -> torch.Tensor:
+        """One network pass over one chunk through the cache.
+
+        x [C, F, h, w] latents of the chunk; t a 1-element tensor (0..1000); audio [F, A, audio_dim]
+        or None. The cache must have been told the chunk's position (``begin_chunk``). Returns the
+        flow prediction [C, F, h, w] in x's dtype.
+        """
+        c, f, h, w = x.shape
+        tokens = self.patch_embed(self.patchify(x[None].to(self.dtype)))
+        temb, temb6 = self.time_embedding(t.reshape(1))
+        audio_ctx = self.embed_audio(audio[None] if audio is not None else None)
+        tokens = self._blocks(tokens, temb6, cache, commit, text, audio_ctx, f // self.mcfg.patch[0])
+        return self.unpatchify(self.head(tokens, temb), f, h, w)[0]
+
+    def forward_full(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, audio: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None, frame_offset: int = 0) -> torch.Tensor:
+        """Reference forward over a whole latent sequence (no cache).
+
+        x [B, C, F, H, W]; t [B] or [B, F] (one timestep per latent frame); text [B, L, text_dim];
+        audio [B, F, A, audio_dim] or None; mask [N, N] bool (True = attend) or None for
+        bidirectional attention. Frame positions are frame_offset + 0..F-1. Returns [B, C, F, H, W].
+        """
+        from cadence.cache.full import FullSequence  # the model package does not depend on caches
+
+        b, c, f, h, w = x.shape
+        pt, ph, pw = self.mcfg.patch
+        tokens = self.patch_embed(self.patchify(x.to(self.dtype)))
+        n_f = f // pt
+        if t.ndim == 2:  # per latent frame -> per token
+            t = t[:, ::pt].repeat_interleave((h // ph) * (w // pw), dim=1)
+        temb, temb6 = self.time_embedding(t)
+        frames = torch.arange(frame_offset, frame_offset + n_f, device=x.device)
+        cos, sin = self.rope.cos_sin(frames, h // ph, w // pw)
+        seq = FullSequence(cos, sin, mask)
+        audio_ctx = self.embed_audio(audio)
+        tokens = self._blocks(tokens, temb6, seq, False, self.prepare_text(text), audio_ctx, n_f)
+        return self.unpatchify(self.head(tokens, temb), f, h, w)

@@ -1,0 +1,74 @@
+"""Small building blocks of the Wan DiT: norms, linears that report their time, embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cadence.telemetry.spans import region
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose time is reported under the "linear" region. Quantised / tensor-parallel
+    replacements (applied from outside the model) subclass or replace it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with region("linear"):
+            return F.linear(x, self.weight, self.bias)
+
+
+class LayerNorm32(nn.Module):
+    """LayerNorm computed in float32 (input upcast), optional affine; returns float32."""
+
+    def __init__(self, dim: int, eps: float, affine: bool, device=None):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        if affine:
+            self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float32))
+            self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=torch.float32))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (self.dim,), self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm over the last dim (Wan normalises q and k across all heads at once)."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight.to(x.dtype)
+
+
+class MLP2(nn.Module):
+    """fc1 -> activation -> fc2 (timestep, text and audio embedders; the FFN)."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int, act: str, device=None, dtype=None):
+        super().__init__()
+        self.fc1 = Linear(d_in, d_hidden, device=device, dtype=dtype)
+        self.fc2 = Linear(d_hidden, d_out, device=device, dtype=dtype)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = F.silu(h) if self.act == "silu" else F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0) -> torch.Tensor:
+    """Sinusoidal embedding [..., dim] of (fractional) timesteps, cos first (Wan / diffusers order)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[..., None] * freqs
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
