@@ -1,0 +1,220 @@
+"""The ``cadence`` command line: ``cadence generate ...`` and ``cadence bench <name> ...``.
+
+Errors meant for the user (``CadenceError``: bad files, bad counts, unknown presets) print as one
+line, ``error: <message>``, on stderr with exit status 2 and no traceback. Heavy modules (the
+engine, benchmarks) are imported inside the handler that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import pkgutil
+import re
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from cadence.errors import CadenceError, InputError
+
+EXIT_USAGE = 2
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (``error: ...``), like every other Cadence error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``cadence`` parser (subcommands: generate, bench)."""
+    parser = _Parser(prog="cadence", description="Real-time chunk-causal video diffusion for live talking "
+                                                 "characters.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="render a talking-character clip to an MP4 file",
+                       description="Generate chunks from a reference image and driving audio; write H.264 + "
+                                   "AAC MP4.")
+    g.add_argument("--preset", default="tiny",
+                   help="model/stream preset: tiny, w1.3, w14, w57 (default: tiny)")
+    g.add_argument("--image", type=Path, default=None,
+                   help="reference image (any format Pillow reads; cropped to cover the frame). "
+                        "Default: a built-in drawn face")
+    g.add_argument("--audio", type=Path, default=None,
+                   help="driving audio (any file FFmpeg decodes). Default: 2 s of synthetic speech")
+    g.add_argument("--chunks", type=int, default=None,
+                   help="chunks to generate (4 frames = 166.7 ms each at tiny). "
+                        "Default: enough to cover the audio")
+    g.add_argument("--out", type=Path, default=Path("out.mp4"), help="output MP4 path (default: out.mp4)")
+    g.add_argument("--prompt", default="a person talking to the camera", help="text prompt")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    g.add_argument("--weights", type=Path, default=None,
+                   help="checkpoint to load (default: random weights from --seed)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    g.add_argument("--dtype", default=None, choices=_DTYPES,
+                   help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="run a benchmark: cadence bench <name> [args...]",
+                       description="Run cadence.bench.<name>.main(args). "
+                                   "Benchmarks write JSON and print a table.")
+    b.add_argument("name", help="benchmark module in cadence.bench (e.g. step)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``cadence`` / ``python -m cadence``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+    try:
+        return int(args.func(args) or 0)
+    except CadenceError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+# ---- generate ---------------------------------------------------------------------------------------
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Validate every input, build the generator, stream chunks into the MP4, print a summary."""
+    import torch
+    from tqdm import tqdm
+
+    from cadence.config import AUDIO_SAMPLE_RATE, get_preset
+    from cadence.media.audio import fit_audio, load_audio, synthetic_speech
+    from cadence.media.image import default_reference_image, load_reference_image
+    from cadence.media.video import Mp4Writer
+
+    cfg = get_preset(args.preset)
+    device = _check_device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
+    if args.chunks is not None and args.chunks <= 0:
+        raise InputError(f"--chunks must be a positive number of chunks, got {args.chunks}")
+    out = _check_output(args.out)
+    if args.weights is not None and not args.weights.is_file():
+        raise InputError(f"weights file not found: {args.weights}")
+
+    # Inputs first: a bad file fails in milliseconds, before any model is built.
+    height, width = cfg.stream.height, cfg.stream.width
+    image = (load_reference_image(args.image, height, width) if args.image is not None
+             else default_reference_image(height, width))
+    per_chunk = cfg.audio_samples_per_chunk
+    wanted = args.chunks * per_chunk if args.chunks is not None else None
+    audio = (load_audio(args.audio, AUDIO_SAMPLE_RATE, max_samples=wanted) if args.audio is not None
+             else synthetic_speech(2.0, AUDIO_SAMPLE_RATE))
+    chunks = args.chunks if args.chunks is not None else max(1, math.ceil(audio.shape[0] / per_chunk))
+    track = fit_audio(audio, chunks * per_chunk)
+
+    try:
+        from cadence.engine.generate import build_generator
+    except ModuleNotFoundError as e:
+        if e.name not in ("cadence.engine.generate", "cadence.engine"):
+            raise
+        raise InputError("the generation engine (cadence.engine.generate) is not available in this "
+                         "install") from None
+
+    t_build = time.perf_counter()
+    extra = {"weights": str(args.weights)} if args.weights is not None else {}
+    gen = build_generator(cfg, device=device, dtype=dtype, seed=args.seed, **extra)
+    t_start = time.perf_counter()
+    build_s = t_start - t_build
+
+    partial = out.with_name(out.name + ".partial")
+    done = False
+    try:
+        with Mp4Writer(partial, width, height, fps=cfg.stream.fps, sample_rate=AUDIO_SAMPLE_RATE) as writer:
+            produced = 0
+            stream = gen.stream(image, args.prompt, track, num_chunks=chunks, seed=args.seed)
+            for chunk in tqdm(stream, total=chunks, desc="chunks", unit="chunk"):
+                writer.write_frames(chunk.frames)
+                writer.write_audio(track[produced * per_chunk:(produced + 1) * per_chunk])
+                produced += 1
+        if produced != chunks:
+            raise RuntimeError(f"generator yielded {produced} chunks, expected {chunks}")
+        partial.replace(out)
+        done = True
+    finally:
+        if not done:
+            partial.unlink(missing_ok=True)
+    wall = time.perf_counter() - t_start
+
+    rate = chunks / wall if wall > 0 else float("inf")
+    need = cfg.stream.fps / cfg.video_frames_per_chunk
+    print(f"wrote {out}: {writer.frames_written} frames, {writer.seconds:.2f} s at {cfg.stream.fps} fps "
+          f"({cfg.name}, {width}x{height}, {chunks} chunks) in {wall:.2f} s; {rate:.2f} chunks/s "
+          f"(real time needs {need:.2f}); model build {build_s:.2f} s")
+    return 0
+
+
+def _check_device(device: str) -> str:
+    """``cpu`` / ``cuda`` / ``cuda:N``, with CUDA actually present."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise InputError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device} requested but CUDA is not available "
+                             f"(torch {torch.__version__}, {torch.cuda.device_count()} GPUs visible)")
+        if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+def _check_output(out: Path) -> Path:
+    """The output path, with an existing parent directory and not itself a directory."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.exists():
+        raise InputError(f"output directory does not exist: {parent}")
+    if not parent.is_dir():
+        raise InputError(f"output parent is not a directory: {parent}")
+    if out.is_dir():
+        raise InputError(f"output path is a directory: {out}")
+    return out
+
+
+# ---- bench ------------------------------------------------------------------------------------------
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``cadence bench <name> ...`` -> ``cadence.bench.<name>.main(args)``, imported only now."""
+    name = args.name
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise InputError(f"unknown benchmark {name!r}")
+    modname = f"cadence.bench.{name}"
+    try:
+        module = importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name != modname:
+            raise
+        available = ", ".join(_benchmarks()) or "none"
+        raise InputError(f"unknown benchmark {name!r}; available: {available}") from None
+    if not hasattr(module, "main"):
+        raise InputError(f"benchmark {name!r} has no main()")
+    return int(module.main(list(args.args)) or 0)
+
+
+def _benchmarks() -> list[str]:
+    import cadence.bench
+
+    return sorted(m.name for m in pkgutil.iter_modules(cadence.bench.__path__) if not m.name.startswith("_"))
+
+
+def _error(message: str) -> None:
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The reference image: load any picture a user hands us as a [3, H, W] tensor in [-1, 1].
+
+Fit policy: **crop, not pad: a face fills the frame.** The image is scaled (aspect ratio kept,
+Lanczos) until it *covers* the target size, then the overflow is cut off evenly on both sides.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFilter, ImageOps, UnidentifiedImageError
+
+from cadence.errors import InputError
+
+#: Largest reference image accepted, in pixels (64 megapixels; a phone photo is 12-50).
+MAX_PIXELS = 64_000_000
+
+#: Colour a transparent cut-out is composited onto (white, as image viewers show it).
+ALPHA_BACKGROUND = (255, 255, 255)
+
+
+def load_reference_image(path: str | os.PathLike, height: int, width: int) -> torch.Tensor:
+    """Load ``path`` as float32 [3, height, width] in [-1, 1].
+
+    Fit: scale (aspect kept, Lanczos) so the image covers ``height x width``, then center-crop:
+    crop, not pad: a face fills the frame. EXIF orientation is applied first; any mode (RGBA,
+    LA, P, L, 1, CMYK, 16-bit, float) becomes RGB, transparency composited onto white.
+
+    Raises ``InputError`` (one line) for a missing file, a file Pillow cannot identify or decode,
+    an image over ``MAX_PIXELS`` (decompression bombs included) or a zero-size image.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"target size must be positive, got {height}x{width}")
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"reference image not found: {p}")
+    if not p.is_file():
+        raise InputError(f"reference image is not a file: {p}")
+    if p.stat().st_size == 0:
+        raise InputError(f"reference image is empty (0 bytes): {p}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(p) as img:
+                _check_size(img.size, p)
+                img.load()
+                img = ImageOps.exif_transpose(img)
+                rgb = _to_rgb(img, p)
+    except InputError:
+        raise
+    except Image.DecompressionBombError:
+        raise InputError(f"reference image is too large (over {2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6:.0f} "
+                         f"megapixels, a decompression bomb?; limit {MAX_PIXELS // 10**6}): {p}") from None
+    except UnidentifiedImageError:
+        raise InputError(f"not an image (unrecognised format): {p}") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data
+        raise InputError(f"could not decode reference image {p}: {_one_line(e)}") from None
+    arr = np.asarray(_cover_crop(rgb, width, height), dtype=np.float32)
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous().div_(127.5).sub_(1.0)
+
+
+def default_reference_image(height: int, width: int) -> torch.Tensor:
+    """A built-in stylised face (float32 [3, height, width] in [-1, 1]) for runs without ``--image``.
+
+    Drawn at 4x and downsampled for smooth edges: a skin-coloured ellipse with hair, two eyes,
+    brows, a nose and a mouth on a soft backdrop, sized relative to the shorter side.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"target size must be positive, got {height}x{width}")
+    ss = 4
+    w, h = width * ss, height * ss
+    img = Image.new("RGB", (w, h), (70, 96, 128))
+    d = ImageDraw.Draw(img)
+    # Backdrop: a vertical gradient, lighter at the top.
+    for y in range(0, h, ss):
+        t = y / max(h - 1, 1)
+        d.rectangle((0, y, w, y + ss), fill=(int(96 - 40 * t), int(128 - 40 * t), int(168 - 40 * t)))
+    s = min(w, h)
+    cx, cy = w / 2, h * 0.52
+    fw, fh = s * 0.30, s * 0.40  # face half-width / half-height
+
+    def ell(x0: float, y0: float, rx: float, ry: float, **kw) -> None:
+        d.ellipse((x0 - rx, y0 - ry, x0 + rx, y0 + ry), **kw)
+
+    ell(cx, cy + fh * 1.25, fw * 1.7, fh * 0.6, fill=(52, 60, 92))          # shoulders
+    d.rectangle((cx - fw * 0.35, cy + fh * 0.6, cx + fw * 0.35, cy + fh * 1.0), fill=(214, 164, 134))  # neck
+    ell(cx, cy - fh * 0.12, fw * 1.12, fh * 1.02, fill=(66, 44, 32))         # hair behind
+    ell(cx - fw, cy, fw * 0.16, fh * 0.2, fill=(224, 172, 140))              # ears
+    ell(cx + fw, cy, fw * 0.16, fh * 0.2, fill=(224, 172, 140))
+    ell(cx, cy, fw, fh, fill=(232, 184, 150))                                # face
+    d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.2), 180, 360,
+            fill=(66, 44, 32))                                               # fringe
+    for sx in (-1, 1):
+        ex, ey = cx + sx * fw * 0.4, cy - fh * 0.08
+        ell(ex, ey, fw * 0.2, fh * 0.09, fill=(250, 250, 250))               # eye white
+        ell(ex, ey, fw * 0.09, fw * 0.09, fill=(70, 110, 60))                # iris
+        ell(ex, ey, fw * 0.045, fw * 0.045, fill=(15, 15, 15))               # pupil
+        ell(ex + fw * 0.03, ey - fw * 0.03, fw * 0.02, fw * 0.02, fill=(255, 255, 255))  # glint
+        d.line((ex - fw * 0.2, ey - fh * 0.2, ex + fw * 0.2, ey - fh * 0.23),
+               fill=(60, 40, 30), width=max(1, int(s * 0.012)))             # brow
+    d.line((cx, cy + fh * 0.02, cx - fw * 0.08, cy + fh * 0.28, cx + fw * 0.04, cy + fh * 0.3),
+           fill=(190, 130, 105), width=max(1, int(s * 0.008)))              # nose
+    d.chord((cx - fw * 0.38, cy + fh * 0.38, cx + fw * 0.38, cy + fh * 0.66), 0, 180,
+            fill=(150, 50, 60))                                              # mouth
+    d.line((cx - fw * 0.38, cy + fh * 0.52, cx + fw * 0.38, cy + fh * 0.52), fill=(110, 30, 40),
+           width=max(1, int(s * 0.006)))
+    for sx in (-1, 1):
+        ell(cx + sx * fw * 0.62, cy + fh * 0.3, fw * 0.16, fh * 0.08, fill=(238, 160, 140))  # cheeks
+    img = img.filter(ImageFilter.GaussianBlur(ss * 0.5)).resize((width, height), Image.Resampling.LANCZOS)
+    arr = np.asarray(img, dtype=np.float32)
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous().div_(127.5).sub_(1.0)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def _check_size(size: tuple[int, int], p: Path) -> None:
+    w, h = size
+    if w <= 0 or h <= 0:
+        raise InputError(f"reference image has zero size ({w}x{h}): {p}")
+    if w * h > MAX_PIXELS:
+        raise InputError(f"reference image is too large ({w}x{h} = {w * h / 1e6:.0f} megapixels; limit "
+                         f"{MAX_PIXELS // 10**6}): {p}")
+
+
+def _to_rgb(img: Image.Image, p: Path) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB; transparency composited onto ``ALPHA_BACKGROUND``."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        # 16-bit / 32-bit grey: Pillow's convert() clips instead of scaling, so scale here.
+        a = np.asarray(img, dtype=np.float64)
+        top = 65535.0 if mode.startswith("I;16") or (mode == "I" and a.max(initial=0) > 255) else 255.0
+        if mode == "F":
+            top = 1.0 if a.max(initial=0) <= 1.0 else 255.0
+        g = np.clip(a / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        return Image.fromarray(np.stack([g] * 3, axis=-1), "RGB")
+    has_alpha = mode in ("RGBA", "LA", "PA", "La", "RGBa")
+    if has_alpha or (mode in ("P", "L", "RGB") and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        bg = Image.new("RGBA", rgba.size, ALPHA_BACKGROUND + (255,))
+        return Image.alpha_composite(bg, rgba).convert("RGB")
+    try:
+        return img.convert("RGB")
+    except (ValueError, OSError) as e:
+        raise InputError(f"unsupported image mode {mode!r} ({_one_line(e)}): {p}") from None
+
+
+def _cover_crop(img: Image.Image, width: int, height: int) -> Image.Image:
+    """Scale so the image covers width x height (aspect kept), crop the centre; one resample."""
+    w, h = img.size
+    scale = max(width / w, height / h)
+    cw, ch = width / scale, height / scale  # source region that maps onto the target
+    left, top = (w - cw) / 2, (h - ch) / 2
+    return img.resize((width, height), Image.Resampling.LANCZOS, box=(left, top, left + cw, top + ch),
+                      reducing_gap=3.0)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
