@@ -80,6 +80,9 @@ class NaiveCache(SelfAttentionCache):
                 k_all, v_all = fake_fp8(k_all), fake_fp8(v_all)
         out = attention(qr, k_all, v_all)
         if commit:
+            with region("cache"):
+                # v is a view into the fused qkv output: keep a compact copy, not the whole buffer
+                k, v = k.contiguous(), v.contiguous()
             if is_sink:
                 self.sink[layer] = (k, v, start, nf)
             elif self.window_chunks > 1:

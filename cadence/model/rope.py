@@ -58,11 +58,10 @@ class Rope3D:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved channel pairs of x [B, N, H, D] by angles given as cos/sin [N, D/2].
 
-    Computed in float32, returned in x's dtype.
+    Each pair (x[2i], x[2i+1]) is read as the complex number x[2i] + j x[2i+1] and multiplied by
+    cos + j sin, in float32 (three passes over the tensor: upcast, complex product, downcast);
+    returned in x's dtype.
     """
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c = cos[None, :, None, :]
-    s = sin[None, :, None, :]
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    rot = torch.complex(cos, sin)[None, :, None, :]
+    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
