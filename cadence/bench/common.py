@@ -22,10 +22,15 @@ CEILING = {"fp8_gemm": 1200.0, "fp8_attn": 1000.0, "bf16_gemm": 790.0, "bf16_att
 
 
 def git_commit() -> str:
+    """The checkout's commit; CADENCE_GIT overrides it (device copies of the tree carry no .git)."""
+    if os.environ.get("CADENCE_GIT"):
+        return os.environ["CADENCE_GIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10)
-        sha = out.stdout.strip() or "unknown"
+        sha = out.stdout.strip()
+        if not sha:
+            return "unknown"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("-dirty" if dirty else "")

@@ -237,7 +237,7 @@ def draw_png(path: Path, r: dict, title: str) -> None:
         return
     parts = [("attention", r["attention_ms"]), ("cache upkeep", r["cache_upkeep_ms"]), ("linear", r["linear_ms"]),
              ("other", r["other_ms"])]
-    fig, ax = plt.subplots(figsize=(7, 1.8))
+    fig, ax = plt.subplots(figsize=(7, 2.6))
     left = 0.0
     for name, v in parts:
         ax.barh([0], [v], left=left, label=f"{name} {v:.1f} ms")
@@ -246,7 +246,7 @@ def draw_png(path: Path, r: dict, title: str) -> None:
     ax.set_yticks([])
     ax.set_xlabel("ms per chunk step")
     ax.set_title(title)
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.55), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
