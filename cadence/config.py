@@ -207,6 +207,9 @@ class CadenceConfig:
                 errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
         if v.stride[0] != 4:
             errs.append(f"VAE temporal stride must be 4 (4 video frames per latent frame), got {v.stride[0]}")
+        if m.patch[0] != 1:
+            errs.append(f"temporal patch must be 1 (every Wan model uses 1; the cache and audio alignment "
+                        f"count latent frames), got patch {m.patch}")
         if s.latent_frames_per_chunk <= 0 or s.latent_frames_per_chunk % m.patch[0]:
             errs.append(f"latent_frames_per_chunk ({s.latent_frames_per_chunk}) must be a positive multiple of "
                         f"the temporal patch ({m.patch[0]})")
@@ -242,6 +245,8 @@ class CadenceConfig:
             if sec == "name":
                 kw["name"] = fields
                 continue
+            if sec not in ("model", "vae", "stream"):
+                raise ConfigError(f"unknown config section {sec!r}; known: model, vae, stream, name")
             cur = getattr(self, sec)
             known = {f.name for f in dataclasses.fields(cur)}
             bad = set(fields) - known
@@ -282,7 +287,8 @@ PRESETS: dict[str, CadenceConfig] = {
         stream=StreamConfig(height=128, width=128, latent_frames_per_chunk=1, window_chunks=4, sink_frames=1),
     ),
     # Wan 2.1 1.3B geometry as the open Self-Forcing/CausVid models use it: 480x832, 3 latent frames
-    # (12 video frames) per chunk, 1560 x 3 = 4680 tokens; 21 latent frames visible (sink 1 + 6 x 3 + ... ).
+    # (12 video frames) per chunk, 1560 x 3 = 4680 tokens; 19 latent frames visible (sink 1 + 6 chunks x 3),
+    # within the 21 of the open Self-Forcing geometry.
     "w1.3": CadenceConfig(
         name="w1.3",
         model=ModelConfig(in_channels=16, out_channels=16, audio_every=4, patch=(1, 2, 2),

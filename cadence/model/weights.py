@@ -37,17 +37,19 @@ def build_model(cfg: CadenceConfig, device: str | torch.device = "cpu", dtype: t
         model = WanDiT(cfg, device="meta", dtype=dtype)
     model = model.to_empty(device=device)
     model.rope.to(device)
-    if seed is not None:
+    if seed is not None and device.type != "meta":
         init_random(model, seed)
     return model.eval().requires_grad_(False)
 
 
 @torch.no_grad()
-def init_random(model: WanDiT, seed: int = 0) -> None:
+def init_random(model: WanDiT, seed: int = 0, only=None) -> None:
     """Random weights on the model's device: linears N(0, 1/fan_in), biases N(0, 0.02^2), norms 1/0,
-    modulation tables N(0, 1/dim) (diffusers' init for them)."""
+    modulation tables N(0, 1/dim) (diffusers' init for them). `only(name)` restricts which."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in model.named_parameters():
+        if only is not None and not only(name):
+            continue
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("modulation"):
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
@@ -152,6 +154,9 @@ def convert_state_dict(sd: Mapping[str, torch.Tensor], fmt: str | None = None
         missing = [p for p in order if p not in parts]
         if missing:
             raise WeightsError(f"checkpoint ({fmt} names) lacks the {'/'.join(missing)} part(s) of {dst}")
+        if len({tuple(parts[p].shape[1:]) for p in order}) > 1 or len({parts[p].shape[0] for p in order}) > 1:
+            shapes = ", ".join(f"{p} {tuple(parts[p].shape)}" for p in order)
+            raise WeightsError(f"checkpoint ({fmt} names): the parts of {dst} differ in shape: {shapes}")
         out[dst] = torch.cat([parts[p] for p in order], dim=0)
     if "patch_embed.weight" in out and out["patch_embed.weight"].ndim == 5:
         out["patch_embed.weight"] = out["patch_embed.weight"].flatten(1)
@@ -201,6 +206,9 @@ def load_state_dict_into(model: WanDiT, sd: Mapping[str, torch.Tensor], fmt: str
         p.copy_(t.to(device=p.device, dtype=p.dtype))
     zeroed = False
     if audio_missing:
+        # give the whole branch defined values (the model may have been built uninitialised), then
+        # zero its output projections so that the branch adds exactly nothing until trained
+        init_random(model, seed=0, only=_is_audio_key)
         for blk in model.blocks:
             if blk.audio_attn is not None:
                 blk.audio_attn.out.weight.zero_()
