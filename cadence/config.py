@@ -115,7 +115,18 @@ class StreamConfig:
     sink_frames: int = 1
     """Latent frames of the reference image kept as a sink at the front of every window."""
     cache: str = "naive"
-    """Self-attention cache implementation: 'naive' (re-rotate and concatenate every call)."""
+    """Self-attention cache: 'naive' (raw K/V, re-rotated and concatenated every call: the launch
+    baseline) or 'ring' (RoPE, and FP8 with `kv_fp8`, applied once at write into preallocated slots)."""
+    kv_fp8: bool = False
+    """Keep K/V in FP8 e4m3 (per token and head scales) and attend with the FP8 kernel (ring), or
+    re-quantise the window every call (naive, to measure that cost)."""
+    sink_policy: str = "follow"
+    """Where the sink sits as positions grow: 'follow' (kept `sink_distance` frames before the current
+    chunk once the stream is long enough) or 'absolute' (at its own frames forever)."""
+    sink_distance: int = 0
+    """Follow policy: frames between the sink and the current chunk's first frame; 0 = sink_frames +
+    (window_chunks - 1) * latent_frames_per_chunk, right before the window (the geometry of chunk
+    window-1)."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,12 @@ class CadenceConfig:
     @property
     def chunk_seconds(self) -> float:
         return self.video_frames_per_chunk / self.stream.fps
+
+    @property
+    def sink_distance(self) -> int:
+        """Frames between the sink and the current chunk under the follow policy."""
+        s = self.stream
+        return s.sink_distance or s.sink_frames + (s.window_chunks - 1) * s.latent_frames_per_chunk
 
     @property
     def kv_tokens(self) -> int:
@@ -229,8 +246,12 @@ class CadenceConfig:
             errs.append(f"commit must be 'last_pass' or 'clean_pass', got {s.commit!r}")
         if s.window_chunks < 1:
             errs.append(f"window_chunks must be >= 1 (the current chunk), got {s.window_chunks}")
-        if s.cache not in ("naive",):
-            errs.append(f"cache must be 'naive', got {s.cache!r}")
+        if s.cache not in ("naive", "ring"):
+            errs.append(f"cache must be 'naive' or 'ring', got {s.cache!r}")
+        if s.sink_policy not in ("absolute", "follow"):
+            errs.append(f"sink_policy must be 'absolute' or 'follow', got {s.sink_policy!r}")
+        if s.sink_distance < 0:
+            errs.append(f"sink_distance must be >= 0, got {s.sink_distance}")
         if s.fps <= 0 or (self.video_frames_per_chunk * AUDIO_SAMPLE_RATE) % s.fps:
             errs.append(f"fps {s.fps} must divide {self.video_frames_per_chunk} frames x {AUDIO_SAMPLE_RATE} Hz "
                         "into whole audio samples per chunk")

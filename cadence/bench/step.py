@@ -56,9 +56,22 @@ def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
 
 
 def fill_cache_random(cache, cfg: CadenceConfig, model, gen: torch.Generator) -> None:
-    """Fill a naive cache's window with random K/V (as if window_chunks - 1 chunks had been made)."""
+    """Fill a cache's window with random K/V, as if window_chunks - 1 chunks had been made."""
+    from cadence.cache.ring import RingCache
+
     m, s = cfg.model, cfg.stream
-    shape = (1, cfg.tokens_per_chunk, m.num_heads, m.head_dim)
+    if isinstance(cache, RingCache):
+        for layer in range(m.num_layers):
+            for buf, sc in ((cache.k[layer], cache.k_scale[layer]), (cache.v[layer], cache.v_scale[layer])):
+                r = torch.randn(buf.shape, generator=gen, device=model.device, dtype=torch.bfloat16)
+                if buf.dtype == torch.float8_e4m3fn:
+                    buf.copy_((r * 100).clamp(-448, 448).to(buf.dtype))
+                    sc.fill_(1.0 / 100)
+                else:
+                    buf.copy_(r)
+        cache._chunks = s.window_chunks - 1  # the next chunk fills the window: steady state
+        return
+    shape = (1, cfg.tokens_per_chunk, model.blocks[0].self_attn.heads, m.head_dim)
     for layer in range(m.num_layers):
         cache.past[layer].clear()
         for j in range(s.window_chunks - 1):
@@ -82,10 +95,56 @@ def layers_that_fit(cfg: CadenceConfig, dtype: torch.dtype, device: torch.device
     return max(1, min(m.num_layers, int(room // (per_layer_params * el + cache))))
 
 
+@torch.no_grad()
+def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, iters: int,
+                 profile_iters: int = 3) -> dict:
+    """Time the steady-state chunk step of `cfg` (its cache choice) on a built model: median over
+    `iters` uninstrumented steps, the region split from `profile_iters` instrumented ones, and a
+    host-sync check (CUDA)."""
+    from cadence.engine.generate import StreamGenerator
+
+    gen = StreamGenerator(cfg, model)
+    g = torch.Generator(device=device).manual_seed(1)
+    image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g, device=device) * 2 - 1
+    sess = gen.session(image, "benchmark prompt", seed=0)
+    fill_cache_random(sess.cache, cfg, model, g)
+    audio = torch.randn(cfg.audio_samples_per_chunk, generator=g, device=device) * 0.1
+    timer = Timer(device)
+
+    def step():
+        return sess.step(audio)
+
+    times = timer.run(step, warmup, iters, progress="steps")
+    splits: list[dict[str, float]] = []
+    totals: list[float] = []
+    for _ in range(profile_iters):
+        with SpanRecorder(device) as rec:
+            t = timer.run(step, 0, 1)[0]
+        splits.append(rec.totals())
+        totals.append(t)
+    region = {k: median([s.get(k, 0.0) for s in splits]) for k in ("attention", "cache", "linear")}
+    host_sync = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            host_sync = False
+        except RuntimeError as e:
+            host_sync = str(e).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    cache_bytes = sess.cache.memory_bytes()
+    del sess
+    return {"times": times, "region": region, "totals": totals, "host_sync": host_sync, "cache_bytes": cache_bytes}
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cadence bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--cache", default="naive", choices=["naive"])
+    p.add_argument("--cache", default="naive", choices=["naive", "ring"])
+    p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V (ring: FP8 attention kernel)")
+    p.add_argument("--sink-policy", default="follow", choices=["follow", "absolute"])
     p.add_argument("--dtype", default=None, help="bf16 (default on CUDA) | fp32 (default on CPU) | fp16")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only 1 for now)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
@@ -102,7 +161,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 @torch.no_grad()
 def run(args: argparse.Namespace) -> dict:
-    from cadence.engine.generate import StreamGenerator
     from cadence.model.weights import build_model
 
     if args.tp != 1:
@@ -111,7 +169,8 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    full = get_preset(args.preset).with_overrides(stream={"cache": args.cache})
+    full = get_preset(args.preset).with_overrides(stream={"cache": args.cache, "kv_fp8": args.kv_fp8,
+                                                          "sink_policy": args.sink_policy})
     layers = args.layers or layers_that_fit(full, dtype, device)
     layers = min(layers, full.model.num_layers)
     cfg = full.with_overrides(model={"num_layers": layers})
@@ -124,39 +183,9 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(cfg, device, dtype, seed=0)
-    gen = StreamGenerator(cfg, model)
-    g = torch.Generator(device=device).manual_seed(1)
-    image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g, device=device) * 2 - 1
-    sess = gen.session(image, "benchmark prompt", seed=0)
-    fill_cache_random(sess.cache, cfg, model, g)
-    audio = torch.randn(cfg.audio_samples_per_chunk, generator=g, device=device) * 0.1
-    timer = Timer(device)
-
-    def step():
-        return sess.step(audio)
-
-    times = timer.run(step, warmup, iters, progress="steps")
-    # breakdown from instrumented steps
-    splits: list[dict[str, float]] = []
-    totals: list[float] = []
-    for _ in range(args.profile_iters):
-        with SpanRecorder(device) as rec:
-            t = timer.run(step, 0, 1)[0]
-        splits.append(rec.totals())
-        totals.append(t)
-    region = {k: median([s.get(k, 0.0) for s in splits]) for k in ("attention", "cache", "linear")}
-    # host-sync check (CUDA only): any synchronising call inside the step raises in "error" mode
-    host_sync = None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-            host_sync = False
-        except RuntimeError as e:
-            host_sync = str(e).splitlines()[0]
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    m = measure_step(cfg, model, device, warmup, iters, args.profile_iters)
+    times, region, totals, host_sync, cache_bytes = (m["times"], m["region"], m["totals"], m["host_sync"],
+                                                     m["cache_bytes"])
     step_ms = median(times)
     fl = chunk_flops(full)
     floor_ms = (fl["linear"] / (CEILING["fp8_gemm"] * 1e12) + fl["attention"] / (CEILING["fp8_attn"] * 1e12)) * 1e3
@@ -185,6 +214,8 @@ def run(args: argparse.Namespace) -> dict:
         "efficiency": floor_ms / s_step,
         "efficiency_vs_bf16_floor": floor_bf16 / s_step,
         "cache": args.cache,
+        "kv_fp8": args.kv_fp8,
+        "cache_mem_gib": cache_bytes * scale / 2**30,
         "fp8": False,
         "fused": False,
         "dtype": str(dtype).replace("torch.", ""),
@@ -211,9 +242,10 @@ def run(args: argparse.Namespace) -> dict:
         ("peak memory", f"{results['peak_mem_gib']:.1f} GiB" if results["peak_mem_gib"] else "n/a (CPU)"),
         ("host sync in step", str(host_sync)),
     ]
-    print_table(rows, f"bench step: {full.name} tp1 cache={args.cache} {results['dtype']}")
+    print_table(rows, f"bench step: {full.name} tp1 cache={args.cache}{' fp8 K/V' if args.kv_fp8 else ''} "
+                      f"{results['dtype']}")
     if not args.no_record:
-        variant = f"{args.cache}-{results['dtype']}"
+        variant = f"{args.cache}{'-fp8kv' if args.kv_fp8 else ''}-{results['dtype']}"
         path = record("step", full.name, args.tp, device, full.shape_summary(), results, variant=variant,
                       out_dir=args.out_dir, command=getattr(args, "command", None),
                       headline=f"step {s_step:.1f} ms, attention {results['attention_ms']:.1f}, cache "

@@ -7,7 +7,9 @@ per token and head) and back. All of that is "cache upkeep", timed under the ``c
 ring cache (RoPE and FP8 once, at write time) is measured against it.
 
 Positions are absolute latent-frame indices: the sink at 0..sink_frames-1, chunk i at
-sink_frames + i * frames_per_chunk onwards. Everything indexed on the device is built with
+sink_frames + i * frames_per_chunk onwards; with ``sink_policy="follow"`` the sink is rotated,
+at read time like every key here, ``sink_distance`` frames before the current chunk once the stream
+is long enough (the ring cache's policy; see ``cadence/cache/ring.py``). Everything indexed on the device is built with
 ``arange`` from Python ints: no host syncs.
 """
 
@@ -38,7 +40,10 @@ class NaiveCache(SelfAttentionCache):
     """Raw K/V per chunk; window concatenated, re-rotated (and optionally re-quantised) every call."""
 
     def __init__(self, num_layers: int, window_chunks: int, grid: tuple[int, int], rope: Rope3D,
-                 device: torch.device | str, fp8: bool = False):
+                 device: torch.device | str, fp8: bool = False, sink_policy: str = "absolute",
+                 sink_distance: int = 0):
+        self.sink_policy = sink_policy
+        self.sink_distance = sink_distance
         self.num_layers = num_layers
         self.window_chunks = window_chunks
         self.grid = grid
@@ -58,10 +63,15 @@ class NaiveCache(SelfAttentionCache):
         self.cur_cos, self.cur_sin = self.rope.cos_sin(frames, *self.grid)
 
     def _visible(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
-        _, _, is_sink = self.cur
+        start, _, is_sink = self.cur
         if is_sink:
             return []
-        out = [self.sink[layer]] if self.sink[layer] is not None else []
+        out = []
+        if self.sink[layer] is not None:
+            k, v, s0, n = self.sink[layer]
+            if self.sink_policy == "follow":  # re-rotated at read time like every other key
+                s0 = s0 + max(0, start - self.sink_distance - s0)
+            out.append((k, v, s0, n))
         if self.window_chunks > 1:
             out.extend(self.past[layer])
         return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.cache.naive import NaiveCache
+from cadence.cache.ring import RingCache
 from cadence.config import CadenceConfig
 from cadence.errors import InputError
 from cadence.model.audio import AudioFeatures
@@ -37,12 +38,16 @@ class ChunkOutput:
     audio: torch.Tensor  # float32 CPU [cfg.audio_samples_per_chunk], this chunk's audio
 
 
-def make_cache(cfg: CadenceConfig, model: WanDiT, fp8: bool = False) -> NaiveCache:
-    """The self-attention cache the config asks for."""
-    if cfg.stream.cache == "naive":
-        return NaiveCache(cfg.model.num_layers, cfg.stream.window_chunks, cfg.token_grid, model.rope,
-                          model.device, fp8=fp8)
-    raise ValueError(f"unknown cache {cfg.stream.cache!r}")
+def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
+    """The self-attention cache the config asks for (naive or ring; FP8 K/V with `kv_fp8`)."""
+    s = cfg.stream
+    if s.cache == "naive":
+        return NaiveCache(cfg.model.num_layers, s.window_chunks, cfg.token_grid, model.rope, model.device,
+                          fp8=s.kv_fp8, sink_policy=s.sink_policy, sink_distance=cfg.sink_distance)
+    if s.cache == "ring":
+        return RingCache.from_config(cfg, model, dtype="fp8" if s.kv_fp8 else "bf16", sink_policy=s.sink_policy,
+                                     sink_distance=cfg.sink_distance)
+    raise ValueError(f"unknown cache {s.cache!r}")
 
 
 class Session:

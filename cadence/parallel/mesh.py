@@ -1,0 +1,82 @@
+"""Process-group setup for tensor parallelism (one process per rank, launched by torchrun).
+
+    info = init_tp()                    # reads RANK / WORLD_SIZE / LOCAL_RANK (torchrun's env)
+    model = build_model(cfg, info.device, torch.bfloat16)
+    apply_tp(model, info.group)
+    ...
+    destroy_tp()
+
+NCCL on CUDA (the device is set from LOCAL_RANK before the group exists), gloo on CPU. NVLink
+multicast / NVLS is switched off by default (``setdefault``: an explicit setting wins) before the
+group is created: on shared hosts a program using NVLink multicast can take every GPU of the host
+out of service, and the collectives here (small all-reduces) gain nothing from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+#: Environment defaults applied before the process group is created.
+ENV_DEFAULTS = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """Where this process sits in the tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    try:
+        return default if v is None else int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def init_tp(backend: str | None = None) -> TPInfo:
+    """Join (or create) the default process group from torchrun's environment and return this
+    rank's :class:`TPInfo`. Without torchrun's variables it is a group of one (rank 0 of 1; needs
+    MASTER_ADDR / MASTER_PORT like any ``env://`` init). `backend` defaults to nccl when CUDA is
+    available, else gloo."""
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK {rank} is outside WORLD_SIZE {world}")
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise ValueError(f"LOCAL_RANK {local_rank} but only {n} CUDA device(s) are visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        kw = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, **kw)
+    return TPInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                  device=device, backend=dist.get_backend(), group=dist.group.WORLD)
+
+
+def destroy_tp() -> None:
+    """Tear the default process group down (safe to call when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

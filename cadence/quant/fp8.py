@@ -1,0 +1,165 @@
+"""FP8 (e4m3) linear layers, applied from outside to a built model.
+
+``apply_fp8(model)`` swaps every :class:`cadence.model.layers.Linear` inside the transformer blocks
+(self-attention qkv/out, cross-attention q/kv/out, audio attention q/kv/out, FFN fc1/fc2) for an
+:class:`FP8Linear`:
+
+* weights are quantised once, to ``float8_e4m3fn`` with one scale per output channel
+  (``amax / 448`` over the row of the [out, in] matrix);
+* activations are quantised per token (row) at run time: ``scale = amax / 448`` over the last dim,
+  ``x / scale`` clamped to [-448, 448] *before* the cast (torch 2.11 turns overflow into NaN, it
+  does not saturate);
+* the product is ``torch._scaled_mm(a_fp8, w_fp8.t(), scale_a [M, 1], scale_b [1, N], bias)``:
+  fp8 x fp8 with float32 accumulation and the row/column scales applied in the epilogue.
+
+Where ``_scaled_mm`` cannot run (CUDA with K or N not a multiple of 16, a GPU without FP8 tensor
+cores, a torch whose op raises for this device/dtype) the layer falls back to the same quantised
+numbers dequantised into a plain float32 matmul, and logs ONE warning per process (warn-once): the
+numerics stay those of FP8, only the speed is lost.
+
+Left in high precision on purpose: the patch embedding, the time / text / audio embedders and the
+head. They are a negligible share of the FLOPs (they run on few tokens or narrow widths) and sit
+where precision matters most: the time embedding drives every block's adaLN modulation, and the
+head writes the flow prediction the sampler integrates. Reference path: the model as built by
+``build_model`` is unchanged until ``apply_fp8`` is called; tests compare against it.
+
+Order with the other fast paths: load weights, then ``apply_tp`` and ``apply_fp8`` (either order;
+``apply_tp`` can shard an already-quantised layer). ``FP8Linear`` has no ``weight`` parameter, so
+checkpoints must be loaded into the plain model first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from cadence.model.layers import Linear
+from cadence.telemetry.spans import region
+
+log = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_AMAX_MIN = 1e-12  # an all-zero row gets a tiny scale (quantises to zeros), never a division by zero
+
+_warned = False  # the fallback's warn-once flag (per process)
+_op_unusable: dict[tuple[str, torch.dtype], str] = {}  # (device type, out dtype) -> why _scaled_mm failed
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K] e4m3, scale [M, 1] float32) with x ~= x_fp8 * scale.
+
+    One scale per row (amax / 448); values are clamped to the e4m3 range before the cast."""
+    # inf-norm = max |x| in one read, no |x| temporary; multiplying by the float32 reciprocal writes
+    # the float32 quotient in one pass (x is promoted), then clamp in place and cast.
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).float().clamp_min(_AMAX_MIN)
+    scale = amax / FP8_MAX
+    q = (x * scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def _warn_fallback(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("FP8 fast path inactive (%s): falling back to a dequantised matmul "
+                    "(FP8 numerics, no FP8 speed). Logged once per process.", reason)
+
+
+class FP8Linear(nn.Module):
+    """Linear with e4m3 weights (per-output-channel scales) and per-token e4m3 activations.
+
+    Same forward contract as :class:`cadence.model.layers.Linear`: [..., in] -> [..., out] in the
+    input's dtype, timed under the "linear" region (activation quantisation included)."""
+
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        out_f, in_f = weight_fp8.shape
+        if weight_fp8.dtype != FP8_DTYPE or tuple(weight_scale.shape) != (1, out_f):
+            raise ValueError(f"FP8Linear wants an e4m3 [out, in] weight and a [1, out] scale, got "
+                             f"{weight_fp8.dtype} {list(weight_fp8.shape)} and {list(weight_scale.shape)}")
+        self.in_features, self.out_features = in_f, out_f
+        self.register_buffer("weight_fp8", weight_fp8.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())  # [1, N], scale_b's layout
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        self.fallback_reason: str | None = None  # set when this layer took the dequantised path
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, lin: nn.Linear) -> "FP8Linear":
+        """Quantise a (bf16 / fp32) linear: one scale per output channel, amax / 448."""
+        w_fp8, w_scale = quantize_rows(lin.weight)
+        return cls(w_fp8, w_scale.t(), lin.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight these FP8 numbers stand for, float32 [out, in] (reference / fallback)."""
+        return self.weight_fp8.float() * self.weight_scale.t()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, fp8=e4m3")
+
+    def _why_not_scaled_mm(self, x: torch.Tensor, out_dtype: torch.dtype) -> str | None:
+        if x.device.type == "cuda" and (self.in_features % 16 or self.out_features % 16):
+            return (f"torch._scaled_mm on CUDA needs in/out features divisible by 16, "
+                    f"got {self.in_features}/{self.out_features}")
+        return _op_unusable.get((x.device.type, out_dtype))
+
+    def _scaled_mm(self, xq, xs, bias, out_dtype):
+        return torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=xs, scale_b=self.weight_scale, bias=bias,
+                                out_dtype=out_dtype, use_fast_accum=True)
+
+    def _dequant_mm(self, xq, xs, bias, out_dtype):
+        y = (xq.float() * xs) @ self.dequantized_weight().t()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with region("linear"):
+            lead = x.shape[:-1]
+            xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+            # Row-wise scaled FP8 GEMMs on CUDA produce bf16 only; elsewhere keep the input dtype.
+            out_dtype = torch.bfloat16 if x.device.type == "cuda" else x.dtype
+            bias = self.bias.to(out_dtype) if self.bias is not None else None
+            why = self._why_not_scaled_mm(x, out_dtype)
+            y = None
+            if why is None:
+                try:
+                    y = self._scaled_mm(xq, xs, bias, out_dtype)
+                except torch.OutOfMemoryError:
+                    raise
+                except (NotImplementedError, RuntimeError) as e:  # op missing for this device/dtype
+                    why = f"torch._scaled_mm failed on {x.device.type} with {out_dtype}: {e}".splitlines()[0]
+                    _op_unusable[(x.device.type, out_dtype)] = why  # decided once, not retried per call
+            if y is None:
+                self.fallback_reason = why
+                _warn_fallback(why)
+                y = self._dequant_mm(xq, xs, bias, out_dtype)
+            return y.to(x.dtype).reshape(*lead, self.out_features)
+
+
+def _block_linears(model: nn.Module):
+    """(parent module, attribute name, Linear) for every plain Linear inside the transformer blocks."""
+    for _, parent in model.blocks.named_modules():
+        for name, child in parent.named_children():
+            if isinstance(child, Linear):
+                yield parent, name, child
+
+
+@torch.no_grad()
+def apply_fp8(model: nn.Module, *, min_features: int = 0) -> int:
+    """Swap the transformer blocks' linears for :class:`FP8Linear` in place; return how many.
+
+    Linears with fewer than `min_features` input or output features are kept in high precision
+    (at small widths FP8 saves nothing and the quantisation/launch overhead dominates). The patch
+    embedding, embedders and head are never touched (see the module docstring)."""
+    n = 0
+    for parent, name, lin in list(_block_linears(model)):
+        if min(lin.in_features, lin.out_features) < min_features:
+            continue
+        setattr(parent, name, FP8Linear.from_linear(lin))
+        n += 1
+    return n
