@@ -316,11 +316,12 @@ def test_no_host_syncs(gen, monkeypatch, dtype):
 def test_memory_preallocated_and_constant(dtype):
     ring = make_ring(W, dtype=dtype, sink_policy="absolute")
     L, rows = 1, 6 * (1 + W)  # sink + W slots of one 2x3 frame
-    n_alloc = -(-rows // 128) * 128  # rows padded to 128 (16-byte aligned TMA rows of the transposed V)
+    # FP8 rows are padded to 128 (16-byte aligned TMA rows of the transposed V); bf16 rows are exact
+    n_alloc = -(-rows // 128) * 128 if dtype == "fp8" else rows
     elt = 1 if dtype == "fp8" else 4
-    expect = L * n_alloc * 2 * HEADS * HEAD_DIM * elt
-    if dtype == "fp8":  # + per-(token, head) scales of K and V, + the FP8 query scratch and its scales
-        expect += L * n_alloc * 2 * HEADS * 4 + HEADS * 6 * HEAD_DIM * 1 + HEADS * 6 * 4
+    expect = L * n_alloc * 2 * HEADS * HEAD_DIM * elt + HEADS * 6 * HEAD_DIM * elt  # + the query scratch
+    if dtype == "fp8":  # + per-(token, head) scales of K and V and of the queries
+        expect += L * n_alloc * 2 * HEADS * 4 + HEADS * 6 * 4
     assert ring.memory_bytes() == expect
     ptrs = (ring.k.data_ptr(), ring.v.data_ptr())
     g = torch.Generator().manual_seed(0)
@@ -334,9 +335,11 @@ def test_memory_preallocated_and_constant(dtype):
     # the follow policy keeps the sink's raw keys too (model dtype): sink tokens x heads x head_dim
     fol = make_ring(W, dtype=dtype, sink_policy="follow")
     assert fol.memory_bytes() == expect + 6 * HEADS * HEAD_DIM * 4
-    # vs float32 storage: FP8 quarters K/V
+    # vs float32 storage: FP8 quarters K/V per row (at this toy size the 128-row padding dominates)
     if dtype == "fp8":
-        assert ring.memory_bytes() < 0.3 * make_ring(W, sink_policy="absolute").memory_bytes()
+        f32 = make_ring(W, sink_policy="absolute")
+        per_row = (ring.k[0, 0, 0].nbytes + ring.v[0, 0, :, 0].nbytes)
+        assert 4 * per_row == f32.k[0, 0, 0].nbytes + f32.v[0, 0, 0].nbytes
 
 
 # ---- 6. the Triton path (fused write kernel + FP8 attention kernel) against the PyTorch path ------------

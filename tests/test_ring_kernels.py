@@ -122,3 +122,35 @@ def test_ring_attention_fp8_within_budget():
     assert rel(out, exact) < (0.15 if interp else 0.08)
     assert rel(out, same_quant) < (0.12 if interp else 0.04)
     assert rel(out, exact) > 1e-3  # FP8 really happened
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_qkv_write_one_launch_matches_reference(fp8):
+    """The pass's fused write (q to scratch, k and v into the ring at row0) equals three reference
+    writes: exactly in float32 (same rotation formula), within the FP8 cast budget of
+    test_rope_quant_write_fp8 otherwise."""
+    g = torch.Generator().manual_seed(4)
+    t, h, d, n = 48, 2, 32, 256
+    qkv = torch.randn(t, h, 3 * d, generator=g).to(DEV)
+    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]  # strided views, as the model's
+    cos, sin = angles(t, d, g)
+    dt = ra.FP8 if fp8 else torch.float32
+    qo, qs = torch.zeros(h, t, d, dtype=dt, device=DEV), torch.zeros(h, t, device=DEV)
+    ko, ks = torch.zeros(h, n, d, dtype=dt, device=DEV), torch.zeros(h, n, device=DEV)
+    vo = torch.zeros((h, d, n) if fp8 else (h, n, d), dtype=dt, device=DEV)
+    vs = torch.zeros(h, n, device=DEV)
+    zero = torch.zeros(1, dtype=torch.int32, device=DEV)
+    row0 = torch.tensor([100], dtype=torch.int32).to(DEV)
+    ra.qkv_write(q, k, v, cos, sin, qo, qs, ko, ks, vo, vs, zero, row0, fp8)
+    rq, rqs = ra.rope_quant_reference(q, cos, sin, fp8, dt)
+    rk, rks = ra.rope_quant_reference(k, cos, sin, fp8, dt)
+    rv, rvs = ra.rope_quant_reference(v, None, None, fp8, dt)
+    got_v = vo[:, :, 100:148].transpose(1, 2) if fp8 else vo[:, 100:148]
+    pairs = [(qo, rq), (ko[:, 100:148], rk), (got_v, rv)]
+    if not fp8:
+        assert all(rel(a, b) < 1e-6 for a, b in pairs)
+        return
+    for (a, b), (sa, sb) in zip(pairs, [(qs, rqs), (ks[:, 100:148], rks), (vs[:, 100:148], rvs)]):
+        assert torch.allclose(sa, sb, rtol=1e-6)
+        diff = (a.float() - b.float()).abs() / 448.0
+        assert (diff <= 2 ** -4).float().mean() > 0.98 and diff.max() <= 2 ** -2

@@ -114,9 +114,11 @@ class RingCache(SelfAttentionCache):
         self.tokens_per_chunk = T = tpf * frames_per_chunk
         self.sink_tokens = S = tpf * sink_frames
         self.rows = S + window_chunks * T
-        N = (self.rows + ALIGN - 1) // ALIGN * ALIGN
-        dev, L, H, D = self.device, num_layers, heads, head_dim
         fp8 = dtype == "fp8"
+        # FP8: rows padded to 128 (the transposed V's TMA rows must be 16-byte aligned); bf16: exact,
+        # so that the steady-state prefix is the whole buffer, contiguous, as cuDNN SDPA wants it
+        N = (self.rows + ALIGN - 1) // ALIGN * ALIGN if fp8 else self.rows
+        dev, L, H, D = self.device, num_layers, heads, head_dim
         store = FP8_DTYPE if fp8 else model_dtype
         # Triton kernels when they can run here (CUDA, or the interpreter when forced)
         ok, why = ra.triton_usable(self.device, head_dim, allow_interpreter=bool(use_triton))
@@ -145,9 +147,9 @@ class RingCache(SelfAttentionCache):
         self.sin = torch.zeros(m, half, device=dev)
         self.sink_cos = torch.zeros(max(S, 1), half, device=dev)
         self.sink_sin = torch.zeros(max(S, 1), half, device=dev)
-        # scratch for FP8 queries (Triton path)
-        self.q8 = torch.zeros(H, m, D, dtype=FP8_DTYPE, device=dev) if fp8 else None
-        self.q8_scale = torch.ones(H, m, dtype=torch.float32, device=dev) if fp8 else None
+        # scratch for the rotated (FP8) queries of the Triton path
+        self.q_rot = torch.zeros(H, m, D, dtype=store, device=dev)
+        self.q_scale = torch.ones(H, m, dtype=torch.float32, device=dev)
         self.reset()
 
     @classmethod
@@ -261,29 +263,27 @@ class RingCache(SelfAttentionCache):
         m = q.shape[1]
         cos, sin = self.cos[:m], self.sin[:m]
         row0 = self.zero if is_sink else self.row0
+        fp8 = self.storage == "fp8"
         with region("cache"):
             if is_sink and self.sink_raw is not None and commit:
                 self.sink_raw[layer].copy_(k[0])
                 self._has_sink = True
-            self._store_k(layer, k[0], cos, sin, row0)
-            self._store_v(layer, v[0], row0)
-            if self.storage == "fp8":
-                if self.use_triton:
-                    ra.rope_quant_write(q[0], cos, sin, self.q8, self.q8_scale, self.zero)
-                    q8, qs = self.q8[:, :m], self.q8_scale[:, :m]
-                else:
-                    q8, qs = ra.rope_quant_reference(q[0], cos, sin, True, FP8_DTYPE)
+            if self.use_triton:  # one fused launch: q rotated (+quantised) to scratch, k and v into the ring
+                ra.qkv_write(q[0], k[0], v[0], cos, sin, self.q_rot, self.q_scale, self.k[layer],
+                             self.k_scale[layer], self.v[layer], self.v_scale[layer], self.zero, row0, fp8)
+                qr, qs = self.q_rot[:, :m], self.q_scale[:, :m]
             else:
-                qr = ra.rope_quant_reference(q[0], cos, sin, False, q.dtype)[0]  # [H, M, D]
+                self._store_k(layer, k[0], cos, sin, row0)
+                self._store_v(layer, v[0], row0)
+                qr, qs = ra.rope_quant_reference(q[0], cos, sin, fp8, self.q_rot.dtype)
         with region("attention"):
-            if self.storage == "fp8":
+            if fp8:
                 if self.use_triton:
-                    out = ra.ring_attention(q8, qs, self.k[layer], self.k_scale[layer], self.v[layer],
+                    out = ra.ring_attention(qr, qs, self.k[layer], self.k_scale[layer], self.v[layer],
                                             self.v_scale[layer], self.n_valid, out_dtype=q.dtype)
                 else:
-                    n = self._n_visible()
-                    out = ra.ring_attention_reference(q8, qs, self.k[layer], self.k_scale[layer], self.v[layer],
-                                                      self.v_scale[layer], n).to(q.dtype)
+                    out = ra.ring_attention_reference(qr, qs, self.k[layer], self.k_scale[layer], self.v[layer],
+                                                      self.v_scale[layer], self._n_visible()).to(q.dtype)
                 return out.reshape(1, m, -1)
             n = self._n_visible()
             o = F.scaled_dot_product_attention(qr[None], self.k[layer, :, :n][None], self.v[layer, :, :n][None])
@@ -291,9 +291,9 @@ class RingCache(SelfAttentionCache):
 
     def memory_bytes(self) -> int:
         """Bytes held on the device (allocated up front; constant)."""
-        ts = [self.k, self.v]
+        ts = [self.k, self.v, self.q_rot]
         if self.storage == "fp8":
-            ts += [self.k_scale, self.v_scale, self.q8, self.q8_scale]
+            ts += [self.k_scale, self.v_scale, self.q_scale]
         if self.sink_raw is not None:
             ts.append(self.sink_raw)
         return sum(t.numel() * t.element_size() for t in ts)

@@ -99,31 +99,60 @@ def ring_attention_reference(q: torch.Tensor, qs: torch.Tensor, k: torch.Tensor,
 def _kernels():
     from cadence.kernels import _ring_triton as k
 
-    return k.rope_quant_kernel, k.attn_kernel
+    return k.rope_quant_kernel, k.attn_kernel, k.qkv_write_kernel
+
+
+def _block_t() -> int:
+    return 32 if interpreting() else 64
+
+
+def _out_strides(out: torch.Tensor, transpose_out: bool) -> tuple[int, int, int]:
+    """(head, token, channel) strides of a [H, N, D] or, transposed, [H, D, N] buffer."""
+    if transpose_out:
+        return out.stride(0), out.stride(2), out.stride(1)
+    return out.stride(0), out.stride(1), out.stride(2)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def rope_quant_write(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor,
                      scale: torch.Tensor, row0: torch.Tensor, *, transpose_out: bool = False) -> None:
     """Fused RoPE + per-(token, head) FP8 quantisation + store (Triton).
 
-    x [T, H, D] (any strides); cos/sin [T, D/2] float32 or None (no rotation); out [H, N, D] (or
-    [H, D, N] with transpose_out) of FP8 (quantise) or a float dtype (store as is); scale [H, N]
+    x [T, H, D] (channels contiguous); cos/sin [T, D/2] float32 or None (no rotation); out [H, N, D]
+    (or [H, D, N] with transpose_out) of FP8 (quantise) or a float dtype (store as is); scale [H, N]
     float32; row0 int32 device tensor [1]: buffer row of token 0.
     """
-    kern, _ = _kernels()
+    kern = _kernels()[0]
+    x = _rows(x)
     t, h, d = x.shape
-    quant = out.dtype == FP8
-    if transpose_out:
-        soh, son, sod = out.stride(0), out.stride(2), out.stride(1)
-    else:
-        soh, son, sod = out.stride(0), out.stride(1), out.stride(2)
-    block_t = 32 if interpreting() else 16
     rotate = cos is not None
     c = cos if rotate else x.new_empty(1, dtype=torch.float32)
     s = sin if rotate else c
-    kern[(triton_cdiv(t, block_t), h)](
-        x, x.stride(0), x.stride(1), x.stride(2), c, s, out, soh, son, sod, scale, scale.stride(0),
-        scale.stride(1), row0, t, HALF=d // 2, BLOCK_T=block_t, ROTATE=rotate, QUANT=quant)
+    soh, son, sod = _out_strides(out, transpose_out)
+    bt = _block_t()
+    kern[(triton_cdiv(t, bt), h)](x, x.stride(0), x.stride(1), c, s, out, soh, son, sod, scale, scale.stride(0),
+                                  scale.stride(1), row0, t, D=d, BLOCK_T=bt, ROTATE=rotate, QUANT=out.dtype == FP8)
+
+
+def qkv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              q_out: torch.Tensor, q_scale: torch.Tensor, k_out: torch.Tensor, k_scale: torch.Tensor,
+              v_out: torch.Tensor, v_scale: torch.Tensor, zero: torch.Tensor, row0: torch.Tensor,
+              v_transposed: bool) -> None:
+    """One launch: q rotated (and quantised) into q_out rows 0.., k rotated and v as is into the
+    cache rows row0.. (v_out [H, D, N] when v_transposed). All outputs FP8 or all float."""
+    kern = _kernels()[2]
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    t, h, d = q.shape
+    bt = _block_t()
+    kern[(triton_cdiv(t, bt), h, 3)](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), cos, sin,
+        q_out, *_out_strides(q_out, False), q_scale, q_scale.stride(0), q_scale.stride(1),
+        k_out, *_out_strides(k_out, False), k_scale, k_scale.stride(0), k_scale.stride(1),
+        v_out, *_out_strides(v_out, v_transposed), v_scale, v_scale.stride(0), v_scale.stride(1),
+        zero, row0, t, D=d, BLOCK_T=bt, QUANT=k_out.dtype == FP8)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -139,7 +168,7 @@ def ring_attention(q: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, ks: torch
     Returns [M, H, D] in out_dtype. N must be a multiple of 16 (TMA row alignment of vt)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    _, kern = _kernels()
+    kern = _kernels()[1]
     h, m, d = q.shape
     n = k.shape[1]
     quant = k.dtype == FP8
@@ -164,7 +193,8 @@ def ring_attention(q: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, ks: torch
                qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
                o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
                m, per, qk_scale,
-               HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, DOT_F32=interp, **extra)
+               HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, DOT_F32=interp,
+               PREC="ieee" if k.dtype == torch.float32 else "tf32", **extra)
     if split == 1:
         return o[0].transpose(0, 1)
     w = torch.softmax(lse * math.log(2.0), dim=0)  # [split, H, M]; empty splits have lse -inf -> weight 0
