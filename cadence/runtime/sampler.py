@@ -45,8 +45,8 @@ class Schedule:
         """Advance x from sigmas[i] to sigmas[i+1] given the predicted velocity v (float32 math)."""
         s, s_next = self.sigmas[i], self.sigmas[i + 1]
         xf, vf = x.float(), v.float()
-        if self.rule == "euler" or s_next == 0.0:
-            out = xf + (s_next - s) * vf if self.rule == "euler" else xf - s * vf
+        if self.rule == "euler" or s_next == 0.0:  # the last renoise step is the same jump to x0
+            out = xf + (s_next - s) * vf
         else:
             if noise is None:
                 raise ValueError("renoise sampling needs fresh noise for every pass but the last")
