@@ -82,10 +82,189 @@ def run_rank(rank: int, world: int, port: int, outdir: str) -> None:
         destroy_tp()
 
 
+#: (frames, latent h, latent w) -> tokens = frames * h/2 * w/2: 64, 128, 64 + a 16-token sink row, 37, 512, 64
+FUSED_GRIDS = [(1, 16, 16), (2, 16, 16), (1, 16, 20), (1, 2, 74), (2, 32, 32), (1, 16, 16)]
+FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked", "chunked4", "auto"]
+
+
+def _grid_inputs(cfg, f: int, h: int, w: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.model
+    x = torch.randn(1, 16, f, h, w, generator=g)
+    t = torch.linspace(900.0, 100.0, f)[None]
+    text = torch.randn(1, m.text_len, m.text_dim, generator=g)
+    audio = torch.randn(1, f, m.audio_tokens_per_frame, m.audio_dim, generator=g)
+    return x, t, text, audio
+
+
+class _GlooSymmOps:
+    """gloo emulation of the torch.ops.symm_mem ops cadence.parallel.fused calls (same signatures),
+    so the symmetric-memory code paths (buffer views, GEMM into the buffer, chunking, reduce-scatter
+    + all-gather, FP8 arguments) run on CPU."""
+
+    def __init__(self, group):
+        self.group = group
+        self.calls: dict[str, int] = {}
+
+    def _n(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def two_shot_all_reduce_(self, buf, op, gname):
+        assert op == "sum" and isinstance(gname, str) and buf.is_contiguous()
+        self._n("two_shot_all_reduce_")
+        import torch.distributed as dist
+
+        dist.all_reduce(buf, group=self.group)
+        return buf
+
+    def two_shot_all_reduce_out(self, buf, op, gname, out):
+        self._n("two_shot_all_reduce_out")
+        import torch.distributed as dist
+
+        out.copy_(buf)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def one_shot_all_reduce(self, buf, op, gname):
+        self._n("one_shot_all_reduce")
+        import torch.distributed as dist
+
+        out = buf.clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def _rs(self, full, scatter_dim):
+        import torch.distributed as dist
+
+        assert scatter_dim == 0
+        dist.all_reduce(full, group=self.group)
+        w, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return full.chunk(w, dim=0)[r].contiguous()
+
+    def fused_matmul_reduce_scatter(self, a, b, op, scatter_dim, gname):
+        self._n("fused_matmul_reduce_scatter")
+        return self._rs(a @ b, scatter_dim)
+
+    def fused_scaled_matmul_reduce_scatter(self, a, b, a_scale, b_scale, op, orig_dim, dim, gname, out_shape,
+                                           bias, result_scale, out_dtype, fast_accum):
+        self._n("fused_scaled_matmul_reduce_scatter")
+        assert list(out_shape) == [a.shape[0], b.shape[1]] and a_scale.shape == (a.shape[0], 1)
+        full = (a.float() * a_scale) @ (b.float() * b_scale)
+        return self._rs(full.to(out_dtype or torch.float32), orig_dim)
+
+
+def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank) -> dict:
+    """Every mode through the symmetric-memory code paths with gloo-emulated ops and a CPU buffer
+    allocator, against nccl (model level, float32 and FP8), and a token-count sequence in two_shot
+    with a small buffer cache (bounded, buffers reused)."""
+    from cadence.model.weights import build_model
+    from cadence.parallel import apply_tp, set_comm
+    from cadence.parallel import fused
+    from cadence.quant import apply_fp8
+
+    ops = _GlooSymmOps(group)
+    saved = (fused._ops, fused.symm_unavailable_reason, fused._prepare, fused._CACHE)
+    fused._ops = lambda: ops
+    fused.symm_unavailable_reason = lambda device, group: None
+    fused._prepare = lambda group: None
+    fused._CACHE = fused.SymmBufferCache(3, alloc=lambda numel, dt, dev, g: torch.empty(numel, dtype=dt, device=dev))
+    out: dict = {"modes": {}, "fp8": {}, "grids": []}
+    try:
+        set_comm(model, "nccl")
+        ref = model.forward_full(*inputs)
+        for mode in ["two_shot", "one_shot", "rs_ag", "chunked", "chunked4"]:
+            set_comm(model, mode)
+            out["modes"][mode] = rel_err(model.forward_full(*inputs), ref)
+        m8 = apply_tp(build_model(cfg, "cpu", torch.float32, seed=0), group, comm="nccl")
+        apply_fp8(m8)
+        ref8 = m8.forward_full(*inputs)
+        for mode in ["two_shot", "rs_ag", "chunked"]:
+            set_comm(m8, mode)
+            out["fp8"][mode] = rel_err(m8.forward_full(*inputs), ref8)
+        set_comm(model, "two_shot")
+        for i, (f, h, w) in enumerate(FUSED_GRIDS):
+            inp = _grid_inputs(cfg, f, h, w, seed=i)
+            y = model.forward_full(*inp)
+            e = {"tokens": f * (h // 2) * (w // 2), "cache": fused.symm_cache_info()}
+            if rank == 0:
+                e["rel_vs_tp1"] = rel_err(y, ref_model.forward_full(*inp))
+            out["grids"].append(e)
+        out["calls"] = dict(ops.calls)
+        out["unusable"] = {str(k): v for k, v in fused._unusable.items()}
+        set_comm(model, "auto")
+    finally:
+        fused._ops, fused.symm_unavailable_reason, fused._prepare, fused._CACHE = saved
+    return out
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@torch.no_grad()
+def run_fused_rank(rank: int, world: int, port: int, outdir: str) -> None:
+    """tests/test_fused.py: every comm mode against the nccl reference (CPU: all fall back, with one
+    warning line), and a sequence of token counts through a TP model with comm="auto" vs TP=1."""
+    import logging
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+
+    from cadence.config import get_preset
+    from cadence.model.weights import build_model
+    from cadence.parallel import apply_tp, destroy_tp, init_tp, set_comm
+    from cadence.parallel import fused
+
+    class Count(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.records: list[str] = []
+
+        def emit(self, record):
+            self.records.append(record.getMessage())
+
+    counter = Count()
+    logging.getLogger("cadence.parallel.fused").addHandler(counter)
+    info = init_tp(backend="gloo")
+    try:
+        cfg = get_preset("tiny")
+        inputs, _, _ = _inputs(cfg)
+        res: dict = {"modes": {}, "grids": []}
+        model = apply_tp(build_model(cfg, "cpu", torch.float32, seed=0), info.group, comm="nccl")
+        ref = model.forward_full(*inputs)
+        for mode in FUSED_MODES:
+            assert set_comm(model, mode) == 2 * 4  # 2 blocks x (self out, cross out, audio out, fc2)
+            res["modes"][mode] = model.forward_full(*inputs)
+        res["nccl"] = ref
+        res["warnings_after_modes"] = list(counter.records)
+        res["fallback_counts"] = fused.fallback_warnings()
+        # a sequence of token counts, comm="auto", against TP=1 (rank 0)
+        set_comm(model, "auto")
+        ref_model = build_model(cfg, "cpu", torch.float32, seed=0) if rank == 0 else None
+        for i, (f, h, w) in enumerate(FUSED_GRIDS):
+            inp = _grid_inputs(cfg, f, h, w, seed=i)
+            y = model.forward_full(*inp)
+            entry = {"tokens": f * (h // 2) * (w // 2), "tp": y, "cache": fused.symm_cache_info()}
+            if rank == 0:
+                entry["ref"] = ref_model.forward_full(*inp)
+            res["grids"].append(entry)
+        res["warnings_total"] = list(counter.records)
+        res["decisions"] = fused.chooser_decisions()
+        res["emulated"] = _emulated_symm_modes(model, ref_model, cfg, inputs, info.group, rank)
+        torch.save(res, Path(outdir) / f"fused_rank{rank}.pt")
+    finally:
+        logging.getLogger("cadence.parallel.fused").removeHandler(counter)
+        destroy_tp()
+
+
 @torch.no_grad()
 def main() -> None:
-    """``torchrun --nproc_per_node N tests/tp_worker.py [bf16|fp32]``: the same parity check on the
-    launcher's devices (NCCL on CUDA), printed by rank 0 (for the GPU machines)."""
+    """``torchrun --nproc_per_node N tests/tp_worker.py [bf16|fp32] [comm]``: the same parity check on the
+    launcher's devices (NCCL on CUDA), printed by rank 0 (for the GPU machines). `comm` is the
+    row-parallel mode (default auto; see cadence.parallel.fused)."""
     import torch.distributed as dist
 
     from cadence.config import get_preset
@@ -98,7 +277,8 @@ def main() -> None:
         cfg = get_preset("tiny")
         inputs, img, speech = _inputs(cfg)
         inputs = tuple(t.to(info.device) for t in inputs)
-        model = apply_tp(build_model(cfg, info.device, dtype, seed=0), info.group)
+        comm = sys.argv[2] if len(sys.argv) > 2 else "auto"
+        model = apply_tp(build_model(cfg, info.device, dtype, seed=0), info.group, comm=comm)
         tp = _run(model, cfg, inputs, img, speech)
         r0 = {k: v.clone() for k, v in tp.items() if torch.is_tensor(v)}
         for v in r0.values():
@@ -112,6 +292,10 @@ def main() -> None:
                 e = ((tp[k].float() - ref[k].float()).norm() / ref[k].float().norm()).item()
                 print(f"TP={info.world_size} {info.backend} {dtype} {k}: relative L2 vs TP=1 {e:.2e}")
             print(f"identical on all ranks: {bool(flags.item())}; sink K shape {tp['sink_k_shape']}")
+            from cadence.parallel import fused
+
+            print(f"comm={comm}: decisions {fused.chooser_decisions()}; fallbacks {fused.fallback_warnings()}; "
+                  f"symm cache {fused.symm_cache_info()}")
     finally:
         destroy_tp()
 

@@ -3,6 +3,17 @@
     cadence bench step --preset w14 --cache naive --dtype bf16
     cadence bench step --preset w57 --layers 30      # W57 does not fit one H200 in bf16: run 30 of
                                                      # its 60 layers and scale (stated in the JSON)
+    torchrun --nproc_per_node 2 -m cadence bench step --preset w14 --tp 2 --fp8 --comm auto
+
+Tensor parallel (``--tp N``, under ``torchrun --nproc_per_node N``): every rank builds only its
+shard (the model is constructed on ``meta``, sharded with ``apply_tp`` there, then allocated with
+``to_empty`` on its GPU and randomly initialised, so no rank ever holds the full model), draws
+the same inputs, and rank 0 prints and records. ``--fp8`` swaps the block linears for FP8 ones
+(``apply_fp8``, after sharding); ``--comm`` picks the row-parallel all-reduce mode
+(cadence.parallel.fused: auto | nccl | two_shot | one_shot | rs_ag | chunkedN). ``comm_ms`` is the
+"allreduce" region (row-parallel sums and the q/k norms' small sums); modes whose GEMM and
+collective are one call ("rs_ag", "chunked") are reported as ``linear_comm_ms``. The floor divides
+by N (BENCHMARKS.md: ~168 ms on 2 GPUs for W57) and ``tflops_per_gpu`` counts 1/N of the FLOPs.
 
 One step = the passes of one chunk (plus the clean pass if the config commits that way) through a
 cache holding the sink and a full window of random K/V, with random weights initialised on the
@@ -81,8 +92,9 @@ def fill_cache_random(cache, cfg: CadenceConfig, model, gen: torch.Generator) ->
             cache.past[layer].append((k, v, start, s.latent_frames_per_chunk))
 
 
-def layers_that_fit(cfg: CadenceConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """Largest layer count whose weights + cache (+ working room) fit the device's free memory."""
+def layers_that_fit(cfg: CadenceConfig, dtype: torch.dtype, device: torch.device, tp: int = 1) -> int:
+    """Largest layer count whose weights + cache (+ working room) fit the device's free memory
+    (with `tp` ranks each holding 1/tp of the block weights and of the cache)."""
     if device.type != "cuda":
         return cfg.model.num_layers
     m, s = cfg.model, cfg.stream
@@ -92,12 +104,12 @@ def layers_that_fit(cfg: CadenceConfig, dtype: torch.dtype, device: torch.device
     cache = 2 * cfg.kv_tokens * m.dim * el
     free, _ = torch.cuda.mem_get_info(device)
     room = free - 20 * 2**30  # activations, concatenated windows, allocator slack
-    return max(1, min(m.num_layers, int(room // (per_layer_params * el + cache))))
+    return max(1, min(m.num_layers, int(room // ((per_layer_params * el + cache) / max(tp, 1)))))
 
 
 @torch.no_grad()
 def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, iters: int,
-                 profile_iters: int = 3) -> dict:
+                 profile_iters: int = 3, progress: str | None = "steps") -> dict:
     """Time the steady-state chunk step of `cfg` (its cache choice) on a built model: median over
     `iters` uninstrumented steps, the region split from `profile_iters` instrumented ones, and a
     host-sync check (CUDA)."""
@@ -114,7 +126,7 @@ def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, i
     def step():
         return sess.step(audio)
 
-    times = timer.run(step, warmup, iters, progress="steps")
+    times = timer.run(step, warmup, iters, progress=progress)
     splits: list[dict[str, float]] = []
     totals: list[float] = []
     for _ in range(profile_iters):
@@ -122,7 +134,8 @@ def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, i
             t = timer.run(step, 0, 1)[0]
         splits.append(rec.totals())
         totals.append(t)
-    region = {k: median([s.get(k, 0.0) for s in splits]) for k in ("attention", "cache", "linear")}
+    region = {k: median([s.get(k, 0.0) for s in splits])
+              for k in ("attention", "cache", "linear", "allreduce", "linear_comm")}
     host_sync = None
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -146,7 +159,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V (ring: FP8 attention kernel)")
     p.add_argument("--sink-policy", default="follow", choices=["follow", "absolute"])
     p.add_argument("--dtype", default=None, help="bf16 (default on CUDA) | fp32 (default on CPU) | fp16")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only 1 for now)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (> 1: run under torchrun --nproc_per_node N)")
+    p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
+    p.add_argument("--comm", default="auto",
+                   help="row-parallel comm mode with --tp > 1: auto | nccl | two_shot | one_shot | rs_ag | chunkedN")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     p.add_argument("--layers", type=int, default=None,
                    help="run this many layers and scale to the preset's count (default: all that fit)")
@@ -159,56 +176,122 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def build_tp_model(cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, group, comm: str):
+    """This rank's shard only: construct on meta, apply_tp there, then allocate on `device` and
+    initialise randomly (same seed on every rank: replicated weights agree). Falls back to
+    building the full model on the device and sharding it if sharding on meta fails."""
+    import logging
+
+    from cadence.model.dit import WanDiT
+    from cadence.model.weights import build_model, init_random
+    from cadence.parallel import apply_tp
+
+    try:
+        with torch.device("meta"):
+            model = WanDiT(cfg, device="meta", dtype=dtype)
+        apply_tp(model, group, comm=comm)
+        model = model.to_empty(device=device)
+        model.rope.to(device)
+        init_random(model, 0)
+        return model.eval().requires_grad_(False), "meta"
+    except (NotImplementedError, RuntimeError, TypeError) as e:
+        logging.getLogger(__name__).warning("sharding on meta failed (%s): building the full model first", e)
+        return apply_tp(build_model(cfg, device, dtype, seed=0), group, comm=comm), "full"
+
+
 @torch.no_grad()
 def run(args: argparse.Namespace) -> dict:
+    try:
+        return _run(args)
+    finally:
+        if args.tp > 1:
+            from cadence.parallel import destroy_tp
+
+            destroy_tp()
+
+
+def _run(args: argparse.Namespace) -> dict:
     from cadence.model.weights import build_model
 
-    if args.tp != 1:
-        raise SystemExit("error: --tp > 1 is not available yet (tensor parallelism is a later issue)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    info = None
+    if args.tp < 1:
+        raise SystemExit("error: --tp must be >= 1")
+    if args.tp > 1:
+        import logging
+        import os
+
+        from cadence.parallel import init_tp
+        from cadence.parallel.fused import parse_mode
+
+        parse_mode(args.comm)
+        if "WORLD_SIZE" not in os.environ:
+            raise SystemExit(f"error: --tp {args.tp} runs under torchrun: "
+                             f"torchrun --nproc_per_node {args.tp} -m cadence bench step ... --tp {args.tp}")
+        info = init_tp(backend=None if (args.device or "cuda") != "cpu" else "gloo")
+        if info.world_size != args.tp:
+            raise SystemExit(f"error: --tp {args.tp} but torchrun started {info.world_size} ranks")
+        logging.basicConfig(level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("cadence.parallel.fused").setLevel(logging.INFO if info.rank == 0 else logging.WARNING)
+        device = info.device
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but CUDA is not available")
+    rank0 = info is None or info.rank == 0
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     full = get_preset(args.preset).with_overrides(stream={"cache": args.cache, "kv_fp8": args.kv_fp8,
                                                           "sink_policy": args.sink_policy})
-    layers = args.layers or layers_that_fit(full, dtype, device)
+    layers = args.layers or layers_that_fit(full, dtype, device, args.tp)
     layers = min(layers, full.model.num_layers)
     cfg = full.with_overrides(model={"num_layers": layers})
     scale = full.model.num_layers / layers
     warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
     iters = args.iters if args.iters is not None else (20 if device.type == "cuda" else 5)
 
-    print(f"[bench step] {full.name}: {layers}/{full.model.num_layers} layers, {dtype}, cache={args.cache}, "
-          f"{device}", file=sys.stderr)
+    if rank0:
+        print(f"[bench step] {full.name}: {layers}/{full.model.num_layers} layers, {dtype}, cache={args.cache}, "
+              f"{device}" + (f", tp={args.tp} comm={args.comm}" if info else "") + (", fp8" if args.fp8 else ""),
+              file=sys.stderr)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(cfg, device, dtype, seed=0)
-    m = measure_step(cfg, model, device, warmup, iters, args.profile_iters)
+    built = "full"
+    if info is None:
+        model = build_model(cfg, device, dtype, seed=0)
+    else:
+        model, built = build_tp_model(cfg, device, dtype, info.group, args.comm)
+    fp8_layers = 0
+    if args.fp8:
+        from cadence.quant import apply_fp8
+
+        fp8_layers = apply_fp8(model)
+    m = measure_step(cfg, model, device, warmup, iters, args.profile_iters, progress="steps" if rank0 else None)
     times, region, totals, host_sync, cache_bytes = (m["times"], m["region"], m["totals"], m["host_sync"],
                                                      m["cache_bytes"])
     step_ms = median(times)
     fl = chunk_flops(full)
     floor_ms = (fl["linear"] / (CEILING["fp8_gemm"] * 1e12) + fl["attention"] / (CEILING["fp8_attn"] * 1e12)) * 1e3
     floor_bf16 = (fl["linear"] / (CEILING["bf16_gemm"] * 1e12) + fl["attention"] / (CEILING["bf16_attn"] * 1e12)) * 1e3
+    floor_ms, floor_bf16 = floor_ms / args.tp, floor_bf16 / args.tp  # N GPUs share the FLOPs
     s_step = step_ms * scale
     regions_scaled = {k: v * scale for k, v in region.items()}
     instrumented = median(totals) * scale
     # The split comes from the instrumented steps (events around every region add a little time):
     # other = instrumented step - the regions; step_ms itself is the uninstrumented median.
-    other = max(instrumented - sum(regions_scaled.values()), 0.0)
+    other = max(instrumented - sum(regions_scaled.values()), 0.0)  # comm regions are 0 at TP=1
     results = {
         "step_ms": s_step,
         "step_p99_ms": p99(times) * scale,
         "attention_ms": regions_scaled["attention"],
         "cache_upkeep_ms": regions_scaled["cache"],
         "linear_ms": regions_scaled["linear"],
-        "comm_ms": 0.0,
+        "comm_ms": regions_scaled["allreduce"],
+        "linear_comm_ms": regions_scaled["linear_comm"],
         "other_ms": other,
         "instrumented_step_ms": instrumented,
         "tflop_per_chunk": fl["total"] / 1e12,
         "tflop_linear": fl["linear"] / 1e12,
         "tflop_attention": fl["attention"] / 1e12,
-        "tflops_per_gpu": fl["total"] / (s_step * 1e-3) / 1e12,
+        "tflops_per_gpu": fl["total"] / args.tp / (s_step * 1e-3) / 1e12,
         "floor_ms": floor_ms,
         "floor_bf16_ms": floor_bf16,
         "efficiency": floor_ms / s_step,
@@ -216,8 +299,8 @@ def run(args: argparse.Namespace) -> dict:
         "cache": args.cache,
         "kv_fp8": args.kv_fp8,
         "cache_mem_gib": cache_bytes * scale / 2**30,
-        "fp8": False,
-        "fused": False,
+        "fp8": bool(args.fp8),
+        "fused": bool(info is not None and args.comm != "nccl"),
         "dtype": str(dtype).replace("torch.", ""),
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
         "layers_run": layers,
@@ -229,12 +312,25 @@ def run(args: argparse.Namespace) -> dict:
         "warmup": warmup,
         "raw_step_ms_unscaled": times,
     }
+    if args.fp8:
+        results["fp8_layers"] = fp8_layers
+    if info is not None:
+        from cadence.parallel import fused
+
+        results.update({"comm": args.comm, "comm_decisions": fused.chooser_decisions(),
+                        "comm_fallbacks": fused.fallback_warnings(), "symm_cache": fused.symm_cache_info(),
+                        "tp_built": built})
+        if not rank0:
+            return results
     rows = [
         ("step (median)", f"{s_step:9.2f} ms" + (f"   (scaled x{scale:.2f} from {layers} layers)" if scale != 1 else "")),
         ("step p99", f"{results['step_p99_ms']:9.2f} ms"),
         ("attention", f"{results['attention_ms']:9.2f} ms  {results['attention_ms'] / s_step:6.1%}"),
         ("cache upkeep", f"{results['cache_upkeep_ms']:9.2f} ms  {results['cache_upkeep_ms'] / s_step:6.1%}"),
         ("linear", f"{results['linear_ms']:9.2f} ms  {results['linear_ms'] / s_step:6.1%}"),
+        *([("comm (all-reduce)", f"{results['comm_ms']:9.2f} ms  {results['comm_ms'] / s_step:6.1%}"),
+           ("linear+comm (fused)", f"{results['linear_comm_ms']:9.2f} ms  {results['linear_comm_ms'] / s_step:6.1%}")]
+          if info is not None else []),
         ("other", f"{other:9.2f} ms  {other / s_step:6.1%}"),
         ("instrumented step", f"{instrumented:9.2f} ms  (the split above is of this)"),
         ("TFLOP / chunk", f"{results['tflop_per_chunk']:9.2f}  ({results['tflops_per_gpu']:.0f} TFLOP/s)"),
@@ -242,12 +338,20 @@ def run(args: argparse.Namespace) -> dict:
         ("peak memory", f"{results['peak_mem_gib']:.1f} GiB" if results["peak_mem_gib"] else "n/a (CPU)"),
         ("host sync in step", str(host_sync)),
     ]
-    print_table(rows, f"bench step: {full.name} tp1 cache={args.cache}{' fp8 K/V' if args.kv_fp8 else ''} "
-                      f"{results['dtype']}")
+    print_table(rows, f"bench step: {full.name} tp{args.tp} cache={args.cache}{' fp8 K/V' if args.kv_fp8 else ''} "
+                      f"{results['dtype']}{' fp8 linears' if args.fp8 else ''}"
+                      + (f" comm={args.comm}" if info is not None else ""))
+    if info is not None:
+        for shape, d in results["comm_decisions"].items():
+            print(f"  comm {shape}: {d['mode']} ({d['why']})")
     if not args.no_record:
         variant = f"{args.cache}{'-fp8kv' if args.kv_fp8 else ''}-{results['dtype']}"
+        if args.fp8:
+            variant += "-fp8"
+        if info is not None:
+            variant += f"-{args.comm}"
         path = record("step", full.name, args.tp, device, full.shape_summary(), results, variant=variant,
-                      out_dir=args.out_dir, command=getattr(args, "command", None),
+                      out_dir=args.out_dir, world=args.tp, command=getattr(args, "command", None),
                       headline=f"step {s_step:.1f} ms, attention {results['attention_ms']:.1f}, cache "
                                f"{results['cache_upkeep_ms']:.1f}, linear {results['linear_ms']:.1f} ms"
                                + (f" (scaled from {layers} layers)" if scale != 1 else ""))

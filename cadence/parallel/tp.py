@@ -40,17 +40,27 @@ from cadence.telemetry.spans import region
 
 
 class RowParallelLinear(nn.Module):
-    """Row-parallel linear: GEMM + all-reduce over the TP group.
+    """Row-parallel linear: GEMM + all-reduce over the TP group; the output is replicated on every
+    rank.
 
     Each rank holds the input columns [r*K/N, (r+1)*K/N) of the weight and multiplies its shard of
-    the activations (the heads / FFN channels it owns); the partial products are summed with one
-    all-reduce, then the full bias is added once, after the all-reduce, on every rank. The local
-    GEMM is timed under "linear" by the inner layer, the all-reduce under "allreduce".
+    the activations (the heads / FFN channels it owns) into a partial [M, out] product; the partial
+    products are summed over the group (one all-reduce of M x out activations), then the full bias
+    is added once, after the sum, on every rank. So every call communicates one [M, out] tensor in
+    the activations' dtype (bf16 on GPUs; FP8 layers produce bf16 partials).
 
-    Not yet fused: the all-reduce runs after the GEMM on the same stream (see ``parallel/fused.py``
-    in DESIGN.md for the overlapped version)."""
+    `comm` selects how the sum is done (see :mod:`cadence.parallel.fused`): "auto" (default: the
+    per-shape chooser, which logs its pick once per shape), "nccl" (reference: GEMM then
+    ``dist.all_reduce``), "two_shot" / "one_shot" (GEMM written straight into a symmetric-memory
+    buffer, then the symm-mem all-reduce), "rs_ag" (fused matmul + reduce-scatter, then
+    all-gather), "chunked[N]" (GEMM split along the output into N chunks, each all-reduced on a
+    side stream as soon as it is done). Modes that cannot run (CPU / gloo, an op missing in this
+    torch, a shape an op rejects) fall back to "nccl" with a warning logged once per reason.
+    Timing regions: the GEMM under "linear", the collective under "allreduce"; modes where the two
+    are inseparable ("rs_ag", "chunked") under "linear_comm"."""
 
-    def __init__(self, linear: nn.Module, bias: torch.Tensor | None, group: dist.ProcessGroup | None):
+    def __init__(self, linear: nn.Module, bias: torch.Tensor | None, group: dist.ProcessGroup | None,
+                 comm: str = "auto"):
         super().__init__()
         if getattr(linear, "bias", None) is not None:
             raise ValueError("RowParallelLinear's inner linear must have no bias "
@@ -60,15 +70,26 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.in_features = linear.in_features  # local (sharded) input width
         self.out_features = linear.out_features
+        self.comm = comm
+
+    @property
+    def comm(self) -> str:
+        return self._comm
+
+    @comm.setter
+    def comm(self, mode: str) -> None:
+        from cadence.parallel.fused import parse_mode
+
+        parse_mode(mode)  # raises ValueError for an unknown mode
+        self._comm = mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
-        with region("allreduce"):
-            y = y.contiguous()
-            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        from cadence.parallel.fused import row_parallel
+
+        return row_parallel(self.linear, x, self.bias, self.group, self._comm)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (local), out_features={self.out_features}, comm={self._comm!r}"
 
 
 class ShardedRMSNorm(nn.Module):
@@ -141,7 +162,8 @@ def _norm(norm: RMSNorm, rank: int, world: int, group) -> ShardedRMSNorm:
     return ShardedRMSNorm(norm.weight[rank * per:(rank + 1) * per], full, norm.eps, group)
 
 
-def _shard_attention(attn: nn.Module, rank: int, world: int, group, dim: int, dev: torch.device) -> None:
+def _shard_attention(attn: nn.Module, rank: int, world: int, group, dim: int, dev: torch.device,
+                     comm: str = "auto") -> None:
     if hasattr(attn, "qkv"):  # self-attention: fused [q; k; v]
         attn.qkv = _take_rows(attn.qkv, _rows(3, dim, rank, world, dev))
     else:  # cross / audio attention: q from the tokens, fused [k; v] from the context
@@ -149,7 +171,7 @@ def _shard_attention(attn: nn.Module, rank: int, world: int, group, dim: int, de
         attn.kv = _take_rows(attn.kv, _rows(2, dim, rank, world, dev))
     attn.norm_q = _norm(attn.norm_q, rank, world, group)
     attn.norm_k = _norm(attn.norm_k, rank, world, group)
-    attn.out = RowParallelLinear(*_take_cols(attn.out, rank, world), group)
+    attn.out = RowParallelLinear(*_take_cols(attn.out, rank, world), group, comm)
     attn.heads //= world
 
 
@@ -161,10 +183,14 @@ def check_tp_size(mcfg, world: int) -> None:
 
 
 @torch.no_grad()
-def apply_tp(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+def apply_tp(model: nn.Module, group: dist.ProcessGroup | None = None, comm: str = "auto") -> nn.Module:
     """Shard `model`'s transformer blocks over `group` (default: the world) in place; return it.
 
-    The group's size must divide num_heads and ffn_dim. With a group of one nothing changes."""
+    The group's size must divide num_heads and ffn_dim. With a group of one nothing changes.
+    `comm` is the row-parallel layers' communication mode (:class:`RowParallelLinear`; change it
+    later with :func:`set_comm`). Works on a model built on the ``meta`` device too (slicing meta
+    tensors allocates nothing): build on meta, shard, then ``to_empty`` on the device and
+    initialise, so no rank ever holds the full model (see ``cadence bench step --tp``)."""
     if not dist.is_initialized():
         raise RuntimeError("apply_tp needs an initialised process group (cadence.parallel.mesh.init_tp)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -176,11 +202,21 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Mod
         return model
     dev = model.device
     for blk in model.blocks:
-        _shard_attention(blk.self_attn, rank, world, group, m.dim, dev)
-        _shard_attention(blk.cross_attn, rank, world, group, m.dim, dev)
+        _shard_attention(blk.self_attn, rank, world, group, m.dim, dev, comm)
+        _shard_attention(blk.cross_attn, rank, world, group, m.dim, dev, comm)
         if blk.audio_attn is not None:
-            _shard_attention(blk.audio_attn, rank, world, group, m.dim, dev)
+            _shard_attention(blk.audio_attn, rank, world, group, m.dim, dev, comm)
         blk.ffn.fc1 = _take_rows(blk.ffn.fc1, _rows(1, m.ffn_dim, rank, world, dev))
-        blk.ffn.fc2 = RowParallelLinear(*_take_cols(blk.ffn.fc2, rank, world), group)
+        blk.ffn.fc2 = RowParallelLinear(*_take_cols(blk.ffn.fc2, rank, world), group, comm)
     model.tp_world_size, model.tp_rank, model.tp_group = world, rank, group
     return model
+
+
+def set_comm(model: nn.Module, comm: str) -> int:
+    """Set every RowParallelLinear's comm mode in `model`; return how many layers."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, RowParallelLinear):
+            mod.comm = comm
+            n += 1
+    return n

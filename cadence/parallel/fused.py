@@ -1,0 +1,660 @@
+"""The row-parallel projection's communication: local GEMM + sum over the TP group, several ways.
+
+``row_parallel(linear, x, bias, group, mode)`` computes ``all_reduce_sum(x @ W_local^T) + bias``
+(every rank gets the full [M, N] output). Modes:
+
+``"nccl"``      reference: local GEMM, then ``dist.all_reduce`` (NCCL on CUDA, gloo on CPU).
+``"two_shot"``  the GEMM writes straight into a symmetric-memory buffer (no copy), then
+                ``torch.ops.symm_mem.two_shot_all_reduce_out`` (reduce-scatter + all-gather with
+                peer loads over NVLink) writes the sum into a fresh tensor (``two_shot_all_reduce_``
+                in place + a copy where the ``_out`` op is missing).
+``"one_shot"``  same buffer, ``torch.ops.symm_mem.one_shot_all_reduce`` (every rank reads every peer).
+``"rs_ag"``     ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` (``fused_scaled_matmul_reduce_scatter``
+                for an FP8 layer: rowwise scales, fast accumulation) over the token dim, then an NCCL
+                all-gather. Needs M divisible by the group size (else nccl for that shape).
+``"chunked"``   the GEMM split along N into c chunks (``"chunked4"``: c = 4; plain ``"chunked"``: 2) on
+                the main stream; each finished chunk is two-shot all-reduced on a side stream.
+                Measured in BENCHMARKS.md's spirit: assume nothing, ``cadence bench fused`` times it.
+``"auto"``      :func:`choose_mode` per shape (env CADENCE_TP_COMM=<mode> overrides "auto" process-wide,
+                e.g. CADENCE_TP_COMM=nccl as a kill switch).
+
+Never multicast: no ``multimem_*`` op is used anywhere, and ``init_tp`` keeps NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1. All symmetric-memory collectives are
+issued from the caller's (main) stream, except in "chunked", whose side stream waits for the main
+stream before its first collective and is waited on by the main stream after its last one, so two
+symm-mem collectives of the group never run at the same time.
+
+Buffers (:class:`SymmBufferCache`): one flat symmetric buffer pair per (group, device, dtype, N,
+row bucket), allocated with ``torch.distributed._symmetric_memory.empty`` + ``rendezvous`` once
+and reused; a token count M uses the prefix ``buf[:M*N]`` (storage offset 0) of the bucket that
+holds it. Buckets are M rounded up to 4 steps per octave (748 -> 768, 4680 -> 5120), so a new M
+(first chunk with the sink, another prompt length, another resolution) reuses a bucket or adds
+one; the cache is an LRU of at most ``max_entries`` (default 4, env CADENCE_SYMM_CACHE) entries and
+drops evicted buffers (they return to torch's symmetric-memory pool, which reuses them for the
+next bucket of that size: memory is bounded by the distinct bucket sizes ever live, logarithmic in
+the largest M). Each entry holds TWO buffers used alternately (ping-pong): before the GEMM of call
+i+2 overwrites buffer A, every peer has entered call i+1's collective (its start barrier), so has
+finished reading A in call i, whatever the end-of-kernel synchronisation of the torch version.
+Nothing here is compiled per shape (eager ops only), so new shapes never trigger recompilation.
+
+Fallbacks (warn-once per reason, then the nccl path, never a crash): no CUDA / not NCCL (CPU and
+gloo: every mode is nccl, one warning line per process), symmetric memory or an op missing in this
+torch, an op that raises for a shape (that (mode, shape) is then remembered as unusable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cadence.telemetry.spans import region
+
+log = logging.getLogger(__name__)
+
+MODES = ("nccl", "two_shot", "one_shot", "rs_ag", "chunked")
+DEFAULT_CHUNKS = 2
+AUTO_TWO_SHOT_MAX_M = 8192  # built-in default when no measured table: two-shot up to this M on CUDA
+REPO = Path(__file__).resolve().parents[2]
+
+# ---- warn-once -------------------------------------------------------------------------------
+_warned: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def warn_once(key: str, msg: str, *args) -> bool:
+    """Log `msg` at WARNING the first time `key` is seen in this process; True if it was logged."""
+    with _lock:
+        n = _warned.get(key, 0)
+        _warned[key] = n + 1
+    if n == 0:
+        log.warning(msg + " (logged once per process)", *args)
+        return True
+    return False
+
+
+def fallback_warnings() -> dict[str, int]:
+    """Reason key -> how many times the fallback was hit (the warning itself is logged once)."""
+    return dict(_warned)
+
+
+def reset_fallback_warnings() -> None:
+    _warned.clear()
+
+
+# ---- mode parsing ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def parse_mode(mode: str) -> tuple[str, int]:
+    """'two_shot' -> ('two_shot', 1); 'chunked' -> ('chunked', 2); 'chunked4' -> ('chunked', 4)."""
+    mode = (mode or "auto").strip().lower().replace("-", "_")
+    m = re.fullmatch(r"chunked_?(\d+)?", mode)
+    if m:
+        c = int(m.group(1)) if m.group(1) else DEFAULT_CHUNKS
+        if c < 1:
+            raise ValueError(f"chunked mode needs >= 1 chunk, got {mode!r}")
+        return "chunked", c
+    if mode == "auto" or mode in MODES:
+        return mode, 1
+    raise ValueError(f"unknown row-parallel comm mode {mode!r}; one of auto, {', '.join(MODES)}, chunkedN")
+
+
+def dtype_key(linear: torch.nn.Module, dtype: torch.dtype) -> str:
+    """'fp8' for an FP8 layer, else the activation dtype's short name (bf16, fp16, fp32)."""
+    from cadence.quant.fp8 import FP8Linear
+
+    if isinstance(linear, FP8Linear):
+        return "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+# ---- symmetric memory availability -----------------------------------------------------------
+_symm_mod = None
+_enabled_groups: set[str] = set()
+
+
+def _symm():
+    """torch.distributed._symmetric_memory (importing it registers the fused ops), or None."""
+    global _symm_mod
+    if _symm_mod is None:
+        try:
+            import torch.distributed._symmetric_memory as sm  # noqa: PLC0415
+
+            _symm_mod = sm
+        except Exception as e:  # noqa: BLE001 - any import problem means: not available
+            _symm_mod = False
+            warn_once("symm-import", "torch.distributed._symmetric_memory unavailable (%s): row-parallel "
+                      "layers use the nccl all-reduce", str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return _symm_mod or None
+
+
+def _ops():
+    """The symm_mem op namespace (one indirection, so CPU tests can substitute a gloo emulation)."""
+    return torch.ops.symm_mem
+
+
+def _op(name: str):
+    try:
+        return getattr(_ops(), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def group_name(group) -> str:
+    g = group if group is not None else dist.group.WORLD
+    name = getattr(g, "group_name", None)
+    if name is None:
+        name = dist.distributed_c10d._get_process_group_name(g)  # older torch
+    return name
+
+
+_reason_cache: dict[tuple, str | None] = {}
+
+
+def symm_unavailable_reason(device: torch.device, group) -> str | None:
+    """Why symmetric-memory modes cannot run here (None: they can be tried). Cached per group."""
+    key = (device.type, id(group))
+    if key not in _reason_cache:
+        _reason_cache[key] = _symm_unavailable_reason(device, group)
+    return _reason_cache[key]
+
+
+def _symm_unavailable_reason(device: torch.device, group) -> str | None:
+    if device.type != "cuda":
+        return f"symmetric memory needs CUDA tensors (got {device.type})"
+    try:
+        backend = dist.get_backend(group)
+    except Exception as e:  # noqa: BLE001
+        return f"no process group ({e})"
+    if str(backend).lower() != "nccl":
+        return f"symmetric memory modes need the NCCL backend (got {backend})"
+    if _symm() is None:
+        return "torch.distributed._symmetric_memory unavailable"
+    return None
+
+
+_backend_set: list[str] = []
+
+
+def _prepare(group) -> None:
+    """Once per process: pick the symmetric-memory backend (CADENCE_SYMM_BACKEND, default "CUDA":
+    cuMem + peer mappings, no NVSHMEM, no multicast) before the first allocation; once per group:
+    enable symmetric memory for it (required by older torch, a no-op or deprecated in newer)."""
+    sm = _symm()
+    if not _backend_set:
+        _backend_set.append("done")
+        want = os.environ.get("CADENCE_SYMM_BACKEND", "CUDA")
+        fn = getattr(sm, "set_backend", None)
+        if fn is not None and want:
+            try:
+                fn(want)
+            except Exception as e:  # noqa: BLE001 - older torch: one backend only
+                log.debug("symm_mem.set_backend(%s): %s", want, e)
+    name = group_name(group)
+    if name in _enabled_groups:
+        return
+    fn = getattr(sm, "enable_symm_mem_for_group", None)
+    if fn is not None:
+        try:
+            fn(name)
+        except Exception as e:  # noqa: BLE001
+            log.debug("enable_symm_mem_for_group(%s): %s", name, e)
+    _enabled_groups.add(name)
+
+
+# ---- symmetric buffer cache ------------------------------------------------------------------
+def bucket_rows(m: int) -> int:
+    """Rows a buffer for M tokens is allocated with: M rounded up to 4 steps per octave (>= 64)."""
+    m = max(int(m), 1)
+    if m <= 64:
+        return 64
+    step = 1 << max(int(math.floor(math.log2(m))) - 2, 0)
+    return -(-m // step) * step
+
+
+class SymmBufferCache:
+    """LRU of symmetric-memory buffer pairs keyed by (group, device, dtype, N, row bucket).
+
+    ``get(m, n, dtype, device, group)`` returns a flat buffer of at least m*n elements (one of the
+    entry's two, alternating per call); callers view its prefix. `alloc(numel, dtype, device,
+    group)` makes one rendezvoused buffer (injectable for tests: the LRU logic runs on CPU)."""
+
+    def __init__(self, max_entries: int = 4, alloc=None):
+        self.max_entries = max(1, int(max_entries))
+        self._alloc = alloc or _symm_alloc
+        self._entries: OrderedDict[tuple, list] = OrderedDict()  # key -> [buf0, buf1, next index]
+        self.allocations = 0
+        self.evictions = 0
+        self.hits = 0
+
+    def get(self, m: int, n: int, dtype: torch.dtype, device: torch.device, group) -> torch.Tensor:
+        rows = bucket_rows(m)
+        key = (group_name(group) if group is not None or dist.is_initialized() else "", str(device), dtype, n, rows)
+        ent = self._entries.get(key)
+        if ent is None:
+            while len(self._entries) >= self.max_entries:
+                old_key, _ = self._entries.popitem(last=False)  # drop the buffers: back to the pool
+                self.evictions += 1
+                log.debug("symm buffer cache: evicted %s", old_key)
+            ent = [self._alloc(rows * n, dtype, device, group), self._alloc(rows * n, dtype, device, group), 0]
+            self.allocations += 2
+            self._entries[key] = ent
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        buf = ent[ent[2]]
+        ent[2] ^= 1
+        return buf
+
+    def info(self) -> dict:
+        """entries (<= max_entries), bytes held, allocations / evictions / hits so far, keys."""
+        nbytes = sum(b.numel() * b.element_size() for e in self._entries.values() for b in e[:2])
+        return {"entries": len(self._entries), "max_entries": self.max_entries, "bytes": nbytes,
+                "allocations": self.allocations, "evictions": self.evictions, "hits": self.hits,
+                "keys": [(k[3], k[4], str(k[2]).replace("torch.", "")) for k in self._entries]}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _symm_alloc(numel: int, dtype: torch.dtype, device: torch.device, group) -> torch.Tensor:
+    sm = _symm()
+    _prepare(group)
+    buf = sm.empty(numel, dtype=dtype, device=device)
+    sm.rendezvous(buf, group_name(group))
+    return buf
+
+
+_CACHE = SymmBufferCache(int(os.environ.get("CADENCE_SYMM_CACHE", "4")))
+
+
+def symm_cache() -> SymmBufferCache:
+    return _CACHE
+
+
+def symm_cache_info() -> dict:
+    """The process-wide symmetric buffer cache's size and counters (see SymmBufferCache.info)."""
+    return _CACHE.info()
+
+
+def set_symm_cache_size(max_entries: int) -> None:
+    _CACHE.max_entries = max(1, int(max_entries))
+    while len(_CACHE._entries) > _CACHE.max_entries:
+        _CACHE._entries.popitem(last=False)
+        _CACHE.evictions += 1
+
+
+def clear_symm_cache() -> None:
+    _CACHE.clear()
+
+
+# ---- the chooser -----------------------------------------------------------------------------
+_decisions: dict[tuple, tuple[str, str]] = {}
+_table_cache: dict[str, object] = {}
+
+
+def table_path(world: int) -> Path | None:
+    """The measured chooser table: $CADENCE_FUSED_TABLE, else the newest
+    docs/perf/fused/chooser-*-tp<world>.json of this checkout (None if none)."""
+    env = os.environ.get("CADENCE_FUSED_TABLE")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    d = REPO / "docs" / "perf" / "fused"
+    if not d.is_dir():
+        return None
+    try:  # this GPU's own table first (chooser-nvidia-h200-x2-tp2.json), else any for this TP size
+        if torch.cuda.is_available():
+            from cadence.bench.common import device_kind
+
+            own = d / f"chooser-{device_kind(torch.device('cuda', torch.cuda.current_device()), world)}-tp{world}.json"
+            if own.is_file():
+                return own
+    except Exception:  # noqa: BLE001 - naming only
+        pass
+    cands = sorted(p for p in d.glob(f"chooser-*-tp{world}.json") if not p.name.startswith("chooser-cpu-"))
+    return cands[-1] if cands else None
+
+
+def load_table(world: int) -> list[dict]:
+    p = table_path(world)
+    key = str(p)
+    if key not in _table_cache:
+        entries: list[dict] = []
+        if p is not None:
+            try:
+                doc = json.loads(p.read_text())
+                entries = [e for e in doc.get("entries", []) if int(e.get("world", world)) == world]
+            except (OSError, ValueError, TypeError) as e:
+                warn_once(f"table:{p}", "chooser table %s unreadable (%s): built-in default", p, e)
+        _table_cache[key] = (p, entries)
+    return _table_cache[key][1]
+
+
+def _default_mode(m: int, device_type: str) -> tuple[str, str]:
+    if device_type != "cuda":
+        return "nccl", f"{device_type}: no symmetric memory"
+    if m <= AUTO_TWO_SHOT_MAX_M:
+        return "two_shot", f"built-in default (no measured entry): two_shot at M <= {AUTO_TWO_SHOT_MAX_M}"
+    return "nccl", f"built-in default (no measured entry): nccl at M > {AUTO_TWO_SHOT_MAX_M}"
+
+
+def choose_mode(m: int, n: int, k: int, dtype: str | torch.dtype, world: int, device_type: str = "cuda") -> str:
+    """The comm mode for a row-parallel call [m, k] x [k, n] over `world` ranks (dtype: 'bf16',
+    'fp8', ... or a torch dtype). From the measured table (same n, k, dtype, world; the nearest
+    measured m within 2x), else the built-in default. Logs its pick and the reason once per shape."""
+    if isinstance(dtype, torch.dtype):
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    key = (m, n, k, dtype, world, device_type)
+    hit = _decisions.get(key)
+    if hit is not None:
+        return hit[0]
+    if device_type != "cuda" or world <= 1:
+        mode, why = "nccl", (f"{device_type}: no symmetric memory" if device_type != "cuda" else "world of one")
+    else:
+        best = None
+        for e in load_table(world):
+            try:
+                if int(e["n"]) != n or int(e["k"]) != k or e["dtype"] != dtype:
+                    continue
+                d = abs(math.log(max(int(e["m"]), 1) / max(m, 1)))
+            except (KeyError, ValueError, TypeError):
+                continue
+            if d <= math.log(2) and (best is None or d < best[0]):
+                best = (d, e)
+        if best is not None and best[1].get("best_mode"):
+            e = best[1]
+            mode = e["best_mode"]
+            try:
+                parse_mode(mode)
+            except ValueError:
+                mode, why = _default_mode(m, device_type)
+            else:
+                times = e.get("modes_us") or e.get("modes") or {}
+                why = (f"measured table {table_path(world)}: at m={e['m']} {mode} "
+                       f"{times.get(mode, '?')} us vs nccl {times.get('nccl', e.get('unfused_us', '?'))} us")
+        else:
+            mode, why = _default_mode(m, device_type)
+    _decisions[key] = (mode, why)
+    log.info("row-parallel %dx%d->%d %s TP=%d: comm mode %s (%s)", m, k, n, dtype, world, mode, why)
+    return mode
+
+
+def chooser_decisions() -> dict[str, dict]:
+    """Every shape the chooser decided so far: 'm x k -> n dtype tpW' -> {mode, why}."""
+    return {f"{k[0]}x{k[2]}->{k[1]} {k[3]} tp{k[4]}": {"mode": v[0], "why": v[1]} for k, v in _decisions.items()}
+
+
+def reset_chooser() -> None:
+    _decisions.clear()
+    _table_cache.clear()
+
+
+# ---- GEMM into a given buffer ----------------------------------------------------------------
+def gemm_out_dtype(linear, x: torch.Tensor) -> torch.dtype:
+    from cadence.quant.fp8 import FP8Linear
+
+    if isinstance(linear, FP8Linear) and x.device.type == "cuda":
+        return torch.bfloat16  # rowwise-scaled FP8 GEMMs produce bf16 on CUDA
+    return x.dtype
+
+
+def _fp8_fast(linear, x: torch.Tensor) -> bool:
+    from cadence.quant.fp8 import FP8Linear
+
+    return isinstance(linear, FP8Linear) and linear._why_not_scaled_mm(x, torch.bfloat16) is None
+
+
+def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = None, timed: bool = True) -> None:
+    """out [M, n] <- x2 [M, K] @ W^T without bias (W: the layer's weight, or its output rows `rows`).
+    Writes straight into `out` (cuBLAS epilogue); where that is not possible, computes and copies.
+    Timed under the "linear" region unless `timed` is False (caller inside another region)."""
+    from cadence.quant.fp8 import FP8Linear, quantize_rows
+
+    ctx = region("linear") if timed else contextlib.nullcontext()
+    try:
+        if isinstance(linear, FP8Linear):
+            if _fp8_fast(linear, x2):
+                with ctx:
+                    pre = getattr(linear, "_cadence_xq", None)
+                    xq, xs = pre if pre is not None else quantize_rows(x2)
+                    w = linear.weight_fp8 if rows is None else linear.weight_fp8[rows]
+                    ws = linear.weight_scale if rows is None else _scale_slice(linear, rows)
+                    torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=out.dtype, use_fast_accum=True,
+                                     out=out)
+                return
+        elif x2.dtype == linear.weight.dtype == out.dtype:
+            with ctx:
+                w = linear.weight if rows is None else linear.weight[rows]
+                torch.mm(x2, w.t(), out=out)
+            return
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        warn_once("gemm-into", "GEMM straight into the symmetric buffer failed (%s): computing then copying",
+                  str(e).splitlines()[0] if str(e) else type(e).__name__)
+    y = _plain_gemm(linear, x2, rows)
+    out.copy_(y)
+
+
+def _plain_gemm(linear, x2: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    if rows is None:
+        return linear(x2)
+    from cadence.quant.fp8 import FP8Linear
+
+    if isinstance(linear, FP8Linear):
+        return linear(x2)[:, rows]
+    return torch.nn.functional.linear(x2, linear.weight[rows])
+
+
+def _scale_slice(linear, rows: slice) -> torch.Tensor:
+    """[1, n] slice of an FP8 layer's weight scales, its own 16-byte aligned copy (cached)."""
+    cache = linear.__dict__.setdefault("_cadence_scale_slices", {})
+    key = (rows.start, rows.stop, linear.weight_scale.data_ptr())
+    t = cache.get(key)
+    if t is None:
+        t = linear.weight_scale[:, rows].clone()
+        cache[key] = t
+    return t
+
+
+# ---- the modes -------------------------------------------------------------------------------
+_unusable: dict[tuple, str] = {}  # (mode, m, n, dtype) -> why it failed
+_side_streams: dict[int, object] = {}
+
+
+def _side_stream(device: torch.device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _side_streams.get(idx)
+    if s is None:
+        s = torch.cuda.Stream(device=device)
+        _side_streams[idx] = s
+    return s
+
+
+def _nccl(linear, x2, group):
+    y = linear(x2)
+    with region("allreduce"):
+        y = y.contiguous()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+    return y
+
+
+_no_out_op: list[str] = []  # set once two_shot_all_reduce_out proved missing / unusable
+
+
+def _two_shot_reduce(buf: torch.Tensor, gname: str) -> torch.Tensor:
+    """Two-shot sum of the symmetric `buf` into a fresh tensor (``_out`` op; else in place + copy)."""
+    op = None if _no_out_op else _op("two_shot_all_reduce_out")
+    if op is not None:
+        out = torch.empty_like(buf)
+        try:
+            op(buf, "sum", gname, out)
+            return out
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # argument checks: before any kernel
+            _no_out_op.append(str(e))
+            warn_once("two-shot-out", "two_shot_all_reduce_out unusable (%s): in place + copy instead",
+                      str(e).splitlines()[0] if str(e) else type(e).__name__)
+    _ops().two_shot_all_reduce_(buf, "sum", gname)
+    return buf.clone()
+
+
+def _symm_gemm_buffer(linear, x2, group, m, n):
+    dt = gemm_out_dtype(linear, x2)
+    flat = _CACHE.get(m, n, dt, x2.device, group)
+    return flat[: m * n].view(m, n)
+
+
+def _two_shot(linear, x2, group, m, n):
+    buf = _symm_gemm_buffer(linear, x2, group, m, n)
+    gemm_into(linear, x2, buf)
+    with region("allreduce"):
+        return _two_shot_reduce(buf, group_name(group))
+
+
+def _one_shot(linear, x2, group, m, n):
+    buf = _symm_gemm_buffer(linear, x2, group, m, n)
+    gemm_into(linear, x2, buf)
+    with region("allreduce"):
+        return _ops().one_shot_all_reduce(buf, "sum", group_name(group))
+
+
+def _rs_ag(linear, x2, group, m, n, world):
+    from cadence.quant.fp8 import FP8Linear, quantize_rows
+
+    gname = group_name(group)
+    _prepare(group)  # the fused op allocates its own symmetric workspace
+    with region("linear_comm"):
+        if isinstance(linear, FP8Linear):
+            if not _fp8_fast(linear, x2):
+                raise RuntimeError("FP8 layer cannot use _scaled_mm here")
+            xq, xs = quantize_rows(x2)
+            odt = gemm_out_dtype(linear, x2)  # bf16 on CUDA
+            op = _ops().fused_scaled_matmul_reduce_scatter
+            try:  # torch >= 2.7 signature (orig / reshaped scatter dims, output_shape)
+                part = op(xq, linear.weight_fp8.t(), xs, linear.weight_scale, "sum", 0, 0, gname, [m, n],
+                          None, None, odt, True)
+            except (TypeError, RuntimeError) as e:
+                if "argument" not in str(e) and "schema" not in str(e).lower():
+                    raise
+                part = op(xq, linear.weight_fp8.t(), xs, linear.weight_scale, "sum", 0, gname,
+                          None, None, odt, True)  # older signature
+        else:
+            if x2.dtype != linear.weight.dtype:
+                raise RuntimeError(f"dtype mismatch {x2.dtype} vs {linear.weight.dtype}")
+            part = _ops().fused_matmul_reduce_scatter(x2, linear.weight.t(), "sum", 0, gname)
+        part = part.reshape(m // world, n).contiguous()
+        out = torch.empty(m, n, dtype=part.dtype, device=part.device)
+        dist.all_gather_into_tensor(out, part, group=group)
+    return out
+
+
+def _chunked(linear, x2, group, m, n, chunks):
+    from cadence.quant.fp8 import FP8Linear, quantize_rows
+
+    nc = n // chunks
+    flat = _CACHE.get(m, n, gemm_out_dtype(linear, x2), x2.device, group)
+    bufs = flat[: m * n].view(chunks, m, nc)
+    gname = group_name(group)
+    if x2.device.type != "cuda":  # emulation on CPU (tests): the same steps, one stream
+        with region("linear_comm"):
+            for j in range(chunks):
+                gemm_into(linear, x2, bufs[j], rows=slice(j * nc, (j + 1) * nc), timed=False)
+                _ops().two_shot_all_reduce_(bufs[j], "sum", gname)
+            return bufs.permute(1, 0, 2).reshape(m, n)
+    main = torch.cuda.current_stream(x2.device)
+    side = _side_stream(x2.device)
+    with region("linear_comm"):
+        fp8 = isinstance(linear, FP8Linear) and _fp8_fast(linear, x2)
+        if fp8:
+            linear._cadence_xq = quantize_rows(x2)  # quantise once for all chunks
+        side.wait_stream(main)
+        try:
+            for j in range(chunks):
+                gemm_into(linear, x2, bufs[j], rows=slice(j * nc, (j + 1) * nc), timed=False)
+                ev = torch.cuda.Event()
+                ev.record(main)
+                with torch.cuda.stream(side):
+                    side.wait_event(ev)
+                    _ops().two_shot_all_reduce_(bufs[j], "sum", gname)
+        finally:
+            main.wait_stream(side)  # also on error: nothing of this call stays in flight on the side
+            if fp8:
+                linear._cadence_xq = None
+        out = bufs.permute(1, 0, 2).reshape(m, n)  # a copy: columns back in order
+    return out
+
+
+def _precheck(mode: str, chunks: int, m: int, n: int, dt: torch.dtype, world: int) -> str | None:
+    el = dt.itemsize
+    if mode == "rs_ag" and m % world:
+        return f"rs_ag needs M divisible by the group size ({m} % {world})"
+    if mode == "chunked" and (n % chunks or (n // chunks) % 8):
+        return f"chunked{chunks} needs N/chunks a multiple of 8 (N={n})"
+    per = n // chunks if mode == "chunked" else n
+    if (m * per * el) % 16:
+        return f"symmetric all-reduce needs 16-byte multiples (M={m}, N={per}, {el} B)"
+    return None
+
+
+def row_parallel(linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode: str = "auto") -> torch.Tensor:
+    """all_reduce_sum(x @ W_local^T) + bias over `group` in the given comm mode ([..., K] -> [..., N]).
+    The output is replicated on every rank and never aliases a symmetric buffer."""
+    lead = x.shape[:-1]
+    k, n = linear.in_features, linear.out_features
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    world = dist.get_world_size(group)
+    name, chunks = parse_mode(mode)
+    if name == "auto" and os.environ.get("CADENCE_TP_COMM", "auto") != "auto":
+        name, chunks = parse_mode(os.environ["CADENCE_TP_COMM"])  # process-wide override of "auto"
+    if name == "auto":
+        dk = dtype_key(linear, x2.dtype)
+        picked = choose_mode(m, n, k, dk, world, x2.device.type)
+        name, chunks = parse_mode(picked)
+    y = None
+    if name != "nccl" and world > 1 and m > 0:
+        why = symm_unavailable_reason(x2.device, group)
+        if why is not None:
+            warn_once(f"unavailable:{why}", "row-parallel comm %r falls back to nccl: %s", mode, why)
+        else:
+            dt = gemm_out_dtype(linear, x2)
+            ukey = (name, chunks, m, n, dt, dtype_key(linear, x2.dtype))
+            why = _unusable.get(ukey) or _precheck(name, chunks, m, n, dt, world)
+            if why is None:
+                try:
+                    if name == "two_shot":
+                        y = _two_shot(linear, x2, group, m, n)
+                    elif name == "one_shot":
+                        y = _one_shot(linear, x2, group, m, n)
+                    elif name == "rs_ag":
+                        y = _rs_ag(linear, x2, group, m, n, world)
+                    elif name == "chunked":
+                        y = _chunked(linear, x2, group, m, n, chunks) if chunks > 1 else _two_shot(
+                            linear, x2, group, m, n)
+                except torch.OutOfMemoryError:
+                    raise
+                except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError) as e:
+                    why = f"{name} failed: " + (str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    _unusable[ukey] = why
+                    y = None
+            if y is None:
+                warn_once(f"mode:{name}:{why[:60]}", "row-parallel comm %s for %dx%d->%d falls back to nccl: %s",
+                          name, m, k, n, why)
+    if y is None:
+        y = _nccl(linear, x2, group)
+    if bias is not None:
+        y = y.add_(bias.to(y.dtype))  # y is always a fresh tensor here (never a symmetric buffer)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y.reshape(*lead, n)
