@@ -85,6 +85,12 @@ class VAEConfig:
     """Compression (frames, height, width): one latent frame holds `stride[0]` video frames."""
     latent_channels: int = 16
     """Channels of the latent (z)."""
+    decoder: str = "standin"
+    """'standin' (weightless DCT stand-in), 'wan' (the streaming Wan VAE, cadence.model.vae; random
+    weights unless `weights` is set) or 'taehv' (the tiny streaming decoder, cadence.model.taehv; the
+    encoder is then the Wan one)."""
+    weights: str | None = None
+    """A diffusers `vae/` folder (config.json + safetensors) for the Wan VAE; None = random weights."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +228,11 @@ class CadenceConfig:
             name = ("height", "width")[axis]
             if px <= 0 or px % (st * pt):
                 errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
+        if v.decoder not in ("standin", "wan", "taehv"):
+            errs.append(f"vae.decoder must be 'standin', 'wan' or 'taehv', got {v.decoder!r}")
+        if v.decoder != "standin" and (tuple(v.stride), v.latent_channels) not in (((4, 8, 8), 16), ((4, 16, 16), 48)):
+            errs.append(f"the Wan VAE has stride 4x8x8 with z=16 or 4x16x16 with z=48, got "
+                        f"{'x'.join(map(str, v.stride))} with z={v.latent_channels}")
         if v.stride[0] != 4:
             errs.append(f"VAE temporal stride must be 4 (4 video frames per latent frame), got {v.stride[0]}")
         if m.patch[0] != 1:

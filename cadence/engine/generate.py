@@ -24,6 +24,7 @@ from cadence.errors import InputError
 from cadence.model.audio import AudioFeatures
 from cadence.model.dit import WanDiT
 from cadence.model.standin_vae import StandInVAE
+from cadence.model.vae import WanVAE, wan_vae_config
 from cadence.model.text import ByteTextEncoder
 from cadence.model.weights import build_model
 from cadence.runtime.chunk import denoise_chunk
@@ -69,13 +70,26 @@ class Session:
         # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
         sf = cfg.stream.sink_frames
         self.next_frame = 0
+        # Per-session decode state (None for the stateless stand-in). The Wan decoders are primed with
+        # the sink latent (its one decoded frame is dropped), so every chunk then decodes to 4F frames.
+        self.decoder = gen.vae.stream() if hasattr(gen.vae, "stream") else None
         if sf:
             lat = gen.vae.encode(image.to(dev)[:, None]).repeat(1, sf, 1, 1)
+            if self.decoder is not None:
+                self.decoder.decode_chunk(lat[:, :1])
             silence = torch.zeros(gen.audio.samples_per_frame * sf, device=dev)
             self.cache.begin_chunk(0, sf, sink=True)
             model.forward_chunk(lat, gen.timesteps[-1:], self.text, self._audio_feats(silence), self.cache, commit=True)
             self.next_frame = sf
         self.index = 0
+
+    def decode(self, lat: torch.Tensor) -> torch.Tensor:
+        """A chunk's clean latent -> uint8 frames [4F, H, W, 3] (this session's decoder state)."""
+        if self.decoder is None:
+            return self.gen.vae.decode(lat)
+        if self.decoder.latent_frames == 0:  # no sink: decode a zero latent first so chunks map to 4F frames
+            self.decoder.decode_chunk(torch.zeros_like(lat[:, :1]))
+        return self.gen.vae.to_uint8(self.decoder.decode_chunk(lat))
 
     def _audio_feats(self, samples: torch.Tensor) -> torch.Tensor | None:
         return self.gen.audio(samples) if self.model.audio_embed is not None else None
@@ -104,7 +118,7 @@ class StreamGenerator:
     def __init__(self, cfg: CadenceConfig, model: WanDiT):
         self.cfg, self.model = cfg, model
         dev = model.device
-        self.vae = StandInVAE(cfg, dev)
+        self.vae = make_vae(cfg, dev, model.dtype)
         self.text_encoder = ByteTextEncoder(cfg.model)
         self.audio = AudioFeatures(cfg, dev)
         self.schedule = Schedule.from_config(cfg.stream)
@@ -134,8 +148,56 @@ class StreamGenerator:
         audio_dev = audio[: num_chunks * spc].float().to(self.model.device)  # one copy, outside the steps
         for i in range(num_chunks):
             lat = sess.step(audio_dev[i * spc:(i + 1) * spc])
-            frames = self.vae.decode(lat).cpu()
+            frames = sess.decode(lat).cpu()
             yield ChunkOutput(index=i, latents=lat, frames=frames, audio=audio[i * spc:(i + 1) * spc])
+
+
+class WanVAEAdapter:
+    """The streaming Wan VAE (or the TAEHV decoder with the Wan encoder) behind the stand-in's API:
+    encode(video [3, 1, H, W]) -> normalised latent [z, 1, h, w]; stream() -> per-session decoder
+    (fed normalised latents, see ``stream``); to_uint8(frames [3, T, H, W]) -> [T, H, W, 3]."""
+
+    def __init__(self, cfg: CadenceConfig, device, dtype: torch.dtype):
+        variant = "2.1" if cfg.vae.latent_channels == 16 else "2.2"
+        if cfg.vae.weights:
+            self.wan = WanVAE.from_diffusers_dir(cfg.vae.weights, device, dtype)
+        else:
+            self.wan = WanVAE(wan_vae_config(variant)).to(device=device, dtype=dtype).eval()
+        self.taehv = None
+        if cfg.vae.decoder == "taehv":
+            from cadence.model.taehv import TAEHV
+
+            self.taehv = TAEHV(cfg.vae.latent_channels, cfg.vae.stride).to(device=device, dtype=dtype).eval()
+
+    @torch.no_grad()
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        return self.wan.normalize_latents(self.wan.encode(video)).float()
+
+    def stream(self):
+        inner = (self.taehv or self.wan).stream()
+        wan = self.wan
+
+        class _Denormalised:  # the DiT's latents are normalised; the decoders read raw VAE latents
+            latent_frames = property(lambda s: inner.latent_frames)
+
+            def decode_chunk(self, lat: torch.Tensor) -> torch.Tensor:
+                return inner.decode_chunk(wan.denormalize_latents(lat.float()))
+
+            def reset(self) -> None:
+                inner.reset()
+
+        return _Denormalised()
+
+    @staticmethod
+    def to_uint8(frames: torch.Tensor) -> torch.Tensor:
+        return ((frames.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
+
+
+def make_vae(cfg: CadenceConfig, device, dtype: torch.dtype):
+    """The configured autoencoder: the stand-in, or the streaming Wan VAE / TAEHV decoder."""
+    if cfg.vae.decoder == "standin":
+        return StandInVAE(cfg, device)
+    return WanVAEAdapter(cfg, device, dtype)
 
 
 def build_generator(cfg: CadenceConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -1,0 +1,226 @@
+"""Streaming VAE decode: time per further 4-frame chunk (one latent frame per call by default).
+
+``cadence bench vae --variant 2.1|2.2 --height 704 --width 1088 --chunks N [--compare-diffusers]``
+builds the Wan VAE decoder (random weights) or the TAEHV-style tiny decoder, decodes a stream's first
+latent frame, then N further chunks through one :class:`StreamingDecoder`, each timed with CUDA
+events (host clock on CPU). bf16 on a GPU, float32 on CPU (use a tiny --height/--width/--base-dim
+there). With --compare-diffusers, diffusers' ``AutoencoderKLWan.decode`` of a whole latent of 1 and
+1 + K frames gives its per-chunk cost (the slope); skipped with one log line where diffusers is not
+installed. Reference: BENCHMARKS.md measured diffusers at ~170 ms per further chunk at 704x1088 on
+an H200; the deadline is 166.7 ms per 4-frame chunk at 24 fps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+
+import torch
+
+from cadence.bench.common import Timer, median, p99, print_table, record
+
+DEADLINE_MS = 4 / 24 * 1e3
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cadence bench vae", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=["2.1", "2.2"], default="2.2", help="Wan VAE geometry")
+    p.add_argument("--decoder", choices=["wan", "taehv"], default="wan", help="full Wan decoder or the tiny one")
+    p.add_argument("--height", type=int, default=704)
+    p.add_argument("--width", type=int, default=1088)
+    p.add_argument("--chunks", type=int, default=20, help="timed further chunks")
+    p.add_argument("--latent-frames", type=int, default=1, help="latent frames per chunk (4 video frames each)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed further chunks of a warm-up stream")
+    p.add_argument("--base-dim", type=int, default=None, help="override the decoder width (tiny CPU smoke runs)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--channels-last", action="store_true", help="channels_last(_3d) weights and activations")
+    p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decoder (eager on failure)")
+    p.add_argument("--compare-diffusers", action="store_true", help="also time diffusers' whole-latent decode")
+    p.add_argument("--diffusers-frames", type=int, default=3, help="K: diffusers decodes 1 and 1 + K latent frames")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--no-record", action="store_true")
+    return p.parse_args(argv)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _channels_last(module: torch.nn.Module) -> None:
+    """channels_last_3d for 5D weights, channels_last for 4D (Module.to(memory_format=...) would
+    refuse the 2D convs inside a 3D model: the reason diffusers' Wan VAE 'fails as is')."""
+    for p in module.parameters():
+        if p.dim() == 5:
+            p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
+        elif p.dim() == 4:
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
+
+
+def _compile_blocks(model, log) -> list:
+    """torch.compile the Wan decoder's forward or the whole tiny decoder in place; returns what was
+    touched, to undo on failure."""
+    if hasattr(model, "decoder"):
+        targets = [(model.decoder, "forward")]  # one graph per stream phase (first / second / steady)
+    else:
+        targets = [(model, "_run")]
+    import torch._dynamo.config as dcfg
+
+    for name in ("recompile_limit", "cache_size_limit"):  # stream phases and block instances differ in shapes
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(64, getattr(dcfg, name)))
+    done = []
+    try:
+        for obj, attr in targets:
+            setattr(obj, attr, torch.compile(getattr(obj, attr), dynamic=False))
+            done.append((obj, attr))
+        log(f"torch.compile: {len(done)} decoder parts")
+    except Exception as e:  # noqa: BLE001 - any failure means: run eagerly
+        log(f"torch.compile unavailable ({type(e).__name__}: {e}); running eagerly")
+        _uncompile(done)
+        done = []
+    return done
+
+
+def _uncompile(done: list) -> None:
+    for obj, attr in done:
+        obj.__dict__.pop(attr, None)
+
+
+def build_decoder(args, device: torch.device, dtype: torch.dtype):
+    from cadence.model.vae import WanVAE, wan_vae_config
+
+    cfg = wan_vae_config(args.variant)
+    if args.base_dim:
+        cfg.update(base_dim=args.base_dim, decoder_base_dim=args.base_dim)
+    if args.decoder == "wan":
+        model = WanVAE(cfg)
+        z, stride = model.z_dim, model.stride
+    else:
+        from cadence.model.taehv import TAEHV
+
+        z, stride = cfg["z_dim"], (4, 16, 16) if args.variant == "2.2" else (4, 8, 8)
+        model = TAEHV(z, stride)
+    return cfg, model.to(device=device, dtype=dtype).eval(), z, stride
+
+
+@torch.no_grad()
+def run(args: argparse.Namespace) -> dict:
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _dtype(args.dtype, device)
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
+    cfg, model, z, stride = build_decoder(args, device, dtype)
+    if args.height % stride[1] or args.width % stride[2]:
+        raise SystemExit(f"--height/--width must be multiples of {stride[1]} for variant {args.variant}")
+    lh, lw = args.height // stride[1], args.width // stride[2]
+    if args.channels_last:
+        _channels_last(model)
+    compiled = _compile_blocks(model, log) if args.compile else []
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lf = args.latent_frames
+    lat = torch.randn(z, 1 + lf * (args.warmup + args.chunks), lh, lw, generator=g).to(device, dtype)
+    timer = Timer(device)
+
+    def warm() -> None:
+        st = model.stream()
+        st.decode_chunk(lat[:, :1])
+        for i in range(args.warmup):
+            st.decode_chunk(lat[:, 1 + i * lf:1 + (i + 1) * lf])
+
+    try:
+        warm()
+    except Exception as e:  # noqa: BLE001 - a compile failure shows up on the first call
+        if not compiled:
+            raise
+        log(f"torch.compile failed at first call ({type(e).__name__}: {str(e).splitlines()[0][:200]}); eager")
+        _uncompile(compiled)
+        compiled = []
+        warm()
+    timer.sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    st = model.stream()
+    first = timer.run(lambda: st.decode_chunk(lat[:, :1]), warmup=0, iters=1)[0]
+    times: list[float] = []
+    for i in range(args.chunks):
+        sl = lat[:, 1 + i * lf:1 + (i + 1) * lf]
+        times += timer.run(lambda sl=sl: st.decode_chunk(sl), warmup=0, iters=1)
+        print(f"\rchunk {i + 1}/{args.chunks} ({times[-1]:.1f} ms)", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    frames_per_chunk = stride[0] * lf
+    per = median(times)
+    results = {
+        "variant": args.variant, "decoder": args.decoder, "height": args.height, "width": args.width,
+        "dtype": str(dtype).replace("torch.", ""), "latent_frames_per_chunk": lf,
+        "frames_per_chunk": frames_per_chunk, "first_chunk_ms": first, "per_chunk_ms": per,
+        "per_chunk_p99_ms": p99(times), "per_chunk_mean_ms": float(statistics.mean(times)),
+        "per_frame_ms": per / frames_per_chunk, "deadline_ms": DEADLINE_MS * lf,
+        "meets_deadline": per <= DEADLINE_MS * lf, "chunks": args.chunks,
+        "channels_last": args.channels_last, "cudnn_benchmark": args.cudnn_benchmark, "compiled": bool(compiled),
+        "base_dim": args.base_dim or cfg["base_dim"],
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
+        "chunk_ms": times,
+    }
+    if args.compare_diffusers:
+        results.update(_diffusers(args, cfg, model, lat, device, dtype, timer, log))
+
+    rows = [("first chunk (1 frame)", f"{first:9.2f} ms"),
+            (f"per further chunk ({frames_per_chunk} frames)",
+             f"{per:9.2f} ms  p99 {results['per_chunk_p99_ms']:.2f}  (deadline {DEADLINE_MS * lf:.1f} ms)")]
+    if results.get("diffusers_per_chunk_ms") is not None:
+        rows.append(("diffusers per chunk", f"{results['diffusers_per_chunk_ms']:9.2f} ms (whole-latent decode slope)"))
+    print_table(rows, f"bench vae: {args.decoder} {args.variant} {args.height}x{args.width} {results['dtype']}"
+                      f"{' channels_last' if args.channels_last else ''}{' compiled' if compiled else ''}")
+    if not args.no_record:
+        variant = "-".join([args.variant, args.decoder, results["dtype"]] + (["cl"] if args.channels_last else [])
+                           + (["compile"] if compiled else []) + (["cudnnbench"] if args.cudnn_benchmark else []))
+        shape = {"height": args.height, "width": args.width, "latent": [z, lf, lh, lw], "stride": list(stride)}
+        path = record("vae", f"wan{args.variant}", 1, device, shape, results, variant=variant, out_dir=args.out_dir,
+                      command=getattr(args, "command", None),
+                      headline=f"{args.decoder} decode {per:.1f} ms per {frames_per_chunk}-frame chunk"
+                               + (f" (diffusers {results['diffusers_per_chunk_ms']:.1f})"
+                                  if results.get("diffusers_per_chunk_ms") is not None else ""))
+        print(f"wrote {path}")
+        results["_path"] = str(path)
+    return results
+
+
+def _diffusers(args, cfg, model, lat, device, dtype, timer, log) -> dict:
+    try:
+        from diffusers import AutoencoderKLWan
+    except ImportError:
+        log("diffusers is not installed here: skipping --compare-diffusers")
+        return {"diffusers_per_chunk_ms": None}
+    ref = AutoencoderKLWan(**{k: v for k, v in cfg.items()}).to(device=device, dtype=dtype).eval()
+    if args.decoder == "wan":
+        ref.load_state_dict(model.state_dict(), strict=True)
+    k = max(1, args.diffusers_frames)
+    z1, zk = lat[None, :, :1], lat[None, :, :1 + k]
+    t1 = median(timer.run(lambda: ref.decode(z1), warmup=1, iters=3))
+    tk = median(timer.run(lambda: ref.decode(zk), warmup=1, iters=3))
+    del ref
+    return {"diffusers_first_ms": t1, f"diffusers_1p{k}_ms": tk, "diffusers_per_chunk_ms": (tk - t1) / k}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    args.command = "cadence bench vae " + " ".join(shlex.quote(a) for a in argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
