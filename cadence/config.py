@@ -20,6 +20,7 @@ frames), the previous ``window_chunks - 1`` chunks, and the whole current chunk.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, replace
 
 from cadence.errors import ConfigError
@@ -301,6 +302,160 @@ class CadenceConfig:
             "width": self.stream.width,
             "layers": self.model.num_layers,
         }
+
+
+# ---- placement: which devices diffuse, which decodes (cadence.engine.pipeline) ----------------------
+
+_DEVICE_SPEC = re.compile(r"cpu|auto|cuda(:\d+)?")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How the chunk pipeline is laid out and buffered (deployment settings, not model shapes).
+
+    Resolved against the machine by :func:`resolve_placement`; ``cadence.engine.pipeline.ChunkPipeline``
+    runs it: diffusion in the caller's thread on ``diffusion_devices``, decode in a worker thread on
+    ``decode_device``, overlapped (chunk k decodes while chunk k+1 diffuses)."""
+
+    diffusion_devices: tuple[str, ...] = ("auto",)
+    """Devices that run the DiT: one entry for now (tensor parallel ranks later). 'auto' = cuda:0 when
+    CUDA is present, else cpu; 'cuda' = cuda:0; 'cuda:N'; 'cpu'."""
+    decode_device: str = "auto"
+    """Device that runs the VAE decoder: 'same' (the first diffusion device, on its own CUDA stream),
+    'cuda:N' (a separate GPU; latents are copied over, non-blocking), 'cpu', or 'auto' (the first GPU
+    not used for diffusion if there is one, else 'same'). Without CUDA everything maps to the CPU
+    (decode then runs in a CPU worker thread)."""
+    queue_depth: int = 2
+    """Latent chunks allowed in flight between diffusion and decode (bounded: backpressure on the
+    diffusion loop when decode falls behind)."""
+    steps_in_flight: int = 1
+    """Diffusion steps the caller's thread may have launched but the device not yet finished when it
+    plans the next chunk (CUDA). 1: chunk k+1 is planned when chunk k's step is done, so a chunk's
+    latency (plan -> frames ready) is its own work, not time queued behind earlier launches; 2 lets
+    the host launch one step ahead (hides eager launch overhead, adds up to a step of queueing)."""
+    host_buffers: int = 4
+    """Pinned host frame buffers in the ring the decoder writes uint8 frames into (CUDA decode only).
+    A yielded chunk's frames stay valid until the consumer asks for the next chunk."""
+    graphs: bool = True
+    """Capture the steady-state chunk step as CUDA graphs (cadence.runtime.graphs); other shapes,
+    the naive cache and the CPU run eagerly with one log line per reason."""
+    max_graphs: int = 4
+    """Captured graphs kept per session (LRU; evicted graphs are freed)."""
+    graph_warmup: int = 1
+    """Eager runs of a step shape before it is captured (the first run of a shape is its warm-up)."""
+    max_captures_per_key: int = 8
+    """Captures allowed per step shape (evictions cause recaptures); beyond this the shape runs eagerly
+    for the rest of the session, so a thrashing stream never recaptures without bound."""
+
+    def __post_init__(self) -> None:
+        errs: list[str] = []
+        if len(self.diffusion_devices) != 1:
+            errs.append(f"diffusion_devices must list exactly one device for now (tensor parallel diffusion "
+                        f"is not wired into the pipeline yet), got {list(self.diffusion_devices)}")
+        for d in self.diffusion_devices:
+            if not _DEVICE_SPEC.fullmatch(str(d)):
+                errs.append(f"diffusion device {d!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.decode_device != "same" and not _DEVICE_SPEC.fullmatch(str(self.decode_device)):
+            errs.append(f"decode_device {self.decode_device!r} must be 'auto', 'same', 'cpu', 'cuda' or 'cuda:N'")
+        for what, n, lo in (("queue_depth", self.queue_depth, 1), ("host_buffers", self.host_buffers, 2),
+                            ("steps_in_flight", self.steps_in_flight, 1),
+                            ("max_graphs", self.max_graphs, 1), ("graph_warmup", self.graph_warmup, 1),
+                            ("max_captures_per_key", self.max_captures_per_key, 1)):
+            if n < lo:
+                errs.append(f"{what} must be >= {lo}, got {n}")
+        if errs:
+            raise ConfigError("invalid pipeline configuration: " + "; ".join(errs))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the pipeline's stages run, resolved for one machine (device strings, torch-free)."""
+
+    diffusion_devices: tuple[str, ...]
+    """Resolved diffusion devices ('cpu' or 'cuda:N')."""
+    decode_device: str
+    """Resolved decode device ('cpu' or 'cuda:N')."""
+    separate_stream: bool
+    """True when decode shares the (first) diffusion GPU and runs on its own CUDA stream."""
+    notes: tuple[str, ...] = ()
+    """Human-readable remarks on how the request was mapped (e.g. 'no CUDA: decode on cpu')."""
+
+    @property
+    def diffusion_device(self) -> str:
+        return self.diffusion_devices[0]
+
+    @property
+    def cuda(self) -> bool:
+        return self.diffusion_device.startswith("cuda")
+
+    @property
+    def cross_device(self) -> bool:
+        """Latents change device between diffusion and decode."""
+        return self.decode_device != self.diffusion_device
+
+    def describe(self) -> str:
+        how = " (separate stream)" if self.separate_stream else ""
+        return f"diffusion {','.join(self.diffusion_devices)} -> decode {self.decode_device}{how}"
+
+
+def _cuda_index(spec: str) -> int:
+    return int(spec.split(":")[1]) if ":" in spec else 0
+
+
+def resolve_placement(cfg: PipelineConfig, cuda_device_count: int) -> Placement:
+    """Map a :class:`PipelineConfig` onto a machine with `cuda_device_count` GPUs (pure: pass a fake
+    count in tests). Without CUDA every stage maps to the CPU (decode in a worker thread); with CUDA a
+    device index out of range is a :class:`ConfigError` that names the visible devices."""
+    notes: list[str] = []
+    n = cuda_device_count
+    if n < 0:
+        raise ConfigError(f"cuda_device_count must be >= 0, got {n}")
+    if n == 0:
+        asked = [d for d in (*cfg.diffusion_devices, cfg.decode_device) if str(d).startswith("cuda")]
+        if asked:
+            notes.append(f"no CUDA device visible: {', '.join(asked)} mapped to cpu")
+        return Placement(("cpu",) * len(cfg.diffusion_devices), "cpu", False, tuple(notes))
+    visible = f"{n} CUDA device(s) visible (cuda:0..cuda:{n - 1})"
+    diff: list[str] = []
+    for d in cfg.diffusion_devices:
+        if d == "cpu":
+            diff.append("cpu")
+            continue
+        i = 0 if d == "auto" else _cuda_index(d)
+        if i >= n:
+            raise ConfigError(f"diffusion device {d} is out of range: {visible}")
+        diff.append(f"cuda:{i}")
+    if len(set(diff)) != len(diff):
+        raise ConfigError(f"diffusion devices repeat a device: {diff}")
+    first = diff[0]
+    dec = cfg.decode_device
+    if dec == "auto":
+        free = [f"cuda:{i}" for i in range(n) if f"cuda:{i}" not in diff]
+        if first == "cpu":
+            dec = "cpu"
+        elif free:
+            dec = free[0]
+            notes.append(f"decode on {dec}, a GPU not used for diffusion")
+        else:
+            dec = "same"
+            notes.append(f"one GPU: decode shares {first} on a separate stream")
+    if dec == "same":
+        return Placement(tuple(diff), first, first != "cpu", tuple(notes))
+    if dec == "cpu":
+        if first != "cpu":
+            notes.append("decode on the CPU: latents are copied to the host every chunk (slow)")
+        return Placement(tuple(diff), "cpu", False, tuple(notes))
+    i = _cuda_index(dec)
+    if i >= n:
+        raise ConfigError(f"decode_device {dec} is out of range: {visible}")
+    dec = f"cuda:{i}"
+    if first == "cpu":
+        raise ConfigError(f"decode_device {dec} with diffusion on the CPU: put diffusion on a GPU, or decode "
+                          "on the CPU")
+    if dec in diff[1:]:
+        raise ConfigError(f"decode_device {dec} is also a (non-first) diffusion device {diff}: decode may share "
+                          "only the first diffusion GPU ('same'), or use a GPU of its own")
+    return Placement(tuple(diff), dec, dec == first, tuple(notes))
 
 
 def _wan(dim: int, heads: int, ffn: int, layers: int) -> dict:

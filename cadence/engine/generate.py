@@ -39,6 +39,16 @@ class ChunkOutput:
     audio: torch.Tensor  # float32 CPU [cfg.audio_samples_per_chunk], this chunk's audio
 
 
+@dataclass
+class StepInputs:
+    """What changes from one chunk step to the next (drawn in ``Session.prepare_step``, outside the
+    denoising passes, so a captured CUDA graph of the passes can be fed by copying these in)."""
+
+    noise: torch.Tensor  # [C, F, h, w] float32
+    renoise: torch.Tensor | None  # [passes - 1, C, F, h, w] for the 'renoise' rule
+    audio: torch.Tensor | None  # audio feature tokens [F, A, audio_dim], None without audio layers
+
+
 def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
     """The self-attention cache the config asks for (naive or ring; FP8 K/V with `kv_fp8`)."""
     s = cfg.stream
@@ -54,7 +64,8 @@ def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
 class Session:
     """One stream: cache, prompt K/V, noise generator, next chunk position."""
 
-    def __init__(self, gen: "StreamGenerator", image: torch.Tensor, prompt: str | torch.Tensor, seed: int):
+    def __init__(self, gen: "StreamGenerator", image: torch.Tensor, prompt: str | torch.Tensor, seed: int,
+                 decode_device: str | torch.device | None = None):
         cfg, model = gen.cfg, gen.model
         self.gen, self.cfg, self.model = gen, cfg, model
         dev = model.device
@@ -70,13 +81,19 @@ class Session:
         # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
         sf = cfg.stream.sink_frames
         self.next_frame = 0
-        # Per-session decode state (None for the stateless stand-in). The Wan decoders are primed with
-        # the sink latent (its one decoded frame is dropped), so every chunk then decodes to 4F frames.
-        self.decoder = gen.vae.stream() if hasattr(gen.vae, "stream") else None
+        # Per-session decode state (None for the stateless stand-in), on the decode device (the model's
+        # unless asked otherwise). The Wan decoders are primed with the sink latent (its one decoded frame
+        # is dropped), so every chunk then decodes to 4F frames. Priming is deferred to the first
+        # ``decode`` so that the decoder state is only ever touched by whoever decodes (the pipeline's
+        # decode thread).
+        self.decode_device = torch.device(decode_device) if decode_device is not None else dev
+        self._decode_vae = gen.vae_on(self.decode_device)
+        self.decoder = self._decode_vae.stream() if hasattr(self._decode_vae, "stream") else None
+        self._prime: torch.Tensor | None = None
         if sf:
             lat = gen.vae.encode(image.to(dev)[:, None]).repeat(1, sf, 1, 1)
             if self.decoder is not None:
-                self.decoder.decode_chunk(lat[:, :1])
+                self._prime = lat[:, :1]
             silence = torch.zeros(gen.audio.samples_per_frame * sf, device=dev)
             self.cache.begin_chunk(0, sf, sink=True)
             model.forward_chunk(lat, gen.timesteps[-1:], self.text, self._audio_feats(silence), self.cache, commit=True)
@@ -85,8 +102,12 @@ class Session:
 
     def decode(self, lat: torch.Tensor) -> torch.Tensor:
         """A chunk's clean latent -> uint8 frames [4F, H, W, 3] (this session's decoder state)."""
+        lat = lat.to(self.decode_device)
         if self.decoder is None:
-            return self.gen.vae.decode(lat)
+            return self._decode_vae.decode(lat)
+        if self._prime is not None:
+            prime, self._prime = self._prime, None
+            self.decoder.decode_chunk(prime.to(self.decode_device))
         if self.decoder.latent_frames == 0:  # no sink: decode a zero latent first so chunks map to 4F frames
             self.decoder.decode_chunk(torch.zeros_like(lat[:, :1]))
         return self.gen.vae.to_uint8(self.decoder.decode_chunk(lat))
@@ -94,20 +115,41 @@ class Session:
     def _audio_feats(self, samples: torch.Tensor) -> torch.Tensor | None:
         return self.gen.audio(samples) if self.model.audio_embed is not None else None
 
-    def step(self, audio: torch.Tensor) -> torch.Tensor:
-        """Generate the next chunk from its audio samples [audio_samples_per_chunk] (on the device).
-        Returns its clean latent [C, F, h, w] float32."""
-        cfg, sched = self.cfg, self.gen.schedule
-        nf = cfg.stream.latent_frames_per_chunk
-        self.cache.begin_chunk(self.next_frame, nf)
+    def set_prompt(self, prompt: str | torch.Tensor) -> None:
+        """Change the conditioning mid-stream: a prompt string, or an embedding [L, text_dim] with
+        1 <= L <= text_len (a prompt trimmed of its padding: a different cross-attention length, so a
+        different step shape). Takes effect from the next step."""
+        m = self.cfg.model
+        emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
+        if emb.ndim != 2 or emb.shape[1] != m.text_dim or not 1 <= emb.shape[0] <= m.text_len:
+            raise InputError(f"prompt embedding must be [L, {m.text_dim}] with 1 <= L <= {m.text_len}, "
+                             f"got {list(emb.shape)}")
+        self.text = self.model.prepare_text(emb[None].to(self.model.device))
+
+    def prepare_step(self, audio: torch.Tensor) -> StepInputs:
+        """The host bookkeeping and small device work before the passes: place the chunk in the cache
+        (``begin_chunk``), draw its noise, turn its audio into feature tokens."""
+        sched = self.gen.schedule
+        self.cache.begin_chunk(self.next_frame, self.cfg.stream.latent_frames_per_chunk)
         noise = torch.randn(self.latent_shape, generator=self.noise_gen, device=self.model.device)
         renoise = None
         if sched.rule == "renoise" and sched.passes > 1:
             renoise = torch.randn((sched.passes - 1, *self.latent_shape), generator=self.noise_gen,
                                   device=self.model.device)
-        x = denoise_chunk(self.model, self.cache, sched, cfg.stream.commit, noise, self.text,
-                          self._audio_feats(audio), self.gen.timesteps, renoise)
-        self.next_frame += nf
+        return StepInputs(noise, renoise, self._audio_feats(audio))
+
+    def denoise(self, inp: StepInputs) -> torch.Tensor:
+        """The passes of the chunk ``prepare_step`` placed (what a CUDA graph captures)."""
+        return denoise_chunk(self.model, self.cache, self.gen.schedule, self.cfg.stream.commit, inp.noise, self.text,
+                             inp.audio, self.gen.timesteps, inp.renoise)
+
+    def step(self, audio: torch.Tensor, runner=None) -> torch.Tensor:
+        """Generate the next chunk from its audio samples [audio_samples_per_chunk] (on the device).
+        Returns its clean latent [C, F, h, w] float32. `runner` (a ``cadence.runtime.graphs.GraphRunner``)
+        runs the passes, replaying a CUDA graph where the step shape allows; None runs them eagerly."""
+        inp = self.prepare_step(audio)
+        x = self.denoise(inp) if runner is None else runner.denoise(self, inp)
+        self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
         return x
 
@@ -119,6 +161,7 @@ class StreamGenerator:
         self.cfg, self.model = cfg, model
         dev = model.device
         self.vae = make_vae(cfg, dev, model.dtype)
+        self._vaes = {dev: self.vae}  # the autoencoder per decode device (see vae_on)
         self.text_encoder = ByteTextEncoder(cfg.model)
         self.audio = AudioFeatures(cfg, dev)
         self.schedule = Schedule.from_config(cfg.stream)
@@ -126,12 +169,26 @@ class StreamGenerator:
         ts = [self.schedule.timestep(i) for i in range(self.schedule.passes)] + [0.0]
         self.timesteps = torch.tensor(ts, dtype=torch.float32).to(dev)
 
-    def session(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0) -> Session:
+    def vae_on(self, device: str | torch.device):
+        """The autoencoder on `device` (decode may run on another GPU or the CPU): the model device's
+        one, or a copy with the same weights moved there, built once per device."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._vaes:
+            if isinstance(self.vae, StandInVAE):  # weightless: deterministic from the config
+                self._vaes[device] = StandInVAE(self.cfg, device)
+            else:
+                self._vaes[device] = self.vae.to_device(device)
+        return self._vaes[device]
+
+    def session(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0,
+                decode_device: str | torch.device | None = None) -> Session:
         h, w = self.cfg.stream.height, self.cfg.stream.width
         if tuple(image.shape) != (3, h, w):
             raise InputError(f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, "
                              f"got {list(image.shape)}")
-        return Session(self, image, prompt, seed)
+        return Session(self, image, prompt, seed, decode_device=decode_device)
 
     @torch.no_grad()
     def stream(self, image: torch.Tensor, prompt: str | torch.Tensor, audio: torch.Tensor, num_chunks: int,
@@ -168,6 +225,15 @@ class WanVAEAdapter:
             from cadence.model.taehv import TAEHV
 
             self.taehv = TAEHV(cfg.vae.latent_channels, cfg.vae.stride).to(device=device, dtype=dtype).eval()
+
+    def to_device(self, device) -> "WanVAEAdapter":
+        """A copy with the same weights on `device` (for decoding on another GPU)."""
+        import copy
+
+        other = copy.copy(self)
+        other.wan = copy.deepcopy(self.wan).to(device)
+        other.taehv = copy.deepcopy(self.taehv).to(device) if self.taehv is not None else None
+        return other
 
     @torch.no_grad()
     def encode(self, video: torch.Tensor) -> torch.Tensor:

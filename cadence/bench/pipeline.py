@@ -1,0 +1,211 @@
+"""`cadence bench pipeline`: the overlapped diffusion + decode pipeline, sustained, against the deadline.
+
+    cadence bench pipeline --preset tiny --chunks 12                  # CPU smoke test, seconds
+    cadence bench pipeline --preset w1.3 --chunks 200                 # one H200: decode on its own stream
+    cadence bench pipeline --preset w14 --chunks 200 --decode-device cuda:1   # 2x H200
+    cadence bench pipeline --preset w14 --no-graphs --shape-change-every 5
+
+Two runs in one process, one model: (1) a steady stream; (2) the same stream with the conditioning
+length (prompt tokens) changing every ``--shape-change-every`` chunks, cycling through a few lengths,
+which exercises the graph runner's fallback, LRU and recapture bounds. Per run: sustained fps (video
+frames per second between the first and the last steady-state chunk's frames being ready), chunk
+latency p50/p99 (plan -> frames in host memory) against the 166.7 ms deadline and the miss rate,
+time to first frame, and the per-stage medians (diffusion, decode, host copy). Steady state = chunks
+after the ring has filled plus one warm-up / capture chunk (all chunks are in ``per_chunk``).
+Results per BENCHMARKS.md (bench "pipeline"); a PNG of the per-chunk timeline beside the JSON when
+matplotlib is importable. Imports only torch (+ matplotlib if present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from cadence.bench.common import median, p99, print_table, record
+from cadence.config import PipelineConfig, get_preset
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cadence bench pipeline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="tiny | w1.3 | w14 | w57")
+    p.add_argument("--chunks", type=int, default=200)
+    p.add_argument("--device", default=None, help="diffusion device: cuda[:N] | cpu (default: cuda:0 if present)")
+    p.add_argument("--decode-device", default="auto", help="auto | same | cpu | cuda:N (default: auto)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA graphs for steady-state steps (default: on)")
+    p.add_argument("--shape-change-every", type=int, default=10,
+                   help="second run: change the conditioning length every K chunks (0: skip that run)")
+    p.add_argument("--cache", default="ring", choices=["ring", "naive"])
+    p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V in the ring (FP8 attention kernel)")
+    p.add_argument("--decoder", default=None, choices=["standin", "wan", "taehv"],
+                   help="VAE decoder (default: standin at tiny, wan otherwise)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--layers", type=int, default=None, help="run this many transformer layers (stated in the JSON)")
+    p.add_argument("--max-graphs", type=int, default=4)
+    p.add_argument("--queue-depth", type=int, default=2)
+    p.add_argument("--steps-in-flight", type=int, default=1,
+                   help="diffusion steps launched ahead of the device (1: plan after the previous step ends)")
+    p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
+    p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
+    a = p.parse_args(argv)
+    if a.chunks < 2:
+        p.error(f"--chunks must be >= 2, got {a.chunks}")
+    if a.shape_change_every < 0:
+        p.error(f"--shape-change-every must be >= 0, got {a.shape_change_every}")
+    return a
+
+
+def summarize(outs: list, cfg, deadline_ms: float, skip: int) -> dict:
+    """The BENCHMARKS.md `pipeline` keys from one run's chunks (`skip`: non-steady chunks at the start)."""
+    t = [o.timings for o in outs]
+    steady = t[skip:] if len(t) - skip >= 2 else t
+    lat = [x.latency_ms for x in steady]
+    span = steady[-1].ready_s - steady[0].ready_s
+    frames = cfg.video_frames_per_chunk * (len(steady) - 1)
+    return {
+        "fps": frames / span if span > 0 else float("nan"),
+        "chunk_p50_ms": median(lat), "chunk_p99_ms": p99(lat), "deadline_ms": deadline_ms,
+        "deadline_miss_rate": sum(x > deadline_ms for x in lat) / len(lat),
+        "ttff_ms": outs[0].ttff_ms,
+        "diffusion_ms": median([x.diffusion_ms for x in steady]), "decode_ms": median([x.decode_ms for x in steady]),
+        "host_copy_ms": median([x.host_copy_ms for x in steady]),
+        "chunks": len(outs), "steady_chunks": len(steady),
+        "chunk_p99_ms_all": p99([x.latency_ms for x in t]),
+        "deadline_miss_rate_all": sum(x.latency_ms > deadline_ms for x in t) / len(t),
+    }
+
+
+def run_once(pipe, cfg, image, audio, n: int, seed: int, prompts=None) -> list:
+    outs = []
+    for o in pipe.stream(image, "benchmark prompt", audio, n, seed=seed, prompts=prompts):
+        o.frames = None  # the pinned buffer goes back to the ring; keep only the numbers
+        o.latents = None
+        outs.append(o)
+    return outs
+
+
+def draw_timeline(path, runs: dict[str, list], deadline_ms: float) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.2 * len(runs)), squeeze=False)
+    for ax, (name, outs) in zip(axes[:, 0], runs.items()):
+        idx = [o.index for o in outs]
+        for key, style in (("latency_ms", "-"), ("diffusion_ms", "--"), ("decode_ms", ":"), ("host_copy_ms", "-.")):
+            ax.plot(idx, [getattr(o.timings, key) for o in outs], style, label=key.replace("_ms", ""))
+        ax.axhline(deadline_ms, color="red", lw=0.8, label=f"deadline {deadline_ms:.1f} ms")
+        for o in outs:
+            if o.timings.step in ("capture",) or o.timings.step.startswith("eager:warmup"):
+                ax.axvline(o.index, color="grey", lw=0.4, alpha=0.5)
+        ax.set_title(name)
+        ax.set_xlabel("chunk")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+@torch.no_grad()
+def main(argv: list[str]) -> int:
+    import logging
+
+    from cadence.engine.generate import build_generator
+    from cadence.engine.pipeline import ChunkPipeline
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    args = parse(argv)
+    cfg = get_preset(args.preset)
+    cuda = torch.cuda.is_available()
+    device = torch.device(args.device or ("cuda:0" if cuda else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda:0")
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    decoder = args.decoder or ("standin" if cfg.name == "tiny" else "wan")
+    over = {"stream": {"cache": args.cache, "kv_fp8": args.kv_fp8}, "vae": {"decoder": decoder}}
+    if args.layers:
+        over["model"] = {"num_layers": args.layers}
+    cfg = cfg.with_overrides(**over)
+    pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=args.decode_device, graphs=args.graphs,
+                          max_graphs=args.max_graphs, queue_depth=args.queue_depth,
+                          steps_in_flight=args.steps_in_flight)
+    gen = build_generator(cfg, device=device, dtype=dtype, seed=0)
+    pipe = ChunkPipeline(gen, pcfg)
+    print(f"placement: {pipe.placement.describe()}" + "".join(f"; {n}" for n in pipe.placement.notes),
+          file=sys.stderr)
+    g = torch.Generator().manual_seed(0)
+    n = args.chunks
+    image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
+    t = torch.arange(n * cfg.audio_samples_per_chunk) / 48_000
+    audio = 0.3 * torch.sin(2 * math.pi * 220 * t) + 0.05 * torch.randn(t.shape, generator=g)
+    deadline_ms = 1e3 * cfg.chunk_seconds
+    skip = min(n - 2, cfg.stream.window_chunks + 1)
+
+    outs = run_once(pipe, cfg, image, audio, n, seed=0)
+    res = summarize(outs, cfg, deadline_ms, skip)
+    res["graphs"] = pipe.last_run.get("graphs")
+    runs = {"steady conditioning": outs}
+    res["shape_changes"] = 0
+    if args.shape_change_every:
+        k = args.shape_change_every
+        L = cfg.model.text_len
+        lengths = [L, max(1, L // 2), max(1, (3 * L) // 4), max(1, L // 4), L]
+        tg = torch.Generator().manual_seed(1)
+        embs = {x: torch.randn(x, cfg.model.text_dim, generator=tg) for x in set(lengths)}
+        prompts = {i: embs[lengths[(i // k) % len(lengths)]] for i in range(k, n, k)}
+        changes = sum(1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)])
+        outs2 = run_once(pipe, cfg, image, audio, n, seed=0, prompts=prompts)
+        sc = summarize(outs2, cfg, deadline_ms, skip)
+        sc["graphs"] = pipe.last_run.get("graphs")
+        # recovery: diffusion time in the last chunk before each change vs the steady run's median
+        before = [outs2[i - 1].timings.diffusion_ms for i in prompts if i - 1 >= skip]
+        sc["diffusion_ms_before_change_p50"] = median(before) if before else None
+        sc["every"] = k
+        sc["lengths"] = lengths
+        res["shape_changes"] = changes
+        res["shape_change_run"] = sc
+        runs[f"conditioning length changes every {k} chunks"] = outs2
+    res["per_chunk"] = [dict(i=o.index, **{f: round(getattr(o.timings, f), 3) for f in (
+        "diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")}, step=o.timings.step) for o in outs]
+
+    rows = [("placement", pipe.placement.describe()), ("fps (sustained)", f"{res['fps']:.1f}"),
+            ("chunk p50 / p99", f"{res['chunk_p50_ms']:.1f} / {res['chunk_p99_ms']:.1f} ms "
+                                f"(deadline {deadline_ms:.1f}, miss {100 * res['deadline_miss_rate']:.1f}%)"),
+            ("ttff", f"{res['ttff_ms']:.1f} ms"),
+            ("diffusion / decode / host copy", f"{res['diffusion_ms']:.1f} / {res['decode_ms']:.1f} / "
+                                               f"{res['host_copy_ms']:.2f} ms"),
+            ("graphs", str(res["graphs"]))]
+    if "shape_change_run" in res:
+        sc = res["shape_change_run"]
+        rows += [("shape-change run", f"{res['shape_changes']} changes: fps {sc['fps']:.1f}, p99 "
+                                      f"{sc['chunk_p99_ms']:.1f} ms, miss {100 * sc['deadline_miss_rate']:.1f}%, "
+                                      f"graphs {sc['graphs']}")]
+    print_table(rows, f"bench pipeline: {cfg.name}, {n} chunks, {device}, {str(dtype).replace('torch.', '')}")
+    if args.no_record:
+        return 0
+    variant = "-".join(v for v in (
+        "graphs" if args.graphs else "eager", f"dec{pipe.placement.decode_device.replace(':', '')}",
+        args.cache, "kvfp8" if args.kv_fp8 else "", decoder, f"l{args.layers}" if args.layers else "") if v)
+    world = len({pipe.placement.diffusion_device, pipe.placement.decode_device} - {"cpu"}) or 1
+    shape = cfg.shape_summary()
+    path = record("pipeline", cfg.name, 1, device, shape, res, variant=variant, out_dir=args.out_dir, world=world,
+                  extra={"placement": pipe.placement.describe(), "dtype": str(dtype).replace("torch.", ""),
+                         "decoder": decoder, "layers": cfg.model.num_layers},
+                  headline=f"{res['fps']:.1f} fps, p99 {res['chunk_p99_ms']:.1f} ms, ttff {res['ttff_ms']:.0f} ms")
+    png = path.with_suffix(".png")
+    if draw_timeline(png, runs, deadline_ms):
+        print(f"wrote {path} and {png.name}")
+    else:
+        print(f"wrote {path} (no matplotlib: no PNG)")
+    return 0

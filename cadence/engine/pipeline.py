@@ -1,0 +1,378 @@
+"""The real-time chunk pipeline: chunk k decodes while chunk k+1 diffuses.
+
+    pipe = ChunkPipeline(gen, PipelineConfig(decode_device="cuda:1"))
+    for out in pipe.stream(image, "a person talking", audio, num_chunks=200):
+        encoder.push(out.frames)        # uint8 [T, H, W, 3], pinned host memory on CUDA
+        print(out.timings.latency_ms)
+
+Who runs what:
+
+* **Diffusion** (``Session.step``, through a :class:`~cadence.runtime.graphs.GraphRunner` that replays
+  CUDA graphs in steady state) runs in the caller's thread, on the caller's current stream of the
+  diffusion device. After each step a CUDA event is recorded and the latent goes into a bounded
+  queue (``queue_depth``): when decode falls behind, the diffusion loop blocks instead of running
+  ahead without limit. The next chunk is planned once the device has finished the previous step
+  (``steps_in_flight``), so chunk latency is measured from when its work can actually start.
+* **Decode** runs in one worker thread. On CUDA it has its own stream on the decode device (a
+  separate GPU, or the diffusion GPU when placement says 'same'); that stream waits on the step's
+  event (no host sync between the stages), the latent is copied to the decode device non-blocking
+  when it differs (issued from a hand-off stream on the diffusion device, so the copy never queues
+  behind the next chunk's diffusion work), the session's streaming decoder turns it into uint8
+  frames, and those are copied into one of ``host_buffers`` preallocated pinned host buffers. The
+  worker waits for that copy (its own thread, off the diffusion path) and hands the chunk over in
+  order. The session's decoder state is only ever touched by this thread.
+* On the CPU the same structure runs with plain tensors and host clocks: decode overlaps diffusion
+  through torch's GIL-free kernels.
+
+Timings per chunk (:class:`ChunkTimings`): ``diffusion_ms`` (CUDA events around the step on the
+diffusion stream; host clock on CPU), ``decode_ms`` and ``host_copy_ms`` (events on the decode
+stream; host clock on CPU), ``latency_ms`` from the chunk's plan time (when the diffusion loop
+started it) to its frames being ready in host memory; the run's time to first frame is in
+``ChunkPipeline.last_run["ttff_ms"]`` and on every chunk (``ttff_ms``).
+
+Shutdown: ``stream`` is a generator; closing it early (``break``, ``close()``, garbage collection),
+an exception in the diffusion loop, or one in the decode thread all stop and join the worker; an
+error in the worker is re-raised in the caller's thread.
+
+Frames lifetime on CUDA: a yielded chunk's ``frames`` is a pinned buffer of the ring; it is handed
+back to the decoder when the consumer asks for the next chunk. ``.clone()`` it to keep it longer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from cadence.config import PipelineConfig, Placement, resolve_placement
+from cadence.engine.generate import ChunkOutput, StreamGenerator
+from cadence.errors import InputError
+from cadence.runtime.graphs import GraphRunner
+
+_POLL_S = 0.05  # how often blocked queue operations look at the other side's health
+
+
+@dataclass
+class ChunkTimings:
+    """Per-chunk stage times in milliseconds (and host-clock seconds since the run started)."""
+
+    diffusion_ms: float
+    decode_ms: float
+    host_copy_ms: float
+    latency_ms: float  # plan time -> frames ready in host memory
+    plan_s: float  # when the diffusion loop started this chunk (seconds since the run started)
+    ready_s: float  # when its frames were ready
+    step: str = ""  # what the graph runner did: "replay", "capture", "eager:<reason>"
+
+
+@dataclass
+class PipelineOutput(ChunkOutput):
+    timings: ChunkTimings | None = None
+    ttff_ms: float = 0.0  # the run's time to first frame (same on every chunk)
+
+
+@dataclass
+class _Job:
+    index: int
+    latents: torch.Tensor
+    plan_s: float
+    ready_event: object | None  # CUDA event recorded after the step (None on CPU)
+    diff_events: tuple | None  # CUDA (start, end) events around the step
+    diffusion_ms: float  # host clock (CPU) or -1 until read from the events
+    step: str
+
+
+@dataclass
+class _Done:
+    job: _Job
+    frames: torch.Tensor
+    decode_ms: float
+    host_copy_ms: float
+    ready_s: float
+    buffer: int | None  # pinned ring slot, returned when the consumer moves on
+
+
+class _Stop:
+    pass
+
+
+_STOP = _Stop()
+
+
+class _DecodeWorker:
+    """The decode thread: latents in (bounded queue), frames out (in order), errors captured."""
+
+    def __init__(self, session, placement: Placement, cfg: PipelineConfig, t0: float, frame_shape: tuple[int, ...]):
+        self.sess, self.placement, self.cfg, self.t0 = session, placement, cfg, t0
+        self.inq: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
+        self.outq: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.diff_dev = torch.device(placement.diffusion_device)
+        self.dec_dev = torch.device(placement.decode_device)
+        self.dec_cuda = self.dec_dev.type == "cuda"
+        self.diff_cuda = self.diff_dev.type == "cuda"
+        # the pinned ring (CUDA decode only), allocated up front, never inside the loop
+        self.buffers: list[torch.Tensor] = []
+        self.free: queue.Queue = queue.Queue()
+        if self.dec_cuda:
+            for i in range(cfg.host_buffers):
+                self.buffers.append(torch.empty(frame_shape, dtype=torch.uint8, pin_memory=True))
+                self.free.put(i)
+        self.thread = threading.Thread(target=self._main, name="cadence-decode", daemon=True)
+
+    # ---- caller side ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, job: _Job) -> None:
+        """Hand a latent to the decoder; blocks while `queue_depth` chunks are in flight."""
+        while True:
+            self.raise_if_failed()
+            if not self.thread.is_alive():
+                raise RuntimeError("the decode thread stopped unexpectedly")
+            try:
+                self.inq.put(job, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def finish(self) -> None:
+        while True:
+            self.raise_if_failed()
+            try:
+                self.inq.put(_STOP, timeout=_POLL_S)
+                return
+            except queue.Full:
+                if not self.thread.is_alive():
+                    return
+
+    def get(self, block: bool) -> _Done | None:
+        """The next decoded chunk (None when none is ready and not blocking, or the worker ended)."""
+        while True:
+            self.raise_if_failed()
+            try:
+                item = self.outq.get(timeout=_POLL_S) if block else self.outq.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return None
+                if not self.thread.is_alive() and self.outq.empty():
+                    self.raise_if_failed()
+                    return None
+                continue
+            if item is _STOP:
+                return None
+            return item
+
+    def release(self, buffer: int | None) -> None:
+        if buffer is not None:
+            self.free.put(buffer)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop and join the thread (drops queued work); safe to call more than once."""
+        self.stop.set()
+        while True:  # unblock a worker waiting for input
+            try:
+                self.inq.get_nowait()
+            except queue.Empty:
+                break
+        try:
+            self.inq.put_nowait(_STOP)
+        except queue.Full:
+            pass
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        if self.thread.is_alive():  # pragma: no cover - a decode call that never returns
+            raise RuntimeError(f"the decode thread did not stop within {timeout} s")
+
+    # ---- worker side ----------------------------------------------------------------------------
+    def _take(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        return _STOP
+
+    def _main(self) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                if self.dec_cuda:
+                    torch.cuda.set_device(self.dec_dev)
+                self._loop()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            self.error = e
+        finally:
+            self.outq.put(_STOP)
+
+    def _loop(self) -> None:
+        dec_stream = torch.cuda.Stream(device=self.dec_dev) if self.dec_cuda else None
+        if self.diff_cuda:
+            # the stream on the diffusion device that waits for each step and issues the latent's
+            # hand-off (the decode stream itself when decode shares that GPU)
+            handoff = dec_stream if self.dec_dev == self.diff_dev else torch.cuda.Stream(device=self.diff_dev)
+        else:
+            handoff = None
+        while True:
+            job = self._take(self.inq)
+            if job is _STOP:
+                return
+            done = self._decode(job, dec_stream, handoff)
+            if done is None:  # stopping
+                return
+            self.outq.put(done)
+
+    def _decode(self, job: _Job, dec_stream, handoff) -> _Done | None:
+        lat = job.latents
+        if self.diff_cuda and self.dec_cuda:
+            handoff.wait_event(job.ready_event)
+            lat.record_stream(handoff)  # the caller drops it: keep the allocator off it until used
+            with torch.cuda.stream(handoff), torch.cuda.stream(dec_stream):
+                lat = lat.to(self.dec_dev, non_blocking=True)
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                ev[0].record(dec_stream)
+                frames = self.sess.decode(lat)
+                ev[1].record(dec_stream)
+                slot = self._take(self.free)
+                if slot is _STOP:
+                    return None
+                buf = self.buffers[slot]
+                buf.copy_(frames, non_blocking=True)
+                ev[2].record(dec_stream)
+            ev[2].synchronize()
+            ready = time.perf_counter()
+            d0, d1 = job.diff_events
+            job.diffusion_ms = d0.elapsed_time(d1)
+            return _Done(job, buf, ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ready - self.t0, slot)
+        # host decode (CPU everywhere, or CUDA diffusion with decode on the CPU)
+        if self.diff_cuda:
+            job.ready_event.synchronize()
+            d0, d1 = job.diff_events
+            job.diffusion_ms = d0.elapsed_time(d1)
+            lat = lat.to("cpu")
+        t0 = time.perf_counter()
+        frames = self.sess.decode(lat)
+        t1 = time.perf_counter()
+        if frames.device.type != "cpu":  # pragma: no cover - a decoder that answers on a device
+            frames = frames.cpu()
+        t2 = time.perf_counter()
+        return _Done(job, frames, (t1 - t0) * 1e3, (t2 - t1) * 1e3, t2 - self.t0, None)
+
+
+class ChunkPipeline:
+    """Overlapped diffusion + decode for one generator (one session per ``stream`` call)."""
+
+    def __init__(self, gen: StreamGenerator, cfg: PipelineConfig | None = None, placement: Placement | None = None,
+                 graph_capture=None):
+        """`placement` defaults to ``resolve_placement(cfg, torch.cuda.device_count())``; the generator's
+        model must live on its diffusion device. `graph_capture` injects a capture function into the
+        graph runner (tests)."""
+        self.gen = gen
+        self.cfg = cfg or PipelineConfig()
+        ndev = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.placement = placement or resolve_placement(self.cfg, ndev)
+        mdev = gen.model.device
+        want = torch.device(self.placement.diffusion_device)
+        if mdev.type != want.type or (want.type == "cuda" and mdev.index != want.index):
+            raise InputError(f"the model is on {mdev} but the placement diffuses on {want}: build the generator "
+                             f"on {want} (or pick diffusion_devices=('{mdev}',))")
+        self.graph_capture = graph_capture
+        self.runner: GraphRunner | None = None  # the last stream's runner (stats, tests)
+        self.last_run: dict = {}
+
+    def _runner(self) -> GraphRunner:
+        c = self.cfg
+        return GraphRunner(enabled=c.graphs, max_graphs=c.max_graphs, warmup=c.graph_warmup,
+                           max_captures_per_key=c.max_captures_per_key, capture=self.graph_capture)
+
+    @torch.no_grad()
+    def stream(self, image: torch.Tensor, prompt: str | torch.Tensor, audio: torch.Tensor, num_chunks: int,
+               seed: int = 0, prompts: Mapping[int, str | torch.Tensor] | None = None) -> Iterator[PipelineOutput]:
+        """Like ``StreamGenerator.stream`` (same seed, same latents and frames), overlapped. `prompts`
+        maps a chunk index to a new prompt (string or embedding [L, text_dim], L <= text_len) that
+        takes effect from that chunk: the conditioning changes mid-stream."""
+        t0 = time.perf_counter()
+        gen, cfg = self.gen, self.gen.cfg
+        if num_chunks <= 0:
+            raise InputError(f"number of chunks must be positive, got {num_chunks}")
+        spc = cfg.audio_samples_per_chunk
+        if audio.ndim != 1 or audio.numel() < num_chunks * spc:
+            raise InputError(f"audio must be mono with >= {num_chunks * spc} samples for {num_chunks} chunks, "
+                             f"got shape {list(audio.shape)}")
+        pl = self.placement
+        diff_cuda = torch.device(pl.diffusion_device).type == "cuda"
+        sess = gen.session(image, prompt, seed, decode_device=pl.decode_device)
+        runner = self.runner = self._runner()
+        audio_dev = audio[: num_chunks * spc].float().to(gen.model.device)
+        frame_shape = (cfg.video_frames_per_chunk, cfg.stream.height, cfg.stream.width, 3)
+        worker = _DecodeWorker(sess, pl, self.cfg, t0, frame_shape)
+        worker.start()
+        lent: int | None = None  # the pinned slot the consumer holds
+        emitted = 0
+        ttff = None
+        self.last_run = {"placement": pl.describe(), "chunks": 0}
+
+        def emit(d: _Done) -> PipelineOutput:
+            nonlocal emitted, ttff
+            if d.job.index != emitted:  # one worker, FIFO queues: cannot happen unless broken
+                raise RuntimeError(f"decode returned chunk {d.job.index}, expected {emitted}")
+            emitted += 1
+            if ttff is None:
+                ttff = d.ready_s * 1e3
+                self.last_run["ttff_ms"] = ttff
+            i = d.job.index
+            t = ChunkTimings(d.job.diffusion_ms, d.decode_ms, d.host_copy_ms, (d.ready_s - d.job.plan_s) * 1e3,
+                             d.job.plan_s, d.ready_s, d.job.step)
+            self.last_run["chunks"] = emitted
+            return PipelineOutput(index=i, latents=d.job.latents, frames=d.frames, audio=audio[i * spc:(i + 1) * spc],
+                                  timings=t, ttff_ms=ttff)
+
+        in_flight: list = []  # ready events of launched steps (CUDA), oldest first
+        try:
+            for i in range(num_chunks):
+                if prompts and i in prompts:
+                    sess.set_prompt(prompts[i])
+                # pacing: plan chunk i once the device has finished all but steps_in_flight - 1 earlier
+                # steps (a host wait between steps, never inside one)
+                while len(in_flight) >= self.cfg.steps_in_flight:
+                    in_flight.pop(0).synchronize()
+                plan = time.perf_counter() - t0
+                if diff_cuda:
+                    d0, d1, ready = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                                     torch.cuda.Event())
+                    d0.record()
+                    lat = sess.step(audio_dev[i * spc:(i + 1) * spc], runner=runner)
+                    d1.record()
+                    ready.record()
+                    job = _Job(i, lat, plan, ready, (d0, d1), -1.0, runner.last)
+                    in_flight.append(ready)
+                else:
+                    lat = sess.step(audio_dev[i * spc:(i + 1) * spc], runner=runner)
+                    job = _Job(i, lat, plan, None, None, (time.perf_counter() - t0 - plan) * 1e3, runner.last)
+                worker.submit(job)
+                while (d := worker.get(block=False)) is not None:
+                    out = emit(d)
+                    worker.release(lent)
+                    lent = d.buffer
+                    yield out
+            worker.finish()
+            while (d := worker.get(block=True)) is not None:
+                out = emit(d)
+                worker.release(lent)
+                lent = d.buffer
+                yield out
+            worker.raise_if_failed()
+            if emitted != num_chunks:
+                raise RuntimeError(f"the pipeline produced {emitted} of {num_chunks} chunks")
+            self.last_run.update(wall_s=time.perf_counter() - t0, graphs=vars(runner.stats))
+        finally:
+            worker.close()
+            runner.clear()
