@@ -9,7 +9,13 @@ import torch
 
 from cadence.config import get_preset
 from cadence.errors import WeightsError
-from cadence.model.weights import build_model, convert_state_dict, load_state_dict_into, load_weights, save_weights
+from cadence.model.weights import (
+    build_model,
+    convert_state_dict,
+    load_state_dict_into,
+    load_weights,
+    save_weights,
+)
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel  # noqa: E402

@@ -158,8 +158,7 @@ def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank) -> dict:
     allocator, against nccl (model level, float32 and FP8), and a token-count sequence in two_shot
     with a small buffer cache (bounded, buffers reused)."""
     from cadence.model.weights import build_model
-    from cadence.parallel import apply_tp, set_comm
-    from cadence.parallel import fused
+    from cadence.parallel import apply_tp, fused, set_comm
     from cadence.quant import apply_fp8
 
     ops = _GlooSymmOps(group)
@@ -215,8 +214,7 @@ def run_fused_rank(rank: int, world: int, port: int, outdir: str) -> None:
 
     from cadence.config import get_preset
     from cadence.model.weights import build_model
-    from cadence.parallel import apply_tp, destroy_tp, init_tp, set_comm
-    from cadence.parallel import fused
+    from cadence.parallel import apply_tp, destroy_tp, fused, init_tp, set_comm
 
     class Count(logging.Handler):
         def __init__(self):

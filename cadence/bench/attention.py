@@ -7,7 +7,6 @@ against a float32 reference computed from the unquantised inputs. Used by `caden
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch

@@ -33,7 +33,6 @@ import shlex
 import socket
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist

@@ -24,8 +24,8 @@ from cadence.errors import InputError
 from cadence.model.audio import AudioFeatures
 from cadence.model.dit import WanDiT
 from cadence.model.standin_vae import StandInVAE
-from cadence.model.vae import WanVAE, wan_vae_config
 from cadence.model.text import ByteTextEncoder
+from cadence.model.vae import WanVAE, wan_vae_config
 from cadence.model.weights import build_model
 from cadence.runtime.chunk import denoise_chunk
 from cadence.runtime.sampler import Schedule
