@@ -1,4 +1,4 @@
-"""The ``cadence`` command line: ``cadence generate ...`` and ``cadence bench <name> ...``.
+"""The ``cadence`` command line: ``cadence generate``, ``cadence serve`` and ``cadence bench <name>``.
 
 Errors meant for the user (``CadenceError``: bad files, bad counts, unknown presets) print as one
 line, ``error: <message>``, on stderr with exit status 2 and no traceback. Heavy modules (the
@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``cadence`` parser (subcommands: generate, bench)."""
+    """The full ``cadence`` parser (subcommands: generate, serve, bench)."""
     parser = _Parser(prog="cadence", description="Real-time chunk-causal video diffusion for live talking "
                                                  "characters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -58,6 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=_DTYPES,
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve live characters over WebRTC (HTTP API + browser page)",
+                       description="Start the HTTP API (FastAPI + uvicorn; OpenAPI at /openapi.json) and WebRTC "
+                                   "(aiortc), with the browser page at /. Defaults: the tiny preset on loopback "
+                                   "with the built-in reference face; nothing to download.")
+    s.add_argument("--preset", default="tiny", help="model/stream preset: tiny, w1.3, w14, w57 (default: tiny)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
+    s.add_argument("--max-sessions", type=int, default=None,
+                   help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
+                        "with --device cuda)")
+    s.add_argument("--device", default="cpu", help="cpu or cuda: where the worker groups run (default: cpu)")
+    s.add_argument("--idle-timeout", type=float, default=120.0,
+                   help="close a session after this many seconds with no request or media from its client "
+                        "(default: 120)")
+    s.add_argument("--max-duration", type=float, default=600.0,
+                   help="close a session this many seconds after it started (default: 600)")
+    s.add_argument("--worker-threads", type=int, default=1,
+                   help="torch threads per worker process on the CPU (default: 1; 0 = torch's default)")
+    s.add_argument("--lead-ms", type=float, default=100.0,
+                   help="plan each chunk this long before it is due (default: 100)")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="run a benchmark: cadence bench <name> [args...]",
                        description="Run cadence.bench.<name>.main(args). "
@@ -184,6 +207,39 @@ def _check_output(out: Path) -> Path:
     if out.is_dir():
         raise InputError(f"output path is a directory: {out}")
     return out
+
+
+# ---- serve ------------------------------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
+    from cadence.config import get_preset
+    from cadence.serve.config import ServeConfig
+
+    get_preset(args.preset)  # a clear error for an unknown preset, before anything starts
+    if args.device not in ("cpu", "cuda"):
+        raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.max_sessions is not None and args.max_sessions < 1:
+        raise InputError(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    if args.device == "cuda":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise InputError("--device cuda requested but CUDA is not available")
+        count = args.max_sessions or n
+        if count > n:
+            raise InputError(f"--max-sessions {count} needs {count} GPUs (one group each); {n} visible")
+        groups = tuple(f"cuda:{i}" for i in range(count))
+    else:
+        groups = ("cpu",) * (args.max_sessions or 1)
+    cfg = ServeConfig(preset=args.preset, host=args.host, port=args.port, groups=groups,
+                      idle_timeout_s=args.idle_timeout, max_duration_s=args.max_duration,
+                      worker_threads=args.worker_threads, lead_ms=args.lead_ms)
+    from cadence.serve.server import run
+
+    run(cfg, log_level=args.log_level)
+    return 0
 
 
 # ---- bench ------------------------------------------------------------------------------------------

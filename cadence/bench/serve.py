@@ -1,0 +1,130 @@
+"""`cadence bench serve`: N WebRTC clients (aiortc) against a live ``cadence serve``.
+
+    cadence bench serve --sessions 1 --seconds 10                        # starts its own server (tiny, CPU)
+    cadence bench serve --url http://127.0.0.1:8000 --sessions 4 --seconds 30   # a running server
+
+Each client offers what the page offers (recvonly video, sendrecv audio with a silent microphone),
+receives the character for ``--seconds`` after its first frame, pushes 1 s of synthetic speech after
+``--speak-after`` seconds (POST /sessions/{id}/audio; the agent's first audio -> first speaking frame
+is timed by the server), then closes its session and reads the report. Per session: fps = generated
+frames sent per second (server report; held frames on underrun do not count), client receive fps,
+time to first frame (client: POST -> first decoded frame), A/V offset (server: video minus audio
+pacing lag), underruns. Results per BENCHMARKS.md (bench "serve"). Without ``--url`` the server runs
+in this process (its worker groups in their own processes): ``--sessions`` CPU slots, or one per GPU
+with ``--device cuda``. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cadence bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=1, help="concurrent sessions (clients)")
+    p.add_argument("--seconds", type=float, default=10.0, help="seconds to stream per session after its first frame")
+    p.add_argument("--url", default=None, help="a running server (default: start one here on loopback)")
+    p.add_argument("--preset", default="tiny", help="preset of the self-started server (default: tiny)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="self-started server's groups")
+    p.add_argument("--speak-after", type=float, default=1.0, help="push speech this long after the first frame")
+    p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
+    p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
+    a = p.parse_args(argv)
+    if a.sessions < 1:
+        p.error(f"--sessions must be >= 1, got {a.sessions}")
+    if not 1.0 <= a.seconds <= 3600:
+        p.error(f"--seconds must be within 1..3600, got {a.seconds}")
+    return a
+
+
+def _p50(xs):
+    xs = [x for x in xs if x is not None]
+    return round(float(statistics.median(xs)), 1) if xs else None
+
+
+async def _drive(url: str, n: int, seconds: float, speak_after: float):
+    import httpx
+
+    from cadence.media import synthetic_speech
+    from cadence.serve.agent import wav_bytes
+    from cadence.serve.client import run_client
+
+    speech = wav_bytes(synthetic_speech(1.0, seed=1).numpy())
+    async with httpx.AsyncClient(timeout=60.0) as http:
+        cfg = (await http.get(f"{url}/config")).json()
+        results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
+                                                    speak_after_s=speak_after) for _ in range(n)))
+    return cfg, results
+
+
+def main(argv: list[str]) -> int:
+    import logging
+
+    import torch
+
+    from cadence.bench.common import print_table, record
+    from cadence.serve.config import ServeConfig
+    from cadence.serve.server import ServerThread
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+    args = parse(argv)
+    srv = None
+    url = args.url
+    if url is None:
+        if args.device == "cuda":
+            if not torch.cuda.is_available() or torch.cuda.device_count() < args.sessions:
+                print(f"error: --device cuda needs {args.sessions} GPU(s)", file=sys.stderr)
+                return 2
+            groups = tuple(f"cuda:{i}" for i in range(args.sessions))
+        else:
+            groups = ("cpu",) * args.sessions
+        srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups,
+                                       max_duration_s=args.seconds + 120)).start()
+        url = srv.url
+        print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
+    try:
+        cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after))
+    finally:
+        if srv is not None:
+            srv.stop()
+    errors = [r.error or f"HTTP {r.status_code}" for r in results if r.error or r.status_code != 201]
+    ok = [r for r in results if not (r.error or r.status_code != 201)]
+    fps = [r.report.get("fps_mean", 0.0) for r in ok] + [0.0] * (len(results) - len(ok))
+    agent = [x for r in ok for x in r.report.get("agent_audio_to_frame_ms", [])]
+    res = {
+        "sessions": args.sessions,
+        "seconds": args.seconds,
+        "fps_mean": round(statistics.fmean(fps), 2),
+        "fps_min": round(min(fps), 2),
+        "share_sessions_ge_23_5fps": round(sum(f >= 23.5 for f in fps) / len(fps), 3),
+        "client_fps_mean": round(statistics.fmean([r.video_fps() for r in ok]), 2) if ok else 0.0,
+        "ttff_ms_p50": _p50([r.ttff_ms for r in ok]),
+        "server_ttff_ms_p50": _p50([r.report.get("ttff_ms") for r in ok]),
+        "agent_audio_to_frame_ms_p50": _p50(agent),
+        "av_offset_ms_p50": _p50([r.report.get("av_offset_ms") for r in ok]),
+        "underruns": sum(r.report.get("underruns", {}).get("video", 0) + r.report.get("underruns", {}).get("audio", 0)
+                         for r in ok),
+        "deadline_misses": sum(r.report.get("deadline_misses", 0) for r in ok),
+        "chunk_latency_ms_p50": _p50([r.report.get("chunk_latency_ms_p50") for r in ok]),
+        "errors": len(errors),
+        "error_messages": errors[:10],
+        "server": "self-started" if srv is not None else url,
+    }
+    print_table([(k, str(v)) for k, v in res.items() if k != "error_messages"],
+                f"bench serve: {args.sessions} session(s), {args.seconds:.0f} s, preset {cfg.get('preset')}")
+    for e in errors[:10]:
+        print(f"  error: {e}", file=sys.stderr)
+    if not args.no_record:
+        device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+        shape = {"width": cfg.get("width"), "height": cfg.get("height"), "fps": cfg.get("fps"),
+                 "frames_per_chunk": 4, "audio_samples_per_chunk": 8000}
+        headline = (f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
+                    f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms")
+        path = record("serve", cfg.get("preset", args.preset), 1, device, shape, res, variant=f"s{args.sessions}",
+                      out_dir=args.out_dir, world=max(1, args.sessions) if args.device == "cuda" else 1,
+                      headline=headline)
+        print(f"wrote {path}")
+    return 0 if not errors else 1

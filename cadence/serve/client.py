@@ -1,0 +1,181 @@
+"""A Python WebRTC client of ``cadence serve`` (aiortc): the tests' and ``cadence bench serve``'s.
+
+It offers what the page offers (a recvonly video transceiver and a sendrecv audio transceiver
+carrying a microphone track), posts the offer, receives the character for ``seconds`` and records
+every frame's arrival time and pts, then closes the session and the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import av
+import numpy as np
+from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from cadence.serve.pacing import to_s16
+from cadence.serve.rtc import rtc_configuration
+
+
+class MicTrack(MediaStreamTrack):
+    """A microphone stand-in: 20 ms frames of 48 kHz mono s16 from ``samples`` (looped), else silence."""
+
+    kind = "audio"
+
+    def __init__(self, samples: np.ndarray | None = None, sample_rate: int = 48_000):
+        super().__init__()
+        self.samples = None if samples is None else np.asarray(samples, np.float32)
+        self.rate = sample_rate
+        self.n = 0
+        self.t0: float | None = None
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        size = self.rate // 50
+        if self.t0 is None:
+            self.t0 = time.monotonic()
+        wait = self.t0 + self.n * 0.02 - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        if self.samples is None or self.samples.size == 0:
+            chunk = np.zeros(size, np.float32)
+        else:
+            idx = (np.arange(size) + self.n * size) % self.samples.size
+            chunk = self.samples[idx]
+        frame = av.AudioFrame.from_ndarray(to_s16(chunk).reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = self.rate
+        frame.pts = self.n * size
+        frame.time_base = Fraction(1, self.rate)
+        self.n += 1
+        return frame
+
+
+@dataclass
+class ClientResult:
+    session_id: str = ""
+    status_code: int = 0
+    error: str | None = None
+    t_post: float = 0.0
+    video: list[tuple[float, int]] = field(default_factory=list)  # (arrival monotonic, pts)
+    video_time_base: Fraction | None = None
+    video_size: tuple[int, int] | None = None
+    audio: list[tuple[float, int, int, int]] = field(default_factory=list)  # (arrival, pts, samples, rate)
+    status: dict = field(default_factory=dict)  # GET /sessions/{id} just before closing
+    report: dict = field(default_factory=dict)  # DELETE's answer
+    pushed_audio_at: float | None = None
+
+    @property
+    def ttff_ms(self) -> float | None:
+        return (self.video[0][0] - self.t_post) * 1e3 if self.video else None
+
+    def video_fps(self, skip_s: float = 0.5) -> float:
+        """Frames per second received, after the first ``skip_s`` seconds of the stream."""
+        if len(self.video) < 3:
+            return 0.0
+        t_first = self.video[0][0] + skip_s
+        times = [t for t, _ in self.video if t >= t_first]
+        if len(times) < 2:
+            return 0.0
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def pts_steps(self) -> list[int]:
+        p = [pts for _, pts in self.video]
+        return [b - a for a, b in zip(p, p[1:])]
+
+    @property
+    def audio_seconds(self) -> float:
+        return sum(n / r for _, _, n, r in self.audio if r)
+
+
+async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=None, mic: np.ndarray | None = None,
+                     speak_wav: bytes | None = None, speak_after_s: float = 0.5, image: bytes | None = None,
+                     connect_timeout: float = 30.0, close: bool = True) -> ClientResult:
+    """One session against ``url`` for ``seconds`` after its first frame."""
+    import httpx
+
+    res = ClientResult()
+    own_http = http is None
+    http = http or httpx.AsyncClient(timeout=60.0)
+    pc = RTCPeerConnection(rtc_configuration())
+    readers: list[asyncio.Task] = []
+    first_frame = asyncio.Event()
+
+    async def read_video(track):
+        while True:
+            try:
+                f = await track.recv()
+            except MediaStreamError:
+                return
+            res.video.append((time.monotonic(), int(f.pts)))
+            res.video_time_base = f.time_base
+            res.video_size = (f.width, f.height)
+            first_frame.set()
+
+    async def read_audio(track):
+        while True:
+            try:
+                f = await track.recv()
+            except MediaStreamError:
+                return
+            res.audio.append((time.monotonic(), int(f.pts or 0), f.samples, f.sample_rate))
+
+    @pc.on("track")
+    def on_track(track):
+        readers.append(asyncio.ensure_future(read_video(track) if track.kind == "video" else read_audio(track)))
+
+    mic_track = MicTrack(mic)
+    try:
+        pc.addTransceiver("video", direction="recvonly")
+        pc.addTransceiver(mic_track, direction="sendrecv")
+        await pc.setLocalDescription(await pc.createOffer())
+        res.t_post = time.monotonic()
+        if image is not None:
+            r = await http.post(f"{url}/sessions", data={"sdp": pc.localDescription.sdp, "type": "offer",
+                                                         "agent": agent}, files={"image": ("face.png", image)})
+        else:
+            r = await http.post(f"{url}/sessions", json={"sdp": pc.localDescription.sdp, "type": "offer",
+                                                         "agent": agent})
+        res.status_code = r.status_code
+        if r.status_code != 201:
+            res.error = r.json().get("error", r.text) if r.headers.get("content-type", "").startswith(
+                "application/json") else r.text
+            return res
+        body = r.json()
+        res.session_id = body["session_id"]
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type=body["type"]))
+        try:
+            await asyncio.wait_for(first_frame.wait(), timeout=connect_timeout)
+        except TimeoutError:
+            res.error = f"no video within {connect_timeout:.0f} s (connection {pc.connectionState})"
+            return res
+        t_end = time.monotonic() + seconds
+        if speak_wav is not None:
+            await asyncio.sleep(speak_after_s)
+            res.pushed_audio_at = time.monotonic()
+            r = await http.post(f"{url}/sessions/{res.session_id}/audio", content=speak_wav,
+                                headers={"content-type": "audio/wav"})
+            if r.status_code != 200:
+                res.error = f"POST audio: {r.status_code} {r.text}"
+        await asyncio.sleep(max(0.0, t_end - time.monotonic()))
+        r = await http.get(f"{url}/sessions/{res.session_id}")
+        res.status = r.json()
+        if close:
+            r = await http.delete(f"{url}/sessions/{res.session_id}")
+            res.report = r.json()
+        return res
+    except Exception as e:  # noqa: BLE001 - a client error is a result (the bench counts them)
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    finally:
+        mic_track.stop()
+        await pc.close()
+        for t in readers:
+            t.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        if own_http:
+            await http.aclose()

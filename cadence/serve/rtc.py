@@ -1,0 +1,153 @@
+"""WebRTC adapters (aiortc): the two outgoing tracks, the microphone reader, the loopback ICE switch.
+
+The tracks only pace and stamp (DESIGN.md): frame/audio *selection* is ``AVBuffer``'s, timing is
+``pacing.next_video_frame`` / ``next_audio_frame`` on the session's shared :class:`MediaClock`.
+Whichever track the sender asks first starts the clock, so both start together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+import av
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from cadence.serve.pacing import VIDEO_CLOCK_RATE, MediaTiming, next_audio_frame, next_video_frame, to_s16
+
+
+class MediaClock:
+    """The session's media clock: ``t0`` (host monotonic seconds) is set once, by the first track."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic):
+        self.now = now
+        self.t0: float | None = None
+        self.started = asyncio.Event()
+
+    def start(self) -> float:
+        if self.t0 is None:
+            self.t0 = self.now()
+            self.started.set()
+        return self.t0
+
+
+class _PacedTrack(MediaStreamTrack):
+    def __init__(self, live):
+        super().__init__()
+        self.live = live  # cadence.serve.session.LiveSession (buffer, clock, timing, hooks)
+        self.next_index = 0
+
+    async def _wait(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        if self.readyState != "live":
+            raise MediaStreamError
+
+
+class VideoOut(_PacedTrack):
+    """Video at the model's fps, pts = k * 3750 in 1/90000 (24 fps)."""
+
+    kind = "video"
+
+    async def recv(self) -> av.VideoFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        live, clock, timing = self.live, self.live.clock, self.live.timing
+        t0 = clock.start()
+        k, wait, skipped = next_video_frame(self.next_index, clock.now(), t0, timing)
+        await self._wait(wait)
+        frame, fresh = live.buffer.video_frame(k)
+        self.next_index = k + 1
+        live.on_video_frame(k, fresh, skipped, clock.now())
+        out = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+        out.pts = timing.video_pts(k)
+        out.time_base = Fraction(1, VIDEO_CLOCK_RATE)
+        return out
+
+
+class AudioOut(_PacedTrack):
+    """20 ms frames of 48 kHz mono s16, pts = n * 960 in 1/48000; silence on underrun."""
+
+    kind = "audio"
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        live, clock, timing = self.live, self.live.clock, self.live.timing
+        t0 = clock.start()
+        n, wait, skipped = next_audio_frame(self.next_index, clock.now(), t0, timing)
+        await self._wait(wait)
+        samples, complete = live.buffer.audio_frame(n)
+        self.next_index = n + 1
+        live.on_audio_frame(n, complete, skipped, clock.now())
+        pcm = to_s16(samples)
+        out = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        out.sample_rate = timing.sample_rate
+        out.pts = timing.audio_pts(n)
+        out.time_base = Fraction(1, timing.sample_rate)
+        return out
+
+
+async def consume_microphone(track: MediaStreamTrack, on_samples: Callable[[np.ndarray], None],
+                             on_error: Callable[[str], None], sample_rate: int = 48_000) -> None:
+    """Read the browser's audio track: any rate/layout/format -> float32 mono ``sample_rate``."""
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
+    errors = 0
+    while True:
+        try:
+            frame = await track.recv()
+        except MediaStreamError:
+            return
+        if not isinstance(frame, av.AudioFrame):
+            on_error(f"expected audio frames on the audio track, got {type(frame).__name__}")
+            return
+        try:
+            for out in resampler.resample(frame):
+                on_samples(out.to_ndarray().reshape(-1).astype(np.float32, copy=False))
+        except (ValueError, av.error.FFmpegError) as e:  # a format the resampler refuses: count, go on
+            errors += 1
+            if errors == 1 or errors % 100 == 0:
+                on_error(f"could not resample microphone audio ({errors} frames): {e}")
+
+
+# ---- loopback ICE ----------------------------------------------------------------------------------
+
+_ORIGINAL_HOST_ADDRESSES = None
+
+
+def use_ice_host_addresses(addresses: Sequence[str] | None) -> None:
+    """Make aioice gather host candidates on exactly ``addresses`` (None: its own discovery).
+
+    aioice 0.x has no option for this and its discovery (``aioice.ice.get_host_addresses``) drops
+    127.0.0.1, so a loopback-only server or test would offer no usable candidate. We replace that
+    module-level function (the one place aioice looks addresses up); process-wide, reversible.
+    With ``["127.0.0.1"]`` every candidate and every packet stays on the loopback interface.
+    """
+    import aioice.ice
+
+    global _ORIGINAL_HOST_ADDRESSES
+    if _ORIGINAL_HOST_ADDRESSES is None:
+        _ORIGINAL_HOST_ADDRESSES = aioice.ice.get_host_addresses
+    if addresses is None:
+        aioice.ice.get_host_addresses = _ORIGINAL_HOST_ADDRESSES
+        return
+    fixed = list(addresses)
+
+    def get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+        return [a for a in fixed if (":" in a and use_ipv6) or (":" not in a and use_ipv4)]
+
+    aioice.ice.get_host_addresses = get_host_addresses
+
+
+def rtc_configuration():
+    """No STUN/TURN servers: host candidates only (loopback or LAN); nothing contacts the internet."""
+    from aiortc import RTCConfiguration
+
+    return RTCConfiguration(iceServers=[])
+
+
+__all__ = ["AudioOut", "MediaClock", "MediaTiming", "VideoOut", "consume_microphone", "rtc_configuration",
+           "use_ice_host_addresses"]

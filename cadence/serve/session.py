@@ -1,0 +1,394 @@
+"""One live session: peer connection, agent, media buffer and clock, the chunk scheduler, stats.
+
+Life cycle: ``starting`` (worker opening the session, SDP answered) -> ``connecting`` (waiting for
+ICE/DTLS) -> ``streaming`` -> ``closing`` -> ``closed``. The chunk scheduler is an asyncio task that
+only moves small messages: it takes one chunk's audio window from the agent and sends it to the
+group's worker process ``lead`` before the chunk is due (``pacing.next_plan``); frames come back on
+the worker's reader thread and are handed to this session on the event loop (``on_chunk``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import statistics
+import time
+
+import numpy as np
+
+from cadence.serve.agent import Agent
+from cadence.serve.pacing import AVBuffer, MediaTiming, next_plan
+from cadence.serve.rtc import AudioOut, MediaClock, VideoOut, consume_microphone, rtc_configuration
+
+log = logging.getLogger("cadence.serve")
+
+
+def _p50(xs) -> float | None:
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else None
+
+
+class LiveSession:
+    def __init__(self, server, sid: str, group, agent: Agent, engine_cfg, prompt: str, seed: int):
+        self.server, self.sid, self.group, self.agent = server, sid, group, agent
+        self.cfg = server.cfg
+        self.engine_cfg = engine_cfg
+        self.prompt, self.seed = prompt, seed
+        self.timing = MediaTiming.from_config(engine_cfg)
+        self.buffer = AVBuffer(self.timing, engine_cfg.stream.height, engine_cfg.stream.width)
+        self.clock = MediaClock()
+        self.state = "starting"
+        self.close_reason: str | None = None
+        self.t_created = time.monotonic()
+        self.wall_created = time.time()
+        self.t_closed: float | None = None
+        self.last_activity = self.t_created
+        self.pc = None
+        self.video: VideoOut | None = None
+        self.audio: AudioOut | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self._opened: asyncio.Future | None = None
+        self._closed_ack: asyncio.Future | None = None
+        self._wake = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._close_task: asyncio.Task | None = None
+        # stats
+        self.in_flight = 0
+        self.plans: dict[int, tuple[float, np.ndarray, list]] = {}
+        self.chunks_planned = 0
+        self.chunks_done = 0
+        self.chunks_skipped = 0
+        self.deadline_misses = 0
+        self.chunk_latency_ms: collections.deque[float] = collections.deque(maxlen=2000)
+        self.diffusion_ms: collections.deque[float] = collections.deque(maxlen=2000)
+        self.decode_ms: collections.deque[float] = collections.deque(maxlen=2000)
+        self.ttff_ms: float | None = None
+        self.first_frame_wall: float | None = None
+        self.video_frames_sent = 0
+        self.video_frames_skipped = 0
+        self.audio_frames_sent = 0
+        self.audio_frames_skipped = 0
+        self._fresh_times: collections.deque[float] = collections.deque(maxlen=24 * 10)
+        self._first_fresh = 0.0
+        self._video_lag: collections.deque[float] = collections.deque(maxlen=240)
+        self._audio_lag: collections.deque[float] = collections.deque(maxlen=500)
+        self._pending_marks: list[tuple[int, float]] = []  # (video frame, t_agent)
+        self.agent_latency_ms: list[float] = []
+        self.mic_frames = 0
+        self.errors: list[str] = []
+        self.worker_open_ms: float | None = None
+
+    # ---- start ----------------------------------------------------------------------------------
+    async def start(self, image: np.ndarray | None, offer_sdp: str, offer_type: str):
+        """Open the session in the worker and answer the offer (concurrently). Returns the answer."""
+        from aiortc import RTCPeerConnection, RTCSessionDescription
+
+        loop = asyncio.get_running_loop()
+        self._opened = loop.create_future()
+        self.group.send(("open", self.sid, image, self.prompt, self.seed))
+        pc = self.pc = RTCPeerConnection(rtc_configuration())
+
+        @pc.on("track")
+        def on_track(track):
+            if track.kind == "audio":
+                self._spawn(consume_microphone(track, self._on_mic, self._on_media_error), "mic")
+
+        @pc.on("connectionstatechange")
+        async def on_state():
+            st = pc.connectionState
+            self.touch()
+            if st == "connected" and self.state in ("starting", "connecting"):
+                self.state = "streaming"
+            elif st in ("failed", "closed") and self.state not in ("closing", "closed"):
+                self.close_soon(f"peer_{st}")
+
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type=offer_type))
+        kinds = {t.kind for t in pc.getTransceivers()}
+        if "video" not in kinds:
+            raise ValueError("the offer has no video section (the character is sent as video)")
+        self.video = VideoOut(self)
+        pc.addTrack(self.video)
+        if "audio" in kinds:
+            self.audio = AudioOut(self)
+            pc.addTrack(self.audio)
+        answer = await pc.createAnswer()
+        await pc.setLocalDescription(answer)  # gathers host candidates (loopback: one, instantly)
+        try:
+            self.worker_open_ms = await asyncio.wait_for(self._opened, timeout=60.0)
+        except TimeoutError:
+            raise RuntimeError("the worker did not open the session within 60 s") from None
+        if self.state == "starting":
+            self.state = "connecting"
+        self._spawn(self._schedule(), "scheduler")
+        self._spawn(self._watchdog(), "watchdog")
+        return pc.localDescription
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=f"cadence-{self.sid[:8]}-{name}")
+        self.tasks.add(t)
+        t.add_done_callback(self._task_done)
+        return t
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        self.tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            e = t.exception()
+            log.error("session %s: task %s failed: %r", self.sid, t.get_name(), e)
+            self.errors.append(f"{t.get_name()}: {type(e).__name__}: {e}")
+            self.close_soon("internal_error")
+
+    # ---- worker messages (on the event loop) ---------------------------------------------------------
+    def on_worker_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "opened":
+            if self._opened is not None and not self._opened.done():
+                self._opened.set_result(msg[2])
+        elif kind == "chunk":
+            self.on_chunk(msg[2], msg[3], msg[4])
+        elif kind == "closed":
+            if self._closed_ack is not None and not self._closed_ack.done():
+                self._closed_ack.set_result(True)
+        elif kind in ("error", "died"):
+            text = f"worker: {msg[2]}"
+            self.errors.append(text)
+            log.error("session %s: %s", self.sid, text)
+            if self._opened is not None and not self._opened.done():
+                self._opened.set_exception(RuntimeError(text))
+            if kind == "died" and self._closed_ack is not None and not self._closed_ack.done():
+                self._closed_ack.set_result(False)
+            self.close_soon("worker_error")
+
+    def on_chunk(self, c: int, frames: np.ndarray, timings: dict) -> None:
+        now = time.monotonic()
+        plan = self.plans.pop(c, None)
+        if plan is None:
+            return
+        self.in_flight -= 1
+        t_plan, window, marks = plan
+        self.chunks_done += 1
+        lat = (now - t_plan) * 1e3
+        self.chunk_latency_ms.append(lat)
+        self.diffusion_ms.append(timings.get("diffusion_ms", 0.0))
+        self.decode_ms.append(timings.get("decode_ms", 0.0))
+        m = self.server.metrics
+        m.chunk_latency.observe(lat)
+        t0 = self.clock.t0
+        if t0 is not None and now > self.timing.chunk_due(t0, c):
+            self.deadline_misses += 1
+            m.deadline_misses_total.inc()
+        self.buffer.put_chunk(c, frames, window)
+        for mark in marks:
+            self._pending_marks.append((c * self.timing.frames_per_chunk + self.timing.frame_of_sample(mark.offset),
+                                        mark.t_agent))
+        self._wake.set()
+
+    # ---- track callbacks -------------------------------------------------------------------------
+    def on_video_frame(self, k: int, fresh: bool, skipped: int, now: float) -> None:
+        self.video_frames_sent += 1
+        self.video_frames_skipped += skipped
+        if self.clock.t0 is not None:
+            self._video_lag.append(now - self.timing.video_due(self.clock.t0, k))
+        if not fresh:
+            self.server.metrics.underruns_total.labels("video").inc()
+            return
+        self._fresh_times.append(now)
+        if self.ttff_ms is None:
+            self._first_fresh = now
+            self.ttff_ms = (now - self.t_created) * 1e3
+            self.first_frame_wall = time.time()
+            self.server.metrics.ttff_hist.observe(self.ttff_ms)
+            if self.state in ("starting", "connecting"):
+                self.state = "streaming"
+        while self._pending_marks and self._pending_marks[0][0] <= k:
+            _, t_agent = self._pending_marks.pop(0)
+            ms = (now - t_agent) * 1e3
+            self.agent_latency_ms.append(ms)
+            self.server.metrics.agent_latency_hist.observe(ms)
+
+    def on_audio_frame(self, n: int, complete: bool, skipped: int, now: float) -> None:
+        self.audio_frames_sent += 1
+        self.audio_frames_skipped += skipped
+        if self.clock.t0 is not None:
+            self._audio_lag.append(now - self.timing.audio_due(self.clock.t0, n))
+        if not complete and self.ttff_ms is not None:
+            self.server.metrics.underruns_total.labels("audio").inc()
+
+    def _on_mic(self, samples: np.ndarray) -> None:
+        self.mic_frames += 1
+        self.touch()
+        self.agent.push_mic(samples)
+
+    def _on_media_error(self, text: str) -> None:
+        self.errors.append(text)
+        log.warning("session %s: %s", self.sid, text)
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    # ---- the scheduler and the watchdog ---------------------------------------------------------------
+    async def _schedule(self) -> None:
+        timing, spc = self.timing, self.timing.samples_per_chunk
+        lead = self.cfg.lead_ms / 1e3
+        c = 0
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            t0 = self.clock.t0
+            if t0 is not None and now > timing.chunk_due(t0, c + 1):  # fell behind: skip what is already past
+                skip_to = int((now - t0) / timing.chunk_seconds) + 1
+                self.chunks_skipped += skip_to - c
+                c = skip_to
+            go, wait = next_plan(c, now, t0, timing, lead, self.in_flight, self.cfg.max_in_flight)
+            if go:
+                window, marks = self.agent.take(spc)
+                self.plans[c] = (now, window, marks)
+                self.in_flight += 1
+                self.chunks_planned += 1
+                self.group.send(("chunk", self.sid, c, window, now))
+                c += 1
+                continue
+            self._wake.clear()
+            if t0 is None:
+                waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self.clock.started.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+            else:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait if wait is not None else 1.0)
+                except TimeoutError:
+                    pass
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            cfg = self.cfg  # read each time: the limits may be changed on a live session
+            now = time.monotonic()
+            if now - self.t_created > cfg.max_duration_s:
+                self.close_soon("max_duration")
+            elif now - self.last_activity > cfg.idle_timeout_s:
+                self.close_soon("idle")
+            elif self.pc is not None and self.pc.connectionState != "connected" and self.ttff_ms is None \
+                    and now - self.t_created > cfg.connect_timeout_s:
+                self.close_soon("connect_timeout")
+            self.update_metrics()
+
+    # ---- status, metrics, report ------------------------------------------------------------------
+    def fps(self, now: float | None = None) -> float:
+        """Generated frames sent per second over the last 2 s (or since the first one)."""
+        if not self._fresh_times:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        window = 2.0
+        n = sum(1 for t in self._fresh_times if t >= now - window)
+        span = min(window, now - self._first_fresh)
+        return n / max(span, 1.0 / self.timing.fps)
+
+    def av_offset_ms(self) -> float | None:
+        v, a = _p50(self._video_lag), _p50(self._audio_lag)
+        return None if v is None or a is None else (v - a) * 1e3
+
+    def update_metrics(self) -> None:
+        m, s = self.server.metrics, self.sid
+        m.fps.labels(s).set(self.fps())
+        m.video_underruns.labels(s).set(self.buffer.video_underruns)
+        m.audio_underruns.labels(s).set(self.buffer.audio_underruns)
+        m.deadline_misses.labels(s).set(self.deadline_misses)
+        if self.ttff_ms is not None:
+            m.ttff.labels(s).set(self.ttff_ms)
+        off = self.av_offset_ms()
+        if off is not None:
+            m.av_offset.labels(s).set(off)
+        if self.agent_latency_ms:
+            m.agent_latency.labels(s).set(self.agent_latency_ms[-1])
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        end = self.t_closed or now
+        return {
+            "session_id": self.sid, "state": self.state, "agent": self.agent.name, "preset": self.engine_cfg.name,
+            "group": self.group.index, "close_reason": self.close_reason,
+            "age_s": round(end - self.t_created, 3),
+            "fps": round(self.fps(now), 2) if self.state != "closed" else 0.0,
+            "target_fps": self.timing.fps,
+            "ttff_ms": _r(self.ttff_ms),
+            "chunk_latency_ms_p50": _r(_p50(self.chunk_latency_ms)),
+            "chunk_latency_ms_last": _r(self.chunk_latency_ms[-1] if self.chunk_latency_ms else None),
+            "diffusion_ms_p50": _r(_p50(self.diffusion_ms)), "decode_ms_p50": _r(_p50(self.decode_ms)),
+            "agent_audio_to_frame_ms_p50": _r(_p50(self.agent_latency_ms)),
+            "agent_audio_to_frame_ms_last": _r(self.agent_latency_ms[-1] if self.agent_latency_ms else None),
+            "av_offset_ms": _r(self.av_offset_ms()),
+            "video_frames_sent": self.video_frames_sent, "video_frames_fresh": self.buffer.video_fresh,
+            "audio_frames_sent": self.audio_frames_sent,
+            "underruns": {"video": self.buffer.video_underruns, "audio": self.buffer.audio_underruns},
+            "deadline_misses": self.deadline_misses,
+            "chunks": {"planned": self.chunks_planned, "done": self.chunks_done, "skipped": self.chunks_skipped,
+                       "late_dropped": self.buffer.late_chunks, "in_flight": self.in_flight},
+            "agent_queued_s": round(self.agent.queued_samples / self.timing.sample_rate, 3),
+            "agent_segments": self.agent.segments,
+            "mic_frames": self.mic_frames,
+            "connection": self.pc.connectionState if self.pc is not None else None,
+            "errors": self.errors[-5:],
+        }
+
+    def report(self) -> dict:
+        st = self.status()
+        lat = sorted(self.chunk_latency_ms)
+        st.update({
+            "report": True,
+            "started_at": self.wall_created,
+            "duration_s": round((self.t_closed or time.monotonic()) - self.t_created, 3),
+            "fps_mean": round(self.buffer.video_fresh / max(1e-9, (self.t_closed or time.monotonic())
+                                                              - (self.clock.t0 or self.t_created)), 2)
+            if self.clock.t0 else 0.0,
+            "chunk_latency_ms_p99": _r(lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))] if lat else None),
+            "agent_audio_to_frame_ms": [round(x, 1) for x in self.agent_latency_ms[-100:]],
+            "video_frames_skipped": self.video_frames_skipped, "audio_frames_skipped": self.audio_frames_skipped,
+            "worker_open_ms": _r(self.worker_open_ms), "errors": self.errors[-20:],
+        })
+        return st
+
+    # ---- close ---------------------------------------------------------------------------------
+    def close_soon(self, reason: str) -> None:
+        """Start closing from a callback (not awaited); the server keeps the task to await at shutdown."""
+        if self._close_task is None and self.state not in ("closing", "closed"):
+            self._close_task = asyncio.get_running_loop().create_task(self.close(reason))
+            self.server.background.add(self._close_task)
+            self._close_task.add_done_callback(self.server.background.discard)
+
+    async def close(self, reason: str) -> dict:
+        """Stop everything this session started; release its group; store the report. Idempotent."""
+        if self.state in ("closing", "closed"):
+            await self._closed.wait()
+            return self.server.reports.get(self.sid, {})
+        self.state = "closing"
+        self.close_reason = reason
+        me = asyncio.current_task()
+        tasks = [t for t in self.tasks if t is not me]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for tr in (self.video, self.audio):
+            if tr is not None:
+                tr.stop()
+        if self.pc is not None:
+            try:
+                await asyncio.wait_for(self.pc.close(), timeout=10.0)
+            except Exception as e:  # noqa: BLE001 - keep tearing down
+                log.warning("session %s: closing the peer connection: %r", self.sid, e)
+        self.agent.close()
+        self.t_closed = time.monotonic()
+        await self.server.release_group(self)
+        self.state = "closed"
+        report = self.report()
+        self.server.session_closed(self, report)
+        self._closed.set()
+        return report
+
+
+def _r(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None else round(float(x), nd)

@@ -1,0 +1,136 @@
+// The cadence page: one RTCPeerConnection per session, no build step, no external resources.
+// Hooks for automated tests: window.cadence = {start, stop, say, state()}; data-* attributes on <body>.
+"use strict";
+(() => {
+  const $ = (id) => document.getElementById(id);
+  let pc = null, sessionId = null, poll = null, micStream = null;
+
+  function setError(msg) { $("error").textContent = msg || ""; }
+  function setState(s) { $("m-state").textContent = s; document.body.dataset.state = s; }
+  const ms = (x) => (x === null || x === undefined) ? "-" : `${Math.round(x)} ms`;
+
+  $("image").addEventListener("change", () => {
+    const f = $("image").files[0];
+    $("preview").src = f ? URL.createObjectURL(f) : "";
+  });
+
+  async function errorText(r) {
+    try { const j = await r.json(); return j.error || JSON.stringify(j); } catch (e) { return `HTTP ${r.status}`; }
+  }
+
+  function waitGathering(pc) {
+    if (pc.iceGatheringState === "complete") return Promise.resolve();
+    return new Promise((resolve) => {
+      const check = () => { if (pc.iceGatheringState === "complete") { pc.removeEventListener("icegatheringstatechange", check); resolve(); } };
+      pc.addEventListener("icegatheringstatechange", check);
+      setTimeout(resolve, 3000); // loopback gathers at once; never hang on it
+    });
+  }
+
+  async function start() {
+    setError("");
+    if (pc) await stop();
+    $("start").disabled = true;
+    setState("starting");
+    try {
+      pc = new RTCPeerConnection({ iceServers: [] });
+      pc.addTransceiver("video", { direction: "recvonly" });
+      let micTrack = null;
+      if ($("use-mic").checked && navigator.mediaDevices && navigator.mediaDevices.getUserMedia) {
+        try {
+          micStream = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true } });
+          micTrack = micStream.getAudioTracks()[0];
+        } catch (e) { setError(`microphone unavailable (${e.name}); continuing without it`); }
+      }
+      if (micTrack) pc.addTransceiver(micTrack, { direction: "sendrecv", streams: [micStream] });
+      else pc.addTransceiver("audio", { direction: "sendrecv" });
+      const remote = new MediaStream();
+      pc.addEventListener("track", (ev) => {
+        remote.addTrack(ev.track);
+        $("video").srcObject = remote; // one stream: the browser keeps audio and video in sync
+      });
+      pc.addEventListener("connectionstatechange", () => {
+        document.body.dataset.connection = pc ? pc.connectionState : "closed";
+      });
+      await pc.setLocalDescription(await pc.createOffer());
+      await waitGathering(pc);
+      const form = new FormData();
+      form.append("sdp", pc.localDescription.sdp);
+      form.append("type", "offer");
+      form.append("prompt", $("prompt").value);
+      form.append("agent", $("agent").value);
+      if ($("image").files[0]) form.append("image", $("image").files[0]);
+      const r = await fetch("/sessions", { method: "POST", body: form });
+      if (!r.ok) throw new Error(await errorText(r));
+      const ans = await r.json();
+      sessionId = ans.session_id;
+      document.body.dataset.session = sessionId;
+      $("m-preset").textContent = `${ans.preset} ${ans.width}x${ans.height} @ ${ans.fps} fps`;
+      await pc.setRemoteDescription({ type: ans.type, sdp: ans.sdp });
+      $("stop").disabled = false; $("say").disabled = false; $("interrupt").disabled = false;
+      poll = setInterval(refresh, 500);
+    } catch (e) {
+      setError(String(e.message || e));
+      await stop();
+    } finally {
+      $("start").disabled = false;
+    }
+  }
+
+  async function refresh() {
+    if (!sessionId) return;
+    try {
+      const r = await fetch(`/sessions/${sessionId}`);
+      if (!r.ok) { setError(await errorText(r)); return; }
+      const s = await r.json();
+      setState(s.state + (s.close_reason ? ` (${s.close_reason})` : ""));
+      $("m-fps").textContent = `${s.fps.toFixed(1)} / ${s.target_fps}`;
+      document.body.dataset.fps = s.fps;
+      $("m-ttff").textContent = ms(s.ttff_ms);
+      $("m-latency").textContent = ms(s.chunk_latency_ms_p50);
+      $("m-agent").textContent = ms(s.agent_audio_to_frame_ms_last);
+      $("m-av").textContent = s.av_offset_ms === null ? "-" : `${s.av_offset_ms.toFixed(1)} ms`;
+      $("m-under").textContent = `${s.underruns.video} / ${s.underruns.audio}`;
+      if (s.state === "closed") { clearInterval(poll); poll = null; }
+    } catch (e) { setError(String(e)); }
+  }
+
+  async function stop() {
+    if (poll) { clearInterval(poll); poll = null; }
+    const sid = sessionId;
+    sessionId = null;
+    if (sid) {
+      try { await fetch(`/sessions/${sid}`, { method: "DELETE" }); } catch (e) { /* closing anyway */ }
+    }
+    if (pc) { pc.close(); pc = null; }
+    if (micStream) { micStream.getTracks().forEach((t) => t.stop()); micStream = null; }
+    $("stop").disabled = true; $("say").disabled = true; $("interrupt").disabled = true;
+    setState(sid ? "closed" : "idle");
+  }
+
+  async function say(text) {
+    if (!sessionId) return;
+    text = text === undefined ? $("say-text").value : text;
+    const r = await fetch(`/sessions/${sessionId}/say`, {
+      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ text }),
+    });
+    if (!r.ok) setError(await errorText(r)); else setError("");
+    return r.ok;
+  }
+
+  async function interrupt() {
+    if (sessionId) await fetch(`/sessions/${sessionId}/interrupt`, { method: "POST" });
+  }
+
+  $("start").addEventListener("click", start);
+  $("stop").addEventListener("click", stop);
+  $("say").addEventListener("click", () => say());
+  $("interrupt").addEventListener("click", interrupt);
+  window.addEventListener("beforeunload", () => { if (sessionId) navigator.sendBeacon && fetch(`/sessions/${sessionId}`, { method: "DELETE", keepalive: true }); });
+  fetch("/config").then((r) => r.json()).then((c) => {
+    $("m-preset").textContent = `${c.preset} ${c.width}x${c.height} @ ${c.fps} fps`;
+    if (!c.say_available) $("agent").querySelector("option[value=say]").textContent += " (espeak-ng not installed)";
+  }).catch(() => {});
+  window.cadence = { start, stop, say, interrupt, state: () => ({ sessionId, pc }) };
+  setState("idle");
+})();

@@ -1,0 +1,35 @@
+"""Helpers for driving a server from tests: a client in a background thread, code on the server's loop."""
+
+import asyncio
+import threading
+
+
+class BackgroundClient:
+    """``run_client`` in its own thread and event loop (the test's thread fires requests meanwhile)."""
+
+    def __init__(self, url: str, seconds: float, **kw):
+        self.result = None
+        self.error = None
+
+        def main():
+            from cadence.serve.client import run_client
+            try:
+                self.result = asyncio.run(run_client(url, seconds, **kw))
+            except BaseException as e:  # noqa: BLE001
+                self.error = e
+
+        self.thread = threading.Thread(target=main, name="test-client", daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 60.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the client did not finish"
+        if self.error:
+            raise self.error
+        return self.result
+
+
+def on_server_loop(srv, coro_fn, timeout: float = 30.0):
+    """Run ``coro_fn()`` on the server's event loop and return its result."""
+    fut = asyncio.run_coroutine_threadsafe(coro_fn(), srv.manager.loop)
+    return fut.result(timeout)

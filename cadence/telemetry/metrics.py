@@ -1,0 +1,72 @@
+"""Prometheus metrics of the live server (``/metrics``), on a registry of its own per app.
+
+Per session (label ``session``; the series are removed when the session closes, so the label
+set stays bounded): fps, time to first frame, A/V offset, agent audio -> frame latency, video and
+audio underruns, deadline misses. Server-wide: a chunk latency histogram (plan -> frames back in
+the web process), sessions by close reason, admissions refused, active sessions, totals of
+underruns and deadline misses (they survive the session's series).
+
+``prometheus_client`` is imported here only: the engine and the benchmarks never need it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 - re-exported for the app
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_MS_BUCKETS = (5, 10, 20, 35, 50, 75, 100, 125, 150, 166.7, 200, 250, 333, 500, 750, 1000, 2000, 5000)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        s = ("session",)
+        self.fps = Gauge("cadence_session_fps", "Generated video frames delivered per second (last 2 s)", s, registry=r)
+        self.ttff = Gauge("cadence_session_ttff_ms", "Session start (request received) -> first generated frame sent",
+                          s, registry=r)
+        self.av_offset = Gauge("cadence_session_av_offset_ms",
+                               "Media time of the last video frame sent minus that of the audio sent (pacing skew)",
+                               s, registry=r)
+        self.agent_latency = Gauge("cadence_session_agent_audio_to_frame_ms",
+                                   "Agent first audio -> first speaking frame sent (last segment)", s, registry=r)
+        self.video_underruns = Gauge("cadence_session_video_underruns", "Video frames held (chunk late)", s,
+                                     registry=r)
+        self.audio_underruns = Gauge("cadence_session_audio_underruns", "20 ms audio frames with silence filled in",
+                                     s, registry=r)
+        self.deadline_misses = Gauge("cadence_session_deadline_misses", "Chunks back after their first frame was due",
+                                     s, registry=r)
+        self.chunk_latency = Histogram("cadence_chunk_latency_ms", "Chunk plan -> frames back in the web process",
+                                       buckets=_MS_BUCKETS, registry=r)
+        self.agent_latency_hist = Histogram("cadence_agent_audio_to_frame_ms",
+                                            "Agent first audio -> first speaking frame sent", buckets=_MS_BUCKETS,
+                                            registry=r)
+        self.ttff_hist = Histogram("cadence_ttff_ms", "Session start -> first generated frame sent",
+                                   buckets=_MS_BUCKETS, registry=r)
+        self.active = Gauge("cadence_sessions_active", "Sessions open now", registry=r)
+        self.groups = Gauge("cadence_groups", "Worker groups (GPU groups) configured", registry=r)
+        self.sessions = Counter("cadence_sessions", "Sessions closed, by reason", ("reason",), registry=r)
+        self.refused = Counter("cadence_admissions_refused", "Session requests refused: no free group", registry=r)
+        self.underruns_total = Counter("cadence_underruns", "Underruns (video frames held + audio frames silenced)",
+                                       ("kind",), registry=r)
+        self.deadline_misses_total = Counter("cadence_deadline_misses", "Chunks back after their first frame was due",
+                                             registry=r)
+        self.bad_requests = Counter("cadence_bad_requests", "Requests answered with a 4xx error", ("status",),
+                                    registry=r)
+
+    _per_session = ("fps", "ttff", "av_offset", "agent_latency", "video_underruns", "audio_underruns", "deadline_misses")
+
+    def remove_session(self, sid: str) -> None:
+        for name in self._per_session:
+            try:
+                getattr(self, name).remove(sid)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

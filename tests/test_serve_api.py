@@ -1,0 +1,231 @@
+"""The HTTP API's answers to bad input, admission control, timeouts and closed sessions, with one
+real session streaming (aiortc on loopback) while the bad requests hit the server.
+
+Every error must be ``{"error": "<message>"}`` with a 4xx (or 503) status, and the streaming
+session must keep its ~24 fps throughout.
+"""
+
+import dataclasses
+import io
+import time
+
+import numpy as np
+import pytest
+
+for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "multipart"):
+    pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
+
+import httpx
+
+from cadence.serve.agent import espeak_binary, wav_bytes
+from cadence.serve.config import ServeConfig
+from cadence.serve.server import ServerThread
+from cadence.serve.testing import BackgroundClient
+
+pytestmark = pytest.mark.timeout(180)
+MAX_IMAGE = 200_000
+
+GOOD_SDP_HEAD = "v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n"
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = ServerThread(ServeConfig(port=0, max_image_bytes=MAX_IMAGE, max_audio_bytes=400_000)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=30.0) as c:
+        yield c
+
+
+def _err(r, status):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body
+    return body["error"]
+
+
+def _png(w=64, h=64) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _offer_sdp() -> str:
+    """A real offer from aiortc (recvonly video + sendrecv audio)."""
+    import asyncio
+
+    from aiortc import RTCPeerConnection
+
+    from cadence.serve.rtc import rtc_configuration
+
+    async def make():
+        pc = RTCPeerConnection(rtc_configuration())
+        pc.addTransceiver("video", direction="recvonly")
+        pc.addTransceiver("audio", direction="sendrecv")
+        await pc.setLocalDescription(await pc.createOffer())
+        sdp = pc.localDescription.sdp
+        await pc.close()
+        return sdp
+
+    return asyncio.run(make())
+
+
+def test_page_openapi_config_health(http):
+    r = http.get("/")
+    assert r.status_code == 200 and "/static/app.js" in r.text and "RTCPeerConnection" not in r.text
+    js = http.get("/static/app.js")
+    assert js.status_code == 200 and "RTCPeerConnection" in js.text and "iceServers: []" in js.text
+    assert "http" not in js.text.replace("https://", "").split("fetch(")[0][:0]  # no CDN: nothing external
+    spec = http.get("/openapi.json").json()
+    for path in ("/sessions", "/sessions/{sid}", "/sessions/{sid}/say", "/sessions/{sid}/audio", "/metrics"):
+        assert path in spec["paths"], path
+    cfg = http.get("/config").json()
+    assert (cfg["preset"], cfg["fps"], cfg["width"], cfg["height"]) == ("tiny", 24, 128, 128)
+    assert http.get("/healthz").json()["ok"] is True
+    _err(http.get("/no/such/route"), 404)
+
+
+def test_bad_session_requests_are_4xx_json(http, srv, monkeypatch):
+    sdp = _offer_sdp()
+    _err(http.post("/sessions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    _err(http.post("/sessions", content=b"sdp", headers={"content-type": "text/plain"}), 415)
+    _err(http.post("/sessions", json=[1, 2]), 400)
+    _err(http.post("/sessions", json={}), 400)  # no sdp
+    _err(http.post("/sessions", json={"sdp": sdp, "type": "answer"}), 400)
+    _err(http.post("/sessions", json={"sdp": sdp, "agent": "nobody"}), 400)
+    _err(http.post("/sessions", json={"sdp": sdp, "seed": "x"}), 400)
+    _err(http.post("/sessions", json={"sdp": sdp, "prompt": "p" * 5000}), 400)
+    # malformed SDP: not SDP at all, no video, garbage that passes the first checks
+    assert "v=0" in _err(http.post("/sessions", json={"sdp": "hello"}), 400)
+    _err(http.post("/sessions", json={"sdp": GOOD_SDP_HEAD + "m=audio 9 UDP/TLS/RTP/SAVPF 111\r\n"}), 400)
+    garbage = GOOD_SDP_HEAD + "a=fingerprint:sha-256 00\r\nm=video 9 UDP/TLS/RTP/SAVPF 96\r\nc=IN IP4 0\r\na=rtpmap:x\r\n"
+    assert "SDP" in _err(http.post("/sessions", json={"sdp": garbage}), 400)
+    _err(http.post("/sessions", json={"sdp": "v=0\r\n" + "a=x\r\n" * 20000}), 413)
+    # images: corrupt, oversized (both per-field limit and whole-body limit), bad base64
+    _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("x.png", b"\x89PNG\r\n\x1a\nnot really")}), 400)
+    _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("x.jpg", b"hello world")}), 400)
+    big = _png(400, 400) + b"\0" * MAX_IMAGE
+    _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("big.png", big)}), 413)
+    _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("huge.png", b"\0" * 12_000_000)}), 413)
+    _err(http.post("/sessions", json={"sdp": sdp, "image_base64": "***"}), 400)
+    # 'say' with no espeak-ng on the server: a clear 503
+    import cadence.serve.app as app_mod
+
+    monkeypatch.setattr(app_mod, "espeak_binary", lambda: None)
+    assert "espeak-ng" in _err(http.post("/sessions", json={"sdp": sdp, "agent": "say"}), 503)
+    # unknown sessions
+    for method, path in (("GET", "/sessions/nope"), ("DELETE", "/sessions/nope"), ("POST", "/sessions/nope/say"),
+                         ("POST", "/sessions/nope/audio"), ("GET", "/sessions/nope/report"),
+                         ("POST", "/sessions/nope/interrupt")):
+        _err(http.request(method, path, json={"text": "hi"} if path.endswith("say") else None), 404)
+    # no failed request left a session or a busy group behind
+    assert srv.manager.sessions == {} and all(g.free for g in srv.manager.groups)
+    assert http.get("/sessions").json() == {"sessions": []}
+
+
+def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
+    from cadence.media import synthetic_speech
+
+    client = BackgroundClient(srv.url, 4.0, image=_png(), speak_wav=wav_bytes(synthetic_speech(1.0).numpy()),
+                              speak_after_s=0.3)
+    sid = None
+    deadline = time.monotonic() + 60
+    while sid is None and time.monotonic() < deadline:
+        s = http.get("/sessions").json()["sessions"]
+        sid = s[0]["session_id"] if s else None
+        time.sleep(0.05)
+    assert sid, "the session did not start"
+    sdp = _offer_sdp()
+    hammer_until = time.monotonic() + 2.5
+    rounds = 0
+    while time.monotonic() < hammer_until and rounds < 200:
+        rounds += 1
+        r = http.post("/sessions", json={"sdp": sdp})  # full: one group, busy
+        _err(r, 503)
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        _err(http.post(f"/sessions/{sid}/audio", content=b"definitely not audio"), 415)
+        _err(http.post(f"/sessions/{sid}/audio", content=b""), 415)
+        _err(http.post(f"/sessions/{sid}/audio", content=b"\0" * 500_000), 413)
+        _err(http.post(f"/sessions/{sid}/say", json={"text": "   "}), 400)
+        _err(http.post(f"/sessions/{sid}/say", content=b"[", headers={"content-type": "application/json"}), 400)
+        _err(http.post("/sessions", json={"sdp": "garbage"}), 400)
+        _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("x.png", b"corrupt")}), 400)
+        _err(http.get(f"/sessions/{sid}/report"), 409)
+        st = http.get(f"/sessions/{sid}").json()
+        assert st["state"] in ("connecting", "streaming")
+    assert rounds >= 3
+    res = client.join()
+    assert res.error is None, res.error
+    assert 22.0 <= res.video_fps() <= 26.0, res.video_fps()
+    rep = res.report
+    assert rep["close_reason"] == "client"
+    assert rep["underruns"]["video"] <= 6, rep["underruns"]  # the bad requests did not starve the stream
+    assert rep["agent_audio_to_frame_ms_p50"] is not None and 0 < rep["agent_audio_to_frame_ms_p50"] < 1000
+    # requests after close: 410 for anything that would change it; its final state and report stay readable
+    _err(http.delete(f"/sessions/{sid}"), 410)
+    _err(http.post(f"/sessions/{sid}/say", json={"text": "hi"}), 410)
+    _err(http.post(f"/sessions/{sid}/audio", content=wav_bytes(np.zeros(4800, np.float32))), 410)
+    _err(http.post(f"/sessions/{sid}/interrupt"), 410)
+    assert http.get(f"/sessions/{sid}").json()["state"] == "closed"
+    report = http.get(f"/sessions/{sid}/report").json()
+    for key in ("fps_mean", "ttff_ms", "chunk_latency_ms_p50", "chunk_latency_ms_p99", "underruns", "deadline_misses",
+                "av_offset_ms", "agent_audio_to_frame_ms", "duration_s"):
+        assert key in report, key
+    metrics = http.get("/metrics").text
+    assert "cadence_admissions_refused_total" in metrics and 'cadence_bad_requests_total{status="415"}' in metrics
+
+
+@pytest.mark.skipif(espeak_binary() is None, reason="espeak-ng is not installed (CI installs it)")
+def test_say_speaks_through_espeak_and_times_audio_to_frame(http, srv):
+    client = BackgroundClient(srv.url, 2.5, agent="say", close=False)
+    sid = None
+    deadline = time.monotonic() + 60
+    while sid is None and time.monotonic() < deadline:
+        s = http.get("/sessions").json()["sessions"]
+        sid = s[0]["session_id"] if s and s[0]["state"] == "streaming" else None
+        time.sleep(0.05)
+    assert sid
+    r = http.post(f"/sessions/{sid}/say", json={"text": "Hello there, how are you today?"})
+    assert r.status_code == 200, r.text
+    assert r.json()["seconds"] > 0.5
+    _err(http.post(f"/sessions/{sid}/say", json={"text": "x" * 2000}), 400)
+    res = client.join()
+    assert res.error is None, res.error
+    st = res.status  # read by the client just before it hung up
+    assert st["agent"] == "say" and st["agent_segments"] == 1
+    assert st["agent_audio_to_frame_ms_p50"] is not None and 0 < st["agent_audio_to_frame_ms_p50"] < 1000
+    # the client closed its peer connection without DELETE: the server notices and tears the session down
+    deadline = time.monotonic() + 30
+    while sid not in srv.manager.reports and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rep = http.get(f"/sessions/{sid}/report").json()
+    assert rep["close_reason"] in ("peer_closed", "peer_failed"), rep
+    assert srv.manager.sessions == {} and all(g.free for g in srv.manager.groups)
+
+
+def test_idle_and_max_duration_timeouts_close_sessions(http, srv):
+    """A client that posts an offer and never connects: the idle timeout (shortened on the live
+    session) closes it; then a session past its maximum duration. Both free their group."""
+    mgr = srv.manager
+    for field, reason in (("idle_timeout_s", "idle"), ("max_duration_s", "max_duration")):
+        r = http.post("/sessions", json={"sdp": _offer_sdp()})
+        assert r.status_code == 201, r.text
+        sid = r.json()["session_id"]
+        sess = mgr.sessions[sid]
+        sess.cfg = dataclasses.replace(sess.cfg, **{field: 0.3})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            st = http.get(f"/sessions/{sid}").json() if field == "max_duration_s" else None
+            if sid in mgr.reports:
+                break
+            time.sleep(0.1)
+        del st
+        assert mgr.reports[sid]["close_reason"] == reason
+        assert http.get(f"/sessions/{sid}").json()["state"] == "closed"
+    assert mgr.sessions == {} and all(g.free for g in mgr.groups)

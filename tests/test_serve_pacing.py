@@ -1,0 +1,181 @@
+"""The media clock, pacing and the underrun policy as pure functions, driven by a fake clock; the
+agents' sample queues. No network, no aiortc, no worker process."""
+
+import numpy as np
+import pytest
+
+from cadence.serve.pacing import AVBuffer, MediaTiming, next_audio_frame, next_plan, next_video_frame, to_s16
+
+T = MediaTiming()  # 24 fps, 4 frames per chunk, 48 kHz
+
+
+def test_timing_arithmetic():
+    assert T.samples_per_chunk == 8000 and T.audio_frame_samples == 960 and T.samples_per_frame == 2000
+    assert T.video_pts_step == 3750  # 1/90000 at 24 fps, not aiortc's 3000 (30 fps)
+    assert T.chunk_seconds == pytest.approx(1 / 6)
+    assert [T.video_pts(k) for k in range(3)] == [0, 3750, 7500]
+    assert [T.audio_pts(n) for n in range(3)] == [0, 960, 1920]
+    assert T.frame_chunk(9) == (2, 1)
+    assert T.video_due(5.0, 24) == pytest.approx(6.0) and T.audio_due(5.0, 50) == pytest.approx(6.0)
+    assert T.plan_time(5.0, 6, 0.1) == pytest.approx(5.9)
+    with pytest.raises(ValueError):
+        MediaTiming(fps=7)
+
+
+def test_video_pacer_waits_then_skips_when_far_behind():
+    k, wait, skipped = next_video_frame(3, now=10.0, t0=10.0, timing=T)
+    assert (k, skipped) == (3, 0) and wait == pytest.approx(3 / 24)
+    # a little late: send it now, in order
+    k, wait, skipped = next_video_frame(3, now=10.0 + 4 / 24, t0=10.0, timing=T)
+    assert (k, wait, skipped) == (3, 0.0, 0)
+    # far behind (a stalled loop): jump to the frame due now, count the skipped ones
+    k, wait, skipped = next_video_frame(3, now=10.0 + 10.2 / 24, t0=10.0, timing=T)
+    assert (k, wait, skipped) == (10, 0.0, 7)
+    n, wait, skipped = next_audio_frame(0, now=11.0, t0=10.0, timing=T)
+    assert (n, skipped) == (50, 50)
+
+
+def test_scheduler_prestarts_then_plans_lead_ahead_with_bounded_in_flight():
+    assert next_plan(0, 0.0, None, T, 0.1, in_flight=0) == (True, 0.0)
+    assert next_plan(1, 0.0, None, T, 0.1, in_flight=1) == (True, 0.0)
+    assert next_plan(2, 0.0, None, T, 0.1, in_flight=0) == (False, None)  # wait for the clock
+    assert next_plan(2, 0.0, 0.0, T, 0.1, in_flight=2) == (False, None)  # wait for a chunk back
+    go, wait = next_plan(2, 0.0, 0.0, T, 0.1, in_flight=0)
+    assert not go and wait == pytest.approx(2 / 6 - 0.1)
+    assert next_plan(2, 2 / 6 - 0.1, 0.0, T, 0.1, in_flight=0)[0]
+
+
+def _simulate(latency, seconds=3.0, lead=0.1, step=0.001):
+    """Run scheduler, worker (a fixed latency per chunk), both tracks and the buffer on a fake clock.
+    Chunk c's frames are filled with c+1 and its audio with (c+1)/100, so the output names its chunk."""
+    buf = AVBuffer(T, 4, 4)
+    t0 = None
+    now = 0.0
+    c_next, in_flight, arrivals = 0, 0, []
+    k_next, n_next, t_start = 0, 0, 0.05  # the tracks start 50 ms after the session
+    video, audio = [], []
+    while now < seconds:
+        go, _ = next_plan(c_next, now, t0, T, lead, in_flight)
+        if go:
+            arrivals.append((now + latency(c_next), c_next))
+            in_flight += 1
+            c_next += 1
+            continue
+        for at, c in [a for a in arrivals if a[0] <= now]:
+            arrivals.remove((at, c))
+            in_flight -= 1
+            buf.put_chunk(c, np.full((4, 4, 4, 3), c + 1, np.uint8), np.full(8000, (c + 1) / 100, np.float32))
+        if now >= t_start:
+            t0 = t_start if t0 is None else t0
+            k, wait, _ = next_video_frame(k_next, now, t0, T)
+            if wait <= 0:
+                frame, fresh = buf.video_frame(k)
+                video.append((now, k, T.video_pts(k), int(frame[0, 0, 0]), fresh))
+                k_next = k + 1
+            n, wait, _ = next_audio_frame(n_next, now, t0, T)
+            if wait <= 0:
+                samples, complete = buf.audio_frame(n)
+                audio.append((now, n, T.audio_pts(n), samples, complete))
+                n_next = n + 1
+        now += step
+    return buf, t0, video, audio
+
+
+def test_fake_clock_steady_state_is_paced_stamped_and_in_sync():
+    buf, t0, video, audio = _simulate(lambda c: 0.03)
+    assert buf.video_underruns == 0 and buf.audio_underruns == 0
+    assert len(video) == pytest.approx(24 * 2.95, abs=2)
+    pts = [v[2] for v in video]
+    assert all(b - a == 3750 for a, b in zip(pts, pts[1:]))
+    apts = [a[2] for a in audio]
+    assert all(b - a == 960 for a, b in zip(apts, apts[1:]))
+    for now, k, _, value, fresh in video:
+        assert fresh and value == k // 4 + 1  # frame k comes from chunk k // 4
+        assert now == pytest.approx(T.video_due(t0, k), abs=0.0011)  # on the 24 fps clock, not 30
+    # A/V sync: the audio playing at each frame's media time comes from that frame's chunk
+    by_n = {n: s for _, n, _, s, _ in audio}
+    for _, k, _, value, _ in video:
+        n = (k * 2000) // 960
+        if n in by_n:
+            assert by_n[n][(k * 2000) % 960] == pytest.approx(value / 100)
+
+
+def test_fake_clock_late_chunk_holds_last_frame_and_sends_silence():
+    # chunk 6 takes 400 ms (misses its slot); everything else 30 ms
+    buf, _, video, audio = _simulate(lambda c: 0.4 if c == 6 else 0.03)
+    held = [v for v in video if not v[4]]
+    assert held and buf.video_underruns == len(held)
+    assert all(v[3] == 6 for v in held)  # chunk 5's last frame (value 6) is held while 6 is missing
+    assert buf.audio_underruns > 0
+    silent = [a for a in audio if not a[4]]
+    assert all(np.all(a[3][:1] == 0) or np.any(a[3] == 0) for a in silent)
+    pts = [v[2] for v in video]  # the clock never stopped: stamps stay continuous
+    assert all(b - a == 3750 for a, b in zip(pts, pts[1:]))
+    assert [v for v in video if v[1] >= 40 and v[4]]  # and the stream recovered
+
+
+def test_buffer_rejects_wrong_shapes_and_forgets_played_chunks():
+    buf = AVBuffer(T, 2, 2)
+    with pytest.raises(ValueError):
+        buf.put_chunk(0, np.zeros((3, 2, 2, 3), np.uint8), np.zeros(8000, np.float32))
+    for c in range(3):
+        buf.put_chunk(c, np.zeros((4, 2, 2, 3), np.uint8), np.zeros(8000, np.float32))
+    buf.video_frame(9)  # chunk 2
+    buf.audio_frame(20)  # sample 19200 -> chunk 2
+    assert sorted(buf.chunks) == [2]
+    buf.put_chunk(0, np.zeros((4, 2, 2, 3), np.uint8), np.zeros(8000, np.float32))  # too late to play
+    assert buf.late_chunks == 1 and 0 not in buf.chunks
+    assert to_s16(np.array([2.0, -2.0, 0.5], np.float32)).tolist() == [32767, -32767, 16384]
+
+
+def test_agents_queue_speech_and_mark_segment_starts():
+    from cadence.serve.agent import MirrorAgent, SayAgent, make_agent
+
+    a = SayAgent()
+    a.speak(np.ones(3000, np.float32), t_agent=1.0)
+    a.speak(np.full(3000, 0.5, np.float32), t_agent=2.0)
+    w, marks = a.take(8000)
+    assert w[:3000].tolist() == [1.0] * 3000 and w[3000:6000].tolist() == [0.5] * 3000 and not w[6000:].any()
+    assert [(m.offset, m.t_agent) for m in marks] == [(0, 1.0), (3000, 2.0)]
+    a.speak(np.ones(20000, np.float32), t_agent=3.0)
+    w, marks = a.take(8000)
+    assert [(m.offset, m.t_agent) for m in marks] == [(0, 3.0)]
+    w, marks = a.take(8000)
+    assert marks == [] and a.queued_samples == 4000
+    a.interrupt()
+    assert a.queued_samples == 0 and not a.take(8000)[0].any()
+
+    m = MirrorAgent()
+    m.push_mic(np.zeros(960, np.float32))
+    m.push_mic(np.full(960, 0.2, np.float32))  # voiced after quiet: a segment starts
+    m.push_mic(np.full(960, 0.2, np.float32))
+    w, marks = m.take(8000)
+    assert [mk.offset for mk in marks] == [960] and w[960:2880].tolist() == [pytest.approx(0.2)] * 1920
+    m.push_mic(np.full(48000, 0.1, np.float32))  # a burst: the mic backlog stays <= 0.5 s
+    assert m.mic.queued <= 24000
+    with pytest.raises(Exception, match="unknown agent"):
+        make_agent("nope")
+
+
+def test_cli_serve_rejects_bad_flags_before_starting(capsys):
+    from cadence.cli import main
+
+    assert main(["serve", "--preset", "nope"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+    assert main(["serve", "--max-sessions", "0"]) == 2
+    assert "--max-sessions" in capsys.readouterr().err
+    assert main(["serve", "--device", "tpu"]) == 2
+    with pytest.raises(SystemExit) as e:  # benchmarks parse their own flags (argparse exits 2)
+        main(["bench", "serve", "--sessions", "0"])
+    assert e.value.code == 2
+
+
+def test_engine_and_benchmarks_do_not_import_serving_packages():
+    import subprocess
+    import sys
+
+    code = ("import sys, cadence.cli, cadence.engine.generate, cadence.bench.serve, cadence.serve.pacing; "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'aiortc', 'prometheus_client') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
