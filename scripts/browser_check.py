@@ -6,8 +6,8 @@ size and clock once a second for 8 s, then saves a screenshot.
     python3 scripts/browser_check.py [--port 8767] [--out /tmp/live.png]
 
 Needs Debian's chromium and `pip install websocket-client`. Loopback only: Chromium gets
---allow-loopback-in-peer-connection and a fake microphone. Not a CI test (yet): the end-to-end test
-with an A/V sync marker is still to be written (issue 6).
+--allow-loopback-in-peer-connection and a fake microphone. The automated end-to-end test (fps, audio,
+A/V sync marker) is tests/test_e2e_browser.py.
 """
 import argparse
 import base64

@@ -179,3 +179,38 @@ def test_engine_and_benchmarks_do_not_import_serving_packages():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sync_marker_puts_a_white_frame_and_a_1khz_tone_at_the_same_media_time():
+    from cadence.serve.pacing import apply_sync_marker
+
+    frames = np.full((4, 8, 8, 3), 30, np.uint8)
+    audio = np.full(8000, 0.01, np.float32)
+    f2, a2 = apply_sync_marker(frames, audio, T)
+    assert (frames == 30).all() and (audio == np.float32(0.01)).all()  # copies: the inputs are untouched
+    assert (f2[0] == 255).all() and (f2[1:] == 30).all()  # frame 0 of the chunk: solid white
+    tone = a2[:1920]  # 40 ms at 48 kHz, starting at sample 0 of the chunk (= frame 0's media time)
+    assert (a2[1920:] == np.float32(0.01)).all()
+    assert np.abs(tone).max() == pytest.approx(0.5, abs=1e-3) and tone[0] == 0.0
+    spectrum = np.abs(np.fft.rfft(tone))
+    assert np.fft.rfftfreq(tone.size, 1 / 48000)[spectrum.argmax()] == pytest.approx(1000.0, abs=25)
+
+    # in the buffer: only chunks 0, K, 2K, ... carry it; off (0) by default
+    buf = AVBuffer(T, 8, 8, sync_marker_every=3)
+    plain = AVBuffer(T, 8, 8)
+    for c in range(6):
+        buf.put_chunk(c, frames, audio)
+        plain.put_chunk(c, frames, audio)
+    for c in range(6):
+        marked = c % 3 == 0
+        v, _ = buf.video_frame(4 * c)
+        assert (v == 255).all() == marked and (buf.video_frame(4 * c + 1)[0] == 30).all()
+        assert (plain.video_frame(4 * c)[0] == 30).all()
+    # audio frame n starts at sample 960 n: chunk 3 starts at sample 24000 = audio frame 25
+    fresh = AVBuffer(T, 8, 8, sync_marker_every=3)
+    for c in range(6):
+        fresh.put_chunk(c, frames, audio)
+    assert (fresh.audio_frame(24)[0] == np.float32(0.01)).all()  # the 20 ms before chunk 3: no tone
+    a, ok = fresh.audio_frame(25)
+    assert ok and a[0] == 0.0 and np.abs(a).max() == pytest.approx(0.5, abs=1e-3)  # the tone starts there
+    assert T.frame_of_sample(3 * T.samples_per_chunk) == 3 * T.frames_per_chunk  # same media instant

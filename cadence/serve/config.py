@@ -48,6 +48,9 @@ class ServeConfig:
     """How long startup waits for the worker processes to build the model."""
     seed: int = 0
     """Model weight seed (random weights) for the workers."""
+    sync_marker_every: int = 0
+    """Testing: every K-th chunk of every session carries an A/V sync marker (its first video frame
+    solid white, its first 40 ms of audio a 1 kHz tone, at the same media time); 0 = off."""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,6 +59,8 @@ class ServeConfig:
         if self.idle_timeout_s <= 0 or self.max_duration_s <= 0:
             raise ConfigError(f"timeouts must be positive, got idle {self.idle_timeout_s} s, "
                               f"max duration {self.max_duration_s} s")
+        if self.sync_marker_every < 0:
+            raise ConfigError(f"sync_marker_every must be >= 0, got {self.sync_marker_every}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
 

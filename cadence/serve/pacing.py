@@ -148,6 +148,27 @@ def next_plan(c: int, now: float, t0: float | None, timing: MediaTiming, lead: f
     return False, at - now
 
 
+SYNC_TONE_HZ = 1000.0  # the sync marker's audio: a 1 kHz tone burst ...
+SYNC_TONE_SECONDS = 0.040  # ... 40 ms long, at amplitude 0.5
+SYNC_TONE_AMPLITUDE = 0.5
+
+
+def apply_sync_marker(frames: np.ndarray, audio: np.ndarray, timing: MediaTiming,
+                      tone_seconds: float = SYNC_TONE_SECONDS, tone_hz: float = SYNC_TONE_HZ,
+                      amplitude: float = SYNC_TONE_AMPLITUDE) -> tuple[np.ndarray, np.ndarray]:
+    """An A/V sync marker on one chunk, at the media layer (after the model): its first video frame
+    becomes solid white and its first ``tone_seconds`` of audio a ``tone_hz`` tone burst. Both start at
+    the chunk's first media instant (frame 0 and sample 0 of the chunk), so a receiver that sees the
+    flash and hears the tone onset at different times measures its own A/V offset. Returns copies."""
+    frames = np.array(frames, dtype=np.uint8, copy=True)
+    audio = np.array(audio, dtype=np.float32, copy=True)
+    frames[0] = 255
+    n = min(audio.shape[0], round(tone_seconds * timing.sample_rate))
+    t = np.arange(n, dtype=np.float64) / timing.sample_rate
+    audio[:n] = (amplitude * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)
+    return frames, audio
+
+
 @dataclass
 class _Chunk:
     frames: np.ndarray  # uint8 [F, H, W, 3]
@@ -163,6 +184,7 @@ class AVBuffer:
     height: int
     width: int
     keep_chunks: int = 6
+    sync_marker_every: int = 0  # > 0: every K-th chunk (0, K, 2K, ...) carries the A/V sync marker
     chunks: dict[int, _Chunk] = field(default_factory=dict)
     video_underruns: int = 0  # video frames held (their chunk had not arrived)
     audio_underruns: int = 0  # 20 ms audio frames (partly) replaced by silence
@@ -179,6 +201,8 @@ class AVBuffer:
         if frames.shape[0] != f or audio.shape[0] != self.timing.samples_per_chunk:
             raise ValueError(f"chunk {c}: expected {f} frames and {self.timing.samples_per_chunk} samples, got "
                              f"{frames.shape[0]} and {audio.shape[0]}")
+        if self.sync_marker_every > 0 and c % self.sync_marker_every == 0:
+            frames, audio = apply_sync_marker(frames, audio, self.timing)
         self.chunks[c] = _Chunk(frames, audio.astype(np.float32, copy=False))
 
     def has_chunk(self, c: int) -> bool:

@@ -36,7 +36,8 @@ class LiveSession:
         self.engine_cfg = engine_cfg
         self.prompt, self.seed = prompt, seed
         self.timing = MediaTiming.from_config(engine_cfg)
-        self.buffer = AVBuffer(self.timing, engine_cfg.stream.height, engine_cfg.stream.width)
+        self.buffer = AVBuffer(self.timing, engine_cfg.stream.height, engine_cfg.stream.width,
+                               sync_marker_every=self.cfg.sync_marker_every)
         self.clock = MediaClock()
         self.state = "starting"
         self.close_reason: str | None = None

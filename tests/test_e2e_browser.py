@@ -1,0 +1,315 @@
+"""End to end in a real browser: headless Chromium opens the page of ``cadence serve`` (tiny preset, one
+CPU worker, A/V sync marker on), starts a session through ``window.cadence.start()``, receives video
+and audio over WebRTC on loopback, and we measure, in the page:
+
+* video rate: ``getStats()`` inbound-rtp ``framesDecoded`` over >= 2.5 s (the model's 24 fps; aiortc's
+  stock clock would give 30), and the frames the page actually presented (``requestVideoFrameCallback``);
+* audio: inbound-rtp ``totalSamplesReceived`` over the same window (48 kHz), and energy in the audio
+  the page plays (an AudioWorklet on the received MediaStream);
+* A/V sync: the server (``ServeConfig.sync_marker_every``) turns the first frame of every K-th chunk
+  solid white and the first 40 ms of that chunk's audio into a 1 kHz tone, at the same media time.
+  The page sees the flash (each presented frame drawn to a small canvas, mean brightness; time =
+  the frame's ``expectedDisplayTime``) and hears the onset (the first loud sample in the worklet,
+  converted to ``performance.now()`` time with ``AudioContext.getOutputTimestamp()``). Each flash is
+  paired with the onset nearest to it, from 1.5 s after the first frame on (before that Chrome's
+own A/V synchronization is still converging: up to ~150 ms measured); the median |audio - video|
+must stay under 120 ms and no single marker may be off by a whole chunk: one chunk is 166.7 ms
+  (an error of a chunk would show as ~167 ms), one video frame 41.7 ms, the browser's jitter buffers
+  and our detection granularity (a 60 Hz compositor, 2.7 ms audio blocks, WebAudio's own buffering)
+  add some 20-40 ms, and broadcast lip-sync tolerance (ITU-R BT.1359, EBU R37) is about -125/+45 ms.
+
+All measurement code is injected over the DevTools protocol (``Runtime.evaluate``); the page itself
+carries no test code. Loopback only: the page's ``RTCPeerConnection({iceServers: []})``, the server's
+127.0.0.1 host candidate, ``--allow-loopback-in-peer-connection``. Skips (with the reason) only when
+Chromium or ``websocket-client`` is missing.
+"""
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "multipart"):
+    pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
+
+from cadence.serve.config import ServeConfig
+from cadence.serve.server import ServerThread
+
+pytestmark = pytest.mark.timeout(120)
+
+MARKER_EVERY = 3  # chunks: a marker every 0.5 s
+MAX_AV_OFFSET_MS = 120.0
+CHUNK_MS = 1000 * 4 / 24  # 166.7 ms
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--allow-loopback-in-peer-connection", "--use-fake-ui-for-media-stream",
+                  "--use-fake-device-for-media-stream", "--disable-features=WebRtcHideLocalIpsWithMdns",
+                  "--autoplay-policy=no-user-gesture-required", "--remote-debugging-port=0",
+                  "--remote-allow-origins=*"]
+
+
+class CDP:
+    """A minimal DevTools-protocol client for one page (websocket-client, synchronous)."""
+
+    def __init__(self, ws_url: str):
+        import websocket
+
+        self.ws = websocket.create_connection(ws_url, timeout=30, suppress_origin=True)
+        self.n = 0
+
+    def call(self, method: str, **params):
+        self.n += 1
+        self.ws.send(json.dumps({"id": self.n, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self.n:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+
+    def eval(self, expr: str, timeout_s: float = 20.0):
+        r = self.call("Runtime.evaluate", expression=expr, awaitPromise=True, returnByValue=True,
+                      timeout=int(timeout_s * 1000))
+        if "exceptionDetails" in r:
+            d = r["exceptionDetails"]
+            raise RuntimeError(f"page exception: {d.get('exception', {}).get('description') or d.get('text')}")
+        return r["result"].get("value")
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.ws.close()
+
+
+@pytest.fixture
+def browser():
+    if os.environ.get("CADENCE_BROWSER_TESTS") != "1":
+        # Opt-in for now: 10/10 green here, but one earlier loaded run hung ~100 s in the server's
+        # session close / shutdown path (issue 6 note). Until that is fixed CI does not run it.
+        pytest.skip("browser end-to-end test is opt-in: set CADENCE_BROWSER_TESTS=1")
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
+    pytest.importorskip("websocket", reason="websocket-client is not installed (pip install websocket-client)")
+    profile = tempfile.mkdtemp(prefix="cadence-chromium-")
+    proc = subprocess.Popen([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cdp = None
+    try:
+        port_file = os.path.join(profile, "DevToolsActivePort")  # --remote-debugging-port=0: no port race
+        deadline = time.monotonic() + 30
+        port = None
+        while port is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"chromium exited at startup (rc {proc.returncode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("chromium did not open its DevTools port within 30 s")
+            try:
+                with open(port_file) as fh:
+                    port = int(fh.readline().strip())
+            except (OSError, ValueError):
+                time.sleep(0.1)
+        tabs = []
+        while not [t for t in tabs if t.get("type") == "page"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("chromium has no page target")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as r:
+                    tabs = json.load(r)
+            except OSError:
+                time.sleep(0.1)
+        cdp = CDP(next(t for t in tabs if t["type"] == "page")["webSocketDebuggerUrl"])
+        yield cdp
+    finally:
+        if cdp is not None:
+            cdp.close()
+        proc.kill()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def server():
+    srv = ServerThread(ServeConfig(port=0, sync_marker_every=MARKER_EVERY)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+# Injected after the session started: taps the page's <video> (its srcObject is the received stream).
+MEASURE_JS = r"""
+(async () => {
+  const video = document.getElementById("video");
+  const stream = video.srcObject;
+  if (!stream || !stream.getVideoTracks().length || !stream.getAudioTracks().length)
+    throw new Error("no received stream with video and audio on the page's <video>");
+  const M = window.__e2e = { frames: [], onsets: [], blocks: 0, loudBlocks: 0, audioErr: null,
+                             t0: performance.now() };
+  // video: every presented frame, mean brightness of a 16x16 downscale
+  const canvas = document.createElement("canvas"); canvas.width = canvas.height = 16;
+  const g = canvas.getContext("2d", { willReadFrequently: true });
+  const onFrame = (now, md) => {
+    g.drawImage(video, 0, 0, 16, 16);
+    const px = g.getImageData(0, 0, 16, 16).data;
+    let s = 0; for (let i = 0; i < px.length; i += 4) s += (px[i] + px[i + 1] + px[i + 2]) / 3;
+    M.frames.push({ t: md.expectedDisplayTime, now, pf: md.presentedFrames, mt: md.mediaTime, b: s / 256 });
+    if (!M.stopped) video.requestVideoFrameCallback(onFrame);
+  };
+  video.requestVideoFrameCallback(onFrame);
+  // audio: an AudioWorklet on the received stream; onset = first loud sample after >= 100 ms quiet
+  const worklet = `
+    class Onset extends AudioWorkletProcessor {
+      constructor() { super(); this.quiet = 1e9; }
+      process(inputs) {
+        const x = inputs[0] && inputs[0][0];
+        if (!x) return true;
+        let s = 0, first = -1;
+        for (let i = 0; i < x.length; i++) { s += x[i] * x[i]; if (first < 0 && Math.abs(x[i]) > 0.1) first = i; }
+        const rms = Math.sqrt(s / x.length);
+        if (first >= 0 && this.quiet >= 0.1 * sampleRate)
+          this.port.postMessage({ onset: currentTime + first / sampleRate });
+        this.quiet = first >= 0 ? 0 : this.quiet + x.length;
+        this.port.postMessage({ rms });
+        return true;
+      }
+    }
+    registerProcessor("onset", Onset);`;
+  const ctx = M.ctx = new AudioContext({ sampleRate: 48000 });
+  await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([worklet], { type: "application/javascript" })));
+  const node = new AudioWorkletNode(ctx, "onset");
+  node.port.onmessage = (e) => {
+    if (e.data.onset !== undefined) {
+      const ts = ctx.getOutputTimestamp();
+      M.onsets.push({ t: ts.performanceTime + (e.data.onset - ts.contextTime) * 1000,
+                      tIn: performance.now() - (ctx.currentTime - e.data.onset) * 1000 });
+    } else { M.blocks++; if (e.data.rms > 0.05) M.loudBlocks++; }
+  };
+  ctx.createMediaStreamSource(stream).connect(node);
+  node.connect(ctx.destination);  // pulls the graph; the node outputs silence
+  await ctx.resume();
+  return ctx.state;
+})()
+"""
+
+STATS_JS = r"""
+(async () => {
+  const pc = window.cadence.state().pc;
+  const out = { t: performance.now() };
+  (await pc.getStats()).forEach((r) => {
+    if (r.type === "inbound-rtp" && r.kind === "video")
+      Object.assign(out, { framesDecoded: r.framesDecoded || 0, framesReceived: r.framesReceived || 0,
+                           frameWidth: r.frameWidth, codec: r.codecId, framesDropped: r.framesDropped || 0 });
+    if (r.type === "inbound-rtp" && r.kind === "audio")
+      Object.assign(out, { samples: r.totalSamplesReceived || 0, concealed: r.concealedSamples || 0,
+                           audioEnergy: r.totalAudioEnergy || 0 });
+  });
+  return out;
+})()
+"""
+
+
+def _flashes(frames: list[dict]) -> list[float]:
+    """Display times of the marker frames: a presented frame much brighter than the one before."""
+    out = []
+    for prev, f in itertools.pairwise(frames):
+        if f["b"] >= 200 and f["b"] - prev["b"] >= 60:
+            out.append(f["t"])
+    return out
+
+
+def _pairs(flashes: list[float], onsets: list[float], window_ms: float, since: float = 0.0) -> list[float]:
+    """audio - video (ms) for each flash (shown after ``since``) with an onset within ``window_ms``
+    (markers are further apart)."""
+    offsets = []
+    for tv in [t for t in flashes if t >= since]:
+        near = [ta for ta in onsets if abs(ta - tv) <= window_ms]
+        if near:
+            offsets.append(min(near, key=lambda ta: abs(ta - tv)) - tv)
+    return offsets
+
+
+def test_browser_receives_24fps_video_with_audio_in_sync(server, browser):
+    t_start = time.monotonic()
+    cdp = browser
+    cdp.call("Page.navigate", url=server.url + "/")
+    deadline = time.monotonic() + 20
+    while cdp.eval("document.readyState === 'complete' && typeof window.cadence === 'object'") is not True:
+        assert time.monotonic() < deadline, "the page did not load"
+        time.sleep(0.1)
+    # no microphone: Chromium's fake device beeps, and the 'mirror' agent would echo the beeps,
+    # which would look like marker tones (the aiortc-client test covers the microphone path)
+    cdp.eval("document.getElementById('use-mic').checked = false")
+    assert cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')") == "ok"
+    sid = cdp.eval("window.cadence.state().sessionId")
+    assert sid
+    assert cdp.eval(MEASURE_JS) == "running"
+    # first decoded frame, then a short settling time before the measured window
+    deadline = time.monotonic() + 15
+    while (cdp.eval(STATS_JS).get("framesDecoded") or 0) == 0:
+        assert time.monotonic() < deadline, "no video frame decoded within 15 s"
+        time.sleep(0.1)
+    time.sleep(1.5)  # the browser's A/V synchronization converges in the first ~1.5 s (up to ~150 ms before)
+    s1 = cdp.eval(STATS_JS)
+    time.sleep(3.0)
+    s2 = cdp.eval(STATS_JS)
+    m = cdp.eval("(() => { const M = window.__e2e; M.stopped = true; "
+                 "return { frames: M.frames, onsets: M.onsets, blocks: M.blocks, loudBlocks: M.loudBlocks, "
+                 "ctxState: M.ctx.state, latency: [M.ctx.baseLatency, M.ctx.outputLatency] }; })()")
+    status = json.loads(urllib.request.urlopen(f"{server.url}/sessions/{sid}", timeout=10).read())
+    assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
+
+    dt = (s2["t"] - s1["t"]) / 1000
+    fps = (s2["framesDecoded"] - s1["framesDecoded"]) / dt
+    win = [f for f in m["frames"] if s1["t"] <= f["t"] <= s2["t"]]
+    shown_fps = (win[-1]["pf"] - win[0]["pf"]) / ((win[-1]["t"] - win[0]["t"]) / 1000) if len(win) > 1 else 0.0
+    audio_rate = (s2["samples"] - s1["samples"]) / dt
+    flashes = _flashes(m["frames"])
+    onsets = [o["t"] for o in m["onsets"]]
+    offsets = _pairs(flashes, onsets, window_ms=MARKER_EVERY * 1000 / 6 / 2, since=s1["t"])
+    t_first = m["frames"][0]["t"] if m["frames"] else 0.0
+    all_pairs = [(round(tv - t_first), round(o, 1)) for tv in flashes
+                 for o in _pairs([tv], onsets, window_ms=MARKER_EVERY * 1000 / 6 / 2)]
+    summary = {"fps_decoded": round(fps, 2), "fps_presented": round(shown_fps, 2), "window_s": round(dt, 2),
+               "audio_samples_per_s": round(audio_rate), "audio_blocks": m["blocks"], "loud_blocks": m["loudBlocks"],
+               "flashes": len(flashes), "onsets": len(onsets), "av_offsets_ms": [round(o, 1) for o in offsets],
+               "all_pairs": all_pairs,
+               "av_offsets_in_ms": [round(o, 1) for o in _pairs(flashes, [o["tIn"] for o in m["onsets"]], 250)],
+               "ctx_latency_s": m["latency"],
+               "server": {k: status[k] for k in ("fps", "underruns", "av_offset_ms", "ttff_ms")},
+               "width": s2.get("frameWidth"),
+               "test_s": round(time.monotonic() - t_start, 1)}
+    print("e2e browser:", json.dumps(summary))
+
+    # >= 2 s of video at about 24 fps
+    assert dt >= 2.5 and s2["framesDecoded"] - s1["framesDecoded"] >= 48, summary
+    assert 20.0 <= fps <= 28.0, summary
+    assert s2.get("frameWidth") == 128, summary
+    # with audio: ~48,000 samples/s arrive, and the page plays sound (the marker tones)
+    assert 40_000 <= audio_rate <= 56_000, summary
+    assert m["ctxState"] == "running" and m["blocks"] > 0 and m["loudBlocks"] > 0, summary
+    # A/V sync: flashes and tone onsets paired up, each within the tolerance
+    assert len(flashes) >= 3 and len(offsets) >= 3, summary
+    # the settled offset (median) within the tolerance; no single marker off by a whole chunk
+    assert abs(statistics.median(offsets)) < MAX_AV_OFFSET_MS, summary
+    assert all(abs(o) < CHUNK_MS for o in offsets), summary
