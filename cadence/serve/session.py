@@ -371,16 +371,26 @@ class LiveSession:
         tasks = [t for t in self.tasks if t is not me]
         for t in tasks:
             t.cancel()
+        # asyncio.wait, not gather / wait_for: wait_for waits for a cancelled awaitable to finish
+        # cancelling, so a coroutine that does not honour cancellation would hang the close (and
+        # with it DELETE and server shutdown). What has not finished in time is left to finish in
+        # the background, tracked by the server, and logged.
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            _, pending = await asyncio.wait(tasks, timeout=5.0)
+            if pending:
+                log.warning("session %s: %d task(s) still stopping after 5 s", self.sid, len(pending))
         for tr in (self.video, self.audio):
             if tr is not None:
                 tr.stop()
         if self.pc is not None:
-            try:
-                await asyncio.wait_for(self.pc.close(), timeout=10.0)
-            except Exception as e:  # noqa: BLE001 - keep tearing down
-                log.warning("session %s: closing the peer connection: %r", self.sid, e)
+            closing = asyncio.ensure_future(self.pc.close())
+            done, _ = await asyncio.wait({closing}, timeout=10.0)
+            if not done:
+                log.warning("session %s: peer connection still closing after 10 s", self.sid)
+                self.server.background.add(closing)
+                closing.add_done_callback(self.server.background.discard)
+            elif not closing.cancelled() and closing.exception() is not None:
+                log.warning("session %s: closing the peer connection: %r", self.sid, closing.exception())
         self.agent.close()
         self.t_closed = time.monotonic()
         await self.server.release_group(self)
