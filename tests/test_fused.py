@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import socket
 import sys
 import weakref
 from pathlib import Path
@@ -34,14 +33,6 @@ WORLD = 2
 TP_TOL = 1e-5
 
 
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +40,7 @@ def results(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     out = tmp_path_factory.mktemp("fused")
-    mp.spawn(tp_worker.run_fused_rank, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(tp_worker.run_fused_rank, args=(WORLD, tp_worker.free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"fused_rank{r}.pt") for r in range(WORLD)]
 
 
@@ -58,7 +49,7 @@ def test_every_mode_equals_nccl_reference(results):
     for r in range(WORLD):
         ref = results[r]["nccl"]
         for mode, y in results[r]["modes"].items():
-            assert torch.equal(y, ref), f"rank {r} comm={mode}: {rel(y, ref):.2e} from the nccl reference"
+            assert torch.equal(y, ref), f"rank {r} comm={mode}: {tp_worker.rel_err(y, ref):.2e} from the nccl reference"
     assert torch.equal(results[0]["nccl"], results[1]["nccl"])
 
 
@@ -77,7 +68,7 @@ def test_token_count_sequence_matches_tp1_and_cache_bounded(results):
     assert [g["tokens"] for g in grids] == [64, 128, 80, 37, 512, 64]
     for r in range(WORLD):
         for i, g in enumerate(results[r]["grids"]):
-            e = rel(g["tp"], grids[i]["ref"])
+            e = tp_worker.rel_err(g["tp"], grids[i]["ref"])
             assert e < TP_TOL, f"rank {r}, {g['tokens']} tokens: TP=2 vs TP=1 relative error {e:.2e}"
             info = g["cache"]
             assert info["entries"] <= info["max_entries"]

@@ -17,7 +17,6 @@ unsharded FP8, 3.5-3.6% vs float32).
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -39,20 +38,12 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with gloo")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    mp.spawn(tp_worker.run_rank, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(tp_worker.run_rank, args=(WORLD, tp_worker.free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -60,7 +51,7 @@ def results(tmp_path_factory):
 def test_forward_full_matches_unsharded(results):
     ref = results[0]["ref"]["full"]
     for r in range(WORLD):
-        e = rel(results[r]["tp"]["full"], ref)
+        e = tp_worker.rel_err(results[r]["tp"]["full"], ref)
         assert e < TP_TOL, f"rank {r}: TP={WORLD} forward_full relative error {e:.2e}"
     assert torch.equal(results[0]["tp"]["full"], results[1]["tp"]["full"])
 
@@ -69,7 +60,7 @@ def test_stream_matches_unsharded_and_ranks_agree(results):
     ref = results[0]["ref"]["stream"]
     assert ref.shape[0] == tp_worker.NUM_CHUNKS > get_preset("tiny").stream.window_chunks
     for r in range(WORLD):
-        e = rel(results[r]["tp"]["stream"], ref)
+        e = tp_worker.rel_err(results[r]["tp"]["stream"], ref)
         assert e < TP_TOL, f"rank {r}: TP={WORLD} streamed latents relative error {e:.2e}"
     assert torch.equal(results[0]["tp"]["stream"], results[1]["tp"]["stream"])
 
@@ -89,8 +80,8 @@ def test_fp8_composes_with_tp(results):
         for key in ("tp_then_fp8", "fp8_then_tp"):
             y = results[r][key]
             assert torch.isfinite(y).all()
-            assert rel(y, ref) < FP8_BUDGET, f"rank {r} {key}: {rel(y, ref):.4f} vs float32"
-            assert rel(y, ref_fp8) < FP8_BUDGET / 2, f"rank {r} {key}: {rel(y, ref_fp8):.4f} vs unsharded FP8"
+            assert tp_worker.rel_err(y, ref) < FP8_BUDGET, f"rank {r} {key}: {tp_worker.rel_err(y, ref):.4f} vs float32"
+            assert tp_worker.rel_err(y, ref_fp8) < FP8_BUDGET / 2, f"rank {r} {key}: {tp_worker.rel_err(y, ref_fp8):.4f} vs unsharded FP8"
     for key in ("tp_then_fp8", "fp8_then_tp"):
         assert torch.equal(results[0][key], results[1][key])
 

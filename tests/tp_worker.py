@@ -196,6 +196,15 @@ def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank) -> dict:
     return out
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the gloo rendezvous."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
