@@ -116,7 +116,9 @@ def synthetic_speech(seconds: float = 2.0, sample_rate: int = AUDIO_SAMPLE_RATE,
             sig += amp * np.sin(k * phase)
         onset = min(int(0.03 * sample_rate), length)
         sig[:onset] += 0.3 * rng.standard_normal(onset) * np.linspace(1, 0, onset)
-        env = np.sin(np.pi * np.arange(length) / max(length - 1, 1)) ** 0.6
+        # clamp: sin(pi * 1.0) is a tiny negative number in floating point, and a fractional power
+        # of a negative number is NaN
+        env = np.clip(np.sin(np.pi * np.arange(length) / max(length - 1, 1)), 0.0, None) ** 0.6
         out[t0:t0 + length] += sig * env * rng.uniform(0.6, 1.0)
         t0 += length + int(rng.uniform(0.06, 0.25) * sample_rate)
     peak = np.abs(out).max()
