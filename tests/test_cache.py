@@ -196,7 +196,7 @@ def test_rope_preserves_pair_norms():
     x = torch.randn(1, 4 * TPF, HEADS, HEAD_DIM, generator=g)
     cos, sin = r.cos_sin(torch.arange(3, 7), *GRID)
     y = apply_rope(x, cos, sin)
-    pn = lambda t: t.unflatten(-1, (-1, 2)).norm(dim=-1)  # noqa: E731
+    pn = lambda t: t.unflatten(-1, (-1, 2)).norm(dim=-1)
     # a rotation of each (2i, 2i+1) pair: norms kept to float32 rounding
     assert torch.allclose(pn(y), pn(x), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(y, x, atol=1e-3)  # and it did rotate

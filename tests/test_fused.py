@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import tp_worker  # noqa: E402
+import tp_worker
 
-from cadence.parallel import fused  # noqa: E402
+from cadence.parallel import fused
 
 WORLD = 2
 TP_TOL = 1e-5

@@ -23,7 +23,7 @@ from cadence.config import get_preset
 from cadence.model.weights import build_model, load_state_dict_into, load_weights
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers import WanTransformer3DModel  # noqa: E402
+from diffusers import WanTransformer3DModel
 
 TOL = 1e-5  # relative L2, see module docstring
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # tp_worker, importable in the spawned processes too
-import tp_worker  # noqa: E402
+import tp_worker
 
-from cadence.config import get_preset  # noqa: E402
+from cadence.config import get_preset
 
 WORLD = 2
 TP_TOL = 1e-5

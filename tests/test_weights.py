@@ -18,7 +18,7 @@ from cadence.model.weights import (
 )
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers import WanTransformer3DModel  # noqa: E402
+from diffusers import WanTransformer3DModel
 
 TINY = get_preset("tiny")
 NO_AUDIO = TINY.with_overrides(model={"audio_every": 0})

@@ -126,7 +126,7 @@ def _safe(results: dict, key: str, fn):
         return fn()
     except torch.OutOfMemoryError:
         raise
-    except Exception as e:  # noqa: BLE001 - one failed variant must not sink the benchmark
+    except Exception as e:
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         results.setdefault("errors", {})[key] = msg
         print(f"[bench fused] {key} failed: {msg}", file=sys.stderr, flush=True)

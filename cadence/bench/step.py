@@ -97,7 +97,7 @@ def layers_that_fit(cfg: CadenceConfig, dtype: torch.dtype, device: torch.device
     (with `tp` ranks each holding 1/tp of the block weights and of the cache)."""
     if device.type != "cuda":
         return cfg.model.num_layers
-    m, s = cfg.model, cfg.stream
+    m = cfg.model
     el = torch.tensor([], dtype=dtype).element_size()
     per_layer_params = 4 * m.dim**2 * 2 + 2 * m.dim * m.ffn_dim + (4 * m.dim**2 if m.audio_every else 0) / max(
         m.audio_every, 1)
@@ -148,7 +148,6 @@ def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, i
         finally:
             torch.cuda.set_sync_debug_mode(0)
     cache_bytes = sess.cache.memory_bytes()
-    del sess
     return {"times": times, "region": region, "totals": totals, "host_sync": host_sync, "cache_bytes": cache_bytes}
 
 

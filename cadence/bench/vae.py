@@ -81,7 +81,7 @@ def _compile_blocks(model, log) -> list:
             setattr(obj, attr, torch.compile(getattr(obj, attr), dynamic=False))
             done.append((obj, attr))
         log(f"torch.compile: {len(done)} decoder parts")
-    except Exception as e:  # noqa: BLE001 - any failure means: run eagerly
+    except Exception as e:
         log(f"torch.compile unavailable ({type(e).__name__}: {e}); running eagerly")
         _uncompile(done)
         done = []
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
 
     try:
         warm()
-    except Exception as e:  # noqa: BLE001 - a compile failure shows up on the first call
+    except Exception as e:
         if not compiled:
             raise
         log(f"torch.compile failed at first call ({type(e).__name__}: {str(e).splitlines()[0][:200]}); eager")
@@ -210,7 +210,6 @@ def _diffusers(args, cfg, model, lat, device, dtype, timer, log) -> dict:
     z1, zk = lat[None, :, :1], lat[None, :, :1 + k]
     t1 = median(timer.run(lambda: ref.decode(z1), warmup=1, iters=3))
     tk = median(timer.run(lambda: ref.decode(zk), warmup=1, iters=3))
-    del ref
     return {"diffusers_first_ms": t1, f"diffusers_1p{k}_ms": tk, "diffusers_per_chunk_ms": (tk - t1) / k}
 
 

@@ -208,7 +208,7 @@ class _DecodeWorker:
                 if self.dec_cuda:
                     torch.cuda.set_device(self.dec_dev)
                 self._loop()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+        except BaseException as e:
             self.error = e
         finally:
             self.outq.put(_STOP)
@@ -335,6 +335,16 @@ class ChunkPipeline:
             return PipelineOutput(index=i, latents=d.job.latents, frames=d.frames, audio=audio[i * spc:(i + 1) * spc],
                                   timings=t, ttff_ms=ttff)
 
+        def drain(block: bool):
+            """Yield the decoded chunks that are ready (all remaining ones when `block`); hand the
+            consumer's previous pinned slot back as each new one is lent out."""
+            nonlocal lent
+            while (d := worker.get(block=block)) is not None:
+                out = emit(d)
+                worker.release(lent)
+                lent = d.buffer
+                yield out
+
         in_flight: list = []  # ready events of launched steps (CUDA), oldest first
         try:
             for i in range(num_chunks):
@@ -358,17 +368,9 @@ class ChunkPipeline:
                     lat = sess.step(audio_dev[i * spc:(i + 1) * spc], runner=runner)
                     job = _Job(i, lat, plan, None, None, (time.perf_counter() - t0 - plan) * 1e3, runner.last)
                 worker.submit(job)
-                while (d := worker.get(block=False)) is not None:
-                    out = emit(d)
-                    worker.release(lent)
-                    lent = d.buffer
-                    yield out
+                yield from drain(block=False)
             worker.finish()
-            while (d := worker.get(block=True)) is not None:
-                out = emit(d)
-                worker.release(lent)
-                lent = d.buffer
-                yield out
+            yield from drain(block=True)
             worker.raise_if_failed()
             if emitted != num_chunks:
                 raise RuntimeError(f"the pipeline produced {emitted} of {num_chunks} chunks")

@@ -57,7 +57,7 @@ def triton_usable(device: torch.device, head_dim: int, allow_interpreter: bool =
     """Whether the Triton kernels can run here, and why not. On CPU only under TRITON_INTERPRET=1 and
     when asked for (the interpreter is for tests: far slower than the PyTorch reference)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (availability check)
     except ImportError:
         return False, "triton is not installed"
     if device.type != "cuda" and not (allow_interpreter and interpreting()):

@@ -127,10 +127,10 @@ def _symm():
     global _symm_mod
     if _symm_mod is None:
         try:
-            import torch.distributed._symmetric_memory as sm  # noqa: PLC0415
+            import torch.distributed._symmetric_memory as sm
 
             _symm_mod = sm
-        except Exception as e:  # noqa: BLE001 - any import problem means: not available
+        except Exception as e:
             _symm_mod = False
             warn_once("symm-import", "torch.distributed._symmetric_memory unavailable (%s): row-parallel "
                       "layers use the nccl all-reduce", str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -173,7 +173,7 @@ def _symm_unavailable_reason(device: torch.device, group) -> str | None:
         return f"symmetric memory needs CUDA tensors (got {device.type})"
     try:
         backend = dist.get_backend(group)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return f"no process group ({e})"
     if str(backend).lower() != "nccl":
         return f"symmetric memory modes need the NCCL backend (got {backend})"
@@ -197,7 +197,7 @@ def _prepare(group) -> None:
         if fn is not None and want:
             try:
                 fn(want)
-            except Exception as e:  # noqa: BLE001 - older torch: one backend only
+            except Exception as e:
                 log.debug("symm_mem.set_backend(%s): %s", want, e)
     name = group_name(group)
     if name in _enabled_groups:
@@ -206,7 +206,7 @@ def _prepare(group) -> None:
     if fn is not None:
         try:
             fn(name)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.debug("enable_symm_mem_for_group(%s): %s", name, e)
     _enabled_groups.add(name)
 
@@ -318,7 +318,7 @@ def table_path(world: int) -> Path | None:
             own = d / f"chooser-{device_kind(torch.device('cuda', torch.cuda.current_device()), world)}-tp{world}.json"
             if own.is_file():
                 return own
-    except Exception:  # noqa: BLE001 - naming only
+    except Exception:
         pass
     cands = sorted(p for p in d.glob(f"chooser-*-tp{world}.json") if not p.name.startswith("chooser-cpu-"))
     return cands[-1] if cands else None

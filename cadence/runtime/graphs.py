@@ -301,7 +301,7 @@ class GraphRunner:
                 if self._stream is None:
                     self._stream = torch.cuda.Stream(device=inp.noise.device)
                 handle = cuda_capture(fn, self._stream)
-        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager for this shape
+        except Exception as e:
             self._failed.add(key)
             self.stats.capture_failures += 1
             log.warning("cuda graphs: capture failed (%s: %s); this shape runs eagerly [%s]",

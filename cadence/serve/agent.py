@@ -277,7 +277,7 @@ def decode_audio_bytes(data: bytes, max_seconds: float = 60.0) -> np.ndarray:
                 pieces.append(o.to_ndarray().reshape(-1))
     except InputError:
         raise
-    except Exception as e:  # noqa: BLE001 - FFmpeg's many error types: all mean "not audio we can read"
+    except Exception as e:
         raise InputError(f"could not decode audio ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
     if samples.size == 0:

@@ -362,7 +362,7 @@ def create_app(cfg: ServeConfig | None = None):
         elif ctype.startswith("multipart/form-data"):
             try:
                 form = await request.form(max_files=1, max_fields=20)
-            except Exception as e:  # noqa: BLE001 - the multipart parser's errors
+            except Exception as e:
                 raise ApiError(400, f"could not parse the multipart form: {e}") from None
             fields = {k: v for k, v in form.items() if isinstance(v, str)}
             up = form.get("image")

@@ -168,7 +168,7 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
             r = await http.delete(f"{url}/sessions/{res.session_id}")
             res.report = r.json()
         return res
-    except Exception as e:  # noqa: BLE001 - a client error is a result (the bench counts them)
+    except Exception as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     finally:

@@ -15,7 +15,7 @@ class BackgroundClient:
             from cadence.serve.client import run_client
             try:
                 self.result = asyncio.run(run_client(url, seconds, **kw))
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 self.error = e
 
         self.thread = threading.Thread(target=main, name="test-client", daemon=True)

@@ -96,7 +96,7 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int) -> None
                     conn.send(("error", None, f"unknown message {kind!r}"))
             except (EOFError, OSError, BrokenPipeError):
                 return
-            except Exception as e:  # noqa: BLE001 - reported to the session, the worker lives on
+            except Exception as e:
                 sid = msg[1] if len(msg) > 1 else None
                 if kind == "open":
                     sess, sid_open = None, None

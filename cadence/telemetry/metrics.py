@@ -12,7 +12,7 @@ underruns and deadline misses (they survive the session's series).
 from __future__ import annotations
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,  # noqa: F401 - re-exported for the app
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
     CollectorRegistry,
     Counter,
     Gauge,
