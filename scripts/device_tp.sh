@@ -63,4 +63,4 @@ run 120 step-w57-fp8-auto $TR $STEP --preset w57 --layers "$W57_LAYERS" --fp8 --
 run 120 step-w57-bf16-nccl $TR $STEP --preset w57 --layers "$W57_LAYERS" --comm nccl
 
 echo "=== done in ${SECONDS}s"
-ls -R "$PERF"
+tar czf "$OUT/tp.tgz" -C "$OUT" perf && ls -R "$PERF"
