@@ -1,4 +1,4 @@
-"""The ``cadence`` command line: ``cadence generate``, ``cadence serve`` and ``cadence bench <name>``.
+"""The ``cadence`` command line: ``cadence generate``, ``serve``, ``eval`` and ``bench <name>``.
 
 Errors meant for the user (``CadenceError``: bad files, bad counts, unknown presets) print as one
 line, ``error: <message>``, on stderr with exit status 2 and no traceback. Heavy modules (the
@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``cadence`` parser (subcommands: generate, serve, bench)."""
+    """The full ``cadence`` parser (subcommands: generate, serve, bench, eval)."""
     parser = _Parser(prog="cadence", description="Real-time chunk-causal video diffusion for live talking "
                                                  "characters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="benchmark module in cadence.bench (e.g. step)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench)
+
+    # The options live in cadence.bench.eval (imported only when run); '+' as the prefix hands every
+    # argument, --help included, through to it.
+    e = sub.add_parser("eval", help="quality harness: lip sync and identity drift per engine configuration",
+                       description="cadence eval [--preset P] [--clips N] [--reruns R] ... (see 'cadence eval "
+                                   "--help'); the same as 'cadence bench eval'.",
+                       add_help=False, prefix_chars="+")
+    e.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.bench.eval")
+    e.set_defaults(func=cmd_eval)
     return parser
 
 
@@ -260,6 +269,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not hasattr(module, "main"):
         raise InputError(f"benchmark {name!r} has no main()")
     return int(module.main(list(args.args)) or 0)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``cadence eval ...`` -> ``cadence.bench.eval.main(args)`` (the same as ``cadence bench eval``)."""
+    from cadence.bench.eval import main as eval_main
+
+    return int(eval_main(list(args.args), prog="cadence eval") or 0)
 
 
 def _benchmarks() -> list[str]:
