@@ -67,6 +67,14 @@ class ModelConfig:
     """RoPE base."""
     cross_attn_norm: bool = True
     """Affine LayerNorm before text cross-attention (Wan: true)."""
+    audio_pos: bool = False
+    """A learned embedding per audio-token index added to the audio tokens, so the audio cross-attention
+    can tell which of a latent frame's video frames a token belongs to (the trained default character
+    has it; Wan checkpoints do not)."""
+    weights: str | None = None
+    """A safetensors file (or a folder of them) with the transformer's weights, loaded by
+    ``build_generator``; ``package:<path>`` is relative to the installed ``cadence`` package. None =
+    random weights (benchmarks)."""
 
     @property
     def rope_split(self) -> tuple[int, int, int]:
@@ -91,7 +99,15 @@ class VAEConfig:
     weights unless `weights` is set) or 'taehv' (the tiny streaming decoder, cadence.model.taehv; the
     encoder is then the Wan one)."""
     weights: str | None = None
-    """A diffusers `vae/` folder (config.json + safetensors) for the Wan VAE; None = random weights."""
+    """A diffusers `vae/` folder (config.json + safetensors) for the Wan VAE; None = random weights.
+    With decoder 'taehv' the folder may also hold ``taehv.safetensors`` (+ ``taehv.json``), the trained
+    tiny decoder. ``package:<path>`` is relative to the installed ``cadence`` package."""
+    base_dim: int | None = None
+    """Width of a small Wan VAE (None = the released geometry's width: 96 for 2.1, 160 for 2.2)."""
+    taehv_channels: tuple[int, ...] | None = None
+    """Channels per stage of the tiny decoder (None = its defaults)."""
+    taehv_shuffle: int = 1
+    """The tiny decoder's last log2(k) spatial 2x steps as one pixel shuffle by k (cheap at full size)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +247,9 @@ class CadenceConfig:
                 errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
         if v.decoder not in ("standin", "wan", "taehv"):
             errs.append(f"vae.decoder must be 'standin', 'wan' or 'taehv', got {v.decoder!r}")
+        if v.taehv_shuffle < 1 or v.taehv_shuffle & (v.taehv_shuffle - 1) or v.taehv_shuffle > v.stride[1]:
+            errs.append(f"vae.taehv_shuffle must be a power of two <= the spatial stride {v.stride[1]}, "
+                        f"got {v.taehv_shuffle}")
         if v.decoder != "standin" and (tuple(v.stride), v.latent_channels) not in (((4, 8, 8), 16), ((4, 16, 16), 48)):
             errs.append(f"the Wan VAE has stride 4x8x8 with z=16 or 4x16x16 with z=48, got "
                         f"{'x'.join(map(str, v.stride))} with z={v.latent_channels}")
@@ -490,6 +509,22 @@ PRESETS: dict[str, CadenceConfig] = {
         vae=VAEConfig(stride=(4, 16, 16), latent_channels=48),
         stream=StreamConfig(height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1),
     ),
+    # The shipped default character (issue 7): tiny's geometry (128x128, 64 tokens per chunk) with the
+    # model trained by `cadence.train.character` (weights in cadence/assets/character, model card there).
+    # A small Wan-architecture VAE (base width 16) encodes; a tiny streaming decoder with a 4x pixel
+    # shuffle decodes (the Wan decoder is trained too, for GPUs, but is too slow for a 2-core CPU).
+    # Clean-pass commit: the cache holds K/V of the denoised chunk at t=0, as in training.
+    "character": CadenceConfig(
+        name="character",
+        model=ModelConfig(dim=128, num_heads=4, head_dim=32, ffn_dim=384, num_layers=4, patch=(1, 2, 2),
+                          in_channels=16, out_channels=16, text_dim=64, text_len=16, audio_dim=64,
+                          audio_tokens_per_frame=4, audio_every=1, audio_pos=True,
+                          weights="package:assets/character/dit.safetensors"),
+        vae=VAEConfig(stride=(4, 8, 8), latent_channels=16, decoder="taehv", base_dim=16,
+                      taehv_channels=(96, 64), taehv_shuffle=4, weights="package:assets/character/vae"),
+        stream=StreamConfig(height=128, width=128, latent_frames_per_chunk=1, window_chunks=4, sink_frames=1,
+                            commit="clean_pass", cache="ring"),
+    ),
     "w57": CadenceConfig(
         name="w57",
         model=ModelConfig(in_channels=48, out_channels=48, audio_every=4, patch=(1, 2, 2),
@@ -498,6 +533,15 @@ PRESETS: dict[str, CadenceConfig] = {
         stream=StreamConfig(height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1),
     ),
 }
+
+
+def resolve_asset(path: str) -> str:
+    """``package:<rel>`` -> the absolute path of <rel> inside the installed ``cadence`` package."""
+    if path.startswith("package:"):
+        from pathlib import Path
+
+        return str(Path(__file__).resolve().parent / path[len("package:"):])
+    return path
 
 
 def get_preset(name: str) -> CadenceConfig:

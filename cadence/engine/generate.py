@@ -215,16 +215,27 @@ class WanVAEAdapter:
     (fed normalised latents, see ``stream``); to_uint8(frames [3, T, H, W]) -> [T, H, W, 3]."""
 
     def __init__(self, cfg: CadenceConfig, device, dtype: torch.dtype):
-        variant = "2.1" if cfg.vae.latent_channels == 16 else "2.2"
-        if cfg.vae.weights:
-            self.wan = WanVAE.from_diffusers_dir(cfg.vae.weights, device, dtype)
-        else:
-            self.wan = WanVAE(wan_vae_config(variant)).to(device=device, dtype=dtype).eval()
-        self.taehv = None
-        if cfg.vae.decoder == "taehv":
-            from cadence.model.taehv import TAEHV
+        from pathlib import Path
 
-            self.taehv = TAEHV(cfg.vae.latent_channels, cfg.vae.stride).to(device=device, dtype=dtype).eval()
+        from cadence.config import resolve_asset
+
+        v = cfg.vae
+        variant = "2.1" if v.latent_channels == 16 else "2.2"
+        folder = Path(resolve_asset(v.weights)) if v.weights else None
+        if folder is not None:
+            self.wan = WanVAE.from_diffusers_dir(folder, device, dtype)
+        else:
+            over = {"base_dim": v.base_dim} if v.base_dim else {}
+            self.wan = WanVAE(wan_vae_config(variant, **over)).to(device=device, dtype=dtype).eval()
+        self.taehv = None
+        if v.decoder == "taehv":
+            from cadence.model.taehv import TAEHV, load_taehv
+
+            if folder is not None and (folder / "taehv.safetensors").is_file():
+                self.taehv = load_taehv(folder, device, dtype)
+            else:
+                self.taehv = TAEHV(v.latent_channels, v.stride, v.taehv_channels,
+                                   shuffle=v.taehv_shuffle).to(device=device, dtype=dtype).eval()
 
     def to_device(self, device) -> "WanVAEAdapter":
         """A copy with the same weights on `device` (for decoding on another GPU)."""
@@ -271,6 +282,9 @@ def build_generator(cfg: CadenceConfig, device: str | torch.device = "cpu", dtyp
     """Model built on `device` (random weights from `seed`, or loaded from `weights`) + generator."""
     from cadence.model.weights import load_weights
 
+    from cadence.config import resolve_asset
+
+    weights = weights or (resolve_asset(cfg.model.weights) if cfg.model.weights else None)
     model = build_model(cfg, device, dtype, seed=None if weights else seed)
     if weights:
         load_weights(model, weights)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import av
 import numpy as np
 import torch
 
@@ -41,6 +40,8 @@ def load_audio(path: str | os.PathLike, sample_rate: int = AUDIO_SAMPLE_RATE,
         raise InputError(f"audio path is not a file: {p}")
     if p.stat().st_size == 0:
         raise InputError(f"audio file is empty (0 bytes): {p}")
+    import av  # lazily: the engine and training import this module on machines without PyAV
+
     pieces: list[np.ndarray] = []
     have = 0
     try:

@@ -170,6 +170,8 @@ class WanDiT(nn.Module):
         self.time_proj = Linear(d, 6 * d, device=device, dtype=torch.float32)
         self.text_embed = MLP2(m.text_dim, d, d, "gelu", device, dtype)
         self.audio_embed = (MLP2(m.audio_dim, d, d, "gelu", device, dtype) if m.audio_every > 0 else None)
+        self.audio_pos = (nn.Parameter(torch.zeros(m.audio_tokens_per_frame, d, device=device, dtype=dtype))
+                          if m.audio_every > 0 and m.audio_pos else None)
         self.blocks = nn.ModuleList([Block(m, m.has_audio(i), device, dtype) for i in range(m.num_layers)])
         self.head = Head(m, device, dtype)
         rope_dev = "cpu" if device is None or torch.device(device).type == "meta" else device
@@ -216,7 +218,10 @@ class WanDiT(nn.Module):
         if audio is None or self.audio_embed is None:
             return None
         b, f, a, _ = audio.shape
-        return self.audio_embed(audio.to(self.dtype)).reshape(b * f, a, -1)
+        tokens = self.audio_embed(audio.to(self.dtype))
+        if self.audio_pos is not None:  # which video frame of the latent frame each token belongs to
+            tokens = tokens + self.audio_pos
+        return tokens.reshape(b * f, a, -1)
 
     def _blocks(self, x, temb6, cache, commit, text: TextContext, audio_ctx, frames: int):
         for i, blk in enumerate(self.blocks):
@@ -240,12 +245,15 @@ class WanDiT(nn.Module):
         return self.unpatchify(self.head(tokens, temb), f, h, w)[0]
 
     def forward_full(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, audio: torch.Tensor | None = None,
-                     mask: torch.Tensor | None = None, frame_offset: int = 0) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, frame_offset: int = 0,
+                     frame_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Reference forward over a whole latent sequence (no cache).
 
         x [B, C, F, H, W]; t [B] or [B, F] (one timestep per latent frame); text [B, L, text_dim];
         audio [B, F, A, audio_dim] or None; mask [N, N] bool (True = attend) or None for
-        bidirectional attention. Frame positions are frame_offset + 0..F-1. Returns [B, C, F, H, W].
+        bidirectional attention. Frame positions are frame_offset + 0..F-1, or `frame_positions` [F // pt]
+        (integers; repeats allowed: training lays a noisy copy of a chunk at its clean copy's position).
+        Returns [B, C, F, H, W].
         """
         from cadence.cache.full import FullSequence  # the model package does not depend on caches
 
@@ -256,7 +264,8 @@ class WanDiT(nn.Module):
         if t.ndim == 2:  # per latent frame -> per token
             t = t[:, ::pt].repeat_interleave((h // ph) * (w // pw), dim=1)
         temb, temb6 = self.time_embedding(t)
-        frames = torch.arange(frame_offset, frame_offset + n_f, device=x.device)
+        frames = (torch.arange(frame_offset, frame_offset + n_f, device=x.device) if frame_positions is None
+                  else frame_positions.to(x.device))
         cos, sin = self.rope.cos_sin(frames, h // ph, w // pw)
         seq = FullSequence(cos, sin, mask)
         audio_ctx = self.embed_audio(audio)

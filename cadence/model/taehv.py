@@ -12,8 +12,11 @@ frames of which only the last is kept, so frame counts match Wan's (1 + 4 (F - 1
 state (:class:`TAEHVStream`) holds one frame per MemBlock, so :meth:`TAEHVStream.decode_chunk`
 called chunk by chunk equals :meth:`TAEHV.decode_video` on the whole latent (tests/test_vae.py).
 
-No trained weights exist for it here: it is randomly initialised, sized for speed, and loads a
-state dict of its own layout when one is trained.
+``shuffle=k`` replaces the last log2(k) spatial 2x steps by one sub-pixel convolution (the last conv
+writes 3 k^2 channels, ``pixel_shuffle`` spreads them over k x k pixels), so the expensive full-size
+convolutions disappear: the trained default character (cadence.train.character) uses k = 4 to decode
+128x128 on a 2-core CPU in real time. Randomly initialised unless a state dict of this layout is
+loaded (``load_taehv``).
 """
 
 from __future__ import annotations
@@ -68,28 +71,38 @@ class TAEHV(nn.Module):
     (len = log2(s) + 1, from the latent resolution to the output resolution)."""
 
     def __init__(self, z_dim: int = 16, stride: tuple[int, int, int] = (4, 8, 8),
-                 channels: tuple[int, ...] | None = None, blocks_per_stage: int = 1):
+                 channels: tuple[int, ...] | None = None, blocks_per_stage: int = 1, shuffle: int = 1):
         super().__init__()
         st, s, s2 = stride
         n_up = int(round(math.log2(s)))
         n_t = int(round(math.log2(st)))
+        n_sh = int(round(math.log2(shuffle))) if shuffle >= 1 else -1
         if s != s2 or 2 ** n_up != s or 2 ** n_t != st or n_t > n_up:
             raise ConfigError(f"TAEHV needs stride (2^a, 2^b, 2^b) with a <= b, got {stride}")
-        channels = tuple(channels) if channels else tuple(max(32, 256 >> i) for i in range(n_up + 1))
-        if len(channels) != n_up + 1:
-            raise ConfigError(f"TAEHV channels needs {n_up + 1} entries for stride {s}, got {len(channels)}")
-        self.z_dim, self.stride, self.channels = z_dim, tuple(stride), channels
+        if n_sh < 0 or 2 ** n_sh != shuffle or n_sh > n_up:
+            raise ConfigError(f"TAEHV shuffle must be a power of two <= the spatial stride {s}, got {shuffle}")
+        n_conv = n_up - n_sh  # spatial 2x steps done by upsample + conv; the rest by one pixel shuffle
+        channels = tuple(channels) if channels else tuple(max(32, 256 >> i) for i in range(n_conv + 1))
+        if len(channels) != n_conv + 1:
+            raise ConfigError(f"TAEHV channels needs {n_conv + 1} entries for stride {s} and shuffle {shuffle}, "
+                              f"got {len(channels)}")
+        self.z_dim, self.stride, self.channels, self.shuffle = z_dim, tuple(stride), channels, shuffle
         self.conv_in = _conv(z_dim, channels[0])
+        # temporal 2x steps: one per stage from the first, any left over all in the first stage (cheap:
+        # it runs at the latent resolution)
+        grows = [1 if i < n_t else 0 for i in range(max(n_conv, 1))]
+        grows[0] += n_t - sum(grows)
         stages = []
-        for i in range(n_up):
+        for i in range(n_conv):
             layers: list[nn.Module] = [MemBlock(channels[i]) for _ in range(blocks_per_stage)]
-            if i < n_t:
-                layers.append(TGrow(channels[i]))
+            layers += [TGrow(channels[i]) for _ in range(grows[i])]
             layers += [nn.Upsample(scale_factor=2.0, mode="nearest"), _conv(channels[i], channels[i + 1], bias=False)]
             stages.append(nn.ModuleList(layers))
+        if n_conv == 0:
+            stages.append(nn.ModuleList([TGrow(channels[0]) for _ in range(n_t)]))
         self.stages = nn.ModuleList(stages)
         self.head = MemBlock(channels[-1])
-        self.conv_out = _conv(channels[-1], 3)
+        self.conv_out = _conv(channels[-1], 3 * shuffle * shuffle)
         self.n_slots = 0
         for m in self.modules():
             if isinstance(m, MemBlock):
@@ -105,6 +118,8 @@ class TAEHV(nn.Module):
             for layer in stage:
                 x = layer(x, b, mem) if isinstance(layer, MemBlock) else layer(x)
         x = self.conv_out(F.relu(self.head(x, b, mem)))
+        if self.shuffle > 1:
+            x = F.pixel_shuffle(x, self.shuffle)
         n, c, hh, ww = x.shape
         x = x.reshape(b, n // b, c, hh, ww).transpose(1, 2)
         if first:  # the stream's first latent frame keeps only its last frame (Wan's frame count)
@@ -120,6 +135,21 @@ class TAEHV(nn.Module):
 
     def stream(self) -> "TAEHVStream":
         return TAEHVStream(self)
+
+
+def load_taehv(folder, device="cpu", dtype=torch.float32) -> "TAEHV":
+    """``taehv.json`` (constructor arguments) + ``taehv.safetensors`` in `folder` -> a TAEHV in eval mode."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    kw = json.loads((folder / "taehv.json").read_text())
+    model = TAEHV(kw["z_dim"], tuple(kw["stride"]), tuple(kw["channels"]), kw.get("blocks_per_stage", 1),
+                  kw.get("shuffle", 1))
+    model.load_state_dict(load_file(str(folder / "taehv.safetensors")), strict=True)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 class TAEHVStream:

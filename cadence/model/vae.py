@@ -491,7 +491,8 @@ class WanVAE(nn.Module):
 
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
-        files = sorted(path.glob("*.safetensors"))
+        # diffusers' name when present (the folder may also hold other models' files, e.g. taehv.safetensors)
+        files = sorted(path.glob("diffusion_pytorch_model*.safetensors")) or sorted(path.glob("*.safetensors"))
         if not files:
             raise WeightsError(f"no .safetensors file in {path}")
         sd: dict[str, torch.Tensor] = {}
@@ -520,6 +521,10 @@ class WanVAE(nn.Module):
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """video [3, T, H, W] or [B, 3, T, H, W] in [-1, 1], T = 1 + 4k -> latent mean [.., z, 1 + k, h, w]
         (the posterior's mode, as diffusers' ``encode(x).latent_dist.mode()``)."""
+        return self.encode_with_grad(video)
+
+    def encode_with_grad(self, video: torch.Tensor) -> torch.Tensor:
+        """:meth:`encode` without ``no_grad`` (training)."""
         single = video.dim() == 4
         x = video[None] if single else video
         t = x.shape[2]
@@ -575,6 +580,10 @@ class StreamingDecoder:
 
         T = 4F, except on the stream's first call, where the first latent frame gives one frame
         (T = 1 + 4(F - 1)). Output dtype/device are the VAE's."""
+        return self.decode_with_grad(latent, clamp=True)
+
+    def decode_with_grad(self, latent: torch.Tensor, clamp: bool = False) -> torch.Tensor:
+        """:meth:`decode_chunk` without ``no_grad`` and, unless asked, without the final clamp (training)."""
         single = latent.dim() == 4
         x = latent[None] if single else latent
         vae = self.vae
@@ -593,7 +602,9 @@ class StreamingDecoder:
         if not outs:
             raise ValueError("decode_chunk got a latent with no frames")
         n = latent.shape[-3]
-        out = unpatchify(torch.cat(outs, 2) if len(outs) > 1 else outs[0], vae.patch).clamp_(-1.0, 1.0)
+        out = unpatchify(torch.cat(outs, 2) if len(outs) > 1 else outs[0], vae.patch)
+        if clamp:
+            out = out.clamp_(-1.0, 1.0)
         self.latent_frames += n
         self.video_frames += out.shape[2]
         return out[0] if single else out

@@ -164,7 +164,7 @@ def convert_state_dict(sd: Mapping[str, torch.Tensor], fmt: str | None = None
 
 
 def _is_audio_key(k: str) -> bool:
-    return k.startswith("audio_embed.") or ".audio_attn." in k or ".norm_audio." in k
+    return k.startswith(("audio_embed.", "audio_pos")) or ".audio_attn." in k or ".norm_audio." in k
 
 
 def _summarise(keys: list[str], n: int = 8) -> str:
