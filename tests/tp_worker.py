@@ -43,8 +43,27 @@ def _run(model, cfg, inputs, img, speech) -> dict:
     return out
 
 
+def ring_config(cfg):
+    """The ring cache with FP8 K/V (per-(token, head) scales: sharding by heads leaves them as they are)."""
+    return cfg.with_overrides(stream={"cache": "ring", "kv_fp8": True})
+
+
+def _run_ring(model, cfg, img, speech) -> dict:
+    """A stream through the FP8 ring cache (the window slides): latents and the per-layer buffer shape."""
+    from cadence.engine.generate import StreamGenerator
+
+    gen = StreamGenerator(ring_config(cfg), model)
+    chunks = gen.stream(img, "a person talking", speech, NUM_CHUNKS, seed=0)
+    sess = gen.session(img, "a person talking", seed=0)
+    return {"stream": torch.stack([o.latents for o in chunks]), "k_shape": tuple(sess.cache.k.shape),
+            "v_shape": tuple(sess.cache.v.shape), "k_dtype": str(sess.cache.k.dtype)}
+
+
 @torch.no_grad()
-def run_rank(rank: int, world: int, port: int, outdir: str) -> None:
+def run_rank(rank: int, world: int, port: int, outdir: str, extended: bool = False) -> None:
+    """The TP parity run of one rank. `extended` (the 4-rank test) adds a stream through the FP8 ring
+    cache and the symmetric-memory code paths with gloo-emulated ops (reduce-scatter over 4 ranks,
+    chunked GEMMs, FP8 arguments)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     if sys.platform.startswith("linux"):
@@ -72,8 +91,16 @@ def run_rank(rank: int, world: int, port: int, outdir: str) -> None:
         apply_tp(m2, info.group)
         res["tp_then_fp8"] = m1.forward_full(*inputs)
         res["fp8_then_tp"] = m2.forward_full(*inputs)
+        ref = build_model(cfg, "cpu", torch.float32, seed=0) if rank == 0 else None
+        if extended:
+            res["ring"] = _run_ring(model, cfg, img, speech)
+            # the paths whose arithmetic depends on the group size: the reduce-scatter (M / world rows a
+            # rank, bf16 and FP8 scaled) and the chunked GEMM + two-shot (every mode runs at TP=2 in test_fused)
+            res["emulated"] = _emulated_symm_modes(model, ref, cfg, inputs, info.group, rank, grids=False,
+                                                   modes=("rs_ag", "chunked4"), fp8_modes=("rs_ag",))
         if rank == 0:
-            ref = build_model(cfg, "cpu", torch.float32, seed=0)
+            if extended:
+                res["ref_ring"] = _run_ring(ref, cfg, img, speech)
             res["ref"] = _run(ref, cfg, inputs, img, speech)
             apply_fp8(ref)
             res["ref_fp8"] = ref.forward_full(*inputs)
@@ -153,7 +180,12 @@ class _GlooSymmOps:
         return self._rs(full.to(out_dtype or torch.float32), orig_dim)
 
 
-def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank) -> dict:
+EMULATED_MODES = ("two_shot", "one_shot", "rs_ag", "chunked", "chunked4")
+EMULATED_FP8_MODES = ("two_shot", "rs_ag", "chunked")
+
+
+def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank, grids: bool = True,
+                         modes=EMULATED_MODES, fp8_modes=EMULATED_FP8_MODES) -> dict:
     """Every mode through the symmetric-memory code paths with gloo-emulated ops and a CPU buffer
     allocator, against nccl (model level, float32 and FP8), and a token-count sequence in two_shot
     with a small buffer cache (bounded, buffers reused)."""
@@ -171,17 +203,17 @@ def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank) -> dict:
     try:
         set_comm(model, "nccl")
         ref = model.forward_full(*inputs)
-        for mode in ["two_shot", "one_shot", "rs_ag", "chunked", "chunked4"]:
+        for mode in modes:
             set_comm(model, mode)
             out["modes"][mode] = rel_err(model.forward_full(*inputs), ref)
         m8 = apply_tp(build_model(cfg, "cpu", torch.float32, seed=0), group, comm="nccl")
         apply_fp8(m8)
         ref8 = m8.forward_full(*inputs)
-        for mode in ["two_shot", "rs_ag", "chunked"]:
+        for mode in fp8_modes:
             set_comm(m8, mode)
             out["fp8"][mode] = rel_err(m8.forward_full(*inputs), ref8)
         set_comm(model, "two_shot")
-        for i, (f, h, w) in enumerate(FUSED_GRIDS):
+        for i, (f, h, w) in enumerate(FUSED_GRIDS if grids else []):
             inp = _grid_inputs(cfg, f, h, w, seed=i)
             y = model.forward_full(*inp)
             e = {"tokens": f * (h // 2) * (w // 2), "cache": fused.symm_cache_info()}

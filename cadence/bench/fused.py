@@ -21,11 +21,26 @@ neither fails, nor disagrees with NCCL, nor grows memory, nor outgrows the buffe
 
 Writes (rank 0, unless --no-record): docs/perf/fused/<date>-<kind>-all-tp<N>.json per BENCHMARKS.md
 and the chooser's table docs/perf/fused/chooser-<kind>-tp<N>.json (read by comm="auto").
+
+``--quant`` (one process, no torchrun): the FP8 activation quantisation before the FP8 GEMMs
+(issue 4), eager PyTorch (``quantize_rows``) against the one-launch Triton kernel
+(``cadence.kernels.quant``), and the model's LayerNorm + adaLN modulation + bf16 cast + quantisation
+eager against the fused ``quantize_rows_modulated``, at M in --quant-m (748, 4680) and K in
+--quant-k (1536, 5120, 8192, 12288), bf16 activations, per-sample modulation (the stream's case).
+Each variant: CUDA events around calls queued back to back (``*_us``: what eager execution pays,
+launch overhead included) and the same calls replayed from a CUDA graph (``*_graph_us``: GPU time
+only, as under the runtime's graphs); bytes moved (counted) and the floor at 4.2 TB/s; the FP8 GEMM
+M x K -> K for scale; byte-for-byte parity with the reference. ``--quant-sweep`` also times the
+kernels' launch configurations. On CPU it is a smoke test at tiny shapes (Triton interpreter).
+Writes docs/perf/fused/<date>-<kind>-<all|tiny>-tp1-quant.json.
+
+    PYTHONPATH=. python3 -m cadence bench fused --quant [--quant-sweep] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -54,6 +69,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--quant", action="store_true",
+                   help="time FP8 activation quantisation (eager vs one-launch Triton), one process; see above")
+    p.add_argument("--quant-m", default=None, help="--quant: comma list of token counts (default 748,4680)")
+    p.add_argument("--quant-k", default=None, help="--quant: comma list of row lengths (default 1536,5120,8192,12288)")
+    p.add_argument("--quant-sweep", action="store_true", help="--quant: also sweep the kernels' launch configs")
+    p.add_argument("--no-gemm", action="store_true", help="--quant: skip the FP8 GEMM timed for scale")
     return p.parse_args(argv)
 
 
@@ -348,10 +369,247 @@ def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
     run(args)
 
 
+# ---- --quant: FP8 activation quantisation, eager vs one launch ----------------------------------
+QUANT_M = (748, 4680)
+QUANT_K = (1536, 5120, 8192, 12288)
+TINY_QUANT_M = (64,)
+TINY_QUANT_K = (128, 320)
+HBM_TBPS = 4.2  # BENCHMARKS.md: device copy, read + write
+LN_EPS = 1e-6
+
+
+def quant_bytes(m: int, k: int, el: int = 2, per_token_mod: bool = False) -> dict[str, int]:
+    """Bytes each variant moves through HBM for an [m, k] activation of `el`-byte elements (counted
+    from the ops; the [m, 1] scale vectors and the per-sample modulation rows are negligible).
+
+    eager quantize_rows: inf-norm (read x), x * (1/scale) promoted to float32 (read x, write 4 B),
+    clamp_ in place (read + write 4 B), cast (read 4 B, write 1 B): 2 + 2 + 4 + 8 + 5 = 21 B/elem.
+    Triton: read x, write 1 B: 3 B/elem. Eager modulated chain as Block.forward runs it:
+    x.float() (2 + 4), layer_norm (read 4, write 4), * (1 + scale) (4 + 4), + shift (4 + 4),
+    .to(bf16) (4 + 2), then quantize_rows: 36 + 21 = 57 B/elem. Fused: 3 B/elem (+ 8 B/elem of
+    shift / scale when they are per token)."""
+    n = m * k
+    mod = 8 * n if per_token_mod else 0
+    return {"eager": (el + el + 4 + 8 + 5) * n, "triton": (el + 1) * n,
+            "mod_eager": (el + 4 + 8 + 8 + 8 + 4 + el) * n + (el + el + 4 + 8 + 5) * n + mod,
+            "mod_triton": (el + 1) * n + mod}
+
+
+def _time_calls_us(fn, warmup: int, reps: int, cuda: bool) -> float:
+    """Median microseconds per call, calls queued back to back (CUDA events) or host-timed (CPU)."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in evs:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        ts = sorted(a.elapsed_time(b) * 1e3 for a, b in evs)
+    else:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        ts.sort()
+    return float(ts[len(ts) // 2])
+
+
+def _time_graph_us(fn, inner: int = 20, replays: int = 20) -> float:
+    """Median microseconds per call of `inner` calls captured in one CUDA graph (GPU time only)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for a, b in evs:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) * 1e3 / inner for a, b in evs)
+    del g
+    return float(ts[len(ts) // 2])
+
+
+def _quant_parity(q, s, qr, sr) -> dict:
+    bq, br = q.view(torch.uint8), qr.view(torch.uint8)
+    d = (q.float() * (s / sr) - qr.float()).abs()
+    step = torch.exp2(torch.floor(torch.log2(qr.float().abs().clamp_min(2.0 ** -6))) - 3)
+    return {"bytes_differ": int((bq != br).sum().item()), "elements": bq.numel(),
+            "scales_equal": bool(torch.equal(s, sr)),
+            "scale_max_rel": float(((s - sr).abs() / sr).max().item()) if s.numel() else 0.0,
+            "max_steps_off": float((d / step).max().item()) if d.numel() else 0.0}
+
+
+def _sweep(fn_of_cfg, cfgs, cuda: bool, warmup: int, reps: int) -> dict:
+    out = {}
+    for cfg in cfgs:
+        key = ",".join(f"{k}={v}" for k, v in cfg.items())
+        try:
+            call = functools.partial(fn_of_cfg, **cfg)
+            out[key] = _time_graph_us(call) if cuda else _time_calls_us(call, 1, max(1, reps // 5), False)
+        except Exception as e:  # noqa: BLE001  (a config a kernel rejects: recorded, not fatal)
+            out[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return out
+
+
+@torch.no_grad()
+def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, sweep: bool, gemm: bool) -> dict:
+    from cadence.kernels import quant as kq
+    from cadence.quant.fp8 import quantize_rows
+
+    cuda = dev.type == "cuda"
+    act = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator(device=dev).manual_seed(m * 131 + k)
+    x = torch.randn(m, k, device=dev, dtype=act, generator=g)
+    x3 = x.view(1, m, k)
+    shift = torch.randn(1, 1, k, device=dev, generator=g) * 0.1  # per sample, float32 (BlockMod)
+    scale = torch.randn(1, 1, k, device=dev, generator=g) * 0.1
+    r: dict = {"m": m, "k": k, "dtype": str(act).replace("torch.", ""), "modulation": "per_sample"}
+    ok, why = kq.triton_usable(x, allow_interpreter=True)
+    r["triton_usable"], r["triton_why_not"] = ok, why or None
+    by = quant_bytes(m, k, x.element_size())
+    r["bytes"] = by
+    r["floor_us"] = {name: b / (HBM_TBPS * 1e12) * 1e6 for name, b in by.items()}
+
+    eager = lambda: quantize_rows(x)
+    mod_eager = lambda: kq.quantize_rows_modulated_reference(x3, shift, scale, LN_EPS)
+    trit = lambda: kq.quantize_rows_triton(x)
+    trit_hw = lambda: kq.quantize_rows_triton(x, grid_round=False)
+    mod_trit = lambda: kq.quantize_rows_modulated_triton(x3, shift, scale, LN_EPS)
+    res: dict = {}
+    res["eager_us"] = _safe(r, "eager", lambda: _time_calls_us(eager, warmup, reps, cuda))
+    res["mod_eager_us"] = _safe(r, "mod_eager", lambda: _time_calls_us(mod_eager, warmup, reps, cuda))
+    if ok:
+        r["parity"] = _safe(r, "parity", lambda: _quant_parity(*trit(), *eager()))
+        r["parity_modulated"] = _safe(r, "parity_modulated", lambda: _quant_parity(*mod_trit(), *mod_eager()))
+        res["triton_us"] = _safe(r, "triton", lambda: _time_calls_us(trit, warmup, reps, cuda))
+        res["mod_triton_us"] = _safe(r, "mod_triton", lambda: _time_calls_us(mod_trit, warmup, reps, cuda))
+        if cuda:
+            r["parity_hwcast"] = _safe(r, "parity_hwcast", lambda: _quant_parity(*trit_hw(), *eager()))
+            res["triton_hwcast_us"] = _safe(r, "triton_hwcast", lambda: _time_calls_us(trit_hw, warmup, reps, cuda))
+    if cuda:
+        res["eager_graph_us"] = _safe(r, "eager_graph", lambda: _time_graph_us(eager))
+        res["mod_eager_graph_us"] = _safe(r, "mod_eager_graph", lambda: _time_graph_us(mod_eager))
+        if ok:
+            res["triton_graph_us"] = _safe(r, "triton_graph", lambda: _time_graph_us(trit))
+            res["triton_hwcast_graph_us"] = _safe(r, "triton_hwcast_graph", lambda: _time_graph_us(trit_hw))
+            res["mod_triton_graph_us"] = _safe(r, "mod_triton_graph", lambda: _time_graph_us(mod_trit))
+        if gemm:
+            def run_gemm():
+                w = (torch.randn(k, k, device=dev, generator=g) * k ** -0.5)
+                wq, ws = quantize_rows(w)
+                del w
+                xq, xs = quantize_rows(x)
+                wst = ws.t().contiguous()  # [1, K], scale_b's layout (as FP8Linear keeps it)
+                return _time_calls_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wst,
+                                                               out_dtype=torch.bfloat16, use_fast_accum=True),
+                                      warmup, reps, cuda)
+            res["gemm_fp8_us"] = _safe(r, "gemm_fp8", run_gemm)
+    r.update(res)
+    for a, b in (("eager_us", "triton_us"), ("eager_graph_us", "triton_graph_us"), ("mod_eager_us", "mod_triton_us"),
+                 ("mod_eager_graph_us", "mod_triton_graph_us")):
+        if r.get(a) and r.get(b):
+            r[f"speedup_{a[:-3]}"] = r[a] / r[b]
+    for name, key in (("triton", "triton_graph_us"), ("mod_triton", "mod_triton_graph_us")):
+        if r.get(key):
+            r[f"{name}_tbps"] = by[name] / (r[key] * 1e-6) / 1e12
+    if sweep and ok:
+        bk = kq.launch_config(k, not cuda)[1]
+        bms = [bm for bm in (1, 2, 4, 8) if bm * bk <= 32768]
+        nws = (4, 8, 16) if cuda else (None,)
+        r["sweep_triton"] = _sweep(lambda block_m, num_warps: kq.quantize_rows_triton(
+            x, block_m=block_m, num_warps=num_warps), [{"block_m": bm, "num_warps": nw} for bm in bms for nw in nws],
+            cuda, warmup, reps)
+        r["sweep_mod_triton"] = _sweep(lambda block_m, num_warps, programs_per_sm: kq.quantize_rows_modulated_triton(
+            x3, shift, scale, LN_EPS, block_m=block_m, num_warps=num_warps, programs_per_sm=programs_per_sm),
+            [{"block_m": bm, "num_warps": nw, "programs_per_sm": p} for bm in bms for nw in nws for p in (1, 2, 4, 8)],
+            cuda, warmup, reps)
+    return r
+
+
+def run_quant(args: argparse.Namespace) -> dict:
+    """``cadence bench fused --quant``: one process, CUDA if available, else a CPU smoke test through
+    the Triton interpreter at tiny shapes."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
+    from cadence.bench.common import record
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    tiny = args.tiny or not cuda
+    ms = [int(v) for v in args.quant_m.split(",")] if args.quant_m else list(TINY_QUANT_M if tiny else QUANT_M)
+    ks = [int(v) for v in args.quant_k.split(",")] if args.quant_k else list(TINY_QUANT_K if tiny else QUANT_K)
+    reps = max(args.reps, 5) if cuda else 3
+    warmup = args.warmup if cuda else min(args.warmup, 2)
+    print(f"[bench fused --quant] {dev} torch {torch.__version__}; M {ms} x K {ks}; reps {reps}"
+          + ("" if cuda else " (CPU: Triton interpreter, a smoke test; times mean nothing)"), file=sys.stderr, flush=True)
+    rows = []
+    for m in ms:
+        for k in ks:
+            t0 = time.perf_counter()
+            r = measure_quant(m, k, dev, warmup, reps, args.quant_sweep, cuda and not args.no_gemm)
+            rows.append(r)
+            print(f"[bench fused --quant] M={m} K={k}: eager {_f(r.get('eager_us'), 1)} us, triton "
+                  f"{_f(r.get('triton_us'), 1)} us; modulated eager {_f(r.get('mod_eager_us'), 1)} us, fused "
+                  f"{_f(r.get('mod_triton_us'), 1)} us ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+    print_quant_summary(rows, cuda)
+    results = {"quant": rows, "hbm_tbps_assumed": HBM_TBPS, "ln_eps": LN_EPS}
+    if not args.no_record:
+        key = next((r for r in rows if r["m"] == 748 and r["k"] == 8192), rows[0])
+        headline = (f"quant M={key['m']} K={key['k']}: eager {_f(key.get('eager_us'), 1).strip()} us vs triton "
+                    f"{_f(key.get('triton_us'), 1).strip()} us; modulated {_f(key.get('mod_eager_us'), 1).strip()} "
+                    f"vs {_f(key.get('mod_triton_us'), 1).strip()} us (graph: {_f(key.get('eager_graph_us'), 1).strip()}"
+                    f" vs {_f(key.get('triton_graph_us'), 1).strip()}, {_f(key.get('mod_eager_graph_us'), 1).strip()} vs "
+                    f"{_f(key.get('mod_triton_graph_us'), 1).strip()})")
+        path = record("fused", "tiny" if tiny else "all", 1, dev, {"quant_m": ms, "quant_k": ks}, results,
+                      variant="quant", out_dir=args.out_dir, command=getattr(args, "command", None), headline=headline)
+        print(f"wrote {path}")
+        results["_path"] = str(path)
+    return results
+
+
+def print_quant_summary(rows: list[dict], cuda: bool) -> None:
+    print("\nbench fused --quant: FP8 activation quantisation, microseconds (medians)")
+    cols = [("eager", "eager_us"), ("triton", "triton_us"), ("x", "speedup_eager"), ("eager_g", "eager_graph_us"),
+            ("triton_g", "triton_graph_us"), ("x", "speedup_eager_graph"), ("floor", None),
+            ("mod_eag", "mod_eager_us"), ("mod_tri", "mod_triton_us"), ("mod_eag_g", "mod_eager_graph_us"),
+            ("mod_tri_g", "mod_triton_graph_us"), ("x", "speedup_mod_eager_graph"), ("gemm", "gemm_fp8_us")]
+    print(f"{'M':>6}{'K':>7}" + "".join(f"{c:>10}" for c, _ in cols) + "   parity")
+    for r in rows:
+        cells = ""
+        for c, key in cols:
+            v = r.get("floor_us", {}).get("triton") if key is None else r.get(key)
+            cells += _f(v, 10, 2 if c == "x" else 1)
+        p, pm = r.get("parity") or {}, r.get("parity_modulated") or {}
+        par = (f"bytes differ {p.get('bytes_differ', '-')}/{p.get('elements', '-')}, scales equal {p.get('scales_equal', '-')}; "
+               f"modulated {pm.get('bytes_differ', '-')} differ, <= {_f(pm.get('max_steps_off'), 1, 2).strip()} steps")
+        print(f"{r['m']:>6}{r['k']:>7}{cells}   {par}")
+    print("_g = replayed from a CUDA graph (GPU time only); floor = Triton bytes at 4.2 TB/s; x = eager / triton; "
+          "gemm = FP8 GEMM M x K -> K" + ("" if cuda else "  [CPU: interpreter smoke test]"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     args.command = "cadence bench fused " + " ".join(shlex.quote(a) for a in argv)
+    if args.quant:
+        run_quant(args)
+        return 0
     if "WORLD_SIZE" in os.environ:  # under torchrun
         run(args)
         return 0

@@ -161,6 +161,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (> 1: run under torchrun --nproc_per_node N)")
     p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
+    p.add_argument("--fp8-quant", default=None, choices=["auto", "triton", "torch"],
+                   help="with --fp8: activation quantisation path (auto: the one-launch Triton kernel on CUDA; "
+                        "torch: the eager reference; default: $CADENCE_FP8_QUANT or auto)")
     p.add_argument("--comm", default="auto",
                    help="row-parallel comm mode with --tp > 1: auto | nccl | two_shot | one_shot | rs_ag | chunkedN")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
@@ -260,8 +263,10 @@ def _run(args: argparse.Namespace) -> dict:
         model, built = build_tp_model(cfg, device, dtype, info.group, args.comm)
     fp8_layers = 0
     if args.fp8:
-        from cadence.quant import apply_fp8
+        from cadence.quant import apply_fp8, set_quant_backend
 
+        if args.fp8_quant:
+            set_quant_backend(args.fp8_quant)
         fp8_layers = apply_fp8(model)
     m = measure_step(cfg, model, device, warmup, iters, args.profile_iters, progress="steps" if rank0 else None)
     times, region, totals, host_sync, cache_bytes = (m["times"], m["region"], m["totals"], m["host_sync"],
@@ -312,7 +317,11 @@ def _run(args: argparse.Namespace) -> dict:
         "raw_step_ms_unscaled": times,
     }
     if args.fp8:
+        from cadence.quant import fp8 as fp8_mod
+
         results["fp8_layers"] = fp8_layers
+        results["fp8_quant"] = {"backend": fp8_mod.quant_backend(), "triton_failed": fp8_mod._quant_failed,
+                                "reference_path_reasons": sorted(fp8_mod._quant_logged)}
     if info is not None:
         from cadence.parallel import fused
 
@@ -346,7 +355,7 @@ def _run(args: argparse.Namespace) -> dict:
     if not args.no_record:
         variant = f"{args.cache}{'-fp8kv' if args.kv_fp8 else ''}-{results['dtype']}"
         if args.fp8:
-            variant += "-fp8"
+            variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
         if info is not None:
             variant += f"-{args.comm}"
         path = record("step", full.name, args.tp, device, full.shape_summary(), results, variant=variant,

@@ -417,7 +417,7 @@ def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = 
     """out [M, n] <- x2 [M, K] @ W^T without bias (W: the layer's weight, or its output rows `rows`).
     Writes straight into `out` (cuBLAS epilogue); where that is not possible, computes and copies.
     Timed under the "linear" region unless `timed` is False (caller inside another region)."""
-    from cadence.quant.fp8 import FP8Linear, quantize_rows
+    from cadence.quant.fp8 import FP8Linear, quantize_activations
 
     ctx = region("linear") if timed else contextlib.nullcontext()
     try:
@@ -425,7 +425,7 @@ def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = 
             if _fp8_fast(linear, x2):
                 with ctx:
                     pre = getattr(linear, "_cadence_xq", None)
-                    xq, xs = pre if pre is not None else quantize_rows(x2)
+                    xq, xs = pre if pre is not None else quantize_activations(x2)
                     w = linear.weight_fp8 if rows is None else linear.weight_fp8[rows]
                     ws = linear.weight_scale if rows is None else _scale_slice(linear, rows)
                     torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=out.dtype, use_fast_accum=True,
@@ -528,7 +528,7 @@ def _one_shot(linear, x2, group, m, n):
 
 
 def _rs_ag(linear, x2, group, m, n, world):
-    from cadence.quant.fp8 import FP8Linear, quantize_rows
+    from cadence.quant.fp8 import FP8Linear, quantize_activations
 
     gname = group_name(group)
     _prepare(group)  # the fused op allocates its own symmetric workspace
@@ -536,7 +536,7 @@ def _rs_ag(linear, x2, group, m, n, world):
         if isinstance(linear, FP8Linear):
             if not _fp8_fast(linear, x2):
                 raise RuntimeError("FP8 layer cannot use _scaled_mm here")
-            xq, xs = quantize_rows(x2)
+            xq, xs = quantize_activations(x2)
             odt = gemm_out_dtype(linear, x2)  # bf16 on CUDA
             op = _ops().fused_scaled_matmul_reduce_scatter
             try:  # torch >= 2.7 signature (orig / reshaped scatter dims, output_shape)
@@ -553,12 +553,19 @@ def _rs_ag(linear, x2, group, m, n, world):
             part = _ops().fused_matmul_reduce_scatter(x2, linear.weight.t(), "sum", 0, gname)
         part = part.reshape(m // world, n).contiguous()
         out = torch.empty(m, n, dtype=part.dtype, device=part.device)
-        dist.all_gather_into_tensor(out, part, group=group)
+        _all_gather_single(out, part, group=group)
     return out
 
 
+def _all_gather_single(out: torch.Tensor, part: torch.Tensor, group) -> None:
+    """all_gather_single where it exists (torch >= 2.13 deprecates all_gather_into_tensor with a
+    FutureWarning per call), else all_gather_into_tensor (torch 2.11); same signature."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, part, group=group)
+
+
 def _chunked(linear, x2, group, m, n, chunks):
-    from cadence.quant.fp8 import FP8Linear, quantize_rows
+    from cadence.quant.fp8 import FP8Linear, quantize_activations
 
     nc = n // chunks
     flat = _CACHE.get(m, n, gemm_out_dtype(linear, x2), x2.device, group)
@@ -575,7 +582,7 @@ def _chunked(linear, x2, group, m, n, chunks):
     with region("linear_comm"):
         fp8 = isinstance(linear, FP8Linear) and _fp8_fast(linear, x2)
         if fp8:
-            linear._cadence_xq = quantize_rows(x2)  # quantise once for all chunks
+            linear._cadence_xq = quantize_activations(x2)  # quantise once for all chunks
         side.wait_stream(main)
         try:
             for j in range(chunks):

@@ -1,5 +1,13 @@
 """Quantised fast paths applied from outside to a built model (``apply_fp8``)."""
 
-from cadence.quant.fp8 import FP8Linear, apply_fp8, quantize_rows
+from cadence.quant.fp8 import (
+    FP8Linear,
+    QuantizedActivation,
+    apply_fp8,
+    quantize_activations,
+    quantize_rows,
+    set_quant_backend,
+)
 
-__all__ = ["FP8Linear", "apply_fp8", "quantize_rows"]
+__all__ = ["FP8Linear", "QuantizedActivation", "apply_fp8", "quantize_activations", "quantize_rows",
+           "set_quant_backend"]

@@ -8,7 +8,15 @@
   (``amax / 448`` over the row of the [out, in] matrix);
 * activations are quantised per token (row) at run time: ``scale = amax / 448`` over the last dim,
   ``x / scale`` clamped to [-448, 448] *before* the cast (torch 2.11 turns overflow into NaN, it
-  does not saturate);
+  does not saturate). :func:`quantize_activations` does it: on CUDA in ONE Triton launch
+  (:mod:`cadence.kernels.quant`: the row in registers, amax + scale + clamp + cast, the same bytes
+  as the reference), elsewhere or when the kernel cannot run with :func:`quantize_rows`, the
+  plain-PyTorch reference (several kernels and a float32 temporary), logging the reason once.
+  ``CADENCE_FP8_QUANT=torch`` (or :func:`set_quant_backend`) forces the reference; ``=triton``
+  also allows the Triton interpreter on CPU (tests);
+* an activation quantised beforehand (:class:`QuantizedActivation`, e.g. by the fused
+  norm + modulation + quantisation kernel ``cadence.kernels.quant.quantize_rows_modulated``) is
+  taken as is, skipping the quantisation (docs/perf/fp8/NOTES.md: how that is hooked in);
 * the product is ``torch._scaled_mm(a_fp8, w_fp8.t(), scale_a [M, 1], scale_b [1, N], bias)``:
   fp8 x fp8 with float32 accumulation and the row/column scales applied in the epilogue.
 
@@ -31,6 +39,8 @@ checkpoints must be loaded into the plain model first.
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -60,6 +70,97 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+QUANT_BACKENDS = ("auto", "triton", "torch")
+_quant_backend = os.environ.get("CADENCE_FP8_QUANT", "auto").strip().lower() or "auto"
+_quant_failed: str | None = None  # set when the Triton kernel raised once (compile error, ...): not retried
+_quant_logged: set[str] = set()
+
+
+def set_quant_backend(name: str) -> str:
+    """Activation quantisation path for every FP8 layer of this process: "auto" (Triton on CUDA
+    where usable, else the reference), "triton" (also the interpreter on CPU under
+    TRITON_INTERPRET=1: tests) or "torch" (the reference). Returns the previous setting."""
+    global _quant_backend, _quant_failed
+    name = (name or "auto").strip().lower()
+    if name not in QUANT_BACKENDS:
+        raise ValueError(f"FP8 quantisation backend must be one of {QUANT_BACKENDS}, got {name!r}")
+    prev, _quant_backend, _quant_failed = _quant_backend, name, None
+    return prev
+
+
+def quant_backend() -> str:
+    return _quant_backend
+
+
+def _log_quant_path(reason: str, cuda: bool) -> None:
+    if reason not in _quant_logged:
+        _quant_logged.add(reason)
+        log.log(logging.WARNING if cuda else logging.INFO,
+                "FP8 activation quantisation: PyTorch reference path, not the one-launch Triton kernel (%s). "
+                "Logged once per process.", reason)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scale [M, 1]): what :class:`FP8Linear` runs per call.
+
+    The one-launch Triton kernel (:func:`cadence.kernels.quant.quantize_rows_triton`) where it can
+    run (CUDA, sm89+, triton importable, last dim contiguous, K <= 32768, bf16/fp16/fp32), else
+    :func:`quantize_rows`, with one log line per reason (warning on CUDA, info elsewhere). Both give
+    the same bytes (tests/test_fp8_quant.py). A kernel that raises (e.g. a compile error in this
+    triton) is not retried: the reference from then on."""
+    global _quant_failed
+    backend = _quant_backend
+    if backend == "torch":
+        _log_quant_path("CADENCE_FP8_QUANT=torch / set_quant_backend('torch')", x.device.type == "cuda")
+        return quantize_rows(x)
+    if _quant_failed is not None:
+        why = _quant_failed
+    else:
+        from cadence.kernels import quant as kq
+
+        ok, why = kq.triton_usable(x, allow_interpreter=backend == "triton")
+        if ok and x.dim() == 2:
+            try:
+                return kq.quantize_rows_triton(x)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001  (any failure of the kernel: fall back, once, loudly)
+                _quant_failed = why = ("Triton quantisation kernel failed: "
+                                       + (str(e).splitlines()[0] if str(e) else type(e).__name__))
+        elif ok:
+            why = f"wants x [M, K], got {x.dim()} dims"
+    _log_quant_path(why, x.device.type == "cuda")
+    return quantize_rows(x)
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """An activation already quantised per token, handed to an :class:`FP8Linear` in place of the
+    tensor it stands for (the layer then skips its own quantisation).
+
+    q [M, K] e4m3 and scale [M, 1] float32 (``x ~= q * scale`` row-wise); `shape` is the shape of
+    the activation [..., K] (the layer's output is [..., N]); `dtype` its dtype (the output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        m = 1
+        for d in self.shape[:-1]:
+            m *= d
+        if (self.q.dtype != FP8_DTYPE or self.q.dim() != 2 or tuple(self.q.shape) != (m, self.shape[-1])
+                or tuple(self.scale.shape) != (m, 1) or self.scale.dtype != torch.float32):
+            raise ValueError(f"QuantizedActivation wants q [{m}, {self.shape[-1]}] e4m3 and scale [{m}, 1] float32 "
+                             f"for shape {list(self.shape)}, got {self.q.dtype} {list(self.q.shape)} and "
+                             f"{self.scale.dtype} {list(self.scale.shape)}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
 def _warn_fallback(reason: str) -> None:
     global _warned
     if not _warned:
@@ -72,7 +173,8 @@ class FP8Linear(nn.Module):
     """Linear with e4m3 weights (per-output-channel scales) and per-token e4m3 activations.
 
     Same forward contract as :class:`cadence.model.layers.Linear`: [..., in] -> [..., out] in the
-    input's dtype, timed under the "linear" region (activation quantisation included)."""
+    input's dtype, timed under the "linear" region (activation quantisation included). Also takes a
+    :class:`QuantizedActivation` (quantised before the call, e.g. fused into the op that made it)."""
 
     def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -117,12 +219,18 @@ class FP8Linear(nn.Module):
             y = y + bias.float()
         return y.to(out_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         with region("linear"):
-            lead = x.shape[:-1]
-            xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+            if isinstance(x, QuantizedActivation):
+                if x.shape[-1] != self.in_features:
+                    raise ValueError(f"FP8Linear({self.in_features} -> {self.out_features}) got a quantised "
+                                     f"activation of shape {list(x.shape)}")
+                lead, xq, xs, x_dtype = x.shape[:-1], x.q, x.scale, x.dtype
+            else:
+                lead, x_dtype = x.shape[:-1], x.dtype
+                xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]))
             # Row-wise scaled FP8 GEMMs on CUDA produce bf16 only; elsewhere keep the input dtype.
-            out_dtype = torch.bfloat16 if x.device.type == "cuda" else x.dtype
+            out_dtype = torch.bfloat16 if x.device.type == "cuda" else x_dtype
             bias = self.bias.to(out_dtype) if self.bias is not None else None
             why = self._why_not_scaled_mm(x, out_dtype)
             y = None
@@ -138,7 +246,7 @@ class FP8Linear(nn.Module):
                 self.fallback_reason = why
                 _warn_fallback(why)
                 y = self._dequant_mm(xq, xs, bias, out_dtype)
-            return y.to(x.dtype).reshape(*lead, self.out_features)
+            return y.to(x_dtype).reshape(*lead, self.out_features)
 
 
 def _block_linears(model: nn.Module):
