@@ -77,7 +77,10 @@ class TrainConfig:
     dit_lr: float = 4e-4
     dit_minutes: float = 6.0
     ema: float = 0.999
-    context_noise: float = 0.03       # std of noise added to the clean context latents (robustness)
+    context_noise: float = 0.4        # per sample, noise of std U(0, this) on the clean context latents:
+                                      # the model learns to lean on the sink where its own past is off
+                                      # (exposure bias: a stream conditions on generated chunks)
+    init: str | None = None           # a previous run's folder: keep its VAE, start the DiT from its weights
     log_every: int = 100
 
 
@@ -264,6 +267,10 @@ def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chun
     from cadence.runtime.sampler import Schedule, shift_sigma
 
     model = build_model(cfg, device, torch.float32, seed=tc.seed)
+    if tc.init:
+        from cadence.model.weights import load_weights
+
+        load_weights(model, Path(tc.init) / "dit.safetensors")
     model.train().requires_grad_(True)  # built for inference (no grad)
     ema = copy.deepcopy(model).eval()
     for p in ema.parameters():
@@ -310,7 +317,8 @@ def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chun
         xt = (1 - s5) * x0 + s5 * noise
         ctx = x0[:, :, : W - 1]
         if tc.context_noise:
-            ctx = ctx + tc.context_noise * torch.randn(ctx.shape, device=device, generator=g)
+            amp_ctx = tc.context_noise * torch.rand(B, 1, 1, 1, 1, device=device, generator=g)
+            ctx = ctx + amp_ctx * torch.randn(ctx.shape, device=device, generator=g)
         x = torch.cat([sink, ctx, xt], 2)
         t = torch.cat([torch.zeros(B, W, device=device), 1000.0 * sig], 1)
         aud = torch.cat([silence[None].expand(B, 1, *silence.shape[1:]), af[:, : W - 1], af], 1)
@@ -362,9 +370,10 @@ def save(out: Path, cfg: CadenceConfig, wan, taehv, dit, lat_mean, lat_std, log:
 def train(tc: TrainConfig, out: Path, device: str | torch.device = "cpu", minutes: float | None = None) -> dict:
     """All three phases; returns the log (also written to ``out/train_log.json``)."""
     device = torch.device(device)
-    if minutes is not None:  # split a total budget: data ~1 min, VAE 35%, DiT the rest
-        tc.vae_minutes = 0.35 * max(minutes - 1.0, 0.1)
-        tc.dit_minutes = 0.65 * max(minutes - 1.0, 0.1) - 0.1
+    if minutes is not None:  # split a total budget: data ~1 min, VAE 35%, DiT the rest (all of it with --init)
+        share = 0.0 if tc.init else 0.35
+        tc.vae_minutes = share * max(minutes - 1.0, 0.1)
+        tc.dit_minutes = (1 - share) * max(minutes - 1.0, 0.1) - 0.1
     torch.manual_seed(tc.seed)
     cfg = get_preset(tc.preset)
     if tc.overrides:
@@ -387,11 +396,23 @@ def train(tc: TrainConfig, out: Path, device: str | torch.device = "cpu", minute
     if device.type == "cuda":  # CUDA only after the data processes have forked
         log["device_name"] = torch.cuda.get_device_name(device)
     frames_t = torch.from_numpy(frames).to(device)
-    wan, taehv = train_vae(tc, cfg, frames_t, device, log)
-    log["vae"].update(vae_eval(wan, taehv, frames_t, device))
-    raw = encode_all(wan, frames_t, device)
-    lat_mean = raw.mean(dim=(0, 2, 3, 4))
-    lat_std = raw.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    if tc.init:  # keep the previous run's autoencoder and its latent statistics
+        from cadence.model.taehv import load_taehv
+        from cadence.model.vae import WanVAE
+
+        wan = WanVAE.from_diffusers_dir(Path(tc.init) / "vae", device, torch.float32)
+        taehv = load_taehv(Path(tc.init) / "vae", device, torch.float32)
+        prev = json.loads((Path(tc.init) / "train_log.json").read_text())
+        log["vae"] = dict(prev.get("vae", {}), reused_from=str(tc.init))
+        log["previous_dit"] = prev.get("dit")
+        raw = encode_all(wan, frames_t, device)
+        lat_mean, lat_std = wan.latents_mean.to(device), wan.latents_std.to(device)
+    else:
+        wan, taehv = train_vae(tc, cfg, frames_t, device, log)
+        log["vae"].update(vae_eval(wan, taehv, frames_t, device))
+        raw = encode_all(wan, frames_t, device)
+        lat_mean = raw.mean(dim=(0, 2, 3, 4))
+        lat_std = raw.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
     lat = (raw - lat_mean[None, :, None, None, None]) / lat_std[None, :, None, None, None]
     del frames_t, raw
     spf = AUDIO_SAMPLE_RATE // cfg.stream.fps
@@ -423,11 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clips", type=int, default=None)
     p.add_argument("--toy", action="store_true", help="toy sizes (CPU, seconds): a smoke test, not a model")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="a previous run's folder: reuse its VAE, continue its DiT")
     a = p.parse_args(argv)
     tc = toy_config() if a.toy else TrainConfig()
     tc.seed = a.seed
     if a.clips:
         tc.clips = a.clips
+    tc.init = a.init
     train(tc, a.out, a.device, a.minutes)
     return 0
 
