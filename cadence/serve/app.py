@@ -84,10 +84,24 @@ class SessionManager:
         self.started = True
         log.info("cadence serve: preset %s, %d group(s) %s", self.cfg.preset, len(self.groups), list(self.cfg.groups))
 
-    async def stop(self) -> None:
-        await asyncio.gather(*(s.close("shutdown") for s in list(self.sessions.values())), return_exceptions=True)
+    async def stop(self, timeout: float = 20.0) -> None:
+        """Close every session, wait for the background work (closes, worker restarts), stop the
+        workers. Bounded: what still runs ``timeout`` seconds in is cancelled (and logged), and the
+        worker processes are stopped whatever happened before."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for s in list(self.sessions.values()):
+            s.close_soon("shutdown")  # each close is a background task (a no-op if one is running)
         while self.background:
-            await asyncio.gather(*list(self.background), return_exceptions=True)
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("shutdown: %d task(s) still running after %.0f s, cancelled: %s", len(self.background),
+                            timeout, sorted(t.get_name() for t in self.background))
+                for t in list(self.background):
+                    t.cancel()
+                await asyncio.wait(list(self.background), timeout=1.0)
+                break
+            await asyncio.wait(list(self.background), timeout=left)
         await asyncio.gather(*(g.stop() for g in self.groups), return_exceptions=True)
         use_ice_host_addresses(None)
         self.started = False
@@ -128,12 +142,10 @@ class SessionManager:
             return
         ok = False
         if g.ready.is_set():
-            sess._closed_ack = asyncio.get_running_loop().create_future()
+            ack = sess._closed_ack = asyncio.get_running_loop().create_future()
             g.send(("close", sess.sid))
-            try:
-                ok = await asyncio.wait_for(sess._closed_ack, timeout=10.0)
-            except TimeoutError:
-                ok = False
+            await asyncio.wait({ack}, timeout=10.0)
+            ok = ack.done() and not ack.cancelled() and ack.result() is True
         if not ok:
             log.warning("worker %d did not release session %s: restarting it", g.index, sess.sid)
             await g.restart()

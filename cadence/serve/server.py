@@ -74,7 +74,8 @@ class ServerThread:
         self.url = f"http://{host}:{port}"
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 90.0) -> None:
+        # uvicorn's shutdown: up to 15 s for open requests, then the app's (bounded: 20 s + worker stops)
         self.server.should_exit = True
         self.thread.join(timeout)
         if self.thread.is_alive():  # pragma: no cover

@@ -24,6 +24,24 @@ from cadence.serve.rtc import AudioOut, MediaClock, VideoOut, consume_microphone
 log = logging.getLogger("cadence.serve")
 
 
+async def _wait_events(timeout: float, *events: asyncio.Event) -> None:
+    """Return when one of ``events`` is set or after ``timeout`` seconds.
+
+    Not ``asyncio.wait_for(event.wait(), timeout)``: on Python 3.11, ``wait_for`` swallows a
+    cancellation that arrives while the awaited event has just been set (its inner task finished,
+    its done-callback not yet run: a window of about two loop iterations) and returns normally, so
+    the cancelled task runs on. A chunk arriving (``_wake.set()``) just as a session closes hit that
+    window and left the scheduler running forever. ``asyncio.wait`` always lets the
+    CancelledError through.
+    """
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 def _p50(xs) -> float | None:
     xs = list(xs)
     return float(statistics.median(xs)) if xs else None
@@ -52,8 +70,8 @@ class LiveSession:
         self._opened: asyncio.Future | None = None
         self._closed_ack: asyncio.Future | None = None
         self._wake = asyncio.Event()
-        self._closed = asyncio.Event()
         self._close_task: asyncio.Task | None = None
+        self.final_report: dict | None = None
         # stats
         self.in_flight = 0
         self.plans: dict[int, tuple[float, np.ndarray, list]] = {}
@@ -115,17 +133,22 @@ class LiveSession:
             pc.addTrack(self.audio)
         answer = await pc.createAnswer()
         await pc.setLocalDescription(answer)  # gathers host candidates (loopback: one, instantly)
-        try:
-            self.worker_open_ms = await asyncio.wait_for(self._opened, timeout=60.0)
-        except TimeoutError:
-            raise RuntimeError("the worker did not open the session within 60 s") from None
+        done, _ = await asyncio.wait({self._opened}, timeout=60.0)
+        if not done:
+            raise RuntimeError("the worker did not open the session within 60 s")
+        self.worker_open_ms = self._opened.result()  # raises the worker's error, or a close's
+        if self.state in ("closing", "closed"):
+            raise RuntimeError(f"the session was closed while starting ({self.close_reason})")
         if self.state == "starting":
             self.state = "connecting"
         self._spawn(self._schedule(), "scheduler")
         self._spawn(self._watchdog(), "watchdog")
         return pc.localDescription
 
-    def _spawn(self, coro, name: str) -> asyncio.Task:
+    def _spawn(self, coro, name: str) -> asyncio.Task | None:
+        if self.state in ("closing", "closed"):  # nothing new once the teardown has collected the tasks
+            coro.close()
+            return None
         t = asyncio.create_task(coro, name=f"cadence-{self.sid[:8]}-{name}")
         self.tasks.add(t)
         t.add_done_callback(self._task_done)
@@ -251,17 +274,9 @@ class LiveSession:
                 continue
             self._wake.clear()
             if t0 is None:
-                waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self.clock.started.wait())]
-                try:
-                    await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waits:
-                        w.cancel()
+                await _wait_events(1.0, self._wake, self.clock.started)
             else:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=wait if wait is not None else 1.0)
-                except TimeoutError:
-                    pass
+                await _wait_events(wait if wait is not None else 1.0, self._wake)
 
     async def _watchdog(self) -> None:
         while True:
@@ -353,52 +368,96 @@ class LiveSession:
         return st
 
     # ---- close ---------------------------------------------------------------------------------
+    # Every wait in the teardown is bounded, so a close always ends: tasks 5 s, the peer connection
+    # 10 s, the worker's release 10 s (then the worker is restarted). What has not stopped in time is
+    # logged and handed to the server (``background``), whose shutdown waits for it, bounded too.
+    TASKS_TIMEOUT_S = 5.0
+    PC_CLOSE_TIMEOUT_S = 10.0
+
     def close_soon(self, reason: str) -> None:
         """Start closing from a callback (not awaited); the server keeps the task to await at shutdown."""
-        if self._close_task is None and self.state not in ("closing", "closed"):
-            self._close_task = asyncio.get_running_loop().create_task(self.close(reason))
-            self.server.background.add(self._close_task)
-            self._close_task.add_done_callback(self.server.background.discard)
+        self._begin_close(reason)
+
+    def _begin_close(self, reason: str) -> asyncio.Task:
+        if self._close_task is None:
+            self.state = "closing"
+            self.close_reason = reason
+            t = self._close_task = asyncio.get_running_loop().create_task(
+                self._teardown(), name=f"cadence-{self.sid[:8]}-close")
+            self.server.background.add(t)
+            t.add_done_callback(self.server.background.discard)
+        return self._close_task
 
     async def close(self, reason: str) -> dict:
-        """Stop everything this session started; release its group; store the report. Idempotent."""
-        if self.state in ("closing", "closed"):
-            await self._closed.wait()
-            return self.server.reports.get(self.sid, {})
-        self.state = "closing"
-        self.close_reason = reason
+        """Stop everything this session started; release its group; store the report. Idempotent.
+
+        The teardown runs as its own task (the first close's reason wins); callers wait for it
+        shielded, so a caller that is cancelled (a client hanging up on DELETE, uvicorn cancelling
+        requests at shutdown) cannot stop it half-way, which would leave the session 'closing' for
+        ever and every later close (the server's shutdown) waiting on it."""
+        await asyncio.shield(self._begin_close(reason))
+        return self.final_report or {}
+
+    async def _teardown(self) -> None:
+        try:
+            if self._opened is not None and not self._opened.done():  # still starting: stop waiting
+                self._opened.set_exception(RuntimeError(f"the session was closed while starting ({self.close_reason})"))
+                self._opened.exception()  # retrieved: no "never retrieved" warning if start() is gone
+            await self._stop_tasks(self.TASKS_TIMEOUT_S)
+            for tr in (self.video, self.audio):
+                if tr is not None:
+                    tr.stop()
+            await self._close_pc(self.PC_CLOSE_TIMEOUT_S)
+            self.agent.close()
+        except Exception as e:  # keep tearing down: the group must be released and the report stored
+            log.exception("session %s: error while closing", self.sid)
+            self.errors.append(f"close: {type(e).__name__}: {e}")
+        finally:
+            self.t_closed = time.monotonic()
+            try:
+                await self.server.release_group(self)
+            except Exception as e:
+                log.exception("session %s: releasing its worker group", self.sid)
+                self.errors.append(f"release: {type(e).__name__}: {e}")
+            finally:
+                self.state = "closed"
+                self.final_report = self.report()
+                self.server.session_closed(self, self.final_report)
+
+    async def _stop_tasks(self, timeout: float) -> None:
+        """Cancel this session's tasks and wait for them (``asyncio.wait``: never ``gather`` or
+        ``wait_for``, which wait as long as a cancelled coroutine takes to stop), cancelling again
+        every 0.1 s: one cancel is not always enough (a coroutine may swallow a CancelledError, as
+        Python 3.11's ``asyncio.wait_for`` does in a narrow window). Leftovers go to the server."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         me = asyncio.current_task()
-        tasks = [t for t in self.tasks if t is not me]
-        for t in tasks:
-            t.cancel()
-        # asyncio.wait, not gather / wait_for: wait_for waits for a cancelled awaitable to finish
-        # cancelling, so a coroutine that does not honour cancellation would hang the close (and
-        # with it DELETE and server shutdown). What has not finished in time is left to finish in
-        # the background, tracked by the server, and logged.
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=5.0)
-            if pending:
-                log.warning("session %s: %d task(s) still stopping after 5 s", self.sid, len(pending))
-        for tr in (self.video, self.audio):
-            if tr is not None:
-                tr.stop()
-        if self.pc is not None:
-            closing = asyncio.ensure_future(self.pc.close())
-            done, _ = await asyncio.wait({closing}, timeout=10.0)
-            if not done:
-                log.warning("session %s: peer connection still closing after 10 s", self.sid)
-                self.server.background.add(closing)
-                closing.add_done_callback(self.server.background.discard)
-            elif not closing.cancelled() and closing.exception() is not None:
-                log.warning("session %s: closing the peer connection: %r", self.sid, closing.exception())
-        self.agent.close()
-        self.t_closed = time.monotonic()
-        await self.server.release_group(self)
-        self.state = "closed"
-        report = self.report()
-        self.server.session_closed(self, report)
-        self._closed.set()
-        return report
+        pending = {t for t in self.tasks if t is not me}
+        while pending:
+            for t in pending:
+                t.cancel()
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=min(0.1, left))
+        if pending:
+            log.warning("session %s: %d task(s) still running %.0f s after cancel: %s", self.sid, len(pending),
+                        timeout, sorted(t.get_name() for t in pending))
+            for t in pending:
+                self.server.background.add(t)
+                t.add_done_callback(self.server.background.discard)
+
+    async def _close_pc(self, timeout: float) -> None:
+        if self.pc is None:
+            return
+        closing = asyncio.ensure_future(self.pc.close())
+        done, _ = await asyncio.wait({closing}, timeout=timeout)
+        if not done:
+            log.warning("session %s: peer connection still closing after %.0f s", self.sid, timeout)
+            self.server.background.add(closing)
+            closing.add_done_callback(self.server.background.discard)
+        elif not closing.cancelled() and closing.exception() is not None:
+            log.warning("session %s: closing the peer connection: %r", self.sid, closing.exception())
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
