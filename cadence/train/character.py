@@ -81,6 +81,7 @@ class TrainConfig:
                                       # the model learns to lean on the sink where its own past is off
                                       # (exposure bias: a stream conditions on generated chunks)
     init: str | None = None           # a previous run's folder: keep its VAE, start the DiT from its weights
+    window: int | None = None         # training window (chunks) if not the preset's stream.window_chunks
     log_every: int = 100
 
 
@@ -279,7 +280,7 @@ def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chun
     texts = torch.stack([ByteTextEncoder(cfg.model)(p) for p in PROMPTS]).to(device)
     sched = Schedule.from_config(cfg.stream)
     infer_sigmas = torch.tensor(sched.sigmas[:-1], device=device)
-    W = cfg.stream.window_chunks
+    W = tc.window or cfg.stream.window_chunks
     n, z, f_all, h, w = lat.shape
     L = f_all - 1
     if L < W:
@@ -383,9 +384,9 @@ def train(tc: TrainConfig, out: Path, device: str | torch.device = "cpu", minute
     log: dict = {"train_config": asdict(tc), "preset": cfg.name, "device": str(device),
                  "torch": torch.__version__}
     t0 = time.perf_counter()
-    if tc.latents < cfg.stream.window_chunks:
+    if tc.latents < (tc.window or cfg.stream.window_chunks):
         raise ValueError(f"clips of {tc.latents} latent frames after the reference are shorter than the "
-                         f"window ({cfg.stream.window_chunks} chunks)")
+                         f"window ({tc.window or cfg.stream.window_chunks} chunks)")
     st = cfg.vae.stride[0]
     n_frames = 1 + st * tc.latents
     frames, audio, seeds = make_dataset(tc.clips, n_frames, cfg.stream.height, cfg.stream.width, tc.seed,
@@ -445,12 +446,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--toy", action="store_true", help="toy sizes (CPU, seconds): a smoke test, not a model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="a previous run's folder: reuse its VAE, continue its DiT")
+    p.add_argument("--window", type=int, default=None, help="training window in chunks (default: the preset's)")
+    p.add_argument("--latents", type=int, default=None, help="latent frames per clip after the reference")
+    p.add_argument("--dit-batch", type=int, default=None)
+    p.add_argument("--dit-steps", type=int, default=None, help="DiT steps (the lr schedule's length)")
+    p.add_argument("--dit-lr", type=float, default=None)
     a = p.parse_args(argv)
     tc = toy_config() if a.toy else TrainConfig()
     tc.seed = a.seed
     if a.clips:
         tc.clips = a.clips
     tc.init = a.init
+    for k in ("window", "latents", "dit_batch", "dit_steps", "dit_lr"):
+        if getattr(a, k) is not None:
+            setattr(tc, k, getattr(a, k))
     train(tc, a.out, a.device, a.minutes)
     return 0
 
