@@ -195,3 +195,29 @@ def test_cuda_fp8_layer_and_unaligned_fallback(caplog, fresh_fallback_state):
         odd(x[..., :72])
     assert odd.fallback_reason and "divisible by 16" in odd.fallback_reason
     assert sum("FP8 fast path inactive" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_shape_specific_failure_stays_with_that_shape(monkeypatch, caplog):
+    """cuBLAS refusing one shape (RuntimeError, e.g. CUBLAS_STATUS_NOT_SUPPORTED) demotes only calls of that
+    (M, K, N): other shapes and other layers keep the fast path (an H200 run at TP=2 once lost every FP8
+    GEMM of the process to one refused call)."""
+    real = torch._scaled_mm
+    calls = []
+
+    def picky(a, b, **kw):
+        calls.append(a.shape[0])
+        if a.shape[0] == 7:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+        return real(a, b, **kw)
+
+    q = FP8Linear.from_linear(_lin(64, 48))
+    monkeypatch.setattr(fp8, "_warned", False)
+    monkeypatch.setattr(fp8, "_op_unusable", {})
+    monkeypatch.setattr(torch, "_scaled_mm", picky)
+    with caplog.at_level(logging.WARNING, logger="cadence.quant.fp8"):
+        q(torch.randn(7, 64))
+        q(torch.randn(7, 64))
+        q(torch.randn(5, 64))
+    assert calls == [7, 5]  # the refused shape is not retried; another M still calls the op
+    assert list(fp8._op_unusable) == [("cpu", torch.float32, 7, 64, 48, True)]
+    assert "M=7 K=64 N=48" in q.fallback_reason

@@ -116,7 +116,8 @@ def test_pipeline_equals_sequential_stream(stream):
     g = build_generator(cfg, seed=0)
     audio = speech()
     ref = list(g.stream(image(), "a person talking", audio, N, seed=5))
-    pipe = ChunkPipeline(g, PipelineConfig())
+    # the model is on the CPU: say so (the default 'auto' picks cuda:0 where a GPU exists; seen on the H200)
+    pipe = ChunkPipeline(g, PipelineConfig(diffusion_devices=("cpu",), decode_device="same"))
     outs = list(pipe.stream(image(), "a person talking", audio, N, seed=5))
     assert [o.index for o in outs] == list(range(N))
     for r, o in zip(ref, outs):

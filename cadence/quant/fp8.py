@@ -55,7 +55,11 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _AMAX_MIN = 1e-12  # an all-zero row gets a tiny scale (quantises to zeros), never a division by zero
 
 _warned = False  # the fallback's warn-once flag (per process)
-_op_unusable: dict[tuple[str, torch.dtype], str] = {}  # (device type, out dtype) -> why _scaled_mm failed
+# why _scaled_mm failed, decided once and not retried per call: keyed (device type, out dtype) when the op
+# is missing for that device/dtype (NotImplementedError), and also by the call's (M, K, N, bias) when
+# cuBLAS refuses one shape (RuntimeError, e.g. CUBLAS_STATUS_NOT_SUPPORTED): one odd shape must not
+# demote every FP8 layer of the process to the slow path (seen on an H200 at TP=2, 2026-11-30).
+_op_unusable: dict[tuple, str] = {}
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +211,11 @@ class FP8Linear(nn.Module):
         if x.device.type == "cuda" and (self.in_features % 16 or self.out_features % 16):
             return (f"torch._scaled_mm on CUDA needs in/out features divisible by 16, "
                     f"got {self.in_features}/{self.out_features}")
-        return _op_unusable.get((x.device.type, out_dtype))
+        return _op_unusable.get((x.device.type, out_dtype)) or _op_unusable.get(self._shape_key(x, out_dtype))
+
+    def _shape_key(self, x: torch.Tensor, out_dtype: torch.dtype) -> tuple:
+        return (x.device.type, out_dtype, x.numel() // max(1, x.shape[-1]), self.in_features, self.out_features,
+                self.bias is not None)
 
     def _scaled_mm(self, xq, xs, bias, out_dtype):
         return torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=xs, scale_b=self.weight_scale, bias=bias,
@@ -239,9 +247,12 @@ class FP8Linear(nn.Module):
                     y = self._scaled_mm(xq, xs, bias, out_dtype)
                 except torch.OutOfMemoryError:
                     raise
-                except (NotImplementedError, RuntimeError) as e:  # op missing for this device/dtype
-                    why = f"torch._scaled_mm failed on {x.device.type} with {out_dtype}: {e}".splitlines()[0]
-                    _op_unusable[(x.device.type, out_dtype)] = why  # decided once, not retried per call
+                except (NotImplementedError, RuntimeError) as e:
+                    key = self._shape_key(x, out_dtype)
+                    why = (f"torch._scaled_mm failed on {x.device.type} with {out_dtype} at M={key[2]} "
+                           f"K={key[3]} N={key[4]}: {e}").splitlines()[0]
+                    # op missing for this device/dtype: everywhere; otherwise only this shape
+                    _op_unusable[(x.device.type, out_dtype) if isinstance(e, NotImplementedError) else key] = why
             if y is None:
                 self.fallback_reason = why
                 _warn_fallback(why)
