@@ -1,4 +1,4 @@
-"""The ``cadence`` command line: ``cadence generate``, ``serve``, ``eval`` and ``bench <name>``.
+"""The ``cadence`` command line: ``cadence generate``, ``serve``, ``eval``, ``train`` and ``bench <name>``.
 
 Errors meant for the user (``CadenceError``: bad files, bad counts, unknown presets) print as one
 line, ``error: <message>``, on stderr with exit status 2 and no traceback. Heavy modules (the
@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``cadence`` parser (subcommands: generate, serve, bench, eval)."""
+    """The full ``cadence`` parser (subcommands: generate, serve, bench, eval, train)."""
     parser = _Parser(prog="cadence", description="Real-time chunk-causal video diffusion for live talking "
                                                  "characters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="render a talking-character clip to an MP4 file",
                        description="Generate chunks from a reference image and driving audio; write H.264 + "
                                    "AAC MP4.")
-    g.add_argument("--preset", default="tiny",
-                   help="model/stream preset: tiny, w1.3, w14, w57 (default: tiny)")
+    g.add_argument("--preset", default="character",
+                   help="model/stream preset: character (the shipped trained default), tiny (random weights), "
+                        "w1.3, w14, w57 (default: character)")
     g.add_argument("--image", type=Path, default=None,
                    help="reference image (any format Pillow reads; cropped to cover the frame). "
                         "Default: a built-in drawn face")
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default="a person talking to the camera", help="text prompt")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     g.add_argument("--weights", type=Path, default=None,
-                   help="checkpoint to load (default: random weights from --seed)")
+                   help="checkpoint to load (default: the preset's shipped weights, or random weights "
+                        "from --seed for presets without any)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     g.add_argument("--dtype", default=None, choices=_DTYPES,
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
@@ -61,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve live characters over WebRTC (HTTP API + browser page)",
                        description="Start the HTTP API (FastAPI + uvicorn; OpenAPI at /openapi.json) and WebRTC "
-                                   "(aiortc), with the browser page at /. Defaults: the tiny preset on loopback "
+                                   "(aiortc), with the browser page at /. Defaults: the shipped character on loopback "
                                    "with the built-in reference face; nothing to download.")
-    s.add_argument("--preset", default="tiny", help="model/stream preset: tiny, w1.3, w14, w57 (default: tiny)")
+    s.add_argument("--preset", default="character",
+                   help="model/stream preset: character (the shipped trained default), tiny (random weights), "
+                        "w1.3, w14, w57 (default: character)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
     s.add_argument("--max-sessions", type=int, default=None,
@@ -97,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False, prefix_chars="+")
     e.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.bench.eval")
     e.set_defaults(func=cmd_eval)
+
+    tr = sub.add_parser("train", help="train the default character (small VAE + DiT on synthetic talking faces)",
+                        description="cadence train --out DIR [--minutes M] [--device cuda] [--toy] ... (see "
+                                    "'cadence train --help')", add_help=False, prefix_chars="+")
+    tr.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.train.character")
+    tr.set_defaults(func=cmd_train)
     return parser
 
 
@@ -269,6 +279,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not hasattr(module, "main"):
         raise InputError(f"benchmark {name!r} has no main()")
     return int(module.main(list(args.args)) or 0)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``cadence train ...`` -> ``cadence.train.character.main(args)``."""
+    from cadence.train.character import main as train_main
+
+    return int(train_main(list(args.args)) or 0)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

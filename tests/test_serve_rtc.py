@@ -59,7 +59,7 @@ def test_aiortc_client_gets_24fps_video_and_48khz_audio_then_nothing_leaks():
         assert res.audio_seconds >= 2.0
         # the server's view of the same session
         st = res.status
-        assert st["state"] == "streaming" and st["preset"] == "tiny" and st["target_fps"] == 24
+        assert st["state"] == "streaming" and st["preset"] == "character" and st["target_fps"] == 24
         assert st["ttff_ms"] is not None and st["ttff_ms"] < 5000
         assert st["agent"] == "mirror" and st["mic_frames"] > 50 and st["agent_segments"] >= 1
         assert st["agent_audio_to_frame_ms_p50"] is not None and 0 < st["agent_audio_to_frame_ms_p50"] < 1000

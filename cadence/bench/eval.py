@@ -49,9 +49,9 @@ def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespa
 
     p = _Parser(prog=prog, description="Quality harness: lip sync and identity drift of held-out clips per engine "
                                        "configuration, with rerun spreads and verdicts against the reference.")
-    p.add_argument("--preset", default="tiny",
-                   help="model/stream preset: tiny, w1.3, w14, w57, or 'character' once the default character "
-                        "ships (default: tiny)")
+    p.add_argument("--preset", default="character",
+                   help="model/stream preset: character (the shipped trained default), tiny (random weights), "
+                        "w1.3, w14, w57 (default: character)")
     p.add_argument("--weights", type=Path, default=None,
                    help="DiT checkpoint (safetensors file or directory); default: the preset's weights if it "
                         "declares any, else random from --weights-seed")

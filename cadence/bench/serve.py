@@ -27,7 +27,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=1, help="concurrent sessions (clients)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds to stream per session after its first frame")
     p.add_argument("--url", default=None, help="a running server (default: start one here on loopback)")
-    p.add_argument("--preset", default="tiny", help="preset of the self-started server (default: tiny)")
+    p.add_argument("--preset", default="character", help="preset of the self-started server (default: character)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="self-started server's groups")
     p.add_argument("--speak-after", type=float, default=1.0, help="push speech this long after the first frame")
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")

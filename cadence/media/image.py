@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFilter, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from cadence.errors import InputError
 
@@ -63,59 +63,24 @@ def load_reference_image(path: str | os.PathLike, height: int, width: int) -> to
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous().div_(127.5).sub_(1.0)
 
 
+#: The built-in face: seed of the synthetic-data renderer (cadence.train.data), from the train split, so the
+#: shipped default character (trained on that renderer's faces) is in its own domain out of the box.
+DEFAULT_FACE_SEED = 7
+
+
 def default_reference_image(height: int, width: int) -> torch.Tensor:
     """A built-in stylised face (float32 [3, height, width] in [-1, 1]) for runs without ``--image``.
 
-    Drawn at 4x and downsampled for smooth edges: a skin-coloured ellipse with hair, two eyes,
-    brows, a nose and a mouth on a soft backdrop, sized relative to the shorter side.
+    Drawn by the renderer that made the default character's training data (``cadence.train.data``,
+    face ``DEFAULT_FACE_SEED`` of the train split, mouth closed, eyes open); any size.
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"target size must be positive, got {height}x{width}")
-    ss = 4
-    w, h = width * ss, height * ss
-    img = Image.new("RGB", (w, h), (70, 96, 128))
-    d = ImageDraw.Draw(img)
-    # Backdrop: a vertical gradient, lighter at the top.
-    for y in range(0, h, ss):
-        t = y / max(h - 1, 1)
-        d.rectangle((0, y, w, y + ss), fill=(int(96 - 40 * t), int(128 - 40 * t), int(168 - 40 * t)))
-    s = min(w, h)
-    cx, cy = w / 2, h * 0.52
-    fw, fh = s * 0.30, s * 0.40  # face half-width / half-height
+    from cadence.train.data import face_params, render_face
 
-    def ell(x0: float, y0: float, rx: float, ry: float, **kw) -> None:
-        d.ellipse((x0 - rx, y0 - ry, x0 + rx, y0 + ry), **kw)
+    frame = render_face(face_params(DEFAULT_FACE_SEED, "train"), height, width, 0.0, False)
+    return torch.from_numpy(np.array(frame)).permute(2, 0, 1).float() / 127.5 - 1.0
 
-    ell(cx, cy + fh * 1.25, fw * 1.7, fh * 0.6, fill=(52, 60, 92))          # shoulders
-    d.rectangle((cx - fw * 0.35, cy + fh * 0.6, cx + fw * 0.35, cy + fh * 1.0), fill=(214, 164, 134))  # neck
-    ell(cx, cy - fh * 0.12, fw * 1.12, fh * 1.02, fill=(66, 44, 32))         # hair behind
-    ell(cx - fw, cy, fw * 0.16, fh * 0.2, fill=(224, 172, 140))              # ears
-    ell(cx + fw, cy, fw * 0.16, fh * 0.2, fill=(224, 172, 140))
-    ell(cx, cy, fw, fh, fill=(232, 184, 150))                                # face
-    d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.2), 180, 360,
-            fill=(66, 44, 32))                                               # fringe
-    for sx in (-1, 1):
-        ex, ey = cx + sx * fw * 0.4, cy - fh * 0.08
-        ell(ex, ey, fw * 0.2, fh * 0.09, fill=(250, 250, 250))               # eye white
-        ell(ex, ey, fw * 0.09, fw * 0.09, fill=(70, 110, 60))                # iris
-        ell(ex, ey, fw * 0.045, fw * 0.045, fill=(15, 15, 15))               # pupil
-        ell(ex + fw * 0.03, ey - fw * 0.03, fw * 0.02, fw * 0.02, fill=(255, 255, 255))  # glint
-        d.line((ex - fw * 0.2, ey - fh * 0.2, ex + fw * 0.2, ey - fh * 0.23),
-               fill=(60, 40, 30), width=max(1, int(s * 0.012)))             # brow
-    d.line((cx, cy + fh * 0.02, cx - fw * 0.08, cy + fh * 0.28, cx + fw * 0.04, cy + fh * 0.3),
-           fill=(190, 130, 105), width=max(1, int(s * 0.008)))              # nose
-    d.chord((cx - fw * 0.38, cy + fh * 0.38, cx + fw * 0.38, cy + fh * 0.66), 0, 180,
-            fill=(150, 50, 60))                                              # mouth
-    d.line((cx - fw * 0.38, cy + fh * 0.52, cx + fw * 0.38, cy + fh * 0.52), fill=(110, 30, 40),
-           width=max(1, int(s * 0.006)))
-    for sx in (-1, 1):
-        ell(cx + sx * fw * 0.62, cy + fh * 0.3, fw * 0.16, fh * 0.08, fill=(238, 160, 140))  # cheeks
-    img = img.filter(ImageFilter.GaussianBlur(ss * 0.5)).resize((width, height), Image.Resampling.LANCZOS)
-    arr = np.asarray(img, dtype=np.float32)
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous().div_(127.5).sub_(1.0)
-
-
-# ---- helpers --------------------------------------------------------------------------------------
 
 def _check_size(size: tuple[int, int], p: Path) -> None:
     w, h = size

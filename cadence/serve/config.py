@@ -10,7 +10,7 @@ from cadence.errors import ConfigError
 
 @dataclass(frozen=True)
 class ServeConfig:
-    preset: str = "tiny"
+    preset: str = "character"
     """Engine preset every worker builds."""
     host: str = "127.0.0.1"
     """Address the HTTP server listens on (loopback by default)."""

@@ -34,7 +34,6 @@ Writes ``<out>/dit.safetensors``, ``<out>/vae/`` (diffusers-style ``config.json`
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -438,7 +437,9 @@ def toy_config() -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="cadence train", description=__doc__.split("\n\n")[0])
+    from cadence.cli import _Parser  # usage errors on one line, exit status 2, like every Cadence command
+
+    p = _Parser(prog="cadence train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (weights, VAE folder, train_log.json)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=None, help="total wall-time budget (splits VAE / DiT)")
@@ -452,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dit-steps", type=int, default=None, help="DiT steps (the lr schedule's length)")
     p.add_argument("--dit-lr", type=float, default=None)
     a = p.parse_args(argv)
+    if a.minutes is not None and a.minutes <= 0:
+        p.error(f"--minutes must be positive, got {a.minutes}")
     tc = toy_config() if a.toy else TrainConfig()
     tc.seed = a.seed
     if a.clips:
