@@ -98,11 +98,10 @@ def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespa
 def preset_weights(cfg) -> str | None:
     """Weights a preset declares (``cfg.weights`` or ``cfg.model.weights``, e.g. the packaged default
     character's), if any."""
-    for holder in (cfg, getattr(cfg, "model", None)):
-        w = getattr(holder, "weights", None)
-        if w:
-            return str(w)
-    return None
+    from cadence.config import resolve_asset
+
+    w = cfg.model.weights
+    return resolve_asset(w) if w else None
 
 
 def _progress(line: str) -> None:
