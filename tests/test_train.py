@@ -99,6 +99,6 @@ def test_toy_training_writes_loadable_weights(tmp_path):
 
 
 def test_train_config_checks_window():
-    tc = TrainConfig(**{**toy_config().__dict__, "latents": 2})
+    tc = TrainConfig(**{**toy_config().__dict__, "latents": 2, "window": 4})
     with pytest.raises(ValueError, match="window"):
         train(tc, None, "cpu")

@@ -39,6 +39,7 @@ checkpoints must be loaded into the plain model first.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -213,9 +214,10 @@ class FP8Linear(nn.Module):
                     f"got {self.in_features}/{self.out_features}")
         return _op_unusable.get((x.device.type, out_dtype)) or _op_unusable.get(self._shape_key(x, out_dtype))
 
-    def _shape_key(self, x: torch.Tensor, out_dtype: torch.dtype) -> tuple:
-        return (x.device.type, out_dtype, x.numel() // max(1, x.shape[-1]), self.in_features, self.out_features,
-                self.bias is not None)
+    def _shape_key(self, x, out_dtype: torch.dtype) -> tuple:
+        """(device type, out dtype, M, K, N, bias) of a call; x a tensor or a QuantizedActivation."""
+        m = math.prod(x.shape[:-1])
+        return (x.device.type, out_dtype, m, self.in_features, self.out_features, self.bias is not None)
 
     def _scaled_mm(self, xq, xs, bias, out_dtype):
         return torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=xs, scale_b=self.weight_scale, bias=bias,
