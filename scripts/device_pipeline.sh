@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.device_count(), "GPUs")'
 run 150 gpu-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_pipeline.py tests/test_graphs.py -x
 B="python3 -m cadence bench pipeline --out-dir $PERF"
-run 200 w1.3-wan-same $B --preset w1.3 --chunks "$CHUNKS" --decode-device same --decoder wan
+run 200 w1.3-wan-same $B --preset w1.3 --chunks "$CHUNKS" --decode-device same --decoder wan --shape-change-every 0
 run 120 w1.3-taehv-fp8-same $B --preset w1.3 --chunks "$CHUNKS" --decode-device same --decoder taehv --kv-fp8 --shape-change-every 0
 run 200 w14-wan-gpu1 $B --preset w14 --chunks "$CHUNKS" --decode-device cuda:1 --decoder wan
 echo "=== done in ${SECONDS}s"

@@ -50,6 +50,9 @@ run 90 smoke-tp-auto $TR tests/tp_worker.py bf16 auto
 run 60 smoke-tp-two_shot $TR tests/tp_worker.py bf16 two_shot
 run 90 smoke-fused-tiny $TR -m cadence bench fused --tiny --no-record --reps 20 --warmup 5
 
+# 1b. the one-launch FP8 activation quantisation vs eager (one GPU is enough; parity + timing)
+run 90 bench-quant python3 -m cadence bench fused --quant --out-dir "$PERF"
+
 # 2. the fused benchmark, all shapes (W57 / W14 at 748 tokens, W1.3 at 4680), bf16 + FP8
 run 180 bench-fused $TR -m cadence bench fused --reps 100 --warmup 20 --out-dir "$PERF"
 TABLE=$(ls -t "$PERF"/fused/chooser-*-tp2.json 2>/dev/null | head -1)
@@ -60,6 +63,7 @@ STEP="-m cadence bench step --tp 2 --cache ring --warmup 3 --iters 15 --profile-
 run 120 step-w14-bf16-nccl $TR $STEP --preset w14 --layers "$W14_LAYERS" --comm nccl
 run 120 step-w14-fp8-auto $TR $STEP --preset w14 --layers "$W14_LAYERS" --fp8 --comm auto
 run 120 step-w57-fp8-auto $TR $STEP --preset w57 --layers "$W57_LAYERS" --fp8 --comm auto
+run 120 step-w57-fp8-auto-torchquant $TR $STEP --preset w57 --layers "$W57_LAYERS" --fp8 --comm auto --fp8-quant torch
 run 120 step-w57-bf16-nccl $TR $STEP --preset w57 --layers "$W57_LAYERS" --comm nccl
 
 echo "=== done in ${SECONDS}s"
