@@ -31,7 +31,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _tiny_cfg(variant: str) -> dict:
     # small widths, one residual block per stage; the 2.2 decoder gets its own width as released
-    extra = dict(decoder_base_dim=12) if variant == "2.2" else {}
+    extra = {"decoder_base_dim": 12} if variant == "2.2" else {}
     return wan_vae_config(variant, base_dim=8, num_res_blocks=1, **extra)
 
 

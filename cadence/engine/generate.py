@@ -220,22 +220,18 @@ class WanVAEAdapter:
         from cadence.config import resolve_asset
 
         v = cfg.vae
-        variant = "2.1" if v.latent_channels == 16 else "2.2"
         folder = Path(resolve_asset(v.weights)) if v.weights else None
+        trained_taehv = folder is not None and (folder / "taehv.safetensors").is_file()
+        # random modules for whatever the folder does not hold
+        wan, taehv = build_vae_modules(cfg, wan=folder is None, taehv=v.decoder == "taehv" and not trained_taehv)
         if folder is not None:
-            self.wan = WanVAE.from_diffusers_dir(folder, device, dtype)
-        else:
-            over = {"base_dim": v.base_dim} if v.base_dim else {}
-            self.wan = WanVAE(wan_vae_config(variant, **over)).to(device=device, dtype=dtype).eval()
-        self.taehv = None
-        if v.decoder == "taehv":
-            from cadence.model.taehv import TAEHV, load_taehv
+            wan = WanVAE.from_diffusers_dir(folder, device, dtype)
+        if v.decoder == "taehv" and trained_taehv:
+            from cadence.model.taehv import load_taehv
 
-            if folder is not None and (folder / "taehv.safetensors").is_file():
-                self.taehv = load_taehv(folder, device, dtype)
-            else:
-                self.taehv = TAEHV(v.latent_channels, v.stride, v.taehv_channels,
-                                   shuffle=v.taehv_shuffle).to(device=device, dtype=dtype).eval()
+            taehv = load_taehv(folder, device, dtype)
+        self.wan = wan.to(device=device, dtype=dtype).eval()
+        self.taehv = taehv.to(device=device, dtype=dtype).eval() if taehv is not None else None
 
     def to_device(self, device) -> "WanVAEAdapter":
         """A copy with the same weights on `device` (for decoding on another GPU)."""
@@ -268,6 +264,19 @@ class WanVAEAdapter:
     @staticmethod
     def to_uint8(frames: torch.Tensor) -> torch.Tensor:
         return ((frames.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
+
+
+def build_vae_modules(cfg: CadenceConfig, wan: bool = True, taehv: bool = True):
+    """The configured Wan VAE (released geometry, or ``vae.base_dim`` wide) and the tiny
+    decoder (``vae.taehv_channels`` / ``taehv_shuffle``), randomly initialised on the CPU (serving loads
+    weights into them; ``cadence train`` trains them)."""
+    from cadence.model.taehv import TAEHV
+
+    v = cfg.vae
+    over = {"base_dim": v.base_dim} if v.base_dim else {}
+    big = WanVAE(wan_vae_config("2.1" if v.latent_channels == 16 else "2.2", **over)) if wan else None
+    tiny = TAEHV(v.latent_channels, v.stride, v.taehv_channels, shuffle=v.taehv_shuffle) if taehv else None
+    return big, tiny  # None for what was not asked
 
 
 def make_vae(cfg: CadenceConfig, device, dtype: torch.dtype):

@@ -146,20 +146,11 @@ def _lr(step: int, total: int, base: float, warmup: int = 200) -> float:
     return base * (0.1 + 0.45 * (1 + math.cos(math.pi * p)))
 
 
-def build_vae(cfg: CadenceConfig):
-    from cadence.model.taehv import TAEHV
-    from cadence.model.vae import WanVAE, wan_vae_config
-
-    v = cfg.vae
-    over = {"base_dim": v.base_dim} if v.base_dim else {}
-    wan = WanVAE(wan_vae_config("2.1" if v.latent_channels == 16 else "2.2", **over))
-    taehv = TAEHV(v.latent_channels, v.stride, v.taehv_channels, shuffle=v.taehv_shuffle)
-    return wan, taehv
-
-
 def train_vae(tc: TrainConfig, cfg: CadenceConfig, frames: torch.Tensor, device, log: dict):
     """Phase 2. frames uint8 [N, T, H, W, 3] on `device`. Returns (wan, taehv) in eval mode."""
-    wan, taehv = build_vae(cfg)
+    from cadence.engine.generate import build_vae_modules
+
+    wan, taehv = build_vae_modules(cfg)
     wan.to(device).train()
     taehv.to(device).train()
     params = list(wan.parameters()) + list(taehv.parameters())
