@@ -12,16 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; PERF="$OUT/perf"; mkdir -p "$PERF"
 BUDGET_S=${BUDGET_S:-560}; CHUNKS=${CHUNKS:-200}
 
-run() {
-  local limit=$1 name=$2; shift 2
-  local left=$((BUDGET_S - SECONDS))
-  if (( left < 30 )); then echo "=== SKIP $name (budget: ${left}s left)"; return 0; fi
-  (( limit > left )) && limit=$left
-  echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" 2>&1 | grep -v -e '^steps:' -e 'chunks:' | tail -40
-  echo "=== $name: rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"
-}
+source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.device_count(), "GPUs")'

@@ -16,18 +16,7 @@ BUDGET_S=${BUDGET_S:-400}
 W14_LAYERS=${W14_LAYERS:-10}; W57_LAYERS=${W57_LAYERS:-8}
 TR="torchrun --standalone --nproc_per_node 2"
 
-# run LIMIT_S NAME CMD...: run under timeout, capped by what is left of the budget; skip if < 20 s left
-run() {
-  local limit=$1 name=$2; shift 2
-  local left=$((BUDGET_S - SECONDS))
-  if (( left < 20 )); then echo "=== SKIP $name (budget: ${left}s left)"; return 0; fi
-  (( limit > left )) && limit=$left
-  echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" 2>&1 | grep -v -e '^steps:' -e 'OMP_NUM_THREADS' -e '^\*\*\*\*'
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: rc=$rc in $((SECONDS - t0))s"
-}
+source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "nccl", torch.cuda.nccl.version(), torch.cuda.device_count(), "GPUs")'
