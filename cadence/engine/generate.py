@@ -289,9 +289,8 @@ def make_vae(cfg: CadenceConfig, device, dtype: torch.dtype):
 def build_generator(cfg: CadenceConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     seed: int = 0, weights: str | None = None) -> StreamGenerator:
     """Model built on `device` (random weights from `seed`, or loaded from `weights`) + generator."""
-    from cadence.model.weights import load_weights
-
     from cadence.config import resolve_asset
+    from cadence.model.weights import load_weights
 
     weights = weights or (resolve_asset(cfg.model.weights) if cfg.model.weights else None)
     model = build_model(cfg, device, dtype, seed=None if weights else seed)

@@ -255,7 +255,7 @@ def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chun
     from cadence.model.audio import AudioFeatures
     from cadence.model.text import ByteTextEncoder
     from cadence.model.weights import build_model
-    from cadence.runtime.sampler import Schedule, shift_sigma
+    from cadence.runtime.sampler import Schedule
 
     model = build_model(cfg, device, torch.float32, seed=tc.seed)
     if tc.init:
@@ -271,7 +271,7 @@ def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chun
     sched = Schedule.from_config(cfg.stream)
     infer_sigmas = torch.tensor(sched.sigmas[:-1], device=device)
     W = tc.window or cfg.stream.window_chunks
-    n, z, f_all, h, w = lat.shape
+    n, _, f_all, h, w = lat.shape
     L = f_all - 1
     if L < W:
         raise ValueError(f"clips have {L} latent frames after the reference; the window needs {W}")
