@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from cadence.config import CadenceConfig, ModelConfig
 from cadence.model.attention import attention
-from cadence.model.layers import MLP2, LayerNorm32, Linear, RMSNorm, timestep_embedding
+from cadence.model.layers import MLP2, PLAIN_OPS, LayerNorm32, Linear, RMSNorm, timestep_embedding
 from cadence.model.rope import Rope3D
 
 
@@ -116,19 +116,21 @@ class Block(nn.Module):
         self.norm3 = LayerNorm32(d, cfg.eps, affine=False, device=device)
         self.ffn = MLP2(d, cfg.ffn_dim, d, "gelu", device, dtype)
         self.modulation = nn.Parameter(torch.empty(1, 6, d, device=device, dtype=torch.float32))
+        self.ops = PLAIN_OPS  # the elementwise math; a fused version may be swapped in from outside
 
     def forward(self, x, temb6, cache, layer: int, commit: bool, text_kv, audio_ctx, frames: int):
         mod = _split_mod(self.modulation, temb6)
-        dt = x.dtype
-        h = (self.norm1(x) * (1 + mod.attn.scale) + mod.attn.shift).to(dt)
-        x = (x.float() + self.self_attn(h, cache, layer, commit) * mod.attn.gate).to(dt)
-        h = self.norm2(x).to(dt) if self.norm2 is not None else x
+        ops, eps = self.ops, self.norm1.eps
+        h = ops.norm_modulate(x, mod.attn.shift, mod.attn.scale, eps)
+        x = ops.gate_residual(x, self.self_attn(h, cache, layer, commit), mod.attn.gate)
+        h = ops.layer_norm_cast(x, self.norm2.weight, self.norm2.bias, eps) if self.norm2 is not None else x
         x = x + self.cross_attn(h, text_kv)
         if self.audio_attn is not None and audio_ctx is not None:
-            x = x + self.audio_attn(self.norm_audio(x).to(dt), self.audio_attn.context_kv(audio_ctx), groups=frames)
-        h = (self.norm3(x) * (1 + mod.ffn.scale) + mod.ffn.shift).to(dt)
-        x = (x.float() + self.ffn(h).float() * mod.ffn.gate).to(dt)
-        return x
+            na = self.norm_audio
+            x = x + self.audio_attn(ops.layer_norm_cast(x, na.weight, na.bias, eps),
+                                    self.audio_attn.context_kv(audio_ctx), groups=frames)
+        h = ops.norm_modulate(x, mod.ffn.shift, mod.ffn.scale, eps)
+        return ops.gate_residual(x, self.ffn(h), mod.ffn.gate)
 
 
 class Head(nn.Module):

@@ -37,6 +37,47 @@ class LayerNorm32(nn.Module):
         return F.layer_norm(x.float(), (self.dim,), self.weight, self.bias, self.eps)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dim in float32, cast back to x's dtype, times the weight."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y.to(x.dtype) * weight.to(x.dtype)
+
+
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """adaLN: LayerNorm (float32, no affine) * (1 + scale) + shift, cast back to x's dtype."""
+    h = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps)
+    return (h * (1 + scale) + shift).to(x.dtype)
+
+
+def layer_norm_cast(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+    """LayerNorm in float32 (optional affine), cast back to x's dtype."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps).to(x.dtype)
+
+
+def gate_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x + y * gate, summed in float32, cast back to x's dtype."""
+    return (x.float() + y.float() * gate).to(x.dtype)
+
+
+class ElementwiseOps:
+    """The per-block elementwise math between the GEMMs and the attention calls, as plain functions.
+
+    Blocks and RMS norms call these through an instance (``Block.ops``, ``RMSNorm.ops``) so that a
+    fused implementation can be swapped in from outside a built model
+    (:func:`cadence.runtime.compile.apply_compile`); this class is the reference.
+    """
+
+    rms_norm = staticmethod(rms_norm)
+    norm_modulate = staticmethod(norm_modulate)
+    layer_norm_cast = staticmethod(layer_norm_cast)
+    gate_residual = staticmethod(gate_residual)
+
+
+PLAIN_OPS = ElementwiseOps()
+
+
 class RMSNorm(nn.Module):
     """RMS norm over the last dim (Wan normalises q and k across all heads at once)."""
 
@@ -44,11 +85,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.ops = PLAIN_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(x.dtype) * self.weight.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class MLP2(nn.Module):

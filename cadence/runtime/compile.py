@@ -1,0 +1,160 @@
+"""Fused elementwise math for a built model: ``torch.compile`` of the per-block regions between GEMMs.
+
+    from cadence.runtime.compile import apply_compile
+    report = apply_compile(model)          # after apply_fp8 / apply_tp, before the first step
+    print(report.describe())
+
+What gets fused. Between its GEMM and attention calls, a block runs a handful of elementwise
+sequences (:class:`cadence.model.layers.ElementwiseOps`): the adaLN ``LayerNorm * (1 + scale) + shift``
+before the self-attention and the FFN, the float32 ``x + y * gate`` residuals after them, the affine
+LayerNorm before the cross / audio attention, and the q/k RMS norms. Eagerly each of these is 4-8
+kernels that read and write full float32 copies of the [tokens, dim] activations; compiled, each is
+one or two Triton kernels that read bf16 and write bf16 once. The GEMMs, the attention kernels, the
+cache and the collectives stay exactly as they are (they are not traced: only these pure tensor
+functions are compiled, so FP8 linears, tensor parallelism, the ring cache and CUDA graphs compose
+with it unchanged).
+
+One compiled function per op serves every layer (same code, same shapes); a new token count
+(first chunk, prompt length, resolution) compiles once more (``dynamic=False``: static shapes give
+the best kernels; the few shapes a stream uses are bounded by ``recompile_limit``). Compilation
+happens on the first call of a shape, which is an eager warm-up step under the graph runner,
+never inside a CUDA-graph capture.
+
+Fallback: when compilation cannot run (no Triton for CUDA tensors, no C++ compiler for CPU
+tensors, or the compiler raises on a shape), that op falls back to the plain function with one log
+line; the stream never fails because of this module. ``CADENCE_COMPILE=0`` turns it off.
+
+Reference: the plain functions in ``cadence.model.layers``; tests/test_compile.py checks parity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from cadence.model import layers as L
+
+log = logging.getLogger("cadence.compile")
+
+OPS = ("rms_norm", "norm_modulate", "layer_norm_cast", "gate_residual")
+
+
+def _compiler_problem(device: torch.device) -> str | None:
+    """Why inductor cannot compile for `device` here (None = it can)."""
+    if os.environ.get("CADENCE_COMPILE", "1") == "0":
+        return "CADENCE_COMPILE=0"
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed"
+        return None
+    if device.type == "cpu":
+        cxx = os.environ.get("CXX", "g++")
+        if shutil.which(cxx) is None and shutil.which("c++") is None and shutil.which("clang++") is None:
+            return "no C++ compiler for inductor's CPU code"
+        return None
+    return f"no inductor backend for device type {device.type!r}"
+
+
+class _FusedOp:
+    """A compiled op with its plain reference; the first failure logs one line and switches to plain."""
+
+    def __init__(self, name: str, plain, backend: str):
+        self.name, self.plain = name, plain
+        self.compiled = torch.compile(plain, backend=backend, dynamic=False, fullgraph=True)
+        self.failed: str | None = None
+        self.calls = 0
+
+    def __call__(self, *args):
+        if self.failed is not None:
+            return self.plain(*args)
+        try:
+            out = self.compiled(*args)
+        except Exception as e:  # compiler missing / a shape it rejects: plain from now on
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("compiled %s failed (%s); using the plain PyTorch function from now on", self.name,
+                        self.failed)
+            return self.plain(*args)
+        self.calls += 1
+        return out
+
+
+class FusedOps(L.ElementwiseOps):
+    """:class:`~cadence.model.layers.ElementwiseOps` with every op compiled (one instance per model)."""
+
+    def __init__(self, backend: str = "inductor"):
+        for name in OPS:
+            setattr(self, name, _FusedOp(name, getattr(L, name), backend))
+
+    def status(self) -> dict:
+        return {name: ("failed: " + op.failed) if op.failed else f"compiled ({op.calls} calls)"
+                for name in OPS for op in [getattr(self, name)]}
+
+
+@dataclass
+class CompileReport:
+    enabled: bool
+    reason: str = ""
+    blocks: int = 0
+    norms: int = 0
+    backend: str = ""
+    ops: FusedOps | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return f"compile off ({self.reason})"
+        return f"compile on ({self.backend}): {self.blocks} blocks, {self.norms} RMS norms"
+
+    def status(self) -> dict:
+        """Per-op state after running: compiled (with call counts) or the failure that made it plain."""
+        return self.ops.status() if self.ops is not None else {}
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: int = 16) -> CompileReport:
+    """Swap the model's per-block elementwise ops for compiled ones (in place; returns a report).
+
+    Touches only modules that have an ``ops`` attribute holding the plain ops (blocks and plain
+    RMS norms); replaced modules (e.g. tensor-parallel sharded norms) keep their own code.
+    ``backend="aot_eager"`` traces without generating code (tests of the plumbing)."""
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    problem = _compiler_problem(device) if backend == "inductor" else None
+    if problem is not None:
+        log.info("compile: off (%s); the model keeps its plain elementwise ops", problem)
+        return CompileReport(False, problem)
+    import torch._dynamo as dynamo
+
+    # every distinct token count is one more specialisation of each op: allow the few a stream uses
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo.config, knob):
+            setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), recompile_limit))
+    ops = FusedOps(backend)
+    blocks = norms = 0
+    for m in model.modules():
+        if getattr(m, "ops", None) is not L.PLAIN_OPS:
+            continue
+        m.ops = ops
+        if isinstance(m, L.RMSNorm):
+            norms += 1
+        else:
+            blocks += 1
+    rep = CompileReport(True, "", blocks, norms, backend, ops)
+    log.info("%s", rep.describe())
+    return rep
+
+
+def remove_compile(model: nn.Module) -> None:
+    """Back to the plain ops (reference runs in the same process)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "ops", None), FusedOps):
+            m.ops = L.PLAIN_OPS
