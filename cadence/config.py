@@ -365,6 +365,19 @@ class PipelineConfig:
     max_captures_per_key: int = 8
     """Captures allowed per step shape (evictions cause recaptures); beyond this the shape runs eagerly
     for the rest of the session, so a thrashing stream never recaptures without bound."""
+    reuse_session: bool = True
+    """Keep the session (its cache buffers and decoder object), the graph runner (its captured graphs,
+    which read that cache's buffers) and the pinned frame buffers between ``stream`` calls: the next
+    stream resets the session in place (``Session.reset``) and replays the graphs captured by earlier
+    streams, including ``ChunkPipeline.prewarm``'s throwaway one. False: a new session, runner and
+    buffers per stream, all freed at its end."""
+    first_chunk_alone: bool = True
+    """Wait for the first chunk's frames before diffusing the second, so that its decode and copy do not
+    share the device with chunk 1's diffusion (lower time to first frame; chunk 1 starts one decode
+    later, once per stream). False: every chunk overlaps from the start."""
+    prewarm_chunks: int = 0
+    """Chunks of ``ChunkPipeline.prewarm``'s throwaway stream; 0: enough for every step shape a stream
+    uses (the ring filling, ``graph_warmup`` eager runs, the capture, one replay)."""
 
     def __post_init__(self) -> None:
         errs: list[str] = []
@@ -379,7 +392,8 @@ class PipelineConfig:
         for what, n, lo in (("queue_depth", self.queue_depth, 1), ("host_buffers", self.host_buffers, 2),
                             ("steps_in_flight", self.steps_in_flight, 1),
                             ("max_graphs", self.max_graphs, 1), ("graph_warmup", self.graph_warmup, 1),
-                            ("max_captures_per_key", self.max_captures_per_key, 1)):
+                            ("max_captures_per_key", self.max_captures_per_key, 1),
+                            ("prewarm_chunks", self.prewarm_chunks, 0)):
             if n < lo:
                 errs.append(f"{what} must be >= {lo}, got {n}")
         if errs:

@@ -269,7 +269,10 @@ def test_pipeline_conditioning_length_changes_every_few_chunks(ring_gen):
         outs.append(o)
     assert [o.index for o in outs] == list(range(n))
     assert max(sizes) <= 2 and pipe.runner.stats.replays > 0
-    assert len([f for f in FakeGraph.made if not f.freed]) == 0  # the session's graphs freed at the end
+    # the session's graphs are kept for the next stream (reuse_session), at most max_graphs, and freed by close()
+    assert 0 < len([f for f in FakeGraph.made if not f.freed]) == len(pipe.runner) <= 2
+    pipe.close()
+    assert len([f for f in FakeGraph.made if not f.freed]) == 0 and pipe.session is None
     # the same stream stepped eagerly, one chunk after another, with the same prompt changes
     sess, a = ring_gen.session(image(), "p", seed=4), audio(n)
     for i, o in enumerate(outs):

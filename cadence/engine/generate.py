@@ -62,7 +62,15 @@ def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
 
 
 class Session:
-    """One stream: cache, prompt K/V, noise generator, next chunk position."""
+    """One stream: cache, prompt K/V, noise generator, next chunk position.
+
+    ``reset(image, prompt, seed)`` starts a new stream on the same object: the same cache buffers
+    (cleared logically, not reallocated), the same decoder object (its causal state forgotten), the
+    same device generator (re-seeded). A reset session produces exactly what a fresh session with the
+    same image, prompt and seed produces, and any CUDA graph captured against this session's cache
+    (``cadence.runtime.graphs``) stays valid for it: the one-session-per-GPU-group server reuses one
+    session (and its graphs) stream after stream instead of paying allocation and captures again.
+    """
 
     def __init__(self, gen: "StreamGenerator", image: torch.Tensor, prompt: str | torch.Tensor, seed: int,
                  decode_device: str | torch.device | None = None):
@@ -70,17 +78,9 @@ class Session:
         self.gen, self.cfg, self.model = gen, cfg, model
         dev = model.device
         self.cache = make_cache(cfg, model)
-        emb = gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
-        if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
-            raise InputError(f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
-                             f"got {list(emb.shape)}")
-        self.text = model.prepare_text(emb[None].to(dev))
-        self.noise_gen = torch.Generator(device=dev).manual_seed(seed)
+        self.noise_gen = torch.Generator(device=dev)
         lh, lw = cfg.latent_hw
         self.latent_shape = (cfg.vae.latent_channels, cfg.stream.latent_frames_per_chunk, lh, lw)
-        # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
-        sf = cfg.stream.sink_frames
-        self.next_frame = 0
         # Per-session decode state (None for the stateless stand-in), on the decode device (the model's
         # unless asked otherwise). The Wan decoders are primed with the sink latent (its one decoded frame
         # is dropped), so every chunk then decodes to 4F frames. Priming is deferred to the first
@@ -89,7 +89,35 @@ class Session:
         self.decode_device = torch.device(decode_device) if decode_device is not None else dev
         self._decode_vae = gen.vae_on(self.decode_device)
         self.decoder = self._decode_vae.stream() if hasattr(self._decode_vae, "stream") else None
+        self.streams = 0  # streams started on this object (1 after __init__, +1 per reset)
+        self._start(image, prompt, seed)
+
+    def reset(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0) -> None:
+        """Start a new stream on this session's buffers (see the class docstring). Must not run while
+        another thread decodes for this session (the pipeline calls it between streams)."""
+        h, w = self.cfg.stream.height, self.cfg.stream.width
+        if tuple(image.shape) != (3, h, w):
+            raise InputError(f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, "
+                             f"got {list(image.shape)}")
+        self._start(image, prompt, seed)
+
+    def _start(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int) -> None:
+        cfg, model, gen = self.cfg, self.model, self.gen
+        dev = model.device
+        emb = gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
+        if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
+            raise InputError(f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
+                             f"got {list(emb.shape)}")
+        self.cache.reset()
+        if self.decoder is not None:
+            self.decoder.reset()
+        self.text = model.prepare_text(emb[None].to(dev))
+        self.noise_gen.manual_seed(seed)
         self._prime: torch.Tensor | None = None
+        self.next_frame = 0
+        self.index = 0
+        # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
+        sf = cfg.stream.sink_frames
         if sf:
             lat = gen.vae.encode(image.to(dev)[:, None]).repeat(1, sf, 1, 1)
             if self.decoder is not None:
@@ -98,7 +126,7 @@ class Session:
             self.cache.begin_chunk(0, sf, sink=True)
             model.forward_chunk(lat, gen.timesteps[-1:], self.text, self._audio_feats(silence), self.cache, commit=True)
             self.next_frame = sf
-        self.index = 0
+        self.streams += 1
 
     def decode(self, lat: torch.Tensor) -> torch.Tensor:
         """A chunk's clean latent -> uint8 frames [4F, H, W, 3] (this session's decoder state)."""

@@ -30,6 +30,12 @@ stream; host clock on CPU), ``latency_ms`` from the chunk's plan time (when the 
 started it) to its frames being ready in host memory; the run's time to first frame is in
 ``ChunkPipeline.last_run["ttff_ms"]`` and on every chunk (``ttff_ms``).
 
+Time to first frame and reuse: ``ttff_ms`` runs from the ``stream`` call (the session's opening included)
+to the first chunk's frames in host memory. ``prewarm()`` runs a throwaway stream over every step shape
+first; with ``PipelineConfig.reuse_session`` (default) the pipeline keeps the session (reset in place by
+each stream: same cache buffers), its captured CUDA graphs and the pinned buffers, so later streams pay
+neither first-shape work nor captures. ``close()`` frees them. One stream at a time per pipeline.
+
 Shutdown: ``stream`` is a generator; closing it early (``break``, ``close()``, garbage collection),
 an exception in the diffusion loop, or one in the decode thread all stop and join the worker; an
 error in the worker is re-raised in the caller's thread.
@@ -49,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.config import PipelineConfig, Placement, resolve_placement
-from cadence.engine.generate import ChunkOutput, StreamGenerator
+from cadence.engine.generate import ChunkOutput, Session, StreamGenerator
 from cadence.errors import InputError
 from cadence.runtime.graphs import GraphRunner
 
@@ -106,7 +112,8 @@ _STOP = _Stop()
 class _DecodeWorker:
     """The decode thread: latents in (bounded queue), frames out (in order), errors captured."""
 
-    def __init__(self, session, placement: Placement, cfg: PipelineConfig, t0: float, frame_shape: tuple[int, ...]):
+    def __init__(self, session, placement: Placement, cfg: PipelineConfig, t0: float,
+                 buffers: list[torch.Tensor]):
         self.sess, self.placement, self.cfg, self.t0 = session, placement, cfg, t0
         self.inq: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
         self.outq: queue.Queue = queue.Queue()
@@ -116,13 +123,11 @@ class _DecodeWorker:
         self.dec_dev = torch.device(placement.decode_device)
         self.dec_cuda = self.dec_dev.type == "cuda"
         self.diff_cuda = self.diff_dev.type == "cuda"
-        # the pinned ring (CUDA decode only), allocated up front, never inside the loop
-        self.buffers: list[torch.Tensor] = []
+        # the pinned ring (CUDA decode only; the pipeline allocates it up front, never inside the loop)
+        self.buffers = buffers
         self.free: queue.Queue = queue.Queue()
-        if self.dec_cuda:
-            for i in range(cfg.host_buffers):
-                self.buffers.append(torch.empty(frame_shape, dtype=torch.uint8, pin_memory=True))
-                self.free.put(i)
+        for i in range(len(buffers)):
+            self.free.put(i)
         self.thread = threading.Thread(target=self._main, name="cadence-decode", daemon=True)
 
     # ---- caller side ----------------------------------------------------------------------------
@@ -268,7 +273,14 @@ class _DecodeWorker:
 
 
 class ChunkPipeline:
-    """Overlapped diffusion + decode for one generator (one session per ``stream`` call)."""
+    """Overlapped diffusion + decode for one generator (one stream at a time).
+
+    With ``PipelineConfig.reuse_session`` (the default) the pipeline keeps one session, its graph
+    runner and the pinned frame buffers between ``stream`` calls: each stream resets that session in
+    place (same cache buffers, so the CUDA graphs captured by earlier streams replay for it) instead
+    of allocating and capturing again. ``prewarm`` runs a throwaway stream through every step shape
+    so that the first real stream pays none of the first-shape work. ``close`` frees it all.
+    """
 
     def __init__(self, gen: StreamGenerator, cfg: PipelineConfig | None = None, placement: Placement | None = None,
                  graph_capture=None):
@@ -285,40 +297,147 @@ class ChunkPipeline:
             raise InputError(f"the model is on {mdev} but the placement diffuses on {want}: build the generator "
                              f"on {want} (or pick diffusion_devices=('{mdev}',))")
         self.graph_capture = graph_capture
-        self.runner: GraphRunner | None = None  # the last stream's runner (stats, tests)
+        self.runner: GraphRunner | None = None  # the last stream's runner (kept with reuse_session)
+        self.session: Session | None = None  # the kept session (reuse_session)
+        self._buffers: list[torch.Tensor] = []  # the pinned ring (kept with reuse_session)
+        self._streaming = False
         self.last_run: dict = {}
+        self.prewarmed: dict | None = None  # the prewarm stream's last_run, once it ran
 
     def _runner(self) -> GraphRunner:
         c = self.cfg
         return GraphRunner(enabled=c.graphs, max_graphs=c.max_graphs, warmup=c.graph_warmup,
                            max_captures_per_key=c.max_captures_per_key, capture=self.graph_capture)
 
+    # ---- resources kept between streams ----------------------------------------------------------------
+    def _open(self, image: torch.Tensor, prompt, seed: int) -> tuple[Session, str]:
+        """The stream's session and runner: the kept ones reset in place, or new ones."""
+        pl = self.placement
+        if self.cfg.reuse_session and self.session is not None and self.runner is not None:
+            self.session.reset(image, prompt, seed)
+            return self.session, "reused"
+        self._drop_session()
+        self.session = self.gen.session(image, prompt, seed, decode_device=pl.decode_device)
+        self.runner = self._runner()
+        return self.session, "new"
+
+    def _pinned(self, frame_shape: tuple[int, ...]) -> list[torch.Tensor]:
+        if torch.device(self.placement.decode_device).type != "cuda":
+            return []
+        if not self._buffers or tuple(self._buffers[0].shape) != frame_shape:
+            self._buffers = [torch.empty(frame_shape, dtype=torch.uint8, pin_memory=True)
+                             for _ in range(self.cfg.host_buffers)]
+        return self._buffers
+
+    def _drop_session(self) -> None:
+        if self.runner is not None:
+            self.runner.clear()
+        self.session = None
+
+    def close(self) -> None:
+        """Free what is kept between streams: the session's graphs, its cache, the pinned buffers."""
+        if self._streaming:
+            raise RuntimeError("close() while a stream is running: close or exhaust the stream first")
+        self._drop_session()
+        self._buffers = []
+
+    def __enter__(self) -> "ChunkPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- pre-warm ---------------------------------------------------------------------------------------
+    def warm_chunks(self) -> int:
+        """Chunks that run every step shape of a stream once: W - 1 while the ring fills, the first
+        steady step's ``graph_warmup`` eager run(s), the capture, one replay (which is also the first
+        chunk whose sink moves under the 'follow' policy)."""
+        return self.cfg.prewarm_chunks or self.gen.cfg.stream.window_chunks + self.cfg.graph_warmup + 1
+
+    def prewarm(self, image: torch.Tensor | None = None, prompt: str | torch.Tensor = "prewarm",
+                chunks: int | None = None, seed: int = 0) -> dict:
+        """Run a throwaway stream (random reference image and audio unless given) through the pipeline
+        before the first real one: every step shape (the sink pass, the first chunk, each ring-filling
+        step, the steady step's warm-up, capture and replay) and the decoder (priming and a chunk) run
+        once, so Triton compiles and autotuning, cuDNN/cuBLAS plan selection, lazy CUDA/library state
+        and the graph captures are paid here. With ``reuse_session`` the session, its captured graphs
+        and the pinned buffers are kept, and the next stream resets that session and replays them;
+        without it only the process-wide warm state remains. Outputs are discarded; the next stream's
+        output is the same as without prewarm (same seed, same frames). Returns the throwaway stream's
+        ``last_run`` (its ``ttff_ms`` is the cold time to first frame) with ``prewarm_s``."""
+        cfg = self.gen.cfg
+        n = chunks or self.warm_chunks()
+        if image is None:
+            g = torch.Generator().manual_seed(12345)
+            image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
+        audio = 0.1 * torch.randn(n * cfg.audio_samples_per_chunk, generator=torch.Generator().manual_seed(6789))
+        t0 = time.perf_counter()
+        for _ in self.stream(image, prompt, audio, n, seed=seed):
+            pass
+        if torch.device(self.placement.diffusion_device).type == "cuda":
+            torch.cuda.synchronize(self.placement.diffusion_device)
+        info = dict(self.last_run, prewarm_s=time.perf_counter() - t0, prewarm_chunks=n)
+        self.prewarmed = info
+        return info
+
+    # ---- the stream -------------------------------------------------------------------------------------
     @torch.no_grad()
     def stream(self, image: torch.Tensor, prompt: str | torch.Tensor, audio: torch.Tensor, num_chunks: int,
                seed: int = 0, prompts: Mapping[int, str | torch.Tensor] | None = None) -> Iterator[PipelineOutput]:
         """Like ``StreamGenerator.stream`` (same seed, same latents and frames), overlapped. `prompts`
         maps a chunk index to a new prompt (string or embedding [L, text_dim], L <= text_len) that
-        takes effect from that chunk: the conditioning changes mid-stream."""
+        takes effect from that chunk: the conditioning changes mid-stream.
+
+        Time to first frame (``ttff_ms``): from this call (the generator's first ``next``) to the first
+        chunk's frames being in host memory, what a viewer waits after pressing start: the session's
+        opening (prompt K/V, the reference image's VAE encode and sink pass; ``open_ms``) plus the
+        first chunk's diffusion, decode and copy. One stream at a time per pipeline."""
         t0 = time.perf_counter()
-        gen, cfg = self.gen, self.gen.cfg
+        cfg = self.gen.cfg
         if num_chunks <= 0:
             raise InputError(f"number of chunks must be positive, got {num_chunks}")
         spc = cfg.audio_samples_per_chunk
         if audio.ndim != 1 or audio.numel() < num_chunks * spc:
             raise InputError(f"audio must be mono with >= {num_chunks * spc} samples for {num_chunks} chunks, "
                              f"got shape {list(audio.shape)}")
+        if self._streaming:
+            raise RuntimeError("this pipeline is already running a stream (one at a time)")
+        self._streaming = True
+        try:
+            yield from self._stream(t0, image, prompt, audio, num_chunks, seed, prompts)
+        finally:
+            self._streaming = False
+
+    def _stream(self, t0: float, image, prompt, audio, num_chunks: int, seed: int, prompts) -> Iterator[PipelineOutput]:
+        gen, cfg = self.gen, self.gen.cfg
+        spc = cfg.audio_samples_per_chunk
         pl = self.placement
         diff_cuda = torch.device(pl.diffusion_device).type == "cuda"
-        sess = gen.session(image, prompt, seed, decode_device=pl.decode_device)
-        runner = self.runner = self._runner()
+        reuse = self.cfg.reuse_session
+        try:
+            sess, how = self._open(image, prompt, seed)
+        except InputError:  # checked before anything is touched: the kept session stays as it was
+            raise
+        except BaseException:
+            self._drop_session()  # a reset that failed half-way: start the next stream afresh
+            raise
+        runner = self.runner
+        graphs_kept = len(runner)
+        open_ms = (time.perf_counter() - t0) * 1e3
         audio_dev = audio[: num_chunks * spc].float().to(gen.model.device)
         frame_shape = (cfg.video_frames_per_chunk, cfg.stream.height, cfg.stream.width, 3)
-        worker = _DecodeWorker(sess, pl, self.cfg, t0, frame_shape)
+        buffers = self._pinned(frame_shape)
+        if not reuse:
+            self._buffers = []
+        worker = _DecodeWorker(sess, pl, self.cfg, t0, buffers)
         worker.start()
         lent: int | None = None  # the pinned slot the consumer holds
         emitted = 0
         ttff = None
-        self.last_run = {"placement": pl.describe(), "chunks": 0}
+        self.last_run = {"placement": pl.describe(), "chunks": 0, "session": how, "open_ms": open_ms,
+                         "graphs_at_start": graphs_kept, "prewarmed": self.prewarmed is not None}
+        stats0 = vars(runner.stats).copy()
+        stats0["eager_reasons"] = dict(runner.stats.eager_reasons)
 
         def emit(d: _Done) -> PipelineOutput:
             nonlocal emitted, ttff
@@ -328,6 +447,9 @@ class ChunkPipeline:
             if ttff is None:
                 ttff = d.ready_s * 1e3
                 self.last_run["ttff_ms"] = ttff
+                self.last_run["first_chunk"] = {"diffusion_ms": d.job.diffusion_ms, "decode_ms": d.decode_ms,
+                                                "host_copy_ms": d.host_copy_ms, "plan_ms": d.job.plan_s * 1e3,
+                                                "step": d.job.step}
             i = d.job.index
             t = ChunkTimings(d.job.diffusion_ms, d.decode_ms, d.host_copy_ms, (d.ready_s - d.job.plan_s) * 1e3,
                              d.job.plan_s, d.ready_s, d.job.step)
@@ -338,14 +460,18 @@ class ChunkPipeline:
         def drain(block: bool):
             """Yield the decoded chunks that are ready (all remaining ones when `block`); hand the
             consumer's previous pinned slot back as each new one is lent out."""
-            nonlocal lent
             while (d := worker.get(block=block)) is not None:
-                out = emit(d)
-                worker.release(lent)
-                lent = d.buffer
-                yield out
+                yield lend(d)
+
+        def lend(d: _Done) -> PipelineOutput:
+            nonlocal lent
+            out = emit(d)
+            worker.release(lent)
+            lent = d.buffer
+            return out
 
         in_flight: list = []  # ready events of launched steps (CUDA), oldest first
+        keep = False
         try:
             for i in range(num_chunks):
                 if prompts and i in prompts:
@@ -368,13 +494,29 @@ class ChunkPipeline:
                     lat = sess.step(audio_dev[i * spc:(i + 1) * spc], runner=runner)
                     job = _Job(i, lat, plan, None, None, (time.perf_counter() - t0 - plan) * 1e3, runner.last)
                 worker.submit(job)
+                # the first chunk decodes with the device to itself when first_chunk_alone (time to first
+                # frame); later ones overlap the next chunk's diffusion
+                if i == 0 and self.cfg.first_chunk_alone and (d := worker.get(block=True)) is not None:
+                    yield lend(d)
                 yield from drain(block=False)
             worker.finish()
             yield from drain(block=True)
             worker.raise_if_failed()
             if emitted != num_chunks:
                 raise RuntimeError(f"the pipeline produced {emitted} of {num_chunks} chunks")
-            self.last_run.update(wall_s=time.perf_counter() - t0, graphs=vars(runner.stats))
+            st = vars(runner.stats).copy()
+            st["eager_reasons"] = {k: v - stats0["eager_reasons"].get(k, 0)
+                                   for k, v in runner.stats.eager_reasons.items()
+                                   if v != stats0["eager_reasons"].get(k, 0)}
+            for k in ("captures", "replays", "eager", "evictions", "capture_failures"):
+                st[k] -= stats0[k]
+            st["kept"] = len(runner)
+            self.last_run.update(wall_s=time.perf_counter() - t0, graphs=st)
+            keep = True
+        except GeneratorExit:  # the consumer stopped early: the session is reset by the next stream anyway
+            keep = True
+            raise
         finally:
             worker.close()
-            runner.clear()
+            if not (reuse and keep):  # an error (or reuse off): nothing of this session is kept
+                self._drop_session()

@@ -17,7 +17,14 @@ preallocated and addressed by device tensors) whose window is full (while it fil
 prefix grows), on CUDA, with no span recorder active. The key (:class:`StepKey`) is the step's
 shape signature: device, dtype, latent shape, tokens per chunk, text (conditioning) length, audio
 token shape, cache storage (bf16/fp8) and window, fill state, commit policy, passes and sampler,
-and the identity of the session's cache (a graph reads that cache's buffers). Anything else (the
+and the identity of the session's cache (a graph reads that cache's buffers; each kept graph holds a
+reference to its cache, so that identity cannot be recycled by a new cache while the graph lives).
+Across sessions: a graph captured for session A's cache bakes in the addresses of A's ring
+buffers, RoPE tables and write-slot tensors (all updated in place by ``begin_chunk``), of the model's
+weights and of the generator's timesteps; nothing else of the session. It is therefore replayed only
+for steps on that same cache object: a session reset in place (``Session.reset``, what
+``ChunkPipeline`` does between streams) keeps its cache, so its key and its graphs stay valid; a new
+session has a new cache, hence new keys, and captures its own. Anything else (the
 first chunks while the ring fills, the naive cache, a new conditioning length's first step, the
 CPU, graphs disabled) runs eagerly; each reason is logged once per key (``cadence.runtime.graphs``).
 
@@ -134,6 +141,7 @@ class _Static:
     audio: torch.Tensor | None
     text: TextContext
     text_src: object = None
+    cache: object = None  # the cache the graph reads (kept alive: its id() is part of the key)
 
 
 @dataclass
@@ -286,7 +294,8 @@ class GraphRunner:
         static = _Static(
             noise=inp.noise.clone(), renoise=inp.renoise.clone() if inp.renoise is not None else None,
             audio=inp.audio.clone() if inp.audio is not None else None,
-            text=TextContext([(k.clone(), v.clone()) for k, v in session.text.kv]), text_src=session.text)
+            text=TextContext([(k.clone(), v.clone()) for k, v in session.text.kv]), text_src=session.text,
+            cache=session.cache)
 
         def fn() -> torch.Tensor:
             from cadence.runtime.chunk import denoise_chunk
@@ -345,3 +354,7 @@ class GraphRunner:
         """Free every graph (end of session)."""
         while self._graphs:
             self._free(self._graphs.popitem()[1])
+
+    def graphs_for(self, cache) -> int:
+        """How many kept graphs read `cache`'s buffers."""
+        return sum(1 for e in self._graphs.values() if e.static.cache is cache)
