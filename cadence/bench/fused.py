@@ -176,6 +176,11 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
 
     r["gemm_us"] = _safe(r, "gemm", lambda: bench.time_us(lambda: lin(x)))
     if dt == "fp8" and dev.type == "cuda":
+        from cadence.quant.fp8 import quantize_activations
+
+        # the activation quantisation alone (the one-launch Triton kernel where usable): gemm_us is
+        # about quant_us + gemm_kernel_us + the layer's Python / launch overhead
+        r["quant_us"] = _safe(r, "quant", lambda: bench.time_us(lambda: quantize_activations(x)))
         xq, xs = quantize_rows(x)
         r["gemm_kernel_us"] = _safe(r, "gemm_kernel", lambda: bench.time_us(lambda: torch._scaled_mm(
             xq, lin.weight_fp8.t(), scale_a=xs, scale_b=lin.weight_scale, out_dtype=torch.bfloat16,
@@ -232,6 +237,9 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
     else:
         r["hidden_fraction"] = None
     rpl.comm = "nccl"
+    if dt == "fp8":  # did this layer really run torch._scaled_mm (every mode, every call), or fall back?
+        r["fp8_scaled_mm_calls"], r["fp8_fallback_calls"] = lin.scaled_mm_calls, lin.fallback_calls
+        r["fp8_fallback_reason"] = lin.fallback_reason
     return r
 
 
@@ -324,8 +332,11 @@ def run(args: argparse.Namespace) -> dict:
         sweep = None
         if not args.no_sweep:
             sweep = _safe({}, "sweep", lambda: shape_sweep(dev, info.group, world, "two_shot"))
+        from cadence.quant import fp8 as fp8_mod
+
         results = {"shapes": rows, "modes_timed": modes, "shape_sweep": sweep, "symm_cache": fused.symm_cache_info(),
-                   "fallback_warnings": fused.fallback_warnings()}
+                   "fallback_warnings": fused.fallback_warnings(), "fp8_quant_backend": fp8_mod.quant_backend(),
+                   "fp8_refused": {" ".join(str(k) for k in key): why for key, why in fp8_mod._op_unusable.items()}}
         if rank == 0:
             print_summary(rows, modes, world, sweep)
         if rank == 0 and not args.no_record:
@@ -342,7 +353,9 @@ def run(args: argparse.Namespace) -> dict:
             table = {"kind": "chooser", "device": kind, "world": world, "torch": torch.__version__,
                      "source": str(path.name),
                      "entries": [{"m": r["m"], "n": r["n"], "k": r["k"], "dtype": r["dtype"], "world": world,
-                                  "best_mode": r["best_mode"], "modes_us": r["modes"]} for r in rows]}
+                                  "best_mode": r["best_mode"], "modes_us": r["modes"],
+                                  **({"fp8_fallback_calls": r.get("fp8_fallback_calls")} if r["dtype"] == "fp8" else {})}
+                                 for r in rows]}
             tpath = path.parent / f"chooser-{kind}-tp{world}.json"
             tpath.write_text(json.dumps(table, indent=2) + "\n")
             print(f"wrote {tpath}")

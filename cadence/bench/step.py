@@ -22,11 +22,28 @@ upkeep, linear layers and other (from separately instrumented steps: region even
 TFLOP per chunk, the floor (FP8 ceilings, as BENCHMARKS.md defines it; the bf16 floor too),
 efficiency, peak memory, and whether the step made a host sync (checked with torch's sync debug
 mode on CUDA).
+
+CUDA graphs (``--graphs``, the default on CUDA with the ring cache; ``--no-graphs`` to skip): after
+the eager timing, the instrumented split (eager: its region events need the host) and the sync
+check, the same session's step is timed again with its passes (every pass, every layer, every
+collective) replayed from one CUDA graph per rank (``cadence.runtime.graphs.GraphRunner``; under TP
+the capture is agreed across the group by ``cadence.parallel.graphs.agreeing_capture``: every rank
+replays or none does). ``step_ms`` is then the graphed median (``step_mode``: "graph"), with
+``step_eager_ms``, ``step_graph_ms`` and ``graph_speedup`` beside it. A capture that fails (e.g. a
+comm mode that cannot be captured) falls back to eager on every rank with one warning line; on the
+CPU (or the naive cache) ``--graphs`` logs one line and times the eager step only.
+
+``--fp8`` records ``fp8_counts`` (``cadence.quant.fp8.fp8_report``): how many FP8 linears ran
+``torch._scaled_mm`` on every call, how many fell back (and why), the shapes refused.
+``--compile`` calls ``cadence.runtime.compile.apply_compile(model)`` after TP and FP8 (a clear error
+when this checkout has no such module).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import math
 import shlex
 import sys
@@ -107,12 +124,79 @@ def layers_that_fit(cfg: CadenceConfig, dtype: torch.dtype, device: torch.device
     return max(1, min(m.num_layers, int(room // ((per_layer_params * el + cache) / max(tp, 1)))))
 
 
+def _sync_check(device: torch.device, fn) -> bool | str | None:
+    """False when `fn()` made no host sync (torch's sync debug mode, CUDA), else the error's first
+    line; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def graphs_unavailable_reason(device: torch.device, cache: str) -> str | None:
+    """Why the graphed measurement cannot run here (None: it can be tried)."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (step on {device.type})"
+    if cache != "ring":
+        return f"CUDA graphs need the ring cache (got {cache}: host-side state per chunk)"
+    return None
+
+
+def measure_graphed(sess, audio, device: torch.device, warmup: int, iters: int, group=None,
+                    progress: str | None = None, capture=None) -> dict:
+    """Time the same session's step with its passes (every pass, every layer) replayed from one CUDA
+    graph per rank (``cadence.runtime.graphs.GraphRunner``; the capture agreed across the TP group by
+    ``cadence.parallel.graphs.agreeing_capture``: every rank captures or none does). The first call
+    runs eagerly (the runner's warm-up), the second captures, the rest replay. A failed capture falls
+    back to eager on every rank with one warning line (the runner's), never a crash: then ``used`` is
+    False and ``times`` are eager times. `capture` overrides the local capture (tests)."""
+    from cadence.parallel.graphs import agreeing_capture
+    from cadence.runtime.graphs import GraphRunner
+
+    stream = None
+    if capture is None and device.type == "cuda":
+        # one eager step on the capture stream first: lazy per-stream library state (cuBLAS workspaces)
+        stream = torch.cuda.Stream(device=device)
+        cur = torch.cuda.current_stream(device)
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):
+            sess.step(audio)
+        cur.wait_stream(stream)
+    runner = GraphRunner(max_graphs=1, warmup=1, max_captures_per_key=1,
+                         capture=agreeing_capture(group, capture=capture, stream=stream))
+    timer = Timer(device)
+    out: list = []
+
+    def step():
+        x = sess.step(audio, runner=runner)
+        out[:] = [x]
+        return x
+
+    times = timer.run(step, warmup + 2, iters, progress=progress)  # +2: the runner's eager warm-up, the capture
+    used = runner.stats.captures > 0 and runner.last == "replay"
+    res = {"times": times, "used": used, "captures": runner.stats.captures, "replays": runner.stats.replays,
+           "capture_failures": runner.stats.capture_failures, "eager_reasons": dict(runner.stats.eager_reasons),
+           "last": runner.last, "output_finite": bool(torch.isfinite(out[0]).all()) if out else None}
+    if used:
+        res["host_sync_in_step"] = _sync_check(device, step)
+    runner.clear()
+    return res
+
+
 @torch.no_grad()
 def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, iters: int,
-                 profile_iters: int = 3, progress: str | None = "steps") -> dict:
+                 profile_iters: int = 3, progress: str | None = "steps", graphs: bool = False, group=None) -> dict:
     """Time the steady-state chunk step of `cfg` (its cache choice) on a built model: median over
-    `iters` uninstrumented steps, the region split from `profile_iters` instrumented ones, and a
-    host-sync check (CUDA)."""
+    `iters` uninstrumented eager steps, the region split from `profile_iters` instrumented ones (eager:
+    the region events need the host), a host-sync check (CUDA), and with `graphs` the same step
+    replayed from a CUDA graph (:func:`measure_graphed`; ``graph`` in the result, None without)."""
     from cadence.engine.generate import StreamGenerator
 
     gen = StreamGenerator(cfg, model)
@@ -136,19 +220,12 @@ def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, i
         totals.append(t)
     region = {k: median([s.get(k, 0.0) for s in splits])
               for k in ("attention", "cache", "linear", "allreduce", "linear_comm")}
-    host_sync = None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-            host_sync = False
-        except RuntimeError as e:
-            host_sync = str(e).splitlines()[0]
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    host_sync = _sync_check(device, step)
+    graph = measure_graphed(sess, audio, device, warmup, iters, group, progress=progress and "graphed") \
+        if graphs else None
     cache_bytes = sess.cache.memory_bytes()
-    return {"times": times, "region": region, "totals": totals, "host_sync": host_sync, "cache_bytes": cache_bytes}
+    return {"times": times, "region": region, "totals": totals, "host_sync": host_sync, "cache_bytes": cache_bytes,
+            "graph": graph}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -172,6 +249,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--profile-iters", type=int, default=3, help="instrumented steps for the breakdown")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the step replayed from one CUDA graph per rank (all passes, all layers) and "
+                        "report eager vs graphed (default: on with CUDA and the ring cache; elsewhere --graphs "
+                        "falls back to eager with one log line)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile), "
+                        "applied after TP and FP8")
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
     p.add_argument("--png", action="store_true", help="also draw the breakdown as a PNG beside the JSON")
@@ -182,8 +266,6 @@ def build_tp_model(cfg: CadenceConfig, device: torch.device, dtype: torch.dtype,
     """This rank's shard only: construct on meta, apply_tp there, then allocate on `device` and
     initialise randomly (same seed on every rank: replicated weights agree). Falls back to
     building the full model on the device and sharding it if sharding on meta fails."""
-    import logging
-
     from cadence.model.dit import WanDiT
     from cadence.model.weights import build_model, init_random
     from cadence.parallel import apply_tp
@@ -219,7 +301,6 @@ def _run(args: argparse.Namespace) -> dict:
     if args.tp < 1:
         raise SystemExit("error: --tp must be >= 1")
     if args.tp > 1:
-        import logging
         import os
 
         from cadence.parallel import init_tp
@@ -268,10 +349,23 @@ def _run(args: argparse.Namespace) -> dict:
         if args.fp8_quant:
             set_quant_backend(args.fp8_quant)
         fp8_layers = apply_fp8(model)
-    m = measure_step(cfg, model, device, warmup, iters, args.profile_iters, progress="steps" if rank0 else None)
+    compile_report = None
+    if args.compile:
+        model, compile_report = apply_compile_or_exit(model)
+    graphs_why = graphs_unavailable_reason(device, args.cache)
+    graphs = bool(args.graphs if args.graphs is not None else graphs_why is None)
+    if graphs and graphs_why is not None:
+        logging.getLogger(__name__).warning("--graphs: %s; timing the eager step only", graphs_why)
+        graphs = False
+    m = measure_step(cfg, model, device, warmup, iters, args.profile_iters, progress="steps" if rank0 else None,
+                     graphs=graphs, group=info.group if info is not None else None)
     times, region, totals, host_sync, cache_bytes = (m["times"], m["region"], m["totals"], m["host_sync"],
                                                      m["cache_bytes"])
-    step_ms = median(times)
+    graph = m["graph"]
+    eager_ms = median(times)
+    graph_ms = median(graph["times"]) if graph is not None and graph["used"] else None
+    step_ms = graph_ms if graph_ms is not None else eager_ms
+    step_times = graph["times"] if graph_ms is not None else times
     fl = chunk_flops(full)
     floor_ms = (fl["linear"] / (CEILING["fp8_gemm"] * 1e12) + fl["attention"] / (CEILING["fp8_attn"] * 1e12)) * 1e3
     floor_bf16 = (fl["linear"] / (CEILING["bf16_gemm"] * 1e12) + fl["attention"] / (CEILING["bf16_attn"] * 1e12)) * 1e3
@@ -284,7 +378,17 @@ def _run(args: argparse.Namespace) -> dict:
     other = max(instrumented - sum(regions_scaled.values()), 0.0)  # comm regions are 0 at TP=1
     results = {
         "step_ms": s_step,
-        "step_p99_ms": p99(times) * scale,
+        "step_p99_ms": p99(step_times) * scale,
+        "step_mode": "graph" if graph_ms is not None else "eager",
+        "step_eager_ms": eager_ms * scale,
+        "step_eager_p99_ms": p99(times) * scale,
+        "step_graph_ms": graph_ms * scale if graph_ms is not None else None,
+        "step_graph_p99_ms": p99(graph["times"]) * scale if graph_ms is not None else None,
+        "graph_speedup": eager_ms / graph_ms if graph_ms is not None else None,
+        "graphs": {"requested": args.graphs, "tried": graph is not None, "used": graph_ms is not None,
+                   "reason": graphs_why if graph is None else (None if graph["used"] else graph["last"]),
+                   **({k: v for k, v in graph.items() if k != "times"} if graph is not None else {})},
+        "compile": compile_info(compile_report) if args.compile else None,
         "attention_ms": regions_scaled["attention"],
         "cache_upkeep_ms": regions_scaled["cache"],
         "linear_ms": regions_scaled["linear"],
@@ -315,11 +419,13 @@ def _run(args: argparse.Namespace) -> dict:
         "iters": iters,
         "warmup": warmup,
         "raw_step_ms_unscaled": times,
+        "raw_graph_step_ms_unscaled": graph["times"] if graph is not None else None,
     }
     if args.fp8:
         from cadence.quant import fp8 as fp8_mod
 
         results["fp8_layers"] = fp8_layers
+        results["fp8_counts"] = fp8_mod.fp8_report(model)
         results["fp8_quant"] = {"backend": fp8_mod.quant_backend(), "triton_failed": fp8_mod._quant_failed,
                                 "reference_path_reasons": sorted(fp8_mod._quant_logged)}
     if info is not None:
@@ -331,8 +437,14 @@ def _run(args: argparse.Namespace) -> dict:
         if not rank0:
             return results
     rows = [
-        ("step (median)", f"{s_step:9.2f} ms" + (f"   (scaled x{scale:.2f} from {layers} layers)" if scale != 1 else "")),
+        ("step (median)", f"{s_step:9.2f} ms  [{results['step_mode']}]"
+         + (f"   (scaled x{scale:.2f} from {layers} layers)" if scale != 1 else "")),
         ("step p99", f"{results['step_p99_ms']:9.2f} ms"),
+        ("eager / graphed", f"{results['step_eager_ms']:9.2f} ms / "
+         + (f"{results['step_graph_ms']:.2f} ms  (x{results['graph_speedup']:.2f})" if graph_ms is not None
+            else f"n/a ({results['graphs']['reason']})")),
+        *([("FP8 linears", "{fp8_linears}: {ran_fp8} ran FP8, {fell_back} fell back ({mixed} mixed), {unused} unused"
+            .format(**results["fp8_counts"]))] if args.fp8 else []),
         ("attention", f"{results['attention_ms']:9.2f} ms  {results['attention_ms'] / s_step:6.1%}"),
         ("cache upkeep", f"{results['cache_upkeep_ms']:9.2f} ms  {results['cache_upkeep_ms'] / s_step:6.1%}"),
         ("linear", f"{results['linear_ms']:9.2f} ms  {results['linear_ms'] / s_step:6.1%}"),
@@ -358,9 +470,15 @@ def _run(args: argparse.Namespace) -> dict:
             variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
         if info is not None:
             variant += f"-{args.comm}"
+        if graph is not None:
+            variant += "-graphs"
+        if args.compile:
+            variant += "-compile"
         path = record("step", full.name, args.tp, device, full.shape_summary(), results, variant=variant,
                       out_dir=args.out_dir, world=args.tp, command=getattr(args, "command", None),
-                      headline=f"step {s_step:.1f} ms, attention {results['attention_ms']:.1f}, cache "
+                      headline=f"step {s_step:.1f} ms ({results['step_mode']}"
+                               + (f", eager {results['step_eager_ms']:.1f} ms" if graph_ms is not None else "")
+                               + f"), attention {results['attention_ms']:.1f}, cache "
                                f"{results['cache_upkeep_ms']:.1f}, linear {results['linear_ms']:.1f} ms"
                                + (f" (scaled from {layers} layers)" if scale != 1 else ""))
         print(f"wrote {path}")
@@ -368,6 +486,43 @@ def _run(args: argparse.Namespace) -> dict:
             draw_png(path.with_suffix(".png"), results, f"{full.name} step ({results['dtype']}, {args.cache})")
         results["_path"] = str(path)
     return results
+
+
+def apply_compile_or_exit(model):
+    """``cadence.runtime.compile.apply_compile(model)`` (imported here, lazily), or a clear error when
+    this checkout has no such module. Returns (the model to run: the one it returned if it returned a
+    module, else `model`, compiled in place; the report it returned, or None)."""
+    try:
+        from cadence.runtime.compile import apply_compile
+    except ImportError as e:
+        raise SystemExit(f"error: --compile needs cadence.runtime.compile.apply_compile, which this checkout "
+                         f"does not have ({e})") from None
+    out = apply_compile(model)
+    if isinstance(out, torch.nn.Module):
+        return out, None
+    return model, out
+
+
+def compile_info(report) -> dict:
+    """JSON for the compile report (after the run: its per-op status says what really compiled)."""
+    info: dict = {"applied": True}
+    for attr in ("enabled", "reason", "blocks", "norms", "backend"):
+        if hasattr(report, attr):
+            info[attr] = getattr(report, attr)
+    for meth in ("describe", "status"):
+        fn = getattr(report, meth, None)
+        if callable(fn):
+            try:
+                info[meth] = fn()
+            except Exception as e:  # noqa: BLE001  (a report that cannot describe itself: say so, keep going)
+                info[meth] = f"{type(e).__name__}: {e}"
+    if report is not None and len(info) == 1:
+        info["report"] = repr(report)
+    try:
+        json.dumps(info)
+    except (TypeError, ValueError):
+        info = {"applied": True, "report": repr(report)}
+    return info
 
 
 def draw_png(path: Path, r: dict, title: str) -> None:

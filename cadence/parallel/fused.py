@@ -417,7 +417,7 @@ def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = 
     """out [M, n] <- x2 [M, K] @ W^T without bias (W: the layer's weight, or its output rows `rows`).
     Writes straight into `out` (cuBLAS epilogue); where that is not possible, computes and copies.
     Timed under the "linear" region unless `timed` is False (caller inside another region)."""
-    from cadence.quant.fp8 import FP8Linear, quantize_activations
+    from cadence.quant.fp8 import FP8Linear, aligned16, note_scaled_mm_failure, quantize_activations
 
     ctx = region("linear") if timed else contextlib.nullcontext()
     try:
@@ -428,8 +428,17 @@ def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = 
                     xq, xs = pre if pre is not None else quantize_activations(x2)
                     w = linear.weight_fp8 if rows is None else linear.weight_fp8[rows]
                     ws = linear.weight_scale if rows is None else _scale_slice(linear, rows)
-                    torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=out.dtype, use_fast_accum=True,
-                                     out=out)
+                    try:
+                        torch._scaled_mm(aligned16(xq), w.t(), scale_a=aligned16(xs), scale_b=ws, out_dtype=out.dtype,
+                                         use_fast_accum=True, out=out)
+                    except (RuntimeError, NotImplementedError) as e:
+                        if rows is None:  # cuBLAS refused this whole-layer shape: remember it (the layer's
+                            # own path then falls back without retrying; FP8Linear.fallback_calls counts it)
+                            m = x2.shape[0]
+                            note_scaled_mm_failure((x2.device.type, torch.bfloat16, m, linear.in_features,
+                                                    linear.out_features, False), e)
+                        raise
+                    linear.scaled_mm_calls += 1
                 return
         elif x2.dtype == linear.weight.dtype == out.dtype:
             with ctx:
@@ -547,6 +556,7 @@ def _rs_ag(linear, x2, group, m, n, world):
                     raise
                 part = op(xq, linear.weight_fp8.t(), xs, linear.weight_scale, "sum", 0, gname,
                           None, None, odt, True)  # older signature
+            linear.scaled_mm_calls += 1
         else:
             if x2.dtype != linear.weight.dtype:
                 raise RuntimeError(f"dtype mismatch {x2.dtype} vs {linear.weight.dtype}")

@@ -4,10 +4,11 @@ from cadence.quant.fp8 import (
     FP8Linear,
     QuantizedActivation,
     apply_fp8,
+    fp8_report,
     quantize_activations,
     quantize_rows,
     set_quant_backend,
 )
 
-__all__ = ["FP8Linear", "QuantizedActivation", "apply_fp8", "quantize_activations", "quantize_rows",
+__all__ = ["FP8Linear", "QuantizedActivation", "apply_fp8", "fp8_report", "quantize_activations", "quantize_rows",
            "set_quant_backend"]

@@ -166,6 +166,48 @@ class QuantizedActivation:
         return self.q.device
 
 
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when its data pointer is not 16-byte aligned. cuBLAS's rowwise-scaled FP8
+    GEMM refuses (CUBLAS_STATUS_NOT_SUPPORTED) a scale (or operand) pointer off 16 bytes: a row slice
+    of a quantised activation starting at a row that is not a multiple of 4 puts its float32 [M, 1]
+    scale there (BENCHMARKS.md's trap). A host-side check; the copy is [M, 1] floats."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def note_scaled_mm_failure(key: tuple, e: BaseException) -> str:
+    """Remember why ``torch._scaled_mm`` failed for the call `key` = (device type, out dtype, M, K, N,
+    bias) and return the reason: NotImplementedError (the op missing for this device/dtype) for every
+    call on that device/dtype; anything else (cuBLAS refusing one shape) for that shape only."""
+    why = (f"torch._scaled_mm failed on {key[0]} with {key[1]} at M={key[2]} K={key[3]} N={key[4]}: "
+           f"{e}").splitlines()[0]
+    _op_unusable[(key[0], key[1]) if isinstance(e, NotImplementedError) else key] = why
+    return why
+
+
+def fp8_report(model: nn.Module) -> dict:
+    """How the FP8 linears of `model` actually ran (host counters of eager and capturing calls):
+    ``fp8_linears`` (how many), ``ran_fp8`` (every call ran torch._scaled_mm), ``fell_back`` (at
+    least one call took the dequantised fallback; ``mixed``: of those, how many also ran FP8 calls),
+    ``unused`` (never called), the call totals, the fallback reasons (reason -> layers) and the
+    shapes / device-dtypes refused so far in this process."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    reasons: dict[str, int] = {}
+    for lin in layers:
+        if lin.fallback_calls and lin.fallback_reason:
+            reasons[lin.fallback_reason] = reasons.get(lin.fallback_reason, 0) + 1
+    return {
+        "fp8_linears": len(layers),
+        "ran_fp8": sum(1 for m in layers if m.scaled_mm_calls and not m.fallback_calls),
+        "fell_back": sum(1 for m in layers if m.fallback_calls),
+        "mixed": sum(1 for m in layers if m.fallback_calls and m.scaled_mm_calls),
+        "unused": sum(1 for m in layers if not m.scaled_mm_calls and not m.fallback_calls),
+        "scaled_mm_calls": sum(m.scaled_mm_calls for m in layers),
+        "fallback_calls": sum(m.fallback_calls for m in layers),
+        "fallback_reasons": reasons,
+        "refused": {" ".join(str(k) for k in key): why for key, why in _op_unusable.items()},
+    }
+
+
 def _warn_fallback(reason: str) -> None:
     global _warned
     if not _warned:
@@ -192,6 +234,10 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale.float().contiguous())  # [1, N], scale_b's layout
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
         self.fallback_reason: str | None = None  # set when this layer took the dequantised path
+        # calls that ran torch._scaled_mm / the dequantised fallback (host counters, bumped by eager
+        # and capturing calls; a CUDA graph replay runs neither): see fp8_report
+        self.scaled_mm_calls = 0
+        self.fallback_calls = 0
 
     @classmethod
     @torch.no_grad()
@@ -220,8 +266,8 @@ class FP8Linear(nn.Module):
         return (x.device.type, out_dtype, m, self.in_features, self.out_features, self.bias is not None)
 
     def _scaled_mm(self, xq, xs, bias, out_dtype):
-        return torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=xs, scale_b=self.weight_scale, bias=bias,
-                                out_dtype=out_dtype, use_fast_accum=True)
+        return torch._scaled_mm(aligned16(xq), self.weight_fp8.t(), scale_a=aligned16(xs), scale_b=self.weight_scale,
+                                bias=bias, out_dtype=out_dtype, use_fast_accum=True)
 
     def _dequant_mm(self, xq, xs, bias, out_dtype):
         y = (xq.float() * xs) @ self.dequantized_weight().t()
@@ -247,16 +293,14 @@ class FP8Linear(nn.Module):
             if why is None:
                 try:
                     y = self._scaled_mm(xq, xs, bias, out_dtype)
+                    self.scaled_mm_calls += 1
                 except torch.OutOfMemoryError:
                     raise
                 except (NotImplementedError, RuntimeError) as e:
-                    key = self._shape_key(x, out_dtype)
-                    why = (f"torch._scaled_mm failed on {x.device.type} with {out_dtype} at M={key[2]} "
-                           f"K={key[3]} N={key[4]}: {e}").splitlines()[0]
-                    # op missing for this device/dtype: everywhere; otherwise only this shape
-                    _op_unusable[(x.device.type, out_dtype) if isinstance(e, NotImplementedError) else key] = why
+                    why = note_scaled_mm_failure(self._shape_key(x, out_dtype), e)
             if y is None:
                 self.fallback_reason = why
+                self.fallback_calls += 1
                 _warn_fallback(why)
                 y = self._dequant_mm(xq, xs, bias, out_dtype)
             return y.to(x_dtype).reshape(*lead, self.out_features)
