@@ -1,6 +1,8 @@
 """The media clock, pacing and the underrun policy as pure functions, driven by a fake clock; the
 agents' sample queues. No network, no aiortc, no worker process."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -45,28 +47,34 @@ def test_scheduler_prestarts_then_plans_lead_ahead_with_bounded_in_flight():
     assert next_plan(2, 2 / 6 - 0.1, 0.0, T, 0.1, in_flight=0)[0]
 
 
-def _simulate(latency, seconds=3.0, lead=0.1, step=0.001):
+def _simulate(latency, seconds=3.0, lead=0.1, step=0.001, timing=T, wait_first_chunk=False, serial=False):
     """Run scheduler, worker (a fixed latency per chunk), both tracks and the buffer on a fake clock.
-    Chunk c's frames are filled with c+1 and its audio with (c+1)/100, so the output names its chunk."""
+    Chunk c's frames are filled with c+1 and its audio with (c+1)/100, so the output names its chunk.
+    ``wait_first_chunk``: the clock starts only once chunk 0 is here (the tracks' rule); ``serial``: the
+    worker runs one chunk at a time (a chunk queued behind another starts when that one is done)."""
+    T = timing
+    F, spc = T.frames_per_chunk, T.samples_per_chunk
     buf = AVBuffer(T, 4, 4)
     t0 = None
     now = 0.0
-    c_next, in_flight, arrivals = 0, 0, []
+    c_next, in_flight, arrivals, busy_until = 0, 0, [], 0.0
     k_next, n_next, t_start = 0, 0, 0.05  # the tracks start 50 ms after the session
     video, audio = [], []
     while now < seconds:
         go, _ = next_plan(c_next, now, t0, T, lead, in_flight)
         if go:
-            arrivals.append((now + latency(c_next), c_next))
+            begin = max(now, busy_until) if serial else now
+            busy_until = begin + latency(c_next)
+            arrivals.append((busy_until, c_next))
             in_flight += 1
             c_next += 1
             continue
         for at, c in [a for a in arrivals if a[0] <= now]:
             arrivals.remove((at, c))
             in_flight -= 1
-            buf.put_chunk(c, np.full((4, 4, 4, 3), c + 1, np.uint8), np.full(8000, (c + 1) / 100, np.float32))
-        if now >= t_start:
-            t0 = t_start if t0 is None else t0
+            buf.put_chunk(c, np.full((F, 4, 4, 3), c + 1, np.uint8), np.full(spc, (c + 1) / 100, np.float32))
+        if now >= t_start and (t0 is not None or not wait_first_chunk or buf.has_chunk(0)):
+            t0 = (t_start if not wait_first_chunk else now) if t0 is None else t0
             k, wait, _ = next_video_frame(k_next, now, t0, T)
             if wait <= 0:
                 frame, fresh = buf.video_frame(k)
@@ -214,3 +222,33 @@ def test_sync_marker_puts_a_white_frame_and_a_1khz_tone_at_the_same_media_time()
     a, ok = fresh.audio_frame(25)
     assert ok and a[0] == 0.0 and np.abs(a).max() == pytest.approx(0.5, abs=1e-3)  # the tone starts there
     assert T.frame_of_sample(3 * T.samples_per_chunk) == 3 * T.frames_per_chunk  # same media instant
+
+
+T12 = MediaTiming(fps=24, frames_per_chunk=12)  # W1.3's geometry: 12 frames, 24,000 samples, 500 ms per chunk
+
+
+def test_twelve_frame_chunks_timing_and_pacing():
+    assert T12.samples_per_chunk == 24000 and T12.chunk_seconds == pytest.approx(0.5)
+    assert T12.frame_chunk(23) == (1, 11) and T12.frame_chunk(24) == (2, 0)
+    assert T12.audio_frame_samples == 960 and T12.samples_per_chunk % T12.audio_frame_samples == 0  # 25 per chunk
+    # ~400 ms of work per chunk (W1.3 on an H200), one chunk at the worker at a time, lead = work + 15% + 20 ms
+    buf, t0, video, audio = _simulate(lambda c: 0.4, seconds=4.0, lead=0.48, timing=T12, wait_first_chunk=True,
+                                      serial=True)
+    assert buf.video_underruns == 0 and buf.audio_underruns == 0
+    assert t0 == pytest.approx(0.4, abs=0.002)  # the clock waited for the first chunk
+    assert len(video) == pytest.approx(24 * (4.0 - t0), abs=2)
+    assert all(b[2] - a[2] == 3750 for a, b in itertools.pairwise(video))
+    for now, k, _, value, fresh in video:
+        assert fresh and value == k // 12 + 1  # frame k comes from chunk k // 12
+        assert now == pytest.approx(T12.video_due(t0, k), abs=0.0011)
+    by_n = {n: s for _, n, _, s, _ in audio}
+    for _, k, _, value, _ in video:  # the audio at a frame's media time is from the same chunk
+        n = (k * 2000) // 960
+        if n in by_n:
+            assert by_n[n][(k * 2000) % 960] == pytest.approx(value / 100)
+
+
+def test_twelve_frame_chunks_starting_the_clock_before_the_first_chunk_underruns():
+    # the old rule (clock starts when the track asks, 50 ms in) with a 400 ms first chunk: behind from the start
+    buf, *_ = _simulate(lambda c: 0.4, seconds=4.0, lead=0.48, timing=T12, serial=True)
+    assert buf.video_underruns > 0

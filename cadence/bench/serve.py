@@ -1,6 +1,7 @@
 """`cadence bench serve`: N WebRTC clients (aiortc) against a live ``cadence serve``.
 
-    cadence bench serve --sessions 1 --seconds 10                        # starts its own server (tiny, CPU)
+    cadence bench serve --sessions 1 --seconds 10                        # starts its own server (CPU)
+    cadence bench serve --preset w1.3 --device cuda --sessions 1 --seconds 20 --speak-every 3   # one H200
     cadence bench serve --url http://127.0.0.1:8000 --sessions 4 --seconds 30   # a running server
 
 Each client offers what the page offers (recvonly video, sendrecv audio with a silent microphone),
@@ -11,7 +12,11 @@ frames sent per second (server report; held frames on underrun do not count), cl
 time to first frame (client: POST -> first decoded frame), A/V offset (server: video minus audio
 pacing lag), underruns. Results per BENCHMARKS.md (bench "serve"). Without ``--url`` the server runs
 in this process (its worker groups in their own processes): ``--sessions`` CPU slots, or one per GPU
-with ``--device cuda``. Loopback only.
+with ``--device cuda``; on CUDA the workers run the engine's fast path (TAEHV decoder, ring cache
+with FP8 K/V, FP8 linears, CUDA graphs) and warm up before the server accepts sessions (the warm-up
+time and the worker's steady chunk time are recorded under ``workers``). The stream geometry recorded
+in ``shape`` (frames and audio samples per chunk, size, fps) is the server's, from ``GET /config``.
+Loopback only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import argparse
 import asyncio
 import statistics
 import sys
+
+from cadence.serve.config import add_engine_flags, engine_kwargs
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -30,6 +37,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="character", help="preset of the self-started server (default: character)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="self-started server's groups")
     p.add_argument("--speak-after", type=float, default=1.0, help="push speech this long after the first frame")
+    p.add_argument("--speak-every", type=float, default=0.0,
+                   help="push it again every this many seconds (0: once); each push is one agent latency sample")
+    p.add_argument("--lead-ms", type=float, default=None,
+                   help="self-started server: least planning lead (default: the server's; raised to the "
+                        "worker's measured chunk time on CUDA)")
+    p.add_argument("--start-timeout", type=float, default=None,
+                   help="seconds the self-started server waits for its workers (build + warm-up; default "
+                        "120 on the CPU, 600 on CUDA)")
+    add_engine_flags(p)
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
     a = p.parse_args(argv)
@@ -45,7 +61,7 @@ def _p50(xs):
     return round(float(statistics.median(xs)), 1) if xs else None
 
 
-async def _drive(url: str, n: int, seconds: float, speak_after: float):
+async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_every: float = 0.0):
     import httpx
 
     from cadence.media import synthetic_speech
@@ -56,8 +72,16 @@ async def _drive(url: str, n: int, seconds: float, speak_after: float):
     async with httpx.AsyncClient(timeout=60.0) as http:
         cfg = (await http.get(f"{url}/config")).json()
         results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
-                                                    speak_after_s=speak_after) for _ in range(n)))
+                                                    speak_after_s=speak_after, speak_every_s=speak_every)
+                                         for _ in range(n)))
     return cfg, results
+
+
+def _workers(cfg: dict) -> list[dict]:
+    """The server's worker groups as recorded: device, fast path, warm-up, lead (GET /config)."""
+    keep = ("index", "device", "lead_ms", "build_ms", "fast_path", "notes", "warmup", "frame_transport",
+            "frames_per_chunk", "audio_samples_per_chunk")
+    return [{k: w.get(k) for k in keep} for w in cfg.get("workers") or []]
 
 
 def main(argv: list[str]) -> int:
@@ -81,12 +105,15 @@ def main(argv: list[str]) -> int:
             groups = tuple(f"cuda:{i}" for i in range(args.sessions))
         else:
             groups = ("cpu",) * args.sessions
-        srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups,
-                                       max_duration_s=args.seconds + 120)).start()
+        extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
+        start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
+        srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups, max_duration_s=args.seconds + 120,
+                                       worker_start_timeout_s=start_timeout, **engine_kwargs(args), **extra)
+                           ).start(timeout=start_timeout + 60)
         url = srv.url
         print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
     try:
-        cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after))
+        cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after, args.speak_every))
     finally:
         if srv is not None:
             srv.stop()
@@ -109,22 +136,35 @@ def main(argv: list[str]) -> int:
                          for r in ok),
         "deadline_misses": sum(r.report.get("deadline_misses", 0) for r in ok),
         "chunk_latency_ms_p50": _p50([r.report.get("chunk_latency_ms_p50") for r in ok]),
+        "chunk_latency_ms_p99": _p50([r.report.get("chunk_latency_ms_p99") for r in ok]),
+        "diffusion_ms_p50": _p50([r.report.get("diffusion_ms_p50") for r in ok]),
+        "decode_ms_p50": _p50([r.report.get("decode_ms_p50") for r in ok]),
+        "lead_ms": _p50([r.report.get("lead_ms") for r in ok]),
+        "agent_samples": len(agent),
+        "worker_open_ms_p50": _p50([r.report.get("worker_open_ms") for r in ok]),
+        "chunks_skipped": sum(r.report.get("chunks", {}).get("skipped", 0) for r in ok),
         "errors": len(errors),
         "error_messages": errors[:10],
         "server": "self-started" if srv is not None else url,
     }
     print_table([(k, str(v)) for k, v in res.items() if k != "error_messages"],
                 f"bench serve: {args.sessions} session(s), {args.seconds:.0f} s, preset {cfg.get('preset')}")
+    for w in _workers(cfg):
+        warm = w.get("warmup") or {}
+        print(f"  worker {w['index']} ({w['device']}): lead {w['lead_ms']} ms, frames via {w['frame_transport']}, "
+              f"fast path {w['fast_path']}, warm-up {warm.get('ms')} ms / {warm.get('chunks')} chunks, "
+              f"steady chunk {warm.get('steady_chunk_ms')} ms" + "".join(f"; {n}" for n in w.get("notes") or ()))
     for e in errors[:10]:
         print(f"  error: {e}", file=sys.stderr)
     if not args.no_record:
         device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
         shape = {"width": cfg.get("width"), "height": cfg.get("height"), "fps": cfg.get("fps"),
-                 "frames_per_chunk": 4, "audio_samples_per_chunk": 8000}
+                 "frames_per_chunk": cfg.get("frames_per_chunk"),
+                 "audio_samples_per_chunk": cfg.get("audio_samples_per_chunk"), "chunk_ms": cfg.get("chunk_ms")}
         headline = (f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
                     f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms")
         path = record("serve", cfg.get("preset", args.preset), 1, device, shape, res, variant=f"s{args.sessions}",
                       out_dir=args.out_dir, world=max(1, args.sessions) if args.device == "cuda" else 1,
-                      headline=headline)
+                      headline=headline, extra={"workers": _workers(cfg)})
         print(f"wrote {path}")
     return 0 if not errors else 1

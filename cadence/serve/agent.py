@@ -155,9 +155,11 @@ class MirrorAgent(Agent):
     """The character lip-syncs the user's own microphone audio (and anything queued with ``speak``,
     which goes first).
 
-    The microphone keeps a short backlog (0.5 s): audio that arrives faster than the stream plays
-    is dropped rather than delayed. A voiced stretch after >= 0.3 s of quiet (RMS threshold) marks
-    a segment start, so "first audio -> first speaking frame" is measured per utterance.
+    The microphone keeps a short backlog (0.5 s, or one chunk + 0.25 s when chunks are longer, as
+    W1.3's 500 ms ones: the scheduler takes a whole chunk of it at once): audio that arrives faster
+    than the stream plays is dropped rather than delayed. A voiced stretch after >= 0.3 s of quiet
+    (RMS threshold) marks a segment start, so "first audio -> first speaking frame" is measured per
+    utterance.
     """
 
     name = "mirror"
@@ -165,8 +167,9 @@ class MirrorAgent(Agent):
     voice_rms = 0.01
     silence_reset_s = 0.3
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_seconds: float = 0.0) -> None:
         super().__init__()
+        self.mic_backlog_s = max(type(self).mic_backlog_s, chunk_seconds + 0.25)
         self.mic = SampleQueue(self.mic_backlog_s)
         self._silent_for = float("inf")
 
@@ -210,11 +213,13 @@ class SayAgent(Agent):
 AGENTS = {"mirror": MirrorAgent, "say": SayAgent}
 
 
-def make_agent(name: str) -> Agent:
+def make_agent(name: str, chunk_seconds: float = 0.0) -> Agent:
+    """A new agent by name; ``chunk_seconds`` (the stream's chunk length) sizes the microphone backlog."""
     try:
-        return AGENTS[name]()
+        cls = AGENTS[name]
     except KeyError:
         raise InputError(f"unknown agent {name!r}; choose one of {', '.join(AGENTS)}") from None
+    return cls(chunk_seconds) if cls is MirrorAgent else cls()
 
 
 # ---- espeak-ng -----------------------------------------------------------------------------------

@@ -33,10 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cadence.config import get_preset
 from cadence.errors import CadenceError, InputError
 from cadence.serve.agent import TTSUnavailable, decode_audio_bytes, espeak_binary, make_agent, synthesize
-from cadence.serve.config import ServeConfig
+from cadence.serve.config import ServeConfig, engine_config, resolve_engine_options
 from cadence.serve.rtc import use_ice_host_addresses
 from cadence.serve.session import LiveSession
 from cadence.serve.worker import WorkerGroup
@@ -58,10 +57,17 @@ class SessionManager:
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        self.engine_cfg = get_preset(cfg.preset)
+        self.engine_cfg = e = engine_config(cfg)
         self.metrics = ServeMetrics()
         self.metrics.groups.set(len(cfg.groups))
-        self.groups = [WorkerGroup(i, cfg.preset, dev, cfg.worker_threads, cfg.seed) for i, dev in enumerate(cfg.groups)]
+        frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
+        frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
+        self.groups = []
+        for i, dev in enumerate(cfg.groups):
+            opts, notes = resolve_engine_options(cfg, dev, frame_bytes)
+            opts["notes"] = notes
+            self.groups.append(WorkerGroup(i, cfg.preset, dev, cfg.worker_threads, cfg.seed, options=opts,
+                                           frame_shape=frame_shape, slots=cfg.max_in_flight + 1))
         self.sessions: dict[str, LiveSession] = {}
         self.reports: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._report_times: dict[str, float] = {}
@@ -76,13 +82,27 @@ class SessionManager:
         for g in self.groups:
             g.on_message = (lambda msg, g=g: self._route(g, msg))
             g.start()
-        try:
-            await asyncio.wait_for(asyncio.gather(*(g.ready.wait() for g in self.groups)),
-                                   timeout=self.cfg.worker_start_timeout_s)
-        except TimeoutError:
-            raise RuntimeError(f"worker processes not ready within {self.cfg.worker_start_timeout_s:.0f} s") from None
+        deadline = self.loop.time() + self.cfg.worker_start_timeout_s
+        while not all(g.ready.is_set() for g in self.groups):
+            failed = [g for g in self.groups if g.start_error]
+            if failed:
+                raise RuntimeError("; ".join(f"worker {g.index} ({g.device}): {g.start_error}" for g in failed))
+            if self.loop.time() > deadline:
+                raise RuntimeError(f"worker processes not ready within {self.cfg.worker_start_timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
         self.started = True
-        log.info("cadence serve: preset %s, %d group(s) %s", self.cfg.preset, len(self.groups), list(self.cfg.groups))
+        log.info("cadence serve: preset %s, %d group(s) %s, lead %s ms", self.cfg.preset, len(self.groups),
+                 list(self.cfg.groups), [round(self.lead_ms(g), 1) for g in self.groups])
+
+    def lead_ms(self, g: WorkerGroup) -> float:
+        """How long before a chunk is due the scheduler hands it to group ``g``'s worker: ``lead_ms``, raised
+        (``lead_auto``) to the worker's measured steady chunk time x (1 + lead_margin) + 20 ms. The
+        lower this is, the sooner speech reaches the screen; it cannot go below one chunk's work."""
+        lead = self.cfg.lead_ms
+        warm = (g.info or {}).get("warmup") or {}
+        if self.cfg.lead_auto and warm.get("steady_chunk_ms"):
+            lead = max(lead, warm["steady_chunk_ms"] * (1 + self.cfg.lead_margin) + 20.0)
+        return lead
 
     async def stop(self, timeout: float = 20.0) -> None:
         """Close every session, wait for the background work (closes, worker restarts), stop the
@@ -110,7 +130,7 @@ class SessionManager:
         sess = self.sessions.get(g.session_id) if g.session_id else None
         if msg[0] == "died":
             log.error("worker %d died: %s", g.index, msg[2])
-            if sess is None:
+            if sess is None and g.start_error is None:  # a worker that cannot start is not restarted in a loop
                 self._bg(g.restart())
         if sess is None:
             return
@@ -185,7 +205,7 @@ class SessionManager:
                      seed: int, t_request: float) -> dict:
         cfg = self.cfg
         try:
-            ag = make_agent(agent)
+            ag = make_agent(agent, self.engine_cfg.chunk_seconds)
         except InputError as e:
             raise ApiError(400, str(e)) from None
         if agent == "say" and espeak_binary() is None:
@@ -273,8 +293,8 @@ def create_app(cfg: ServeConfig | None = None):
 
     @asynccontextmanager
     async def lifespan(app):
-        await mgr.start()
-        try:
+        try:  # a worker that cannot start still gets its process stopped and its shared memory unlinked
+            await mgr.start()
             yield
         finally:
             await mgr.stop()
@@ -336,10 +356,14 @@ def create_app(cfg: ServeConfig | None = None):
     async def config():
         e = mgr.engine_cfg
         return {"preset": e.name, "width": e.stream.width, "height": e.stream.height, "fps": e.stream.fps,
-                "sample_rate": 48000, "agents": ["mirror", "say"], "say_available": espeak_binary() is not None,
+                "sample_rate": 48000, "frames_per_chunk": e.video_frames_per_chunk,
+                "audio_samples_per_chunk": e.audio_samples_per_chunk, "chunk_ms": round(1e3 * e.chunk_seconds, 3),
+                "agents": ["mirror", "say"], "say_available": espeak_binary() is not None,
                 "groups": len(mgr.groups), "max_image_bytes": cfg.max_image_bytes,
                 "max_audio_bytes": cfg.max_audio_bytes, "idle_timeout_s": cfg.idle_timeout_s,
-                "max_duration_s": cfg.max_duration_s}
+                "max_duration_s": cfg.max_duration_s,
+                "workers": [{"index": g.index, "device": g.device, "ready": g.ready.is_set(),
+                             "lead_ms": round(mgr.lead_ms(g), 1), **(g.info or {})} for g in mgr.groups]}
 
     @app.post("/sessions", status_code=201, summary="Start a session: SDP offer in, SDP answer out",
               openapi_extra={"requestBody": {"content": {

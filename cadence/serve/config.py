@@ -1,4 +1,13 @@
-"""Server configuration (``cadence serve`` flags map onto these fields)."""
+"""Server configuration (``cadence serve`` flags map onto these fields).
+
+The engine's fast path (bf16 is already the CUDA dtype; the TAEHV decoder, the ring cache with FP8
+K/V, FP8 linears, CUDA graphs and a warm-up before the worker reports ready) is applied from outside
+to the built model by the worker process. Each option is ``None`` = automatic (on for CUDA worker
+groups, off on the CPU, so the CPU path is exactly the reference one), ``True`` or ``False``.
+:func:`resolve_engine_options` turns them into what one worker actually runs, with one note per
+option that cannot apply on that device (the worker logs each note once and reports them in its
+ready info, ``GET /config`` -> ``workers``).
+"""
 
 from __future__ import annotations
 
@@ -28,7 +37,12 @@ class ServeConfig:
     connect_timeout_s: float = 30.0
     """Close a session whose peer connection is not connected this long after it started."""
     lead_ms: float = 100.0
-    """Plan a chunk this long before its first frame is due (must cover worker time + transfers)."""
+    """Plan a chunk at least this long before its first frame is due (must cover worker time + transfers)."""
+    lead_auto: bool = True
+    """Raise the lead to what the worker's warm-up measured for one chunk (plan -> frames back) plus a
+    margin (``lead_margin``), when it measured one (CUDA groups); the CPU keeps ``lead_ms``."""
+    lead_margin: float = 0.15
+    """Auto lead = measured chunk time x (1 + lead_margin) + 20 ms."""
     max_in_flight: int = 2
     """Chunks at the worker at once, per session."""
     max_image_bytes: int = 10 * 1024 * 1024
@@ -51,6 +65,36 @@ class ServeConfig:
     sync_marker_every: int = 0
     """Testing: every K-th chunk of every session carries an A/V sync marker (its first video frame
     solid white, its first 40 ms of audio a 1 kHz tone, at the same media time); 0 = off."""
+    overrides: dict = field(default_factory=dict)
+    """Engine config overrides applied to the preset by the server and every worker, as
+    ``CadenceConfig.with_overrides`` takes them, e.g. ``{"stream": {"latent_frames_per_chunk": 3}}``
+    (tests: W1.3's 12-frame chunks at the tiny size)."""
+    decoder: str | None = None
+    """VAE decoder the workers use: None = 'taehv' (the tiny streaming decoder) on CUDA, the preset's
+    own on the CPU; or 'standin' | 'wan' | 'taehv' everywhere."""
+    kv_fp8: bool | None = None
+    """Ring cache with FP8 K/V (the FP8 attention kernel). None = on for CUDA groups. CUDA only."""
+    fp8_linears: bool | None = None
+    """FP8 linears in the transformer blocks (``cadence.quant.fp8.apply_fp8``). None = on for CUDA. CUDA only."""
+    graphs: bool | None = None
+    """CUDA graphs for steady-state chunk steps (``cadence.runtime.graphs.GraphRunner``); the worker
+    keeps one ring cache for all its sessions so a graph captured once (at warm-up) is replayed by
+    every later session. None = on for CUDA. CUDA only."""
+    compile: bool = False
+    """Opt-in: ``torch.compile`` of the per-block elementwise regions (``cadence.runtime.compile.
+    apply_compile``, after the FP8 swap); it compiles each step shape on first use, i.e. during the
+    warm-up. Where it cannot compile, the plain ops stay (its own one log line)."""
+    warmup: bool | None = None
+    """Before reporting ready, run a throwaway session for ``warmup_chunks`` chunks so that every step
+    shape (first chunk, ring filling, steady, graph capture) and the decoder have run once (Triton
+    compiles, autotuning, cuDNN setup, graph capture happen before any user). None = on for CUDA."""
+    warmup_chunks: int = 0
+    """Chunks of the warm-up session; 0 = window_chunks + 2 (enough to reach a replayed graph)."""
+    frame_transport: str = "auto"
+    """How frames come back from a worker: 'pipe' (pickled through the multiprocessing pipe), 'shm'
+    (a ring of shared-memory slots; only the chunk index crosses the pipe) or 'auto' (shm when a
+    chunk's frames are >= 1 MiB: W1.3's 14.4 MB chunk costs 24-39 ms through the pipe on this CPU,
+    2-4 ms through shared memory; the tiny presets' 196 KB (0.4 ms) stay on the pipe)."""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +107,16 @@ class ServeConfig:
             raise ConfigError(f"sync_marker_every must be >= 0, got {self.sync_marker_every}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
+        if self.lead_ms < 0 or self.lead_margin < 0:
+            raise ConfigError(f"lead_ms and lead_margin must be >= 0, got {self.lead_ms} and {self.lead_margin}")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.decoder not in (None, "standin", "wan", "taehv"):
+            raise ConfigError(f"decoder must be 'standin', 'wan' or 'taehv', got {self.decoder!r}")
+        if self.warmup_chunks < 0:
+            raise ConfigError(f"warmup_chunks must be >= 0, got {self.warmup_chunks}")
+        if self.frame_transport not in ("auto", "pipe", "shm"):
+            raise ConfigError(f"frame_transport must be 'auto', 'pipe' or 'shm', got {self.frame_transport!r}")
 
     @property
     def loopback(self) -> bool:
@@ -76,3 +130,73 @@ class ServeConfig:
         if self.ice_addresses is not None:
             return self.ice_addresses
         return ("127.0.0.1",) if self.loopback else None
+
+
+#: A chunk's frames at least this large go through shared memory under frame_transport='auto'.
+SHM_MIN_BYTES = 1 << 20
+
+CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
+
+
+def engine_config(cfg: ServeConfig):
+    """The preset with ``cfg.overrides`` applied (the geometry every session and worker follows)."""
+    from cadence.config import get_preset
+
+    e = get_preset(cfg.preset)
+    return e.with_overrides(**cfg.overrides) if cfg.overrides else e
+
+
+def resolve_engine_options(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[dict, list[str]]:
+    """What a worker on ``device`` runs: ``(options, notes)``.
+
+    ``options``: ``decoder`` (None = the preset's), ``kv_fp8``, ``fp8_linears``, ``graphs``, ``compile``,
+    ``warmup`` (bools), ``warmup_chunks`` (0 = window + 2), ``frame_transport`` ('pipe' | 'shm'), ``overrides``.
+    ``notes``: one line per option asked for explicitly that cannot apply on this device (CUDA-only
+    options on the CPU). Pure: no torch, no processes."""
+    cuda = str(device).startswith("cuda")
+    notes: list[str] = []
+    opts: dict = {}
+    for name in CUDA_ONLY:
+        value = getattr(cfg, name)
+        if value is None:
+            opts[name] = cuda
+        elif value and not cuda:
+            notes.append(f"{name}: needs a CUDA worker (this one runs on {device}): off")
+            opts[name] = False
+        else:
+            opts[name] = bool(value)
+    opts["compile"] = bool(cfg.compile)
+    opts["warmup"] = cuda if cfg.warmup is None else bool(cfg.warmup)
+    opts["warmup_chunks"] = cfg.warmup_chunks
+    opts["decoder"] = cfg.decoder if cfg.decoder is not None else ("taehv" if cuda else None)
+    t = cfg.frame_transport
+    opts["frame_transport"] = t if t != "auto" else ("shm" if frame_bytes >= SHM_MIN_BYTES else "pipe")
+    opts["overrides"] = dict(cfg.overrides)
+    return opts, notes
+
+
+def add_engine_flags(parser) -> None:
+    """The worker fast-path flags (``cadence bench serve``; ``cadence serve`` can take the same):
+    unset = automatic (on for CUDA groups, off on the CPU)."""
+    import argparse
+
+    g = parser.add_argument_group("worker engine (default: the fast path on CUDA groups, the reference on CPU)")
+    g.add_argument("--decoder", default=None, choices=["standin", "wan", "taehv"],
+                   help="VAE decoder (default: taehv on CUDA, the preset's on the CPU)")
+    for name, what in (("kv-fp8", "ring cache with FP8 K/V"), ("fp8-linears", "FP8 linears (apply_fp8)"),
+                       ("graphs", "CUDA graphs for steady-state steps"),
+                       ("warmup", "a throwaway warm-up session before the worker reports ready")):
+        g.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{what} (default: on for CUDA groups, off on the CPU)")
+    g.add_argument("--compile", action="store_true",
+                   help="opt-in: torch.compile of the per-block elementwise math (compiles during the warm-up)")
+    g.add_argument("--warmup-chunks", type=int, default=0, help="warm-up chunks (default 0 = window + 2)")
+    g.add_argument("--frame-transport", default="auto", choices=["auto", "pipe", "shm"],
+                   help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)")
+
+
+def engine_kwargs(args) -> dict:
+    """ServeConfig keyword arguments from the flags of :func:`add_engine_flags`."""
+    return {"decoder": args.decoder, "kv_fp8": args.kv_fp8, "fp8_linears": args.fp8_linears, "graphs": args.graphs,
+            "compile": args.compile, "warmup": args.warmup, "warmup_chunks": args.warmup_chunks,
+            "frame_transport": args.frame_transport}

@@ -7,8 +7,9 @@ asks for media), and every presentation time is derived from it:
   (3,750 at 24 fps; aiortc's stock video clock would pace and stamp at 30 fps);
 * audio frame ``n`` (20 ms = 960 samples) is due at ``t0 + n * 960 / 48000`` and stamped
   ``pts = n * 960`` in 1/48000 (Opus counts samples anyway: we never leave gaps, we send silence);
-* chunk ``c`` (4 frames, 8,000 samples) is due at ``t0 + c * 166.7 ms``; the scheduler plans it
-  (hands its audio window to the worker) ``lead`` seconds earlier.
+* chunk ``c`` (F frames and F x 48000 / fps samples: 4 frames / 8,000 samples / 166.7 ms at the
+  tiny presets, W14 and W57; 12 / 24,000 / 500 ms at W1.3) is due at ``t0 + c * F / fps``; the
+  scheduler plans it (hands its audio window to the worker) ``lead`` seconds earlier.
 
 Because both tracks read the same ``t0`` and the same chunk store, a frame and the audio of the
 same media instant are always taken from the same chunk: the streams cannot drift apart, whatever
@@ -30,7 +31,8 @@ AUDIO_FRAME_SECONDS = 0.020  # 20 ms audio frames, as WebRTC (Opus) sends them
 
 @dataclass(frozen=True)
 class MediaTiming:
-    """The media clock's arithmetic for one stream geometry (tiny and W57: 24 fps, 4 frames per chunk)."""
+    """The media clock's arithmetic for one stream geometry (``from_config``: tiny, W14, W57: 24 fps and
+    4 frames per chunk; W1.3: 24 fps and 12 frames per chunk)."""
 
     fps: int = 24
     frames_per_chunk: int = 4

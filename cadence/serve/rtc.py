@@ -40,6 +40,23 @@ class _PacedTrack(MediaStreamTrack):
         self.live = live  # cadence.serve.session.LiveSession (buffer, clock, timing, hooks)
         self.next_index = 0
 
+    async def _t0(self) -> float:
+        """The media clock's start; the first caller waits (bounded by ``live.clock_start_timeout_s``)
+        for the session's first chunk, so the clock never starts behind a slow first chunk."""
+        clock = self.live.clock
+        if clock.t0 is None:
+            ready = getattr(self.live, "first_chunk", None)
+            timeout = getattr(self.live, "clock_start_timeout_s", 0.0)
+            if ready is not None and not ready.is_set() and timeout > 0:
+                w = asyncio.ensure_future(ready.wait())
+                try:  # asyncio.wait, not wait_for: a cancellation always gets through (see session.py)
+                    await asyncio.wait({w}, timeout=timeout)
+                finally:
+                    w.cancel()
+            if self.readyState != "live":
+                raise MediaStreamError
+        return clock.start()
+
     async def _wait(self, seconds: float) -> None:
         if seconds > 0:
             await asyncio.sleep(seconds)
@@ -48,7 +65,7 @@ class _PacedTrack(MediaStreamTrack):
 
 
 class VideoOut(_PacedTrack):
-    """Video at the model's fps, pts = k * 3750 in 1/90000 (24 fps)."""
+    """Video at the model's fps, pts = k * 90000 / fps in 1/90000 (3750 at 24 fps)."""
 
     kind = "video"
 
@@ -56,7 +73,7 @@ class VideoOut(_PacedTrack):
         if self.readyState != "live":
             raise MediaStreamError
         live, clock, timing = self.live, self.live.clock, self.live.timing
-        t0 = clock.start()
+        t0 = await self._t0()
         k, wait, skipped = next_video_frame(self.next_index, clock.now(), t0, timing)
         await self._wait(wait)
         frame, fresh = live.buffer.video_frame(k)
@@ -77,7 +94,7 @@ class AudioOut(_PacedTrack):
         if self.readyState != "live":
             raise MediaStreamError
         live, clock, timing = self.live, self.live.clock, self.live.timing
-        t0 = clock.start()
+        t0 = await self._t0()
         n, wait, skipped = next_audio_frame(self.next_index, clock.now(), t0, timing)
         await self._wait(wait)
         samples, complete = live.buffer.audio_frame(n)

@@ -4,7 +4,24 @@ Life cycle: ``starting`` (worker opening the session, SDP answered) -> ``connect
 ICE/DTLS) -> ``streaming`` -> ``closing`` -> ``closed``. The chunk scheduler is an asyncio task that
 only moves small messages: it takes one chunk's audio window from the agent and sends it to the
 group's worker process ``lead`` before the chunk is due (``pacing.next_plan``); frames come back on
-the worker's reader thread and are handed to this session on the event loop (``on_chunk``).
+the worker's reader thread and are handed to this session on the event loop (``on_chunk``). The
+geometry is the engine config's: F frames and 48000 x F / fps samples per chunk (4 / 8,000 at the
+tiny presets, 12 / 24,000 at W1.3).
+
+The media clock starts when a track first asks for media *and* the first chunk is here (bounded by
+``clock_start_timeout_s``): a session whose first chunk takes longer than the WebRTC connection
+(W1.3: one ~400 ms chunk) starts on a full chunk instead of beginning behind, with underruns.
+
+Agent latency (first audio -> first speaking frame). Speech is taken from the agent at plan time, so
+it goes into the earliest chunk not yet planned, at its start when nothing was queued: it waits for
+the next plan (0..one chunk period), then ``lead`` until that chunk is due, where its first frame
+plays. ``lead`` cannot be below one chunk's work (plan -> frames back) or every chunk would be late,
+so the latency is at least one chunk's work and on average lead + half a chunk period: at W1.3
+(12-frame, 500 ms chunks, ~400 ms of work on an H200) >= ~0.45 s and ~0.7 s on average; the
+<= 250 ms target is out of reach at 12 frames per chunk whatever the scheduling (at the tiny presets'
+166.7 ms chunks it is met). ``lead`` follows the worker's measured chunk time (``SessionManager.lead_ms``),
+so it is no longer than needed; with it one chunk is at the worker at a time in steady state, and
+the next plan (the one that takes new speech) happens after it is done, not a chunk earlier.
 """
 
 from __future__ import annotations
@@ -54,6 +71,9 @@ class LiveSession:
         self.engine_cfg = engine_cfg
         self.prompt, self.seed = prompt, seed
         self.timing = MediaTiming.from_config(engine_cfg)
+        self.lead_s = server.lead_ms(group) / 1e3 if hasattr(server, "lead_ms") else self.cfg.lead_ms / 1e3
+        self.first_chunk = asyncio.Event()  # set when the first chunk's frames are here (the clock may start)
+        self.clock_start_timeout_s = max(2.0, 4 * self.timing.chunk_seconds)
         self.buffer = AVBuffer(self.timing, engine_cfg.stream.height, engine_cfg.stream.width,
                                sync_marker_every=self.cfg.sync_marker_every)
         self.clock = MediaClock()
@@ -88,7 +108,7 @@ class LiveSession:
         self.video_frames_skipped = 0
         self.audio_frames_sent = 0
         self.audio_frames_skipped = 0
-        self._fresh_times: collections.deque[float] = collections.deque(maxlen=24 * 10)
+        self._fresh_times: collections.deque[float] = collections.deque(maxlen=self.timing.fps * 10)
         self._first_fresh = 0.0
         self._video_lag: collections.deque[float] = collections.deque(maxlen=240)
         self._audio_lag: collections.deque[float] = collections.deque(maxlen=500)
@@ -202,6 +222,7 @@ class LiveSession:
             self.deadline_misses += 1
             m.deadline_misses_total.inc()
         self.buffer.put_chunk(c, frames, window)
+        self.first_chunk.set()
         for mark in marks:
             self._pending_marks.append((c * self.timing.frames_per_chunk + self.timing.frame_of_sample(mark.offset),
                                         mark.t_agent))
@@ -253,7 +274,7 @@ class LiveSession:
     # ---- the scheduler and the watchdog ---------------------------------------------------------------
     async def _schedule(self) -> None:
         timing, spc = self.timing, self.timing.samples_per_chunk
-        lead = self.cfg.lead_ms / 1e3
+        lead = self.lead_s
         c = 0
         loop = asyncio.get_running_loop()
         while True:
@@ -330,6 +351,7 @@ class LiveSession:
             "age_s": round(end - self.t_created, 3),
             "fps": round(self.fps(now), 2) if self.state != "closed" else 0.0,
             "target_fps": self.timing.fps,
+            "frames_per_chunk": self.timing.frames_per_chunk, "lead_ms": _r(self.lead_s * 1e3),
             "ttff_ms": _r(self.ttff_ms),
             "chunk_latency_ms_p50": _r(_p50(self.chunk_latency_ms)),
             "chunk_latency_ms_last": _r(self.chunk_latency_ms[-1] if self.chunk_latency_ms else None),

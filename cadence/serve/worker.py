@@ -5,15 +5,42 @@ the generator once (so a new session's first frame costs a chunk, not a model bu
 session at a time. Messages are tuples over a ``multiprocessing`` pipe:
 
     web -> worker   ("open", sid, image float32 [3,H,W] | None, prompt, seed)
-                    ("chunk", sid, index, audio float32 [samples_per_chunk], t_plan)
+                    ("chunk", sid, index, audio float32 [samples_per_chunk], t_plan, slot | None)
                     ("close", sid)            ("stop",)
     worker -> web   ("ready", info)           ("opened", sid, ms)        ("closed", sid)
-                    ("chunk", sid, index, frames uint8 [F,H,W,3], timings dict)
-                    ("error", sid | None, message)
+                    ("chunk", sid, index, frames uint8 [F,H,W,3] | None, timings dict)
+                    ("dropped", sid, index, slot)   (a chunk of a session already closed)
+                    ("error", sid | None, message[, slot])
 
-Frames come back pickled through the pipe (196 KB per chunk at the tiny preset); large presets
-would move them through shared memory instead. Times are ``time.monotonic()`` (one system-wide
-clock, the same as asyncio's loop clock), so the web process can compare them.
+Every geometry follows the engine config (preset + ``ServeConfig.overrides``): F = frames per chunk
+(4 at tiny/W14/W57, 12 at W1.3), samples_per_chunk = 48000 x F / fps, H x W the preset's size.
+
+Frames: pickled through the pipe they cost, measured on this 2-core CPU (spawned process, one chunk
+each way), 24-39 ms per W1.3 chunk (12 x 480 x 832 x 3 = 14.4 MB, every 500 ms: on the critical path
+of every chunk, and the reader thread competes with the event loop for the GIL while it rebuilds it) against
+2-4 ms through shared memory (write + the web side's copy out). So frames of 1 MiB and more go through
+a :class:`FrameRing` (``ServeConfig.frame_transport='auto'``): the web side creates a few slots of one
+chunk each (``max_in_flight + 1``) in one ``multiprocessing.shared_memory`` segment, hands a free slot
+with every chunk request, the worker writes the frames there (on CUDA: the device-to-host copy lands
+in the slot directly) and answers with ``frames=None`` and ``timings["slot"]``; the reader thread copies
+the chunk out and frees the slot. A request without a free slot falls back to the pipe. The segment
+is unlinked when the group stops (and re-created on restart). The tiny presets' 196 KB chunks stay
+on the pipe (~0.4 ms round trip).
+
+The engine's fast path (:class:`Engine`, options from ``cadence.serve.config.resolve_engine_options``)
+is applied from outside to the built model: the TAEHV decoder and the ring cache with FP8 K/V through
+config overrides, ``apply_fp8`` on the model, opt-in ``apply_compile`` (torch.compile of the
+per-block elementwise math), and a :class:`~cadence.runtime.graphs.GraphRunner`.
+With graphs on, every session of the worker runs on ONE ring cache (``Session.reset`` on one session
+object where the engine has it, else new sessions built on one shared, reset cache: the ring's
+buffers are allocated once and addressed by device tensors), so the steady-state graph captured during
+the warm-up is replayed by every later session: a capture costs ~2.5 chunks of time at W1.3 (978 ms in
+``docs/perf/pipeline``) and would otherwise make every session miss a deadline once its window fills. Before "ready", on CUDA, a
+throwaway warm-up session runs ``window_chunks + 2`` chunks (first chunk, ring filling, steady
+eager, capture, replay) and the decoder, so Triton compiles, autotuning, cuDNN setup and the capture
+happen before any user; the ready info carries its timings, and ``steady_chunk_ms`` (the worker time
+of one steady chunk) from which the web side sizes its planning lead. Times are ``time.monotonic()``
+(one system-wide clock, the same as asyncio's loop clock), so the web process can compare them.
 
 On the web side, :class:`WorkerGroup` wraps one process: a writer thread (so a blocked pipe never
 stalls the event loop), a reader thread that hands messages to the event loop, and restart/stop.
@@ -25,35 +52,329 @@ import asyncio
 import logging
 import multiprocessing as mp
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import shared_memory
+
+import numpy as np
 
 log = logging.getLogger("cadence.serve")
 
 
+# ---- frames through shared memory ------------------------------------------------------------------
+
+class FrameRing:
+    """``slots`` buffers of one chunk's frames (uint8 ``shape`` = [F, H, W, 3]) in one shared-memory
+    segment. The web side creates it (``create``) and owns the free list; the worker attaches by name
+    (``attach``) and writes the slot it is told to. ``unlink`` (owner) / ``close`` release it."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, shape: tuple[int, ...], slots: int, owner: bool):
+        self.shm, self.shape, self.slots, self.owner = shm, tuple(int(x) for x in shape), int(slots), owner
+        self.slot_bytes = int(np.prod(self.shape))
+        self._free: list[int] = list(range(self.slots))
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @classmethod
+    def create(cls, shape: tuple[int, ...], slots: int) -> FrameRing:
+        if slots < 1:
+            raise ValueError(f"a frame ring needs >= 1 slot, got {slots}")
+        size = int(np.prod(shape)) * slots
+        return cls(shared_memory.SharedMemory(create=True, size=size), shape, slots, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, shape: tuple[int, ...], slots: int) -> FrameRing:
+        try:  # Python >= 3.13: the creator's resource tracker alone owns the segment
+            shm = shared_memory.SharedMemory(name=name, track=False)
+        except TypeError:  # 3.11/3.12: the spawned child shares the parent's tracker (registering is a no-op)
+            shm = shared_memory.SharedMemory(name=name)
+        return cls(shm, shape, slots, owner=False)
+
+    def view(self, slot: int) -> np.ndarray:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"frame slot {slot} out of range 0..{self.slots - 1}")
+        return np.ndarray(self.shape, np.uint8, self.shm.buf, offset=slot * self.slot_bytes)
+
+    def acquire(self) -> int | None:
+        """A free slot for the next chunk request (None: all in use; the chunk then uses the pipe)."""
+        with self._lock:
+            return self._free.pop(0) if self._free and not self._closed else None
+
+    def release(self, slot: int | None) -> None:
+        if slot is None:
+            return
+        with self._lock:
+            if 0 <= slot < self.slots and slot not in self._free:
+                self._free.append(slot)
+
+    def read(self, slot: int) -> np.ndarray:
+        """A copy of the frames in ``slot`` (the slot can be reused at once)."""
+        v = self.view(slot)
+        out = v.copy()
+        del v
+        return out
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def close(self) -> None:
+        """Detach (and, for the owner, unlink) the segment. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.shm.close()
+        except BufferError:  # pragma: no cover - a view still exported (a bug): keep the mapping, still unlink
+            log.warning("frame ring %s: a view is still in use at close", self.name)
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+# ---- the engine in the worker process ----------------------------------------------------------------
+
+class Engine:
+    """The generator with the serving fast path applied, a graph runner, an optional pooled ring cache;
+    opens sessions and runs one chunk (step + decode + frames to host) with timings.
+
+    Runs anywhere torch runs; the worker process uses it, and tests use it in-process on the CPU."""
+
+    def __init__(self, preset: str, device: str, seed: int = 0, options: dict | None = None):
+        import torch
+
+        from cadence.config import get_preset
+        from cadence.engine.generate import build_generator
+
+        opts = dict(options or {})
+        self.notes: list[str] = list(opts.get("notes", ()))
+        self.device = device
+        self.cuda = str(device).startswith("cuda")
+        cfg = get_preset(preset)
+        if opts.get("overrides"):
+            cfg = cfg.with_overrides(**opts["overrides"])
+        stream: dict = {}
+        if opts.get("kv_fp8"):
+            stream.update(cache="ring", kv_fp8=True)
+        if opts.get("graphs") and cfg.stream.cache != "ring":
+            stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
+        if stream:
+            cfg = cfg.with_overrides(stream=stream)
+        if opts.get("decoder") and opts["decoder"] != cfg.vae.decoder:
+            cfg = cfg.with_overrides(vae={"decoder": opts["decoder"]})
+        self.cfg = cfg
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.gen = build_generator(cfg, device=device, dtype=self.dtype, seed=seed)
+        self.applied = {"decoder": cfg.vae.decoder, "cache": cfg.stream.cache, "kv_fp8": cfg.stream.kv_fp8,
+                        "dtype": str(self.dtype).replace("torch.", ""), "fp8_linears": 0, "graphs": False}
+        if opts.get("fp8_linears"):
+            from cadence.quant.fp8 import apply_fp8
+
+            try:
+                self.applied["fp8_linears"] = apply_fp8(self.gen.model)
+            except Exception as e:  # the reference linears stay (apply_fp8 swaps modules one by one)
+                self._note(f"fp8_linears: could not apply ({type(e).__name__}: {e}): plain linears")
+        self.applied["compile"] = "off"
+        if opts.get("compile"):  # after the FP8 swap (apply_compile's order); compiles on first use (warm-up)
+            try:
+                from cadence.runtime.compile import apply_compile
+            except ImportError as e:
+                self._note(f"compile: not available in this engine ({e}): plain elementwise ops")
+            else:
+                rep = apply_compile(self.gen.model)
+                self.applied["compile"] = rep.describe()
+                if not rep.enabled:
+                    self._note(f"compile: {rep.describe()}")
+        self.runner = None
+        self.pool = None  # the shared ring cache (reuse 'cache')
+        self._sess = None  # the one session object reset stream after stream (reuse 'session')
+        self.reuse: str | None = None
+        if opts.get("graphs"):
+            from cadence.engine.generate import Session
+            from cadence.runtime.graphs import GraphRunner
+
+            self.runner = GraphRunner(enabled=True)
+            if hasattr(Session, "reset"):
+                self.reuse = "session"
+            else:
+                from cadence.engine.generate import make_cache
+
+                self.reuse = "cache"
+                self.pool = make_cache(cfg, self.gen.model)
+            self.applied["graphs"] = True
+        self.applied["reuse"] = self.reuse
+        self._graphs = bool(opts.get("graphs"))
+        lh, lw = cfg.stream.height, cfg.stream.width
+        self.frame_shape = (cfg.video_frames_per_chunk, lh, lw, 3)
+        self.samples_per_chunk = cfg.audio_samples_per_chunk
+
+    def _note(self, text: str) -> None:
+        self.notes.append(text)
+        log.warning("worker: %s", text)
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def open(self, image, prompt: str, seed: int):
+        """A new stream. With graphs on, every stream runs on the same ring cache, so the graphs captured
+        once stay valid: ``Session.reset`` on one session object where the engine has it (reuse
+        'session'), else a new session built on the one shared cache (reuse 'cache'); failing both, a
+        new session and a new graph runner each time (a capture per session)."""
+        if self.reuse == "session":
+            if self._sess is None:
+                self._sess = self.gen.session(image, prompt, seed=seed)
+            else:
+                self._sess.reset(image, prompt, seed)
+            return self._sess
+        if self.reuse == "cache":
+            sess = self._session_on_pool(image, prompt, seed)
+            if sess is not None:
+                return sess
+        if self._graphs:  # a fresh cache per session: graphs keyed on it must not outlive it
+            from cadence.runtime.graphs import GraphRunner
+
+            self.runner.clear()
+            self.runner = GraphRunner(enabled=True)
+        return self.gen.session(image, prompt, seed=seed)
+
+    def _session_on_pool(self, image, prompt: str, seed: int):
+        from cadence.engine import generate as eg
+
+        pool, original = self.pool, eg.make_cache
+
+        def reuse(cfg, model):
+            pool.reset()
+            return pool
+
+        eg.make_cache = reuse  # Session.__init__ builds its cache through this module function
+        try:
+            sess = self.gen.session(image, prompt, seed=seed)
+        finally:
+            eg.make_cache = original
+        if sess.cache is pool:
+            return sess
+        self._note("graphs: the engine did not take the shared ring cache; one graph runner per session "
+                   "(a capture per session)")
+        self.pool, self.reuse = None, None
+        self.applied["reuse"] = None
+        return None
+
+    def close(self, sess) -> None:
+        if self.reuse is None and self.runner is not None:
+            self.runner.clear()
+        if self.cuda and self.reuse is None:
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def run_chunk(self, sess, audio: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray | None, dict]:
+        """One chunk: step (graph replay where possible) + decode + frames to the host, into ``out``
+        (a shared-memory slot) or a new array. Returns ``(frames or None when written to out, timings)``."""
+        import torch
+
+        if audio.shape != (self.samples_per_chunk,):
+            raise ValueError(f"a chunk's audio must be {self.samples_per_chunk} samples, got {list(audio.shape)}")
+        t_recv = time.monotonic()
+        a = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)).to(self.gen.model.device)
+        if self.cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+        lat = sess.step(a, runner=self.runner)
+        if self.cuda:
+            ev[1].record()
+        t_step = time.monotonic()
+        frames = sess.decode(lat)
+        if self.cuda:
+            ev[2].record()
+        if out is not None:
+            torch.from_numpy(out).copy_(frames)  # device -> the shared slot (synchronous)
+            result = None
+        else:
+            result = frames.cpu().numpy()
+        t_done = time.monotonic()
+        if self.cuda:
+            diffusion_ms, decode_ms = ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])
+        else:
+            diffusion_ms, decode_ms = (t_step - t_recv) * 1e3, (t_done - t_step) * 1e3
+        return result, {"t_recv": t_recv, "t_done": t_done, "diffusion_ms": diffusion_ms, "decode_ms": decode_ms,
+                        "work_ms": (t_done - t_recv) * 1e3, "step": self.runner.last if self.runner else "eager"}
+
+    def warm_up(self, image, chunks: int = 0) -> dict:
+        """A throwaway session of ``chunks`` chunks (0 = window_chunks + 2): every step shape (first
+        chunk, ring filling, steady, capture, replay) and the decoder run once before any user."""
+        import torch
+
+        n = chunks or self.cfg.stream.window_chunks + 2
+        g = torch.Generator().manual_seed(0)
+        audio = (0.1 * torch.randn(self.samples_per_chunk, generator=g)).numpy()
+        buf = np.empty(self.frame_shape, np.uint8)
+        t0 = time.monotonic()
+        sess = self.open(image, "warm-up", 0)
+        open_ms = (time.monotonic() - t0) * 1e3
+        per, steps = [], []
+        for _ in range(n):
+            _, tm = self.run_chunk(sess, audio, out=buf)
+            per.append(tm["work_ms"])
+            steps.append(tm["step"])
+        self.close(sess)
+        steady = [ms for ms, st in zip(per, steps) if st != "capture"]
+        return {"ms": round((time.monotonic() - t0) * 1e3, 1), "open_ms": round(open_ms, 1), "chunks": n,
+                "chunk_ms": [round(x, 1) for x in per], "steps": steps,
+                "steady_chunk_ms": round(steady[-1] if steady else per[-1], 1),
+                "graphs": vars(self.runner.stats) if self.runner is not None else None}
+
+
 # ---- the worker process ---------------------------------------------------------------------------
 
-def worker_main(conn, preset: str, device: str, threads: int, seed: int) -> None:  # pragma: no cover - other process
+def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # pragma: no cover - other process
+                options: dict | None = None) -> None:
     """Entry point of the worker process (spawned: imports torch here, never in the web process's loop)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us cleanly
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s[worker {device}]: %(message)s")
     import torch
 
-    from cadence.config import get_preset
-    from cadence.engine.generate import build_generator
     from cadence.media.image import default_reference_image
 
+    opts = dict(options or {})
+    for note in opts.get("notes", ()):
+        log.warning("worker: %s", note)
     if threads > 0:
         torch.set_num_threads(threads)
-    cfg = get_preset(preset)
     t = time.monotonic()
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    gen = build_generator(cfg, device=device, dtype=dtype, seed=seed)
-    default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
-    conn.send(("ready", {"preset": cfg.name, "device": device, "build_ms": (time.monotonic() - t) * 1e3,
-                         "threads": torch.get_num_threads()}))
+    ring = None
+    try:
+        eng = Engine(preset, device, seed, opts)
+        if opts.get("shm"):
+            sh = opts["shm"]
+            if tuple(sh["shape"]) != eng.frame_shape:
+                raise ValueError(f"frame ring shape {sh['shape']} != the engine's {list(eng.frame_shape)}")
+            ring = FrameRing.attach(sh["name"], sh["shape"], sh["slots"])
+        cfg = eng.cfg
+        default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
+        build_ms = (time.monotonic() - t) * 1e3
+        warm = None
+        if opts.get("warmup"):
+            with torch.no_grad():
+                warm = eng.warm_up(default_image, int(opts.get("warmup_chunks") or 0))
+    except Exception as e:
+        conn.send(("error", None, f"worker start failed: {type(e).__name__}: {e}"))
+        raise
+    conn.send(("ready", {"preset": cfg.name, "device": device, "build_ms": round(build_ms, 1),
+                         "threads": torch.get_num_threads(), "fast_path": eng.applied, "notes": eng.notes,
+                         "warmup": warm, "frame_transport": "shm" if ring is not None else "pipe",
+                         "frames_per_chunk": cfg.video_frames_per_chunk,
+                         "audio_samples_per_chunk": cfg.audio_samples_per_chunk}))
     sess = None
     sid_open = None
     with torch.no_grad():
@@ -61,49 +382,57 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int) -> None
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                return
+                break
             kind = msg[0]
+            slot = None
             try:
                 if kind == "stop":
-                    return
+                    break
                 if kind == "open":
                     _, sid, image, prompt, sseed = msg
                     t = time.monotonic()
+                    if sess is not None:
+                        eng.close(sess)
+                        sess, sid_open = None, None
                     img = default_image if image is None else torch.from_numpy(image)
-                    sess = gen.session(img, prompt, seed=sseed)
+                    sess = eng.open(img, prompt, sseed)
                     sid_open = sid
                     conn.send(("opened", sid, (time.monotonic() - t) * 1e3))
                 elif kind == "chunk":
-                    _, sid, index, audio, t_plan = msg
-                    if sid != sid_open or sess is None:
-                        continue  # a chunk for a session already closed: drop it
-                    t_recv = time.monotonic()
-                    lat = sess.step(torch.from_numpy(audio).to(gen.model.device))
-                    t_step = time.monotonic()
-                    frames = sess.decode(lat).cpu().numpy()
-                    t_done = time.monotonic()
-                    conn.send(("chunk", sid, index, frames, {
-                        "t_plan": t_plan, "t_recv": t_recv, "t_done": t_done,
-                        "diffusion_ms": (t_step - t_recv) * 1e3, "decode_ms": (t_done - t_step) * 1e3}))
+                    _, sid, index, audio, t_plan = msg[:5]
+                    slot = msg[5] if len(msg) > 5 else None
+                    if sid != sid_open or sess is None:  # a chunk for a session already closed: drop it
+                        conn.send(("dropped", sid, index, slot))
+                        continue
+                    out = ring.view(slot) if ring is not None and slot is not None else None
+                    frames, tm = eng.run_chunk(sess, audio, out=out)
+                    del out
+                    tm["t_plan"] = t_plan
+                    if frames is None:
+                        tm["slot"] = slot
+                    elif slot is not None:  # no ring here: the slot was not used
+                        conn.send(("dropped", sid, index, slot))
+                    conn.send(("chunk", sid, index, frames, tm))
                 elif kind == "close":
                     _, sid = msg
                     if sid == sid_open:
+                        eng.close(sess)
                         sess, sid_open = None, None
-                        if device.startswith("cuda"):
-                            torch.cuda.empty_cache()
                     conn.send(("closed", sid))
                 else:
                     conn.send(("error", None, f"unknown message {kind!r}"))
             except (EOFError, OSError, BrokenPipeError):
-                return
+                break
             except Exception as e:
                 sid = msg[1] if len(msg) > 1 else None
                 if kind == "open":
                     sess, sid_open = None, None
                 try:
-                    conn.send(("error", sid, f"{type(e).__name__}: {e}"))
+                    conn.send(("error", sid, f"{type(e).__name__}: {e}", slot))
                 except (EOFError, OSError):
-                    return
+                    break
+    if ring is not None:
+        ring.close()
 
 
 # ---- the web side ---------------------------------------------------------------------------------
@@ -115,8 +444,17 @@ class WorkerGroup:
     that dies is reported as ``("died", None, reason)``. Sending never blocks the loop.
     """
 
-    def __init__(self, index: int, preset: str, device: str = "cpu", threads: int = 1, seed: int = 0):
+    def __init__(self, index: int, preset: str, device: str = "cpu", threads: int = 1, seed: int = 0,
+                 options: dict | None = None, frame_shape: tuple[int, ...] | None = None, slots: int = 3):
+        """``options``: the engine options the worker applies (``resolve_engine_options``); with
+        ``options["frame_transport"] == "shm"`` and a ``frame_shape`` ([F, H, W, 3]) the frames come
+        back through a :class:`FrameRing` of ``slots`` chunks, created here at every start."""
         self.index, self.preset, self.device, self.threads, self.seed = index, preset, device, threads, seed
+        self.options = dict(options or {})
+        self.frame_shape = tuple(frame_shape) if frame_shape is not None else None
+        self.slots = slots
+        self.ring: FrameRing | None = None
+        self.start_error: str | None = None
         self.proc: mp.process.BaseProcess | None = None
         self.conn = None
         self.ready = asyncio.Event()
@@ -141,11 +479,18 @@ class WorkerGroup:
         """Spawn the process and its pipe threads (returns at once; ``ready`` is set when the model is built)."""
         self._loop = asyncio.get_running_loop()
         ctx = mp.get_context("spawn")
+        opts = dict(self.options)
+        opts.pop("shm", None)
+        self.start_error = None
+        if opts.get("frame_transport") == "shm" and self.frame_shape is not None:
+            self.ring = FrameRing.create(self.frame_shape, self.slots)
+            opts["shm"] = {"name": self.ring.name, "shape": list(self.frame_shape), "slots": self.slots}
         parent, child = ctx.Pipe(duplex=True)
         self.conn = parent
         self.ready.clear()
         self._outq = queue.SimpleQueue()
-        self.proc = ctx.Process(target=worker_main, args=(child, self.preset, self.device, self.threads, self.seed),
+        self.proc = ctx.Process(target=worker_main,
+                                args=(child, self.preset, self.device, self.threads, self.seed, opts),
                                 name=f"cadence-worker-{self.index}", daemon=True)
         self.proc.start()
         child.close()
@@ -159,6 +504,8 @@ class WorkerGroup:
             t.start()
 
     def send(self, msg: tuple) -> None:
+        if msg[0] == "chunk" and len(msg) == 5:  # a chunk request: lend it a shared-memory slot if there is one
+            msg = (*msg, self.ring.acquire() if self.ring is not None else None)
         self._outq.put(msg)
 
     def _writer(self, conn, outq: queue.SimpleQueue) -> None:
@@ -172,7 +519,7 @@ class WorkerGroup:
                 return
 
     def _reader(self, conn) -> None:
-        loop = self._loop
+        loop, ring = self._loop, self.ring
         while True:
             try:
                 msg = conn.recv()
@@ -180,14 +527,45 @@ class WorkerGroup:
                 if not self._stopping:
                     _call(loop, self._dispatch, ("died", None, "the worker process exited"))
                 return
-            _call(loop, self._dispatch, msg)
+            msg = self._take_frames(ring, msg)
+            if msg is not None:
+                _call(loop, self._dispatch, msg)
+
+    @staticmethod
+    def _take_frames(ring: FrameRing | None, msg: tuple) -> tuple | None:
+        """On the reader thread: copy a chunk's frames out of its shared-memory slot and free the slot
+        (also for dropped chunks and errors that carry one). None = nothing for the event loop."""
+        kind = msg[0]
+        if kind == "dropped":
+            if ring is not None:
+                ring.release(msg[3])
+            return None
+        if kind == "chunk" and msg[3] is None:
+            slot = msg[4].get("slot")
+            if ring is None or slot is None:
+                return ("error", msg[1], f"chunk {msg[2]} came back without frames")
+            try:
+                frames = ring.read(slot)
+            finally:
+                ring.release(slot)
+            return ("chunk", msg[1], msg[2], frames, msg[4])
+        if kind == "error" and len(msg) > 3:
+            if ring is not None:
+                ring.release(msg[3])
+            return msg[:3]
+        return msg
 
     def _dispatch(self, msg: tuple) -> None:
         if msg[0] == "ready":
             self.info = msg[1]
             self.ready.set()
             log.info("worker %d ready (pid %s): %s", self.index, self.pid, self.info)
+            for note in self.info.get("notes") or ():
+                log.info("worker %d: %s", self.index, note)
             return
+        if msg[0] == "error" and msg[1] is None and not self.ready.is_set() and self.start_error is None:
+            self.start_error = msg[2]
+            log.error("worker %d: %s", self.index, msg[2])
         if msg[0] == "died":
             self.ready.clear()
         if self.on_message is not None:
@@ -220,6 +598,9 @@ class WorkerGroup:
             proc.close() if not proc.is_alive() else None
         self.proc = None
         self.conn = None
+        if self.ring is not None:  # the process and the reader are gone: nothing maps a slot any more
+            self.ring.close()
+            self.ring = None
 
     async def restart(self) -> None:
         """Replace a dead or stuck process with a fresh one."""
