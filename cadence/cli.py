@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lead-ms", type=float, default=100.0,
                    help="plan each chunk this long before it is due (default: 100)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from cadence.serve.config import add_engine_flags
+
+    add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="run a benchmark: cadence bench <name> [args...]",
@@ -233,7 +236,7 @@ def _check_output(out: Path) -> Path:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.config import get_preset
-    from cadence.serve.config import ServeConfig
+    from cadence.serve.config import ServeConfig, engine_kwargs
 
     get_preset(args.preset)  # a clear error for an unknown preset, before anything starts
     if args.device not in ("cpu", "cuda"):
@@ -254,7 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         groups = ("cpu",) * (args.max_sessions or 1)
     cfg = ServeConfig(preset=args.preset, host=args.host, port=args.port, groups=groups,
                       idle_timeout_s=args.idle_timeout, max_duration_s=args.max_duration,
-                      worker_threads=args.worker_threads, lead_ms=args.lead_ms)
+                      worker_threads=args.worker_threads, lead_ms=args.lead_ms, **engine_kwargs(args))
     from cadence.serve.server import run
 
     run(cfg, log_level=args.log_level)
