@@ -99,18 +99,24 @@ class Session:
         if tuple(image.shape) != (3, h, w):
             raise InputError(f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, "
                              f"got {list(image.shape)}")
-        self._start(image, prompt, seed)
+        emb = self._embed(prompt)  # validated before anything of the running stream is touched
+        self.cache.reset()
+        if self.decoder is not None:
+            self.decoder.reset()
+        self._start(image, emb, seed)
+
+    def _embed(self, prompt: str | torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
+        if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
+            raise InputError(f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
+                             f"got {list(emb.shape)}")
+        return emb
 
     def _start(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int) -> None:
         cfg, model, gen = self.cfg, self.model, self.gen
         dev = model.device
-        emb = gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
-        if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
-            raise InputError(f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
-                             f"got {list(emb.shape)}")
-        self.cache.reset()
-        if self.decoder is not None:
-            self.decoder.reset()
+        emb = self._embed(prompt)  # (a fresh cache and decoder are already in their reset state)
         self.text = model.prepare_text(emb[None].to(dev))
         self.noise_gen.manual_seed(seed)
         self._prime: torch.Tensor | None = None
