@@ -27,8 +27,9 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 python3 -c 'import aiortc, av, fastapi, uvicorn; print("serve packages ok: aiortc", aiortc.__version__, "av", av.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__)' \
   || { echo "=== the serve packages did not import: stopping"; exit 1; }
 B="python3 -m cadence bench serve --device cuda --sessions 1 --speak-every 3 --out-dir $PERF"
-run 200 w1.3 $B --preset w1.3 --seconds "$SECONDS_W13"
-run 80 character $B --preset character --seconds 10
+run 150 w1.3-compile $B --preset w1.3 --seconds "$SECONDS_W13" --compile
+run 120 w1.3 $B --preset w1.3 --seconds "$SECONDS_W13"
+run 70 character $B --preset character --seconds 10
 run 60 serve-tests python3 -m pytest -q -p no:cacheprovider tests/test_serve_geometry.py -x
 echo "=== done in ${SECONDS}s"
 tar czf "$OUT/serve.tgz" -C "$OUT" perf && ls -R "$PERF"

@@ -163,7 +163,8 @@ def main(argv: list[str]) -> int:
                  "audio_samples_per_chunk": cfg.get("audio_samples_per_chunk"), "chunk_ms": cfg.get("chunk_ms")}
         headline = (f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
                     f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms")
-        path = record("serve", cfg.get("preset", args.preset), 1, device, shape, res, variant=f"s{args.sessions}",
+        path = record("serve", cfg.get("preset", args.preset), 1, device, shape, res,
+                      variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else ""),
                       out_dir=args.out_dir, world=max(1, args.sessions) if args.device == "cuda" else 1,
                       headline=headline, extra={"workers": _workers(cfg)})
         print(f"wrote {path}")
