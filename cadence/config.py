@@ -337,8 +337,10 @@ class PipelineConfig:
     ``decode_device``, overlapped (chunk k decodes while chunk k+1 diffuses)."""
 
     diffusion_devices: tuple[str, ...] = ("auto",)
-    """Devices that run the DiT: one entry for now (tensor parallel ranks later). 'auto' = cuda:0 when
-    CUDA is present, else cpu; 'cuda' = cuda:0; 'cuda:N'; 'cpu'."""
+    """Devices that run the DiT: one entry (under tensor parallelism each rank runs its own pipeline
+    with its own GPU here). 'auto' = where the generator's model lives when a ChunkPipeline is built
+    (in :func:`resolve_placement` alone: cuda:0 when CUDA is present, else cpu); 'cuda' = cuda:0;
+    'cuda:N'; 'cpu'."""
     decode_device: str = "auto"
     """Device that runs the VAE decoder: 'same' (the first diffusion device, on its own CUDA stream),
     'cuda:N' (a separate GPU; latents are copied over, non-blocking), 'cpu', or 'auto' (the first GPU

@@ -137,7 +137,9 @@ def test_pipeline_wan_decoder_state_matches_sequential():
     g = build_generator(cfg, seed=0)
     audio = speech(5)
     ref = list(g.stream(image(), "p", audio, 5, seed=1))
-    outs = list(ChunkPipeline(g).stream(image(), "p", audio, 5, seed=1))
+    # a CPU model: CPU placement (the default 'auto' picks cuda:0 on a GPU machine)
+    cpu = PipelineConfig(diffusion_devices=("cpu",), decode_device="same")
+    outs = list(ChunkPipeline(g, cpu).stream(image(), "p", audio, 5, seed=1))
     assert all(torch.equal(r.frames, o.frames) for r, o in zip(ref, outs))
     assert not torch.equal(outs[1].frames, outs[2].frames)
 

@@ -67,6 +67,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile)")
     p.add_argument("--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel diffusion over N GPUs (run under torchrun --nproc_per_node N): every rank "
+                        "diffuses its shard and decodes on a side stream of its own GPU; rank 0 records")
+    p.add_argument("--comm", default="auto", help="row-parallel comm mode with --tp > 1 (see cadence bench step)")
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
     a = p.parse_args(argv)
@@ -76,6 +80,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--window must be >= 1, got {a.window}")
     if a.shape_change_every < 0:
         p.error(f"--shape-change-every must be >= 0, got {a.shape_change_every}")
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
     return a
 
 
@@ -158,18 +164,56 @@ def apply_fast_paths(model, args) -> dict | None:
     return info
 
 
+def init_tensor_parallel(args):
+    """--tp N: join torchrun's group (NCCL on CUDA, gloo on CPU); this rank's TPInfo, or None after
+    an `error:` line."""
+    import os
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print(f"error: --tp {args.tp} runs under torchrun: torchrun --nproc_per_node {args.tp} -m cadence bench "
+              f"pipeline ... --tp {args.tp}", file=sys.stderr)
+        return None
+    from cadence.parallel import init_tp
+
+    info = init_tp(backend="gloo" if (args.device or "") == "cpu" or not torch.cuda.is_available() else None)
+    if info.world_size != args.tp:
+        print(f"error: --tp {args.tp} but torchrun started {info.world_size} ranks", file=sys.stderr)
+        return None
+    return info
+
+
 @torch.no_grad()
 def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if args.tp == 1:
+        return _main(args, None)
+    info = init_tensor_parallel(args)
+    if info is None:
+        return 2
+    try:
+        return _main(args, info)
+    finally:
+        from cadence.parallel import destroy_tp
+
+        destroy_tp()
+
+
+def _main(args, info) -> int:
     import logging
 
-    from cadence.engine.generate import build_generator
+    from cadence.engine.generate import StreamGenerator, build_generator
     from cadence.engine.pipeline import ChunkPipeline
 
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
-    args = parse(argv)
+    rank0 = info is None or info.rank == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
+                        format="%(name)s: %(message)s" if info is None else f"[rank{info.rank}] %(name)s: %(message)s",
+                        stream=sys.stderr)
     cfg = get_preset(args.preset)
     cuda = torch.cuda.is_available()
-    device = torch.device(args.device or ("cuda:0" if cuda else "cpu"))
+    if info is not None:
+        device = info.device
+    else:
+        device = torch.device(args.device or ("cuda:0" if cuda else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda:0")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -180,16 +224,33 @@ def main(argv: list[str]) -> int:
     if args.layers:
         over["model"] = {"num_layers": args.layers}
     cfg = cfg.with_overrides(**over)
-    pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=args.decode_device, graphs=args.graphs,
+    # under TP every rank decodes its own copy on a side stream of its GPU (the same work on every
+    # rank keeps the ranks in step at the all-reduces); only rank 0's frames are used
+    decode_device = "same" if info is not None else args.decode_device
+    pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=decode_device, graphs=args.graphs,
                           max_graphs=args.max_graphs, queue_depth=args.queue_depth,
                           steps_in_flight=args.steps_in_flight)
-    gen = build_generator(cfg, device=device, dtype=dtype, seed=0)
+    capture = None
+    if info is None:
+        gen = build_generator(cfg, device=device, dtype=dtype, seed=0)
+    else:
+        from cadence.bench.step import build_tp_model
+        from cadence.parallel.graphs import agreeing_capture
+
+        model, how = build_tp_model(cfg, device, dtype, info.group, args.comm)
+        gen = StreamGenerator(cfg, model)
+        if device.type == "cuda":
+            capture = agreeing_capture(info.group)  # every rank captures a step, or none does
+        if rank0:
+            print(f"tp: {info.world_size} ranks ({info.backend}), shards built on {how}, comm {args.comm}",
+                  file=sys.stderr)
     fast = apply_fast_paths(gen.model, args)
     if fast is None:
         return 2
-    pipe = ChunkPipeline(gen, pcfg)
-    print(f"placement: {pipe.placement.describe()}" + "".join(f"; {n}" for n in pipe.placement.notes),
-          file=sys.stderr)
+    pipe = ChunkPipeline(gen, pcfg, graph_capture=capture)
+    if rank0:
+        print(f"placement: {pipe.placement.describe()}" + "".join(f"; {n}" for n in pipe.placement.notes),
+              file=sys.stderr)
     g = torch.Generator().manual_seed(0)
     n = args.chunks
     image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
@@ -201,8 +262,9 @@ def main(argv: list[str]) -> int:
     warm = None
     if args.prewarm:
         warm = pipe.prewarm()
-        print(f"prewarm: {warm['prewarm_chunks']} chunks in {warm['prewarm_s']:.2f} s, cold ttff "
-              f"{warm['ttff_ms']:.1f} ms, graphs {warm.get('graphs')}", file=sys.stderr)
+        if rank0:
+            print(f"prewarm: {warm['prewarm_chunks']} chunks in {warm['prewarm_s']:.2f} s, cold ttff "
+                  f"{warm['ttff_ms']:.1f} ms, graphs {warm.get('graphs')}", file=sys.stderr)
     outs = run_once(pipe, cfg, image, audio, n, seed=0)
     res = summarize(outs, cfg, deadline_ms, skip)
     lr = pipe.last_run
@@ -256,6 +318,12 @@ def main(argv: list[str]) -> int:
         rows += [("shape-change run", f"{res['shape_changes']} changes: fps {sc['fps']:.1f}, p99 "
                                       f"{sc['chunk_p99_ms']:.1f} ms, miss {100 * sc['deadline_miss_rate']:.1f}%, "
                                       f"graphs {sc['graphs']}")]
+    if info is not None:
+        rows.insert(1, ("tensor parallel", f"{info.world_size} ranks, comm {args.comm}; every rank decodes on a "
+                                           f"side stream of its GPU"))
+        res["tp_comm"] = args.comm
+    if not rank0:
+        return 0
     print_table(rows, f"bench pipeline: {cfg.name}, {n} chunks, {device}, {str(dtype).replace('torch.', '')}")
     if args.no_record:
         return 0
@@ -265,8 +333,12 @@ def main(argv: list[str]) -> int:
         "compile" if args.compile else "", f"w{args.window}" if args.window else "",
         "" if args.prewarm else "noprewarm", f"l{args.layers}" if args.layers else "") if v)
     world = len({pipe.placement.diffusion_device, pipe.placement.decode_device} - {"cpu"}) or 1
+    if info is not None:
+        world = info.world_size if device.type == "cuda" else 1
+        variant += f"-{args.comm}"
     shape = cfg.shape_summary()
-    path = record("pipeline", cfg.name, 1, device, shape, res, variant=variant, out_dir=args.out_dir, world=world,
+    path = record("pipeline", cfg.name, args.tp, device, shape, res, variant=variant, out_dir=args.out_dir,
+                  world=world,
                   extra={"placement": pipe.placement.describe(), "dtype": str(dtype).replace("torch.", ""),
                          "decoder": decoder, "layers": cfg.model.num_layers},
                   headline=f"{res['fps']:.1f} fps, diffusion {res['diffusion_ms']:.1f} ms, "

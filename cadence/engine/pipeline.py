@@ -46,6 +46,7 @@ back to the decoder when the consumer asks for the next chunk. ``.clone()`` it t
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -289,6 +290,10 @@ class ChunkPipeline:
         graph runner (tests)."""
         self.gen = gen
         self.cfg = cfg or PipelineConfig()
+        if self.cfg.diffusion_devices == ("auto",):  # 'auto' diffuses where the built model lives
+            mdev = gen.model.device
+            self.cfg = dataclasses.replace(self.cfg, diffusion_devices=(
+                "cpu" if mdev.type == "cpu" else f"cuda:{mdev.index if mdev.index is not None else 0}",))
         ndev = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.placement = placement or resolve_placement(self.cfg, ndev)
         mdev = gen.model.device
