@@ -193,8 +193,12 @@ def main(argv: list[str]) -> int:
     try:
         return _main(args, info)
     finally:
+        import torch.distributed as dist
+
         from cadence.parallel import destroy_tp
 
+        if dist.is_initialized():
+            dist.barrier()  # rank 0 writes the JSON / PNG while the others wait, then all leave together
         destroy_tp()
 
 
@@ -251,6 +255,17 @@ def _main(args, info) -> int:
     if rank0:
         print(f"placement: {pipe.placement.describe()}" + "".join(f"; {n}" for n in pipe.placement.notes),
               file=sys.stderr)
+    try:
+        return _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0)
+    finally:
+        # free the kept session and its graphs before the process group goes (graphs that captured
+        # NCCL calls keep the communicator busy: destroying it under them hangs at exit)
+        pipe.close()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0) -> int:
     g = torch.Generator().manual_seed(0)
     n = args.chunks
     image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1

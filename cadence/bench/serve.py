@@ -39,6 +39,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speak-after", type=float, default=1.0, help="push speech this long after the first frame")
     p.add_argument("--speak-every", type=float, default=0.0,
                    help="push it again every this many seconds (0: once); each push is one agent latency sample")
+    p.add_argument("--speak-jitter", type=float, default=0.5,
+                   help="add a seeded uniform 0..this many seconds to each repeat, so samples see every phase of "
+                        "the chunk clock (default 0.5)")
     p.add_argument("--lead-ms", type=float, default=None,
                    help="self-started server: least planning lead (default: the server's; raised to the "
                         "worker's measured chunk time on CUDA)")
@@ -61,7 +64,8 @@ def _p50(xs):
     return round(float(statistics.median(xs)), 1) if xs else None
 
 
-async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_every: float = 0.0):
+async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_every: float = 0.0,
+                 speak_jitter: float = 0.0):
     import httpx
 
     from cadence.media import synthetic_speech
@@ -72,7 +76,8 @@ async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_eve
     async with httpx.AsyncClient(timeout=60.0) as http:
         cfg = (await http.get(f"{url}/config")).json()
         results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
-                                                    speak_after_s=speak_after, speak_every_s=speak_every)
+                                                    speak_after_s=speak_after, speak_every_s=speak_every,
+                                                    speak_jitter_s=speak_jitter)
                                          for _ in range(n)))
     return cfg, results
 
@@ -113,7 +118,8 @@ def main(argv: list[str]) -> int:
         url = srv.url
         print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
     try:
-        cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after, args.speak_every))
+        cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after, args.speak_every,
+                                                   args.speak_jitter))
     finally:
         if srv is not None:
             srv.stop()

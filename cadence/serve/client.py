@@ -94,10 +94,12 @@ class ClientResult:
 
 async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=None, mic: np.ndarray | None = None,
                      speak_wav: bytes | None = None, speak_after_s: float = 0.5, speak_every_s: float = 0.0,
-                     image: bytes | None = None, connect_timeout: float = 30.0, close: bool = True) -> ClientResult:
+                     speak_jitter_s: float = 0.0, image: bytes | None = None, connect_timeout: float = 30.0, close: bool = True) -> ClientResult:
     """One session against ``url`` for ``seconds`` after its first frame. ``speak_wav`` is pushed
     ``speak_after_s`` after the first frame, and again every ``speak_every_s`` seconds (> 0) while the
-    session runs (each push is one agent segment: one audio -> frame latency sample)."""
+    session runs (each push is one agent segment: one audio -> frame latency sample), plus a uniform
+    random 0..``speak_jitter_s`` (seeded) so the pushes land at different phases of the chunk clock
+    (with a period that is a multiple of the chunk length every sample would see the same phase)."""
     import httpx
 
     res = ClientResult()
@@ -157,6 +159,9 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
             return res
         t_end = time.monotonic() + seconds
         if speak_wav is not None:
+            import random
+
+            rng = random.Random(0)
             await asyncio.sleep(speak_after_s)
             while res.error is None:
                 res.pushed_audio_at = time.monotonic()
@@ -166,7 +171,8 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
                     res.error = f"POST audio: {r.status_code} {r.text}"
                 if speak_every_s <= 0 or time.monotonic() + speak_every_s > t_end - 0.5:
                     break
-                await asyncio.sleep(max(0.0, res.pushed_audio_at + speak_every_s - time.monotonic()))
+                await asyncio.sleep(max(0.0, res.pushed_audio_at + speak_every_s + rng.uniform(0.0, speak_jitter_s)
+                                        - time.monotonic()))
         await asyncio.sleep(max(0.0, t_end - time.monotonic()))
         r = await http.get(f"{url}/sessions/{res.session_id}")
         res.status = r.json()
