@@ -66,6 +66,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true", help="skip the changing-M sweep")
+    p.add_argument("--timing", default="graph", choices=["graph", "eager"],
+                   help="graph (CUDA default): calls replayed from a CUDA graph, GPU time only, as in a graphed "
+                        "step; eager: events around each Python call (host launch time included)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true")
@@ -96,9 +99,21 @@ def shapes(args, world: int) -> list[dict]:
 
 
 class Bench:
-    def __init__(self, device: torch.device, warmup: int, reps: int):
+    """Times one call. Eager (default on CPU): CUDA events around each call, calls queued back to back,
+    so host time the GPU waits for (Python, the FP8 layer's quantisation launches) is counted.
+    Graphed (default on CUDA, ``--timing graph``): ``inner`` calls captured in one CUDA graph per
+    rank and replayed; the median replay divided by ``inner`` is GPU time only, which is what a
+    graph-replayed chunk step pays. Every rank captures or none does (a failed capture anywhere: that
+    measurement is timed eagerly on every rank, noted in ``graph_failures``)."""
+
+    def __init__(self, device: torch.device, warmup: int, reps: int, timing: str = "eager", group=None,
+                 inner: int = 20):
         self.device, self.warmup, self.reps = device, warmup, reps
         self.cuda = device.type == "cuda"
+        self.timing = timing if self.cuda else "eager"
+        self.group, self.inner = group, inner
+        self.graph_failures: list[str] = []
+        self.eager_timed = 0
 
     def sync(self):
         if self.cuda:
@@ -111,6 +126,12 @@ class Bench:
         self.sync()
         dist.barrier()
         self.sync()
+        if self.timing == "graph":
+            t = self._graph_us(fn)
+            if t is not None:
+                dist.barrier()
+                return t
+            self.eager_timed += 1
         if self.cuda:
             evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                    for _ in range(self.reps)]
@@ -128,6 +149,39 @@ class Bench:
                 ts.append((time.perf_counter() - t0) * 1e6)
             ts.sort()
         dist.barrier()
+        return float(ts[len(ts) // 2])
+
+
+    def _graph_us(self, fn) -> float | None:
+        from cadence.parallel.graphs import all_ranks_ok
+
+        graph, err = None, None
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+                for _ in range(self.inner):
+                    fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        except Exception as e:  # noqa: BLE001  (agree first, then time eagerly)
+            err, graph = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", None
+        if not all_ranks_ok(err is None, self.group):
+            self.graph_failures.append(err or "capture failed on another rank")
+            return None
+        for _ in range(2):
+            graph.replay()
+        self.sync()
+        dist.barrier()
+        n = max(5, self.reps // 5)
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for a, b in evs:
+            a.record()
+            graph.replay()
+            b.record()
+        self.sync()
+        del graph
+        ts = sorted(a.elapsed_time(b) * 1e3 / self.inner for a, b in evs)
         return float(ts[len(ts) // 2])
 
 
@@ -315,7 +369,7 @@ def run(args: argparse.Namespace) -> dict:
         for md in modes:
             fused.parse_mode(md)
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-        bench = Bench(dev, args.warmup, max(args.reps, 5))
+        bench = Bench(dev, args.warmup, max(args.reps, 5), timing=args.timing, group=info.group)
         if rank == 0:
             print(f"[bench fused] TP={world} {info.backend} on {dev}; torch {torch.__version__}; "
                   f"symm-mem: {fused.symm_unavailable_reason(dev, info.group) or 'available'}", file=sys.stderr,
@@ -334,7 +388,8 @@ def run(args: argparse.Namespace) -> dict:
             sweep = _safe({}, "sweep", lambda: shape_sweep(dev, info.group, world, "two_shot"))
         from cadence.quant import fp8 as fp8_mod
 
-        results = {"shapes": rows, "modes_timed": modes, "shape_sweep": sweep, "symm_cache": fused.symm_cache_info(),
+        results = {"shapes": rows, "modes_timed": modes, "timing": bench.timing,
+                   "graph_failures": bench.graph_failures, "eager_timed_after_capture_failure": bench.eager_timed, "shape_sweep": sweep, "symm_cache": fused.symm_cache_info(),
                    "fallback_warnings": fused.fallback_warnings(), "fp8_quant_backend": fp8_mod.quant_backend(),
                    "fp8_refused": {" ".join(str(k) for k in key): why for key, why in fp8_mod._op_unusable.items()}}
         if rank == 0:
