@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from fake_graph import FakeGraph
 
 import cadence.runtime.graphs as graphs
 from cadence.config import PipelineConfig, get_preset
@@ -28,29 +29,6 @@ def image() -> torch.Tensor:
 
 def audio(n: int) -> torch.Tensor:
     return torch.randn(n * SPC, generator=torch.Generator().manual_seed(1)) * 0.1
-
-
-class FakeGraph:
-    """Stands in for a CUDA graph: 'capturing' records the function; replay re-runs it and writes
-    into a static output tensor, as a real replay refills the captured output's memory."""
-
-    made: list["FakeGraph"] = []
-
-    def __init__(self, fn):
-        self.fn, self.output, self.replays, self.freed = fn, None, 0, False
-        FakeGraph.made.append(self)
-
-    def replay(self):
-        assert not self.freed, "replay of an evicted graph"
-        out = self.fn()
-        if self.output is None:
-            self.output = out
-        else:
-            self.output.copy_(out)
-        self.replays += 1
-
-    def reset(self):
-        self.freed = True
 
 
 @pytest.fixture(autouse=True)

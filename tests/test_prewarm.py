@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from fake_graph import FakeGraph
 
 import cadence.runtime.graphs as graphs
 from cadence.config import PipelineConfig, get_preset
@@ -34,27 +35,6 @@ def speech(n: int = N, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     t = torch.arange(n * SPC) / 48_000
     return 0.3 * torch.sin(2 * math.pi * 220 * t) + 0.1 * torch.randn(n * SPC, generator=g)
-
-
-class FakeGraph:
-    """A CUDA graph stand-in: replay re-runs the captured function into a static output."""
-
-    made: list["FakeGraph"] = []
-
-    def __init__(self, fn):
-        self.fn, self.output, self.freed = fn, None, False
-        FakeGraph.made.append(self)
-
-    def replay(self):
-        assert not self.freed, "replay of a freed graph"
-        out = self.fn()
-        if self.output is None:
-            self.output = out
-        else:
-            self.output.copy_(out)
-
-    def reset(self):
-        self.freed = True
 
 
 @pytest.fixture(autouse=True)

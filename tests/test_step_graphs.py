@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # importable in spawned processes
 import tp_worker
+from fake_graph import FakeGraph
 
 from cadence.bench import step as bench_step
 from cadence.config import get_preset
@@ -34,23 +35,6 @@ from cadence.config import get_preset
 TINY_RING = get_preset("tiny").with_overrides(stream={"cache": "ring"})
 SPC = TINY_RING.audio_samples_per_chunk
 QUICK = ["--preset", "tiny", "--cache", "ring", "--warmup", "0", "--iters", "2", "--profile-iters", "1"]
-
-
-class FakeGraph:
-    """A stand-in capture: replay re-runs the captured function into a static output."""
-
-    def __init__(self, fn):
-        self.fn, self.output = fn, None
-
-    def replay(self):
-        out = self.fn()
-        if self.output is None:
-            self.output = out
-        else:
-            self.output.copy_(out)
-
-    def reset(self):
-        self.output = None
 
 
 def _session(model, cfg=TINY_RING):
