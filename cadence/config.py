@@ -380,6 +380,13 @@ class PipelineConfig:
     prewarm_chunks: int = 0
     """Chunks of ``ChunkPipeline.prewarm``'s throwaway stream; 0: enough for every step shape a stream
     uses (the ring filling, ``graph_warmup`` eager runs, the capture, one replay)."""
+    capture_filling: bool = False
+    """Also capture the steps that run while the ring fills (one graph per fill stage: the first chunk,
+    then each chunk until the window is full), so that a stream's first window is replayed too. Each
+    stage occurs once per stream, so ``prewarm`` then runs ``graph_warmup + 1`` throwaway streams
+    (eager warm-up of every stage, then its capture) and keeps ``window_chunks`` more graphs. Off by
+    default: not yet measured on a GPU (where the eager filling steps are launch-bound under TP, the
+    gain is the first seconds of every stream)."""
 
     def __post_init__(self) -> None:
         errs: list[str] = []

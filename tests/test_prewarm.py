@@ -220,3 +220,34 @@ def test_cuda_prewarm_graphs_replay_for_reset_session(kv):
         torch.testing.assert_close(lat, r.latents, rtol=1e-4, atol=1e-4)
         assert (fr.int() - r.frames.int()).abs().max() <= 1
     pipe.close()
+
+
+def test_capture_filling_replays_the_whole_stream(gen):
+    """capture_filling: prewarm runs graph_warmup + 1 streams (each fill stage warmed eagerly, then
+    captured), and the next stream replays every step, the first chunk included, with the same output
+    as a cold eager stream. One graph per fill stage (fill = 1..W-1) plus the steady one."""
+    audio = speech(N, seed=5)
+    cold = ChunkPipeline(gen, PipelineConfig(**CPU, reuse_session=False, graphs=False))
+    ref = collect(cold, image(1), "a person talking", audio, N, 7)
+    pipe = ChunkPipeline(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
+    info = pipe.prewarm()
+    assert info["prewarm_streams"] == 2 and len(pipe.runner) == W  # W-1 fill stages + steady
+    assert pipe.runner.max_graphs == PipelineConfig().max_graphs + W
+    out = collect(pipe, image(1), "a person talking", audio, N, 7)
+    for i, ((rl, rf, _), (ol, of, _)) in enumerate(zip(ref, out)):
+        assert torch.equal(rl, ol), i
+        assert torch.equal(rf, of), i
+    assert [s for _, _, s in out] == ["replay"] * N
+    lr = pipe.last_run
+    assert lr["graphs"]["captures"] == 0 and lr["graphs"]["replays"] == N and lr["first_chunk"]["step"] == "replay"
+    fills = sorted(k.fill for k in pipe.runner.keys())
+    assert fills == list(range(1, W + 1))
+    pipe.close()
+    assert all(f.freed for f in FakeGraph.made)
+
+
+def test_capture_filling_off_keeps_filling_eager(gen):
+    pipe = ChunkPipeline(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
+    assert pipe.prewarm()["prewarm_streams"] == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
+    assert all(k.filled for k in pipe.runner.keys())
+    pipe.close()

@@ -64,6 +64,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=True,
                    help="run a throwaway stream over every step shape first (ChunkPipeline.prewarm; default: on)")
     p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
+    p.add_argument("--capture-filling", action="store_true",
+                   help="also graph-capture the ring-filling steps (PipelineConfig.capture_filling; prewarm runs "
+                        "an extra stream to capture them)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile)")
     p.add_argument("--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)")
@@ -233,7 +236,7 @@ def _main(args, info) -> int:
     decode_device = "same" if info is not None else args.decode_device
     pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=decode_device, graphs=args.graphs,
                           max_graphs=args.max_graphs, queue_depth=args.queue_depth,
-                          steps_in_flight=args.steps_in_flight)
+                          steps_in_flight=args.steps_in_flight, capture_filling=args.capture_filling)
     capture = None
     if info is None:
         gen = build_generator(cfg, device=device, dtype=dtype, seed=0)
@@ -345,7 +348,8 @@ def _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0) -> int:
     variant = "-".join(v for v in (
         "graphs" if args.graphs else "eager", f"dec{pipe.placement.decode_device.replace(':', '')}",
         args.cache, "kvfp8" if args.kv_fp8 else "", decoder, "fp8" if args.fp8 else "",
-        "compile" if args.compile else "", f"w{args.window}" if args.window else "",
+        "compile" if args.compile else "", "capfill" if args.capture_filling else "",
+        f"w{args.window}" if args.window else "",
         "" if args.prewarm else "noprewarm", f"l{args.layers}" if args.layers else "") if v)
     world = len({pipe.placement.diffusion_device, pipe.placement.decode_device} - {"cpu"}) or 1
     if info is not None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +77,7 @@ class StepKey:
     cache: str  # "ring-bf16" | "ring-fp8" | "naive" | other class name
     window_chunks: int
     filled: bool  # ring window full (steady state)
+    fill: int  # chunks visible while the ring fills (each stage has its own shapes); window when full
     commit: str
     passes: int
     sampler: str
@@ -83,7 +85,7 @@ class StepKey:
 
     def short(self) -> str:
         return (f"tokens={self.tokens_per_chunk} text_len={self.text_len} cache={self.cache} "
-                f"window={self.window_chunks} filled={self.filled} commit={self.commit} passes={self.passes}")
+                f"window={self.window_chunks} filled={self.filled} fill={self.fill} commit={self.commit} passes={self.passes}")
 
 
 def step_key(session, inp) -> StepKey:
@@ -94,15 +96,16 @@ def step_key(session, inp) -> StepKey:
     if isinstance(cache, RingCache):
         kind = f"ring-{cache.storage}"
         filled = cache._chunks >= cache.window_chunks and cache.cur is not None and not cache.cur[2]
+        fill = min(cache._chunks, cache.window_chunks)
     else:
         kind = "naive" if type(cache).__name__ == "NaiveCache" else type(cache).__name__
-        filled = False
+        filled, fill = False, 0
     text_len = int(session.text.kv[0][0].shape[1]) if session.text.kv else 0
     return StepKey(
         device=str(inp.noise.device), dtype=str(session.model.dtype).replace("torch.", ""),
         latent_shape=tuple(inp.noise.shape), tokens_per_chunk=cfg.tokens_per_chunk, text_len=text_len,
         audio_shape=tuple(inp.audio.shape) if inp.audio is not None else None, cache=kind,
-        window_chunks=cfg.stream.window_chunks, filled=filled, commit=cfg.stream.commit,
+        window_chunks=cfg.stream.window_chunks, filled=filled, fill=fill, commit=cfg.stream.commit,
         passes=session.gen.schedule.passes, sampler=session.gen.schedule.rule, cache_id=id(cache))
 
 
@@ -172,12 +175,14 @@ class GraphRunner:
     MAX_LOGGED = 256  # distinct (reason, key) log lines before going quiet
 
     def __init__(self, enabled: bool = True, max_graphs: int = 4, warmup: int = 1, max_captures_per_key: int = 8,
-                 capture: Callable[[Callable[[], torch.Tensor]], object] | None = None):
+                 capture: Callable[[Callable[[], torch.Tensor]], object] | None = None,
+                 capture_filling: bool = False):
         if max_graphs < 1 or warmup < 1 or max_captures_per_key < 1:
             raise ValueError(f"need max_graphs >= 1 ({max_graphs}), warmup >= 1 ({warmup}), "
                              f"max_captures_per_key >= 1 ({max_captures_per_key})")
         self.enabled, self.max_graphs, self.warmup = enabled, max_graphs, warmup
         self.max_captures_per_key = max_captures_per_key
+        self.capture_filling = capture_filling  # also capture the ring-filling steps (a graph per fill stage)
         self._capture = capture
         self._graphs: OrderedDict[StepKey, _Entry] = OrderedDict()
         self._seen: OrderedDict[StepKey, int] = OrderedDict()  # eager runs per key (bounded LRU)
@@ -206,7 +211,7 @@ class GraphRunner:
             return "not_cuda"
         if not key.cache.startswith("ring"):
             return "not_ring_cache"
-        if not key.filled:
+        if not key.filled and not self.capture_filling:
             return "ring_filling"
         if spans._active is not None:
             return "span_recorder_active"
@@ -237,7 +242,8 @@ class GraphRunner:
                 return
             _logged_global.add(gk)
         else:
-            lk = (reason, key)
+            # the fill stages of one stream are one story: log the filling once per shape, not per stage
+            lk = (reason, dataclasses.replace(key, fill=0) if reason == "ring_filling" else key)
             if lk in self._logged or len(self._logged) >= self.MAX_LOGGED:
                 return
             self._logged.add(lk)
