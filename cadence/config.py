@@ -391,8 +391,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         errs: list[str] = []
         if len(self.diffusion_devices) != 1:
-            errs.append(f"diffusion_devices must list exactly one device for now (tensor parallel diffusion "
-                        f"is not wired into the pipeline yet), got {list(self.diffusion_devices)}")
+            errs.append(f"diffusion_devices must list exactly one device (under tensor parallelism every rank "
+                        f"runs its own pipeline on its GPU: bench pipeline --tp N), got {list(self.diffusion_devices)}")
         for d in self.diffusion_devices:
             if not _DEVICE_SPEC.fullmatch(str(d)):
                 errs.append(f"diffusion device {d!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
