@@ -157,32 +157,14 @@ class Bench:
 
         graph, err = None, None
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
-                for _ in range(self.inner):
-                    fn()
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = _capture_calls(fn, self.inner, warm=0)  # time_us warmed up already
         except Exception as e:  # noqa: BLE001  (agree first, then time eagerly)
-            err, graph = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", None
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         if not all_ranks_ok(err is None, self.group):
             self.graph_failures.append(err or "capture failed on another rank")
             return None
-        for _ in range(2):
-            graph.replay()
-        self.sync()
         dist.barrier()
-        n = max(5, self.reps // 5)
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        for a, b in evs:
-            a.record()
-            graph.replay()
-            b.record()
-        self.sync()
-        del graph
-        ts = sorted(a.elapsed_time(b) * 1e3 / self.inner for a, b in evs)
-        return float(ts[len(ts) // 2])
+        return _replay_us(graph, self.inner, max(5, self.reps // 5))
 
 
 def _rel(a, b) -> float:
@@ -486,20 +468,25 @@ def _time_calls_us(fn, warmup: int, reps: int, cuda: bool) -> float:
     return float(ts[len(ts) // 2])
 
 
-def _time_graph_us(fn, inner: int = 20, replays: int = 20) -> float:
-    """Median microseconds per call of `inner` calls captured in one CUDA graph (GPU time only)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
+def _capture_calls(fn, inner: int, warm: int = 3) -> torch.cuda.CUDAGraph:
+    """`warm` eager calls on a side stream, then `inner` calls captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm):
             fn()
-    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(inner):
             fn()
-    for _ in range(3):
+    return g
+
+
+def _replay_us(g: torch.cuda.CUDAGraph, inner: int, replays: int) -> float:
+    """Median microseconds per captured call over `replays` timed replays of `g` (GPU time only)."""
+    for _ in range(2):
         g.replay()
     torch.cuda.synchronize()
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
@@ -509,8 +496,12 @@ def _time_graph_us(fn, inner: int = 20, replays: int = 20) -> float:
         b.record()
     torch.cuda.synchronize()
     ts = sorted(a.elapsed_time(b) * 1e3 / inner for a, b in evs)
-    del g
     return float(ts[len(ts) // 2])
+
+
+def _time_graph_us(fn, inner: int = 20, replays: int = 20) -> float:
+    """Median microseconds per call of `inner` calls captured in one CUDA graph (GPU time only)."""
+    return _replay_us(_capture_calls(fn, inner), inner, replays)
 
 
 def _quant_parity(q, s, qr, sr) -> dict:
