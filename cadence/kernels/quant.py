@@ -171,10 +171,8 @@ def quantize_rows_triton(x: torch.Tensor, *, block_m: int | None = None, num_war
     if x.dim() != 2:
         raise ValueError(f"quantize_rows_triton wants x [M, K], got {list(x.shape)}")
     m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, s = _outputs(m, k, x.device)
     if m == 0 or k == 0:
-        s.fill_(AMAX_MIN / FP8_MAX)
         return q, s
     interp = x.device.type != "cuda"
     bm, bk, nw = launch_config(k, interp, block_m, num_warps)
@@ -182,6 +180,15 @@ def quantize_rows_triton(x: torch.Tensor, *, block_m: int | None = None, num_war
     _kernels()[0][(triton_cdiv(m, bm),)](x, x.stride(0), q, q.stride(0), s, m, k,
                                          BLOCK_M=bm, BLOCK_K=bk, AMAX_MIN=AMAX_MIN, FP8_MAX=FP8_MAX,
                                          GRID_ROUND=bool(grid_round), **extra)
+    return q, s
+
+
+def _outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' outputs: e4m3 [M, K] and float32 scales [M, 1] (the floor scale when empty)."""
+    q = torch.empty((m, k), dtype=FP8, device=device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=device)
+    if m == 0 or k == 0:
+        s.fill_(AMAX_MIN / FP8_MAX)
     return q, s
 
 
@@ -234,10 +241,8 @@ def quantize_rows_modulated_triton(x: torch.Tensor, shift: torch.Tensor, scale: 
     sh = _as_bnk(shift, (b, n, k), "shift")
     sc = _as_bnk(scale, (b, n, k), "scale")
     m = b * n
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    q, s = _outputs(m, k, x.device)
     if m == 0 or k == 0:
-        s.fill_(AMAX_MIN / FP8_MAX)
         return q, s
     interp = x.device.type != "cuda"
     bm, bk, nw = launch_config(k, interp, block_m, num_warps, modulated=True)
