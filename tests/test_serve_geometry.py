@@ -1,7 +1,7 @@
 """The live server follows the preset's geometry (issue 6 at W1.3: 12-frame, 24,000-sample, 500 ms chunks),
 tested on the CPU at the tiny size with W1.3's chunk length (``latent_frames_per_chunk=3``); the worker's
-fast-path options (off on the CPU, one note per option that cannot apply), its warm-up, the pooled ring
-cache, and frames through shared memory.
+fast-path options (off on the CPU, one note per option that cannot apply), its warm-up, the one reused session (ring
+cache), and frames through shared memory.
 
 The in-process pieces (options, the frame ring, the engine, the scheduler) take well under a second each;
 one end-to-end run (a worker process + an aiortc client for ~3 s) takes ~15 s.
@@ -101,21 +101,8 @@ def test_frame_ring_lends_slots_and_leaves_nothing_behind():
     assert ring.acquire() is None
 
 
-@pytest.fixture(params=["session", "cache"])
-def reuse(request, monkeypatch):
-    """Both ways the worker keeps one ring cache for all its sessions: ``Session.reset`` (where the engine
-    has it) and new sessions built on one shared cache."""
-    from cadence.engine.generate import Session
-
-    if request.param == "session" and not hasattr(Session, "reset"):
-        pytest.skip("this engine has no Session.reset")
-    if request.param == "cache" and hasattr(Session, "reset"):
-        monkeypatch.delattr(Session, "reset")
-    return request.param
-
-
 @torch.no_grad()
-def test_engine_twelve_frame_chunks_warmup_and_one_ring_cache_equal_fresh_sessions(reuse):
+def test_engine_twelve_frame_chunks_warmup_and_one_ring_cache_equal_fresh_sessions():
     from cadence.media.image import default_reference_image
 
     img = default_reference_image(128, 128)
@@ -128,10 +115,10 @@ def test_engine_twelve_frame_chunks_warmup_and_one_ring_cache_equal_fresh_sessio
     assert want.shape == (12, 128, 128, 3) and want.dtype == np.uint8
     with pytest.raises(ValueError, match="24000 samples"):
         ref.run_chunk(sess, audio[:8000])
-    # the graph path on the CPU: the runner runs eagerly ('not_cuda'), every session on one ring cache;
+    # the graph path on the CPU: the runner runs eagerly ('not_cuda'), every session is one session reset;
     # a stream on the reused cache must give exactly what a fresh session gives
     eng = Engine("tiny", "cpu", options={"overrides": TWELVE, "graphs": True})
-    assert eng.applied["cache"] == "ring" and eng.applied["reuse"] == reuse
+    assert eng.applied["cache"] == "ring" and eng.applied["reuse"] == "session"
     t = time.monotonic()
     warm = eng.warm_up(img, chunks=2)
     assert time.monotonic() - t < 5.0

@@ -32,8 +32,7 @@ is applied from outside to the built model: the TAEHV decoder and the ring cache
 config overrides, ``apply_fp8`` on the model, opt-in ``apply_compile`` (torch.compile of the
 per-block elementwise math), and a :class:`~cadence.runtime.graphs.GraphRunner`.
 With graphs on, every session of the worker runs on ONE ring cache (``Session.reset`` on one session
-object where the engine has it, else new sessions built on one shared, reset cache: the ring's
-buffers are allocated once and addressed by device tensors), so the steady-state graph captured during
+object: the ring's buffers are allocated once and addressed by device tensors), so the steady-state graph captured during
 the warm-up is replayed by every later session: a capture costs ~2.5 chunks of time at W1.3 (978 ms in
 ``docs/perf/pipeline``) and would otherwise make every session miss a deadline once its window fills. Before "ready", on CUDA, a
 throwaway warm-up session runs ``window_chunks + 2`` chunks (first chunk, ring filling, steady
@@ -145,7 +144,7 @@ class FrameRing:
 # ---- the engine in the worker process ----------------------------------------------------------------
 
 class Engine:
-    """The generator with the serving fast path applied, a graph runner, an optional pooled ring cache;
+    """The generator with the serving fast path applied, a graph runner and (with graphs) one reused session;
     opens sessions and runs one chunk (step + decode + frames to host) with timings.
 
     Runs anywhere torch runs; the worker process uses it, and tests use it in-process on the CPU."""
@@ -196,24 +195,15 @@ class Engine:
                 if not rep.enabled:
                     self._note(f"compile: {rep.describe()}")
         self.runner = None
-        self.pool = None  # the shared ring cache (reuse 'cache')
-        self._sess = None  # the one session object reset stream after stream (reuse 'session')
+        self._sess = None  # with graphs: the one session object, reset stream after stream
         self.reuse: str | None = None
         if opts.get("graphs"):
-            from cadence.engine.generate import Session
             from cadence.runtime.graphs import GraphRunner
 
             self.runner = GraphRunner(enabled=True)
-            if hasattr(Session, "reset"):
-                self.reuse = "session"
-            else:
-                from cadence.engine.generate import make_cache
-
-                self.reuse = "cache"
-                self.pool = make_cache(cfg, self.gen.model)
+            self.reuse = "session"
             self.applied["graphs"] = True
         self.applied["reuse"] = self.reuse
-        self._graphs = bool(opts.get("graphs"))
         lh, lw = cfg.stream.height, cfg.stream.width
         self.frame_shape = (cfg.video_frames_per_chunk, lh, lw, 3)
         self.samples_per_chunk = cfg.audio_samples_per_chunk
@@ -224,53 +214,19 @@ class Engine:
 
     # ---- sessions -------------------------------------------------------------------------------
     def open(self, image, prompt: str, seed: int):
-        """A new stream. With graphs on, every stream runs on the same ring cache, so the graphs captured
-        once stay valid: ``Session.reset`` on one session object where the engine has it (reuse
-        'session'), else a new session built on the one shared cache (reuse 'cache'); failing both, a
-        new session and a new graph runner each time (a capture per session)."""
+        """A new stream. With graphs on, every stream is the same session object reset in place
+        (``Session.reset``: the same ring cache buffers), so the graphs captured once (in the warm-up)
+        stay valid for every user; without graphs, a new session."""
         if self.reuse == "session":
             if self._sess is None:
                 self._sess = self.gen.session(image, prompt, seed=seed)
             else:
                 self._sess.reset(image, prompt, seed)
             return self._sess
-        if self.reuse == "cache":
-            sess = self._session_on_pool(image, prompt, seed)
-            if sess is not None:
-                return sess
-        if self._graphs:  # a fresh cache per session: graphs keyed on it must not outlive it
-            from cadence.runtime.graphs import GraphRunner
-
-            self.runner.clear()
-            self.runner = GraphRunner(enabled=True)
         return self.gen.session(image, prompt, seed=seed)
 
-    def _session_on_pool(self, image, prompt: str, seed: int):
-        from cadence.engine import generate as eg
-
-        pool, original = self.pool, eg.make_cache
-
-        def reuse(cfg, model):
-            pool.reset()
-            return pool
-
-        eg.make_cache = reuse  # Session.__init__ builds its cache through this module function
-        try:
-            sess = self.gen.session(image, prompt, seed=seed)
-        finally:
-            eg.make_cache = original
-        if sess.cache is pool:
-            return sess
-        self._note("graphs: the engine did not take the shared ring cache; one graph runner per session "
-                   "(a capture per session)")
-        self.pool, self.reuse = None, None
-        self.applied["reuse"] = None
-        return None
-
     def close(self, sess) -> None:
-        if self.reuse is None and self.runner is not None:
-            self.runner.clear()
-        if self.cuda and self.reuse is None:
+        if self.cuda and self.reuse is None:  # the session's cache goes: give its memory back
             import torch
 
             torch.cuda.empty_cache()
