@@ -6,10 +6,6 @@
 #   3. W1.3 on one GPU with --capture-filling (first chunk replayed: ttff).
 # Usage on the device machine (repo root):  CADENCE_GIT=<sha> bash scripts/device_capture_filling.sh
 set -uo pipefail
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-OUT=${OUT:-/tmp/out}; PERF="$OUT/perf"; mkdir -p "$PERF"
 BUDGET_S=${BUDGET_S:-360}
 
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...

@@ -12,9 +12,6 @@
 # Each command runs under `timeout`, capped by what is left of BUDGET_S (scripts/device_lib.sh); a
 # short table at the end; everything in one tarball $OUT/pipeline.tgz (the device returns <= 8 files).
 set -uo pipefail
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; PERF="$OUT/perf"; mkdir -p "$PERF"
 BUDGET_S=${BUDGET_S:-345}; CHUNKS=${CHUNKS:-60}
 
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...

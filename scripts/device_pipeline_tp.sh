@@ -8,10 +8,6 @@
 # point); W14 TP=1 FP8 + compile + graphs with TAEHV decode on cuda:1. Table at the end; everything in
 # $OUT/pipeline_tp.tgz.
 set -uo pipefail
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-OUT=${OUT:-/tmp/out}; PERF="$OUT/perf"; mkdir -p "$PERF"
 BUDGET_S=${BUDGET_S:-380}
 
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...

@@ -12,13 +12,10 @@
 # `timeout`, capped by what is left of BUDGET_S. Everything ends up in $OUT/serve.tgz (the device
 # returns at most 8 files).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; PERF="$OUT/perf"; mkdir -p "$PERF"
 BUDGET_S=${BUDGET_S:-290}; SECONDS_W13=${SECONDS_W13:-20}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
 

@@ -12,15 +12,13 @@
 # to $OUT/perf/logs/, a few lines each to stdout, a summary table at the end; $OUT/perf is tarred into
 # $OUT/tp.tgz (only 8 files come back) and the summary is also $OUT/summary.md.
 set -uo pipefail
-export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-OUT=${OUT:-/tmp/out}; PERF="$OUT/perf"; LOGS="$PERF/logs"; mkdir -p "$PERF" "$LOGS"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 BUDGET_S=${BUDGET_S:-400}
 W14_LAYERS=${W14_LAYERS:-10}; W57_LAYERS=${W57_LAYERS:-8}
 TR="torchrun --standalone --nproc_per_node 2"
 
-source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
+source "$(dirname "$0")/device_lib.sh"  # env, $OUT/$PERF, run LIMIT_S NAME CMD...
+LOGS="$PERF/logs"; mkdir -p "$LOGS"
 
 # logged LIMIT_S NAME CMD...: device_lib's run, its output kept whole in $LOGS/NAME.log; the lines that
 # matter (and the rc line) to stdout, so that the summary at the end stays inside the output tail.
