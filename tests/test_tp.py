@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # tp_worker, importable in the spawned processes too
 import tp_worker
@@ -42,9 +41,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    mp.spawn(tp_worker.run_rank, args=(WORLD, tp_worker.free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return tp_worker.spawn_results(tmp_path_factory.mktemp("tp"), WORLD)
 
 
 @pytest.mark.timeout(180)

@@ -38,7 +38,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # tp_worker, importable in the spawned processes too
 import tp_worker
@@ -56,9 +55,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp4")
-    mp.spawn(tp_worker.run_rank, args=(WORLD, tp_worker.free_port(), str(out), True), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return tp_worker.spawn_results(tmp_path_factory.mktemp("tp4"), WORLD, extended=True)
 
 
 def _all_ranks_equal(results, *keys):

@@ -237,6 +237,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_results(outdir, world: int, extended: bool = False) -> list[dict]:
+    """Run :func:`run_rank` on `world` spawned gloo ranks and load what each rank saved."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(run_rank, args=(world, free_port(), str(outdir), extended), nprocs=world, join=True)
+    return [torch.load(Path(outdir) / f"rank{r}.pt") for r in range(world)]
+
+
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
