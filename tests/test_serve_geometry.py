@@ -250,8 +250,9 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
         res = asyncio.run(run_client(srv.url, 3.0))
         assert res.error is None, res.error
         assert 22.0 <= res.video_fps() <= 26.0, res.video_fps()
-        assert all(abs(s - 3750) <= 1 for s in res.pts_steps())
         rep = res.report
+        bad, missing = res.pts_gaps(3750)  # whole frame periods; jumps only where the pacer skipped
+        assert bad == [] and missing <= rep["video_frames_skipped"], (res.pts_steps(), rep)
         assert rep["frames_per_chunk"] == 12 and rep["video_frames_fresh"] >= 72
         assert rep["chunks"]["done"] >= 6 and rep["underruns"]["video"] <= 2, rep
         assert rep["ttff_ms"] is not None and not rep["errors"], rep

@@ -37,6 +37,16 @@ def test_video_pacer_waits_then_skips_when_far_behind():
     assert (n, skipped) == (50, 50)
 
 
+def test_client_pts_gaps_count_skipped_frames_and_flag_broken_steps():
+    from cadence.serve.client import ClientResult
+
+    # frames 0, 1, 2, then the pacer jumps to 13 (11 periods: 10 skipped), decoder rounding by 1 tick
+    r = ClientResult(video=[(0.0, 0), (0.0, 3750), (0.0, 7501), (0.0, 48750), (0.0, 52500)])
+    assert r.pts_gaps(3750) == ([], 10)
+    r = ClientResult(video=[(0.0, 0), (0.0, 3750), (0.0, 5000)])  # 1250 is not a frame period
+    assert r.pts_gaps(3750) == ([1250], 0)
+
+
 def test_scheduler_prestarts_then_plans_lead_ahead_with_bounded_in_flight():
     assert next_plan(0, 0.0, None, T, 0.1, in_flight=0) == (True, 0.0)
     assert next_plan(1, 0.0, None, T, 0.1, in_flight=1) == (True, 0.0)

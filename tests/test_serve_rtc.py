@@ -49,10 +49,16 @@ def test_aiortc_client_gets_24fps_video_and_48khz_audio_then_nothing_leaks():
         assert span >= 2.0 and len(res.video) >= 48
         assert 22.0 <= res.video_fps() <= 26.0, res.video_fps()
         assert res.video_time_base == pytest.approx(1 / 90000)
-        steps = res.pts_steps()
-        assert all(abs(s - 3750) <= 1 for s in steps), sorted(set(steps))  # the decoder rounds by <= 1 tick
+        # every pts step is a whole number of frame periods (the decoder rounds by <= 1 tick); a jump
+        # of several periods only where the server's pacer skipped frames after a stalled sender (on a
+        # loaded 2-core machine the event loop can stall for ~0.5 s): no frame lost in between
+        bad, missing = res.pts_gaps(3750)
+        assert bad == [], sorted(set(res.pts_steps()))
+        # (<=: the pacer may also skip after the client's last frame, before the session closes)
+        assert missing <= res.report["video_frames_skipped"], (missing, res.report)
+        assert missing <= 24, res.report  # at most a second of skipped video in 2.6 s
         total = res.video[-1][1] - res.video[0][1]
-        assert abs(total - 3750 * (len(res.video) - 1)) <= 2
+        assert abs(total - 3750 * (len(res.video) - 1 + missing)) <= 2
         assert res.video_size == (128, 128)
         # audio: 48 kHz, as long as the video
         assert {r for _, _, _, r in res.audio} == {48000}

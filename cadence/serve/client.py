@@ -87,6 +87,23 @@ class ClientResult:
         p = [pts for _, pts in self.video]
         return [b - a for a, b in zip(p, p[1:])]
 
+    def pts_gaps(self, step: int, tol: int = 1) -> tuple[list[int], int]:
+        """Check the video pts against the frame period ``step`` (3,750 at 24 fps in 1/90000).
+
+        Returns ``(bad_steps, missing)``: the pts steps that are not a whole number of frame periods
+        (within ``tol`` ticks: the decoder rounds), and how many frame periods the received pts jump
+        over. A jump is legitimate only when the server's pacer skipped those frames (a stalled
+        sender jumps to the frame due now, counted as ``video_frames_skipped`` in the session's
+        report); any other missing frame was lost on the way.
+        """
+        bad, missing = [], 0
+        for s in self.pts_steps():
+            m = max(1, round(s / step))
+            if abs(s - m * step) > tol:
+                bad.append(s)
+            missing += m - 1
+        return bad, missing
+
     @property
     def audio_seconds(self) -> float:
         return sum(n / r for _, _, n, r in self.audio if r)
