@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from cadence.config import get_preset
 from cadence.serve.config import SHM_MIN_BYTES, ServeConfig, engine_config, resolve_engine_options
 from cadence.serve.pacing import AVBuffer, MediaTiming
 from cadence.serve.worker import Engine, FrameRing, WorkerGroup
@@ -46,6 +47,12 @@ def test_engine_options_reference_on_cpu_fast_path_on_cuda():
     opts, _ = resolve_engine_options(ServeConfig(graphs=False, kv_fp8=False), "cuda:1", W13_BYTES - 1)
     assert not opts["graphs"] and not opts["kv_fp8"] and opts["fp8_linears"]
     assert resolve_engine_options(cfg, "cpu", SHM_MIN_BYTES)[0]["frame_transport"] == "shm"
+    # capture_filling: opt-in, needs graphs (hence CUDA); one line where it cannot apply
+    assert not resolve_engine_options(cfg, "cuda:0", W13_BYTES)[0]["capture_filling"]
+    assert resolve_engine_options(ServeConfig(capture_filling=True), "cuda:0", W13_BYTES)[0]["capture_filling"]
+    for dev, kw, why in (("cpu", {}, "this worker runs on cpu"), ("cuda:0", {"graphs": False}, "graphs are off")):
+        opts, notes = resolve_engine_options(ServeConfig(capture_filling=True, **kw), dev)
+        assert not opts["capture_filling"] and notes == [f"capture_filling: needs CUDA graphs ({why}): off"]
     for bad in ({"decoder": "vq"}, {"frame_transport": "tcp"}, {"warmup_chunks": -1}, {"max_in_flight": 0}):
         with pytest.raises(Exception, match=next(iter(bad))):
             ServeConfig(**bad)
@@ -140,6 +147,57 @@ def test_engine_twelve_frame_chunks_warmup_and_one_ring_cache_equal_fresh_sessio
         for a, b in zip(got, expect):
             np.testing.assert_array_equal(a, b)
     assert caches[0] is caches[1]  # one cache: a graph captured once stays valid for every session
+
+
+@torch.no_grad()
+def test_engine_capture_filling_warms_up_twice_then_replays_every_chunk_of_a_session():
+    """With capture_filling the warm-up runs two sessions (each fill stage eager in the first, captured
+    in the second); a user's session then replays a graph at every chunk, the first included, and its
+    frames equal a fresh eager session's. Graphs run through the injected stand-in capture on the CPU."""
+    from fake_graph import FakeGraph
+
+    from cadence.media.image import default_reference_image
+
+    img = default_reference_image(128, 128)
+    audio = (0.1 * np.sin(np.arange(8000) / 30.0)).astype(np.float32)
+    ring = {"stream": {"cache": "ring"}}
+    w = get_preset("tiny").stream.window_chunks
+    FakeGraph.made = []
+    eng = Engine("tiny", "cpu", options={"overrides": ring, "graphs": True, "capture_filling": True},
+                 graph_capture=FakeGraph)
+    assert eng.applied["capture_filling"] and eng.runner.max_graphs == 4 + w
+    warm = eng.warm_up(img)
+    assert warm["streams"] == 2 and warm["chunks"] == w + 2
+    # the second session captures the W-1 fill stages; the steady step was captured by the first
+    assert warm["steps"] == ["capture"] * (w - 1) + ["replay"] * 3
+    assert warm["slowest_chunk_ms"] >= warm["steady_chunk_ms"] > 0 and warm["media_chunk_ms"] == pytest.approx(166.7)
+    fresh = Engine("tiny", "cpu", options={"overrides": ring})
+    s_ref = fresh.open(img, "a prompt", 4)
+    expect = [fresh.run_chunk(s_ref, audio * (i + 1))[0] for i in range(w + 2)]
+    s = eng.open(img, "a prompt", 4)
+    for i in range(w + 2):
+        frames, tm = eng.run_chunk(s, audio * (i + 1))
+        assert tm["step"] == "replay", (i, tm["step"])
+        np.testing.assert_array_equal(frames, expect[i])
+    assert eng.runner.stats.captures == w and len(eng.runner) == w
+
+
+def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
+    """The warm-up's verdict comes from its per-chunk times (faked here): chunk 0 of a single warm-up
+    session is the cold one and does not count, nor does a capture; a slower-than-media chunk is a note."""
+    from cadence.media.image import default_reference_image
+
+    eng = Engine("tiny", "cpu", options={"overrides": {"stream": {"cache": "ring"}}, "graphs": True})
+    w = eng.cfg.stream.window_chunks
+    times = iter([5000.0] + [400.0] * (w - 1) + [900.0, 60.0])  # cold, eager filling, capture, replay
+    steps = iter(["eager:ring_filling"] * w + ["capture", "replay"])
+    monkeypatch.setattr(eng, "run_chunk", lambda sess, audio, out=None: (None, {"work_ms": next(times),
+                                                                                 "step": next(steps)}))
+    warm = eng.warm_up(default_reference_image(128, 128))
+    assert warm["streams"] == 1 and warm["steady_chunk_ms"] == 60.0 and warm["slowest_chunk_ms"] == 400.0
+    assert eng.notes == [(f"warm-up: {w - 1} chunk(s) of a session take up to 400 ms, longer than a chunk's 167 ms "
+                          "of media: expect underruns there in every session (eager ring-filling steps: "
+                          "--capture-filling captures them)")]
 
 
 def test_engine_compile_is_opt_in_and_says_why_it_is_off(monkeypatch):

@@ -159,7 +159,8 @@ def main(argv: list[str]) -> int:
         warm = w.get("warmup") or {}
         print(f"  worker {w['index']} ({w['device']}): lead {w['lead_ms']} ms, frames via {w['frame_transport']}, "
               f"fast path {w['fast_path']}, warm-up {warm.get('ms')} ms / {warm.get('chunks')} chunks, "
-              f"steady chunk {warm.get('steady_chunk_ms')} ms" + "".join(f"; {n}" for n in w.get("notes") or ()))
+              f"steady chunk {warm.get('steady_chunk_ms')} ms, slowest {warm.get('slowest_chunk_ms')} ms"
+              + "".join(f"; {n}" for n in w.get("notes") or ()))
     for e in errors[:10]:
         print(f"  error: {e}", file=sys.stderr)
     if not args.no_record:

@@ -80,6 +80,14 @@ class ServeConfig:
     """CUDA graphs for steady-state chunk steps (``cadence.runtime.graphs.GraphRunner``); the worker
     keeps one ring cache for all its sessions so a graph captured once (at warm-up) is replayed by
     every later session. None = on for CUDA. CUDA only."""
+    capture_filling: bool = False
+    """Opt-in (with graphs): also capture the ring-filling steps, one graph per fill stage
+    (``GraphRunner(capture_filling=True)``), so a session's first ``window_chunks`` chunks replay graphs
+    instead of running eagerly. The warm-up then runs a second throwaway session (each fill stage occurs
+    once per session and is warmed eagerly before its capture); costs ``window_chunks`` more graphs of
+    memory. Eager filling steps are launch-bound at 748 tokens (W14 TP=2: 535-1067 ms against a
+    166.7 ms chunk) and were 300-580 ms at W1.3 (500 ms chunk): slower than real time means underruns in
+    every session's first chunks whatever the lead. CUDA only; not measured on a GPU yet."""
     compile: bool = False
     """Opt-in: ``torch.compile`` of the per-block elementwise regions (``cadence.runtime.compile.
     apply_compile``, after the FP8 swap); it compiles each step shape on first use, i.e. during the
@@ -149,7 +157,7 @@ def engine_config(cfg: ServeConfig):
 def resolve_engine_options(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[dict, list[str]]:
     """What a worker on ``device`` runs: ``(options, notes)``.
 
-    ``options``: ``decoder`` (None = the preset's), ``kv_fp8``, ``fp8_linears``, ``graphs``, ``compile``,
+    ``options``: ``decoder`` (None = the preset's), ``kv_fp8``, ``fp8_linears``, ``graphs``, ``capture_filling``, ``compile``,
     ``warmup`` (bools), ``warmup_chunks`` (0 = window + 2), ``frame_transport`` ('pipe' | 'shm'), ``overrides``.
     ``notes``: one line per option asked for explicitly that cannot apply on this device (CUDA-only
     options on the CPU). Pure: no torch, no processes."""
@@ -165,6 +173,13 @@ def resolve_engine_options(cfg: ServeConfig, device: str, frame_bytes: int = 0) 
             opts[name] = False
         else:
             opts[name] = bool(value)
+    opts["capture_filling"] = False
+    if cfg.capture_filling:
+        if not opts["graphs"]:
+            why = f"this worker runs on {device}" if not cuda else "graphs are off"
+            notes.append(f"capture_filling: needs CUDA graphs ({why}): off")
+        else:
+            opts["capture_filling"] = True
     opts["compile"] = bool(cfg.compile)
     opts["warmup"] = cuda if cfg.warmup is None else bool(cfg.warmup)
     opts["warmup_chunks"] = cfg.warmup_chunks
@@ -188,6 +203,9 @@ def add_engine_flags(parser) -> None:
                        ("warmup", "a throwaway warm-up session before the worker reports ready")):
         g.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{what} (default: on for CUDA groups, off on the CPU)")
+    g.add_argument("--capture-filling", action="store_true",
+                   help="opt-in, with graphs: capture the ring-filling steps too (a second warm-up session; "
+                        "window_chunks more graphs), so a session's first chunks are not eager")
     g.add_argument("--compile", action="store_true",
                    help="opt-in: torch.compile of the per-block elementwise math (compiles during the warm-up)")
     g.add_argument("--warmup-chunks", type=int, default=0, help="warm-up chunks (default 0 = window + 2)")
@@ -198,5 +216,5 @@ def add_engine_flags(parser) -> None:
 def engine_kwargs(args) -> dict:
     """ServeConfig keyword arguments from the flags of :func:`add_engine_flags`."""
     return {"decoder": args.decoder, "kv_fp8": args.kv_fp8, "fp8_linears": args.fp8_linears, "graphs": args.graphs,
-            "compile": args.compile, "warmup": args.warmup, "warmup_chunks": args.warmup_chunks,
-            "frame_transport": args.frame_transport}
+            "capture_filling": args.capture_filling, "compile": args.compile, "warmup": args.warmup,
+            "warmup_chunks": args.warmup_chunks, "frame_transport": args.frame_transport}

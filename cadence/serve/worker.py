@@ -149,7 +149,8 @@ class Engine:
 
     Runs anywhere torch runs; the worker process uses it, and tests use it in-process on the CPU."""
 
-    def __init__(self, preset: str, device: str, seed: int = 0, options: dict | None = None):
+    def __init__(self, preset: str, device: str, seed: int = 0, options: dict | None = None,
+                 graph_capture=None):
         import torch
 
         from cadence.config import get_preset
@@ -200,9 +201,12 @@ class Engine:
         if opts.get("graphs"):
             from cadence.runtime.graphs import GraphRunner
 
-            self.runner = GraphRunner(enabled=True)
+            fill = bool(opts.get("capture_filling"))  # + one graph per ring-fill stage
+            self.runner = GraphRunner(enabled=True, max_graphs=4 + (cfg.stream.window_chunks if fill else 0),
+                                      capture_filling=fill, capture=graph_capture)
             self.reuse = "session"
             self.applied["graphs"] = True
+        self.applied["capture_filling"] = bool(self.runner is not None and self.runner.capture_filling)
         self.applied["reuse"] = self.reuse
         lh, lw = cfg.stream.height, cfg.stream.width
         self.frame_shape = (cfg.video_frames_per_chunk, lh, lw, 3)
@@ -264,27 +268,50 @@ class Engine:
                         "work_ms": (t_done - t_recv) * 1e3, "step": self.runner.last if self.runner else "eager"}
 
     def warm_up(self, image, chunks: int = 0) -> dict:
-        """A throwaway session of ``chunks`` chunks (0 = window_chunks + 2): every step shape (first
-        chunk, ring filling, steady, capture, replay) and the decoder run once before any user."""
+        """Throwaway sessions of ``chunks`` chunks (0 = window_chunks + 2): every step shape (first
+        chunk, ring filling, steady, capture, replay) and the decoder run once before any user. With
+        ``capture_filling`` a second session follows (each fill stage is warmed eagerly in the first,
+        captured in the second), so that users' sessions replay every step.
+
+        Reports the last session's per-chunk times (what a user's session will look like, but for the
+        last session's chunk 0 in single-session mode, which pays the cold start), ``steady_chunk_ms``
+        (the last non-capture chunk: the auto lead is sized from it) and ``slowest_chunk_ms`` (the
+        slowest chunk a user's session will run, captures and the cold chunk 0 left out); a note when
+        that is longer than a chunk's media (the worker is then slower than real time for those
+        chunks and each session underruns there, whatever the lead)."""
         import torch
 
         n = chunks or self.cfg.stream.window_chunks + 2
         g = torch.Generator().manual_seed(0)
         audio = (0.1 * torch.randn(self.samples_per_chunk, generator=g)).numpy()
         buf = np.empty(self.frame_shape, np.uint8)
+        streams = 1 + (self.runner.warmup if self.runner is not None and self.runner.capture_filling else 0)
         t0 = time.monotonic()
-        sess = self.open(image, "warm-up", 0)
-        open_ms = (time.monotonic() - t0) * 1e3
-        per, steps = [], []
-        for _ in range(n):
-            _, tm = self.run_chunk(sess, audio, out=buf)
-            per.append(tm["work_ms"])
-            steps.append(tm["step"])
-        self.close(sess)
+        for _ in range(streams):
+            t = time.monotonic()
+            sess = self.open(image, "warm-up", 0)
+            open_ms = (time.monotonic() - t) * 1e3
+            per, steps = [], []
+            for _ in range(n):
+                _, tm = self.run_chunk(sess, audio, out=buf)
+                per.append(tm["work_ms"])
+                steps.append(tm["step"])
+            self.close(sess)
         steady = [ms for ms, st in zip(per, steps) if st != "capture"]
+        first = 0 if streams > 1 else 1  # a single session's chunk 0 is the cold one
+        user = [ms for ms, st in zip(per[first:], steps[first:]) if st != "capture"] or per
+        chunk_ms = self.cfg.video_frames_per_chunk / self.cfg.stream.fps * 1e3
+        slowest = max(user)
+        if slowest > chunk_ms:
+            late = sum(ms > chunk_ms for ms in user)
+            filling = any(st == "eager:ring_filling" for ms, st in zip(per[first:], steps[first:]) if ms > chunk_ms)
+            self._note(f"warm-up: {late} chunk(s) of a session take up to {slowest:.0f} ms, longer than a "
+                       f"chunk's {chunk_ms:.0f} ms of media: expect underruns there in every session"
+                       + (" (eager ring-filling steps: --capture-filling captures them)" if filling else ""))
         return {"ms": round((time.monotonic() - t0) * 1e3, 1), "open_ms": round(open_ms, 1), "chunks": n,
-                "chunk_ms": [round(x, 1) for x in per], "steps": steps,
+                "streams": streams, "chunk_ms": [round(x, 1) for x in per], "steps": steps,
                 "steady_chunk_ms": round(steady[-1] if steady else per[-1], 1),
+                "slowest_chunk_ms": round(slowest, 1), "media_chunk_ms": round(chunk_ms, 1),
                 "graphs": vars(self.runner.stats) if self.runner is not None else None}
 
 
