@@ -317,3 +317,22 @@ def test_bench_pipeline_tiny_smoke(tmp_path, capsys):
     assert r["shape_changes"] >= 2 and r["shape_change_run"]["chunks"] == 12
     assert len(r["per_chunk"]) == 12
     assert "fps (sustained)" in capsys.readouterr().out
+
+
+def test_bench_pipeline_decode_gpu_flag(tmp_path, capsys):
+    """`--decode-gpu K` (the issue's spelling) is `--decode-device cuda:K`; without that GPU the placement
+    maps it to the CPU with one log line; the two flags exclude each other."""
+    import json
+
+    from cadence.bench.pipeline import main, parse
+
+    with pytest.raises(SystemExit):
+        parse(["--decode-gpu", "1", "--decode-device", "cpu"])
+    if torch.cuda.device_count() > 1:
+        pytest.skip("a machine with a second GPU would really decode there")
+    capsys.readouterr()
+    assert main(["--preset", "tiny", "--chunks", "2", "--shape-change-every", "0", "--decode-gpu", "1",
+                 "--out-dir", str(tmp_path)]) == 0
+    assert "cuda:1 mapped to cpu" in capsys.readouterr().err
+    (f,) = (tmp_path / "pipeline").glob("*.json")
+    assert json.loads(f.read_text())["placement"] == "diffusion cpu -> decode cpu"

@@ -2,7 +2,7 @@
 
     cadence bench pipeline --preset tiny --chunks 12                  # CPU smoke test, seconds
     cadence bench pipeline --preset w1.3 --chunks 200                 # one H200: decode on its own stream
-    cadence bench pipeline --preset w14 --chunks 200 --decode-device cuda:1   # 2x H200
+    cadence bench pipeline --preset w14 --chunks 200 --decode-gpu 1   # 2x H200 (= --decode-device cuda:1)
     cadence bench pipeline --preset w14 --no-graphs --shape-change-every 5
     cadence bench pipeline --preset w1.3 --chunks 60 --decoder taehv --kv-fp8 --fp8 --compile --window 4
 
@@ -46,7 +46,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", help="tiny | w1.3 | w14 | w57")
     p.add_argument("--chunks", type=int, default=200)
     p.add_argument("--device", default=None, help="diffusion device: cuda[:N] | cpu (default: cuda:0 if present)")
-    p.add_argument("--decode-device", default="auto", help="auto | same | cpu | cuda:N (default: auto)")
+    dec = p.add_mutually_exclusive_group()
+    dec.add_argument("--decode-device", default="auto", help="auto | same | cpu | cuda:N (default: auto)")
+    dec.add_argument("--decode-gpu", type=int, default=None, metavar="K",
+                     help="decode on GPU K (= --decode-device cuda:K)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA graphs for steady-state steps (default: on)")
     p.add_argument("--shape-change-every", type=int, default=10,
@@ -233,7 +236,8 @@ def _main(args, info) -> int:
     cfg = cfg.with_overrides(**over)
     # under TP every rank decodes its own copy on a side stream of its GPU (the same work on every
     # rank keeps the ranks in step at the all-reduces); only rank 0's frames are used
-    decode_device = "same" if info is not None else args.decode_device
+    decode_device = "same" if info is not None else (
+        f"cuda:{args.decode_gpu}" if args.decode_gpu is not None else args.decode_device)
     pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=decode_device, graphs=args.graphs,
                           max_graphs=args.max_graphs, queue_depth=args.queue_depth,
                           steps_in_flight=args.steps_in_flight, capture_filling=args.capture_filling)
