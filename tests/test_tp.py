@@ -83,6 +83,20 @@ def test_fp8_composes_with_tp(results):
         assert torch.equal(results[0][key], results[1][key])
 
 
+def test_compile_composes_with_tp(results):
+    """apply_compile after apply_tp swaps the sharded q/k RMS norms' local halves (sum of squares,
+    scaling) for compiled ones around their all-reduce; the output stays the TP output (aot_eager
+    traces the same float32 ops: within 1e-6 relative)."""
+    m = get_preset("tiny").model
+    qk_norms = 2 * 2 * m.num_layers + sum(2 for i in range(m.num_layers) if m.has_audio(i))
+    for r in range(WORLD):
+        c = results[r]["compiled"]
+        assert (c["blocks"], c["norms"]) == (m.num_layers, qk_norms)
+        assert c["status"]["sum_squares"] != "compiled (0 calls)" and c["status"]["rms_scale"] != "compiled (0 calls)"
+        assert all(v.startswith("compiled") for v in c["status"].values()), c["status"]
+        assert tp_worker.rel_err(c["full"], results[r]["tp"]["full"]) < 1e-6
+
+
 def test_tp_size_must_divide_heads_and_ffn():
     from cadence.parallel.tp import check_tp_size
 

@@ -91,6 +91,13 @@ def run_rank(rank: int, world: int, port: int, outdir: str, extended: bool = Fal
         apply_tp(m2, info.group)
         res["tp_then_fp8"] = m1.forward_full(*inputs)
         res["fp8_then_tp"] = m2.forward_full(*inputs)
+        if not extended:  # compile composed with TP: the sharded q/k norms' local halves are compiled too
+            from cadence.runtime.compile import apply_compile, remove_compile
+
+            rep = apply_compile(model, backend="aot_eager")  # traced, no code generated: the plumbing
+            res["compiled"] = {"full": model.forward_full(*inputs), "blocks": rep.blocks, "norms": rep.norms,
+                               "status": rep.status()}
+            remove_compile(model)
         ref = build_model(cfg, "cpu", torch.float32, seed=0) if rank == 0 else None
         if extended:
             res["ring"] = _run_ring(model, cfg, img, speech)

@@ -44,6 +44,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype) * weight.to(x.dtype)
 
 
+def sum_squares(x: torch.Tensor) -> torch.Tensor:
+    """Float32 sum of squares over the last dim, kept as [..., 1]: the part of an RMS norm that a
+    norm over channels split across ranks reduces (``cadence.parallel.tp.ShardedRMSNorm``)."""
+    return x.float().pow(2).sum(-1, keepdim=True)
+
+
+def rms_scale(x: torch.Tensor, ss: torch.Tensor, weight: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
+    """The rest of that RMS norm, from the (reduced) sum of squares ``ss`` over ``dim`` channels:
+    ``rms_scale(x, sum_squares(x), w, x.shape[-1], eps)`` is ``rms_norm(x, w, eps)``."""
+    y = x.float() * torch.rsqrt(ss / dim + eps)
+    return y.to(x.dtype) * weight.to(x.dtype)
+
+
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """adaLN: LayerNorm (float32, no affine) * (1 + scale) + shift, cast back to x's dtype."""
     h = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps)
@@ -64,12 +77,15 @@ def gate_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch
 class ElementwiseOps:
     """The per-block elementwise math between the GEMMs and the attention calls, as plain functions.
 
-    Blocks and RMS norms call these through an instance (``Block.ops``, ``RMSNorm.ops``) so that a
+    Blocks and RMS norms call these through an instance (``Block.ops``, ``RMSNorm.ops``; the
+    tensor-parallel ``ShardedRMSNorm`` calls ``sum_squares`` / ``rms_scale`` around its all-reduce) so that a
     fused implementation can be swapped in from outside a built model
     (:func:`cadence.runtime.compile.apply_compile`); this class is the reference.
     """
 
     rms_norm = staticmethod(rms_norm)
+    sum_squares = staticmethod(sum_squares)
+    rms_scale = staticmethod(rms_scale)
     norm_modulate = staticmethod(norm_modulate)
     layer_norm_cast = staticmethod(layer_norm_cast)
     gate_residual = staticmethod(gate_residual)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cadence.model.layers import Linear, RMSNorm
+from cadence.model.layers import PLAIN_OPS, Linear, RMSNorm
 from cadence.quant.fp8 import FP8Linear
 from cadence.telemetry.spans import region
 
@@ -101,14 +101,13 @@ class ShardedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
         self.full_dim, self.eps, self.group = full_dim, eps, group
+        self.ops = PLAIN_OPS  # the two local halves; apply_compile swaps in fused ones (not the all-reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        ss = xf.pow(2).sum(-1, keepdim=True)
+        ss = self.ops.sum_squares(x)
         with region("allreduce"):
             dist.all_reduce(ss, op=dist.ReduceOp.SUM, group=self.group)
-        y = xf * torch.rsqrt(ss / self.full_dim + self.eps)
-        return y.to(x.dtype) * self.weight.to(x.dtype)
+        return self.ops.rms_scale(x, ss, self.weight, self.full_dim, self.eps)
 
     def extra_repr(self) -> str:
         return f"local={self.weight.numel()}, full_dim={self.full_dim}, eps={self.eps}"

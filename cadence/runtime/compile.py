@@ -7,7 +7,8 @@
 What gets fused. Between its GEMM and attention calls, a block runs a handful of elementwise
 sequences (:class:`cadence.model.layers.ElementwiseOps`): the adaLN ``LayerNorm * (1 + scale) + shift``
 before the self-attention and the FFN, the float32 ``x + y * gate`` residuals after them, the affine
-LayerNorm before the cross / audio attention, and the q/k RMS norms. Eagerly each of these is 4-8
+LayerNorm before the cross / audio attention, and the q/k RMS norms (under tensor parallelism the
+sharded norm's local sum of squares and its scaling, on either side of the sum's all-reduce). Eagerly each of these is 4-8
 kernels that read and write full float32 copies of the [tokens, dim] activations; compiled, each is
 one or two Triton kernels that read bf16 and write bf16 once. The GEMMs, the attention kernels, the
 cache and the collectives stay exactly as they are (they are not traced: only these pure tensor
@@ -38,10 +39,11 @@ import torch
 import torch.nn as nn
 
 from cadence.model import layers as L
+from cadence.model.dit import Block
 
 log = logging.getLogger("cadence.compile")
 
-OPS = ("rms_norm", "norm_modulate", "layer_norm_cast", "gate_residual")
+OPS = ("rms_norm", "sum_squares", "rms_scale", "norm_modulate", "layer_norm_cast", "gate_residual")
 
 
 def _compiler_problem(device: torch.device) -> str | None:
@@ -121,8 +123,9 @@ class CompileReport:
 def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: int = 16) -> CompileReport:
     """Swap the model's per-block elementwise ops for compiled ones (in place; returns a report).
 
-    Touches only modules that have an ``ops`` attribute holding the plain ops (blocks and plain
-    RMS norms); replaced modules (e.g. tensor-parallel sharded norms) keep their own code.
+    Touches only modules that have an ``ops`` attribute holding the plain ops: blocks, RMS norms and
+    the tensor-parallel sharded norms (whose two local halves are compiled around their all-reduce,
+    which stays outside the compiled code).
     ``backend="aot_eager"`` traces without generating code (tests of the plumbing)."""
     try:
         device = next(model.parameters()).device
@@ -144,10 +147,10 @@ def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: 
         if getattr(m, "ops", None) is not L.PLAIN_OPS:
             continue
         m.ops = ops
-        if isinstance(m, L.RMSNorm):
-            norms += 1
-        else:
+        if isinstance(m, Block):
             blocks += 1
+        else:  # RMS norms, plain or tensor-parallel sharded
+            norms += 1
     rep = CompileReport(True, "", blocks, norms, backend, ops)
     log.info("%s", rep.describe())
     return rep
