@@ -125,6 +125,28 @@ def test_disabled_runs_eagerly_with_one_log_line(ring_gen, caplog):
     assert len(graph_logs(caplog)) == 1
 
 
+def test_length_on_device_ring_shares_one_graph_from_the_first_chunk(ring_gen, monkeypatch):
+    """A ring whose visible length lives on the device (FP8 on the Triton path; why that is safe:
+    tests/test_ring.py::test_length_on_device_means_attend_ignores_the_host_fill_state) gives its
+    filling chunks the steady key: one graph, warmed on chunk 0, captured on chunk 1, replayed from
+    then on, through the fill stages, the first sink move and past the window; the same latents as
+    eager. Emulated here on the CPU reference path (the attribute forced, the stand-in capture)."""
+    from cadence.cache.ring import RingCache
+
+    monkeypatch.setattr(RingCache, "length_on_device", property(lambda self: True))
+    sess = ring_gen.session(image(), "p", seed=0)
+    inp = sess.prepare_step(audio(1))
+    k = step_key(sess, inp)
+    assert k.filled and k.fill == W  # chunk 0 already has the steady key
+    runner = GraphRunner(capture=FakeGraph)
+    n = W + 3
+    out, did, _ = run_steps(ring_gen, runner, n)
+    ref, _, _ = run_steps(ring_gen, None, n)
+    assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    assert did == ["eager:warmup", "capture"] + ["replay"] * (n - 2)
+    assert len(FakeGraph.made) == 1 and runner.stats.captures == 1 and "ring_filling" not in runner.stats.eager_reasons
+
+
 def test_naive_cache_is_never_captured(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     g = build_generator(TINY, seed=0)  # naive cache

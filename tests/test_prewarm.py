@@ -251,3 +251,18 @@ def test_capture_filling_off_keeps_filling_eager(gen):
     assert pipe.prewarm()["prewarm_streams"] == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
     assert all(k.filled for k in pipe.runner.keys())
     pipe.close()
+
+
+def test_capture_filling_needs_no_second_stream_when_the_length_is_on_the_device(gen, monkeypatch):
+    """With a ring that reads its visible length on the device the filling steps share the steady key
+    (tests/test_graphs.py), so capture_filling has nothing to capture: one prewarm stream, one graph,
+    and the next stream replays every chunk."""
+    from cadence.cache.ring import RingCache
+
+    monkeypatch.setattr(RingCache, "length_on_device", property(lambda self: True))
+    pipe = ChunkPipeline(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
+    info = pipe.prewarm()
+    assert info["prewarm_streams"] == 1 and len(pipe.runner) == 1
+    out = collect(pipe, image(1), "a person talking", speech(N, seed=5), N, 7)
+    assert [s for _, _, s in out] == ["replay"] * N
+    pipe.close()

@@ -361,3 +361,44 @@ def test_triton_path_matches_reference_path(gen, monkeypatch, dtype):
     print(f"\ntriton vs reference path ({dtype}) latents rel err:", " ".join(f"{e:.1e}" for e in errs))
     assert all(torch.isfinite(x).all() for x in got)
     assert max(errs) < (1e-5 if dtype == "bf16" else 0.02)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_length_on_device_means_attend_ignores_the_host_fill_state(dtype):
+    """What one CUDA graph for every fill stage relies on (``RingCache.length_on_device``; the graph
+    runner gives filling chunks the steady key then). A graph replays the launches of its capture, with
+    the host values of that moment frozen in; here every chunk's attend runs with the host chunk
+    bookkeeping of another stage (steady while filling, early while steady), as a replay of a graph
+    captured there would. FP8 on the Triton path (the interpreter on CPU): bitwise the same outputs.
+    The bf16 path slices its SDPA prefix with a host int (length_on_device False): its outputs change,
+    so this check can fail."""
+    from cadence.kernels.ring_attention import triton_usable
+
+    if not triton_usable(torch.device("cpu"), HEAD_DIM, allow_interpreter=True)[0] and not torch.cuda.is_available():
+        pytest.skip("triton cannot run here")
+    w = 3
+
+    def run(other_stage: bool):
+        ring = make_ring(w, dtype=dtype, sink_policy="follow", use_triton=True)
+        g = torch.Generator().manual_seed(0)
+        ring.begin_chunk(0, 1, sink=True)
+        ring.attend(0, *rand_qkv(g, 1), commit=True)
+        outs = []
+        for i in range(2 * w + 1):  # filling, steady, past a wraparound and the first sink move
+            ring.begin_chunk(1 + i, 1)
+            qkv = rand_qkv(g, 1)
+            saved = (ring._chunks, ring.cur, ring._last_start)
+            if other_stage:
+                ring._chunks = 10 * w if i < w else 1
+                ring.cur, ring._last_start = (1000 + i, 1, False), 1000 + i
+            outs.append(ring.attend(0, *qkv, commit=True))
+            ring._chunks, ring.cur, ring._last_start = saved
+        return outs, ring.length_on_device
+
+    ref, on_device = run(False)
+    got, _ = run(True)
+    same = [torch.equal(a, b) for a, b in zip(got, ref)]
+    if dtype == "fp8":
+        assert on_device and all(same), same
+    else:
+        assert not on_device and not all(same[:w]), same  # the filling chunks saw another prefix

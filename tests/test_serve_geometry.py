@@ -182,6 +182,28 @@ def test_engine_capture_filling_warms_up_twice_then_replays_every_chunk_of_a_ses
     assert eng.runner.stats.captures == w and len(eng.runner) == w
 
 
+@torch.no_grad()
+def test_engine_with_the_length_on_the_device_warms_up_once_and_replays_every_chunk(monkeypatch):
+    """FP8 K/V on the Triton path (``RingCache.length_on_device``, forced here on the CPU reference
+    path): filling steps share the steady graph, so even with capture_filling one warm-up session is
+    enough and a user's session replays from its first chunk."""
+    from fake_graph import FakeGraph
+
+    from cadence.cache.ring import RingCache
+    from cadence.media.image import default_reference_image
+
+    monkeypatch.setattr(RingCache, "length_on_device", property(lambda self: True))
+    img = default_reference_image(128, 128)
+    eng = Engine("tiny", "cpu", options={"overrides": {"stream": {"cache": "ring"}}, "graphs": True,
+                                         "capture_filling": True}, graph_capture=FakeGraph)
+    warm = eng.warm_up(img)
+    assert warm["streams"] == 1 and warm["steps"][:2] == ["eager:warmup", "capture"]
+    s = eng.open(img, "a prompt", 4)
+    audio = (0.1 * np.sin(np.arange(8000) / 30.0)).astype(np.float32)
+    assert [eng.run_chunk(s, audio)[1]["step"] for _ in range(3)] == ["replay"] * 3
+    assert eng.runner.stats.captures == 1
+
+
 def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
     """The warm-up's verdict comes from its per-chunk times (faked here): chunk 0 of a single warm-up
     session is the cold one and does not count, nor does a capture; a slower-than-media chunk is a note."""
@@ -311,7 +333,10 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
         rep = res.report
         bad, missing = res.pts_gaps(3750)  # whole frame periods; jumps only where the pacer skipped
         assert bad == [] and missing <= rep["video_frames_skipped"], (res.pts_steps(), rep)
-        assert rep["frames_per_chunk"] == 12 and rep["video_frames_fresh"] >= 72
+        # 3 s at 24 fps: 72 frames generated in time, sent, or skipped by the pacer after a stall of this
+        # test process's event loop (server and client share it; a GC pause after the in-process models
+        # of the tests before this one skipped 3 frames in 1 of 5 runs)
+        assert rep["frames_per_chunk"] == 12 and rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 72, rep
         assert rep["chunks"]["done"] >= 6 and rep["underruns"]["video"] <= 2, rep
         assert rep["ttff_ms"] is not None and not rep["errors"], rep
         assert g.ring.free_slots == g.slots  # every lent slot came back

@@ -24,7 +24,9 @@ Storage, per layer (one allocation per tensor for all layers, made once)::
   once positions are baked in, so nothing is unrolled, copied or concatenated. The slot's previous
   content is the chunk W steps back, outside the window, so overwriting it on every pass is safe;
   the last pass of a chunk (the committing one) leaves its K/V there. Slots fill in order, so the
-  visible keys are always a prefix [0, n): a length, not a mask, and only while the ring fills.
+  visible keys are always a prefix [0, n): a length, not a mask, and only while the ring fills. On
+  the FP8 Triton path that length is read on the device, so a filling step launches exactly what a
+  steady step launches (``length_on_device``: one CUDA graph for both).
 * **No host syncs.** The write slot, its first row and the valid length are device tensors advanced
   on the device in ``begin_chunk``; RoPE tables of the current chunk live in static buffers updated
   in place. Python ints are host bookkeeping only (the bf16 path slices its prefix view with one).
@@ -173,6 +175,16 @@ class RingCache(SelfAttentionCache):
         self._sink_start = 0
         self._sink_pos: int | None = None  # where the sink's stored keys are rotated now
         self._has_sink = False
+
+    @property
+    def length_on_device(self) -> bool:
+        """True when a chunk step's launches do not depend on how full the ring is: the FP8 Triton
+        path reads the visible length from ``n_valid`` (device) inside the attention kernel, and every
+        other per-chunk quantity (write rows, RoPE tables, sink rotation) is a device buffer updated in
+        ``begin_chunk``, outside the step. Then one captured graph serves the ring-filling chunks as
+        well as the steady ones (``cadence.runtime.graphs.step_key``). The bf16 path slices its SDPA
+        prefix with a host int (``_n_visible``): each fill stage is its own shape there."""
+        return self.storage == "fp8" and self.use_triton
 
     def _n_visible(self) -> int:
         return self.sink_tokens if self.cur[2] else self.sink_tokens + min(self._chunks, self.window_chunks) * \

@@ -383,13 +383,17 @@ class ChunkPipeline:
         # need graph_warmup eager streams, then one that captures them
         streams = 1 + (self.cfg.graph_warmup if self.cfg.capture_filling and self.cfg.reuse_session else 0)
         first = None
-        for _ in range(streams):
+        ran = 0
+        while ran < streams:
             for _ in self.stream(image, prompt, audio, n, seed=seed):
                 pass
+            ran += 1
             first = first or dict(self.last_run)
+            if getattr(getattr(self.session, "cache", None), "length_on_device", False):
+                break  # filling steps share the steady graph (RingCache.length_on_device): nothing more to capture
         if torch.device(self.placement.diffusion_device).type == "cuda":
             torch.cuda.synchronize(self.placement.diffusion_device)
-        info = dict(first, prewarm_s=time.perf_counter() - t0, prewarm_chunks=n, prewarm_streams=streams,
+        info = dict(first, prewarm_s=time.perf_counter() - t0, prewarm_chunks=n, prewarm_streams=ran,
                     graphs=self.last_run.get("graphs"))
         self.prewarmed = info
         return info

@@ -14,7 +14,11 @@ copied into static buffers owned by the graph before each replay (text only when
 Which steps are captured, and the key: a step is capturable only when every address and shape it
 touches is fixed from chunk to chunk: a :class:`~cadence.cache.ring.RingCache` (its buffers are
 preallocated and addressed by device tensors) whose window is full (while it fills, the visible
-prefix grows), on CUDA, with no span recorder active. The key (:class:`StepKey`) is the step's
+prefix grows), on CUDA, with no span recorder active. With FP8 K/V on the Triton path the ring reads
+its visible length on the device (``RingCache.length_on_device``), so a filling step launches the same
+kernels with the same arguments as a steady one: its key is the steady key, and the graph captured
+once serves the whole stream from its first chunk (the bf16/cuDNN path slices a prefix with a host
+int: there each fill stage is its own shape, eager unless ``capture_filling``). The key (:class:`StepKey`) is the step's
 shape signature: device, dtype, latent shape, tokens per chunk, text (conditioning) length, audio
 token shape, cache storage (bf16/fp8) and window, fill state, commit policy, passes and sampler,
 and the identity of the session's cache (a graph reads that cache's buffers; each kept graph holds a
@@ -25,7 +29,7 @@ weights and of the generator's timesteps; nothing else of the session. It is the
 for steps on that same cache object: a session reset in place (``Session.reset``, what
 ``ChunkPipeline`` does between streams) keeps its cache, so its key and its graphs stay valid; a new
 session has a new cache, hence new keys, and captures its own. Anything else (the
-first chunks while the ring fills, the naive cache, a new conditioning length's first step, the
+first chunks while a bf16 ring fills, the naive cache, a new conditioning length's first step, the
 CPU, graphs disabled) runs eagerly; each reason is logged once per key (``cadence.runtime.graphs``).
 
 Bounded: at most ``max_graphs`` graphs are kept, least recently used evicted and freed
@@ -95,8 +99,12 @@ def step_key(session, inp) -> StepKey:
     cache, cfg = session.cache, session.cfg
     if isinstance(cache, RingCache):
         kind = f"ring-{cache.storage}"
-        filled = cache._chunks >= cache.window_chunks and cache.cur is not None and not cache.cur[2]
-        fill = min(cache._chunks, cache.window_chunks)
+        chunk = cache.cur is not None and not cache.cur[2]
+        if chunk and cache.length_on_device:  # the fill stage is not part of the step's shape
+            filled, fill = True, cache.window_chunks
+        else:
+            filled = chunk and cache._chunks >= cache.window_chunks
+            fill = min(cache._chunks, cache.window_chunks)
     else:
         kind = "naive" if type(cache).__name__ == "NaiveCache" else type(cache).__name__
         filled, fill = False, 0

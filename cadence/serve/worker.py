@@ -264,8 +264,9 @@ class Engine:
             diffusion_ms, decode_ms = ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])
         else:
             diffusion_ms, decode_ms = (t_step - t_recv) * 1e3, (t_done - t_step) * 1e3
+        step = self.runner.last if self.runner is not None else "eager"  # (an empty runner is falsy: len 0)
         return result, {"t_recv": t_recv, "t_done": t_done, "diffusion_ms": diffusion_ms, "decode_ms": decode_ms,
-                        "work_ms": (t_done - t_recv) * 1e3, "step": self.runner.last if self.runner else "eager"}
+                        "work_ms": (t_done - t_recv) * 1e3, "step": step}
 
     def warm_up(self, image, chunks: int = 0) -> dict:
         """Throwaway sessions of ``chunks`` chunks (0 = window_chunks + 2): every step shape (first
@@ -287,7 +288,10 @@ class Engine:
         buf = np.empty(self.frame_shape, np.uint8)
         streams = 1 + (self.runner.warmup if self.runner is not None and self.runner.capture_filling else 0)
         t0 = time.monotonic()
-        for _ in range(streams):
+        for k in range(streams):
+            if k and getattr(getattr(self._sess, "cache", None), "length_on_device", False):
+                streams = k  # filling steps share the steady graph (RingCache.length_on_device): done
+                break
             t = time.monotonic()
             sess = self.open(image, "warm-up", 0)
             open_ms = (time.monotonic() - t) * 1e3
