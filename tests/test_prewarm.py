@@ -266,3 +266,36 @@ def test_capture_filling_needs_no_second_stream_when_the_length_is_on_the_device
     out = collect(pipe, image(1), "a person talking", speech(N, seed=5), N, 7)
     assert [s for _, _, s in out] == ["replay"] * N
     pipe.close()
+
+
+def test_decoder_is_primed_by_the_decode_thread_before_the_first_chunk(gen, monkeypatch):
+    """The sink-latent prime of a stateful decoder runs in the decode thread as the stream opens (it
+    overlaps the first chunk's diffusion), not inside the first chunk's decode; the frames equal the
+    plain generator's, whose first ``decode`` primes lazily."""
+    import threading
+
+    from cadence.engine.generate import Session
+
+    calls = []
+    prime, decode = Session.prime_decoder, Session.decode
+
+    def spy_prime(self):
+        did = prime(self)
+        calls.append(("prime", did, threading.current_thread().name))
+        return did
+
+    def spy_decode(self, lat):
+        calls.append(("decode", None, threading.current_thread().name))
+        return decode(self, lat)
+
+    monkeypatch.setattr(Session, "prime_decoder", spy_prime)
+    monkeypatch.setattr(Session, "decode", spy_decode)
+    pipe = ChunkPipeline(gen, PipelineConfig(**CPU, reuse_session=False))
+    out = collect(pipe, image(2), "a person talking", speech(3), 3, 1)
+    assert calls[0] == ("prime", True, "cadence-decode")  # first, from the decode thread
+    assert [c for c in calls if c[0] == "prime" and c[1]] == [calls[0]]  # and only once
+    assert [c[0] for c in calls[1:]] == ["decode", "prime"] * 3 and all(c[2] == "cadence-decode" for c in calls)
+    monkeypatch.undo()
+    ref = list(gen.stream(image(2), "a person talking", speech(3), 3, seed=1))
+    for (ol, of, _), r in zip(out, ref, strict=True):
+        assert torch.equal(ol, r.latents) and torch.equal(of, r.frames)

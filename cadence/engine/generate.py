@@ -120,6 +120,7 @@ class Session:
         self.text = model.prepare_text(emb[None].to(dev))
         self.noise_gen.manual_seed(seed)
         self._prime: torch.Tensor | None = None
+        self._primed_from: torch.Tensor | None = None
         self.next_frame = 0
         self.index = 0
         # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
@@ -134,14 +135,24 @@ class Session:
             self.next_frame = sf
         self.streams += 1
 
+    def prime_decoder(self) -> bool:
+        """Feed the decoder the sink latent (its one frame is dropped), if not done yet: what the first
+        ``decode`` would do first. The pipeline's decode thread calls it as soon as the stream opens, so
+        that it overlaps the first chunk's diffusion instead of delaying the first frames. Returns
+        whether it primed now. Same caller rule as ``decode`` (whoever decodes)."""
+        if self.decoder is None or self._prime is None:
+            return False
+        # keep the source alive on the session: on CUDA the copy may still read it from another stream
+        self._primed_from, self._prime = self._prime, None
+        self.decoder.decode_chunk(self._primed_from.to(self.decode_device))
+        return True
+
     def decode(self, lat: torch.Tensor) -> torch.Tensor:
         """A chunk's clean latent -> uint8 frames [4F, H, W, 3] (this session's decoder state)."""
         lat = lat.to(self.decode_device)
         if self.decoder is None:
             return self._decode_vae.decode(lat)
-        if self._prime is not None:
-            prime, self._prime = self._prime, None
-            self.decoder.decode_chunk(prime.to(self.decode_device))
+        self.prime_decoder()
         if self.decoder.latent_frames == 0:  # no sink: decode a zero latent first so chunks map to 4F frames
             self.decoder.decode_chunk(torch.zeros_like(lat[:, :1]))
         return self.gen.vae.to_uint8(self.decoder.decode_chunk(lat))

@@ -130,6 +130,12 @@ class _DecodeWorker:
         for i in range(len(buffers)):
             self.free.put(i)
         self.thread = threading.Thread(target=self._main, name="cadence-decode", daemon=True)
+        # the session is open (sink latent computed on the diffusion device's current stream): the
+        # decoder's priming, issued from the decode thread on its own streams, waits for this
+        self.opened: torch.cuda.Event | None = None
+        if self.diff_cuda:
+            self.opened = torch.cuda.Event()
+            self.opened.record(torch.cuda.current_stream(self.diff_dev))
 
     # ---- caller side ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -227,6 +233,14 @@ class _DecodeWorker:
             handoff = dec_stream if self.dec_dev == self.diff_dev else torch.cuda.Stream(device=self.diff_dev)
         else:
             handoff = None
+        # prime the decoder with the sink latent now, while the first chunk diffuses (the first chunk's
+        # decode is on the time-to-first-frame path; the prime is not); ordered after the session's open
+        if self.diff_cuda and self.dec_cuda:
+            handoff.wait_event(self.opened)
+            with torch.cuda.stream(handoff), torch.cuda.stream(dec_stream):
+                self.sess.prime_decoder()
+        else:  # host decode: a CUDA sink latent's copy to the host orders itself after the open
+            self.sess.prime_decoder()
         while True:
             job = self._take(self.inq)
             if job is _STOP:
