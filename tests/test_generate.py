@@ -106,6 +106,28 @@ def test_reference_image_matters(gen):
     assert (a[0] - b[0]).abs().max() > 1e-3
 
 
+def test_reference_latent_is_remembered_by_content():
+    """A session opening with an image seen recently reuses its latent (no VAE encode) and streams
+    exactly what a generator that never saw it streams; a different image is encoded; at most
+    REFERENCE_CACHE latents are kept."""
+    g1, g2 = build_generator(TINY, seed=0), build_generator(TINY, seed=0)
+    calls = []
+    enc = g1.vae.encode
+    g1.vae.encode = lambda v: (calls.append(1), enc(v))[1]
+    first = latents(g1, n=2)
+    again = latents(g1, n=2, img=image().clone())  # same pixels, another tensor
+    assert len(calls) == 1
+    fresh = latents(g2, n=2)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
+    latents(g1, n=1, img=image(1))
+    assert len(calls) == 2
+    for k in range(2, 2 + g1.REFERENCE_CACHE):
+        g1.session(image(k), "p")
+    assert len(g1._ref_latents) == g1.REFERENCE_CACHE and len(calls) == 2 + g1.REFERENCE_CACHE
+    g1.session(image(0), "p")  # evicted by now: encoded again
+    assert len(calls) == 3 + g1.REFERENCE_CACHE
+
+
 @pytest.mark.parametrize("stream", [{"commit": "clean_pass"}, {"sampler": "renoise"},
                                     {"sampler": "renoise", "commit": "clean_pass", "window_chunks": 2}])
 def test_other_policies_run(gen, stream):

@@ -12,6 +12,8 @@ syncs; the same seed gives the same output.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -126,7 +128,7 @@ class Session:
         # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
         sf = cfg.stream.sink_frames
         if sf:
-            lat = gen.vae.encode(image.to(dev)[:, None]).repeat(1, sf, 1, 1)
+            lat = gen.encode_reference(image).repeat(1, sf, 1, 1)
             if self.decoder is not None:
                 self._prime = lat[:, :1]
             silence = torch.zeros(gen.audio.samples_per_frame * sf, device=dev)
@@ -213,6 +215,26 @@ class StreamGenerator:
         # Model timesteps of every pass and 0 (the sink and the clean pass), built once, on the device.
         ts = [self.schedule.timestep(i) for i in range(self.schedule.passes)] + [0.0]
         self.timesteps = torch.tensor(ts, dtype=torch.float32).to(dev)
+        self._ref_latents: OrderedDict[str, torch.Tensor] = OrderedDict()  # see encode_reference
+
+    REFERENCE_CACHE = 4  # distinct reference images whose latents are kept
+
+    def encode_reference(self, image: torch.Tensor) -> torch.Tensor:
+        """The reference image [3, H, W] -> its latent [z, 1, h, w] on the model's device, remembered for
+        the last ``REFERENCE_CACHE`` distinct images (keyed by a hash of the pixels), so that a session
+        opening with a character seen recently (a server's default face, the same user again) skips the
+        VAE encode. The latent is a pure function of the pixels: a hit returns what the encode would."""
+        host = image.detach().to("cpu", torch.float32).contiguous()
+        key = f"{tuple(host.shape)}:{hashlib.blake2b(host.numpy().tobytes(), digest_size=16).hexdigest()}"
+        lat = self._ref_latents.get(key)
+        if lat is None:
+            lat = self.vae.encode(image.to(self.model.device)[:, None])
+            self._ref_latents[key] = lat
+            while len(self._ref_latents) > self.REFERENCE_CACHE:
+                self._ref_latents.popitem(last=False)
+        else:
+            self._ref_latents.move_to_end(key)
+        return lat
 
     def vae_on(self, device: str | torch.device):
         """The autoencoder on `device` (decode may run on another GPU or the CPU): the model device's

@@ -87,7 +87,9 @@ class ServeConfig:
     once per session and is warmed eagerly before its capture); costs ``window_chunks`` more graphs of
     memory. Eager filling steps are launch-bound at 748 tokens (W14 TP=2: 535-1067 ms against a
     166.7 ms chunk) and were 300-580 ms at W1.3 (500 ms chunk): slower than real time means underruns in
-    every session's first chunks whatever the lead. CUDA only; not measured on a GPU yet."""
+    every session's first chunks whatever the lead. With FP8 K/V (``kv_fp8``, the CUDA default) the
+    filling steps already replay the steady graph (``RingCache.length_on_device``) and this adds
+    nothing; it matters for bf16 K/V. CUDA only; not measured on a GPU yet."""
     compile: bool = False
     """Opt-in: ``torch.compile`` of the per-block elementwise regions (``cadence.runtime.compile.
     apply_compile``, after the FP8 swap); it compiles each step shape on first use, i.e. during the
