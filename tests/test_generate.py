@@ -118,7 +118,7 @@ def test_reference_latent_is_remembered_by_content():
     again = latents(g1, n=2, img=image().clone())  # same pixels, another tensor
     assert len(calls) == 1
     fresh = latents(g2, n=2)
-    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh, strict=True))
     latents(g1, n=1, img=image(1))
     assert len(calls) == 2
     for k in range(2, 2 + g1.REFERENCE_CACHE):

@@ -142,9 +142,10 @@ def test_length_on_device_ring_shares_one_graph_from_the_first_chunk(ring_gen, m
     n = W + 3
     out, did, _ = run_steps(ring_gen, runner, n)
     ref, _, _ = run_steps(ring_gen, None, n)
-    assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    assert all(torch.equal(x, y) for x, y in zip(out, ref, strict=True))
     assert did == ["eager:warmup", "capture"] + ["replay"] * (n - 2)
-    assert len(FakeGraph.made) == 1 and runner.stats.captures == 1 and "ring_filling" not in runner.stats.eager_reasons
+    assert len(FakeGraph.made) == 1 and runner.stats.captures == 1
+    assert "ring_filling" not in runner.stats.eager_reasons
 
 
 def test_naive_cache_is_never_captured(caplog):

@@ -294,7 +294,8 @@ def test_decoder_is_primed_by_the_decode_thread_before_the_first_chunk(gen, monk
     out = collect(pipe, image(2), "a person talking", speech(3), 3, 1)
     assert calls[0] == ("prime", True, "cadence-decode")  # first, from the decode thread
     assert [c for c in calls if c[0] == "prime" and c[1]] == [calls[0]]  # and only once
-    assert [c[0] for c in calls[1:]] == ["decode", "prime"] * 3 and all(c[2] == "cadence-decode" for c in calls)
+    assert [c[0] for c in calls[1:]] == ["decode", "prime"] * 3
+    assert all(c[2] == "cadence-decode" for c in calls)
     monkeypatch.undo()
     ref = list(gen.stream(image(2), "a person talking", speech(3), 3, seed=1))
     for (ol, of, _), r in zip(out, ref, strict=True):

@@ -374,7 +374,8 @@ def test_length_on_device_means_attend_ignores_the_host_fill_state(dtype):
     so this check can fail."""
     from cadence.kernels.ring_attention import triton_usable
 
-    if not triton_usable(torch.device("cpu"), HEAD_DIM, allow_interpreter=True)[0] and not torch.cuda.is_available():
+    usable = triton_usable(torch.device("cpu"), HEAD_DIM, allow_interpreter=True)[0]
+    if not usable and not torch.cuda.is_available():
         pytest.skip("triton cannot run here")
     w = 3
 
@@ -397,7 +398,7 @@ def test_length_on_device_means_attend_ignores_the_host_fill_state(dtype):
 
     ref, on_device = run(False)
     got, _ = run(True)
-    same = [torch.equal(a, b) for a, b in zip(got, ref)]
+    same = [torch.equal(a, b) for a, b in zip(got, ref, strict=True)]
     if dtype == "fp8":
         assert on_device and all(same), same
     else:

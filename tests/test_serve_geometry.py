@@ -49,8 +49,10 @@ def test_engine_options_reference_on_cpu_fast_path_on_cuda():
     assert resolve_engine_options(cfg, "cpu", SHM_MIN_BYTES)[0]["frame_transport"] == "shm"
     # capture_filling: opt-in, needs graphs (hence CUDA); one line where it cannot apply
     assert not resolve_engine_options(cfg, "cuda:0", W13_BYTES)[0]["capture_filling"]
-    assert resolve_engine_options(ServeConfig(capture_filling=True), "cuda:0", W13_BYTES)[0]["capture_filling"]
-    for dev, kw, why in (("cpu", {}, "this worker runs on cpu"), ("cuda:0", {"graphs": False}, "graphs are off")):
+    on, _ = resolve_engine_options(ServeConfig(capture_filling=True), "cuda:0", W13_BYTES)
+    assert on["capture_filling"]
+    for dev, kw, why in (("cpu", {}, "this worker runs on cpu"),
+                         ("cuda:0", {"graphs": False}, "graphs are off")):
         opts, notes = resolve_engine_options(ServeConfig(capture_filling=True, **kw), dev)
         assert not opts["capture_filling"] and notes == [f"capture_filling: needs CUDA graphs ({why}): off"]
     for bad in ({"decoder": "vq"}, {"frame_transport": "tcp"}, {"warmup_chunks": -1}, {"max_in_flight": 0}):
@@ -170,7 +172,8 @@ def test_engine_capture_filling_warms_up_twice_then_replays_every_chunk_of_a_ses
     assert warm["streams"] == 2 and warm["chunks"] == w + 2
     # the second session captures the W-1 fill stages; the steady step was captured by the first
     assert warm["steps"] == ["capture"] * (w - 1) + ["replay"] * 3
-    assert warm["slowest_chunk_ms"] >= warm["steady_chunk_ms"] > 0 and warm["media_chunk_ms"] == pytest.approx(166.7)
+    assert warm["slowest_chunk_ms"] >= warm["steady_chunk_ms"] > 0
+    assert warm["media_chunk_ms"] == pytest.approx(166.7)
     fresh = Engine("tiny", "cpu", options={"overrides": ring})
     s_ref = fresh.open(img, "a prompt", 4)
     expect = [fresh.run_chunk(s_ref, audio * (i + 1))[0] for i in range(w + 2)]
@@ -217,9 +220,9 @@ def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
                                                                                  "step": next(steps)}))
     warm = eng.warm_up(default_reference_image(128, 128))
     assert warm["streams"] == 1 and warm["steady_chunk_ms"] == 60.0 and warm["slowest_chunk_ms"] == 400.0
-    assert eng.notes == [(f"warm-up: {w - 1} chunk(s) of a session take up to 400 ms, longer than a chunk's 167 ms "
-                          "of media: expect underruns there in every session (eager ring-filling steps: "
-                          "--capture-filling captures them)")]
+    assert eng.notes == [(f"warm-up: {w - 1} chunk(s) of a session take up to 400 ms, longer than a chunk's "
+                          "167 ms of media: expect underruns there in every session (eager ring-filling "
+                          "steps: --capture-filling captures them)")]
 
 
 def test_engine_compile_is_opt_in_and_says_why_it_is_off(monkeypatch):
@@ -336,7 +339,8 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
         # 3 s at 24 fps: 72 frames generated in time, sent, or skipped by the pacer after a stall of this
         # test process's event loop (server and client share it; a GC pause after the in-process models
         # of the tests before this one skipped 3 frames in 1 of 5 runs)
-        assert rep["frames_per_chunk"] == 12 and rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 72, rep
+        assert rep["frames_per_chunk"] == 12
+        assert rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 72, rep
         assert rep["chunks"]["done"] >= 6 and rep["underruns"]["video"] <= 2, rep
         assert rep["ttff_ms"] is not None and not rep["errors"], rep
         assert g.ring.free_slots == g.slots  # every lent slot came back

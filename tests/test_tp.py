@@ -92,7 +92,7 @@ def test_compile_composes_with_tp(results):
     for r in range(WORLD):
         c = results[r]["compiled"]
         assert (c["blocks"], c["norms"]) == (m.num_layers, qk_norms)
-        assert c["status"]["sum_squares"] != "compiled (0 calls)" and c["status"]["rms_scale"] != "compiled (0 calls)"
+        assert "compiled (0 calls)" not in (c["status"]["sum_squares"], c["status"]["rms_scale"])
         assert all(v.startswith("compiled") for v in c["status"].values()), c["status"]
         assert tp_worker.rel_err(c["full"], results[r]["tp"]["full"]) < 1e-6
 

@@ -404,7 +404,7 @@ class ChunkPipeline:
             ran += 1
             first = first or dict(self.last_run)
             if getattr(getattr(self.session, "cache", None), "length_on_device", False):
-                break  # filling steps share the steady graph (RingCache.length_on_device): nothing more to capture
+                break  # filling steps share the steady graph (RingCache.length_on_device): none to capture
         if torch.device(self.placement.diffusion_device).type == "cuda":
             torch.cuda.synchronize(self.placement.diffusion_device)
         info = dict(first, prewarm_s=time.perf_counter() - t0, prewarm_chunks=n, prewarm_streams=ran,

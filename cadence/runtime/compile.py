@@ -8,8 +8,8 @@ What gets fused. Between its GEMM and attention calls, a block runs a handful of
 sequences (:class:`cadence.model.layers.ElementwiseOps`): the adaLN ``LayerNorm * (1 + scale) + shift``
 before the self-attention and the FFN, the float32 ``x + y * gate`` residuals after them, the affine
 LayerNorm before the cross / audio attention, and the q/k RMS norms (under tensor parallelism the
-sharded norm's local sum of squares and its scaling, on either side of the sum's all-reduce). Eagerly each of these is 4-8
-kernels that read and write full float32 copies of the [tokens, dim] activations; compiled, each is
+sharded norm's local sum of squares and its scaling, on either side of the sum's all-reduce).
+Eagerly each of these is 4-8 kernels that read and write full float32 copies of the [tokens, dim] activations; compiled, each is
 one or two Triton kernels that read bf16 and write bf16 once. The GEMMs, the attention kernels, the
 cache and the collectives stay exactly as they are (they are not traced: only these pure tensor
 functions are compiled, so FP8 linears, tensor parallelism, the ring cache and CUDA graphs compose

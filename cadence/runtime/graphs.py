@@ -18,8 +18,8 @@ prefix grows), on CUDA, with no span recorder active. With FP8 K/V on the Triton
 its visible length on the device (``RingCache.length_on_device``), so a filling step launches the same
 kernels with the same arguments as a steady one: its key is the steady key, and the graph captured
 once serves the whole stream from its first chunk (the bf16/cuDNN path slices a prefix with a host
-int: there each fill stage is its own shape, eager unless ``capture_filling``). The key (:class:`StepKey`) is the step's
-shape signature: device, dtype, latent shape, tokens per chunk, text (conditioning) length, audio
+int: there each fill stage is its own shape, eager unless ``capture_filling``).
+The key (:class:`StepKey`) is the step's shape signature: device, dtype, latent shape, tokens per chunk, text (conditioning) length, audio
 token shape, cache storage (bf16/fp8) and window, fill state, commit policy, passes and sampler,
 and the identity of the session's cache (a graph reads that cache's buffers; each kept graph holds a
 reference to its cache, so that identity cannot be recycled by a new cache while the graph lives).

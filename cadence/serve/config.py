@@ -159,7 +159,8 @@ def engine_config(cfg: ServeConfig):
 def resolve_engine_options(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[dict, list[str]]:
     """What a worker on ``device`` runs: ``(options, notes)``.
 
-    ``options``: ``decoder`` (None = the preset's), ``kv_fp8``, ``fp8_linears``, ``graphs``, ``capture_filling``, ``compile``,
+    ``options``: ``decoder`` (None = the preset's), ``kv_fp8``, ``fp8_linears``, ``graphs``,
+    ``capture_filling``, ``compile``,
     ``warmup`` (bools), ``warmup_chunks`` (0 = window + 2), ``frame_transport`` ('pipe' | 'shm'), ``overrides``.
     ``notes``: one line per option asked for explicitly that cannot apply on this device (CUDA-only
     options on the CPU). Pure: no torch, no processes."""

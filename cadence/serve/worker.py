@@ -303,12 +303,13 @@ class Engine:
             self.close(sess)
         steady = [ms for ms, st in zip(per, steps) if st != "capture"]
         first = 0 if streams > 1 else 1  # a single session's chunk 0 is the cold one
-        user = [ms for ms, st in zip(per[first:], steps[first:]) if st != "capture"] or per
+        user = [ms for ms, st in zip(per[first:], steps[first:], strict=True) if st != "capture"] or per
         chunk_ms = self.cfg.video_frames_per_chunk / self.cfg.stream.fps * 1e3
         slowest = max(user)
         if slowest > chunk_ms:
             late = sum(ms > chunk_ms for ms in user)
-            filling = any(st == "eager:ring_filling" for ms, st in zip(per[first:], steps[first:]) if ms > chunk_ms)
+            filling = any(st == "eager:ring_filling"
+                          for ms, st in zip(per[first:], steps[first:], strict=True) if ms > chunk_ms)
             self._note(f"warm-up: {late} chunk(s) of a session take up to {slowest:.0f} ms, longer than a "
                        f"chunk's {chunk_ms:.0f} ms of media: expect underruns there in every session"
                        + (" (eager ring-filling steps: --capture-filling captures them)" if filling else ""))
