@@ -352,9 +352,11 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
         default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
         build_ms = (time.monotonic() - t) * 1e3
         warm = None
-        if opts.get("warmup"):
-            with torch.no_grad():
+        with torch.no_grad():
+            if opts.get("warmup"):
                 warm = eng.warm_up(default_image, int(opts.get("warmup_chunks") or 0))
+            else:  # at least the default face's latent, so that sessions without an upload skip the encode
+                eng.gen.encode_reference(default_image)
     except Exception as e:
         conn.send(("error", None, f"worker start failed: {type(e).__name__}: {e}"))
         raise
