@@ -276,8 +276,11 @@ def test_set_prompt_validates(gen):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("decode", ["same", "auto", "cpu"])
-def test_cuda_pipeline_matches_sequential(decode):
-    cfg = TINY.with_overrides(stream={"cache": "ring"})
+@pytest.mark.parametrize("decoder", ["standin", "taehv"])
+def test_cuda_pipeline_matches_sequential(decode, decoder):
+    """taehv: a stateful decoder, primed by the decode thread on its own streams as the stream opens
+    (ordered after the open by an event): the frames must equal the sequential generator's."""
+    cfg = TINY.with_overrides(stream={"cache": "ring"}, vae={"decoder": decoder})
     g = build_generator(cfg, device="cuda:0", seed=0)
     audio = speech(8)
     ref = list(g.stream(image(), "p", audio, 8, seed=2))
@@ -286,7 +289,7 @@ def test_cuda_pipeline_matches_sequential(decode):
     for o in pipe.stream(image(), "p", audio, 8, seed=2):
         outs.append((o.index, o.latents.clone(), o.frames.clone(), o.frames.is_pinned(), o.timings))
     assert [o[0] for o in outs] == list(range(8))
-    for r, (_, lat, fr, pinned, t) in zip(ref, outs):
+    for r, (_, lat, fr, pinned, t) in zip(ref, outs, strict=True):
         # graphs replay the same kernels; allow bf16-free float32 rounding differences of replays
         torch.testing.assert_close(lat, r.latents, rtol=1e-4, atol=1e-4)
         assert (fr.int() - r.frames.int()).abs().max() <= 1
