@@ -106,6 +106,21 @@ def test_reference_image_matters(gen):
     assert (a[0] - b[0]).abs().max() > 1e-3
 
 
+def test_reseed_before_the_first_chunk_equals_opening_with_that_seed(gen):
+    """What lets the server open a session ahead of time: the open draws no noise, so re-seeding an
+    opened session gives exactly the stream of a session opened with that seed; after a chunk it is
+    refused."""
+    a = speech(3)
+    fresh = gen.session(image(), "a person talking", seed=7)
+    early = gen.session(image(), "a person talking", seed=0)
+    early.reseed(7)
+    for i in range(3):
+        x, y = fresh.step(a[i * SPC:(i + 1) * SPC]), early.step(a[i * SPC:(i + 1) * SPC])
+        assert torch.equal(x, y) and torch.equal(fresh.decode(x), early.decode(y))
+    with pytest.raises(RuntimeError, match="before the first chunk"):
+        early.reseed(1)
+
+
 def test_reference_latent_is_remembered_by_content():
     """A session opening with an image seen recently reuses its latent (no VAE encode) and streams
     exactly what a generator that never saw it streams; a different image is encoded; at most

@@ -167,6 +167,7 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     assert 22.0 <= res.video_fps() <= 26.0, res.video_fps()
     rep = res.report
     assert rep["close_reason"] == "client"
+    assert rep["worker_preopened"] is False  # an uploaded face: opened when asked
     assert rep["underruns"]["video"] <= 6, rep["underruns"]  # the bad requests did not starve the stream
     assert rep["agent_audio_to_frame_ms_p50"] is not None and 0 < rep["agent_audio_to_frame_ms_p50"] < 1000
     # requests after close: 410 for anything that would change it; its final state and report stay readable

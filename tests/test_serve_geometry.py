@@ -225,6 +225,35 @@ def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
                           "steps: --capture-filling captures them)")]
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_preopened_session_is_reseeded_and_equals_a_fresh_open(graphs):
+    """preopen makes the next default session ready; an open with the same key and prompt only
+    re-seeds it (and streams exactly what a fresh open with that seed streams); an open of another image
+    or prompt uses it up and opens normally. With graphs the sessions are one object reset in place."""
+    from cadence.media.image import default_reference_image
+
+    img = default_reference_image(128, 128)
+    audio = (0.1 * np.sin(np.arange(8000) / 30.0)).astype(np.float32)
+    opts = {"overrides": {"stream": {"cache": "ring"}}, "graphs": graphs}
+    fresh = Engine("tiny", "cpu", options=opts)
+    s_ref = fresh.open(img, "p", 11)
+    expect = [fresh.run_chunk(s_ref, audio * (i + 1))[0] for i in range(3)]
+    eng = Engine("tiny", "cpu", options=opts)
+    assert eng.preopen(img, "p", "default") > 0
+    s = eng.open(img, "p", 11, key="default")
+    assert eng.last_open_preopened
+    for i in range(3):
+        np.testing.assert_array_equal(eng.run_chunk(s, audio * (i + 1))[0], expect[i])
+    eng.close(s)
+    eng.preopen(img, "p", "default")
+    other = eng.open(img, "another prompt", 11, key="default")  # the prompt differs: a normal open
+    assert not eng.last_open_preopened
+    eng.close(other)
+    eng.open(img, "p", 11, key="default")  # nothing ready any more (the last open used it up): a normal open
+    assert not eng.last_open_preopened
+
+
 def test_engine_compile_is_opt_in_and_says_why_it_is_off(monkeypatch):
     monkeypatch.setenv("CADENCE_COMPILE", "0")  # apply_compile's own switch: no compiler run in CI
     eng = Engine("tiny", "cpu", options={"compile": True})

@@ -71,6 +71,7 @@ def test_aiortc_client_gets_24fps_video_and_48khz_audio_then_nothing_leaks():
         assert st["agent_audio_to_frame_ms_p50"] is not None and 0 < st["agent_audio_to_frame_ms_p50"] < 1000
         rep = res.report
         assert rep["state"] == "closed" and rep["close_reason"] == "client"
+        assert rep["worker_preopened"] is True  # default face and prompt: the worker had it opened ahead
         assert rep["video_frames_fresh"] >= 48 and rep["av_offset_ms"] is not None
         assert abs(rep["av_offset_ms"]) < 60
         # session teardown: its tasks are gone, the group is free again, the worker is the same process

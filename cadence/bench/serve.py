@@ -148,6 +148,7 @@ def main(argv: list[str]) -> int:
         "lead_ms": _p50([r.report.get("lead_ms") for r in ok]),
         "agent_samples": len(agent),
         "worker_open_ms_p50": _p50([r.report.get("worker_open_ms") for r in ok]),
+        "sessions_preopened": sum(bool(r.report.get("worker_preopened")) for r in ok),
         "chunks_skipped": sum(r.report.get("chunks", {}).get("skipped", 0) for r in ok),
         "errors": len(errors),
         "error_messages": errors[:10],

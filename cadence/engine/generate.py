@@ -107,6 +107,14 @@ class Session:
             self.decoder.reset()
         self._start(image, emb, seed)
 
+    def reseed(self, seed: int) -> None:
+        """Give a session that has not generated a chunk yet another noise seed: exactly what opening it
+        with that seed gives (the open itself draws no noise: the sink pass runs the clean latent at
+        t=0). What lets a server open the next session ahead of time (cadence.serve.worker)."""
+        if self.index:
+            raise RuntimeError(f"reseed() before the first chunk only (this session made {self.index})")
+        self.noise_gen.manual_seed(seed)
+
     def _embed(self, prompt: str | torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt

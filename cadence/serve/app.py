@@ -35,7 +35,7 @@ import numpy as np
 
 from cadence.errors import CadenceError, InputError
 from cadence.serve.agent import TTSUnavailable, decode_audio_bytes, espeak_binary, make_agent, synthesize
-from cadence.serve.config import ServeConfig, engine_config, resolve_engine_options
+from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, resolve_engine_options
 from cadence.serve.rtc import use_ice_host_addresses
 from cadence.serve.session import LiveSession
 from cadence.serve.worker import WorkerGroup
@@ -416,7 +416,7 @@ def create_app(cfg: ServeConfig | None = None):
             raise ApiError(400, f"seed must be an integer, got {fields.get('seed')!r}") from None
         return JSONResponse(await mgr.create(
             sdp=fields.get("sdp"), sdp_type=fields.get("type", "offer"), image_bytes=image_bytes,
-            prompt=str(fields.get("prompt") or "a person talking to the camera"),
+            prompt=str(fields.get("prompt") or DEFAULT_PROMPT),
             agent=str(fields.get("agent") or "mirror"), seed=seed, t_request=t_request), status_code=201)
 
     @app.get("/sessions")

@@ -142,6 +142,9 @@ class ServeConfig:
         return ("127.0.0.1",) if self.loopback else None
 
 
+#: The prompt of a session that names none (the page's default too).
+DEFAULT_PROMPT = "a person talking to the camera"
+
 #: A chunk's frames at least this large go through shared memory under frame_transport='auto'.
 SHM_MIN_BYTES = 1 << 20
 

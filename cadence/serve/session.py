@@ -117,6 +117,7 @@ class LiveSession:
         self.mic_frames = 0
         self.errors: list[str] = []
         self.worker_open_ms: float | None = None
+        self.worker_preopened = False  # the worker had this session opened ahead (default face and prompt)
 
     # ---- start ----------------------------------------------------------------------------------
     async def start(self, image: np.ndarray | None, offer_sdp: str, offer_type: str):
@@ -187,6 +188,7 @@ class LiveSession:
         kind = msg[0]
         if kind == "opened":
             if self._opened is not None and not self._opened.done():
+                self.worker_preopened = bool(msg[3]) if len(msg) > 3 else False
                 self._opened.set_result(msg[2])
         elif kind == "chunk":
             self.on_chunk(msg[2], msg[3], msg[4])
@@ -385,7 +387,8 @@ class LiveSession:
             "chunk_latency_ms_p99": _r(lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))] if lat else None),
             "agent_audio_to_frame_ms": [round(x, 1) for x in self.agent_latency_ms[-100:]],
             "video_frames_skipped": self.video_frames_skipped, "audio_frames_skipped": self.audio_frames_skipped,
-            "worker_open_ms": _r(self.worker_open_ms), "errors": self.errors[-20:],
+            "worker_open_ms": _r(self.worker_open_ms), "worker_preopened": self.worker_preopened,
+            "errors": self.errors[-20:],
         })
         return st
 

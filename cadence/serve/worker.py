@@ -7,7 +7,7 @@ session at a time. Messages are tuples over a ``multiprocessing`` pipe:
     web -> worker   ("open", sid, image float32 [3,H,W] | None, prompt, seed)
                     ("chunk", sid, index, audio float32 [samples_per_chunk], t_plan, slot | None)
                     ("close", sid)            ("stop",)
-    worker -> web   ("ready", info)           ("opened", sid, ms)        ("closed", sid)
+    worker -> web   ("ready", info)           ("opened", sid, ms, preopened)        ("closed", sid)
                     ("chunk", sid, index, frames uint8 [F,H,W,3] | None, timings dict)
                     ("dropped", sid, index, slot)   (a chunk of a session already closed)
                     ("error", sid | None, message[, slot])
@@ -41,6 +41,13 @@ happen before any user; the ready info carries its timings, and ``steady_chunk_m
 of one steady chunk) from which the web side sizes its planning lead. Times are ``time.monotonic()``
 (one system-wide clock, the same as asyncio's loop clock), so the web process can compare them.
 
+The next session is opened ahead: at start (after any warm-up) and whenever the worker goes idle after
+a close, it runs the open of a session with the default face and prompt (``Engine.preopen``: the
+reference latent, the prompt's cross-attention K/V and the sink pass). A session that brings no image
+and the default prompt then only re-seeds it (``Session.reseed``: the stream is exactly a fresh open's),
+so its time to first frame is the first chunk's; others open as before (the default face's latent stays
+remembered by the generator either way).
+
 On the web side, :class:`WorkerGroup` wraps one process: a writer thread (so a blocked pipe never
 stalls the event loop), a reader thread that hands messages to the event loop, and restart/stop.
 """
@@ -58,6 +65,8 @@ from collections.abc import Callable
 from multiprocessing import shared_memory
 
 import numpy as np
+
+from cadence.serve.config import DEFAULT_PROMPT
 
 log = logging.getLogger("cadence.serve")
 
@@ -197,6 +206,8 @@ class Engine:
                     self._note(f"compile: {rep.describe()}")
         self.runner = None
         self._sess = None  # with graphs: the one session object, reset stream after stream
+        self._ready = None  # (key, prompt, session) opened ahead by preopen
+        self.last_open_preopened = False
         self.reuse: str | None = None
         if opts.get("graphs"):
             from cadence.runtime.graphs import GraphRunner
@@ -217,10 +228,26 @@ class Engine:
         log.warning("worker: %s", text)
 
     # ---- sessions -------------------------------------------------------------------------------
-    def open(self, image, prompt: str, seed: int):
+    def preopen(self, image, prompt: str, key) -> float:
+        """Open the next session ahead of time (between sessions, at start): the sink pass and the prompt's
+        K/V for ``image`` / ``prompt``, kept under ``key``. An ``open`` with the same key then only
+        re-seeds it (``Session.reseed``: the same stream a fresh open gives). Returns the ms it took."""
+        t = time.monotonic()
+        self._ready = None
+        sess = self.open(image, prompt, 0)
+        self._ready = (key, prompt, sess)
+        return (time.monotonic() - t) * 1e3
+
+    def open(self, image, prompt: str, seed: int, key=None):
         """A new stream. With graphs on, every stream is the same session object reset in place
         (``Session.reset``: the same ring cache buffers), so the graphs captured once (in the warm-up)
-        stay valid for every user; without graphs, a new session."""
+        stay valid for every user; without graphs, a new session. ``key`` (with the prompt) names a
+        session ``preopen`` made ready: then it is only re-seeded."""
+        ready, self._ready = self._ready, None
+        self.last_open_preopened = key is not None and ready is not None and ready[:2] == (key, prompt)
+        if self.last_open_preopened:
+            ready[2].reseed(seed)
+            return ready[2]
         if self.reuse == "session":
             if self._sess is None:
                 self._sess = self.gen.session(image, prompt, seed=seed)
@@ -355,14 +382,15 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
         with torch.no_grad():
             if opts.get("warmup"):
                 warm = eng.warm_up(default_image, int(opts.get("warmup_chunks") or 0))
-            else:  # at least the default face's latent, so that sessions without an upload skip the encode
-                eng.gen.encode_reference(default_image)
+            # the next session opened ahead: a session with the default face and prompt (no upload) only
+            # re-seeds it; others still find the default face's latent remembered
+            preopen_ms = eng.preopen(default_image, DEFAULT_PROMPT, "default")
     except Exception as e:
         conn.send(("error", None, f"worker start failed: {type(e).__name__}: {e}"))
         raise
     conn.send(("ready", {"preset": cfg.name, "device": device, "build_ms": round(build_ms, 1),
                          "threads": torch.get_num_threads(), "fast_path": eng.applied, "notes": eng.notes,
-                         "warmup": warm, "frame_transport": "shm" if ring is not None else "pipe",
+                         "warmup": warm, "preopen_ms": round(preopen_ms, 1), "frame_transport": "shm" if ring is not None else "pipe",
                          "frames_per_chunk": cfg.video_frames_per_chunk,
                          "audio_samples_per_chunk": cfg.audio_samples_per_chunk}))
     sess = None
@@ -385,9 +413,9 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
                         eng.close(sess)
                         sess, sid_open = None, None
                     img = default_image if image is None else torch.from_numpy(image)
-                    sess = eng.open(img, prompt, sseed)
+                    sess = eng.open(img, prompt, sseed, key="default" if image is None else None)
                     sid_open = sid
-                    conn.send(("opened", sid, (time.monotonic() - t) * 1e3))
+                    conn.send(("opened", sid, (time.monotonic() - t) * 1e3, eng.last_open_preopened))
                 elif kind == "chunk":
                     _, sid, index, audio, t_plan = msg[:5]
                     slot = msg[5] if len(msg) > 5 else None
@@ -409,6 +437,11 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
                         eng.close(sess)
                         sess, sid_open = None, None
                     conn.send(("closed", sid))
+                    if sess is None and not conn.poll():  # idle: open the next default session ahead
+                        try:
+                            eng.preopen(default_image, DEFAULT_PROMPT, "default")
+                        except Exception as e:  # only a head start: the next open works as without it
+                            log.warning("worker: could not open the next session ahead (%s: %s)", type(e).__name__, e)
                 else:
                     conn.send(("error", None, f"unknown message {kind!r}"))
             except (EOFError, OSError, BrokenPipeError):
