@@ -248,6 +248,7 @@ class Engine:
         if self.last_open_preopened:
             ready[2].reseed(seed)
             return ready[2]
+        ready = None  # a new session below: let the one opened ahead (its cache) go first
         if self.reuse == "session":
             if self._sess is None:
                 self._sess = self.gen.session(image, prompt, seed=seed)
