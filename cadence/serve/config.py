@@ -210,8 +210,9 @@ def add_engine_flags(parser) -> None:
         g.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{what} (default: on for CUDA groups, off on the CPU)")
     g.add_argument("--capture-filling", action="store_true",
-                   help="opt-in, with graphs: capture the ring-filling steps too (a second warm-up session; "
-                        "window_chunks more graphs), so a session's first chunks are not eager")
+                   help="opt-in, with graphs and bf16 K/V: capture the ring-filling steps too (a second "
+                        "warm-up session; window_chunks more graphs); with FP8 K/V they replay the steady "
+                        "graph anyway")
     g.add_argument("--compile", action="store_true",
                    help="opt-in: torch.compile of the per-block elementwise math (compiles during the warm-up)")
     g.add_argument("--warmup-chunks", type=int, default=0, help="warm-up chunks (default 0 = window + 2)")
