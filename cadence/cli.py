@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
                         "with --device cuda)")
     s.add_argument("--device", default="cpu", help="cpu or cuda: where the worker groups run (default: cpu)")
+    s.add_argument("--tp", type=int, default=1,
+                   help="GPUs per worker group: the model sharded over N consecutive GPUs, one process each "
+                        "(tensor parallel; default 1)")
     s.add_argument("--idle-timeout", type=float, default=120.0,
                    help="close a session after this many seconds with no request or media from its client "
                         "(default: 120)")
@@ -236,25 +239,21 @@ def _check_output(out: Path) -> Path:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.config import get_preset
-    from cadence.serve.config import ServeConfig, engine_kwargs
+    from cadence.serve.config import ServeConfig, engine_kwargs, serve_groups
 
     get_preset(args.preset)  # a clear error for an unknown preset, before anything starts
     if args.device not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
         raise InputError(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    n = 0
     if args.device == "cuda":
         import torch
 
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
             raise InputError("--device cuda requested but CUDA is not available")
-        count = args.max_sessions or n
-        if count > n:
-            raise InputError(f"--max-sessions {count} needs {count} GPUs (one group each); {n} visible")
-        groups = tuple(f"cuda:{i}" for i in range(count))
-    else:
-        groups = ("cpu",) * (args.max_sessions or 1)
+    groups = serve_groups(args.device, args.tp, args.max_sessions, n)
     cfg = ServeConfig(preset=args.preset, host=args.host, port=args.port, groups=groups,
                       idle_timeout_s=args.idle_timeout, max_duration_s=args.max_duration,
                       worker_threads=args.worker_threads, lead_ms=args.lead_ms, **engine_kwargs(args))

@@ -183,9 +183,25 @@ def test_cli_serve_rejects_bad_flags_before_starting(capsys):
     assert main(["serve", "--max-sessions", "0"]) == 2
     assert "--max-sessions" in capsys.readouterr().err
     assert main(["serve", "--device", "tpu"]) == 2
+    assert main(["serve", "--tp", "0"]) == 2
+    assert "--tp must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # benchmarks parse their own flags (argparse exits 2)
         main(["bench", "serve", "--sessions", "0"])
     assert e.value.code == 2
+
+
+def test_serve_groups_from_the_flags():
+    from cadence.errors import InputError
+    from cadence.serve.config import serve_groups
+
+    assert serve_groups("cpu") == ("cpu",) and serve_groups("cpu", max_sessions=2) == ("cpu", "cpu")
+    assert serve_groups("cpu", tp=2) == ("cpu+cpu",)
+    assert serve_groups("cuda", gpus=2) == ("cuda:0", "cuda:1")
+    assert serve_groups("cuda", tp=2, gpus=4) == ("cuda:0+cuda:1", "cuda:2+cuda:3")
+    assert serve_groups("cuda", tp=2, max_sessions=1, gpus=3) == ("cuda:0+cuda:1",)
+    for kw in ({"tp": 2, "gpus": 1}, {"max_sessions": 3, "gpus": 2}):
+        with pytest.raises(InputError, match="GPUs; 1 visible|GPUs; 2 visible"):
+            serve_groups("cuda", **kw)
 
 
 def test_engine_and_benchmarks_do_not_import_serving_packages():

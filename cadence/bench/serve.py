@@ -36,6 +36,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--url", default=None, help="a running server (default: start one here on loopback)")
     p.add_argument("--preset", default="character", help="preset of the self-started server (default: character)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="self-started server's groups")
+    p.add_argument("--tp", type=int, default=1, help="GPUs (CPU: gloo ranks) per worker group: tensor parallel")
     p.add_argument("--speak-after", type=float, default=1.0, help="push speech this long after the first frame")
     p.add_argument("--speak-every", type=float, default=0.0,
                    help="push it again every this many seconds (0: once); each push is one agent latency sample")
@@ -103,13 +104,15 @@ def main(argv: list[str]) -> int:
     srv = None
     url = args.url
     if url is None:
-        if args.device == "cuda":
-            if not torch.cuda.is_available() or torch.cuda.device_count() < args.sessions:
-                print(f"error: --device cuda needs {args.sessions} GPU(s)", file=sys.stderr)
-                return 2
-            groups = tuple(f"cuda:{i}" for i in range(args.sessions))
-        else:
-            groups = ("cpu",) * args.sessions
+        from cadence.errors import InputError
+        from cadence.serve.config import serve_groups
+
+        gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
+        try:
+            groups = serve_groups(args.device, args.tp, args.sessions, gpus)
+        except InputError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
         start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
         srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups, max_duration_s=args.seconds + 120,
@@ -171,9 +174,9 @@ def main(argv: list[str]) -> int:
                  "audio_samples_per_chunk": cfg.get("audio_samples_per_chunk"), "chunk_ms": cfg.get("chunk_ms")}
         headline = (f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
                     f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms")
-        path = record("serve", cfg.get("preset", args.preset), 1, device, shape, res,
+        path = record("serve", cfg.get("preset", args.preset), args.tp, device, shape, res,
                       variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else ""),
-                      out_dir=args.out_dir, world=max(1, args.sessions) if args.device == "cuda" else 1,
+                      out_dir=args.out_dir, world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
                       headline=headline, extra={"workers": _workers(cfg)})
         print(f"wrote {path}")
     return 0 if not errors else 1

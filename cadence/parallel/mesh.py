@@ -48,11 +48,12 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
 
 
-def init_tp(backend: str | None = None) -> TPInfo:
+def init_tp(backend: str | None = None, timeout_s: float | None = None) -> TPInfo:
     """Join (or create) the default process group from torchrun's environment and return this
     rank's :class:`TPInfo`. Without torchrun's variables it is a group of one (rank 0 of 1; needs
     MASTER_ADDR / MASTER_PORT like any ``env://`` init). `backend` defaults to nccl when CUDA is
-    available, else gloo."""
+    available, else gloo. `timeout_s`: how long a collective may wait for the other ranks before it
+    fails (torch's default otherwise: minutes; a server wants a dead peer noticed sooner)."""
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
@@ -71,6 +72,10 @@ def init_tp(backend: str | None = None) -> TPInfo:
         device = torch.device("cpu")
     if not dist.is_initialized():
         kw = {"device_id": device} if backend == "nccl" else {}
+        if timeout_s is not None:
+            import datetime
+
+            kw["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world, **kw)
     return TPInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                   device=device, backend=dist.get_backend(), group=dist.group.WORLD)

@@ -26,8 +26,10 @@ class ServeConfig:
     port: int = 8000
     """HTTP port (0 = any free port)."""
     groups: tuple[str, ...] = ("cpu",)
-    """One entry per GPU group: the device its worker process runs on ('cpu', 'cuda:0', ...). The number
-    of entries is the number of sessions admitted at once (``--max-sessions N`` on the CPU = N slots)."""
+    """One entry per GPU group: the device its worker process runs on ('cpu', 'cuda:0', ...), or the
+    devices of a tensor-parallel group joined by '+' ('cuda:0+cuda:1': the model sharded over both, one
+    worker process per device; 'cpu+cpu' runs the same on the CPU with gloo). The number of entries is
+    the number of sessions admitted at once (``--max-sessions N`` on the CPU = N slots)."""
     worker_threads: int = 1
     """torch threads per worker process (CPU); 0 = torch's default."""
     idle_timeout_s: float = 120.0
@@ -110,6 +112,15 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.groups:
             raise ConfigError("at least one worker group is needed (--max-sessions >= 1)")
+        for g in self.groups:
+            parts = g.split("+")
+            if len(parts) > 1:
+                kinds = {"cpu" if p == "cpu" else "cuda" if p.startswith("cuda:") and p[5:].isdigit() else "?"
+                         for p in parts}
+                if kinds not in ({"cpu"}, {"cuda"}):
+                    raise ConfigError(f"a tensor-parallel group is 'cpu+cpu+...' or 'cuda:I+cuda:J+...', got {g!r}")
+                if kinds == {"cuda"} and len(set(parts)) != len(parts):
+                    raise ConfigError(f"a tensor-parallel group needs distinct GPUs, got {g!r}")
         if self.idle_timeout_s <= 0 or self.max_duration_s <= 0:
             raise ConfigError(f"timeouts must be positive, got idle {self.idle_timeout_s} s, "
                               f"max duration {self.max_duration_s} s")
@@ -194,6 +205,24 @@ def resolve_engine_options(cfg: ServeConfig, device: str, frame_bytes: int = 0) 
     opts["frame_transport"] = t if t != "auto" else ("shm" if frame_bytes >= SHM_MIN_BYTES else "pipe")
     opts["overrides"] = dict(cfg.overrides)
     return opts, notes
+
+
+def serve_groups(device: str, tp: int = 1, max_sessions: int | None = None, gpus: int = 0) -> tuple[str, ...]:
+    """``cadence serve``'s worker groups: on CUDA, ``max_sessions`` groups (default: as many as fit) of
+    ``tp`` consecutive GPUs each ('cuda:0+cuda:1', 'cuda:2+cuda:3', ...); on the CPU, ``max_sessions``
+    (default 1) groups of ``tp`` gloo ranks. Raises InputError (one line) for what cannot be built."""
+    from cadence.errors import InputError
+
+    if tp < 1:
+        raise InputError(f"--tp must be >= 1, got {tp}")
+    if max_sessions is not None and max_sessions < 1:
+        raise InputError(f"--max-sessions must be >= 1, got {max_sessions}")
+    if device == "cuda":
+        count = max_sessions or max(1, gpus // tp)
+        if count * tp > gpus:
+            raise InputError(f"{count} worker group(s) of {tp} GPU(s) need {count * tp} GPUs; {gpus} visible")
+        return tuple("+".join(f"cuda:{g * tp + r}" for r in range(tp)) for g in range(count))
+    return ("+".join(["cpu"] * tp),) * (max_sessions or 1)
 
 
 def add_engine_flags(parser) -> None:

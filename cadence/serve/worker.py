@@ -159,7 +159,7 @@ class Engine:
     Runs anywhere torch runs; the worker process uses it, and tests use it in-process on the CPU."""
 
     def __init__(self, preset: str, device: str, seed: int = 0, options: dict | None = None,
-                 graph_capture=None):
+                 graph_capture=None, tp=None):
         import torch
 
         from cadence.config import get_preset
@@ -185,7 +185,19 @@ class Engine:
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.gen = build_generator(cfg, device=device, dtype=self.dtype, seed=seed)
         self.applied = {"decoder": cfg.vae.decoder, "cache": cfg.stream.cache, "kv_fp8": cfg.stream.kv_fp8,
-                        "dtype": str(self.dtype).replace("torch.", ""), "fp8_linears": 0, "graphs": False}
+                        "dtype": str(self.dtype).replace("torch.", ""), "fp8_linears": 0, "graphs": False,
+                        "tp": 1}
+        self.tp = tp  # cadence.parallel.TPInfo of this rank's group (a tensor-parallel worker group), or None
+        if tp is not None and tp.world_size > 1:
+            from cadence.parallel import apply_tp
+
+            comm = opts.get("comm") or "auto"
+            apply_tp(self.gen.model, tp.group, comm=comm)  # every rank built the same weights: shard them
+            self.applied.update(tp=tp.world_size, comm=comm)
+            if graph_capture is None and self.cuda:
+                from cadence.parallel.graphs import agreeing_capture
+
+                graph_capture = agreeing_capture(tp.group)  # every rank captures a step, or none does
         if opts.get("fp8_linears"):
             from cadence.quant.fp8 import apply_fp8
 
@@ -263,9 +275,11 @@ class Engine:
 
             torch.cuda.empty_cache()
 
-    def run_chunk(self, sess, audio: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray | None, dict]:
+    def run_chunk(self, sess, audio: np.ndarray, out: np.ndarray | None = None,
+                  decode: bool = True) -> tuple[np.ndarray | None, dict]:
         """One chunk: step (graph replay where possible) + decode + frames to the host, into ``out``
-        (a shared-memory slot) or a new array. Returns ``(frames or None when written to out, timings)``."""
+        (a shared-memory slot) or a new array. Returns ``(frames or None when written to out, timings)``.
+        ``decode=False``: the step only (the follower ranks of a tensor-parallel group: rank 0 decodes)."""
         import torch
 
         if audio.shape != (self.samples_per_chunk,):
@@ -279,6 +293,12 @@ class Engine:
         if self.cuda:
             ev[1].record()
         t_step = time.monotonic()
+        if not decode:
+            if self.cuda:
+                ev[1].synchronize()
+            step = self.runner.last if self.runner is not None else "eager"
+            return None, {"t_recv": t_recv, "t_done": time.monotonic(), "step": step,
+                          "work_ms": (time.monotonic() - t_recv) * 1e3}
         frames = sess.decode(lat)
         if self.cuda:
             ev[2].record()
@@ -296,7 +316,7 @@ class Engine:
         return result, {"t_recv": t_recv, "t_done": t_done, "diffusion_ms": diffusion_ms, "decode_ms": decode_ms,
                         "work_ms": (t_done - t_recv) * 1e3, "step": step}
 
-    def warm_up(self, image, chunks: int = 0) -> dict:
+    def warm_up(self, image, chunks: int = 0, decode: bool = True) -> dict:
         """Throwaway sessions of ``chunks`` chunks (0 = window_chunks + 2): every step shape (first
         chunk, ring filling, steady, capture, replay) and the decoder run once before any user. With
         ``capture_filling`` a second session follows (each fill stage is warmed eagerly in the first,
@@ -325,7 +345,7 @@ class Engine:
             open_ms = (time.monotonic() - t) * 1e3
             per, steps = [], []
             for _ in range(n):
-                _, tm = self.run_chunk(sess, audio, out=buf)
+                _, tm = self.run_chunk(sess, audio, out=buf, decode=decode)
                 per.append(tm["work_ms"])
                 steps.append(tm["step"])
             self.close(sess)
@@ -350,9 +370,116 @@ class Engine:
 
 # ---- the worker process ---------------------------------------------------------------------------
 
+#: How long a collective of a tensor-parallel worker group waits for a peer rank before failing: a
+#: rank that died is noticed (the group then fails and is restarted) instead of hanging for torch's default.
+TP_TIMEOUT_S = 300.0
+
+
+def group_devices(device: str) -> list[str]:
+    """A worker group's devices: 'cuda:0' -> one; 'cuda:0+cuda:1' -> a tensor-parallel group of two."""
+    return device.split("+")
+
+
+class _Peers:
+    """The control plane of a tensor-parallel worker group. Rank 0 (the process the web side talks to)
+    broadcasts every command it runs (open / chunk / close / preopen / stop, with their images and audio)
+    over a gloo group; each follower rank runs the same engine calls in the same order, so the
+    collectives inside the steps meet; only rank 0 decodes and answers."""
+
+    def __init__(self, info):
+        import torch.distributed as dist
+
+        self.info = info
+        self.control = info.group if info.backend == "gloo" else dist.new_group(backend="gloo")
+
+    def bcast(self, msg: tuple | None = None) -> tuple:
+        import torch.distributed as dist
+
+        box = [msg]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+def _tp_join(rank: int, devices: list[str], port: int):  # pragma: no cover - other process
+    """Join the group's process group (rank ``rank`` of ``len(devices)``, on ``devices[rank]``)."""
+    import os
+
+    from cadence.parallel import init_tp
+
+    dev = devices[rank]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(len(devices)),
+                      LOCAL_RANK=str(int(dev.split(":")[1]) if dev.startswith("cuda:") else rank))
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback
+    return init_tp(backend="gloo" if dev == "cpu" else None, timeout_s=TP_TIMEOUT_S)
+
+
+def tp_follower_main(rank: int, preset: str, device: str, threads: int, seed: int,  # pragma: no cover
+                     options: dict | None = None) -> None:
+    """A follower rank (1..N-1) of a tensor-parallel worker group: builds the same engine shard, runs the
+    same start-up (warm-up, session opened ahead), then every command rank 0 broadcasts, without
+    decoding; exits on 'stop' (or when a collective times out because rank 0 is gone)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    devices = group_devices(device)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s[worker {device} rank {rank}]: %(message)s")
+    import torch
+
+    from cadence.media.image import default_reference_image
+    from cadence.parallel import destroy_tp
+
+    opts = dict(options or {})
+    if threads > 0:
+        torch.set_num_threads(threads)
+    info = _tp_join(rank, devices, opts["tp_port"])
+    try:
+        peers = _Peers(info)
+        eng = Engine(preset, devices[rank], seed, opts, tp=info)
+        cfg = eng.cfg
+        default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
+        sess, sid_open = None, None
+        with torch.no_grad():
+            if opts.get("warmup"):
+                eng.warm_up(default_image, int(opts.get("warmup_chunks") or 0), decode=False)
+            eng.preopen(default_image, DEFAULT_PROMPT, "default")
+            while True:
+                msg = peers.bcast()
+                kind = msg[0]
+                try:
+                    if kind == "stop":
+                        break
+                    if kind == "open":
+                        _, sid, image, prompt, sseed = msg
+                        if sess is not None:
+                            eng.close(sess)
+                        sess, sid_open = None, None
+                        img = default_image if image is None else torch.from_numpy(image)
+                        sess = eng.open(img, prompt, sseed, key="default" if image is None else None)
+                        sid_open = sid
+                    elif kind == "chunk":
+                        if sess is not None and msg[1] == sid_open:
+                            eng.run_chunk(sess, msg[3], decode=False)
+                    elif kind == "close":
+                        if msg[1] == sid_open:
+                            eng.close(sess)
+                            sess, sid_open = None, None
+                    elif kind == "preopen":
+                        eng.preopen(default_image, DEFAULT_PROMPT, "default")
+                except Exception as e:  # rank 0 meets the same error on the same input and reports it
+                    log.warning("follower rank %d: %s failed (%s: %s)", rank, kind, type(e).__name__, e)
+                    if kind == "open":
+                        sess, sid_open = None, None
+    finally:
+        destroy_tp()
+
+
 def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # pragma: no cover - other process
                 options: dict | None = None) -> None:
-    """Entry point of the worker process (spawned: imports torch here, never in the web process's loop)."""
+    """Entry point of the worker process (spawned: imports torch here, never in the web process's loop).
+    For a tensor-parallel group ('cuda:0+cuda:1') this is rank 0: it also joins the group's process
+    group and broadcasts every command to the follower ranks (``tp_follower_main``)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us cleanly
@@ -369,8 +496,12 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
         torch.set_num_threads(threads)
     t = time.monotonic()
     ring = None
+    devices = group_devices(device)
+    peers = None
     try:
-        eng = Engine(preset, device, seed, opts)
+        info = _tp_join(0, devices, opts["tp_port"]) if len(devices) > 1 else None
+        peers = _Peers(info) if info is not None else None
+        eng = Engine(preset, devices[0], seed, opts, tp=info)
         if opts.get("shm"):
             sh = opts["shm"]
             if tuple(sh["shape"]) != eng.frame_shape:
@@ -389,22 +520,30 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
     except Exception as e:
         conn.send(("error", None, f"worker start failed: {type(e).__name__}: {e}"))
         raise
-    conn.send(("ready", {"preset": cfg.name, "device": device, "build_ms": round(build_ms, 1),
+    conn.send(("ready", {"preset": cfg.name, "device": device, "tp": len(devices), "build_ms": round(build_ms, 1),
                          "threads": torch.get_num_threads(), "fast_path": eng.applied, "notes": eng.notes,
                          "warmup": warm, "preopen_ms": round(preopen_ms, 1), "frame_transport": "shm" if ring is not None else "pipe",
                          "frames_per_chunk": cfg.video_frames_per_chunk,
                          "audio_samples_per_chunk": cfg.audio_samples_per_chunk}))
     sess = None
     sid_open = None
+
+    def tell_peers(msg: tuple) -> None:
+        if peers is not None:
+            # the followers need the command, not the shared-memory slot rank 0 writes its frames to
+            peers.bcast(msg[:5] if msg[0] == "chunk" else msg)
+
     with torch.no_grad():
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                break
+                msg = ("stop",)
             kind = msg[0]
             slot = None
             try:
+                if kind in ("stop", "open", "chunk", "close"):
+                    tell_peers(msg)
                 if kind == "stop":
                     break
                 if kind == "open":
@@ -440,6 +579,7 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
                     conn.send(("closed", sid))
                     if sess is None and not conn.poll():  # idle: open the next default session ahead
                         try:
+                            tell_peers(("preopen",))
                             eng.preopen(default_image, DEFAULT_PROMPT, "default")
                         except Exception as e:  # only a head start: the next open works as without it
                             log.warning("worker: could not open the next session ahead (%s: %s)", type(e).__name__, e)
@@ -457,6 +597,10 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
                     break
     if ring is not None:
         ring.close()
+    if peers is not None:
+        from cadence.parallel import destroy_tp
+
+        destroy_tp()
 
 
 # ---- the web side ---------------------------------------------------------------------------------
@@ -480,6 +624,7 @@ class WorkerGroup:
         self.ring: FrameRing | None = None
         self.start_error: str | None = None
         self.proc: mp.process.BaseProcess | None = None
+        self.followers: list[mp.process.BaseProcess] = []  # ranks 1..N-1 of a tensor-parallel group
         self.conn = None
         self.ready = asyncio.Event()
         self.info: dict = {}
@@ -488,6 +633,7 @@ class WorkerGroup:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outq: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._watch_stop = threading.Event()
         self._stopping = False
         self.restarts = 0
 
@@ -513,19 +659,45 @@ class WorkerGroup:
         self.conn = parent
         self.ready.clear()
         self._outq = queue.SimpleQueue()
+        devices = group_devices(self.device)
+        if len(devices) > 1:
+            opts["tp_port"] = _free_port()
         self.proc = ctx.Process(target=worker_main,
                                 args=(child, self.preset, self.device, self.threads, self.seed, opts),
                                 name=f"cadence-worker-{self.index}", daemon=True)
         self.proc.start()
         child.close()
+        # a tensor-parallel group: the follower ranks, started by us (rank 0 is daemonic: no children)
+        fopts = {k: v for k, v in opts.items() if k != "shm"}
+        self.followers = [ctx.Process(target=tp_follower_main,
+                                      args=(r, self.preset, self.device, self.threads, self.seed, fopts),
+                                      name=f"cadence-worker-{self.index}-rank{r}", daemon=True)
+                          for r in range(1, len(devices))]
+        for p in self.followers:
+            p.start()
+        self._watch_stop = threading.Event()
         conn, outq = parent, self._outq
         self._threads = [
             threading.Thread(target=self._reader, args=(conn,), name=f"cadence-worker-{self.index}-reader", daemon=True),
             threading.Thread(target=self._writer, args=(conn, outq), name=f"cadence-worker-{self.index}-writer",
                              daemon=True),
         ]
+        if self.followers:
+            self._threads.append(threading.Thread(target=self._watch, args=(list(self.followers), self._watch_stop),
+                                                  name=f"cadence-worker-{self.index}-watch", daemon=True))
         for t in self._threads:
             t.start()
+
+    def _watch(self, followers: list, stop: threading.Event) -> None:
+        """A tensor-parallel group: a follower rank that exits takes the group down at once (rank 0 would
+        otherwise wait in a collective until TP_TIMEOUT_S): reported as a dead worker, which the server
+        answers by restarting the group (its session, if any, ends with the error)."""
+        while not stop.wait(0.2):
+            for r, p in enumerate(followers, start=1):
+                if not p.is_alive():
+                    if not stop.is_set() and not self._stopping:
+                        _call(self._loop, self._dispatch, ("died", None, f"tensor-parallel rank {r} exited"))
+                    return
 
     def send(self, msg: tuple) -> None:
         if msg[0] == "chunk" and len(msg) == 5:  # a chunk request: lend it a shared-memory slot if there is one
@@ -598,6 +770,7 @@ class WorkerGroup:
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the process to exit, then terminate/kill it if it does not; join the pipe threads."""
         self._stopping = True
+        self._watch_stop.set()
         self.ready.clear()
         proc = self.proc
         if proc is not None:
@@ -612,6 +785,12 @@ class WorkerGroup:
             if proc.is_alive():  # pragma: no cover
                 proc.kill()
             await asyncio.to_thread(proc.join, 3.0)
+        for p in self.followers:  # rank 0 told them to stop; if it could not, they go now
+            await asyncio.to_thread(p.join, 5.0)
+            if p.is_alive():
+                p.kill()
+                await asyncio.to_thread(p.join, 3.0)
+        self.followers = []
         if self.conn is not None:
             self.conn.close()
         self._outq.put(None)
@@ -633,6 +812,14 @@ class WorkerGroup:
         self.session_id = None
         self.restarts += 1
         self.start()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _call(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:

@@ -1,0 +1,87 @@
+"""A tensor-parallel worker group in the server ('cpu+cpu': the tiny model sharded over two gloo ranks,
+two worker processes): rank 0 answers the web side and broadcasts every command to the follower, both
+run the same steps (their all-reduces meet), rank 0 decodes. An aiortc client streams from it; then
+the server stops and no process of the group is left. The model's TP=2 parity is tests/test_tp.py's."""
+
+import asyncio
+import multiprocessing
+import os
+
+import pytest
+
+for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "multipart"):
+    pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
+
+import torch.distributed as dist
+
+from cadence.errors import ConfigError
+from cadence.serve.client import run_client
+from cadence.serve.config import ServeConfig
+from cadence.serve.server import ServerThread
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_tensor_parallel_group_streams_then_leaves_nothing_behind():
+    # two gloo ranks on this 2-core CPU with one thread each: ~150 ms of diffusion per 166.7 ms chunk
+    # (the all-reduces over loopback dominate at this size), so a generous lead; real time is not the
+    # point here (on GPUs the group is NCCL over NVLink), the protocol is
+    srv = ServerThread(ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0)).start()
+    try:
+        (g,) = srv.manager.groups
+        assert len(g.followers) == 1 and g.info["tp"] == 2 and g.info["fast_path"]["tp"] == 2
+        pids = [g.pid] + [p.pid for p in g.followers]
+        res = asyncio.run(run_client(srv.url, 2.5))
+        assert res.error is None, res.error
+        assert res.status_code == 201
+        rep = res.report
+        assert not rep["errors"], rep["errors"]
+        assert rep["worker_preopened"] is True  # the default session was opened ahead on both ranks
+        assert rep["chunks"]["done"] >= 12 and rep["video_frames_fresh"] >= 36, rep
+        bad, missing = res.pts_gaps(3750)
+        assert bad == [] and missing <= rep["video_frames_skipped"]
+        # a second session on the same group: the ranks stayed in step through close and the next open
+        res2 = asyncio.run(run_client(srv.url, 1.0))
+        assert res2.error is None and res2.report["chunks"]["done"] >= 4 and not res2.report["errors"]
+    finally:
+        srv.stop()
+    assert multiprocessing.active_children() == []
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("bad", ["cpu+cuda:0", "cuda:0+cuda:0", "cpu+gpu"])
+def test_tensor_parallel_group_names_are_checked(bad):
+    with pytest.raises(ConfigError, match="tensor-parallel group"):
+        ServeConfig(groups=(bad,))
+
+
+def test_a_follower_rank_that_dies_restarts_the_group():
+    """Rank 0 would wait in a collective for a dead follower until TP_TIMEOUT_S; the group's watchdog
+    reports it at once, the server restarts the whole group (new processes) and it serves again."""
+    import time
+
+    srv = ServerThread(ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0)).start()
+    try:
+        (g,) = srv.manager.groups
+        old = [g.pid, g.followers[0].pid]
+        g.followers[0].kill()
+        deadline = time.monotonic() + 60
+        while not (g.restarts == 1 and g.ready.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert g.restarts == 1 and g.ready.is_set()
+        assert g.pid not in old and g.followers[0].pid not in old
+        res = asyncio.run(run_client(srv.url, 1.0))
+        assert res.error is None and res.report["chunks"]["done"] >= 4 and not res.report["errors"]
+    finally:
+        srv.stop()
+    assert multiprocessing.active_children() == []
+    assert not any(_alive(p) for p in old)
