@@ -216,8 +216,10 @@ def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
     w = eng.cfg.stream.window_chunks
     times = iter([5000.0] + [400.0] * (w - 1) + [900.0, 60.0])  # cold, eager filling, capture, replay
     steps = iter(["eager:ring_filling"] * w + ["capture", "replay"])
-    monkeypatch.setattr(eng, "run_chunk", lambda sess, audio, out=None: (None, {"work_ms": next(times),
-                                                                                 "step": next(steps)}))
+    def fake_chunk(sess, audio, out=None, decode=True):
+        return None, {"work_ms": next(times), "step": next(steps)}
+
+    monkeypatch.setattr(eng, "run_chunk", fake_chunk)
     warm = eng.warm_up(default_reference_image(128, 128))
     assert warm["streams"] == 1 and warm["steady_chunk_ms"] == 60.0 and warm["slowest_chunk_ms"] == 400.0
     assert eng.notes == [(f"warm-up: {w - 1} chunk(s) of a session take up to 400 ms, longer than a chunk's "
