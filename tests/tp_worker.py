@@ -236,12 +236,9 @@ def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank, grids: bool
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for the gloo rendezvous."""
-    import socket
+    from cadence.net import free_port as _free
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free()
 
 
 def spawn_results(outdir, world: int, extended: bool = False) -> list[dict]:

@@ -45,12 +45,13 @@ import json
 import logging
 import os
 import shlex
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from cadence.net import free_port
 
 FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked2", "chunked4"]
 SWEEP_M = [64, 128, 80, 37, 512, 748, 1496, 64]
@@ -402,12 +403,6 @@ def run(args: argparse.Namespace) -> dict:
         destroy_tp()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -676,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if torch.cuda.is_available() and torch.cuda.device_count() < args.nproc:
         raise SystemExit(f"error: --nproc {args.nproc} but {torch.cuda.device_count()} CUDA device(s)")
-    mp.spawn(_spawned, args=(args.nproc, _free_port(), argv), nprocs=args.nproc, join=True)
+    mp.spawn(_spawned, args=(args.nproc, free_port(), argv), nprocs=args.nproc, join=True)
     return 0
 
 
