@@ -33,13 +33,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_tensor_parallel_group_streams_then_leaves_nothing_behind():
+def _tp_server() -> ServerThread:
     # two gloo ranks on this 2-core CPU with one thread each: ~150 ms of diffusion per 166.7 ms chunk
     # for tiny's two layers (the all-reduces over loopback dominate at this size), ~85 ms with one, and
     # a generous lead; real time is not the point here (on GPUs the group is NCCL over NVLink), the
     # protocol is
-    srv = ServerThread(ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0,
-                                   overrides=ONE_LAYER)).start()
+    return ServerThread(ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0,
+                                    overrides=ONE_LAYER)).start()
+
+
+def _short_session_ok(url: str) -> None:
+    res = asyncio.run(run_client(url, 1.0))
+    assert res.error is None and res.report["chunks"]["done"] >= 4 and not res.report["errors"], res.report
+
+
+def _nothing_left(pids) -> None:
+    assert multiprocessing.active_children() == []
+    assert not any(_alive(p) for p in pids)
+
+
+def test_tensor_parallel_group_streams_then_leaves_nothing_behind():
+    srv = _tp_server()
     try:
         (g,) = srv.manager.groups
         assert len(g.followers) == 1 and g.info["tp"] == 2 and g.info["fast_path"]["tp"] == 2
@@ -54,12 +68,10 @@ def test_tensor_parallel_group_streams_then_leaves_nothing_behind():
         bad, missing = res.pts_gaps(3750)
         assert bad == [] and missing <= rep["video_frames_skipped"]
         # a second session on the same group: the ranks stayed in step through close and the next open
-        res2 = asyncio.run(run_client(srv.url, 1.0))
-        assert res2.error is None and res2.report["chunks"]["done"] >= 4 and not res2.report["errors"]
+        _short_session_ok(srv.url)
     finally:
         srv.stop()
-    assert multiprocessing.active_children() == []
-    assert not any(_alive(p) for p in pids)
+    _nothing_left(pids)
 
 
 @pytest.mark.parametrize("bad", ["cpu+cuda:0", "cuda:0+cuda:0", "cpu+gpu"])
@@ -73,8 +85,7 @@ def test_a_follower_rank_that_dies_restarts_the_group():
     reports it at once, the server restarts the whole group (new processes) and it serves again."""
     import time
 
-    srv = ServerThread(ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0,
-                                   overrides=ONE_LAYER)).start()
+    srv = _tp_server()
     try:
         (g,) = srv.manager.groups
         old = [g.pid, g.followers[0].pid]
@@ -84,9 +95,7 @@ def test_a_follower_rank_that_dies_restarts_the_group():
             time.sleep(0.1)
         assert g.restarts == 1 and g.ready.is_set()
         assert g.pid not in old and g.followers[0].pid not in old
-        res = asyncio.run(run_client(srv.url, 1.0))
-        assert res.error is None and res.report["chunks"]["done"] >= 4 and not res.report["errors"]
+        _short_session_ok(srv.url)
     finally:
         srv.stop()
-    assert multiprocessing.active_children() == []
-    assert not any(_alive(p) for p in old)
+    _nothing_left(old)

@@ -66,7 +66,7 @@ def test_heads_and_cache_are_sharded(results):
     m = get_preset("tiny").model
     for r in range(WORLD):
         assert results[r]["heads"] == m.num_heads // WORLD
-        b, n, h, d = results[r]["tp"]["sink_k_shape"]
+        _b, _n, h, d = results[r]["tp"]["sink_k_shape"]
         assert (h, d) == (m.num_heads // WORLD, m.head_dim)
     assert results[0]["ref"]["sink_k_shape"][2] == m.num_heads
 

@@ -66,6 +66,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from cadence.net import free_port
 from cadence.serve.config import DEFAULT_PROMPT
 
 log = logging.getLogger("cadence.serve")
@@ -414,6 +415,25 @@ def _tp_join(rank: int, devices: list[str], port: int):  # pragma: no cover - ot
     return init_tp(backend="gloo" if dev == "cpu" else None, timeout_s=TP_TIMEOUT_S)
 
 
+def _start_up(eng: Engine, opts: dict, default_image, decode: bool = True) -> tuple[dict | None, float]:
+    """What every rank of a worker runs before serving, in the same order: the warm-up session (when
+    asked), then the next default session opened ahead. Returns (warm-up report or None, preopen ms)."""
+    warm = eng.warm_up(default_image, int(opts.get("warmup_chunks") or 0), decode=decode) if opts.get("warmup") \
+        else None
+    return warm, eng.preopen(default_image, DEFAULT_PROMPT, "default")
+
+
+def _open_command(eng: Engine, sess, image, prompt: str, seed: int, default_image):
+    """A worker's 'open' (every rank the same): the current session closed, the new one opened with the
+    default face when no image came (then the session opened ahead when it matches)."""
+    import torch
+
+    if sess is not None:
+        eng.close(sess)
+    img = default_image if image is None else torch.from_numpy(image)
+    return eng.open(img, prompt, seed, key="default" if image is None else None)
+
+
 def tp_follower_main(rank: int, preset: str, device: str, threads: int, seed: int,  # pragma: no cover
                      options: dict | None = None) -> None:
     """A follower rank (1..N-1) of a tensor-parallel worker group: builds the same engine shard, runs the
@@ -441,9 +461,7 @@ def tp_follower_main(rank: int, preset: str, device: str, threads: int, seed: in
         default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
         sess, sid_open = None, None
         with torch.no_grad():
-            if opts.get("warmup"):
-                eng.warm_up(default_image, int(opts.get("warmup_chunks") or 0), decode=False)
-            eng.preopen(default_image, DEFAULT_PROMPT, "default")
+            _start_up(eng, opts, default_image, decode=False)
             while True:
                 msg = peers.bcast()
                 kind = msg[0]
@@ -451,13 +469,7 @@ def tp_follower_main(rank: int, preset: str, device: str, threads: int, seed: in
                     if kind == "stop":
                         break
                     if kind == "open":
-                        _, sid, image, prompt, sseed = msg
-                        if sess is not None:
-                            eng.close(sess)
-                        sess, sid_open = None, None
-                        img = default_image if image is None else torch.from_numpy(image)
-                        sess = eng.open(img, prompt, sseed, key="default" if image is None else None)
-                        sid_open = sid
+                        sess, sid_open = _open_command(eng, sess, *msg[2:], default_image), msg[1]
                     elif kind == "chunk":
                         if sess is not None and msg[1] == sid_open:
                             eng.run_chunk(sess, msg[3], decode=False)
@@ -510,13 +522,10 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
         cfg = eng.cfg
         default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
         build_ms = (time.monotonic() - t) * 1e3
-        warm = None
         with torch.no_grad():
-            if opts.get("warmup"):
-                warm = eng.warm_up(default_image, int(opts.get("warmup_chunks") or 0))
             # the next session opened ahead: a session with the default face and prompt (no upload) only
             # re-seeds it; others still find the default face's latent remembered
-            preopen_ms = eng.preopen(default_image, DEFAULT_PROMPT, "default")
+            warm, preopen_ms = _start_up(eng, opts, default_image)
     except Exception as e:
         conn.send(("error", None, f"worker start failed: {type(e).__name__}: {e}"))
         raise
@@ -547,14 +556,9 @@ def worker_main(conn, preset: str, device: str, threads: int, seed: int,  # prag
                 if kind == "stop":
                     break
                 if kind == "open":
-                    _, sid, image, prompt, sseed = msg
+                    sid = msg[1]
                     t = time.monotonic()
-                    if sess is not None:
-                        eng.close(sess)
-                        sess, sid_open = None, None
-                    img = default_image if image is None else torch.from_numpy(image)
-                    sess = eng.open(img, prompt, sseed, key="default" if image is None else None)
-                    sid_open = sid
+                    sess, sid_open = _open_command(eng, sess, *msg[2:], default_image), sid
                     conn.send(("opened", sid, (time.monotonic() - t) * 1e3, eng.last_open_preopened))
                 elif kind == "chunk":
                     _, sid, index, audio, t_plan = msg[:5]
@@ -661,7 +665,7 @@ class WorkerGroup:
         self._outq = queue.SimpleQueue()
         devices = group_devices(self.device)
         if len(devices) > 1:
-            opts["tp_port"] = _free_port()
+            opts["tp_port"] = free_port()
         self.proc = ctx.Process(target=worker_main,
                                 args=(child, self.preset, self.device, self.threads, self.seed, opts),
                                 name=f"cadence-worker-{self.index}", daemon=True)
@@ -812,14 +816,6 @@ class WorkerGroup:
         self.session_id = None
         self.restarts += 1
         self.start()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _call(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:
