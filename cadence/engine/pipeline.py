@@ -58,7 +58,7 @@ import torch
 from cadence.config import PipelineConfig, Placement, resolve_placement
 from cadence.engine.generate import ChunkOutput, Session, StreamGenerator
 from cadence.errors import InputError
-from cadence.runtime.graphs import GraphRunner
+from cadence.runtime.graphs import GraphRunner, filling_shares_steady_graph
 
 _POLL_S = 0.05  # how often blocked queue operations look at the other side's health
 
@@ -403,8 +403,8 @@ class ChunkPipeline:
                 pass
             ran += 1
             first = first or dict(self.last_run)
-            if getattr(getattr(self.session, "cache", None), "length_on_device", False):
-                break  # filling steps share the steady graph (RingCache.length_on_device): none to capture
+            if filling_shares_steady_graph(self.session):
+                break  # nothing more to capture
         if torch.device(self.placement.diffusion_device).type == "cuda":
             torch.cuda.synchronize(self.placement.diffusion_device)
         info = dict(first, prewarm_s=time.perf_counter() - t0, prewarm_chunks=n, prewarm_streams=ran,

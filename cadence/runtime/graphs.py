@@ -92,6 +92,12 @@ class StepKey:
                 f"window={self.window_chunks} filled={self.filled} fill={self.fill} commit={self.commit} passes={self.passes}")
 
 
+def filling_shares_steady_graph(session) -> bool:
+    """Whether `session`'s ring-filling steps have the steady step's key (a ring that reads its visible
+    length on the device): then ``capture_filling`` has nothing to capture. False for no session."""
+    return bool(getattr(getattr(session, "cache", None), "length_on_device", False))
+
+
 def step_key(session, inp) -> StepKey:
     """The key of the step `session` is about to run with inputs `inp` (after ``prepare_step``)."""
     from cadence.cache.ring import RingCache

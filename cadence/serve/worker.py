@@ -331,6 +331,8 @@ class Engine:
         chunks and each session underruns there, whatever the lead)."""
         import torch
 
+        from cadence.runtime.graphs import filling_shares_steady_graph
+
         n = chunks or self.cfg.stream.window_chunks + 2
         g = torch.Generator().manual_seed(0)
         audio = (0.1 * torch.randn(self.samples_per_chunk, generator=g)).numpy()
@@ -338,8 +340,8 @@ class Engine:
         streams = 1 + (self.runner.warmup if self.runner is not None and self.runner.capture_filling else 0)
         t0 = time.monotonic()
         for k in range(streams):
-            if k and getattr(getattr(self._sess, "cache", None), "length_on_device", False):
-                streams = k  # filling steps share the steady graph (RingCache.length_on_device): done
+            if k and filling_shares_steady_graph(self._sess):
+                streams = k  # nothing more to capture
                 break
             t = time.monotonic()
             sess = self.open(image, "warm-up", 0)
