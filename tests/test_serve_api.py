@@ -164,8 +164,13 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     assert rounds >= 3
     res = client.join()
     assert res.error is None, res.error
-    assert 22.0 <= res.video_fps() <= 26.0, res.video_fps()
     rep = res.report
+    # the stream's clock kept 24 fps; the only frames missing are ones the server's pacer skipped after
+    # a stall of this process (server, client and this loop share 2 cores on CI: one run skipped 8),
+    # and no more than a second of them in 4 s
+    assert 22.0 <= res.media_fps(3750) <= 26.0, (res.media_fps(3750), res.video_fps())
+    bad, missing = res.pts_gaps(3750)
+    assert bad == [] and missing <= rep["video_frames_skipped"] <= 24, (res.pts_steps(), rep)
     assert rep["close_reason"] == "client"
     assert rep["worker_preopened"] is False  # an uploaded face: opened when asked
     assert rep["underruns"]["video"] <= 6, rep["underruns"]  # the bad requests did not starve the stream

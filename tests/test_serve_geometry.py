@@ -363,10 +363,10 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
         assert w["warmup"]["chunks"] == 2 and w["warmup"]["steady_chunk_ms"] > 0
         res = asyncio.run(run_client(srv.url, 3.0))
         assert res.error is None, res.error
-        assert 22.0 <= res.video_fps() <= 26.0, res.video_fps()
+        assert 22.0 <= res.media_fps(3750) <= 26.0, (res.media_fps(3750), res.video_fps())
         rep = res.report
         bad, missing = res.pts_gaps(3750)  # whole frame periods; jumps only where the pacer skipped
-        assert bad == [] and missing <= rep["video_frames_skipped"], (res.pts_steps(), rep)
+        assert bad == [] and missing <= rep["video_frames_skipped"] <= 12, (res.pts_steps(), rep)
         # 3 s at 24 fps: 72 frames generated in time, sent, or skipped by the pacer after a stall of this
         # test process's event loop (server and client share it; a GC pause after the in-process models
         # of the tests before this one skipped 3 frames in 1 of 5 runs)

@@ -47,6 +47,21 @@ def test_client_pts_gaps_count_skipped_frames_and_flag_broken_steps():
     assert r.pts_gaps(3750) == ([1250], 0)
 
 
+def test_client_media_fps_counts_frames_the_pacer_skipped_and_video_fps_does_not():
+    from cadence.serve.client import ClientResult
+
+    # 24 fps for 3 s, but 12 frames (0.5 s) skipped after a stall at 1.5 s: 61 frames received
+    frames = [(k / 24, 3750 * k) for k in range(73) if not 36 <= k < 48]
+    r = ClientResult(video=frames)
+    assert r.media_fps(3750, skip_s=0.0) == pytest.approx(24.0)
+    assert r.video_fps(skip_s=0.0) == pytest.approx(60 / 3.0)
+    assert r.pts_gaps(3750) == ([], 12)
+    # a sender that runs slow (20 fps on the wall clock, pts on the 24 fps grid) is caught by both
+    slow = ClientResult(video=[(k / 20, 3750 * k) for k in range(60)])
+    assert slow.media_fps(3750, skip_s=0.0) == pytest.approx(20.0)
+    assert ClientResult(video=frames[:2]).media_fps(3750) == 0.0
+
+
 def test_scheduler_prestarts_then_plans_lead_ahead_with_bounded_in_flight():
     assert next_plan(0, 0.0, None, T, 0.1, in_flight=0) == (True, 0.0)
     assert next_plan(1, 0.0, None, T, 0.1, in_flight=1) == (True, 0.0)

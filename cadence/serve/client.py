@@ -83,6 +83,22 @@ class ClientResult:
             return 0.0
         return (len(times) - 1) / (times[-1] - times[0])
 
+    def media_fps(self, step: int, skip_s: float = 0.5) -> float:
+        """Frame periods of stream time per wall second, after the first ``skip_s`` seconds.
+
+        Counts the frames the received pts jump over as well as the received ones (``step`` is the
+        frame period in pts ticks, 3,750 at 24 fps in 1/90000): the rate the server's media clock
+        ran at, as seen by the client. It equals ``video_fps`` unless the server's pacer skipped
+        frames after a stall (see ``pts_gaps``), which a test bounds separately.
+        """
+        if len(self.video) < 3:
+            return 0.0
+        t_first = self.video[0][0] + skip_s
+        win = [(t, pts) for t, pts in self.video if t >= t_first]
+        if len(win) < 2 or win[-1][0] <= win[0][0]:
+            return 0.0
+        return (win[-1][1] - win[0][1]) / step / (win[-1][0] - win[0][0])
+
     def pts_steps(self) -> list[int]:
         p = [pts for _, pts in self.video]
         return [b - a for a, b in zip(p, p[1:])]
