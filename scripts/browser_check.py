@@ -45,7 +45,7 @@ try:
         return r.get("result", {}).get("result", {}).get("value", r)
     call("Page.navigate", url=f"http://127.0.0.1:{args.port}/"); time.sleep(2)
     print("start:", ev("window.cadence.start().then(()=>'ok').catch(e=>'ERR '+e)"))
-    for i in range(8):
+    for _ in range(8):
         time.sleep(1)
         print(ev("JSON.stringify({state: document.body.dataset.state, fps: document.body.dataset.fps, conn: document.body.dataset.connection, vw: document.querySelector('video').videoWidth, t: document.querySelector('video').currentTime, err: document.getElementById('error').textContent})"))
     shot = call("Page.captureScreenshot", format="png")

@@ -295,7 +295,7 @@ def shape_sweep(dev: torch.device, group, world: int, mode: str) -> dict:
     rpl = RowParallelLinear(lin, torch.randn(n, device=dev, dtype=act, generator=g), group, comm=mode)
     ref = RowParallelLinear(lin, rpl.bias, group, comm="nccl")
     errs, mem = [], []
-    for rnd in range(2):
+    for _ in range(2):
         for m in SWEEP_M:
             x = torch.randn(m, k, device=dev, dtype=act, generator=g)
             errs.append(_rel(rpl(x), ref(x)))
