@@ -32,7 +32,8 @@ GOOD_SDP_HEAD = "v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n"
 def srv():
     # the API mechanics on the fastest preset (random weights); the shipped default is tested by the rtc and
     # browser tests
-    s = ServerThread(ServeConfig(preset="tiny", port=0, max_image_bytes=MAX_IMAGE, max_audio_bytes=400_000)).start()
+    s = ServerThread(ServeConfig(preset="tiny", port=0, max_image_bytes=MAX_IMAGE, max_audio_bytes=400_000,
+                                 timeline_window_s=1.0)).start()
     yield s
     s.stop()
 
@@ -185,8 +186,20 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     for key in ("fps_mean", "ttff_ms", "chunk_latency_ms_p50", "chunk_latency_ms_p99", "underruns", "deadline_misses",
                 "av_offset_ms", "agent_audio_to_frame_ms", "duration_s"):
         assert key in report, key
+    # the stream window by window (1 s windows in this server): the windows partition the session's
+    # counts; each carries the worker's memory (a process with torch and a model: well over 100 MB)
+    tl = report["timeline"]
+    assert report["timeline_window_s"] == 1.0 and len(tl) >= 3, tl
+    assert sum(r["video_fresh"] for r in tl) == report["video_frames_fresh"], tl
+    assert sum(r["chunks"] for r in tl) == report["chunks"]["done"], tl
+    assert sum(r["underruns_video"] for r in tl) == report["underruns"]["video"], tl
+    assert [r["t_s"] for r in tl] == sorted(r["t_s"] for r in tl) and tl[-1].get("partial") is True
+    assert all(r["worker_rss_mb"] > 100 for r in tl), tl
+    first, peak = report["worker_memory_first_mb"]["rss_mb"], report["worker_memory_max_mb"]["rss_mb"]
+    assert 100 < first <= peak and abs(report["worker_memory_growth_mb"]["rss_mb"]) <= peak, report
     metrics = http.get("/metrics").text
     assert "cadence_admissions_refused_total" in metrics and 'cadence_bad_requests_total{status="415"}' in metrics
+    assert 'cadence_worker_memory_bytes{group="0",kind="rss"}' in metrics
 
 
 @pytest.mark.skipif(espeak_binary() is None, reason="espeak-ng is not installed (CI installs it)")

@@ -49,6 +49,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds the self-started server waits for its workers (build + warm-up; default "
                         "120 on the CPU, 600 on CUDA)")
+    p.add_argument("--window-s", type=float, default=60.0,
+                   help="self-started server: the report's timeline window (fps, chunk latency, underruns, "
+                        "worker memory per window; default 60)")
+    p.add_argument("--progress-every", type=float, default=10.0,
+                   help="print each session's live status this often, in seconds (0: never)")
     add_engine_flags(p)
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
@@ -66,7 +71,7 @@ def _p50(xs):
 
 
 async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_every: float = 0.0,
-                 speak_jitter: float = 0.0):
+                 speak_jitter: float = 0.0, progress_every: float = 0.0):
     import httpx
 
     from cadence.media import synthetic_speech
@@ -76,11 +81,54 @@ async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_eve
     speech = wav_bytes(synthetic_speech(1.0, seed=1).numpy())
     async with httpx.AsyncClient(timeout=60.0) as http:
         cfg = (await http.get(f"{url}/config")).json()
-        results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
-                                                    speak_after_s=speak_after, speak_every_s=speak_every,
-                                                    speak_jitter_s=speak_jitter)
-                                         for _ in range(n)))
+        progress = asyncio.create_task(_progress(http, url, progress_every)) if progress_every > 0 else None
+        try:
+            results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
+                                                        speak_after_s=speak_after, speak_every_s=speak_every,
+                                                        speak_jitter_s=speak_jitter)
+                                             for _ in range(n)))
+        finally:
+            if progress is not None:
+                progress.cancel()
     return cfg, results
+
+
+async def _progress(http, url: str, every: float) -> None:
+    """One line per live session every ``every`` seconds (stderr): age, fps, chunk latency, underruns,
+    worker memory; a long soak shows it is alive and whether it holds up."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            sessions = (await http.get(f"{url}/sessions")).json()["sessions"]
+        except Exception as e:  # progress only: the clients report the real errors
+            print(f"  progress: GET /sessions failed ({type(e).__name__})", file=sys.stderr)
+            continue
+        for st in sessions:
+            mem = st.get("worker_memory_mb") or {}
+            print(f"  [{st.get('age_s', 0):7.1f} s] {st['session_id'][:8]} {st.get('state')}: "
+                  f"{st.get('fps')} fps, chunk {st.get('chunk_latency_ms_p50')} ms p50, "
+                  f"underruns {st.get('underruns', {}).get('video')}, worker rss {mem.get('rss_mb')} MB"
+                  + (f", cuda {mem['cuda_mb']} MB" if mem.get("cuda_mb") is not None else ""),
+                  file=sys.stderr, flush=True)
+
+
+def _timeline_summary(reports: list[dict]) -> dict:
+    """Across sessions, from their reports' timelines: the worst full window's fps, the largest chunk
+    latency p50 of any full window against the first one's, and the worker memory growth."""
+    full = [[w for w in r.get("timeline") or [] if not w.get("partial")] for r in reports]
+    fps = [w["fps"] for ws in full for w in ws if w.get("fps") is not None]
+    first = [ws[0]["chunk_latency_ms_p50"] for ws in full if ws and ws[0].get("chunk_latency_ms_p50") is not None]
+    worst = [max(w["chunk_latency_ms_p50"] for w in ws if w.get("chunk_latency_ms_p50") is not None)
+             for ws in full if any(w.get("chunk_latency_ms_p50") is not None for w in ws)]
+    growth = [r.get("worker_memory_growth_mb") or {} for r in reports]
+    rss = [g["rss_mb"] for g in growth if g.get("rss_mb") is not None]
+    cuda = [g["cuda_mb"] for g in growth if g.get("cuda_mb") is not None]
+    return {"full_windows": sum(len(ws) for ws in full),
+            "fps_min_window": round(min(fps), 2) if fps else None,
+            "chunk_latency_ms_p50_first_window": _p50(first),
+            "chunk_latency_ms_p50_worst_window": max(worst) if worst else None,
+            "worker_rss_growth_mb_max": max(rss) if rss else None,
+            "worker_cuda_growth_mb_max": max(cuda) if cuda else None}
 
 
 def _workers(cfg: dict) -> list[dict]:
@@ -116,13 +164,14 @@ def main(argv: list[str]) -> int:
         extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
         start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
         srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups, max_duration_s=args.seconds + 120,
-                                       worker_start_timeout_s=start_timeout, **engine_kwargs(args), **extra)
+                                       worker_start_timeout_s=start_timeout, timeline_window_s=args.window_s,
+                                       **engine_kwargs(args), **extra)
                            ).start(timeout=start_timeout + 60)
         url = srv.url
         print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
     try:
         cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after, args.speak_every,
-                                                   args.speak_jitter))
+                                          args.speak_jitter, args.progress_every))
     finally:
         if srv is not None:
             srv.stop()
@@ -153,6 +202,8 @@ def main(argv: list[str]) -> int:
         "worker_open_ms_p50": _p50([r.report.get("worker_open_ms") for r in ok]),
         "sessions_preopened": sum(bool(r.report.get("worker_preopened")) for r in ok),
         "chunks_skipped": sum(r.report.get("chunks", {}).get("skipped", 0) for r in ok),
+        "timeline_window_s": ok[0].report.get("timeline_window_s") if ok else None,
+        **_timeline_summary([r.report for r in ok]),
         "errors": len(errors),
         "error_messages": errors[:10],
         "server": "self-started" if srv is not None else url,
@@ -165,6 +216,13 @@ def main(argv: list[str]) -> int:
               f"fast path {w['fast_path']}, warm-up {warm.get('ms')} ms / {warm.get('chunks')} chunks, "
               f"steady chunk {warm.get('steady_chunk_ms')} ms, slowest {warm.get('slowest_chunk_ms')} ms"
               + "".join(f"; {n}" for n in w.get("notes") or ()))
+    timeline = ok[0].report.get("timeline") or [] if ok else []
+    if len(timeline) > 1:
+        print(f"  session 1, window by window ({res['timeline_window_s']} s):")
+        for w in timeline:
+            print(f"    {w['t_s']:7.1f} s +{w['seconds']:5.1f}: {w['fps']} fps, {w['chunks']} chunks, chunk p50 "
+                  f"{w['chunk_latency_ms_p50']} max {w['chunk_latency_ms_max']} ms, underruns {w['underruns_video']}, "
+                  f"worker rss {w.get('worker_rss_mb')} MB" + (" (partial)" if w.get("partial") else ""))
     for e in errors[:10]:
         print(f"  error: {e}", file=sys.stderr)
     if not args.no_record:
@@ -177,6 +235,7 @@ def main(argv: list[str]) -> int:
         path = record("serve", cfg.get("preset", args.preset), args.tp, device, shape, res,
                       variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else ""),
                       out_dir=args.out_dir, world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
-                      headline=headline, extra={"workers": _workers(cfg)})
+                      headline=headline, extra={"workers": _workers(cfg),
+                                                "timelines": [r.report.get("timeline") for r in ok]})
         print(f"wrote {path}")
     return 0 if not errors else 1

@@ -36,6 +36,9 @@ class ServeConfig:
     """Close a session after this long with no request and no media from its client."""
     max_duration_s: float = 600.0
     """Close a session this long after it started, whatever happens."""
+    timeline_window_s: float = 60.0
+    """A session's report cuts the stream into windows this long (``cadence.serve.timeline``): fps,
+    chunk latency, underruns and worker memory per window, to see a long stream hold up (or not)."""
     connect_timeout_s: float = 30.0
     """Close a session whose peer connection is not connected this long after it started."""
     lead_ms: float = 100.0
@@ -124,6 +127,8 @@ class ServeConfig:
         if self.idle_timeout_s <= 0 or self.max_duration_s <= 0:
             raise ConfigError(f"timeouts must be positive, got idle {self.idle_timeout_s} s, "
                               f"max duration {self.max_duration_s} s")
+        if self.timeline_window_s <= 0:
+            raise ConfigError(f"timeline_window_s must be positive, got {self.timeline_window_s}")
         if self.sync_marker_every < 0:
             raise ConfigError(f"sync_marker_every must be >= 0, got {self.sync_marker_every}")
         if not 0 <= self.port <= 65535:

@@ -37,6 +37,7 @@ import numpy as np
 from cadence.serve.agent import Agent
 from cadence.serve.pacing import AVBuffer, MediaTiming, next_plan
 from cadence.serve.rtc import AudioOut, MediaClock, VideoOut, consume_microphone, rtc_configuration
+from cadence.serve.timeline import Timeline
 
 log = logging.getLogger("cadence.serve")
 
@@ -118,6 +119,8 @@ class LiveSession:
         self.errors: list[str] = []
         self.worker_open_ms: float | None = None
         self.worker_preopened = False  # the worker had this session opened ahead (default face and prompt)
+        self.timeline = Timeline(self.cfg.timeline_window_s)
+        self.worker_memory: dict = {}  # the worker's memory (MB) with the last chunk: rss_mb, cuda_mb on CUDA
 
     # ---- start ----------------------------------------------------------------------------------
     async def start(self, image: np.ndarray | None, offer_sdp: str, offer_type: str):
@@ -212,6 +215,7 @@ class LiveSession:
             return
         self.in_flight -= 1
         t_plan, window, marks = plan
+        before = self._counts()
         self.chunks_done += 1
         lat = (now - t_plan) * 1e3
         self.chunk_latency_ms.append(lat)
@@ -225,6 +229,11 @@ class LiveSession:
             m.deadline_misses_total.inc()
         self.buffer.put_chunk(c, frames, window)
         self.first_chunk.set()
+        mem = timings.get("memory") or {}
+        if mem:
+            self.worker_memory = mem
+            m.set_worker_memory(self.group.index, mem)
+        self.timeline.chunk(now, lat, before, mem)
         for mark in marks:
             self._pending_marks.append((c * self.timing.frames_per_chunk + self.timing.frame_of_sample(mark.offset),
                                         mark.t_agent))
@@ -313,6 +322,7 @@ class LiveSession:
             elif self.pc is not None and self.pc.connectionState != "connected" and self.ttff_ms is None \
                     and now - self.t_created > cfg.connect_timeout_s:
                 self.close_soon("connect_timeout")
+            self.timeline.tick(now, self._counts())
             self.update_metrics()
 
     # ---- status, metrics, report ------------------------------------------------------------------
@@ -329,6 +339,11 @@ class LiveSession:
     def av_offset_ms(self) -> float | None:
         v, a = _p50(self._video_lag), _p50(self._audio_lag)
         return None if v is None or a is None else (v - a) * 1e3
+
+    def _counts(self) -> dict:
+        """The cumulative counters the timeline cuts into windows."""
+        return {"video_fresh": self.buffer.video_fresh, "chunks_done": self.chunks_done,
+                "underruns_video": self.buffer.video_underruns, "deadline_misses": self.deadline_misses}
 
     def update_metrics(self) -> None:
         m, s = self.server.metrics, self.sid
@@ -371,6 +386,7 @@ class LiveSession:
             "agent_segments": self.agent.segments,
             "mic_frames": self.mic_frames,
             "connection": self.pc.connectionState if self.pc is not None else None,
+            "worker_memory_mb": {k: _r(v) for k, v in self.worker_memory.items()},
             "errors": self.errors[-5:],
         }
 
@@ -388,6 +404,11 @@ class LiveSession:
             "agent_audio_to_frame_ms": [round(x, 1) for x in self.agent_latency_ms[-100:]],
             "video_frames_skipped": self.video_frames_skipped, "audio_frames_skipped": self.audio_frames_skipped,
             "worker_open_ms": _r(self.worker_open_ms), "worker_preopened": self.worker_preopened,
+            "worker_memory_first_mb": {k: _r(v) for k, v in self.timeline.memory_first.items()},
+            "worker_memory_max_mb": {k: _r(v) for k, v in self.timeline.memory_max.items()},
+            "worker_memory_growth_mb": self.timeline.memory_growth(),
+            "timeline_window_s": self.timeline.window_s,
+            "timeline": self.timeline.rows(self.t_closed or time.monotonic(), self._counts()),
             "errors": self.errors[-20:],
         })
         return st

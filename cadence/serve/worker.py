@@ -72,6 +72,19 @@ from cadence.serve.config import DEFAULT_PROMPT
 log = logging.getLogger("cadence.serve")
 
 
+def process_rss_mb() -> float | None:
+    """This process's resident set size in MB (Linux ``/proc/self/statm``: one small read, ~10 us),
+    or None where there is no /proc."""
+    import os
+
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
 # ---- frames through shared memory ------------------------------------------------------------------
 
 class FrameRing:
@@ -315,7 +328,18 @@ class Engine:
             diffusion_ms, decode_ms = (t_step - t_recv) * 1e3, (t_done - t_step) * 1e3
         step = self.runner.last if self.runner is not None else "eager"  # (an empty runner is falsy: len 0)
         return result, {"t_recv": t_recv, "t_done": t_done, "diffusion_ms": diffusion_ms, "decode_ms": decode_ms,
-                        "work_ms": (t_done - t_recv) * 1e3, "step": step}
+                        "work_ms": (t_done - t_recv) * 1e3, "step": step, "memory": self.memory()}
+
+    def memory(self) -> dict:
+        """The worker's memory now, in MB: host RSS and, on CUDA, what torch has allocated on this device
+        (no sync: the caching allocator's counter). A stream that leaks shows as growth chunk after chunk
+        (``cadence.serve.timeline``)."""
+        import torch
+
+        mem = {"rss_mb": process_rss_mb()}
+        if self.cuda:
+            mem["cuda_mb"] = torch.cuda.memory_allocated(self.gen.model.device) / 2 ** 20
+        return mem
 
     def warm_up(self, image, chunks: int = 0, decode: bool = True) -> dict:
         """Throwaway sessions of ``chunks`` chunks (0 = window_chunks + 2): every step shape (first

@@ -4,7 +4,8 @@ Per session (label ``session``; the series are removed when the session closes, 
 set stays bounded): fps, time to first frame, A/V offset, agent audio -> frame latency, video and
 audio underruns, deadline misses. Server-wide: a chunk latency histogram (plan -> frames back in
 the web process), sessions by close reason, admissions refused, active sessions, totals of
-underruns and deadline misses (they survive the session's series).
+underruns and deadline misses (they survive the session's series). Per worker group (label
+``group``): the worker process's memory with its last chunk (host RSS, GPU allocation).
 
 ``prometheus_client`` is imported here only: the engine and the benchmarks never need it.
 """
@@ -56,6 +57,10 @@ class ServeMetrics:
                                        ("kind",), registry=r)
         self.deadline_misses_total = Counter("cadence_deadline_misses", "Chunks back after their first frame was due",
                                              registry=r)
+        self.worker_memory = Gauge("cadence_worker_memory_bytes",
+                                   "A worker group's rank-0 process memory with its last chunk: host RSS "
+                                   "('rss') and torch's allocation on its GPU ('cuda')", ("group", "kind"),
+                                   registry=r)
         self.bad_requests = Counter("cadence_bad_requests", "Requests answered with a 4xx error", ("status",),
                                     registry=r)
 
@@ -67,6 +72,12 @@ class ServeMetrics:
                 getattr(self, name).remove(sid)
             except KeyError:
                 pass
+
+    def set_worker_memory(self, group: int, mem: dict) -> None:
+        """``mem``: MB by name as the worker reports it (``rss_mb``, ``cuda_mb``; None = not known)."""
+        for name, mb in mem.items():
+            if mb is not None:
+                self.worker_memory.labels(str(group), name.removesuffix("_mb")).set(mb * 2 ** 20)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
