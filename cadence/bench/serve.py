@@ -233,7 +233,8 @@ def main(argv: list[str]) -> int:
         headline = (f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
                     f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms")
         path = record("serve", cfg.get("preset", args.preset), args.tp, device, shape, res,
-                      variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else ""),
+                      variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else "")
+                      + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else ""),  # a soak has a file of its own
                       out_dir=args.out_dir, world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
                       headline=headline, extra={"workers": _workers(cfg),
                                                 "timelines": [r.report.get("timeline") for r in ok]})
