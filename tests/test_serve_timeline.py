@@ -75,5 +75,6 @@ def test_bounded_and_empty():
     tl.chunk(4.0, 10.0, {"video_fresh": 60})
     rows = tl.rows(4.0, {"video_fresh": 60})
     assert [(r["t_s"], r["seconds"], r["video_fresh"]) for r in rows] == [(0.0, 3.5, 48), (3.5, 0.5, 12)]
+    assert rows[0]["fps"] == pytest.approx(48 / 3.5, abs=0.01) and rows[1]["fps"] is None  # 0.5 s: not rated
     with pytest.raises(ValueError, match="positive"):
         Timeline(window_s=0)

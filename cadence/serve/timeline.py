@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 
 COUNTERS = ("video_fresh", "chunks_done", "underruns_video", "deadline_misses")
+MIN_RATED_S = 1.0  # a (partial) window shorter than this gets no fps: a frame or two over a few ms is no rate
 
 
 class Timeline:
@@ -71,7 +72,7 @@ class Timeline:
         d = {k: int(counts.get(k, 0)) - self._start.get(k, 0) for k in COUNTERS}
         lat = self._latency
         row = {"t_s": round(self._t_start - self.t0, 3), "seconds": round(secs, 3),
-               "fps": round(d["video_fresh"] / secs, 2) if secs > 0 else None,
+               "fps": round(d["video_fresh"] / secs, 2) if secs >= MIN_RATED_S else None,
                "chunks": d["chunks_done"],
                "chunk_latency_ms_p50": round(statistics.median(lat), 1) if lat else None,
                "chunk_latency_ms_max": round(max(lat), 1) if lat else None,
