@@ -53,12 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=Path("out.mp4"), help="output MP4 path (default: out.mp4)")
     g.add_argument("--prompt", default="a person talking to the camera", help="text prompt")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    g.add_argument("--weights", type=Path, default=None,
-                   help="checkpoint to load (default: the preset's shipped weights, or random weights "
-                        "from --seed for presets without any)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     g.add_argument("--dtype", default=None, choices=_DTYPES,
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    from cadence.serve.config import add_engine_flags, add_weight_flags
+
+    add_weight_flags(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve live characters over WebRTC (HTTP API + browser page)",
@@ -87,9 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lead-ms", type=float, default=100.0,
                    help="plan each chunk this long before it is due (default: 100)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    from cadence.serve.config import add_engine_flags
-
     add_engine_flags(s)
+    add_weight_flags(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="run a benchmark: cadence bench <name> [args...]",
@@ -152,8 +151,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chunks is not None and args.chunks <= 0:
         raise InputError(f"--chunks must be a positive number of chunks, got {args.chunks}")
     out = _check_output(args.out)
-    if args.weights is not None and not args.weights.is_file():
-        raise InputError(f"weights file not found: {args.weights}")
+    from cadence.serve.config import weight_overrides
+
+    over = weight_overrides(args.weights, args.vae_weights)
+    if over:
+        cfg = cfg.with_overrides(**over)
 
     # Inputs first: a bad file fails in milliseconds, before any model is built.
     height, width = cfg.stream.height, cfg.stream.width
@@ -175,8 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          "install") from None
 
     t_build = time.perf_counter()
-    extra = {"weights": str(args.weights)} if args.weights is not None else {}
-    gen = build_generator(cfg, device=device, dtype=dtype, seed=args.seed, **extra)
+    gen = build_generator(cfg, device=device, dtype=dtype, seed=args.seed)
     t_start = time.perf_counter()
     build_s = t_start - t_build
 
@@ -239,7 +240,7 @@ def _check_output(out: Path) -> Path:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.config import get_preset
-    from cadence.serve.config import ServeConfig, engine_kwargs, serve_groups
+    from cadence.serve.config import ServeConfig, engine_kwargs, serve_groups, weight_overrides
 
     get_preset(args.preset)  # a clear error for an unknown preset, before anything starts
     if args.device not in ("cpu", "cuda"):
@@ -256,7 +257,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     groups = serve_groups(args.device, args.tp, args.max_sessions, n)
     cfg = ServeConfig(preset=args.preset, host=args.host, port=args.port, groups=groups,
                       idle_timeout_s=args.idle_timeout, max_duration_s=args.max_duration,
-                      worker_threads=args.worker_threads, lead_ms=args.lead_ms, **engine_kwargs(args))
+                      worker_threads=args.worker_threads, lead_ms=args.lead_ms,
+                      overrides=weight_overrides(args.weights, args.vae_weights), **engine_kwargs(args))
     from cadence.serve.server import run
 
     run(cfg, log_level=args.log_level)

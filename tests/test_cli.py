@@ -163,12 +163,16 @@ def _bad_args(case: str, tmp: Path) -> list[str]:
         "out_is_dir": ["--out", str(tmp)],
         "bad_device": ["--device", "tpu", *out],
         "cuda_missing": ["--device", "cuda", *out],
+        "missing_weights": ["--weights", str(tmp / "nope.safetensors"), *out],
+        "weights_dir_without_checkpoint": ["--weights", str(tmp), *out],
+        "vae_weights_not_a_folder": ["--vae-weights", str(png), *out],
     }[case]
 
 
 @pytest.mark.parametrize("case", ["missing_image", "image_is_text", "missing_audio", "audio_is_image",
                                   "chunks_zero", "chunks_negative", "unknown_preset", "out_dir_missing",
-                                  "out_is_dir", "bad_device", "cuda_missing"])
+                                  "out_is_dir", "bad_device", "cuda_missing", "missing_weights",
+                                  "weights_dir_without_checkpoint", "vae_weights_not_a_folder"])
 def test_generate_errors_are_one_line(case: str, tmp_path: Path, fake_engine: dict,
                                       capsys: pytest.CaptureFixture) -> None:
     if case == "cuda_missing" and torch.cuda.is_available():
@@ -180,6 +184,24 @@ def test_generate_errors_are_one_line(case: str, tmp_path: Path, fake_engine: di
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err
     assert fake_engine["builds"] == 0  # inputs are checked before any model is built
+
+
+def test_generate_loads_the_checkpoint_it_is_given(tmp_path: Path, fake_engine: dict) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model-00001.safetensors").write_bytes(b"")  # a folder of shards is taken as is
+    assert main(["generate", "--chunks", "1", "--weights", str(ckpt), "--vae-weights", str(tmp_path),
+                 "--out", str(tmp_path / "o.mp4")]) == 0
+    cfg = fake_engine["build"]["cfg"]
+    assert cfg.model.weights == str(ckpt.resolve()) and cfg.vae.weights == str(tmp_path.resolve())
+
+
+@pytest.mark.parametrize("flag", ["--weights", "--vae-weights"])
+def test_serve_refuses_missing_weights_before_starting(flag: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "--port", "0", flag, str(tmp_path / "nope")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0], lines
 
 
 @pytest.mark.parametrize("argv", [["generate", "--chunks", "many"], ["generate", "--dtype", "int3"],

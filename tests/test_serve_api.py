@@ -90,6 +90,7 @@ def test_page_openapi_config_health(http):
         assert path in spec["paths"], path
     cfg = http.get("/config").json()
     assert (cfg["preset"], cfg["fps"], cfg["width"], cfg["height"]) == ("tiny", 24, 128, 128)
+    assert cfg["weights"] == {"model": None, "vae": None}  # tiny: random weights (serve --weights sets them)
     assert http.get("/healthz").json()["ok"] is True
     _err(http.get("/no/such/route"), 404)
 

@@ -408,3 +408,28 @@ def test_a_worker_that_cannot_start_fails_startup_once_and_leaves_nothing_behind
 
     asyncio.run(main())
     assert multiprocessing.active_children() == []
+
+
+@torch.no_grad()
+def test_worker_serves_the_checkpoint_it_is_given(tmp_path):
+    """``cadence serve --weights``: the worker's engine loads the checkpoint (overrides from
+    ``weight_overrides``) and streams exactly what that model streams, not its own random weights."""
+    from cadence.config import get_preset
+    from cadence.engine.generate import build_generator
+    from cadence.media.image import default_reference_image
+    from cadence.model.weights import save_weights
+    from cadence.serve.config import weight_overrides
+
+    img = default_reference_image(128, 128)
+    audio = (0.1 * np.sin(np.arange(8000) / 30.0)).astype(np.float32)
+    src = build_generator(get_preset("tiny"), seed=5)  # the "trained" model: random weights of seed 5
+    save_weights(src.model, tmp_path / "dit.safetensors")
+    eng = Engine("tiny", "cpu", seed=0, options={"overrides": weight_overrides(str(tmp_path / "dit.safetensors"), None)})
+    plain = Engine("tiny", "cpu", seed=0)
+    for name, p in src.model.state_dict().items():
+        assert torch.equal(eng.gen.model.state_dict()[name], p), name
+    assert not torch.equal(plain.gen.model.blocks[0].ffn.fc1.weight, src.model.blocks[0].ffn.fc1.weight)
+    frames = [e.run_chunk(e.open(img, "a prompt", 3), audio)[0] for e in (eng, plain)]
+    ref = Engine("tiny", "cpu", seed=5)  # the same model built from seed 5 directly
+    want = ref.run_chunk(ref.open(img, "a prompt", 3), audio)[0]
+    assert np.array_equal(frames[0], want) and not np.array_equal(frames[1], want)

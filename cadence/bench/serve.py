@@ -26,7 +26,7 @@ import asyncio
 import statistics
 import sys
 
-from cadence.serve.config import add_engine_flags, engine_kwargs
+from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, weight_overrides
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -55,6 +55,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--progress-every", type=float, default=10.0,
                    help="print each session's live status this often, in seconds (0: never)")
     add_engine_flags(p)
+    add_weight_flags(p)
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
     a = p.parse_args(argv)
@@ -158,6 +159,7 @@ def main(argv: list[str]) -> int:
         gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
         try:
             groups = serve_groups(args.device, args.tp, args.sessions, gpus)
+            overrides = weight_overrides(args.weights, args.vae_weights)
         except InputError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -165,7 +167,7 @@ def main(argv: list[str]) -> int:
         start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
         srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups, max_duration_s=args.seconds + 120,
                                        worker_start_timeout_s=start_timeout, timeline_window_s=args.window_s,
-                                       **engine_kwargs(args), **extra)
+                                       overrides=overrides, **engine_kwargs(args), **extra)
                            ).start(timeout=start_timeout + 60)
         url = srv.url
         print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)

@@ -22,7 +22,7 @@ import torch
 from cadence.cache.naive import NaiveCache
 from cadence.cache.ring import RingCache
 from cadence.config import CadenceConfig
-from cadence.errors import InputError
+from cadence.errors import ConfigError, InputError
 from cadence.model.audio import AudioFeatures
 from cadence.model.dit import WanDiT
 from cadence.model.standin_vae import StandInVAE
@@ -357,6 +357,9 @@ def build_vae_modules(cfg: CadenceConfig, wan: bool = True, taehv: bool = True):
 def make_vae(cfg: CadenceConfig, device, dtype: torch.dtype):
     """The configured autoencoder: the stand-in, or the streaming Wan VAE / TAEHV decoder."""
     if cfg.vae.decoder == "standin":
+        if cfg.vae.weights:
+            raise ConfigError(f"VAE weights {cfg.vae.weights} need the 'wan' or 'taehv' decoder; "
+                              "the stand-in decoder has no weights")
         return StandInVAE(cfg, device)
     return WanVAEAdapter(cfg, device, dtype)
 

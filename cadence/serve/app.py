@@ -362,6 +362,7 @@ def create_app(cfg: ServeConfig | None = None):
                 "groups": len(mgr.groups), "max_image_bytes": cfg.max_image_bytes,
                 "max_audio_bytes": cfg.max_audio_bytes, "idle_timeout_s": cfg.idle_timeout_s,
                 "max_duration_s": cfg.max_duration_s,
+                "weights": {"model": e.model.weights, "vae": e.vae.weights},
                 "workers": [{"index": g.index, "device": g.device, "ready": g.ready.is_set(),
                              "lead_ms": round(mgr.lead_ms(g), 1), **(g.info or {})} for g in mgr.groups]}
 

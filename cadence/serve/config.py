@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from cadence.errors import ConfigError
+from cadence.errors import ConfigError, InputError
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,37 @@ def add_engine_flags(parser) -> None:
     g.add_argument("--warmup-chunks", type=int, default=0, help="warm-up chunks (default 0 = window + 2)")
     g.add_argument("--frame-transport", default="auto", choices=["auto", "pipe", "shm"],
                    help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)")
+
+
+def add_weight_flags(parser) -> None:
+    """Checkpoints to serve (``cadence serve``, ``cadence bench serve``, ``cadence generate``)."""
+    g = parser.add_argument_group("weights (default: the preset's shipped weights; random weights for presets "
+                                  "without any)")
+    g.add_argument("--weights", default=None,
+                   help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, "
+                        "original Wan or Cadence key names)")
+    g.add_argument("--vae-weights", default=None,
+                   help="a diffusers vae/ folder (config.json + safetensors) for the Wan VAE, optionally with "
+                        "taehv.safetensors (+ taehv.json) for the tiny decoder")
+
+
+def weight_overrides(weights: str | None, vae_weights: str | None) -> dict:
+    """Engine-config overrides that load ``weights`` (model) and ``vae_weights`` (VAE folder); one clear
+    error for a path that holds no checkpoint, before any worker starts."""
+    from pathlib import Path
+
+    out: dict = {}
+    if weights is not None:
+        p = Path(weights)
+        if not (p.is_file() or (p.is_dir() and any(p.glob("*.safetensors")))):
+            raise InputError(f"weights not found: {weights} (a .safetensors file, or a folder holding them)")
+        out["model"] = {"weights": str(p.resolve())}
+    if vae_weights is not None:
+        p = Path(vae_weights)
+        if not p.is_dir():
+            raise InputError(f"--vae-weights must be a folder (a diffusers vae/ folder), got {vae_weights}")
+        out["vae"] = {"weights": str(p.resolve())}
+    return out
 
 
 def engine_kwargs(args) -> dict:
