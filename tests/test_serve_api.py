@@ -187,6 +187,7 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     for key in ("fps_mean", "ttff_ms", "chunk_latency_ms_p50", "chunk_latency_ms_p99", "underruns", "deadline_misses",
                 "av_offset_ms", "agent_audio_to_frame_ms", "duration_s"):
         assert key in report, key
+    assert report["chunk_latency_samples"] == min(2000, report["chunks"]["done"])  # what the percentiles cover
     # the stream window by window (1 s windows in this server): the windows partition the session's
     # counts; each carries the worker's memory (a process with torch and a model: well over 100 MB)
     tl = report["timeline"]

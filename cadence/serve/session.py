@@ -401,6 +401,9 @@ class LiveSession:
                                                               - (self.clock.t0 or self.t_created)), 2)
             if self.clock.t0 else 0.0,
             "chunk_latency_ms_p99": _r(lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))] if lat else None),
+            # the p50/p99 (and diffusion/decode p50) cover the last this-many chunks (a bounded window:
+            # 2,000 chunks = 5.6 min at 4 frames per chunk); the timeline has every window of the session
+            "chunk_latency_samples": len(lat),
             "agent_audio_to_frame_ms": [round(x, 1) for x in self.agent_latency_ms[-100:]],
             "video_frames_skipped": self.video_frames_skipped, "audio_frames_skipped": self.audio_frames_skipped,
             "worker_open_ms": _r(self.worker_open_ms), "worker_preopened": self.worker_preopened,
