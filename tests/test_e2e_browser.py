@@ -394,3 +394,48 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
     # the session's teardown is prompt (the server's close is bounded: tasks 5 s, pc 10 s, worker 10 s)
     assert report["state"] == "closed" and report["close_reason"] == "client", summary
     assert stop_s < 5.0, summary
+
+
+CODEC_STATS_JS = r"""
+(async () => {
+  const pc = window.cadence.state().pc;
+  const stats = await pc.getStats();
+  let inbound = null;
+  stats.forEach((r) => { if (r.type === "inbound-rtp" && r.kind === "video") inbound = r; });
+  if (!inbound) return { framesDecoded: 0 };
+  const codec = inbound.codecId ? stats.get(inbound.codecId) : null;
+  return { framesDecoded: inbound.framesDecoded || 0, frameWidth: inbound.frameWidth,
+           mimeType: codec ? codec.mimeType : null, decoder: inbound.decoderImplementation || null };
+})()
+"""
+
+
+def test_browser_receives_h264_when_the_page_asks_for_it(chromium, server, browser):
+    """The page's codec choice (H.264 here; VP8 is the browser's default, tested above): the browser
+    offers only H.264, the server's libx264 encoder sends it, Chromium decodes it."""
+    cdp = browser
+    cdp.call("Page.navigate", url=server.url + "/")
+    deadline = time.monotonic() + 20
+    while cdp.eval("document.readyState === 'complete' && typeof window.cadence === 'object'") is not True:
+        assert time.monotonic() < deadline, "the page did not load"
+        time.sleep(0.1)
+    caps = cdp.eval("RTCRtpReceiver.getCapabilities('video').codecs.map((c) => c.mimeType)")
+    if "video/H264" not in caps:
+        pytest.skip(f"this Chromium build cannot receive H.264 (receiver codecs: {sorted(set(caps))})")
+    cdp.eval("document.getElementById('use-mic').checked = false")
+    cdp.eval("document.getElementById('codec').value = 'H264'")
+    assert cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')") == "ok"
+    deadline = time.monotonic() + 20
+    st = {}
+    while (st.get("framesDecoded") or 0) < 36:  # 1.5 s of video
+        assert time.monotonic() < deadline, f"fewer than 36 H.264 frames decoded within 20 s: {st}"
+        time.sleep(0.2)
+        st = cdp.eval(CODEC_STATS_JS)
+    assert st["mimeType"] == "video/H264" and st["frameWidth"] == 128, st
+    deadline = time.monotonic() + 5  # the page polls the session every 0.5 s
+    while cdp.eval("document.body.dataset.videoCodec || ''") != "H264":
+        assert time.monotonic() < deadline, "the page does not show the negotiated codec"
+        time.sleep(0.1)
+    assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
+    (report,) = server.manager.reports.values()
+    assert report["video_codec"] == "H264" and report["close_reason"] == "client", report

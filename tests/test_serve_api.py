@@ -252,3 +252,33 @@ def test_idle_and_max_duration_timeouts_close_sessions(http, srv):
         assert mgr.reports[sid]["close_reason"] == reason
         assert http.get(f"/sessions/{sid}").json()["state"] == "closed"
     assert mgr.sessions == {} and all(g.free for g in mgr.groups)
+
+
+@pytest.mark.parametrize("codec", ["VP8", "H264"])
+def test_video_streams_in_vp8_and_h264(http, srv, codec):
+    """A client that offers only one video codec gets it (aiortc's libvpx / libx264 encoders), at the
+    model's 24 fps; the session reports what was negotiated. An offer with no codec the server can send
+    is a 400, not a failed start."""
+    import asyncio
+
+    from cadence.serve.client import run_client
+
+    res = asyncio.run(run_client(srv.url, 2.0, video_codec=codec))
+    assert res.error is None, res.error
+    assert res.codecs == {"video": codec, "audio": "opus"}
+    rep = res.report
+    assert (rep["video_codec"], rep["audio_codec"]) == (codec, "opus")
+    bad, missing = res.pts_gaps(3750)
+    assert bad == [] and missing <= rep["video_frames_skipped"] <= 12, (res.pts_steps(), rep)
+    assert 22.0 <= res.media_fps(3750) <= 26.0, (res.media_fps(3750), res.video_fps())
+    assert res.video_size == (128, 128) and len(res.video) + missing >= 40
+    assert srv.manager.sessions == {} and all(g.free for g in srv.manager.groups)
+
+
+def test_an_offer_without_a_codec_the_server_sends_is_a_400(http, srv):
+    import re
+
+    sdp = re.sub(r"(a=rtpmap:\d+ )(VP8|H264)/90000", r"\1AV1X/90000", _offer_sdp())
+    msg = _err(http.post("/sessions", json={"sdp": sdp}), 400)
+    assert "VP8 or H264" in msg, msg
+    assert srv.manager.sessions == {} and all(g.free for g in srv.manager.groups)

@@ -32,11 +32,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
+from aiortc.exceptions import InvalidAccessError, OperationError
 
 from cadence.errors import CadenceError, InputError
 from cadence.serve.agent import TTSUnavailable, decode_audio_bytes, espeak_binary, make_agent, synthesize
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, resolve_engine_options
-from cadence.serve.rtc import use_ice_host_addresses
+from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession
 from cadence.serve.worker import WorkerGroup
 from cadence.telemetry.metrics import CONTENT_TYPE_LATEST, ServeMetrics
@@ -233,6 +234,10 @@ class SessionManager:
         except ValueError as e:  # aiortc's SDP parser and checks
             await sess.close("bad_offer")
             raise ApiError(400, f"malformed SDP offer: {e}") from None
+        except (OperationError, InvalidAccessError) as e:  # a well-formed offer aiortc cannot answer
+            await sess.close("bad_offer")
+            raise ApiError(400, f"cannot answer the SDP offer ({e}): the server sends {' or '.join(VIDEO_CODECS)} "
+                                "video and Opus audio") from None
         except Exception as e:
             await sess.close("start_failed")
             log.exception("session %s failed to start", sid)

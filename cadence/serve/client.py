@@ -14,11 +14,11 @@ from fractions import Fraction
 
 import av
 import numpy as np
-from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from cadence.serve.pacing import to_s16
-from cadence.serve.rtc import rtc_configuration
+from cadence.serve.rtc import negotiated_codecs, rtc_configuration
 
 
 class MicTrack(MediaStreamTrack):
@@ -68,6 +68,7 @@ class ClientResult:
     status: dict = field(default_factory=dict)  # GET /sessions/{id} just before closing
     report: dict = field(default_factory=dict)  # DELETE's answer
     pushed_audio_at: float | None = None
+    codecs: dict = field(default_factory=dict)  # what the server's answer settled on, per media kind
 
     @property
     def ttff_ms(self) -> float | None:
@@ -127,12 +128,15 @@ class ClientResult:
 
 async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=None, mic: np.ndarray | None = None,
                      speak_wav: bytes | None = None, speak_after_s: float = 0.5, speak_every_s: float = 0.0,
-                     speak_jitter_s: float = 0.0, image: bytes | None = None, connect_timeout: float = 30.0, close: bool = True) -> ClientResult:
+                     speak_jitter_s: float = 0.0, image: bytes | None = None, connect_timeout: float = 30.0,
+                     close: bool = True, video_codec: str | None = None) -> ClientResult:
     """One session against ``url`` for ``seconds`` after its first frame. ``speak_wav`` is pushed
     ``speak_after_s`` after the first frame, and again every ``speak_every_s`` seconds (> 0) while the
     session runs (each push is one agent segment: one audio -> frame latency sample), plus a uniform
     random 0..``speak_jitter_s`` (seeded) so the pushes land at different phases of the chunk clock
-    (with a period that is a multiple of the chunk length every sample would see the same phase)."""
+    (with a period that is a multiple of the chunk length every sample would see the same phase).
+    ``video_codec`` ('VP8' or 'H264'): offer only that video codec (``setCodecPreferences``), as a
+    browser that prefers it would; default: aiortc's order (VP8 first)."""
     import httpx
 
     res = ClientResult()
@@ -167,7 +171,13 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
 
     mic_track = MicTrack(mic)
     try:
-        pc.addTransceiver("video", direction="recvonly")
+        video = pc.addTransceiver("video", direction="recvonly")
+        if video_codec is not None:
+            caps = [c for c in RTCRtpReceiver.getCapabilities("video").codecs
+                    if c.mimeType.lower() in (f"video/{video_codec.lower()}", "video/rtx")]
+            if not any(c.mimeType.lower() != "video/rtx" for c in caps):
+                raise ValueError(f"this aiortc cannot receive {video_codec!r} video")
+            video.setCodecPreferences(caps)
         pc.addTransceiver(mic_track, direction="sendrecv")
         await pc.setLocalDescription(await pc.createOffer())
         res.t_post = time.monotonic()
@@ -185,6 +195,7 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
         body = r.json()
         res.session_id = body["session_id"]
         await pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type=body["type"]))
+        res.codecs = negotiated_codecs(body["sdp"])
         try:
             await asyncio.wait_for(first_frame.wait(), timeout=connect_timeout)
         except TimeoutError:

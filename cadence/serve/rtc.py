@@ -168,3 +168,31 @@ def rtc_configuration():
 
 __all__ = ["AudioOut", "MediaClock", "MediaTiming", "VideoOut", "consume_microphone", "rtc_configuration",
            "use_ice_host_addresses"]
+
+
+#: The video codecs the server can send (aiortc's encoders: libvpx VP8, libx264 H.264); the offer's
+#: order decides (a client prefers one with ``RTCRtpTransceiver.setCodecPreferences``).
+VIDEO_CODECS = ("VP8", "H264")
+
+
+def negotiated_codecs(sdp: str) -> dict[str, str]:
+    """The codec each media section of an SDP answer settled on: the first payload type on its ``m=``
+    line, named by its ``a=rtpmap`` (e.g. ``{"video": "H264", "audio": "opus"}``). Pure text parsing."""
+    out: dict[str, str] = {}
+    kind, first, names = None, None, {}
+
+    def flush():
+        if kind is not None and first is not None and first in names and kind not in out:
+            out[kind] = names[first]
+
+    for line in sdp.splitlines():
+        line = line.strip()
+        if line.startswith("m="):
+            flush()
+            parts = line[2:].split()
+            kind, first, names = parts[0], (parts[3] if len(parts) > 3 else None), {}
+        elif line.startswith("a=rtpmap:") and kind is not None:
+            pt, _, enc = line[len("a=rtpmap:"):].partition(" ")
+            names[pt] = enc.split("/")[0]
+    flush()
+    return out

@@ -36,7 +36,7 @@ import numpy as np
 
 from cadence.serve.agent import Agent
 from cadence.serve.pacing import AVBuffer, MediaTiming, next_plan
-from cadence.serve.rtc import AudioOut, MediaClock, VideoOut, consume_microphone, rtc_configuration
+from cadence.serve.rtc import AudioOut, MediaClock, VideoOut, consume_microphone, negotiated_codecs, rtc_configuration
 from cadence.serve.timeline import Timeline
 
 log = logging.getLogger("cadence.serve")
@@ -120,6 +120,7 @@ class LiveSession:
         self.worker_open_ms: float | None = None
         self.worker_preopened = False  # the worker had this session opened ahead (default face and prompt)
         self.timeline = Timeline(self.cfg.timeline_window_s)
+        self.codecs: dict[str, str] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
         self.worker_memory: dict = {}  # the worker's memory (MB) with the last chunk: rss_mb, cuda_mb on CUDA
 
     # ---- start ----------------------------------------------------------------------------------
@@ -157,6 +158,7 @@ class LiveSession:
             pc.addTrack(self.audio)
         answer = await pc.createAnswer()
         await pc.setLocalDescription(answer)  # gathers host candidates (loopback: one, instantly)
+        self.codecs = negotiated_codecs(pc.localDescription.sdp)
         done, _ = await asyncio.wait({self._opened}, timeout=60.0)
         if not done:
             raise RuntimeError("the worker did not open the session within 60 s")
@@ -386,6 +388,7 @@ class LiveSession:
             "agent_segments": self.agent.segments,
             "mic_frames": self.mic_frames,
             "connection": self.pc.connectionState if self.pc is not None else None,
+            "video_codec": self.codecs.get("video"), "audio_codec": self.codecs.get("audio"),
             "worker_memory_mb": {k: _r(v) for k, v in self.worker_memory.items()},
             "errors": self.errors[-5:],
         }

@@ -34,7 +34,14 @@
     setState("starting");
     try {
       pc = new RTCPeerConnection({ iceServers: [] });
-      pc.addTransceiver("video", { direction: "recvonly" });
+      const video = pc.addTransceiver("video", { direction: "recvonly" });
+      const codec = $("codec").value; // "" = the browser's order; else offer only that codec (+ its rtx)
+      if (codec) {
+        const caps = (RTCRtpReceiver.getCapabilities("video") || { codecs: [] }).codecs;
+        const want = caps.filter((c) => c.mimeType.toLowerCase() === `video/${codec.toLowerCase()}`);
+        if (!want.length) throw new Error(`this browser cannot receive ${codec} video`);
+        video.setCodecPreferences(want.concat(caps.filter((c) => c.mimeType.toLowerCase() === "video/rtx")));
+      }
       let micTrack = null;
       if ($("use-mic").checked && navigator.mediaDevices && navigator.mediaDevices.getUserMedia) {
         try {
@@ -91,6 +98,8 @@
       $("m-agent").textContent = ms(s.agent_audio_to_frame_ms_last);
       $("m-av").textContent = s.av_offset_ms === null ? "-" : `${s.av_offset_ms.toFixed(1)} ms`;
       $("m-under").textContent = `${s.underruns.video} / ${s.underruns.audio}`;
+      $("m-codecs").textContent = s.video_codec ? `${s.video_codec} / ${s.audio_codec}` : "-";
+      document.body.dataset.videoCodec = s.video_codec || "";
       if (s.state === "closed") { clearInterval(poll); poll = null; }
     } catch (e) { setError(String(e)); }
   }
