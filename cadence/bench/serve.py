@@ -49,6 +49,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds the self-started server waits for its workers (build + warm-up; default "
                         "120 on the CPU, 600 on CUDA)")
+    p.add_argument("--video-codec", default=None, choices=["VP8", "H264"],
+                   help="the clients offer only this video codec (default: aiortc's order, VP8 first)")
     p.add_argument("--window-s", type=float, default=60.0,
                    help="self-started server: the report's timeline window (fps, chunk latency, underruns, "
                         "worker memory per window; default 60)")
@@ -72,7 +74,7 @@ def _p50(xs):
 
 
 async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_every: float = 0.0,
-                 speak_jitter: float = 0.0, progress_every: float = 0.0):
+                 speak_jitter: float = 0.0, progress_every: float = 0.0, video_codec: str | None = None):
     import httpx
 
     from cadence.media import synthetic_speech
@@ -86,7 +88,7 @@ async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_eve
         try:
             results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
                                                         speak_after_s=speak_after, speak_every_s=speak_every,
-                                                        speak_jitter_s=speak_jitter)
+                                                        speak_jitter_s=speak_jitter, video_codec=video_codec)
                                              for _ in range(n)))
         finally:
             if progress is not None:
@@ -173,7 +175,7 @@ def main(argv: list[str]) -> int:
         print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
     try:
         cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after, args.speak_every,
-                                          args.speak_jitter, args.progress_every))
+                                          args.speak_jitter, args.progress_every, args.video_codec))
     finally:
         if srv is not None:
             srv.stop()
@@ -204,6 +206,7 @@ def main(argv: list[str]) -> int:
         "worker_open_ms_p50": _p50([r.report.get("worker_open_ms") for r in ok]),
         "sessions_preopened": sum(bool(r.report.get("worker_preopened")) for r in ok),
         "chunks_skipped": sum(r.report.get("chunks", {}).get("skipped", 0) for r in ok),
+        "video_codec": sorted({r.report.get("video_codec") or "?" for r in ok}),
         "timeline_window_s": ok[0].report.get("timeline_window_s") if ok else None,
         **_timeline_summary([r.report for r in ok]),
         "errors": len(errors),
@@ -236,7 +239,8 @@ def main(argv: list[str]) -> int:
                     f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms")
         path = record("serve", cfg.get("preset", args.preset), args.tp, device, shape, res,
                       variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else "")
-                      + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else ""),  # a soak has a file of its own
+                      + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
+                      + (f"-{args.video_codec.lower()}" if args.video_codec else ""),
                       out_dir=args.out_dir, world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
                       headline=headline, extra={"workers": _workers(cfg),
                                                 "timelines": [r.report.get("timeline") for r in ok]})
