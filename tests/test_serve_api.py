@@ -148,6 +148,7 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     sdp = _offer_sdp()
     hammer_until = time.monotonic() + 2.5
     rounds = 0
+    headroom = []
     while time.monotonic() < hammer_until and rounds < 200:
         rounds += 1
         r = http.post("/sessions", json={"sdp": sdp})  # full: one group, busy
@@ -163,7 +164,14 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
         _err(http.get(f"/sessions/{sid}/report"), 409)
         st = http.get(f"/sessions/{sid}").json()
         assert st["state"] in ("connecting", "streaming")
+        if st["state"] == "streaming":
+            headroom.append(st["buffer_ms"])
     assert rounds >= 3
+    # the queue, live: chunks at the worker and the playout headroom (generated video not yet sent),
+    # per session on /metrics while it streams; the headroom stays within lead + in-flight chunks
+    live = http.get("/metrics").text
+    assert f'cadence_session_buffer_ms{{session="{sid}"}}' in live and "cadence_session_chunks_in_flight{" in live
+    assert headroom and max(headroom) > 0 and all(0 <= h <= 1000 for h in headroom), headroom
     res = client.join()
     assert res.error is None, res.error
     rep = res.report
@@ -202,6 +210,7 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     metrics = http.get("/metrics").text
     assert "cadence_admissions_refused_total" in metrics and 'cadence_bad_requests_total{status="415"}' in metrics
     assert 'cadence_worker_memory_bytes{group="0",kind="rss"}' in metrics
+    assert f'session="{sid}"' not in metrics  # a closed session's series are gone (the label set stays bounded)
 
 
 @pytest.mark.skipif(espeak_binary() is None, reason="espeak-ng is not installed (CI installs it)")

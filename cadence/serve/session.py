@@ -342,6 +342,15 @@ class LiveSession:
         v, a = _p50(self._video_lag), _p50(self._audio_lag)
         return None if v is None or a is None else (v - a) * 1e3
 
+    def buffer_ms(self) -> float:
+        """Playout headroom: generated video not yet sent (ms of media from the next frame due to the
+        end of the newest chunk that is back). Falls toward 0 before an underrun; ~lead when healthy."""
+        have = [c for c in self.buffer.chunks]
+        if not have or self.video is None:
+            return 0.0
+        frames = (max(have) + 1) * self.timing.frames_per_chunk - self.video.next_index
+        return max(0.0, frames * 1e3 / self.timing.fps)
+
     def _counts(self) -> dict:
         """The cumulative counters the timeline cuts into windows."""
         return {"video_fresh": self.buffer.video_fresh, "chunks_done": self.chunks_done,
@@ -353,6 +362,8 @@ class LiveSession:
         m.video_underruns.labels(s).set(self.buffer.video_underruns)
         m.audio_underruns.labels(s).set(self.buffer.audio_underruns)
         m.deadline_misses.labels(s).set(self.deadline_misses)
+        m.in_flight.labels(s).set(self.in_flight)
+        m.buffer_ms.labels(s).set(self.buffer_ms())
         if self.ttff_ms is not None:
             m.ttff.labels(s).set(self.ttff_ms)
         off = self.av_offset_ms()
@@ -384,6 +395,7 @@ class LiveSession:
             "deadline_misses": self.deadline_misses,
             "chunks": {"planned": self.chunks_planned, "done": self.chunks_done, "skipped": self.chunks_skipped,
                        "late_dropped": self.buffer.late_chunks, "in_flight": self.in_flight},
+            "buffer_ms": _r(self.buffer_ms()) if self.state != "closed" else 0.0,
             "agent_queued_s": round(self.agent.queued_samples / self.timing.sample_rate, 3),
             "agent_segments": self.agent.segments,
             "mic_frames": self.mic_frames,

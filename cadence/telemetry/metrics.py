@@ -2,7 +2,8 @@
 
 Per session (label ``session``; the series are removed when the session closes, so the label
 set stays bounded): fps, time to first frame, A/V offset, agent audio -> frame latency, video and
-audio underruns, deadline misses. Server-wide: a chunk latency histogram (plan -> frames back in
+audio underruns, deadline misses, and the queue: chunks in flight at the worker and the playout
+headroom (generated video not yet sent, ms). Server-wide: a chunk latency histogram (plan -> frames back in
 the web process), sessions by close reason, admissions refused, active sessions, totals of
 underruns and deadline misses (they survive the session's series). Per worker group (label
 ``group``): the worker process's memory with its last chunk (host RSS, GPU allocation).
@@ -42,6 +43,11 @@ class ServeMetrics:
                                      s, registry=r)
         self.deadline_misses = Gauge("cadence_session_deadline_misses", "Chunks back after their first frame was due",
                                      s, registry=r)
+        self.in_flight = Gauge("cadence_session_chunks_in_flight", "Chunks planned and not back from the worker yet",
+                               s, registry=r)
+        self.buffer_ms = Gauge("cadence_session_buffer_ms",
+                               "Playout headroom: generated video not yet sent, in ms of media (falls toward 0 "
+                               "before an underrun)", s, registry=r)
         self.chunk_latency = Histogram("cadence_chunk_latency_ms", "Chunk plan -> frames back in the web process",
                                        buckets=_MS_BUCKETS, registry=r)
         self.agent_latency_hist = Histogram("cadence_agent_audio_to_frame_ms",
@@ -64,7 +70,8 @@ class ServeMetrics:
         self.bad_requests = Counter("cadence_bad_requests", "Requests answered with a 4xx error", ("status",),
                                     registry=r)
 
-    _per_session = ("fps", "ttff", "av_offset", "agent_latency", "video_underruns", "audio_underruns", "deadline_misses")
+    _per_session = ("fps", "ttff", "av_offset", "agent_latency", "video_underruns", "audio_underruns", "deadline_misses",
+                    "in_flight", "buffer_ms")
 
     def remove_session(self, sid: str) -> None:
         for name in self._per_session:
