@@ -345,10 +345,9 @@ class LiveSession:
     def buffer_ms(self) -> float:
         """Playout headroom: generated video not yet sent (ms of media from the next frame due to the
         end of the newest chunk that is back). Falls toward 0 before an underrun; ~lead when healthy."""
-        have = [c for c in self.buffer.chunks]
-        if not have or self.video is None:
+        if not self.buffer.chunks or self.video is None:
             return 0.0
-        frames = (max(have) + 1) * self.timing.frames_per_chunk - self.video.next_index
+        frames = (max(self.buffer.chunks) + 1) * self.timing.frames_per_chunk - self.video.next_index
         return max(0.0, frames * 1e3 / self.timing.fps)
 
     def _counts(self) -> dict:
