@@ -119,9 +119,9 @@ def test_fake_clock_steady_state_is_paced_stamped_and_in_sync():
     assert buf.video_underruns == 0 and buf.audio_underruns == 0
     assert len(video) == pytest.approx(24 * 2.95, abs=2)
     pts = [v[2] for v in video]
-    assert all(b - a == 3750 for a, b in zip(pts, pts[1:]))
+    assert all(b - a == 3750 for a, b in itertools.pairwise(pts))
     apts = [a[2] for a in audio]
-    assert all(b - a == 960 for a, b in zip(apts, apts[1:]))
+    assert all(b - a == 960 for a, b in itertools.pairwise(apts))
     for now, k, _, value, fresh in video:
         assert fresh and value == k // 4 + 1  # frame k comes from chunk k // 4
         assert now == pytest.approx(T.video_due(t0, k), abs=0.0011)  # on the 24 fps clock, not 30
@@ -143,7 +143,7 @@ def test_fake_clock_late_chunk_holds_last_frame_and_sends_silence():
     silent = [a for a in audio if not a[4]]
     assert all(np.all(a[3][:1] == 0) or np.any(a[3] == 0) for a in silent)
     pts = [v[2] for v in video]  # the clock never stopped: stamps stay continuous
-    assert all(b - a == 3750 for a, b in zip(pts, pts[1:]))
+    assert all(b - a == 3750 for a, b in itertools.pairwise(pts))
     assert [v for v in video if v[1] >= 40 and v[4]]  # and the stream recovered
 
 

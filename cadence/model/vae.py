@@ -34,6 +34,7 @@ calls (tests/test_vae.py checks this against diffusers decoding the whole latent
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -346,7 +347,7 @@ class Encoder(nn.Module):
         self.conv_in = CausalConv3d(cin, dims[0], 3, padding=1)
         blocks: list[nn.Module] = []
         scale = 1.0
-        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(dims)):
             if residual:
                 blocks.append(ResidualDownBlock(a, b, num_res_blocks, temporal=i != last and bool(tdown[i]),
                                                 down=i != last))
@@ -380,7 +381,7 @@ class Decoder(nn.Module):
         self.conv_in = CausalConv3d(z, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
         blocks: list[nn.Module] = []
-        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(dims)):
             up = i != last
             temporal = up and bool(tup[i])
             if residual:

@@ -8,6 +8,7 @@ every frame's arrival time and pts, then closes the session and the connection.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -102,7 +103,7 @@ class ClientResult:
 
     def pts_steps(self) -> list[int]:
         p = [pts for _, pts in self.video]
-        return [b - a for a, b in zip(p, p[1:])]
+        return [b - a for a, b in itertools.pairwise(p)]
 
     def pts_gaps(self, step: int, tol: int = 1) -> tuple[list[int], int]:
         """Check the video pts against the frame period ``step`` (3,750 at 24 fps in 1/90000).

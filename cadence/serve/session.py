@@ -36,7 +36,14 @@ import numpy as np
 
 from cadence.serve.agent import Agent
 from cadence.serve.pacing import AVBuffer, MediaTiming, next_plan
-from cadence.serve.rtc import AudioOut, MediaClock, VideoOut, consume_microphone, negotiated_codecs, rtc_configuration
+from cadence.serve.rtc import (
+    AudioOut,
+    MediaClock,
+    VideoOut,
+    consume_microphone,
+    negotiated_codecs,
+    rtc_configuration,
+)
 from cadence.serve.timeline import Timeline
 
 log = logging.getLogger("cadence.serve")
