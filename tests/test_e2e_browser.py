@@ -299,14 +299,19 @@ MARKS_JS = ("(() => { const M = window.__e2e; return { now: performance.now(), "
             "frames: M.frames.map((f) => ({ t: f.t, b: f.b })), onsets: M.onsets }; })()")
 
 
-def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, browser):
-    t_start = time.monotonic()
-    cdp = browser
-    cdp.call("Page.navigate", url=server.url + "/")
+def _open_page(cdp, url: str) -> None:
+    """Navigate to the server's page and wait (<= 20 s) until its script has set up ``window.cadence``."""
+    cdp.call("Page.navigate", url=url + "/")
     deadline = time.monotonic() + 20
     while cdp.eval("document.readyState === 'complete' && typeof window.cadence === 'object'") is not True:
         assert time.monotonic() < deadline, "the page did not load"
         time.sleep(0.1)
+
+
+def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, browser):
+    t_start = time.monotonic()
+    cdp = browser
+    _open_page(cdp, server.url)
     # no microphone: Chromium's fake device beeps, and the 'mirror' agent would echo the beeps,
     # which would look like marker tones (the aiortc-client test covers the microphone path)
     cdp.eval("document.getElementById('use-mic').checked = false")
@@ -414,11 +419,7 @@ def test_browser_receives_h264_when_the_page_asks_for_it(chromium, server, brows
     """The page's codec choice (H.264 here; VP8 is the browser's default, tested above): the browser
     offers only H.264, the server's libx264 encoder sends it, Chromium decodes it."""
     cdp = browser
-    cdp.call("Page.navigate", url=server.url + "/")
-    deadline = time.monotonic() + 20
-    while cdp.eval("document.readyState === 'complete' && typeof window.cadence === 'object'") is not True:
-        assert time.monotonic() < deadline, "the page did not load"
-        time.sleep(0.1)
+    _open_page(cdp, server.url)
     caps = cdp.eval("RTCRtpReceiver.getCapabilities('video').codecs.map((c) => c.mimeType)")
     if "video/H264" not in caps:
         pytest.skip(f"this Chromium build cannot receive H.264 (receiver codecs: {sorted(set(caps))})")
