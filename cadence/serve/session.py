@@ -128,7 +128,6 @@ class LiveSession:
         self.worker_preopened = False  # the worker had this session opened ahead (default face and prompt)
         self.timeline = Timeline(self.cfg.timeline_window_s)
         self.codecs: dict[str, str] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
-        self.worker_memory: dict = {}  # the worker's memory (MB) with the last chunk: rss_mb, cuda_mb on CUDA
 
     # ---- start ----------------------------------------------------------------------------------
     async def start(self, image: np.ndarray | None, offer_sdp: str, offer_type: str):
@@ -238,9 +237,8 @@ class LiveSession:
             m.deadline_misses_total.inc()
         self.buffer.put_chunk(c, frames, window)
         self.first_chunk.set()
-        mem = timings.get("memory") or {}
+        mem = timings.get("memory") or {}  # the worker's memory (MB) with this chunk: rss_mb, cuda_mb on CUDA
         if mem:
-            self.worker_memory = mem
             m.set_worker_memory(self.group.index, mem)
         self.timeline.chunk(now, lat, before, mem)
         for mark in marks:
@@ -407,7 +405,7 @@ class LiveSession:
             "mic_frames": self.mic_frames,
             "connection": self.pc.connectionState if self.pc is not None else None,
             "video_codec": self.codecs.get("video"), "audio_codec": self.codecs.get("audio"),
-            "worker_memory_mb": {k: _r(v) for k, v in self.worker_memory.items()},
+            "worker_memory_mb": {k: _r(v) for k, v in self.timeline.memory_last.items()},
             "errors": self.errors[-5:],
         }
 

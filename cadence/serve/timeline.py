@@ -36,8 +36,8 @@ class Timeline:
         self._start: dict[str, int] = {}
         self._t_start = self._t_end = 0.0
         self._latency: list[float] = []
-        self._memory: dict[str, float | None] = {}
-        self.memory_first: dict[str, float | None] = {}
+        self.memory_last: dict[str, float] = {}  # MB by name, as of the last chunk that reported it
+        self.memory_first: dict[str, float] = {}
         self.memory_max: dict[str, float] = {}
 
     def tick(self, now: float, counts: dict[str, int]) -> None:
@@ -63,7 +63,7 @@ class Timeline:
         for k, v in (memory or {}).items():
             if v is None:
                 continue
-            self._memory[k] = v
+            self.memory_last[k] = v
             self.memory_first.setdefault(k, v)
             self.memory_max[k] = max(self.memory_max.get(k, v), v)
 
@@ -78,7 +78,7 @@ class Timeline:
                "chunk_latency_ms_max": round(max(lat), 1) if lat else None,
                "underruns_video": d["underruns_video"], "deadline_misses": d["deadline_misses"],
                "video_fresh": d["video_fresh"]}
-        row.update({f"worker_{k}": (round(v, 1) if v is not None else None) for k, v in self._memory.items()})
+        row.update({f"worker_{k}": round(v, 1) for k, v in self.memory_last.items()})
         if partial:
             row["partial"] = True
         return row
@@ -103,5 +103,4 @@ class Timeline:
 
     def memory_growth(self) -> dict[str, float]:
         """Per memory figure: the last value minus the first (MB), over the session so far."""
-        return {k: round(v - self.memory_first[k], 1) for k, v in self._memory.items()
-                if v is not None and self.memory_first.get(k) is not None}
+        return {k: round(v - self.memory_first[k], 1) for k, v in self.memory_last.items()}
