@@ -307,12 +307,12 @@ class Engine:
         if self.cuda:
             ev[1].record()
         t_step = time.monotonic()
+        step = self.runner.last if self.runner is not None else "eager"  # (an empty runner is falsy: len 0)
         if not decode:
             if self.cuda:
                 ev[1].synchronize()
-            step = self.runner.last if self.runner is not None else "eager"
-            return None, {"t_recv": t_recv, "t_done": time.monotonic(), "step": step,
-                          "work_ms": (time.monotonic() - t_recv) * 1e3}
+            t_done = time.monotonic()
+            return None, {"t_recv": t_recv, "t_done": t_done, "step": step, "work_ms": (t_done - t_recv) * 1e3}
         frames = sess.decode(lat)
         if self.cuda:
             ev[2].record()
@@ -326,7 +326,6 @@ class Engine:
             diffusion_ms, decode_ms = ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])
         else:
             diffusion_ms, decode_ms = (t_step - t_recv) * 1e3, (t_done - t_step) * 1e3
-        step = self.runner.last if self.runner is not None else "eager"  # (an empty runner is falsy: len 0)
         return result, {"t_recv": t_recv, "t_done": t_done, "diffusion_ms": diffusion_ms, "decode_ms": decode_ms,
                         "work_ms": (t_done - t_recv) * 1e3, "step": step, "memory": self.memory()}
 
