@@ -32,6 +32,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``cadence`` parser (subcommands: generate, serve, bench, eval, train)."""
+    from cadence.serve.config import add_engine_flags, add_weight_flags  # torch-free, no serving packages
+
     parser = _Parser(prog="cadence", description="Real-time chunk-causal video diffusion for live talking "
                                                  "characters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -56,8 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     g.add_argument("--dtype", default=None, choices=_DTYPES,
                    help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
-    from cadence.serve.config import add_engine_flags, add_weight_flags
-
     add_weight_flags(g)
     g.set_defaults(func=cmd_generate)
 
