@@ -75,15 +75,19 @@ class ClientResult:
     def ttff_ms(self) -> float | None:
         return (self.video[0][0] - self.t_post) * 1e3 if self.video else None
 
+    def _after(self, skip_s: float) -> list[tuple[float, int]]:
+        """The received (arrival, pts) after the first ``skip_s`` seconds; empty when there are too few
+        frames to give a rate (under 3 in all, under 2 in the window, or no time between them)."""
+        if len(self.video) < 3:
+            return []
+        t_first = self.video[0][0] + skip_s
+        win = [(t, pts) for t, pts in self.video if t >= t_first]
+        return win if len(win) >= 2 and win[-1][0] > win[0][0] else []
+
     def video_fps(self, skip_s: float = 0.5) -> float:
         """Frames per second received, after the first ``skip_s`` seconds of the stream."""
-        if len(self.video) < 3:
-            return 0.0
-        t_first = self.video[0][0] + skip_s
-        times = [t for t, _ in self.video if t >= t_first]
-        if len(times) < 2:
-            return 0.0
-        return (len(times) - 1) / (times[-1] - times[0])
+        win = self._after(skip_s)
+        return (len(win) - 1) / (win[-1][0] - win[0][0]) if win else 0.0
 
     def media_fps(self, step: int, skip_s: float = 0.5) -> float:
         """Frame periods of stream time per wall second, after the first ``skip_s`` seconds.
@@ -93,13 +97,8 @@ class ClientResult:
         ran at, as seen by the client. It equals ``video_fps`` unless the server's pacer skipped
         frames after a stall (see ``pts_gaps``), which a test bounds separately.
         """
-        if len(self.video) < 3:
-            return 0.0
-        t_first = self.video[0][0] + skip_s
-        win = [(t, pts) for t, pts in self.video if t >= t_first]
-        if len(win) < 2 or win[-1][0] <= win[0][0]:
-            return 0.0
-        return (win[-1][1] - win[0][1]) / step / (win[-1][0] - win[0][0])
+        win = self._after(skip_s)
+        return (win[-1][1] - win[0][1]) / step / (win[-1][0] - win[0][0]) if win else 0.0
 
     def pts_steps(self) -> list[int]:
         p = [pts for _, pts in self.video]
