@@ -62,6 +62,29 @@ def test_client_media_fps_counts_frames_the_pacer_skipped_and_video_fps_does_not
     assert ClientResult(video=frames[:2]).media_fps(3750) == 0.0
 
 
+def test_client_rates_are_not_fooled_by_a_stall_of_the_client():
+    from cadence.serve.client import ClientResult
+
+    # the server sends 24 fps for 4 s with 6 frames skipped at 2 s; the client stalls 0.45 s where the
+    # 0.5 s skip ends, so frames 12..22 arrive in one burst at 0.95 s. Measured from the first and last
+    # frame of the window the media clock reads 27.5 fps (what CI saw: 27.1); from the least delayed
+    # frames near each end (frames 23 and 96) it is 24.
+    def arrival(k):
+        t = k / 24 + 0.01
+        return 0.95 if 0.5 <= t < 0.95 else t
+
+    frames = [(arrival(k), 3750 * k) for k in range(97) if not 48 <= k < 54]
+    r = ClientResult(video=frames)
+    first = next(i for i, (t, _) in enumerate(frames) if t >= frames[0][0] + 0.5)
+    naive = (frames[-1][1] - frames[first][1]) / 3750 / (frames[-1][0] - frames[first][0])
+    assert naive > 26.5
+    assert r.media_fps(3750) == pytest.approx(24.0)
+    assert r.video_fps() == pytest.approx(24.0 * (96 - 23 - 6) / (96 - 23))  # 6 skipped between
+    # a server clock that really runs fast (30 fps of stream time per wall second) is still caught
+    fast = ClientResult(video=[(k / 30, 3750 * k) for k in range(120)])
+    assert fast.media_fps(3750) == pytest.approx(30.0)
+
+
 def test_scheduler_prestarts_then_plans_lead_ahead_with_bounded_in_flight():
     assert next_plan(0, 0.0, None, T, 0.1, in_flight=0) == (True, 0.0)
     assert next_plan(1, 0.0, None, T, 0.1, in_flight=1) == (True, 0.0)
