@@ -354,3 +354,72 @@ def main() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()
+
+
+def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
+    """tests/test_agree.py: the start-up decisions that every rank of a group must take together.
+
+    ``all_ranks_ok`` (MIN of a flag), ``agreeing_capture`` with an injected capture that fails on rank 1
+    only, and ``Engine.warm_up`` on a TP engine whose chunk times (faked) are slow on rank 1 only: every
+    rank must run the second warm-up session, or a real group's collectives would not meet."""
+    import json
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+
+    from cadence.media.image import default_reference_image
+    from cadence.parallel import destroy_tp, init_tp
+    from cadence.parallel.graphs import CaptureDisagreement, agreeing_capture, all_ranks_ok
+    from cadence.serve.worker import Engine
+
+    info = init_tp(backend="gloo")
+    res: dict = {}
+    try:
+        res["all_true"] = all_ranks_ok(True, info.group)
+        res["one_false"] = all_ranks_ok(rank == 0, info.group)
+
+        class Handle:
+            resets = 0
+
+            def reset(self):
+                Handle.resets += 1
+
+        def capture(fn):
+            if rank == 1:
+                raise RuntimeError("capture failed\nsecond line")
+            return Handle()
+
+        try:
+            agreeing_capture(info.group, capture=capture)(lambda: None)
+            res["capture"] = "returned"
+        except CaptureDisagreement as e:
+            res["capture"] = str(e)
+        res["resets"] = Handle.resets
+        res["both_ok"] = type(agreeing_capture(info.group, capture=lambda fn: Handle())(lambda: None)).__name__
+
+        eng = Engine("tiny", "cpu", options={"overrides": {"model": {"num_layers": 1}}}, tp=info)
+        w = eng.cfg.stream.window_chunks
+        times = iter(([100.0] * (w + 2)) * 2 if rank == 0 else [100.0] * w + [900.0, 100.0] + [100.0] * (w + 2))
+
+        def fake_chunk(sess, audio, out=None, decode=True):
+            return None, {"work_ms": next(times), "step": "eager"}
+
+        eng.run_chunk = fake_chunk
+        warm = eng.warm_up(default_reference_image(eng.cfg.stream.height, eng.cfg.stream.width), decode=False)
+        res["warm_streams"] = warm["streams"]
+        res["notes"] = [str(n) for n in eng.notes]
+    finally:
+        destroy_tp()
+    Path(outdir, f"agree{rank}.json").write_text(json.dumps(res))
+
+
+def spawn_agree(outdir, world: int = 2) -> list[dict]:
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(run_agree_rank, args=(world, free_port(), str(outdir)), nprocs=world, join=True)
+    return [json.loads(Path(outdir, f"agree{r}.json").read_text()) for r in range(world)]
