@@ -1,6 +1,7 @@
 """Decisions every rank of a tensor-parallel group takes together (two gloo ranks on the CPU): a graph
 capture that fails on one rank fails on all (``cadence.parallel.graphs``), and the serve worker's
-warm-up runs its second session on every rank when any rank saw a slow chunk. A rank that took the
+warm-up runs its second session on every rank when any rank saw a slow chunk; at teardown rank 0 keeps
+the group's store up until the other ranks have destroyed their groups (``destroy_tp``). A rank that took the
 other branch alone would run collectives its peers never meet (a hang until the group's timeout)."""
 
 import sys
@@ -27,3 +28,5 @@ def test_ranks_agree_on_capture_and_on_the_second_warm_up_session(tmp_path):
     # only rank 1's warm-up had a slow chunk (fast in its second session): both ran two sessions
     assert r0["warm_streams"] == r1["warm_streams"] == 2
     assert r0["notes"] == [] and len(r1["notes"]) == 1 and "first session only" in r1["notes"][0], r1["notes"]
+    # rank 1 took 1 s to destroy its group (patched): rank 0, the store's server, waited for it
+    assert r0["destroy_s"] >= 0.9 and r1["destroy_s"] >= 1.0, (r0["destroy_s"], r1["destroy_s"])

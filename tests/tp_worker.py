@@ -363,6 +363,9 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
     only, and ``Engine.warm_up`` on a TP engine whose chunk times (faked) are slow on rank 1 only: every
     rank must run the second warm-up session, or a real group's collectives would not meet."""
     import json
+    import time
+
+    import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -411,6 +414,18 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
         warm = eng.warm_up(default_reference_image(eng.cfg.stream.height, eng.cfg.stream.width), decode=False)
         res["warm_streams"] = warm["streams"]
         res["notes"] = [str(n) for n in eng.notes]
+        # teardown: rank 0 (the store's server here) must wait until rank 1 has destroyed its group
+        if rank == 1:
+            destroy = dist.destroy_process_group
+
+            def slow_destroy(*a, **k):
+                time.sleep(1.0)
+                destroy(*a, **k)
+
+            dist.destroy_process_group = slow_destroy
+        t0 = time.monotonic()
+        destroy_tp()
+        res["destroy_s"] = time.monotonic() - t0
     finally:
         destroy_tp()
     Path(outdir, f"agree{rank}.json").write_text(json.dumps(res))

@@ -81,20 +81,51 @@ def init_tp(backend: str | None = None, timeout_s: float | None = None) -> TPInf
                   device=device, backend=dist.get_backend(), group=dist.group.WORLD)
 
 
+def _default_store():
+    """The default group's key-value store (the TCPStore rank 0 serves in a group started without
+    torchrun), or None where this torch has no such accessor."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except (RuntimeError, ValueError):
+        return None
+
+
 def destroy_tp(barrier_timeout_s: float = 10.0) -> None:
     """Tear the default process group down (safe to call when none exists).
 
     With gloo, every rank first waits (up to ``barrier_timeout_s``) until all ranks have reached their
     teardown: a rank that closed its connections while a peer was still finishing made that peer's
     gloo thread abort the process ("terminate called without an active exception", seen in 1 of 4-6
-    runs of a two-rank test). A peer that is gone only costs the timeout; the teardown proceeds."""
+    runs of a two-rank test). A peer that is gone only costs the timeout; the teardown proceeds.
+
+    Then rank 0 keeps the group's store up until every other rank has destroyed its group (each sets a
+    key in it when done; rank 0 waits up to ``barrier_timeout_s``). Where rank 0 serves the store (a
+    serve worker group: rank 0 is the master), its exit used to close the store under a follower whose
+    NCCL heartbeat thread was still polling it: a screenful of "Broken pipe" C++ traces from the
+    follower at every stop of a W14 TP=2 server on 2x H200. Under torchrun the agent serves the store
+    and the wait costs one round trip."""
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if dist.get_backend() == "gloo" and world > 1:
         import datetime
 
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=barrier_timeout_s))
         except RuntimeError:  # a rank that never came: nothing left to protect
             pass
+    store = _default_store() if world > 1 else None
     dist.destroy_process_group()
+    if store is None:
+        return
+    import datetime
+
+    try:
+        if rank:
+            store.set(f"cadence/destroyed/{rank}", "1")
+        else:
+            store.wait([f"cadence/destroyed/{r}" for r in range(1, world)],
+                       datetime.timedelta(seconds=barrier_timeout_s))
+    except (RuntimeError, ValueError):  # rank 0 gone, or a rank that never came: nothing left to protect
+        pass
