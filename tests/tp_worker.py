@@ -118,7 +118,7 @@ def run_rank(rank: int, world: int, port: int, outdir: str, extended: bool = Fal
 
 #: (frames, latent h, latent w) -> tokens = frames * h/2 * w/2: 64, 128, 64 + a 16-token sink row, 37, 512, 64
 FUSED_GRIDS = [(1, 16, 16), (2, 16, 16), (1, 16, 20), (1, 2, 74), (2, 32, 32), (1, 16, 16)]
-FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked", "chunked4", "auto"]
+FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked", "chunked4", "tiles", "auto"]
 
 
 def _grid_inputs(cfg, f: int, h: int, w: int, seed: int):

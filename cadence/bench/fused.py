@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from cadence.net import free_port
 
-FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked2", "chunked4"]
+FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked2", "chunked4", "tiles"]
 SWEEP_M = [64, 128, 80, 37, 512, 748, 1496, 64]
 
 
@@ -67,6 +67,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true", help="skip the changing-M sweep")
+    p.add_argument("--sweep-mode", default="two_shot", help="the comm mode the changing-M sweep runs")
     p.add_argument("--timing", default="graph", choices=["graph", "eager"],
                    help="graph (CUDA default): calls replayed from a CUDA graph, GPU time only, as in a graphed "
                         "step; eager: events around each Python call (host launch time included)")
@@ -222,6 +223,17 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
         r["gemm_kernel_us"] = _safe(r, "gemm_kernel", lambda: bench.time_us(lambda: torch._scaled_mm(
             xq, lin.weight_fp8.t(), scale_a=xs, scale_b=lin.weight_scale, out_dtype=torch.bfloat16,
             use_fast_accum=True)))
+    if "tiles" in modes and dev.type == "cuda":
+        # the tile kernel's own GEMM with the exchange switched off: what it hides the all-reduce under
+        # (its gap to cuBLAS's gemm_kernel_us is the price of a hand-written GEMM)
+        from cadence.kernels import gemm_allreduce as gar
+
+        if dt == "fp8":
+            xq, xs = quantize_rows(x)
+            args_ = (xq, lin.weight_fp8, xs.reshape(-1), lin.weight_scale.reshape(-1))
+        else:
+            args_ = (x, lin.weight, None, None)
+        r["tiles_gemm_us"] = _safe(r, "tiles_gemm", lambda: bench.time_us(lambda: gar.gemm_only(*args_)))
     y0 = torch.randn(m, n, device=dev, dtype=act, generator=g)
     r["allreduce_us"] = _safe(r, "allreduce_nccl", lambda: bench.time_us(lambda: dist.all_reduce(y0, group=group)))
     symm_ok = fused.symm_unavailable_reason(dev, group) is None
@@ -295,6 +307,7 @@ def shape_sweep(dev: torch.device, group, world: int, mode: str) -> dict:
     rpl = RowParallelLinear(lin, torch.randn(n, device=dev, dtype=act, generator=g), group, comm=mode)
     ref = RowParallelLinear(lin, rpl.bias, group, comm="nccl")
     errs, mem = [], []
+    before = _fallbacks()
     for _ in range(2):
         for m in SWEEP_M:
             x = torch.randn(m, k, device=dev, dtype=act, generator=g)
@@ -304,6 +317,7 @@ def shape_sweep(dev: torch.device, group, world: int, mode: str) -> dict:
             mem.append(torch.cuda.memory_allocated(dev))
     info = fused.symm_cache_info()
     return {"mode": mode, "token_counts": SWEEP_M, "max_rel_err": max(errs), "cache": info,
+            "fell_back": _fallbacks() != before, "tile_states": fused.tile_states_info(),
             "mem_after_round_bytes": mem, "mem_growth_bytes": (mem[1] - mem[0]) if len(mem) == 2 else None,
             "ok": max(errs) < 2e-2 and info["entries"] <= info["max_entries"]
             and (len(mem) < 2 or mem[1] <= mem[0])}
@@ -330,6 +344,10 @@ def print_summary(rows: list[dict], modes: list[str], world: int, sweep) -> None
               f"{_f(r.get('unfused_us'))}{cells}{r.get('best_mode', '-'):>10}{_f(hf, 8, 2)}")
     print("AR = NCCL all-reduce alone; AR2sh / AR1sh = symm-mem two-/one-shot alone; * = fell back to nccl;"
           " hidden = (unfused - best fused) / AR")
+    if any(r.get("tiles_gemm_us") for r in rows):
+        print("tiles: the tile kernel's GEMM alone (no exchange) vs cuBLAS: " + ", ".join(
+            f"{r['name']} {r['dtype']} {_f(r.get('tiles_gemm_us'), 1, 1).strip()} vs "
+            f"{_f(r.get('gemm_kernel_us') or r.get('gemm_us'), 1, 1).strip()}" for r in rows if r.get("tiles_gemm_us")))
     errs = {md: max((r.get("rel_err") or {}).get(md, 0.0) for r in rows) for md in modes}
     print("max relative error vs nccl: " + ", ".join(f"{md} {e:.1e}" for md, e in errs.items()))
     if sweep:
@@ -368,7 +386,7 @@ def run(args: argparse.Namespace) -> dict:
                           f"{r['best_mode']} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         sweep = None
         if not args.no_sweep:
-            sweep = _safe({}, "sweep", lambda: shape_sweep(dev, info.group, world, "two_shot"))
+            sweep = _safe({}, "sweep", lambda: shape_sweep(dev, info.group, world, args.sweep_mode))
         from cadence.quant import fp8 as fp8_mod
 
         results = {"shapes": rows, "modes_timed": modes, "timing": bench.timing,

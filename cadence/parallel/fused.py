@@ -12,6 +12,10 @@
 ``"rs_ag"``     ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` (``fused_scaled_matmul_reduce_scatter``
                 for an FP8 layer: rowwise scales, fast accumulation) over the token dim, then an NCCL
                 all-gather. Needs M divisible by the group size (else nccl for that shape).
+``"tiles"``     one Triton kernel per rank does the GEMM and the all-reduce together, tile by tile:
+                partials of the tiles the peer owns go into its symmetric buffer as they finish, the
+                owner adds and sends the sum back, flags per tile (two ranks;
+                :mod:`cadence.kernels.gemm_allreduce` has the protocol). Its own GEMM, not cuBLAS.
 ``"chunked"``   the GEMM split along N into c chunks (``"chunked4"``: c = 4; plain ``"chunked"``: 2) on
                 the main stream; each finished chunk is two-shot all-reduced on a side stream.
                 Measured in BENCHMARKS.md's spirit: assume nothing, ``cadence bench fused`` times it.
@@ -62,7 +66,7 @@ from cadence.telemetry.spans import region
 
 log = logging.getLogger(__name__)
 
-MODES = ("nccl", "two_shot", "one_shot", "rs_ag", "chunked")
+MODES = ("nccl", "two_shot", "one_shot", "rs_ag", "chunked", "tiles")
 DEFAULT_CHUNKS = 2
 AUTO_TWO_SHOT_MAX_M = 8192  # built-in default when no measured table: two-shot up to this M on CUDA
 REPO = Path(__file__).resolve().parents[2]
@@ -610,6 +614,77 @@ def _chunked(linear, x2, group, m, n, chunks):
     return out
 
 
+class _TileState:
+    """The tile kernel's symmetric buffers for one (group, device, N, row bucket): ``part`` and ``fin``
+    ([rows * N] bf16, this rank's and the peer's mapping of each), the per-tile flags (int32,
+    symmetric, zeroed before the rendezvous) and the tile counter (local). Reused by every call of
+    that bucket; the kernel leaves flags and counter at zero."""
+
+    def __init__(self, group, device: torch.device, n: int, rows: int, dtype: torch.dtype):
+        from cadence.kernels import gemm_allreduce as gar
+
+        sm = _symm()
+        _prepare(group)
+        gname = group_name(group)
+        rank = dist.get_rank(group)
+        peer = 1 - rank
+        t = gar.tiles(rows, n)
+        self.rows, self.n = rows, n
+
+        def alloc(numel, dt, zero=False):
+            buf = sm.empty(numel, dtype=dt, device=device)
+            if zero:
+                buf.zero_()
+                torch.cuda.synchronize(device)  # zero before any peer can write (rendezvous is the barrier)
+            hdl = sm.rendezvous(buf, gname)
+            return buf, hdl.get_buffer(peer, (numel,), dt, 0)
+
+        self.part, self.part_peer = alloc(rows * n, dtype)
+        self.fin, self.fin_peer = alloc(rows * n, dtype)
+        self.flags, self.flags_peer = alloc(2 * t, torch.int32, zero=True)
+        self.counter = torch.zeros(2, dtype=torch.int32, device=device)
+
+
+_tile_states: dict[tuple, _TileState] = {}
+
+
+def _tiles(linear, x2, group, m, n, world):
+    from cadence.kernels import gemm_allreduce as gar
+    from cadence.quant.fp8 import FP8Linear, quantize_activations
+
+    why = gar.usable(x2.device, world)
+    if why is not None:
+        raise RuntimeError(why)
+    dt = gemm_out_dtype(linear, x2)
+    rows = bucket_rows(m)
+    key = (group_name(group), str(x2.device), n, rows, dt)
+    st = _tile_states.get(key)
+    if st is None:
+        st = _tile_states[key] = _TileState(group, x2.device, n, rows, dt)
+    with region("linear_comm"):
+        if isinstance(linear, FP8Linear):
+            if not _fp8_fast(linear, x2):
+                raise RuntimeError("FP8 layer cannot use _scaled_mm here")
+            a, sa = quantize_activations(x2)
+            b, sb = linear.weight_fp8, linear.weight_scale.reshape(-1)
+            sa = sa.reshape(-1)  # (the layer's scaled_mm_calls is not counted: this is not _scaled_mm)
+        else:
+            if x2.dtype != linear.weight.dtype:
+                raise RuntimeError(f"dtype mismatch {x2.dtype} vs {linear.weight.dtype}")
+            a, b, sa, sb = x2, linear.weight, None, None
+        out = torch.empty(m, n, dtype=dt, device=x2.device)
+        view = lambda flat: flat[: m * n].view(m, n)  # noqa: E731
+        gar.launch(a, b, sa, sb, out, view(st.part), view(st.part_peer), view(st.fin), view(st.fin_peer),
+                   st.flags, st.flags_peer, st.counter, rank=dist.get_rank(group))
+    return out
+
+
+def tile_states_info() -> dict:
+    """The tile kernel's buffer sets (one per N and row bucket) and their bytes."""
+    nbytes = sum(2 * s.part.numel() * s.part.element_size() + s.flags.numel() * 4 for s in _tile_states.values())
+    return {"entries": len(_tile_states), "bytes": nbytes, "keys": [(k[2], k[3]) for k in _tile_states]}
+
+
 def _precheck(mode: str, chunks: int, m: int, n: int, dt: torch.dtype, world: int) -> str | None:
     el = dt.itemsize
     if mode == "rs_ag" and m % world:
@@ -656,6 +731,8 @@ def row_parallel(linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode
                         y = _one_shot(linear, x2, group, m, n)
                     elif name == "rs_ag":
                         y = _rs_ag(linear, x2, group, m, n, world)
+                    elif name == "tiles":
+                        y = _tiles(linear, x2, group, m, n, world)
                     elif name == "chunked":
                         y = _chunked(linear, x2, group, m, n, chunks) if chunks > 1 else _two_shot(
                             linear, x2, group, m, n)

@@ -1,0 +1,165 @@
+"""GEMM + all-reduce in one kernel for a tensor-parallel pair: the tile-flag scheme (issue 4).
+
+A row-parallel projection computes ``y = sum_r x_r @ W_r^T`` over the two ranks of the group (each rank
+holds a K-shard of x and W). Unfused, the GEMM finishes and then an all-reduce moves and adds the
+[M, N] partials (two-shot: reduce-scatter, then all-gather); on 2x H200 at W57's FFN-out (748 x 12288
+-> 8192, FP8) that is 118 us + 45 us with nothing overlapped (docs/perf/fused/NOTES.md).
+
+Here the exchange happens inside the GEMM, tile by tile. Output tile t belongs to rank t % 2 (ownership
+alternates, so both ranks do the same work). Each rank's persistent kernel (``_gemm_ar_triton``):
+
+1. computes the tiles the PEER owns first, and stores each partial straight into the peer's
+   symmetric ``part`` buffer over NVLink, then raises the peer's flag for that tile (release, system
+   scope): the reduce-scatter, under the GEMM;
+2. computes its own tiles; for each, waits for the peer's flag (acquire; normally raised long before,
+   since the peer did those tiles first), adds the peer's partial to its own, writes the sum into its
+   output and into the peer's symmetric ``fin`` buffer, and raises a second flag there: the
+   all-gather, under the second half of the GEMM;
+3. copies the finished tiles the peer owns from ``fin`` into its output as their flags arrive.
+
+What is left exposed is the last few tiles' exchange and the copy of the peer's half, instead of the
+whole all-reduce. Flags are consumed by their reader (compare-and-swap 1 -> 0), so they are zero
+again for the next call, and no buffer is written for call i+1 before its reader is done with call i
+(each write of call i+1 follows a flag of call i+1 that the reader raises after finishing call i).
+Tiles are handed out by a counter in grab order, so no program waits on a tile that a not-yet-resident
+program of its own rank would have to compute: no deadlock however the SMs are shared.
+
+Every rank ends with the same bytes (the owner rounds once and sends its result). The reference is
+``x @ W^T`` per rank then an all-reduce of the bf16 partials; here the owner adds the peer's bf16
+partial to its own float32 accumulator before one rounding, so the two differ by bf16 rounding
+(a few ulp: tests/test_gemm_allreduce.py states the bound).
+
+The CPU tests simulate the two ranks in one process under TRITON_INTERPRET=1 with ``phase`` 1, 2, 3
+(rank 0 then rank 1 for each), since interpreted programs run one after another. Two ranks only;
+:func:`usable` says why not otherwise, and ``cadence.parallel.fused`` then falls back with one line.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+#: (BM, BN, BK, GROUP_M, num_warps, num_stages): a 128x128 tile with a 128-deep K step, the shape
+#: persistent FP8 GEMMs on H100/H200 use; on the interpreter smaller ones (speed).
+GPU_CONFIG = (128, 128, 128, 8, 8, 3)
+CPU_CONFIG = (32, 32, 32, 4, 4, 1)
+CONFIGS = {"128x128x128": GPU_CONFIG, "128x256x64": (128, 256, 64, 8, 8, 3), "64x128x128": (64, 128, 128, 8, 4, 4)}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def usable(device: torch.device, world: int) -> str | None:
+    """Why the tile kernel cannot run here (None: it can)."""
+    if world != 2:
+        return f"the tile-flag kernel is written for 2 ranks (group of {world})"
+    if device.type != "cuda" and not _interpreting():
+        return f"needs CUDA or TRITON_INTERPRET=1 (got {device.type})"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton unavailable ({e})"
+    return None
+
+
+def _kernel():
+    from cadence.kernels import _gemm_ar_triton
+
+    return _gemm_ar_triton.gemm_ar_kernel
+
+
+def tiles(m: int, n: int, config=None) -> int:
+    bm, bn = (config or _default_config())[:2]
+    return -(-m // bm) * -(-n // bn)
+
+
+def _default_config():
+    return CPU_CONFIG if _interpreting() else GPU_CONFIG
+
+
+def num_programs(device: torch.device, t: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(t, sms))
+    return max(1, min(t, 4))
+
+
+def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
+           rank: int, phase: int = 0, config=None, programs: int | None = None) -> None:
+    """One rank's kernel. a [M, K] (e4m3 or bf16/fp32), b [N, K] (same), sa [M] / sb [N] float32 scales
+    (FP8) or None, out [M, N] (the result); part_* / fin_* [M, N] views of the symmetric buffers (this
+    rank's and the peer's mapping of the peer's), flag_* int32 [>= 2 T] symmetric (zero between
+    calls), counter int32 [2] local (zero between calls)."""
+    bm, bn, bk, gm, warps, stages = config or _default_config()
+    m, k = a.shape
+    n = b.shape[0]
+    fp8 = sa is not None
+    t = tiles(m, n, (bm, bn))
+    grid = (programs or num_programs(out.device, t),)
+    dummy = out  # never read when not FP8
+    _kernel()[grid](a, b, sa if fp8 else dummy, sb if fp8 else dummy, out,
+                    part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
+                    m, n, k, rank, a.stride(0), b.stride(0),
+                    FP8=fp8, UPCAST=_interpreting(), PHASE=phase, EVEN_K=(k % bk == 0),
+                    BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+
+
+def reference(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """What the unfused path computes: each rank's GEMM rounded to ``out_dtype``, then the sum of the
+    rounded partials (an all-reduce of bf16 values), in float32, rounded once more."""
+    parts = []
+    for r, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+        y = a.float() @ b.float().t()
+        if sa_list is not None:
+            y = y * sa_list[r].float().reshape(-1, 1) * sb_list[r].float().reshape(1, -1)
+        parts.append(y.to(out_dtype).float())
+    return sum(parts).to(out_dtype)
+
+
+def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16, config=None,
+                       programs: int | None = None, calls: int = 1) -> tuple[list[torch.Tensor], dict]:
+    """Both ranks in this process (CPU, interpreter): phase 1 on each, then 2, then 3, ``calls`` times
+    on the same buffers (the flags and counters must be back at zero after each call). Returns the two
+    outputs of the last call and the buffers' state."""
+    m, _ = a_list[0].shape
+    n = b_list[0].shape[0]
+    cfg = config or _default_config()
+    t = tiles(m, n, cfg)
+    dev = a_list[0].device
+    part = [torch.zeros(m, n, dtype=out_dtype, device=dev) for _ in range(2)]
+    fin = [torch.zeros(m, n, dtype=out_dtype, device=dev) for _ in range(2)]
+    flags = [torch.zeros(2 * t, dtype=torch.int32, device=dev) for _ in range(2)]
+    counters = [torch.zeros(2, dtype=torch.int32, device=dev) for _ in range(2)]
+    outs = []
+    for _ in range(calls):
+        outs = [torch.empty(m, n, dtype=out_dtype, device=dev) for _ in range(2)]
+        for phase in (1, 2, 3):
+            for r in range(2):
+                p = 1 - r
+                launch(a_list[r], b_list[r], None if sa_list is None else sa_list[r],
+                       None if sb_list is None else sb_list[r], outs[r],
+                       part[r], part[p], fin[r], fin[p], flags[r], flags[p], counters[r], rank=r, phase=phase,
+                       config=cfg, programs=programs)
+    state = {"flags": [f.clone() for f in flags], "counters": [c.clone() for c in counters]}
+    return outs, state
+
+
+_scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def gemm_only(a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None) -> torch.Tensor:
+    """The kernel's GEMM alone (phase 4: no exchange): for timing what the exchange hides under, and
+    as the single-rank parity check of the GEMM part."""
+    m, _ = a.shape
+    n = b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    cfg = config or _default_config()
+    key = str(a.device)
+    if key not in _scratch:  # phase 4 leaves the counter at zero and never touches the flag
+        _scratch[key] = (torch.zeros(2, dtype=torch.int32, device=a.device),
+                         torch.zeros(1, dtype=torch.int32, device=a.device))
+    counter, flag = _scratch[key]
+    launch(a, b, sa, sb, out, out, out, out, out, flag, flag, counter, rank=0, phase=4, config=cfg)
+    return out

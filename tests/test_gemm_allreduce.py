@@ -1,0 +1,86 @@
+"""The tile-flag GEMM + all-reduce kernel (cadence/kernels/gemm_allreduce.py) on CPU: the two ranks
+simulated in one process under the Triton interpreter (conftest.py sets TRITON_INTERPRET=1), phase by
+phase, against the unfused reference (each rank's GEMM rounded to bf16, then the sum of the partials).
+
+Tolerance, per element: the kernel rounds twice (the peer's partial to bf16, the sum to bf16) where the
+reference rounds three times (both partials, the sum), and the float32 accumulation order differs, so
+|out - ref| <= 3 u (|p0| + |p1|) with u = 2^-8, bf16's unit roundoff, and p_r the exact partials.
+Both ranks must hold the same bytes (the owner of a tile rounds once and sends its result)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="needs triton (and TRITON_INTERPRET=1 without CUDA)")
+
+from cadence.kernels import gemm_allreduce as gar  # noqa: E402
+
+U = 2.0 ** -8
+
+
+def _partials(a, b, sa=None, sb=None):
+    out = []
+    for r in range(2):
+        y = a[r].double() @ b[r].double().t()
+        if sa is not None:
+            y = y * sa[r].double().reshape(-1, 1) * sb[r].double().reshape(1, -1)
+        out.append(y)
+    return out
+
+
+def _check(outs, a, b, sa=None, sb=None):
+    assert torch.equal(outs[0], outs[1]), "the two ranks disagree"
+    ref = gar.reference(a, b, sa, sb)
+    p0, p1 = _partials(a, b, sa, sb)
+    bound = 3 * U * (p0.abs() + p1.abs()) + 1e-5
+    err = (outs[0].double() - ref.double()).abs()
+    assert (err <= bound).all(), f"max err {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+    # and against the exact sum, within the kernel's own two roundings
+    exact = p0 + p1
+    assert ((outs[0].double() - exact).abs() <= 2 * U * (p0.abs() + p1.abs()) + 1e-5).all()
+
+
+@pytest.mark.parametrize("m,k,n,programs", [(70, 64, 96, None), (33, 40, 72, 1), (64, 96, 32, 3), (5, 32, 200, 2)])
+def test_bf16_two_ranks_match_the_unfused_all_reduce(m, k, n, programs):
+    """Odd tile counts, M / N / K not multiples of the tile (masks, the uneven-K loop), 1-4 programs
+    sharing the tile counter."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    a = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _ in range(2)]
+    b = [(torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16) for _ in range(2)]
+    outs, state = gar.simulate_two_ranks(a, b, programs=programs)
+    _check(outs, a, b)
+    # the flags were consumed and the counters reset: the buffers are clean for the next call
+    assert all(int(f.abs().sum()) == 0 for f in state["flags"])
+    assert all(int(c.abs().sum()) == 0 for c in state["counters"])
+
+
+def test_fp8_rowwise_scales_and_repeated_calls_on_the_same_buffers():
+    from cadence.quant.fp8 import quantize_rows
+
+    g = torch.Generator().manual_seed(7)
+    m, k, n = 48, 64, 80
+    xs = [torch.randn(m, k, generator=g) * 3 for _ in range(2)]
+    ws = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(2)]
+    a, sa = zip(*(quantize_rows(x) for x in xs), strict=True)
+    b, sb = zip(*(quantize_rows(w) for w in ws), strict=True)
+    a, b = list(a), list(b)
+    sa, sb = [s.reshape(-1) for s in sa], [s.reshape(-1) for s in sb]
+    assert a[0].dtype == torch.float8_e4m3fn
+    once, _ = gar.simulate_two_ranks(a, b, sa, sb)
+    _check(once, a, b, sa, sb)
+    thrice, state = gar.simulate_two_ranks(a, b, sa, sb, calls=3)
+    assert torch.equal(thrice[0], once[0]) and torch.equal(thrice[1], once[1])
+    assert all(int(f.abs().sum()) == 0 for f in state["flags"])
+
+
+def test_gemm_phase_alone_matches_a_matmul():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(37, 72, generator=g).to(torch.bfloat16)
+    b = torch.randn(50, 72, generator=g).to(torch.bfloat16)
+    y = gar.gemm_only(a, b)
+    exact = a.double() @ b.double().t()
+    assert ((y.double() - exact).abs() <= U * exact.abs() + 1e-5).all()
+
+
+def test_usable_says_why_not():
+    assert "2 ranks" in gar.usable(torch.device("cpu"), 4)
+    assert gar.usable(torch.device("cpu"), 2) is None  # the interpreter (conftest)
