@@ -6,6 +6,8 @@
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-300}
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
+run 90 tiles-smoke torchrun --standalone --nproc_per_node 2 -m cadence bench fused --modes tiles --presets w14 \
+  --dtypes fp8,bf16 --no-sweep --no-record --reps 10 --warmup 3 --timing eager
 run 240 fused-tiles torchrun --standalone --nproc_per_node 2 -m cadence bench fused --modes two_shot,tiles \
   --sweep-mode tiles --out-dir "$PERF"
 echo "=== done in ${SECONDS}s"
