@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The tile-flag GEMM + all-reduce (mode "tiles", cadence/kernels/gemm_allreduce.py) on 2x H200, first run:
+# The tile-flag GEMM + all-reduce (mode "tiles", cadence/kernels/gemm_allreduce.py) on 2x H200:
 # bench fused at the W57 / W14 / W1.3 row-parallel shapes, two-shot (the best mode so far) vs tiles, bf16
-# and FP8, graph-timed, parity with NCCL per shape; the changing-M sweep in tiles mode.
+# and FP8, graph-timed, parity with NCCL per shape, the changing-M sweep in tiles mode; then the
+# kernel's tile configs at W57 FP8 (CADENCE_TILES_CONFIG).
 # Usage on the device machine (repo root): CADENCE_GIT=<sha> bash scripts/device_tiles.sh
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-300}
+BUDGET_S=${BUDGET_S:-420}
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
-run 90 tiles-smoke torchrun --standalone --nproc_per_node 2 -m cadence bench fused --modes tiles --presets w14 \
-  --dtypes fp8,bf16 --no-sweep --no-record --reps 10 --warmup 3 --timing eager
-run 240 fused-tiles torchrun --standalone --nproc_per_node 2 -m cadence bench fused --modes two_shot,tiles \
-  --sweep-mode tiles --out-dir "$PERF"
+TR="torchrun --standalone --nproc_per_node 2 -m cadence bench fused"
+run 200 fused-tiles $TR --modes two_shot,tiles --sweep-mode tiles --out-dir "$PERF"
+for cfg in 128x256x128:8:8:3 128x128x128:8:4:4 64x256x128:8:8:3 128x128x64:8:8:4 256x128x128:8:8:3; do
+  CADENCE_TILES_CONFIG=$cfg run 45 "cfg-$cfg" $TR --modes tiles --presets w57 --dtypes fp8 --no-sweep --no-record \
+    --reps 50 --warmup 10 | grep -E "^w57|tiles:|max relative"
+done
 echo "=== done in ${SECONDS}s"

@@ -84,3 +84,8 @@ def test_gemm_phase_alone_matches_a_matmul():
 def test_usable_says_why_not():
     assert "2 ranks" in gar.usable(torch.device("cpu"), 4)
     assert gar.usable(torch.device("cpu"), 2) is None  # the interpreter (conftest)
+
+
+def test_config_text():
+    assert gar.parse_config("128x256x64:4:8:3") == (128, 256, 64, 4, 8, 3)
+    assert gar.parse_config("64x128x128")[:3] == (64, 128, 128)

@@ -44,7 +44,6 @@ import torch
 #: persistent FP8 GEMMs on H100/H200 use; on the interpreter smaller ones (speed).
 GPU_CONFIG = (128, 128, 128, 8, 8, 3)
 CPU_CONFIG = (32, 32, 32, 4, 4, 1)
-CONFIGS = {"128x128x128": GPU_CONFIG, "128x256x64": (128, 256, 64, 8, 8, 3), "64x128x128": (64, 128, 128, 8, 4, 4)}
 
 
 def _interpreting() -> bool:
@@ -75,8 +74,21 @@ def tiles(m: int, n: int, config=None) -> int:
     return -(-m // bm) * -(-n // bn)
 
 
+def parse_config(text: str) -> tuple:
+    """'BMxBNxBK[:GROUP_M:warps:stages]' (e.g. '128x128x128:8:8:3') -> a config tuple."""
+    tile, *rest = text.split(":")
+    bm, bn, bk = (int(v) for v in tile.lower().split("x"))
+    gm, warps, stages = (int(v) for v in rest) if rest else GPU_CONFIG[3:]
+    return bm, bn, bk, gm, warps, stages
+
+
 def _default_config():
-    return CPU_CONFIG if _interpreting() else GPU_CONFIG
+    """The interpreter's small tiles on CPU; on GPUs GPU_CONFIG, or CADENCE_TILES_CONFIG (for sweeps:
+    ``parse_config``'s format)."""
+    if _interpreting():
+        return CPU_CONFIG
+    env = os.environ.get("CADENCE_TILES_CONFIG")
+    return parse_config(env) if env else GPU_CONFIG
 
 
 def num_programs(device: torch.device, t: int) -> int:
