@@ -10,7 +10,9 @@ source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
 TR="torchrun --standalone --nproc_per_node 2 -m cadence bench fused"
 run 200 fused-tiles $TR --modes two_shot,tiles --sweep-mode tiles --out-dir "$PERF"
 for cfg in 128x256x128:8:8:3 128x128x128:8:4:4 64x256x128:8:8:3 128x128x64:8:8:4 256x128x128:8:8:3; do
-  CADENCE_TILES_CONFIG=$cfg run 45 "cfg-$cfg" $TR --modes tiles --presets w57 --dtypes fp8 --no-sweep --no-record \
-    --reps 50 --warmup 10 | grep -E "^w57|tiles:|max relative"
+  export CADENCE_TILES_CONFIG=$cfg
+  run 45 "cfg-$cfg" $TR --modes tiles --presets w57 --dtypes fp8 --no-sweep --no-record --reps 50 --warmup 10 \
+    | grep -E "^w57|tiles:|max relative|===|rror"
 done
+unset CADENCE_TILES_CONFIG
 echo "=== done in ${SECONDS}s"
