@@ -110,6 +110,11 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
         lo = n_peer
     if PHASE != 3:
         pos = lo + tl.atomic_add(counter_ptr, 1)
+        # A tile's flag is raised one tile later, after the next tile's MMA loop: the release fence
+        # waits for this program's remote stores to land, and by then they have (a fence right after
+        # the stores stalled the SM for the whole NVLink transfer of its tile: the first GPU run
+        # measured fused = GEMM + the whole all-reduce). Raised before any wait, so never circular.
+        pend = pos * 0 - 1  # flag index (into flag_peer) still to raise, -1: none
         while pos < hi:
             if pos < n_peer:
                 t = _nth_tile(pos, peer_par, T)
@@ -120,12 +125,14 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
                                              FP8, UPCAST, EVEN_K, BM, BN, BK)
             offs = rm[:, None].to(tl.int64) * N + rn[None, :]
             msk = mm[:, None] & nm[None, :]
+            if pend >= 0:
+                tl.debug_barrier()
+                tl.atomic_xchg(flag_peer + pend, 1, sem="release", scope="sys")
             if PHASE == 4:  # the GEMM alone (timing): every tile to our output, no exchange
                 tl.store(out_ptr + offs, _cast(acc, out_ptr.dtype.element_ty, UPCAST), mask=msk)
             elif pos < n_peer:  # the peer reduces this tile: hand it our partial
                 tl.store(part_peer + offs, _cast(acc, part_peer.dtype.element_ty, UPCAST), mask=msk)
-                tl.debug_barrier()
-                tl.atomic_xchg(flag_peer + t, 1, sem="release", scope="sys")
+                pend = t
             else:  # ours: the peer's partial + ours, to our output and to the peer's copy
                 _wait_and_consume(flag_local + t)
                 tl.debug_barrier()
@@ -133,9 +140,11 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
                 y = _cast(acc + other.to(tl.float32), out_ptr.dtype.element_ty, UPCAST)
                 tl.store(out_ptr + offs, y, mask=msk)
                 tl.store(fin_peer + offs, y, mask=msk)
-                tl.debug_barrier()
-                tl.atomic_xchg(flag_peer + T + t, 1, sem="release", scope="sys")
+                pend = T + t
             pos = lo + tl.atomic_add(counter_ptr, 1)
+        if pend >= 0:
+            tl.debug_barrier()
+            tl.atomic_xchg(flag_peer + pend, 1, sem="release", scope="sys")
         # the last program out resets the counter for the next call (all grabs of this call are done
         # once every program has seen an index past the end: each program sees exactly one)
         if tl.atomic_add(counter_ptr + 1, 1) == nprog - 1:

@@ -17,6 +17,11 @@ alternates, so both ranks do the same work). Each rank's persistent kernel (``_g
    all-gather, under the second half of the GEMM;
 3. copies the finished tiles the peer owns from ``fin`` into its output as their flags arrive.
 
+A tile's flag is raised one tile later, after the next tile's MMA loop (before any wait, so the
+signals never wait on each other): the release fence that must precede a flag waits for the
+program's remote stores to land, and right after the stores that stalled the SM for its tile's whole
+NVLink transfer (first GPU run: fused = GEMM + the whole all-reduce); one tile later they have landed.
+
 What is left exposed is the last few tiles' exchange and the copy of the peer's half, instead of the
 whole all-reduce. Flags are consumed by their reader (compare-and-swap 1 -> 0), so they are zero
 again for the next call, and no buffer is written for call i+1 before its reader is done with call i
