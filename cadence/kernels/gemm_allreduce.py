@@ -45,9 +45,12 @@ import os
 
 import torch
 
-#: (BM, BN, BK, GROUP_M, num_warps, num_stages): a 128x128 tile with a 128-deep K step, the shape
-#: persistent FP8 GEMMs on H100/H200 use; on the interpreter smaller ones (speed).
-GPU_CONFIG = (128, 128, 128, 8, 8, 3)
+#: (BM, BN, BK, GROUP_M, num_warps, num_stages) on GPUs, per operand type: the fastest of six configs
+#: measured at the W57 / W14 / W1.3 FP8 shapes on 2x H200 (docs/perf/fused/NOTES.md, session 6); bf16
+#: takes a 64-deep K step (two bytes per element: 128x256x128 with 3 stages needs 288 KiB of shared
+#: memory, over the 227 KiB an H200 SM has). On the interpreter small tiles (speed).
+GPU_CONFIG = (128, 256, 128, 8, 8, 4)
+GPU_CONFIG_BF16 = (128, 256, 64, 8, 8, 4)
 CPU_CONFIG = (32, 32, 32, 4, 4, 1)
 
 
@@ -74,6 +77,14 @@ def _kernel():
     return _gemm_ar_triton.gemm_ar_kernel
 
 
+#: The smallest tile any config may use: flag buffers are sized for it (``max_tiles``).
+MIN_TILE = 64
+
+
+def max_tiles(m: int, n: int) -> int:
+    return tiles(m, n, (MIN_TILE, MIN_TILE))
+
+
 def tiles(m: int, n: int, config=None) -> int:
     bm, bn = (config or _default_config())[:2]
     return -(-m // bm) * -(-n // bn)
@@ -87,13 +98,17 @@ def parse_config(text: str) -> tuple:
     return bm, bn, bk, gm, warps, stages
 
 
-def _default_config():
-    """The interpreter's small tiles on CPU; on GPUs GPU_CONFIG, or CADENCE_TILES_CONFIG (for sweeps:
-    ``parse_config``'s format)."""
+def _default_config(fp8: bool = True):
+    """The interpreter's small tiles on CPU; on GPUs GPU_CONFIG (FP8) / GPU_CONFIG_BF16, or
+    CADENCE_TILES_CONFIG (for sweeps: ``parse_config``'s format; its K step is capped at 64 for
+    two-byte operands)."""
     if _interpreting():
         return CPU_CONFIG
     env = os.environ.get("CADENCE_TILES_CONFIG")
-    return parse_config(env) if env else GPU_CONFIG
+    if not env:
+        return GPU_CONFIG if fp8 else GPU_CONFIG_BF16
+    cfg = parse_config(env)
+    return cfg if fp8 else (cfg[0], cfg[1], min(cfg[2], 64), *cfg[3:])
 
 
 def num_programs(device: torch.device, t: int) -> int:
@@ -109,11 +124,13 @@ def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_l
     (FP8) or None, out [M, N] (the result); part_* / fin_* [M, N] views of the symmetric buffers (this
     rank's and the peer's mapping of the peer's), flag_* int32 [>= 2 T] symmetric (zero between
     calls), counter int32 [2] local (zero between calls)."""
-    bm, bn, bk, gm, warps, stages = config or _default_config()
+    fp8 = sa is not None
+    bm, bn, bk, gm, warps, stages = config or _default_config(fp8)
     m, k = a.shape
     n = b.shape[0]
-    fp8 = sa is not None
     t = tiles(m, n, (bm, bn))
+    if phase != 4 and min(flag_local.numel(), flag_peer.numel()) < 2 * t:
+        raise ValueError(f"flag buffers hold {flag_local.numel()} flags, {bm}x{bn} tiles of {m}x{n} need {2 * t}")
     grid = (programs or num_programs(out.device, t),)
     dummy = out  # never read when not FP8
     _kernel()[grid](a, b, sa if fp8 else dummy, sb if fp8 else dummy, out,
@@ -172,7 +189,7 @@ def gemm_only(a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None) -> 
     m, _ = a.shape
     n = b.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    cfg = config or _default_config()
+    cfg = config or _default_config(sa is not None)
     key = str(a.device)
     if key not in _scratch:  # phase 4 leaves the counter at zero and never touches the flag
         _scratch[key] = (torch.zeros(2, dtype=torch.int32, device=a.device),

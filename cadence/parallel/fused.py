@@ -628,7 +628,7 @@ class _TileState:
         gname = group_name(group)
         rank = dist.get_rank(group)
         peer = 1 - rank
-        t = gar.tiles(rows, n)
+        t = gar.max_tiles(rows, n)  # any tile config's flags fit
         self.rows, self.n = rows, n
 
         def alloc(numel, dt, zero=False):
