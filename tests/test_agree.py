@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-import tp_worker  # noqa: E402
+import tp_worker
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]

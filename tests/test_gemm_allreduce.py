@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton", reason="needs triton (and TRITON_INTERPRET=1 without CUDA)")
 
-from cadence.kernels import gemm_allreduce as gar  # noqa: E402
+from cadence.kernels import gemm_allreduce as gar
 
 U = 2.0 ** -8
 
