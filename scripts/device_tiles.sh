@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # The tile-flag GEMM + all-reduce (mode "tiles", cadence/kernels/gemm_allreduce.py) on 2x H200:
-# bench fused at the W57 / W14 / W1.3 row-parallel shapes, two-shot (the best mode so far) vs tiles, bf16
-# and FP8, graph-timed, parity with NCCL per shape, the changing-M sweep in tiles mode (recorded, with
-# TILES_CONFIG); then the same with 128x128x128 (printed); then tile configs at W57 FP8.
+# bench fused at the W57 / W14 / W1.3 row-parallel shapes, two-shot vs tiles (defaults: tensor
+# descriptors, flag a quarter into the next tile), bf16 and FP8, graph-timed, parity with NCCL, the
+# changing-M sweep in tiles mode (recorded); then variants (printed): pointer loads, flag after the whole
+# next tile (8), flag at once (0); then the W14 / W57 TP=2 steps with two-shot vs tiles.
 # Usage on the device machine (repo root): CADENCE_GIT=<sha> bash scripts/device_tiles.sh
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-420}
+BUDGET_S=${BUDGET_S:-480}
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
-TR="torchrun --standalone --nproc_per_node 2 -m cadence bench fused"
-export CADENCE_TILES_CONFIG=${TILES_CONFIG:-128x256x128:8:8:3}
-run 200 fused-tiles $TR --modes two_shot,tiles --sweep-mode tiles --out-dir "$PERF"
-for cfg in 128x128x128:8:8:3 ${EXTRA_CONFIGS:-}; do
-  export CADENCE_TILES_CONFIG=$cfg
-  run 60 "cfg-$cfg" $TR --modes tiles --no-sweep --no-record --reps 50 --warmup 10 \
+TR="torchrun --standalone --nproc_per_node 2"
+F="$TR -m cadence bench fused"
+run 90 fused-tiles $F --modes two_shot,tiles --sweep-mode tiles --out-dir "$PERF"
+for v in CADENCE_TILES_TMA=0 CADENCE_TILES_FLUSH=8 CADENCE_TILES_FLUSH=0; do
+  export "$v"
+  run 60 "variant-$v" $F --modes tiles --dtypes fp8 --no-sweep --no-record --reps 50 --warmup 10 \
     | grep -E "^w|tiles:|max relative|===|rror"
+  unset "${v%%=*}"
 done
-unset CADENCE_TILES_CONFIG
+STEP="-m cadence bench step --tp 2 --cache ring --kv-fp8 --graphs --fp8 --compile --warmup 3 --iters 12 --profile-iters 2 --out-dir $PERF"
+for comm in two_shot tiles; do
+  run 100 "w14-$comm" $TR $STEP --preset w14 --layers 10 --comm $comm | grep -E "step \(median\)|eager /|FP8 linears|===|rror"
+done
+for comm in two_shot tiles; do
+  run 110 "w57-$comm" $TR $STEP --preset w57 --layers 8 --comm $comm | grep -E "step \(median\)|eager /|FP8 linears|===|rror"
+done
 echo "=== done in ${SECONDS}s"

@@ -39,21 +39,23 @@ def _check(outs, a, b, sa=None, sb=None):
     assert ((outs[0].double() - exact).abs() <= 2 * U * (p0.abs() + p1.abs()) + 1e-5).all()
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("m,k,n,programs", [(70, 64, 96, None), (33, 40, 72, 1), (64, 96, 32, 3), (5, 32, 200, 2)])
-def test_bf16_two_ranks_match_the_unfused_all_reduce(m, k, n, programs):
-    """Odd tile counts, M / N / K not multiples of the tile (masks, the uneven-K loop), 1-4 programs
-    sharing the tile counter."""
+def test_bf16_two_ranks_match_the_unfused_all_reduce(m, k, n, programs, tma):
+    """Odd tile counts, M / N / K not multiples of the tile (masks or the descriptors' zero fill, the
+    uneven-K loop), 1-4 programs sharing the tile counter; masked pointer loads and tensor descriptors."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     a = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _ in range(2)]
     b = [(torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16) for _ in range(2)]
-    outs, state = gar.simulate_two_ranks(a, b, programs=programs)
+    outs, state = gar.simulate_two_ranks(a, b, programs=programs, tma=tma)
     _check(outs, a, b)
     # the flags were consumed and the counters reset: the buffers are clean for the next call
     assert all(int(f.abs().sum()) == 0 for f in state["flags"])
     assert all(int(c.abs().sum()) == 0 for c in state["counters"])
 
 
-def test_fp8_rowwise_scales_and_repeated_calls_on_the_same_buffers():
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_fp8_rowwise_scales_and_repeated_calls_on_the_same_buffers(tma):
     from cadence.quant.fp8 import quantize_rows
 
     g = torch.Generator().manual_seed(7)
@@ -65,18 +67,20 @@ def test_fp8_rowwise_scales_and_repeated_calls_on_the_same_buffers():
     a, b = list(a), list(b)
     sa, sb = [s.reshape(-1) for s in sa], [s.reshape(-1) for s in sb]
     assert a[0].dtype == torch.float8_e4m3fn
-    once, _ = gar.simulate_two_ranks(a, b, sa, sb)
+    once, _ = gar.simulate_two_ranks(a, b, sa, sb, tma=tma)
     _check(once, a, b, sa, sb)
-    thrice, state = gar.simulate_two_ranks(a, b, sa, sb, calls=3)
+    thrice, state = gar.simulate_two_ranks(a, b, sa, sb, calls=3, tma=tma)
     assert torch.equal(thrice[0], once[0]) and torch.equal(thrice[1], once[1])
     assert all(int(f.abs().sum()) == 0 for f in state["flags"])
 
 
-def test_gemm_phase_alone_matches_a_matmul():
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_gemm_phase_alone_matches_a_matmul(tma):
     g = torch.Generator().manual_seed(3)
     a = torch.randn(37, 72, generator=g).to(torch.bfloat16)
     b = torch.randn(50, 72, generator=g).to(torch.bfloat16)
-    y = gar.gemm_only(a, b)
+    assert gar.tma_ok(a, b) and not gar.tma_ok(a[:, :70].contiguous(), b)  # 140-byte rows: not 16-aligned
+    y = gar.gemm_only(a, b, tma=tma)
     exact = a.double() @ b.double().t()
     assert ((y.double() - exact).abs() <= U * exact.abs() + 1e-5).all()
 

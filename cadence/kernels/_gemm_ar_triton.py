@@ -51,36 +51,52 @@ def _nth_tile(i, parity, T):
 
 
 @triton.jit
-def _gemm_tile(a_ptr, b_ptr, sa_ptr, sb_ptr, tm, tn, M, N, K, sam, sbn,
-               FP8: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    rm = tm * BM + tl.arange(0, BM)
-    rn = tn * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    mm = rm < M
-    nm = rn < N
-    a_p = a_ptr + rm[:, None].to(tl.int64) * sam + rk[None, :]
-    b_p = b_ptr + rn[None, :].to(tl.int64) * sbn + rk[:, None]  # B is [N, K] (K-major): a [BK, BN] view
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(a_p, mask=mm[:, None], other=0.0)
-            b = tl.load(b_p, mask=nm[None, :], other=0.0)
-        else:
-            km = (k + rk) < K
-            a = tl.load(a_p, mask=mm[:, None] & km[None, :], other=0.0)
-            b = tl.load(b_p, mask=km[:, None] & nm[None, :], other=0.0)
-        if UPCAST:  # the interpreter has no fp8 / bf16 dot
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
-        else:
-            acc = tl.dot(a, b, acc)
-        a_p += BK
-        b_p += BK
-    if FP8:  # rowwise scales: activations per token, weights per output channel
-        sa = tl.load(sa_ptr + rm, mask=mm, other=0.0)
-        sb = tl.load(sb_ptr + rn, mask=nm, other=0.0)
-        acc = acc * sa[:, None] * sb[None, :]
-    return acc, rm, rn, mm, nm
+def _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k_lo, k_hi, sam, sbn,
+         UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] += the tile's products over k in [k_lo, k_hi). TMA: blocks come through tensor
+    descriptors (the Hopper tensor-memory accelerator, out-of-range rows and columns zero-filled);
+    else masked pointer loads."""
+    if TMA:
+        for k in range(k_lo, k_hi, BK):
+            a = a_desc.load([tm * BM, k])
+            b = b_desc.load([tn * BN, k])  # [BN, BK]: B is [N, K], K contiguous
+            if UPCAST:  # the interpreter has no fp8 / bf16 dot
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32).T)
+            else:
+                acc = tl.dot(a, b.T, acc)
+    else:
+        rm = tm * BM + tl.arange(0, BM)
+        rn = tn * BN + tl.arange(0, BN)
+        mm = rm < M
+        nm = rn < N
+        rk = tl.arange(0, BK)
+        a_p = a_ptr + rm[:, None].to(tl.int64) * sam + (k_lo + rk)[None, :]
+        b_p = b_ptr + rn[None, :].to(tl.int64) * sbn + (k_lo + rk)[:, None]  # B [N, K] (K-major) as [BK, BN]
+        for k in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                a = tl.load(a_p, mask=mm[:, None], other=0.0)
+                b = tl.load(b_p, mask=nm[None, :], other=0.0)
+            else:
+                km = (k + rk) < K
+                a = tl.load(a_p, mask=mm[:, None] & km[None, :], other=0.0)
+                b = tl.load(b_p, mask=km[:, None] & nm[None, :], other=0.0)
+            if UPCAST:
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            else:
+                acc = tl.dot(a, b, acc)
+            a_p += BK
+            b_p += BK
+    return acc
+
+
+@triton.jit
+def _raise(flag_peer, pend):
+    """Raise the peer's flag ``pend`` (if >= 0) for data this program stored earlier: the CTA barrier
+    puts every thread's stores before the release (system scope) that publishes them."""
+    if pend >= 0:
+        tl.debug_barrier()
+        tl.atomic_xchg(flag_peer + pend, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -94,13 +110,19 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
                    part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter_ptr,
                    M, N, K, rank, sam, sbn,
                    FP8: tl.constexpr, UPCAST: tl.constexpr, PHASE: tl.constexpr, EVEN_K: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                   TMA: tl.constexpr, FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     T = tiles_m * tiles_n
     peer_par = 1 - rank
+    if TMA:  # descriptors made once per program (device-side: the launcher sets triton's allocator)
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[sam, 1], block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[sbn, 1], block_shape=[BN, BK])
+    else:
+        a_desc = a_ptr
+        b_desc = b_ptr
     n_peer = (T - peer_par + 1) // 2  # tiles the peer owns
     lo = 0
     hi = T
@@ -110,10 +132,10 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
         lo = n_peer
     if PHASE != 3:
         pos = lo + tl.atomic_add(counter_ptr, 1)
-        # A tile's flag is raised one tile later, after the next tile's MMA loop: the release fence
-        # waits for this program's remote stores to land, and by then they have (a fence right after
-        # the stores stalled the SM for the whole NVLink transfer of its tile: the first GPU run
-        # measured fused = GEMM + the whole all-reduce). Raised before any wait, so never circular.
+        # A tile's flag is raised during the next tile's K loop (FLUSH eighths into it; 8: after it):
+        # the release fence waits for this program's remote stores to land, and by then they have (a
+        # fence right after the stores stalled the SM for the whole NVLink transfer of its tile).
+        # Always raised before this program waits for anything, so waits are never circular.
         pend = pos * 0 - 1  # flag index (into flag_peer) still to raise, -1: none
         while pos < hi:
             if pos < n_peer:
@@ -121,13 +143,26 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
             else:
                 t = _nth_tile(pos - n_peer, rank, T)
             tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
-            acc, rm, rn, mm, nm = _gemm_tile(a_ptr, b_ptr, sa_ptr, sb_ptr, tm, tn, M, N, K, sam, sbn,
-                                             FP8, UPCAST, EVEN_K, BM, BN, BK)
+            # the previous tile's flag goes up FLUSH eighths into this tile's K loop: late enough for
+            # its stores to have landed, early enough not to hold the peer up a whole tile
+            k1 = ((K // BK) * FLUSH // 8) * BK
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, 0, k1, sam, sbn,
+                       UPCAST, EVEN_K, TMA, BM, BN, BK)
+            _raise(flag_peer, pend)
+            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k1, K, sam, sbn,
+                       UPCAST, EVEN_K, TMA, BM, BN, BK)
+            rm = tm * BM + tl.arange(0, BM)
+            rn = tn * BN + tl.arange(0, BN)
+            mm = rm < M
+            nm = rn < N
+            if FP8:  # rowwise scales: activations per token, weights per output channel
+                sa = tl.load(sa_ptr + rm, mask=mm, other=0.0)
+                sb = tl.load(sb_ptr + rn, mask=nm, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
             offs = rm[:, None].to(tl.int64) * N + rn[None, :]
             msk = mm[:, None] & nm[None, :]
-            if pend >= 0:
-                tl.debug_barrier()
-                tl.atomic_xchg(flag_peer + pend, 1, sem="release", scope="sys")
+            pend = pend * 0 - 1
             if PHASE == 4:  # the GEMM alone (timing): every tile to our output, no exchange
                 tl.store(out_ptr + offs, _cast(acc, out_ptr.dtype.element_ty, UPCAST), mask=msk)
             elif pos < n_peer:  # the peer reduces this tile: hand it our partial
@@ -142,9 +177,7 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
                 tl.store(fin_peer + offs, y, mask=msk)
                 pend = T + t
             pos = lo + tl.atomic_add(counter_ptr, 1)
-        if pend >= 0:
-            tl.debug_barrier()
-            tl.atomic_xchg(flag_peer + pend, 1, sem="release", scope="sys")
+        _raise(flag_peer, pend)
         # the last program out resets the counter for the next call (all grabs of this call are done
         # once every program has seen an index past the end: each program sees exactly one)
         if tl.atomic_add(counter_ptr + 1, 1) == nprog - 1:

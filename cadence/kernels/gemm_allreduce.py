@@ -17,10 +17,11 @@ alternates, so both ranks do the same work). Each rank's persistent kernel (``_g
    all-gather, under the second half of the GEMM;
 3. copies the finished tiles the peer owns from ``fin`` into its output as their flags arrive.
 
-A tile's flag is raised one tile later, after the next tile's MMA loop (before any wait, so the
-signals never wait on each other): the release fence that must precede a flag waits for the
-program's remote stores to land, and right after the stores that stalled the SM for its tile's whole
-NVLink transfer (first GPU run: fused = GEMM + the whole all-reduce); one tile later they have landed.
+A tile's flag is raised a quarter of the way into the next tile's K loop (``CADENCE_TILES_FLUSH``,
+in eighths; always before the program waits for anything, so waits are never circular): the release
+fence that must precede a flag waits for the program's remote stores to land, and right after the
+stores that stalled the SM for its tile's whole NVLink transfer (first GPU run: fused = GEMM + the
+whole all-reduce); after the whole next tile (the second version) it held the peer up a tile.
 
 What is left exposed is the last few tiles' exchange and the copy of the peer's half, instead of the
 whole all-reduce. Flags are consumed by their reader (compare-and-swap 1 -> 0), so they are zero
@@ -118,8 +119,49 @@ def num_programs(device: torch.device, t: int) -> int:
     return max(1, min(t, 4))
 
 
+def flush_eighths() -> int:
+    """How far into the next tile's K loop a finished tile's flag is raised, in eighths (0-8;
+    CADENCE_TILES_FLUSH, default 2: a quarter)."""
+    v = int(os.environ.get("CADENCE_TILES_FLUSH", "2"))
+    if not 0 <= v <= 8:
+        raise ValueError(f"CADENCE_TILES_FLUSH={v}: eighths of the K loop, 0-8")
+    return v
+
+
+_allocator_set: list[bool] = []
+
+
+def _set_allocator() -> None:
+    """Device-side tensor descriptors need scratch memory from the launcher: torch's caching allocator
+    (inside a CUDA graph capture that is the graph's pool, as for any tensor)."""
+    if _allocator_set:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
+    _allocator_set.append(True)
+
+
+def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Tensor descriptors can read a and b: 16-byte aligned bases and row strides, unit inner stride,
+    and this triton has them. CADENCE_TILES_TMA=0 turns them off (pointer loads, the first version)."""
+    if os.environ.get("CADENCE_TILES_TMA", "1") == "0":
+        return False
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (a, b))
+
+
 def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
-           rank: int, phase: int = 0, config=None, programs: int | None = None) -> None:
+           rank: int, phase: int = 0, config=None, programs: int | None = None, tma: bool | None = None) -> None:
     """One rank's kernel. a [M, K] (e4m3 or bf16/fp32), b [N, K] (same), sa [M] / sb [N] float32 scales
     (FP8) or None, out [M, N] (the result); part_* / fin_* [M, N] views of the symmetric buffers (this
     rank's and the peer's mapping of the peer's), flag_* int32 [>= 2 T] symmetric (zero between
@@ -133,10 +175,15 @@ def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_l
         raise ValueError(f"flag buffers hold {flag_local.numel()} flags, {bm}x{bn} tiles of {m}x{n} need {2 * t}")
     grid = (programs or num_programs(out.device, t),)
     dummy = out  # never read when not FP8
+    if tma is None:  # on by default on GPUs where usable; the interpreter's tests ask for it explicitly
+        tma = out.device.type == "cuda" and tma_ok(a, b)
+    if tma and out.device.type == "cuda":
+        _set_allocator()
     _kernel()[grid](a, b, sa if fp8 else dummy, sb if fp8 else dummy, out,
                     part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
                     m, n, k, rank, a.stride(0), b.stride(0),
-                    FP8=fp8, UPCAST=_interpreting(), PHASE=phase, EVEN_K=(k % bk == 0),
+                    FP8=fp8, UPCAST=_interpreting(), PHASE=phase, EVEN_K=(k % bk == 0), TMA=bool(tma),
+                    FLUSH=flush_eighths(),
                     BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
 
 
@@ -153,7 +200,7 @@ def reference(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat
 
 
 def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16, config=None,
-                       programs: int | None = None, calls: int = 1) -> tuple[list[torch.Tensor], dict]:
+                       programs: int | None = None, calls: int = 1, tma: bool = False) -> tuple[list[torch.Tensor], dict]:
     """Both ranks in this process (CPU, interpreter): phase 1 on each, then 2, then 3, ``calls`` times
     on the same buffers (the flags and counters must be back at zero after each call). Returns the two
     outputs of the last call and the buffers' state."""
@@ -175,7 +222,7 @@ def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=tor
                 launch(a_list[r], b_list[r], None if sa_list is None else sa_list[r],
                        None if sb_list is None else sb_list[r], outs[r],
                        part[r], part[p], fin[r], fin[p], flags[r], flags[p], counters[r], rank=r, phase=phase,
-                       config=cfg, programs=programs)
+                       config=cfg, programs=programs, tma=tma)
     state = {"flags": [f.clone() for f in flags], "counters": [c.clone() for c in counters]}
     return outs, state
 
@@ -183,7 +230,7 @@ def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=tor
 _scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def gemm_only(a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None) -> torch.Tensor:
+def gemm_only(a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None, tma: bool | None = None) -> torch.Tensor:
     """The kernel's GEMM alone (phase 4: no exchange): for timing what the exchange hides under, and
     as the single-rank parity check of the GEMM part."""
     m, _ = a.shape
@@ -195,5 +242,5 @@ def gemm_only(a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None) -> 
         _scratch[key] = (torch.zeros(2, dtype=torch.int32, device=a.device),
                          torch.zeros(1, dtype=torch.int32, device=a.device))
     counter, flag = _scratch[key]
-    launch(a, b, sa, sb, out, out, out, out, out, flag, flag, counter, rank=0, phase=4, config=cfg)
+    launch(a, b, sa, sb, out, out, out, out, out, flag, flag, counter, rank=0, phase=4, config=cfg, tma=tma)
     return out
