@@ -75,11 +75,14 @@ def test_fp8_rowwise_scales_and_repeated_calls_on_the_same_buffers(tma):
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-def test_gemm_phase_alone_matches_a_matmul(tma):
+def test_gemm_phase_alone_matches_a_matmul(tma, monkeypatch):
     g = torch.Generator().manual_seed(3)
     a = torch.randn(37, 72, generator=g).to(torch.bfloat16)
     b = torch.randn(50, 72, generator=g).to(torch.bfloat16)
+    monkeypatch.setenv("CADENCE_TILES_TMA", "1")
     assert gar.tma_ok(a, b) and not gar.tma_ok(a[:, :70].contiguous(), b)  # 140-byte rows: not 16-aligned
+    monkeypatch.delenv("CADENCE_TILES_TMA")
+    assert not gar.tma_ok(a, b)  # opt-in
     y = gar.gemm_only(a, b, tma=tma)
     exact = a.double() @ b.double().t()
     assert ((y.double() - exact).abs() <= U * exact.abs() + 1e-5).all()

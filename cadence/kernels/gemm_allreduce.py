@@ -147,8 +147,10 @@ def _set_allocator() -> None:
 
 def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Tensor descriptors can read a and b: 16-byte aligned bases and row strides, unit inner stride,
-    and this triton has them. CADENCE_TILES_TMA=0 turns them off (pointer loads, the first version)."""
-    if os.environ.get("CADENCE_TILES_TMA", "1") == "0":
+    and this triton has them. Off unless CADENCE_TILES_TMA=1: on 2x H200 (triton 3.6) the descriptor
+    loads made this persistent GEMM no faster, and slower at W57 FFN-out FP8 (154.6 vs 142.0 us alone;
+    docs/perf/fused/NOTES.md)."""
+    if os.environ.get("CADENCE_TILES_TMA", "0") != "1":
         return False
     try:
         import triton.language as tl
@@ -175,7 +177,7 @@ def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_l
         raise ValueError(f"flag buffers hold {flag_local.numel()} flags, {bm}x{bn} tiles of {m}x{n} need {2 * t}")
     grid = (programs or num_programs(out.device, t),)
     dummy = out  # never read when not FP8
-    if tma is None:  # on by default on GPUs where usable; the interpreter's tests ask for it explicitly
+    if tma is None:  # CADENCE_TILES_TMA=1 on GPUs where usable; the interpreter's tests ask for it explicitly
         tma = out.device.type == "cuda" and tma_ok(a, b)
     if tma and out.device.type == "cuda":
         _set_allocator()
