@@ -148,8 +148,7 @@ def _set_allocator() -> None:
 def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Tensor descriptors can read a and b: 16-byte aligned bases and row strides, unit inner stride,
     and this triton has them. Off unless CADENCE_TILES_TMA=1: on 2x H200 (triton 3.6) the descriptor
-    loads made this persistent GEMM no faster, and slower at W57 FFN-out FP8 (154.6 vs 142.0 us alone;
-    docs/perf/fused/NOTES.md)."""
+    loads made this persistent GEMM no faster (docs/perf/fused/NOTES.md, session 6)."""
     if os.environ.get("CADENCE_TILES_TMA", "0") != "1":
         return False
     try:
