@@ -122,6 +122,33 @@ def test_symm_buffer_cache_lru_bounded_and_frees():
     assert c.info()["allocations"] == n_alloc
 
 
+def test_tile_state_cache_lru_bounded_and_frees():
+    """The tile kernel's buffer sets (one per N and row bucket) are an LRU too: a sequence of token
+    counts keeps at most max_entries sets alive, reuses a bucket's set, and frees evicted ones."""
+    made: list[weakref.ref] = []
+
+    class FakeState:
+        def __init__(self, group, device, n, rows, dtype):
+            self.part = torch.empty(rows * n, dtype=dtype, device=device)
+            self.flags = torch.zeros(2 * rows, dtype=torch.int32)
+            self.rows = rows
+            made.append(weakref.ref(self))
+
+    c = fused.TileStateCache(max_entries=3, make=FakeState)
+    seq = [64, 128, 80, 37, 512, 64, 748, 1496, 4680, 748, 768, 64, 5000, 37]
+    for m in seq:
+        st = c.get(None, torch.device("cpu"), 128, m, torch.bfloat16)
+        assert st.rows == fused.bucket_rows(m) >= m
+        assert c.info()["entries"] <= 3
+    info = c.info()
+    assert info["evictions"] > 0 and info["hits"] > 0 and info["allocations"] == info["entries"] + info["evictions"]
+    assert c.get(None, torch.device("cpu"), 128, 40, torch.bfloat16) is c.get(None, torch.device("cpu"), 128, 37,
+                                                                               torch.bfloat16)  # one bucket
+    del st
+    gc.collect()
+    assert sum(r() is not None for r in made) == c.info()["entries"], "evicted sets must be freed"
+
+
 def test_process_cache_api():
     info = fused.symm_cache_info()
     assert {"entries", "max_entries", "bytes", "allocations", "evictions"} <= set(info)

@@ -645,7 +645,44 @@ class _TileState:
         self.counter = torch.zeros(2, dtype=torch.int32, device=device)
 
 
-_tile_states: dict[tuple, _TileState] = {}
+class TileStateCache:
+    """LRU of the tile kernel's buffer sets, keyed by (group, device, N, row bucket, dtype): at most
+    ``max_entries`` (env CADENCE_TILE_CACHE, default 4) live, like :class:`SymmBufferCache`; an evicted
+    set's buffers go back to torch's symmetric-memory pool. Safe to drop after a call: every write a
+    peer makes into this rank's buffers during a call lands before this rank's kernel of that call
+    ends (it waits for the flags that follow them), and every rank sees the same shapes in the same
+    order, so the ranks evict the same set at the same call. ``make(group, device, n, rows, dtype)``
+    builds a set (injectable: the LRU is tested on the CPU)."""
+
+    def __init__(self, max_entries: int = 4, make=None):
+        self.max_entries = max(1, int(max_entries))
+        self._make = make or _TileState
+        self._entries: OrderedDict[tuple, object] = OrderedDict()
+        self.allocations = self.evictions = self.hits = 0
+
+    def get(self, group, device: torch.device, n: int, m: int, dtype: torch.dtype):
+        rows = bucket_rows(m)
+        key = (group_name(group) if group is not None or dist.is_initialized() else "", str(device), n, rows, dtype)
+        st = self._entries.get(key)
+        if st is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return st
+        while len(self._entries) >= self.max_entries:
+            self._entries.popitem(last=False)
+            self.evictions += 1
+        st = self._entries[key] = self._make(group, device, n, rows, dtype)
+        self.allocations += 1
+        return st
+
+    def info(self) -> dict:
+        nbytes = sum(2 * s.part.numel() * s.part.element_size() + s.flags.numel() * 4 for s in self._entries.values())
+        return {"entries": len(self._entries), "max_entries": self.max_entries, "bytes": nbytes,
+                "allocations": self.allocations, "evictions": self.evictions, "hits": self.hits,
+                "keys": [(k[2], k[3]) for k in self._entries]}
+
+
+_TILE_CACHE = TileStateCache(int(os.environ.get("CADENCE_TILE_CACHE", "4")))
 
 
 def _tiles(linear, x2, group, m, n, world):
@@ -656,11 +693,7 @@ def _tiles(linear, x2, group, m, n, world):
     if why is not None:
         raise RuntimeError(why)
     dt = gemm_out_dtype(linear, x2)
-    rows = bucket_rows(m)
-    key = (group_name(group), str(x2.device), n, rows, dt)
-    st = _tile_states.get(key)
-    if st is None:
-        st = _tile_states[key] = _TileState(group, x2.device, n, rows, dt)
+    st = _TILE_CACHE.get(group, x2.device, n, m, dt)
     with region("linear_comm"):
         if isinstance(linear, FP8Linear):
             if not _fp8_fast(linear, x2):
@@ -681,9 +714,8 @@ def _tiles(linear, x2, group, m, n, world):
 
 
 def tile_states_info() -> dict:
-    """The tile kernel's buffer sets (one per N and row bucket) and their bytes."""
-    nbytes = sum(2 * s.part.numel() * s.part.element_size() + s.flags.numel() * 4 for s in _tile_states.values())
-    return {"entries": len(_tile_states), "bytes": nbytes, "keys": [(k[2], k[3]) for k in _tile_states]}
+    """The tile kernel's buffer sets (one per N and row bucket, LRU-bounded): see TileStateCache.info."""
+    return _TILE_CACHE.info()
 
 
 def _precheck(mode: str, chunks: int, m: int, n: int, dt: torch.dtype, world: int) -> str | None:
