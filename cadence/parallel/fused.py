@@ -647,7 +647,7 @@ class _TileState:
 
 class TileStateCache:
     """LRU of the tile kernel's buffer sets, keyed by (group, device, N, row bucket, dtype): at most
-    ``max_entries`` (env CADENCE_TILE_CACHE, default 4) live, like :class:`SymmBufferCache`; an evicted
+    ``max_entries`` (env CADENCE_TILE_CACHE, default 8) live, like :class:`SymmBufferCache`; an evicted
     set's buffers go back to torch's symmetric-memory pool. Safe to drop after a call: every write a
     peer makes into this rank's buffers during a call lands before this rank's kernel of that call
     ends (it waits for the flags that follow them), and every rank sees the same shapes in the same
@@ -682,7 +682,7 @@ class TileStateCache:
                 "keys": [(k[2], k[3]) for k in self._entries]}
 
 
-_TILE_CACHE = TileStateCache(int(os.environ.get("CADENCE_TILE_CACHE", "4")))
+_TILE_CACHE = TileStateCache(int(os.environ.get("CADENCE_TILE_CACHE", "8")))
 
 
 def _tiles(linear, x2, group, m, n, world):
