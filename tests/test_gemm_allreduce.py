@@ -96,3 +96,40 @@ def test_usable_says_why_not():
 def test_config_text():
     assert gar.parse_config("128x256x64:4:8:3") == (128, 256, 64, 4, 8, 3)
     assert gar.parse_config("64x128x128")[:3] == (64, 128, 128)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("m,k,n,programs", [(70, 64, 96, None), (33, 48, 72, 1), (5, 32, 200, 3)])
+def test_both_protocol_is_exactly_the_sum_of_the_rounded_partials(m, k, n, programs, fp8):
+    """The "both" exchange: every rank sums every tile from the two bf16 partials, so the result is
+    exactly bf16(p0 + p1) of the kernel's own rounded partials (its GEMM alone, phase 4) on both ranks
+    (what an NCCL all-reduce of those partials gives), flags and counters clean after two calls."""
+    from cadence.quant.fp8 import quantize_rows
+
+    g = torch.Generator().manual_seed(m + k + n)
+    xs = [torch.randn(m, k, generator=g) for _ in range(2)]
+    ws = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(2)]
+    if fp8:
+        a, sa = (list(v) for v in zip(*(quantize_rows(x) for x in xs), strict=True))
+        b, sb = (list(v) for v in zip(*(quantize_rows(w) for w in ws), strict=True))
+        sa, sb = [s.reshape(-1) for s in sa], [s.reshape(-1) for s in sb]
+    else:
+        a, b = [x.to(torch.bfloat16) for x in xs], [w.to(torch.bfloat16) for w in ws]
+        sa = sb = None
+    outs, state = gar.simulate_two_ranks(a, b, sa, sb, programs=programs, calls=2, proto="both")
+    parts = [gar.gemm_only(a[r], b[r], None if sa is None else sa[r], None if sb is None else sb[r])
+             for r in range(2)]
+    expect = (parts[0].float() + parts[1].float()).to(torch.bfloat16)
+    assert torch.equal(outs[0], expect) and torch.equal(outs[1], expect)
+    _check(outs, a, b, sa, sb)
+    assert all(int(f.abs().sum()) == 0 for f in state["flags"])
+    assert all(int(c.abs().sum()) == 0 for c in state["counters"])
+
+
+def test_protocol_setting(monkeypatch):
+    assert gar.protocol() == "owner"
+    monkeypatch.setenv("CADENCE_TILES_PROTOCOL", "both")
+    assert gar.protocol() == "both"
+    monkeypatch.setenv("CADENCE_TILES_PROTOCOL", "nope")
+    with pytest.raises(ValueError, match="owner, both"):
+        gar.protocol()

@@ -196,3 +196,92 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
             tl.debug_barrier()
             y = tl.load(fin_local + offs, mask=msk, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs, y, mask=msk)
+
+
+@triton.jit
+def _sum_tile(t, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n,
+              UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[t] <- bf16(out[t] + part[t]): this rank's bf16 partial (stored in out) plus the peer's (in
+    part, once its flag is up). Both ranks add the same two bf16 values in float32: the same bytes."""
+    tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
+    rm = tm * BM + tl.arange(0, BM)
+    rn = tn * BN + tl.arange(0, BN)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    msk = (rm < M)[:, None] & (rn < N)[None, :]
+    _wait_and_consume(flag_local + t)
+    tl.debug_barrier()
+    mine = tl.load(out_ptr + offs, mask=msk, other=0.0)
+    other = tl.load(part_local + offs, mask=msk, other=0.0, cache_modifier=".cg")
+    y = _cast(mine.to(tl.float32) + other.to(tl.float32), out_ptr.dtype.element_ty, UPCAST)
+    tl.store(out_ptr + offs, y, mask=msk)
+
+
+@triton.jit
+def gemm_ar_both_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, part_local, part_peer, flag_local, flag_peer,
+                        counter_ptr, M, N, K, sam, sbn,
+                        FP8: tl.constexpr, UPCAST: tl.constexpr, PHASE: tl.constexpr, EVEN_K: tl.constexpr,
+                        TMA: tl.constexpr, FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """The 'both' protocol: both ranks compute every tile in the same order, send each bf16 partial to
+    the peer's ``part`` (flag per tile), keep it in ``out``, and sum a tile one tile later (after the
+    next tile's MMA, by when the peer's partial is normally there). No owner, no second hop, no copy
+    of finished tiles: the exposed tail is the last wave's partials crossing once.
+
+    A program waits only when it holds no unraised flag (the previous tile's flag goes up during this
+    tile's MMA, before the sum of the previous tile; this tile's partial is stored after it), and a
+    program holding one is computing, not waiting: no cycle. PHASE 1 (CPU simulation): compute and
+    send only; PHASE 2: the sums, tile t by program t % nprog."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    T = tiles_m * tiles_n
+    if TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[sam, 1], block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[sbn, 1], block_shape=[BN, BK])
+    else:
+        a_desc = a_ptr
+        b_desc = b_ptr
+    if PHASE != 2:
+        t = tl.atomic_add(counter_ptr, 1)
+        pend = t * 0 - 1  # flag (tile) still to raise
+        prev = t * 0 - 1  # tile whose sum is still to do (PHASE 0)
+        while t < T:
+            tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
+            k1 = ((K // BK) * FLUSH // 8) * BK
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, 0, k1, sam, sbn,
+                       UPCAST, EVEN_K, TMA, BM, BN, BK)
+            _raise(flag_peer, pend)
+            pend = pend * 0 - 1
+            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k1, K, sam, sbn,
+                       UPCAST, EVEN_K, TMA, BM, BN, BK)
+            if prev >= 0:
+                _sum_tile(prev, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n, UPCAST, BM, BN, GROUP_M)
+                prev = prev * 0 - 1
+            rm = tm * BM + tl.arange(0, BM)
+            rn = tn * BN + tl.arange(0, BN)
+            mm = rm < M
+            nm = rn < N
+            if FP8:
+                sa = tl.load(sa_ptr + rm, mask=mm, other=0.0)
+                sb = tl.load(sb_ptr + rn, mask=nm, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
+            offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+            msk = mm[:, None] & nm[None, :]
+            mine = _cast(acc, out_ptr.dtype.element_ty, UPCAST)
+            tl.store(part_peer + offs, mine, mask=msk)
+            tl.store(out_ptr + offs, mine, mask=msk)
+            pend = t
+            if PHASE == 0:
+                prev = t
+            t = tl.atomic_add(counter_ptr, 1)
+        _raise(flag_peer, pend)
+        if prev >= 0:
+            _sum_tile(prev, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n, UPCAST, BM, BN, GROUP_M)
+        if tl.atomic_add(counter_ptr + 1, 1) == nprog - 1:
+            tl.atomic_xchg(counter_ptr, 0)
+            tl.atomic_xchg(counter_ptr + 1, 0)
+    else:
+        for t in range(pid, T, nprog):
+            _sum_tile(t, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n, UPCAST, BM, BN, GROUP_M)

@@ -35,6 +35,13 @@ Every rank ends with the same bytes (the owner rounds once and sends its result)
 partial to its own float32 accumulator before one rounding, so the two differ by bf16 rounding
 (a few ulp: tests/test_gemm_allreduce.py states the bound).
 
+A second protocol, "both" (``CADENCE_TILES_PROTOCOL=both``, kernel ``gemm_ar_both_kernel``): no
+owners; both ranks compute every tile in the same order, send each bf16 partial to the peer, keep it
+in the output, and sum each tile one tile later from the two bf16 partials. The same bytes cross
+NVLink (every partial once instead of half the partials plus half the sums), in one hop instead of
+two, nothing is copied back at the end, and the result is exactly what an all-reduce of the two
+rounded partials gives, on both ranks.
+
 The CPU tests simulate the two ranks in one process under TRITON_INTERPRET=1 with ``phase`` 1, 2, 3
 (rank 0 then rank 1 for each), since interpreted programs run one after another. Two ranks only;
 :func:`usable` says why not otherwise, and ``cadence.parallel.fused`` then falls back with one line.
@@ -72,10 +79,23 @@ def usable(device: torch.device, world: int) -> str | None:
     return None
 
 
-def _kernel():
+PROTOCOLS = ("owner", "both")
+
+
+def protocol() -> str:
+    """Which exchange (CADENCE_TILES_PROTOCOL): "owner" (tile t is summed by rank t % 2, which sends the
+    sum back: two hops, half the partials each way) or "both" (every rank sends every bf16 partial and
+    sums every tile itself, one tile late: one hop, the same bytes on the wire, nothing to copy back)."""
+    p = os.environ.get("CADENCE_TILES_PROTOCOL", "owner")
+    if p not in PROTOCOLS:
+        raise ValueError(f"CADENCE_TILES_PROTOCOL={p!r}: one of {', '.join(PROTOCOLS)}")
+    return p
+
+
+def _kernel(proto: str = "owner"):
     from cadence.kernels import _gemm_ar_triton
 
-    return _gemm_ar_triton.gemm_ar_kernel
+    return _gemm_ar_triton.gemm_ar_both_kernel if proto == "both" else _gemm_ar_triton.gemm_ar_kernel
 
 
 #: The smallest tile any config may use: flag buffers are sized for it (``max_tiles``).
@@ -162,7 +182,8 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
-           rank: int, phase: int = 0, config=None, programs: int | None = None, tma: bool | None = None) -> None:
+           rank: int, phase: int = 0, config=None, programs: int | None = None, tma: bool | None = None,
+           proto: str | None = None) -> None:
     """One rank's kernel. a [M, K] (e4m3 or bf16/fp32), b [N, K] (same), sa [M] / sb [N] float32 scales
     (FP8) or None, out [M, N] (the result); part_* / fin_* [M, N] views of the symmetric buffers (this
     rank's and the peer's mapping of the peer's), flag_* int32 [>= 2 T] symmetric (zero between
@@ -180,12 +201,16 @@ def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_l
         tma = out.device.type == "cuda" and tma_ok(a, b)
     if tma and out.device.type == "cuda":
         _set_allocator()
+    proto = proto or protocol()
+    consts = dict(FP8=fp8, UPCAST=_interpreting(), PHASE=phase, EVEN_K=(k % bk == 0), TMA=bool(tma),
+                  FLUSH=flush_eighths(), BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+    if proto == "both" and phase != 4:  # phase 4 (the GEMM alone) is the owner kernel's
+        _kernel("both")[grid](a, b, sa if fp8 else dummy, sb if fp8 else dummy, out, part_local, part_peer,
+                              flag_local, flag_peer, counter, m, n, k, a.stride(0), b.stride(0), **consts)
+        return
     _kernel()[grid](a, b, sa if fp8 else dummy, sb if fp8 else dummy, out,
                     part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
-                    m, n, k, rank, a.stride(0), b.stride(0),
-                    FP8=fp8, UPCAST=_interpreting(), PHASE=phase, EVEN_K=(k % bk == 0), TMA=bool(tma),
-                    FLUSH=flush_eighths(),
-                    BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+                    m, n, k, rank, a.stride(0), b.stride(0), **consts)
 
 
 def reference(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -201,7 +226,7 @@ def reference(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat
 
 
 def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16, config=None,
-                       programs: int | None = None, calls: int = 1, tma: bool = False) -> tuple[list[torch.Tensor], dict]:
+                       programs: int | None = None, calls: int = 1, tma: bool = False, proto: str = "owner") -> tuple[list[torch.Tensor], dict]:
     """Both ranks in this process (CPU, interpreter): phase 1 on each, then 2, then 3, ``calls`` times
     on the same buffers (the flags and counters must be back at zero after each call). Returns the two
     outputs of the last call and the buffers' state."""
@@ -217,13 +242,13 @@ def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=tor
     outs = []
     for _ in range(calls):
         outs = [torch.empty(m, n, dtype=out_dtype, device=dev) for _ in range(2)]
-        for phase in (1, 2, 3):
+        for phase in ((1, 2) if proto == "both" else (1, 2, 3)):
             for r in range(2):
                 p = 1 - r
                 launch(a_list[r], b_list[r], None if sa_list is None else sa_list[r],
                        None if sb_list is None else sb_list[r], outs[r],
                        part[r], part[p], fin[r], fin[p], flags[r], flags[p], counters[r], rank=r, phase=phase,
-                       config=cfg, programs=programs, tma=tma)
+                       config=cfg, programs=programs, tma=tma, proto=proto)
     state = {"flags": [f.clone() for f in flags], "counters": [c.clone() for c in counters]}
     return outs, state
 
