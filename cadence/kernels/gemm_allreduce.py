@@ -19,12 +19,14 @@ alternates, so both ranks do the same work). Each rank's persistent kernel (``_g
 
 A tile's flag is raised a quarter of the way into the next tile's K loop (``CADENCE_TILES_FLUSH``,
 in eighths; always before the program waits for anything, so waits are never circular): the release
-fence that must precede a flag waits for the program's remote stores to land, and right after the
-stores that stalled the SM for its tile's whole NVLink transfer (first GPU run: fused = GEMM + the
-whole all-reduce); after the whole next tile (the second version) it held the peer up a tile.
+fence that must precede a flag waits for the program's remote stores to land, which right after the
+stores would stall the SM for its tile's NVLink transfer. (Measured on 2x H200: at once, a quarter
+in, or after the whole next tile made no difference beyond run-to-run noise.)
 
-What is left exposed is the last few tiles' exchange and the copy of the peer's half, instead of the
-whole all-reduce. Flags are consumed by their reader (compare-and-swap 1 -> 0), so they are zero
+By design what is left exposed is the last wave's exchange and the copy of the peer's half. Measured
+(docs/perf/fused/NOTES.md), the exchange still costs about a two-shot all-reduce over the kernel's own
+GEMM at 748 tokens (1.45 waves of 128x256 tiles: the last wave is all own tiles), and that GEMM is
+1.2-1.5x slower than cuBLAS: hidden fraction 0.23 at best at W57, 0.25-0.34 at W14 / W1.3 FP8. Flags are consumed by their reader (compare-and-swap 1 -> 0), so they are zero
 again for the next call, and no buffer is written for call i+1 before its reader is done with call i
 (each write of call i+1 follows a flag of call i+1 that the reader raises after finishing call i).
 Tiles are handed out by a counter in grab order, so no program waits on a tile that a not-yet-resident
@@ -43,7 +45,8 @@ two, nothing is copied back at the end, and the result is exactly what an all-re
 rounded partials gives, on both ranks.
 
 The CPU tests simulate the two ranks in one process under TRITON_INTERPRET=1 with ``phase`` 1, 2, 3
-(rank 0 then rank 1 for each), since interpreted programs run one after another. Two ranks only;
+("both": 1, 2; rank 0 then rank 1 for each), since interpreted programs run one after another: the
+one-launch GPU path (phase 0) is checked on GPUs, against NCCL, by ``cadence bench fused``. Two ranks only;
 :func:`usable` says why not otherwise, and ``cadence.parallel.fused`` then falls back with one line.
 """
 
