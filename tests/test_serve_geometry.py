@@ -249,8 +249,8 @@ def test_engine_warm_up_tells_one_time_work_from_slow_chunks(monkeypatch):
     _fake_chunks(eng, monkeypatch, first + again, ["eager:warmup", "capture"] + ["replay"] * (2 * w + 2))
     warm = eng.warm_up(default_reference_image(128, 128))
     assert warm["streams"] == 2 and warm["slowest_chunk_ms"] == 130.0 and warm["steady_chunk_ms"] == 130.0
-    assert eng.notes == [f"warm-up: chunk(s) [{w}] took up to 671 ms in the first session only (one-time work); "
-                         "120 ms in the next"]
+    assert eng.notes == [(f"warm-up: chunk(s) [{w}] took up to 671 ms in the first session only (one-time work); "
+                          "120 ms in the next")]
     eng2 = Engine("tiny", "cpu", options={"overrides": {"stream": {"cache": "ring"}}, "graphs": True})
     _fake_chunks(eng2, monkeypatch, [5000.0, 900.0] + [100.0] * w, ["eager:warmup", "capture"] + ["replay"] * w)
     warm = eng2.warm_up(default_reference_image(128, 128))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -167,11 +166,7 @@ def test_measure_graphed_capture_failure_falls_back_with_one_warning(caplog):
 
 @torch.no_grad()
 def _agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
+    tp_worker.gloo_env(rank, world, port)
     from cadence.model.weights import build_model
     from cadence.parallel import apply_tp, destroy_tp, init_tp
 

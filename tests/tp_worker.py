@@ -59,16 +59,22 @@ def _run_ring(model, cfg, img, speech) -> dict:
             "v_shape": tuple(sess.cache.v.shape), "k_dtype": str(sess.cache.k.dtype)}
 
 
+def gloo_env(rank: int, world: int, port: int) -> None:
+    """torchrun's environment for rank `rank` of a `world`-rank gloo group on loopback (no hostname
+    resolution), one thread per rank (two ranks on a 2-core runner)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+
+
 @torch.no_grad()
 def run_rank(rank: int, world: int, port: int, outdir: str, extended: bool = False) -> None:
     """The TP parity run of one rank. `extended` (the 4-rank test) adds a stream through the FP8 ring
     cache and the symmetric-memory code paths with gloo-emulated ops (reduce-scatter over 4 ranks,
     chunked GEMMs, FP8 arguments)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no hostname resolution needed
-    torch.set_num_threads(1)  # two ranks on a 2-core runner
+    gloo_env(rank, world, port)
 
     from cadence.config import get_preset
     from cadence.model.weights import build_model
@@ -259,11 +265,7 @@ def run_fused_rank(rank: int, world: int, port: int, outdir: str) -> None:
     warning line), and a sequence of token counts through a TP model with comm="auto" vs TP=1."""
     import logging
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
+    gloo_env(rank, world, port)
 
     from cadence.config import get_preset
     from cadence.model.weights import build_model
@@ -359,23 +361,20 @@ if __name__ == "__main__":
 def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
     """tests/test_agree.py: the start-up decisions that every rank of a group must take together.
 
-    ``all_ranks_ok`` (MIN of a flag), ``agreeing_capture`` with an injected capture that fails on rank 1
-    only, and ``Engine.warm_up`` on a TP engine whose chunk times (faked) are slow on rank 1 only: every
-    rank must run the second warm-up session, or a real group's collectives would not meet."""
+    ``all_ranks_ok`` (MIN of a flag; agreeing_capture on top of it is tests/test_step_graphs.py's), and
+    ``Engine.warm_up`` on a TP engine whose chunk times (faked) are slow on rank 1 only: every rank must
+    run the second warm-up session, or a real group's collectives would not meet. Then the teardown
+    order of ``destroy_tp``."""
     import json
     import time
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
+    gloo_env(rank, world, port)
 
     from cadence.media.image import default_reference_image
     from cadence.parallel import destroy_tp, init_tp
-    from cadence.parallel.graphs import CaptureDisagreement, agreeing_capture, all_ranks_ok
+    from cadence.parallel.graphs import all_ranks_ok
     from cadence.serve.worker import Engine
 
     info = init_tp(backend="gloo")
@@ -383,25 +382,6 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
     try:
         res["all_true"] = all_ranks_ok(True, info.group)
         res["one_false"] = all_ranks_ok(rank == 0, info.group)
-
-        class Handle:
-            resets = 0
-
-            def reset(self):
-                Handle.resets += 1
-
-        def capture(fn):
-            if rank == 1:
-                raise RuntimeError("capture failed\nsecond line")
-            return Handle()
-
-        try:
-            agreeing_capture(info.group, capture=capture)(lambda: None)
-            res["capture"] = "returned"
-        except CaptureDisagreement as e:
-            res["capture"] = str(e)
-        res["resets"] = Handle.resets
-        res["both_ok"] = type(agreeing_capture(info.group, capture=lambda fn: Handle())(lambda: None)).__name__
 
         eng = Engine("tiny", "cpu", options={"overrides": {"model": {"num_layers": 1}}}, tp=info)
         w = eng.cfg.stream.window_chunks
