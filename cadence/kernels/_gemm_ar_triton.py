@@ -100,6 +100,29 @@ def _raise(flag_peer, pend):
 
 
 @triton.jit
+def _tile_raising(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, tm, tn, M, N, K, sam, sbn, flag_peer, pend,
+                  FP8: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                  FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Tile (tm, tn) in float32 (rowwise FP8 scales applied), raising the peer's flag ``pend`` FLUSH
+    eighths into its K loop (8: after it): late enough for the previous tile's remote stores to have
+    landed, early enough not to hold the peer up a whole tile. Returns acc, rows, cols and their masks."""
+    k1 = ((K // BK) * FLUSH // 8) * BK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, 0, k1, sam, sbn, UPCAST, EVEN_K, TMA, BM, BN, BK)
+    _raise(flag_peer, pend)
+    acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k1, K, sam, sbn, UPCAST, EVEN_K, TMA, BM, BN, BK)
+    rm = tm * BM + tl.arange(0, BM)
+    rn = tn * BN + tl.arange(0, BN)
+    mm = rm < M
+    nm = rn < N
+    if FP8:  # rowwise scales: activations per token, weights per output channel
+        sa = tl.load(sa_ptr + rm, mask=mm, other=0.0)
+        sb = tl.load(sb_ptr + rn, mask=nm, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    return acc, rm, rn, mm, nm
+
+
+@triton.jit
 def _wait_and_consume(flag_ptr):
     while tl.atomic_cas(flag_ptr, 1, 0, sem="acquire", scope="sys") != 1:
         pass
@@ -143,23 +166,9 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
             else:
                 t = _nth_tile(pos - n_peer, rank, T)
             tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
-            # the previous tile's flag goes up FLUSH eighths into this tile's K loop: late enough for
-            # its stores to have landed, early enough not to hold the peer up a whole tile
-            k1 = ((K // BK) * FLUSH // 8) * BK
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, 0, k1, sam, sbn,
-                       UPCAST, EVEN_K, TMA, BM, BN, BK)
-            _raise(flag_peer, pend)
-            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k1, K, sam, sbn,
-                       UPCAST, EVEN_K, TMA, BM, BN, BK)
-            rm = tm * BM + tl.arange(0, BM)
-            rn = tn * BN + tl.arange(0, BN)
-            mm = rm < M
-            nm = rn < N
-            if FP8:  # rowwise scales: activations per token, weights per output channel
-                sa = tl.load(sa_ptr + rm, mask=mm, other=0.0)
-                sb = tl.load(sb_ptr + rn, mask=nm, other=0.0)
-                acc = acc * sa[:, None] * sb[None, :]
+            acc, rm, rn, mm, nm = _tile_raising(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, tm, tn, M, N, K,
+                                                sam, sbn, flag_peer, pend, FP8, UPCAST, EVEN_K, TMA, FLUSH,
+                                                BM, BN, BK)
             offs = rm[:, None].to(tl.int64) * N + rn[None, :]
             msk = mm[:, None] & nm[None, :]
             pend = pend * 0 - 1
@@ -248,25 +257,13 @@ def gemm_ar_both_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, part_local, part_
         prev = t * 0 - 1  # tile whose sum is still to do (PHASE 0)
         while t < T:
             tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
-            k1 = ((K // BK) * FLUSH // 8) * BK
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, 0, k1, sam, sbn,
-                       UPCAST, EVEN_K, TMA, BM, BN, BK)
-            _raise(flag_peer, pend)
+            acc, rm, rn, mm, nm = _tile_raising(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, tm, tn, M, N, K,
+                                                sam, sbn, flag_peer, pend, FP8, UPCAST, EVEN_K, TMA, FLUSH,
+                                                BM, BN, BK)
             pend = pend * 0 - 1
-            acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k1, K, sam, sbn,
-                       UPCAST, EVEN_K, TMA, BM, BN, BK)
-            if prev >= 0:
+            if prev >= 0:  # after raising: a program that waits holds no unraised flag
                 _sum_tile(prev, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n, UPCAST, BM, BN, GROUP_M)
                 prev = prev * 0 - 1
-            rm = tm * BM + tl.arange(0, BM)
-            rn = tn * BN + tl.arange(0, BN)
-            mm = rm < M
-            nm = rn < N
-            if FP8:
-                sa = tl.load(sa_ptr + rm, mask=mm, other=0.0)
-                sb = tl.load(sb_ptr + rn, mask=nm, other=0.0)
-                acc = acc * sa[:, None] * sb[None, :]
             offs = rm[:, None].to(tl.int64) * N + rn[None, :]
             msk = mm[:, None] & nm[None, :]
             mine = _cast(acc, out_ptr.dtype.element_ty, UPCAST)
