@@ -635,7 +635,9 @@ class _TileState:
             buf = sm.empty(numel, dtype=dt, device=device)
             if zero:
                 buf.zero_()
-                torch.cuda.synchronize(device)  # zero before any peer can write (rendezvous is the barrier)
+                # once per buffer set (its first call: warm-up, never a captured step): the zeros must be
+                # in memory before any peer can write a flag, and the rendezvous below is the barrier
+                torch.cuda.synchronize(device)
             hdl = sm.rendezvous(buf, gname)
             return buf, hdl.get_buffer(peer, (numel,), dt, 0)
 
