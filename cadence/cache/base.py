@@ -14,8 +14,24 @@ host-side bookkeeping only (Python ints, no device reads), so the step stays fre
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What of a cache's state decides the shapes (and addresses) a chunk step launches with: the part
+    of a step's key (``cadence.runtime.graphs.StepKey``) that the cache owns.
+
+    ``kind`` names the storage ("ring-bf16", "ring-fp8", "naive", ...); ``filled`` is true when the
+    window is full (steady state); ``fill`` is how many chunks a query sees while it fills (each stage
+    has its own shapes), ``window`` once full. A cache that reads its fill level on the device reports
+    every chunk step as steady (one shape for the whole stream)."""
+
+    kind: str
+    filled: bool
+    fill: int
 
 
 class SelfAttentionCache(ABC):
@@ -34,3 +50,9 @@ class SelfAttentionCache(ABC):
     def reset(self) -> None:
         """Forget everything (new session)."""
         raise NotImplementedError
+
+    def step_shape(self) -> CacheShape:
+        """The shape-relevant state of the chunk ``begin_chunk`` placed (see :class:`CacheShape`). The
+        default: a cache whose shapes change from step to step in ways it does not describe (never
+        captured: its kind is its class name and it is never 'filled')."""
+        return CacheShape(type(self).__name__, False, 0)

@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from cadence.cache.base import SelfAttentionCache
+from cadence.cache.base import CacheShape, SelfAttentionCache
 from cadence.model.attention import attention
 from cadence.model.rope import Rope3D, apply_rope
 from cadence.telemetry.spans import region
@@ -98,6 +98,10 @@ class NaiveCache(SelfAttentionCache):
             elif self.window_chunks > 1:
                 self.past[layer].append((k, v, start, nf))
         return out
+
+    def step_shape(self) -> CacheShape:
+        """Never steady: the visible K/V are re-concatenated every call (nothing to capture)."""
+        return CacheShape("naive", False, 0)
 
     def memory_bytes(self) -> int:
         n = 0

@@ -55,7 +55,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from cadence.cache.base import SelfAttentionCache
+from cadence.cache.base import CacheShape, SelfAttentionCache
 from cadence.kernels import ring_attention as ra
 from cadence.model.rope import Rope3D
 from cadence.telemetry.spans import region
@@ -185,6 +185,15 @@ class RingCache(SelfAttentionCache):
         well as the steady ones (``cadence.runtime.graphs.step_key``). The bf16 path slices its SDPA
         prefix with a host int (``_n_visible``): each fill stage is its own shape there."""
         return self.storage == "fp8" and self.use_triton
+
+    def step_shape(self) -> CacheShape:
+        """The current chunk's shape state (after ``begin_chunk``): with the length read on the device
+        every chunk step is the steady one; otherwise each fill stage is its own shape."""
+        chunk = self.cur is not None and not self.cur[2]
+        if chunk and self.length_on_device:  # the fill stage is not part of the step's shape
+            return CacheShape(f"ring-{self.storage}", True, self.window_chunks)
+        return CacheShape(f"ring-{self.storage}", chunk and self._chunks >= self.window_chunks,
+                          min(self._chunks, self.window_chunks))
 
     def _n_visible(self) -> int:
         return self.sink_tokens if self.cur[2] else self.sink_tokens + min(self._chunks, self.window_chunks) * \

@@ -100,27 +100,16 @@ def filling_shares_steady_graph(session) -> bool:
 
 def step_key(session, inp) -> StepKey:
     """The key of the step `session` is about to run with inputs `inp` (after ``prepare_step``)."""
-    from cadence.cache.ring import RingCache
-
-    cache, cfg = session.cache, session.cfg
-    if isinstance(cache, RingCache):
-        kind = f"ring-{cache.storage}"
-        chunk = cache.cur is not None and not cache.cur[2]
-        if chunk and cache.length_on_device:  # the fill stage is not part of the step's shape
-            filled, fill = True, cache.window_chunks
-        else:
-            filled = chunk and cache._chunks >= cache.window_chunks
-            fill = min(cache._chunks, cache.window_chunks)
-    else:
-        kind = "naive" if type(cache).__name__ == "NaiveCache" else type(cache).__name__
-        filled, fill = False, 0
+    cfg = session.cfg
+    shape = session.cache.step_shape()
+    kind, filled, fill = shape.kind, shape.filled, shape.fill
     text_len = int(session.text.kv[0][0].shape[1]) if session.text.kv else 0
     return StepKey(
         device=str(inp.noise.device), dtype=str(session.model.dtype).replace("torch.", ""),
         latent_shape=tuple(inp.noise.shape), tokens_per_chunk=cfg.tokens_per_chunk, text_len=text_len,
         audio_shape=tuple(inp.audio.shape) if inp.audio is not None else None, cache=kind,
         window_chunks=cfg.stream.window_chunks, filled=filled, fill=fill, commit=cfg.stream.commit,
-        passes=session.gen.schedule.passes, sampler=session.gen.schedule.rule, cache_id=id(cache))
+        passes=session.gen.schedule.passes, sampler=session.gen.schedule.rule, cache_id=id(session.cache))
 
 
 class _CudaGraph:
