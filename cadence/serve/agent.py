@@ -11,8 +11,8 @@ Each segment's first sample carries the host time (``time.monotonic()``) at whic
 Built-ins:
 
 * ``mirror``: the user's own voice drives the mouth (microphone audio in = speech out).
-* ``say``: typed text becomes speech through Debian's ``espeak-ng`` (a subprocess writing WAV to
-  stdout), resampled to 48 kHz; the microphone is ignored.
+* ``say``: typed text becomes speech through Debian's ``espeak-ng`` (a subprocess reading the text on
+  stdin, never as an argument, and writing WAV to stdout), resampled to 48 kHz; the microphone is ignored.
 """
 
 from __future__ import annotations
@@ -234,7 +234,11 @@ class TTSUnavailable(RuntimeError):
 
 
 def synthesize(text: str, voice: str = "en", speed: int = 160, timeout: float = 20.0) -> np.ndarray:
-    """``text`` -> float32 mono 48 kHz through ``espeak-ng --stdout`` (WAV) and PyAV's resampler."""
+    """``text`` -> float32 mono 48 kHz through ``espeak-ng --stdout --stdin`` (WAV) and PyAV's resampler.
+
+    The user's text reaches espeak-ng only as its standard input, so nothing in it can act as an option
+    (``-f FILE`` would read a file of the server's). ``voice`` and ``speed`` are the server's own.
+    ``InputError`` for empty, too long, NUL-carrying or unencodable text."""
     text = " ".join(str(text).split())
     if not text:
         raise InputError("text to say is empty")
@@ -244,9 +248,17 @@ def synthesize(text: str, voice: str = "en", speed: int = 160, timeout: float = 
     if exe is None:
         raise TTSUnavailable("the 'say' agent needs espeak-ng, which is not installed on the server "
                              "(Debian: apt-get install espeak-ng)")
+    if "\0" in text:
+        raise InputError("text to say contains a NUL character")
     try:
-        out = subprocess.run([exe, "-v", voice, "-s", str(speed), "--stdout", text], capture_output=True,
-                             timeout=timeout, check=False)
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError("text to say is not valid Unicode (a lone surrogate?)") from None
+    try:
+        # The text goes in on stdin, never on the command line: argv is espeak-ng's option space, and text
+        # such as "-f/etc/shadow" there would be an option (read that file and say it).
+        out = subprocess.run([exe, "-v", voice, "-s", str(int(speed)), "--stdout", "--stdin"], input=data,
+                             capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise TTSUnavailable(f"espeak-ng did not finish within {timeout:.0f} s") from None
     if out.returncode != 0 or not out.stdout:
