@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from cadence.cache.full import block_causal_mask
+from cadence.model.full import block_causal_mask
 from cadence.cache.naive import NaiveCache
 from cadence.config import get_preset
 from cadence.model.weights import build_model, load_state_dict_into, load_weights

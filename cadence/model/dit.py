@@ -2,7 +2,7 @@
 
 Plain PyTorch. Block forwards are the math; modulation fields are named. Self-attention goes
 through a cache object (``cadence.cache``): chunked generation uses a real K/V cache, the
-reference forward over a whole sequence uses :class:`cadence.cache.full.FullSequence`.
+reference forward over a whole sequence uses :class:`cadence.model.full.FullSequence`.
 
 Per block (Wan 2.1, adaLN with six modulation vectors, computed in float32)::
 
@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from cadence.config import CadenceConfig, ModelConfig
 from cadence.model.attention import attention
+from cadence.model.full import FullSequence
 from cadence.model.layers import MLP2, PLAIN_OPS, LayerNorm32, Linear, RMSNorm, timestep_embedding
 from cadence.model.rope import Rope3D
 
@@ -257,8 +258,6 @@ class WanDiT(nn.Module):
         (integers; repeats allowed: training lays a noisy copy of a chunk at its clean copy's position).
         Returns [B, C, F, H, W].
         """
-        from cadence.cache.full import FullSequence  # the model package does not depend on caches
-
         b, c, f, h, w = x.shape
         pt, ph, pw = self.mcfg.patch
         tokens = self.patch_embed(self.patchify(x.to(self.dtype)))

@@ -1,5 +1,8 @@
 """A "cache" that is no cache: one forward over a whole sequence with an optional mask.
 
+It lives in ``model/`` (not ``cache/``) because the model's own reference forward (``WanDiT.forward_full``)
+uses it and the model package imports nothing above itself.
+
 Used for the bidirectional single-chunk forward (parity with diffusers) and for the reference
 forward with an explicit block-causal mask that chunked generation must reproduce.
 """
