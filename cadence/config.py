@@ -74,7 +74,24 @@ class ModelConfig:
     weights: str | None = None
     """A safetensors file (or a folder of them) with the transformer's weights, loaded by
     ``build_generator``; ``package:<path>`` is relative to the installed ``cadence`` package. None =
-    random weights (benchmarks)."""
+    random weights (benchmarks). A model family's own file (a Self-Forcing ``.pt``, Krea's safetensors)
+    loads through ``cadence.model.weights.load_family_weights`` (see ``family``)."""
+    family: str | None = None
+    """The model family (``cadence.model.families``: 'self-forcing', 'causvid', 'longlive', 'krea-14b')
+    this configuration was built for, or None for Cadence's own presets. Names the checkpoint format that
+    ``weights`` is read in, and lets the loader refuse a checkpoint of another family."""
+    time_embed_fp64: bool = False
+    """Compute the sinusoidal timestep embedding in float64 before the timestep MLP, as the original Wan
+    code (and every family built on it) does; False computes it in float32, as diffusers does (the
+    angles t * freq at t ~ 1000 round differently: on the Self-Forcing fixture the output is 1.5e-7 from
+    the reference with it, 4.6e-7 without)."""
+    text_encoder: str | None = None
+    """The prompt encoder's weights: a local folder holding a ``transformers`` ``UMT5EncoderModel``
+    (config.json + safetensors, tokenizer files beside them or in ``text_tokenizer``), or Wan's original
+    ``models_t5_umt5-xxl-enc-bf16.pth``. None = the byte-level stand-in (``cadence.model.text``)."""
+    text_tokenizer: str | None = None
+    """A local folder with the umT5 tokenizer (Wan ships it as ``google/umt5-xxl/``); None = the
+    ``text_encoder`` folder itself."""
 
     @property
     def rope_split(self) -> tuple[int, int, int]:
@@ -150,6 +167,23 @@ class StreamConfig:
     """Follow policy: frames between the sink and the current chunk's first frame; 0 = sink_frames +
     (window_chunks - 1) * latent_frames_per_chunk, right before the window (the geometry of chunk
     window-1)."""
+    warp_denoising_step: bool = True
+    """True: pass i runs at the shifted timestep 1000 * shift(t_i / 1000) and that is its noise level
+    (Self-Forcing's ``warp_denoising_step``; what Cadence always did). False: the model sees t_i as
+    listed and its noise level is t_i / 1000, looked up on the shifted table when ``timestep_table`` is
+    set (CausVid), so the shift only shapes that table."""
+    timestep_table: int = 0
+    """0: noise levels computed in closed form from ``timesteps`` and ``shift``. N > 0: taken from the
+    N-step shifted flow-matching training table (float32, ``sigma = shift(1 - k/N)``, k = 0..N-1,
+    zero-padded) by nearest timestep, exactly as the Self-Forcing family's scheduler does (N = 1000);
+    a listed timestep of 0 then means one last pass at t=0."""
+    context_noise: float = 0.0
+    """Model timestep (0..1000) of the 'clean_pass' commit: the denoised chunk is run once more at this
+    timestep to write its K/V (Self-Forcing's ``context_noise``; 0 = clean)."""
+    frame_sink_chunks: int = 0
+    """The first k generated chunks stay in the cache for the whole stream at their own positions, next
+    to the last ``window_chunks`` chunks (LongLive's frame sink: ``sink_size`` = k x frames per chunk,
+    ``local_attn_size`` = (k + window_chunks) x frames per chunk). 0 = none."""
 
 
 @dataclass(frozen=True)
@@ -212,8 +246,8 @@ class CadenceConfig:
 
     @property
     def kv_tokens(self) -> int:
-        """Keys a query sees in steady state: sink + full window (current chunk included)."""
-        return self.sink_tokens + self.stream.window_chunks * self.tokens_per_chunk
+        """Keys a query sees in steady state: sink + frame sink + full window (current chunk included)."""
+        return self.sink_tokens + (self.stream.frame_sink_chunks + self.stream.window_chunks) * self.tokens_per_chunk
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:
@@ -266,9 +300,21 @@ class CadenceConfig:
                         f"({m.patch[0]})")
         if s.passes <= 0 or len(s.timesteps) != s.passes:
             errs.append(f"passes ({s.passes}) must be positive and equal len(timesteps) ({len(s.timesteps)})")
-        if any(not (0.0 < t <= 1000.0) for t in s.timesteps) or list(s.timesteps) != sorted(
-                s.timesteps, reverse=True):
-            errs.append(f"timesteps {s.timesteps} must be decreasing values in (0, 1000]")
+        lo_ok = (lambda t: t >= 0.0) if s.timestep_table else (lambda t: t > 0.0)
+        if any(not (lo_ok(t) and t <= 1000.0) for t in s.timesteps) or list(s.timesteps) != sorted(
+                set(s.timesteps), reverse=True):
+            errs.append(f"timesteps {s.timesteps} must be decreasing values in "
+                        f"{'[0' if s.timestep_table else '(0'}, 1000]")
+        if s.timestep_table < 0:
+            errs.append(f"timestep_table must be >= 0, got {s.timestep_table}")
+        elif s.timestep_table and s.warp_denoising_step and any(
+                float(t) != int(t) or int(t) > s.timestep_table for t in s.timesteps):
+            errs.append(f"warped timesteps {s.timesteps} index the {s.timestep_table}-step table: they must be "
+                        f"whole numbers <= {s.timestep_table}")
+        if not (0.0 <= s.context_noise <= 1000.0):
+            errs.append(f"context_noise must be in [0, 1000], got {s.context_noise}")
+        if s.frame_sink_chunks < 0:
+            errs.append(f"frame_sink_chunks must be >= 0, got {s.frame_sink_chunks}")
         if s.shift <= 0:
             errs.append(f"shift must be positive, got {s.shift}")
         if s.sampler not in ("euler", "renoise"):

@@ -207,7 +207,7 @@ class WanDiT(nn.Module):
 
     def time_embedding(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """t [B] or [B, N] (0..1000) -> temb [.., dim] and its 6-way projection [.., 6, dim] (float32)."""
-        temb = self.time_embed(timestep_embedding(t, self.mcfg.freq_dim))
+        temb = self.time_embed(timestep_embedding(t, self.mcfg.freq_dim, fp64=self.mcfg.time_embed_fp64))
         proj = self.time_proj(torch.nn.functional.silu(temb))
         return temb, proj.unflatten(-1, (6, -1))
 

@@ -122,9 +122,16 @@ class MLP2(nn.Module):
         return self.fc2(h)
 
 
-def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0) -> torch.Tensor:
-    """Sinusoidal embedding [..., dim] of (fractional) timesteps, cos first (Wan / diffusers order)."""
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0, fp64: bool = False) -> torch.Tensor:
+    """Sinusoidal embedding [..., dim] of (fractional) timesteps, cos first (Wan / diffusers order).
+
+    float32 as diffusers computes it, or (``fp64``) in float64 as the original Wan code does
+    (``max_period ** (-i / half)``), returned as float32 either way."""
     half = dim // 2
+    if fp64:
+        i = torch.arange(half, dtype=torch.float64, device=t.device)
+        args = t.double()[..., None] * torch.pow(max_period, -i.div(half))
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1).float()
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     args = t.float()[..., None] * freqs
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)

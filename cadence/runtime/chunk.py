@@ -17,10 +17,12 @@ def denoise_chunk(model: WanDiT, cache, schedule: Schedule, commit: str, noise: 
                   renoise: torch.Tensor | None = None) -> torch.Tensor:
     """Run the passes of one chunk whose position the cache already knows (``begin_chunk``).
 
-    noise [C, F, h, w] float32 is the starting latent; timesteps [passes + 1] a device tensor of
-    model timesteps (the last is 0, used by the clean pass); renoise [passes - 1, C, F, h, w] fresh
-    noise for the 'renoise' rule. `commit` is 'last_pass' (K/V written during the last pass) or
-    'clean_pass' (an extra pass at t=0 on the result writes them). Returns the clean latent (float32).
+    noise [C, F, h, w] float32 is the starting latent; timesteps a device tensor of model timesteps:
+    the passes', then (index ``passes``) the clean commit pass's (``Schedule.device_timesteps``: the
+    family's ``context_noise``, else 0); renoise [passes - 1, C, F, h, w] fresh noise for the 'renoise'
+    rule. `commit` is 'last_pass' (K/V written during the last pass) or 'clean_pass' (an extra pass on
+    the denoised result writes them, as the Self-Forcing family does). Returns the clean latent
+    (float32).
     """
     x = noise
     last = schedule.passes - 1
@@ -28,5 +30,6 @@ def denoise_chunk(model: WanDiT, cache, schedule: Schedule, commit: str, noise: 
         v = model.forward_chunk(x, timesteps[i:i + 1], text, audio, cache, commit=(commit == "last_pass" and i == last))
         x = schedule.step(x, v, i, renoise[i] if renoise is not None and i < last else None)
     if commit == "clean_pass":
-        model.forward_chunk(x, timesteps[-1:], text, audio, cache, commit=True)
+        n = schedule.passes
+        model.forward_chunk(x, timesteps[n:n + 1], text, audio, cache, commit=True)
     return x
