@@ -11,6 +11,12 @@ sink_frames + i * frames_per_chunk onwards; with ``sink_policy="follow"`` the si
 at read time like every key here, ``sink_distance`` frames before the current chunk once the stream
 is long enough (the ring cache's policy; see ``cadence/cache/ring.py``). Everything indexed on the device is built with
 ``arange`` from Python ints: no host syncs.
+
+A frame sink (``frame_sink_chunks = k``, LongLive): the first k generated chunks are kept for the whole
+stream at their own positions, beside the window of the last ``window_chunks`` chunks, so chunk c sees
+the image sink, chunks 0..k-1 and chunks c-W+1..c (each once); the Self-Forcing family's rolling cache
+(``local_attn_size`` = (k + W) x frames per chunk, ``sink_size`` = k x frames per chunk) gives exactly
+this visible set.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ class NaiveCache(SelfAttentionCache):
 
     def __init__(self, num_layers: int, window_chunks: int, grid: tuple[int, int], rope: Rope3D,
                  device: torch.device | str, fp8: bool = False, sink_policy: str = "absolute",
-                 sink_distance: int = 0):
+                 sink_distance: int = 0, frame_sink_chunks: int = 0):
+        self.frame_sink_chunks = frame_sink_chunks
         self.sink_policy = sink_policy
         self.sink_distance = sink_distance
         self.num_layers = num_layers
@@ -52,12 +59,25 @@ class NaiveCache(SelfAttentionCache):
         self.fp8 = fp8
         self.reset()
 
+    @classmethod
+    def from_config(cls, cfg, model) -> "NaiveCache":
+        """The naive cache of a whole configuration (window, frame sink, FP8, sink policy)."""
+        s = cfg.stream
+        return cls(cfg.model.num_layers, s.window_chunks, cfg.token_grid, model.rope, model.device, fp8=s.kv_fp8,
+                   sink_policy=s.sink_policy, sink_distance=cfg.sink_distance, frame_sink_chunks=s.frame_sink_chunks)
+
     def reset(self) -> None:
         self.sink: list[tuple[torch.Tensor, torch.Tensor, int, int] | None] = [None] * self.num_layers
+        self.frame_sink: list[list] = [[] for _ in range(self.num_layers)]
         self.past: list[deque] = [deque(maxlen=max(self.window_chunks - 1, 0)) for _ in range(self.num_layers)]
         self.cur: tuple[int, int, bool] | None = None
+        self._chunk = -1  # index of the current generated chunk (host bookkeeping)
+        self._last_start: int | None = None
 
     def begin_chunk(self, frame_start: int, num_frames: int, sink: bool = False) -> None:
+        if not sink and frame_start != self._last_start:
+            self._last_start = frame_start
+            self._chunk += 1
         self.cur = (frame_start, num_frames, sink)
         frames = torch.arange(frame_start, frame_start + num_frames, device=self.device)
         self.cur_cos, self.cur_sin = self.rope.cos_sin(frames, *self.grid)
@@ -72,6 +92,7 @@ class NaiveCache(SelfAttentionCache):
             if self.sink_policy == "follow":  # re-rotated at read time like every other key
                 s0 = s0 + max(0, start - self.sink_distance - s0)
             out.append((k, v, s0, n))
+        out.extend(self.frame_sink[layer])
         if self.window_chunks > 1:
             out.extend(self.past[layer])
         return out
@@ -95,6 +116,9 @@ class NaiveCache(SelfAttentionCache):
                 k, v = k.contiguous(), v.contiguous()
             if is_sink:
                 self.sink[layer] = (k, v, start, nf)
+            elif self._chunk < self.frame_sink_chunks:  # kept for the whole stream (a re-commit replaces)
+                del self.frame_sink[layer][self._chunk:]
+                self.frame_sink[layer].append((k, v, start, nf))
             elif self.window_chunks > 1:
                 self.past[layer].append((k, v, start, nf))
         return out
@@ -106,6 +130,7 @@ class NaiveCache(SelfAttentionCache):
     def memory_bytes(self) -> int:
         n = 0
         for layer in range(self.num_layers):
-            for e in ([self.sink[layer]] if self.sink[layer] is not None else []) + list(self.past[layer]):
+            for e in (([self.sink[layer]] if self.sink[layer] is not None else []) + self.frame_sink[layer]
+                      + list(self.past[layer])):
                 n += e[0].numel() * e[0].element_size() + e[1].numel() * e[1].element_size()
         return n

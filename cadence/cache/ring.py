@@ -7,8 +7,10 @@ Storage, per layer (one allocation per tensor for all layers, made once)::
     VT      [L, H, D, N]     values transposed (FP8 storage: the token axis is the contraction axis of
                              P @ V, and Hopper's FP8 MMA wants it contiguous)
     scales  [L, H, N]        float32, FP8 storage only: one per (token, head), value = stored * scale
-    rows    [0, S)           the sink (reference image); then ring slot s at S + s*T ... S + (s+1)*T;
-                             N = S + W*T rounded up to 128 (16-byte aligned TMA rows); pad never read
+    rows    [0, S)           the sink (reference image); then k frame-sink slots (LongLive's frame
+                             sink: the stream's first k chunks, written once, kept); then ring slot s
+                             at S + (k+s)*T ... S + (k+s+1)*T; N = S + (k+W)*T rounded up to 128
+                             (16-byte aligned TMA rows); pad never read
 
 * ``dtype="bf16"`` stores in the model dtype and attends with torch SDPA (cuDNN on the GPU) over a
   prefix *view* of the buffer; ``dtype="fp8"`` stores e4m3 with per-(token, head) scales (amax/448,
@@ -30,6 +32,11 @@ Storage, per layer (one allocation per tensor for all layers, made once)::
 * **No host syncs.** The write slot, its first row and the valid length are device tensors advanced
   on the device in ``begin_chunk``; RoPE tables of the current chunk live in static buffers updated
   in place. Python ints are host bookkeeping only (the bf16 path slices its prefix view with one).
+
+Frame sink (``frame_sink_chunks`` = k, 0 by default): chunks 0..k-1 of a stream write their own slots
+after the image sink instead of the ring, and chunk c >= k writes ring slot (c - k) mod W. Slots still
+fill in order, so what a chunk sees (the image sink, the frame sink, the last W chunks) is still a
+prefix of the buffer: the same single softmax, the same device-side length.
 
 Long streams: the sink policy. Absolute frame positions grow without bound (6 latent frames per
 second), while the sink was written at frames 0..sink_frames-1, so with absolute positions the sink
@@ -97,11 +104,15 @@ class RingCache(SelfAttentionCache):
     def __init__(self, num_layers: int, window_chunks: int, grid: tuple[int, int], rope: Rope3D,
                  device: torch.device | str, heads: int, head_dim: int, frames_per_chunk: int,
                  sink_frames: int, model_dtype: torch.dtype = torch.bfloat16, dtype: str = "bf16",
-                 sink_policy: str = "follow", sink_distance: int | None = None, use_triton: bool | None = None):
+                 sink_policy: str = "follow", sink_distance: int | None = None, use_triton: bool | None = None,
+                 frame_sink_chunks: int = 0):
         if dtype not in STORAGE:
             raise ValueError(f"dtype must be one of {STORAGE}, got {dtype!r}")
         if sink_policy not in SINK_POLICIES:
             raise ValueError(f"sink_policy must be one of {SINK_POLICIES}, got {sink_policy!r}")
+        if frame_sink_chunks < 0:
+            raise ValueError(f"frame_sink_chunks must be >= 0, got {frame_sink_chunks}")
+        self.frame_sink_chunks = frame_sink_chunks
         if window_chunks < 1 or frames_per_chunk < 1 or sink_frames < 0:
             raise ValueError(f"need window_chunks >= 1 ({window_chunks}), frames_per_chunk >= 1 "
                              f"({frames_per_chunk}), sink_frames >= 0 ({sink_frames})")
@@ -115,7 +126,7 @@ class RingCache(SelfAttentionCache):
         tpf = grid[0] * grid[1]
         self.tokens_per_chunk = T = tpf * frames_per_chunk
         self.sink_tokens = S = tpf * sink_frames
-        self.rows = S + window_chunks * T
+        self.rows = S + (frame_sink_chunks + window_chunks) * T
         fp8 = dtype == "fp8"
         # FP8: rows padded to 128 (the transposed V's TMA rows must be 16-byte aligned); bf16: exact,
         # so that the steady-state prefix is the whole buffer, contiguous, as cuDNN SDPA wants it
@@ -162,7 +173,7 @@ class RingCache(SelfAttentionCache):
         return cls(m.num_layers, s.window_chunks, cfg.token_grid, model.rope, model.device, heads,
                    m.head_dim, s.latent_frames_per_chunk // m.patch[0], s.sink_frames // m.patch[0],
                    model_dtype=model.dtype, dtype=dtype, sink_policy=sink_policy, sink_distance=sink_distance,
-                   use_triton=use_triton)
+                   use_triton=use_triton, frame_sink_chunks=getattr(s, "frame_sink_chunks", 0))
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -192,12 +203,14 @@ class RingCache(SelfAttentionCache):
         chunk = self.cur is not None and not self.cur[2]
         if chunk and self.length_on_device:  # the fill stage is not part of the step's shape
             return CacheShape(f"ring-{self.storage}", True, self.window_chunks)
-        return CacheShape(f"ring-{self.storage}", chunk and self._chunks >= self.window_chunks,
-                          min(self._chunks, self.window_chunks))
+        full = self.frame_sink_chunks + self.window_chunks
+        return CacheShape(f"ring-{self.storage}", chunk and self._chunks >= full, min(self._chunks, full))
 
     def _n_visible(self) -> int:
-        return self.sink_tokens if self.cur[2] else self.sink_tokens + min(self._chunks, self.window_chunks) * \
-            self.tokens_per_chunk
+        if self.cur[2]:
+            return self.sink_tokens
+        k, n = self.frame_sink_chunks, self._chunks
+        return self.sink_tokens + (min(n, k) + min(max(n - k, 0), self.window_chunks)) * self.tokens_per_chunk
 
     def begin_chunk(self, frame_start: int, num_frames: int, sink: bool = False) -> None:
         """Host ints in, device work out (no device->host read). A new chunk advances the write slot
@@ -224,8 +237,13 @@ class RingCache(SelfAttentionCache):
             if frame_start != self._last_start:
                 self._last_start = frame_start
                 self._chunks += 1
-                self.slot.add_(1).remainder_(self.window_chunks)
-                torch.add(self.slot * self.tokens_per_chunk, self.sink_tokens, out=self.row0)
+                k = self.frame_sink_chunks
+                if self._chunks <= k:  # a frame-sink chunk: its own slot, kept for the stream
+                    self.row0.fill_(self.sink_tokens + (self._chunks - 1) * self.tokens_per_chunk)
+                else:
+                    self.slot.add_(1).remainder_(self.window_chunks)
+                    torch.add(self.slot * self.tokens_per_chunk, self.sink_tokens + k * self.tokens_per_chunk,
+                              out=self.row0)
                 torch.add(self._arange_t, self.row0, out=self.write_rows)
                 self.n_valid.fill_(self._n_visible())
             if self.sink_raw is not None and self._has_sink:
