@@ -9,6 +9,14 @@ ready on one H200 in seconds, never built on the CPU first.
 original Wan names, or Cadence's own, maps them onto Cadence's modules (q/k/v fused into one
 matrix, the patch convolution flattened into a linear) and fails with a message that lists
 missing and unexpected keys and shape mismatches.
+
+``load_family_weights`` reads a model family's own file (``cadence.model.families``): a Self-Forcing /
+CausVid / LongLive ``.pt`` (a dict whose ``generator`` / ``generator_ema`` entry is the diffusion
+wrapper's state dict: Wan's names under ``model.``, FSDP's ``_fsdp_wrapped_module.`` stripped), Krea's
+safetensors (the same names), with a family's LoRA merged into the weights at load
+(W + alpha/rank * B @ A). A file that is not the family's format fails before anything is loaded, with
+one message naming the file, the family expected, what the file holds and which family it looks like.
+``.pt`` files are read with ``weights_only=True`` (no code runs from a checkpoint).
 """
 
 from __future__ import annotations
@@ -121,7 +129,7 @@ def detect_format(keys) -> str:
     keys = set(keys)
     if any(k.startswith("condition_embedder.") or ".attn1." in k for k in keys):
         return "diffusers"
-    if any(k.startswith(("time_projection.", "text_embedding.", "head.head.")) for k in keys):
+    if any(k.startswith(("time_projection.", "text_embedding.", "head.head.", "patch_embedding.")) for k in keys):
         return "wan"
     return "cadence"
 
@@ -219,10 +227,19 @@ def load_state_dict_into(model: WanDiT, sd: Mapping[str, torch.Tensor], fmt: str
 
 
 def load_weights(model: WanDiT, path: str | Path, fmt: str | None = None, allow_missing_audio: bool = True) -> dict:
-    """Load one safetensors file, or a directory of them (sharded checkpoints), into `model`."""
+    """Load one safetensors file, or a directory of them (sharded checkpoints), into `model`. A model
+    whose configuration names a family (``ModelConfig.family``) reads the family's own format
+    (:func:`load_family_weights`)."""
+    family = getattr(model.cfg.model, "family", None)
+    if family and fmt is None:
+        return load_family_weights(model, path, family)
+    path = Path(path)
+    return load_state_dict_into(model, _read_safetensors(path), fmt, allow_missing_audio)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise WeightsError(f"no safetensors checkpoint at {path}")
@@ -234,7 +251,236 @@ def load_weights(model: WanDiT, path: str | Path, fmt: str | None = None, allow_
                     sd[k] = fh.get_tensor(k)
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise WeightsError(f"cannot read checkpoint {f}: {e}") from None
-    return load_state_dict_into(model, sd, fmt, allow_missing_audio)
+    return sd
+
+
+# ---- model families' own files --------------------------------------------------------------------
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _kind(path: Path) -> str:
+    if path.is_dir():
+        return ".safetensors"
+    return ".pt" if path.suffix.lower() in PICKLE_SUFFIXES else path.suffix.lower() or "(no suffix)"
+
+
+def _read_any(path: Path) -> tuple[str, dict]:
+    """(kind, top-level object) of a checkpoint file: '.pt' -> the unpickled dict (tensors and plain
+    containers only), '.safetensors' (or a folder of them) -> the state dict."""
+    if not path.exists():
+        raise WeightsError(f"checkpoint {path} does not exist")
+    kind = _kind(path)
+    if kind == ".pt":
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # not a zip/pickle, or holds objects other than tensors and containers
+            raise WeightsError(f"cannot read checkpoint {path} as a torch file: {e}") from None
+        if not isinstance(obj, dict):
+            raise WeightsError(f"checkpoint {path} holds a {type(obj).__name__}, not a dict of state dicts")
+        return kind, obj
+    if kind == ".safetensors":
+        return kind, _read_safetensors(path)
+    raise WeightsError(f"checkpoint {path}: unknown file kind {kind!r} (expected .pt / .pth or .safetensors)")
+
+
+def _strip(key: str, prefixes: tuple[str, ...]) -> str:
+    for p in prefixes:
+        if p.startswith("_fsdp"):  # FSDP's wrapper may sit at any depth
+            key = key.replace(p, "")
+        elif key.startswith(p):
+            key = key[len(p):]
+    return key
+
+
+def describe_checkpoint(sd: Mapping[str, torch.Tensor]) -> dict:
+    """What a (prefix-stripped) transformer state dict is: its key names and geometry (for messages and
+    family detection): {names, dim, layers, in_channels, text_dim, ffn_dim}."""
+    names = detect_format(sd.keys())
+    out = {"names": names}
+    pe = {"wan": "patch_embedding.weight", "diffusers": "patch_embedding.weight", "cadence": "patch_embed.weight"}
+    w = sd.get(pe[names])
+    if w is not None:
+        out["dim"] = int(w.shape[0])
+        out["in_channels"] = int(w.shape[1]) if w.ndim == 5 else None
+    idx = [int(m.group(1)) for k in sd for m in [re.match(r"blocks\.(\d+)\.", k)] if m]
+    out["layers"] = max(idx) + 1 if idx else 0
+    ffn = {"wan": "blocks.0.ffn.0.weight", "diffusers": "blocks.0.ffn.net.0.proj.weight",
+           "cadence": "blocks.0.ffn.fc1.weight"}.get(names)
+    if ffn in sd:
+        out["ffn_dim"] = int(sd[ffn].shape[0])
+    return out
+
+
+def _geometry(d: dict) -> str:
+    return f"dim {d.get('dim')}, {d.get('layers')} layers, ffn {d.get('ffn_dim')}"
+
+
+def guess_family(kind: str, top_keys, desc: dict) -> list[str]:
+    """Families whose own file could be this one (kind, top-level keys of a '.pt', names and geometry at
+    the family's default size). The 1.3B ``.pt`` families share one format: they come back together."""
+    from cadence.model.families import family_config, list_families
+
+    out = []
+    for fam in list_families():
+        ck = fam.checkpoint
+        if kind not in ck.kinds or desc.get("names") != ck.names:
+            continue
+        if kind == ".pt" and ck.state_keys and not set(top_keys) & set(ck.state_keys + ((ck.ema_key,) if ck.ema_key
+                                                                                       else ())):
+            continue
+        m = family_config(fam.name).model
+        if desc.get("dim") == m.dim and desc.get("layers") == m.num_layers:
+            out.append(fam.name)
+    return out
+
+
+def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> dict[str, torch.Tensor]:
+    """The transformer state dict inside `family`'s own file at `path`, prefixes stripped (Wan's names),
+    without its LoRA. Raises :class:`WeightsError` naming the file and the family when the file is not
+    that family's format (wrong kind, no generator entry, other key names)."""
+    from cadence.model.families import get_family
+
+    fam = get_family(family)
+    ck = fam.checkpoint
+    path = Path(path)
+    kind, obj = _read_any(path)
+    where = f"checkpoint {path} (family {fam.name!r} expects {' or '.join(ck.kinds)}"
+    if ".pt" in ck.kinds and ck.state_keys:
+        where += f" with {' / '.join(ck.state_keys + ((ck.ema_key,) if ck.ema_key else ()))}"
+    where += ")"
+
+    def _fail(what: str, sd_for_guess: Mapping | None = None) -> WeightsError:
+        hint = ""
+        if sd_for_guess is not None:
+            desc = describe_checkpoint({_strip(k, ck.prefixes): v for k, v in sd_for_guess.items()
+                                        if isinstance(v, torch.Tensor)})
+            guess = [g for g in guess_family(kind, obj.keys() if kind == ".pt" else (), desc) if g != fam.name]
+            hint = f"; it holds {desc['names']} names, {_geometry(desc)}"
+            if guess:
+                hint += f": it looks like {' / '.join(guess)}"
+        return WeightsError(f"{where}: {what}{hint}")
+
+    if kind not in ck.kinds:
+        inner = obj
+        if kind == ".pt":
+            inner = next((obj[k] for k in ("generator", "generator_ema", "model") if isinstance(obj.get(k), dict)), obj)
+        raise _fail(f"it is a {kind} file", inner)
+    if kind == ".pt" and ck.state_keys:
+        keys = ((ck.ema_key,) if ema else ck.state_keys)
+        if ema and not ck.ema_key:
+            raise WeightsError(f"{where}: family {fam.name!r} has no EMA weights entry")
+        found = next((k for k in keys if isinstance(obj.get(k), dict)), None)
+        if found is None:
+            top = ", ".join(sorted(map(str, obj.keys()))[:8]) or "nothing"
+            lora_like = any(isinstance(v, dict) and any(".lora_" in kk for kk in v) for v in obj.values()) or any(
+                ".lora_" in str(k) for k in obj)
+            extra = " (this is a LoRA file: pass it as the LoRA)" if lora_like else ""
+            raise WeightsError(f"{where}: no {' / '.join(keys)} entry; its top-level keys are {top}{extra}")
+        raw = obj[found]
+    else:
+        raw = obj
+    sd = {_strip(k, ck.prefixes): v for k, v in raw.items()}
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise WeightsError(f"{where}: entries that are not tensors: {_summarise(bad)}")
+    names = detect_format(sd.keys())
+    if names != ck.names:
+        raise _fail(f"its keys are {names} names, not {ck.names} names (first keys: {_summarise(list(sd), 4)})", raw)
+    return sd
+
+
+def read_lora(path: str | Path, family: str) -> dict[str, torch.Tensor]:
+    """The LoRA state dict of `family` at `path` (a '.pt' holding it directly or under one of the
+    family's ``lora_keys``; safetensors as is)."""
+    from cadence.model.families import get_family
+
+    fam = get_family(family)
+    if not fam.checkpoint.lora_rank:
+        raise WeightsError(f"LoRA {path}: family {fam.name!r} has no LoRA")
+    kind, obj = _read_any(Path(path))
+    for k in fam.checkpoint.lora_keys:
+        if kind == ".pt" and isinstance(obj.get(k), dict):
+            obj = obj[k]
+            break
+    if not any(".lora_A" in str(k) for k in obj):
+        raise WeightsError(f"LoRA {path} (family {fam.name!r}): no lora_A / lora_B weights; its first keys are "
+                           f"{_summarise(list(map(str, obj)), 4)}")
+    return obj
+
+
+_LORA_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(.+)\.lora_([AB])(?:\.[A-Za-z_]+)?\.weight$")
+
+
+@torch.no_grad()
+def merge_lora(sd: dict[str, torch.Tensor], lora: Mapping[str, torch.Tensor], rank: int, alpha: float,
+               source: str = "LoRA") -> int:
+    """Merge a peft-style LoRA (``<module>.lora_A.weight`` [r, in] and ``<module>.lora_B.weight`` [out, r],
+    optionally under ``base_model.model.`` and with an adapter name) into the Wan-named weights `sd` in
+    place: W += (alpha / rank) * B @ A, computed in float32. Returns how many matrices changed; raises
+    :class:`WeightsError` on an unpaired factor, a module the weights lack, or a rank or shape that
+    does not fit."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for k, t in lora.items():
+        m = _LORA_KEY.match(_strip(str(k), ("_fsdp_wrapped_module.",)))
+        if not m:
+            unknown.append(str(k))
+            continue
+        pairs.setdefault(m.group(1), {})[m.group(2)] = t
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} key(s) that are not lora_A / lora_B weights: {_summarise(unknown, 4)}")
+    scale = alpha / rank
+    todo = []
+    for mod, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            problems.append(f"{mod} has only lora_{''.join(ab)}")
+            continue
+        w = sd.get(mod + ".weight")
+        a, b = ab["A"], ab["B"]
+        if w is None:
+            problems.append(f"{mod}: no such weight in the base checkpoint")
+        elif a.shape[0] != rank or b.shape[1] != rank:
+            problems.append(f"{mod}: rank {a.shape[0]} / {b.shape[1]}, the family's LoRA has rank {rank}")
+        elif (b.shape[0], a.shape[1]) != tuple(w.shape):
+            problems.append(f"{mod}: B @ A is {(b.shape[0], a.shape[1])}, the weight is {tuple(w.shape)}")
+        else:
+            todo.append((mod, w, a, b))
+    if problems:
+        raise WeightsError(f"{source} does not fit the base weights: " + "; ".join(problems[:6]) +
+                           (f" ... and {len(problems) - 6} more" if len(problems) > 6 else ""))
+    for mod, w, a, b in todo:
+        sd[mod + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return len(todo)
+
+
+def load_family_weights(model: WanDiT, path: str | Path, family: str, ema: bool = False,
+                        lora: str | Path | None = None) -> dict:
+    """Load `family`'s own checkpoint at `path` (and its LoRA file, merged) into `model`. The model's
+    geometry must match the file's (a Krea 14B file into a 1.3B model is refused with both geometries
+    named). Returns the loader's report plus {family, file, ema, lora_merged}."""
+    from cadence.model.families import get_family
+
+    fam = get_family(family)
+    sd = read_family_checkpoint(path, fam.name, ema=ema)
+    desc = describe_checkpoint(sd)
+    m = model.cfg.model
+    if (desc.get("dim"), desc.get("layers")) != (m.dim, m.num_layers):
+        kind = _kind(Path(path))
+        guess = guess_family(kind, ("generator",) if kind == ".pt" else (), desc)
+        hint = f" (it looks like {' / '.join(guess)})" if guess and fam.name not in guess else ""
+        raise WeightsError(f"checkpoint {path} (family {fam.name!r}): {_geometry(desc)}{hint}; the model is "
+                           f"dim {m.dim}, {m.num_layers} layers, ffn {m.ffn_dim}")
+    merged = 0
+    if lora is not None:
+        ck = fam.checkpoint
+        merged = merge_lora(sd, read_lora(lora, fam.name), ck.lora_rank, ck.lora_alpha, source=f"LoRA {lora}")
+    try:
+        rep = load_state_dict_into(model, sd, fam.checkpoint.names, allow_missing_audio=True)
+    except WeightsError as e:
+        raise WeightsError(f"checkpoint {path} (family {fam.name!r}): {e}") from None
+    return dict(rep, family=fam.name, file=str(path), ema=ema, lora_merged=merged)
 
 
 def save_weights(model: WanDiT, path: str | Path) -> None:

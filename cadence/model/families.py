@@ -1,0 +1,202 @@
+"""Model families: the open real-time checkpoints Cadence serves, each as a named configuration.
+
+A family is everything needed to run its authors' checkpoint exactly as their code does: the geometry
+(overrides on top of one of Cadence's presets), the sampler (denoising step list, ``warp_denoising_step``,
+timestep shift, the 1000-step table the noise levels come from, the re-noising rule, the timestep of
+the clean commit pass), the chunk size (latent frames per block), the attention window and sinks, the
+checkpoint's file format (file kinds, the top-level keys that hold the generator, key prefixes, key
+names, a LoRA to merge) and the encoders it needs.
+
+    cfg = family_config("self-forcing", weights="self_forcing_dmd.pt", text_encoder="umt5-xxl/",
+                        vae_weights="Wan2.1-T2V-1.3B/vae/")
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=None)
+    load_family_weights(model, cfg.model.weights, "self-forcing")   # cadence.model.weights
+
+Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures/<family>/``):
+
+* ``self-forcing`` (guandeh17/Self-Forcing): Wan2.1-T2V-1.3B made block-causal, 3 latent frames per
+  block, 4 passes at 1000/750/500/250 warped through the shift-5 table, x0 re-noised between passes,
+  the denoised block run once more at ``context_noise`` (0) to write the cache; global attention over
+  its 21-frame horizon (7 blocks). ``.pt`` with ``generator`` and ``generator_ema`` state dicts whose
+  keys are Wan's names under ``model.``.
+* ``causvid`` (tianweiy/CausVid): the same architecture and file format; 3 passes at 1000/757/522, not
+  warped, shift 8 (the released ``autoregressive_checkpoint``).
+* ``longlive`` (NVlabs/LongLive 1.0): Self-Forcing's model with a local window of 12 frames whose first
+  block (3 frames) is a frame sink kept for the whole stream, and a LoRA (rank 256, alpha 256) over
+  every linear of the attention blocks, merged at load; base ``.pt`` as Self-Forcing (or ``model``).
+* ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
+  Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
+  Config, key mapping and detection only: its server rebuilds the cache every block from the last
+  clean frames (``kv_cache_num_frames`` = 3 with the first frame re-encoded), a cache policy Cadence
+  does not have yet, so a Krea stream is not claimed to equal Krea's.
+
+``get_family(name)``, ``list_families()`` and ``family_config(...)`` are what ``--model NAME`` and
+``cadence models`` call. Pure configuration: no torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from cadence.config import CadenceConfig, get_preset
+from cadence.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """How a family stores its transformer."""
+
+    kinds: tuple[str, ...]
+    """File kinds the family ships, by suffix: '.pt' (a torch pickle of a dict of state dicts, read with
+    ``weights_only=True``) and/or '.safetensors'."""
+    state_keys: tuple[str, ...] = ()
+    """Top-level keys of a '.pt' that may hold the generator's state dict, in order of preference for
+    ``ema=False`` (e.g. 'generator', then 'model'); empty: the file is the state dict itself."""
+    ema_key: str | None = None
+    """The key of the EMA weights ('generator_ema'), read when asked for (``ema=True``)."""
+    prefixes: tuple[str, ...] = ()
+    """Key prefixes stripped before the names are mapped, in order ('model.': the diffusion wrapper's
+    attribute; '_fsdp_wrapped_module.' anywhere in a key: FSDP's wrapper)."""
+    names: str = "wan"
+    """Key names after the prefix: 'wan' (Wan-Video's original module names) or 'diffusers'."""
+    lora_rank: int = 0
+    """Rank of the LoRA shipped beside the base weights (0 = none); merged into the weights at load."""
+    lora_alpha: float = 0.0
+    """LoRA alpha: the merged update is (alpha / rank) * B @ A."""
+    lora_keys: tuple[str, ...] = ()
+    """Top-level keys of the LoRA file that may hold its state dict (else the file is the state dict)."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family of open checkpoints: its geometry, sampler, cache policy, file format and encoders."""
+
+    name: str
+    """The name ``--model`` takes."""
+    title: str
+    """Human-readable name."""
+    reference: str
+    """The reference code (repository and the file that defines the behaviour reproduced here)."""
+    preset: str
+    """Cadence preset the geometry starts from (``cadence.config.PRESETS``)."""
+    model: dict = field(default_factory=dict)
+    """``ModelConfig`` overrides on top of the preset."""
+    stream: dict = field(default_factory=dict)
+    """``StreamConfig`` overrides: resolution, latent frames per block, sampler, window and sinks."""
+    vae: dict = field(default_factory=dict)
+    """``VAEConfig`` overrides."""
+    checkpoint: CheckpointFormat = field(default_factory=lambda: CheckpointFormat(("safetensors",)))
+    """How the transformer's file is laid out."""
+    text_encoder: str = "umt5-xxl"
+    """The prompt encoder it needs ('umt5-xxl': Wan's umT5-XXL encoder, 512 tokens of 4096)."""
+    audio_encoder: str | None = None
+    """The audio encoder it needs (None: not audio-driven)."""
+    vision_encoder: str | None = None
+    """The image encoder it needs (None: none)."""
+    vae_variant: str = "2.1"
+    """The Wan VAE its latents belong to ('2.1': 4x8x8, z=16; '2.2': 4x16x16, z=48)."""
+    reference_window: str = ""
+    """The reference code's own attention settings, for the record (``local_attn_size`` / ``sink_size``
+    in latent frames), from which ``stream``'s window and frame sink are derived."""
+    status: str = "parity"
+    """'parity': the model pass and the stream are tested equal to the reference code
+    (tests/fixtures/<name>/); 'config': configuration, key mapping and detection only."""
+    notes: str = ""
+    """What is not reproduced, if anything."""
+
+
+# Wan 2.1 geometry as the Self-Forcing family runs it: 480x832 at 16 fps, 3 latent frames (12 video
+# frames, 0.75 s) per block, no reference-image sink (text-to-video), no audio branch; the original
+# Wan code computes the timestep embedding in float64.
+_SF_MODEL = dict(audio_every=0, time_embed_fp64=True)
+_SF_STREAM = dict(height=480, width=832, fps=16, latent_frames_per_chunk=3, sink_frames=0, passes=4,
+                  timesteps=(1000.0, 750.0, 500.0, 250.0), shift=5.0, sampler="renoise", commit="clean_pass",
+                  warp_denoising_step=True, timestep_table=1000, context_noise=0.0, sink_policy="absolute",
+                  window_chunks=7, frame_sink_chunks=0)
+_SF_FORMAT = CheckpointFormat(kinds=(".pt",), state_keys=("generator", "model"), ema_key="generator_ema",
+                              prefixes=("model.", "_fsdp_wrapped_module."), names="wan")
+
+FAMILIES: dict[str, ModelFamily] = {
+    "self-forcing": ModelFamily(
+        name="self-forcing", title="Self-Forcing (Wan2.1-T2V-1.3B, block-causal)",
+        reference="guandeh17/Self-Forcing: pipeline/causal_inference.py, wan/modules/causal_model.py",
+        preset="w1.3", model=dict(_SF_MODEL), stream=dict(_SF_STREAM), checkpoint=_SF_FORMAT,
+        reference_window="local_attn_size=-1 (global; its cache holds 21 frames), sink_size=0",
+    ),
+    "causvid": ModelFamily(
+        name="causvid", title="CausVid (Wan2.1-T2V-1.3B, block-causal, DMD)",
+        reference="tianweiy/CausVid: causvid/models/wan/causal_inference.py",
+        preset="w1.3", model=dict(_SF_MODEL),
+        stream=dict(_SF_STREAM, passes=3, timesteps=(1000.0, 757.0, 522.0), shift=8.0, warp_denoising_step=False),
+        checkpoint=replace(_SF_FORMAT, ema_key=None),
+        reference_window="global attention over 21 frames (configs/wan_causal_dmd.yaml)",
+        status="config",
+        notes="Shares Self-Forcing's model and sampler code paths (tested there); no CausVid fixture of its own.",
+    ),
+    "longlive": ModelFamily(
+        name="longlive", title="LongLive 1.0 (Wan2.1-T2V-1.3B, frame sink + short window, LoRA)",
+        reference="NVlabs/LongLive (1.0): wan/modules/causal_model.py, pipeline/causal_inference.py",
+        preset="w1.3", model=dict(_SF_MODEL),
+        stream=dict(_SF_STREAM, window_chunks=3, frame_sink_chunks=1),
+        checkpoint=replace(_SF_FORMAT, lora_rank=256, lora_alpha=256.0, lora_keys=("generator_lora",)),
+        reference_window="local_attn_size=12, sink_size=3 (configs/longlive_inference.yaml)",
+        notes="The prompt-switch KV re-cache of its interactive mode is not wired yet.",
+    ),
+    "krea-14b": ModelFamily(
+        name="krea-14b", title="Krea Realtime 14B (Wan2.1-T2V-14B, block-causal)",
+        reference="krea-ai/realtime-video: release_server.py, configs/self_forcing_server_14b.yaml",
+        preset="w1.3",
+        model=dict(_SF_MODEL, dim=5120, num_heads=40, head_dim=128, ffn_dim=13824, num_layers=40),
+        stream=dict(_SF_STREAM, passes=5, timesteps=(1000.0, 750.0, 500.0, 250.0, 0.0), window_chunks=2),
+        checkpoint=CheckpointFormat(kinds=(".safetensors",), prefixes=("model.",), names="wan"),
+        reference_window="kv_cache_num_frames=3: the cache is recomputed every block from the first frame "
+                         "and the last clean frames",
+        status="config",
+        notes="Krea recomputes the K/V of [first frame, last 2 clean frames] before every block; Cadence keeps "
+              "the committed K/V instead (window 2 blocks), so streams differ from Krea's after the first block.",
+    ),
+}
+
+
+def list_families() -> list[ModelFamily]:
+    """Every family, in a stable order (what ``cadence models`` prints)."""
+    return list(FAMILIES.values())
+
+
+def get_family(name: str) -> ModelFamily:
+    """The named family; a clear error listing the known names otherwise."""
+    try:
+        return FAMILIES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}") from None
+
+
+def family_config(name: str, weights: str | None = None, text_encoder: str | None = None,
+                  vae_weights: str | None = None, text_tokenizer: str | None = None, **sections: dict
+                  ) -> CadenceConfig:
+    """The family's whole engine configuration: its preset with the family's overrides, the given files,
+    then any further per-section overrides (``model={...}``, ``vae={...}``, ``stream={...}``; e.g. a
+    smaller ``num_layers`` for a benchmark). With ``vae_weights`` the decoder is the Wan VAE ('wan')
+    unless ``vae={'decoder': ...}`` says otherwise."""
+    fam = get_family(name)
+    base = get_preset(fam.preset)
+    model = dict(fam.model, family=fam.name, weights=weights, text_encoder=text_encoder,
+                 text_tokenizer=text_tokenizer)
+    vae = dict(fam.vae, weights=vae_weights)
+    if vae_weights:
+        vae.setdefault("decoder", "wan")
+    model.update(sections.pop("model", {}))
+    vae.update(sections.pop("vae", {}))
+    stream = dict(fam.stream, **sections.pop("stream", {}))
+    if sections:
+        raise ConfigError(f"family_config takes model=, vae=, stream= overrides, got {', '.join(sections)}")
+    return CadenceConfig(name=fam.name, model=replace(base.model, **model), vae=replace(base.vae, **vae),
+                         stream=replace(base.stream, **stream))
+
+
+def reference_attention(cfg: CadenceConfig) -> tuple[int, int]:
+    """The (local_attn_size, sink_size) in latent frames that the Self-Forcing family's code needs to see
+    what ``cfg``'s cache shows a block (the fixture scripts build the reference with these)."""
+    s = cfg.stream
+    f = s.latent_frames_per_chunk
+    return (s.frame_sink_chunks + s.window_chunks) * f, s.frame_sink_chunks * f
