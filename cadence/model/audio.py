@@ -6,6 +6,10 @@ window becomes one token of ``audio_dim`` log-mel energies (Hann window, power s
 mel filters between 40 Hz and 12 kHz). A stand-in for wav2vec2-style features (whose weights are
 not available here) with the same contract: [frames, tokens, audio_dim] per chunk, computed on the
 device from the chunk's samples only (no look-ahead).
+
+:func:`make_audio_encoder` is the factory the engine calls: today it returns this stand-in for every
+configuration (no family registered in ``cadence.model.families`` is audio-driven yet); a family that
+needs a real audio encoder is refused with its name rather than silently fed log-mel tokens.
 """
 
 from __future__ import annotations
@@ -58,3 +62,17 @@ class AudioFeatures:
         x = samples.float().reshape(-1, self.tokens, self.win) * self.window
         spec = torch.fft.rfft(x, n=self.n_fft).abs().pow(2)
         return torch.log(spec @ self.fb.T + 1e-6) / 4.0
+
+
+def make_audio_encoder(cfg: CadenceConfig, device: torch.device | str = "cpu") -> AudioFeatures:
+    """The configured audio front end: samples [n * samples_per_frame] -> [n, tokens, audio_dim]."""
+    fam = cfg.model.family
+    if fam:
+        from cadence.model.families import get_family
+
+        need = get_family(fam).audio_encoder
+        if need:
+            from cadence.errors import ConfigError
+
+            raise ConfigError(f"model family {fam!r} needs the {need} audio encoder, which Cadence does not load yet")
+    return AudioFeatures(cfg, device)
