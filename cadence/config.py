@@ -125,6 +125,10 @@ class VAEConfig:
     """Channels per stage of the tiny decoder (None = its defaults)."""
     taehv_shuffle: int = 1
     """The tiny decoder's last log2(k) spatial 2x steps as one pixel shuffle by k (cheap at full size)."""
+    taehv_weights: str | None = None
+    """A published TAEHV decoder file (madebyollin/taehv ``taew2_1.pth`` for 4x8x8 z=16 latents,
+    ``taew2_2.pth`` for 4x16x16 z=48) for the 'taehv' decoder, read by
+    ``cadence.model.taehv.load_published_taehv`` (it replaces the folder's ``taehv.safetensors``)."""
 
 
 @dataclass(frozen=True)
