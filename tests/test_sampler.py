@@ -94,3 +94,58 @@ def test_step_keeps_dtype():
     s = _sched("euler")
     x = torch.randn(3, 3).to(torch.bfloat16)
     assert s.step(x, x, 0).dtype == torch.bfloat16
+
+
+# ---- the Self-Forcing family's table-based schedule (cadence.runtime.sampler.training_table) ------------
+
+def _table_stream(**kw):
+    from cadence.config import StreamConfig
+
+    base = dict(timesteps=(1000.0, 750.0, 500.0, 250.0), shift=5.0, sampler="renoise", timestep_table=1000)
+    base.update(kw)
+    base.setdefault("passes", len(base["timesteps"]))
+    return StreamConfig(**base)
+
+
+def test_warped_table_schedule_equals_closed_form_to_float32():
+    from cadence.runtime.sampler import Schedule, shift_sigma
+
+    s = Schedule.from_config(_table_stream())
+    closed = [shift_sigma(t / 1000, 5.0) for t in (1000, 750, 500, 250)]
+    assert all(abs(s.timestep(i) - 1000 * s.sigmas[i]) < 1e-3 for i in range(4))  # float32 table rounding
+    assert max(abs(a - b) for a, b in zip(s.sigmas[:4], closed)) < 1e-6
+    assert s.sigmas[-1] == 0.0
+
+
+def test_unwarped_table_schedule_model_sees_raw_timesteps():
+    """CausVid: the model runs at 1000 / 757 / 522; the noise level is the table's nearest entry (~t/1000)."""
+    from cadence.runtime.sampler import Schedule, training_table
+
+    s = Schedule.from_config(_table_stream(timesteps=(1000.0, 757.0, 522.0), shift=8.0, warp_denoising_step=False))
+    assert [s.timestep(i) for i in range(3)] == [1000.0, 757.0, 522.0]
+    sig, ts = training_table(1000, 8.0)
+    for i, t in enumerate((1000.0, 757.0, 522.0)):
+        k = int(torch.argmin((ts.double() - t).abs()))
+        assert s.sigmas[i] == float(sig[k])
+        assert abs(s.sigmas[i] - t / 1000) < 2e-3
+
+
+def test_last_pass_at_zero_and_context_timestep():
+    from cadence.runtime.sampler import Schedule, training_table
+
+    s = Schedule.from_config(_table_stream(timesteps=(1000.0, 750.0, 500.0, 250.0, 0.0), context_noise=3.0))
+    sig, _ = training_table(1000, 5.0)
+    assert s.timestep(4) == 0.0 and s.sigmas[4] == float(sig[-1]) and s.sigmas[5] == 0.0
+    ts = s.device_timesteps("cpu")
+    assert ts.shape == (7,) and float(ts[5]) == 3.0 and float(ts[6]) == 0.0
+
+
+def test_table_schedule_validation():
+    from cadence.config import CadenceConfig
+    from cadence.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\(0, 1000\]"):
+        CadenceConfig(stream=_table_stream(timesteps=(1000.0, 0.0), timestep_table=0))
+    with pytest.raises(ConfigError, match=r"whole numbers <= 1000"):
+        CadenceConfig(stream=_table_stream(timesteps=(1000.0, 750.5)))
+    CadenceConfig(stream=_table_stream(timesteps=(1000.0, 0.0)))  # a last pass at 0 is fine with the table
