@@ -313,7 +313,8 @@ def describe_checkpoint(sd: Mapping[str, torch.Tensor]) -> dict:
 
 
 def _geometry(d: dict) -> str:
-    return f"dim {d.get('dim')}, {d.get('layers')} layers, ffn {d.get('ffn_dim')}"
+    ffn = f", ffn {d['ffn_dim']}" if d.get("ffn_dim") else ""
+    return f"dim {d.get('dim')}, {d.get('layers')} layers{ffn}"
 
 
 def guess_family(kind: str, top_keys, desc: dict) -> list[str]:
