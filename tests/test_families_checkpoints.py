@@ -172,3 +172,23 @@ def test_merge_lora_refuses_unknown_modules_and_unpaired_factors():
                         "blocks.0.self_attn.v.lora_B.weight": torch.zeros(4, 2)}, 2, 2.0)
     with pytest.raises(WeightsError, match=r"has only lora_A"):
         merge_lora(sd, {"blocks.0.self_attn.q.lora_A.default.weight": torch.zeros(2, 4)}, 2, 2.0)
+
+
+def test_model_package_imports_downward_only():
+    """cadence/model/ imports nothing above it (cache, quant, runtime, engine, parallel, serve, cli) and never
+    torch.distributed; the one known exception is dit.py's forward_full using cache/full.py."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "cadence" / "model"
+    above = ("cadence.cache", "cadence.quant", "cadence.runtime", "cadence.engine", "cadence.parallel",
+             "cadence.serve", "cadence.cli", "cadence.bench", "cadence.train")
+    bad = []
+    for f in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for n in names:
+                if n.startswith("torch.distributed") or (n.startswith(above) and not (
+                        f.name == "dit.py" and n == "cadence.cache.full")):
+                    bad.append(f"{f.name}: {n}")
+    assert not bad, bad
