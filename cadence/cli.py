@@ -68,7 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", default="character",
                    help="model/stream preset: character (the shipped trained default), tiny (random weights), "
                         "w1.3, w14, w57 (default: character)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1); a non-loopback address needs an API key")
+    a = s.add_argument_group("access (each session's routes always need the token its creator got)")
+    a.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
+                   help="the operator key, read from this file (its first line): needed to create sessions, "
+                        "list them and see per-session metrics; required on a non-loopback --host")
+    a.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the operator key itself (visible to other local users in the process list: prefer "
+                        "--api-key-file or the CADENCE_API_KEY environment variable)")
+    a.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches it can start "
+                        "sessions; logged as a WARNING)")
     s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
     s.add_argument("--max-sessions", type=int, default=None,
                    help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
@@ -255,14 +266,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if n == 0:
             raise InputError("--device cuda requested but CUDA is not available")
     groups = serve_groups(args.device, args.tp, args.max_sessions, n)
+    api_key = _api_key(args)
     cfg = ServeConfig(preset=args.preset, host=args.host, port=args.port, groups=groups,
                       idle_timeout_s=args.idle_timeout, max_duration_s=args.max_duration,
-                      worker_threads=args.worker_threads, lead_ms=args.lead_ms,
+                      worker_threads=args.worker_threads, lead_ms=args.lead_ms, api_key=api_key,
+                      insecure_no_auth=args.insecure_no_auth,
                       overrides=weight_overrides(args.weights, args.vae_weights), **engine_kwargs(args))
     from cadence.serve.server import run
 
     run(cfg, log_level=args.log_level)
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The operator key from --api-key-file, --api-key or $CADENCE_API_KEY (at most one of them), checked
+    (``check_api_key``); None when none is given. ServeConfig then refuses a non-loopback host without it."""
+    import os
+
+    from cadence.serve.config import check_api_key
+
+    env = os.environ.get("CADENCE_API_KEY") or None
+    given = [name for name, v in (("--api-key-file", args.api_key_file), ("--api-key", args.api_key),
+                                  ("CADENCE_API_KEY", env)) if v is not None]
+    if len(given) > 1:
+        raise InputError(f"give the API key one way, not {' and '.join(given)}")
+    if args.api_key_file is not None:
+        try:
+            text = args.api_key_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read --api-key-file {args.api_key_file}: {type(e).__name__}: {e}") \
+                from None
+        key = text.strip().split("\n", 1)[0].strip() if text.strip() else ""
+        if not key:
+            raise InputError(f"--api-key-file {args.api_key_file} is empty")
+        return check_api_key(key)
+    key = args.api_key if args.api_key is not None else env
+    return check_api_key(key) if key is not None else None
 
 
 # ---- bench ------------------------------------------------------------------------------------------

@@ -39,8 +39,9 @@ class ServeConfig:
     timeline_window_s: float = 60.0
     """A session's report cuts the stream into windows this long (``cadence.serve.timeline``): fps,
     chunk latency, underruns and worker memory per window, to see a long stream hold up (or not)."""
-    connect_timeout_s: float = 30.0
-    """Close a session whose peer connection is not connected this long after it started."""
+    connect_timeout_s: float = 10.0
+    """Close a session whose peer connection is not connected this long after it started: an offer
+    that never connects frees its slot this soon (loopback connects in well under a second)."""
     lead_ms: float = 100.0
     """Plan a chunk at least this long before its first frame is due (must cover worker time + transfers)."""
     lead_auto: bool = True
@@ -56,6 +57,23 @@ class ServeConfig:
     """Largest audio upload accepted (bytes)."""
     max_sdp_bytes: int = 64 * 1024
     """Largest SDP offer accepted (bytes)."""
+    max_image_pixels: int = 4096 * 4096
+    """Largest reference image accepted, in pixels (width x height, read from the image's header
+    before any pixel is decoded: a 62 KB PNG can claim 64 megapixels = 192 MB of RGB)."""
+    decode_concurrency: int = 1
+    """Reference images decoded at once (on a thread pool of this many threads), whatever the number
+    of requests: bounds the memory and threads that uploads can take."""
+    api_key: str | None = field(default=None, repr=False)
+    """The operator key (``cadence serve --api-key`` / ``--api-key-file`` / ``CADENCE_API_KEY``). When
+    set, creating a session needs it (``Authorization: Bearer <key>``), and so do the session list and
+    the per-session series on ``/metrics``; it also opens every session's routes. None = sessions can
+    be created by anyone who reaches the server, the session list and per-session metrics are off.
+    Each session's own routes always need the session's token (returned once, to its creator)."""
+    insecure_no_auth: bool = False
+    """Allow a non-loopback ``host`` without ``api_key`` (``--insecure-no-auth``: logged as a WARNING)."""
+    max_pending_offers_per_client: int = 2
+    """Sessions one client address (the TCP peer; behind a proxy, the proxy) may have created and not
+    yet connected; one more is answered 429 with Retry-After."""
     report_ttl_s: float = 900.0
     """How long a closed session's report stays available at GET /sessions/{id}/report."""
     max_reports: int = 256
@@ -143,6 +161,17 @@ class ServeConfig:
             raise ConfigError(f"warmup_chunks must be >= 0, got {self.warmup_chunks}")
         if self.frame_transport not in ("auto", "pipe", "shm"):
             raise ConfigError(f"frame_transport must be 'auto', 'pipe' or 'shm', got {self.frame_transport!r}")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"connect_timeout_s must be positive, got {self.connect_timeout_s}")
+        if self.max_image_pixels < 1 or self.decode_concurrency < 1 or self.max_pending_offers_per_client < 1:
+            raise ConfigError(f"max_image_pixels, decode_concurrency and max_pending_offers_per_client must "
+                              f"be >= 1, got {self.max_image_pixels}, {self.decode_concurrency}, "
+                              f"{self.max_pending_offers_per_client}")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+        if not self.loopback and self.api_key is None and not self.insecure_no_auth:
+            raise ConfigError(f"serving on {self.host} (not loopback) needs an API key: --api-key-file PATH, "
+                              "--api-key KEY or CADENCE_API_KEY (or --insecure-no-auth to serve without one)")
 
     @property
     def loopback(self) -> bool:
@@ -156,6 +185,23 @@ class ServeConfig:
         if self.ice_addresses is not None:
             return self.ice_addresses
         return ("127.0.0.1",) if self.loopback else None
+
+
+#: Shortest API key accepted (characters): long enough that guessing it is hopeless.
+MIN_API_KEY_CHARS = 16
+
+
+def check_api_key(key: str) -> str:
+    """``key`` if it can be an operator key: printable ASCII without spaces (it travels in an HTTP header),
+    at least ``MIN_API_KEY_CHARS`` long. Raises ConfigError (one line, never the key itself)."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError("the API key is empty")
+    if not all(33 <= ord(c) <= 126 for c in key):
+        raise ConfigError("the API key must be printable ASCII without spaces (it is sent in an HTTP header)")
+    if len(key) < MIN_API_KEY_CHARS:
+        raise ConfigError(f"the API key is too short ({len(key)} characters; at least {MIN_API_KEY_CHARS}); "
+                          "make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return key
 
 
 #: The prompt of a session that names none (the page's default too).
