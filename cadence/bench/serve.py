@@ -16,13 +16,15 @@ with ``--device cuda``; on CUDA the workers run the engine's fast path (TAEHV de
 with FP8 K/V, FP8 linears, CUDA graphs) and warm up before the server accepts sessions (the warm-up
 time and the worker's steady chunk time are recorded under ``workers``). The stream geometry recorded
 in ``shape`` (frames and audio samples per chunk, size, fps) is the server's, from ``GET /config``.
-Loopback only.
+Loopback only. Each client reads its own session with the token the server returned (the progress
+lines too); a ``--url`` server that needs its operator key gets it from ``CADENCE_API_KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 
@@ -82,30 +84,44 @@ async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_eve
     from cadence.serve.client import run_client
 
     speech = wav_bytes(synthetic_speech(1.0, seed=1).numpy())
+    api_key = os.environ.get("CADENCE_API_KEY") or None  # a --url server that needs its operator key
+    created: list[dict] = [{} for _ in range(n)]  # each client's session id and token, once it has them
     async with httpx.AsyncClient(timeout=60.0) as http:
         cfg = (await http.get(f"{url}/config")).json()
-        progress = asyncio.create_task(_progress(http, url, progress_every)) if progress_every > 0 else None
+        progress = (asyncio.create_task(_progress(http, url, progress_every, created)) if progress_every > 0
+                    else None)
         try:
             results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
                                                         speak_after_s=speak_after, speak_every_s=speak_every,
-                                                        speak_jitter_s=speak_jitter, video_codec=video_codec)
-                                             for _ in range(n)))
+                                                        speak_jitter_s=speak_jitter, video_codec=video_codec,
+                                                        api_key=api_key, created=c)
+                                             for c in created))
         finally:
             if progress is not None:
                 progress.cancel()
     return cfg, results
 
 
-async def _progress(http, url: str, every: float) -> None:
+async def _progress(http, url: str, every: float, created: list[dict]) -> None:
     """One line per live session every ``every`` seconds (stderr): age, fps, chunk latency, underruns,
-    worker memory; a long soak shows it is alive and whether it holds up."""
+    worker memory; a long soak shows it is alive and whether it holds up. Each session is read with its
+    own token (``GET /sessions/{id}``: the session list needs the operator key)."""
     while True:
         await asyncio.sleep(every)
-        try:
-            sessions = (await http.get(f"{url}/sessions")).json()["sessions"]
-        except Exception as e:  # progress only: the clients report the real errors
-            print(f"  progress: GET /sessions failed ({type(e).__name__})", file=sys.stderr)
-            continue
+        sessions = []
+        for c in created:
+            if not c.get("token"):
+                continue
+            try:
+                r = await http.get(f"{url}/sessions/{c['session_id']}",
+                                   headers={"authorization": f"Bearer {c['token']}"})
+                st = r.json()
+            except Exception as e:  # progress only: the clients report the real errors
+                print(f"  progress: GET /sessions/{c['session_id'][:8]} failed ({type(e).__name__})",
+                      file=sys.stderr)
+                continue
+            if r.status_code == 200 and st.get("state") != "closed":
+                sessions.append(st)
         for st in sessions:
             mem = st.get("worker_memory_mb") or {}
             print(f"  [{st.get('age_s', 0):7.1f} s] {st['session_id'][:8]} {st.get('state')}: "

@@ -1,19 +1,43 @@
 """The HTTP API (FastAPI) and the session manager.
 
-    POST   /sessions               SDP offer (+ reference image, prompt, agent) -> SDP answer + session id
-    GET    /sessions               open sessions
+    POST   /sessions               SDP offer (+ image, prompt, agent) -> SDP answer, session id, token
+    GET    /sessions               open sessions (operator key)
     GET    /sessions/{id}          state, fps, latency, underruns ... (a closed one: its final state)
     DELETE /sessions/{id}          close -> the session's report
     POST   /sessions/{id}/say      {"text": "..."}: the character says it (espeak-ng)
     POST   /sessions/{id}/audio    any audio file (body): the character says it
     POST   /sessions/{id}/interrupt  stop speaking
     GET    /sessions/{id}/report   the JSON report (kept ``report_ttl_s`` after close)
-    GET    /metrics                Prometheus
+    GET    /metrics                Prometheus text (per-session series with the operator key)
     GET    /config, /healthz       what the page needs; liveness
     GET    /                       the page (static/index.html + app.js)
 
-Every error is ``{"error": "<one line>"}`` with a 4xx/5xx status; a full server answers 503 with
-``Retry-After``. Admission: one session per worker group (``ServeConfig.groups``).
+Who may do what. Credentials travel as ``Authorization: Bearer <secret>``, compared in constant time.
+
+* Each session has a **token** (32 random bytes, URL-safe), returned once, in the answer to the POST that
+  created it; the server keeps only its SHA-256. Every route under ``/sessions/{id}`` needs that token (or
+  the operator key): none is 401, any other secret (another session's token included) is 403 and nothing
+  happens to the session. An id the server does not know is 404 whatever the credential (ids are 128-bit
+  random: knowing whether one exists gives nothing). A closed session's token keeps opening its state
+  and report for as long as the report is kept.
+* The **operator key** (``ServeConfig.api_key``: ``cadence serve --api-key-file PATH``, ``--api-key`` or
+  ``CADENCE_API_KEY``), when set, is needed to create a session (401 without it) and to list the
+  sessions (``GET /sessions``) or see the per-session series of ``/metrics`` (which otherwise carries
+  only aggregates). Without one (the default loopback run), anyone who reaches the server may create a
+  session, and the session list and per-session series are off (403). A non-loopback ``host`` refuses
+  to start without a key unless ``insecure_no_auth`` is set (logged as a WARNING).
+
+Input. Every request field is checked before anything is started, and every refusal is one line of
+JSON, ``{"error": "..."}``, with a 4xx status (never a 500): strings must be UTF-8-encodable without
+NUL, the seed an integer in 0..2^63-1 (no floats, booleans or strings in JSON), the prompt at most
+``MAX_PROMPT`` characters, the agent a known one. Bodies are limited per route while they stream in
+(``BodyLimit``: a chunked body with no Content-Length is cut at the limit, 413, connection closed). A
+session request is checked for a free slot (503 + Retry-After) and for the client's pending offers (429
++ Retry-After: at most ``max_pending_offers_per_client`` sessions per client address not yet connected)
+before its image is looked at; the image's header is read before its pixels (over ``max_image_pixels``:
+413, nothing decoded), decodes run one (``decode_concurrency``) at a time on a pool of their own and
+give their memory back to the OS afterwards (glibc ``malloc_trim``). An offer that never connects is
+closed after ``connect_timeout_s`` (10 s). Admission: one session per worker group (``ServeConfig.groups``).
 """
 
 
@@ -21,10 +45,17 @@ import asyncio
 import base64
 import binascii
 import collections
+import concurrent.futures
+import ctypes
+import ctypes.util
+import hashlib
+import hmac
+import io
 import json
 import logging
 import math
 import os
+import secrets
 import tempfile
 import time
 import uuid
@@ -35,7 +66,15 @@ import numpy as np
 from aiortc.exceptions import InvalidAccessError, OperationError
 
 from cadence.errors import CadenceError, InputError
-from cadence.serve.agent import TTSUnavailable, decode_audio_bytes, espeak_binary, make_agent, synthesize
+from cadence.serve.agent import (
+    AGENTS,
+    SayAgent,
+    TTSUnavailable,
+    decode_audio_bytes,
+    espeak_binary,
+    make_agent,
+    synthesize,
+)
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, resolve_engine_options
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession
@@ -45,6 +84,11 @@ from cadence.telemetry.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 log = logging.getLogger("cadence.serve")
 STATIC = Path(__file__).parent / "static"
 MAX_PROMPT = 1000
+MAX_SEED = 2 ** 63 - 1
+#: Body limit of every route but POST /sessions and /audio (JSON with a line of text, or nothing).
+SMALL_BODY = 64 * 1024
+#: Formats a reference image may be in (Pillow plugin names); anything else is a 400 before any decoding.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
 
 
 class ApiError(Exception):
@@ -75,10 +119,17 @@ class SessionManager:
         self.background: set[asyncio.Task] = set()
         self.started = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        # auth and admission bookkeeping, by session id (kept here, not in LiveSession):
+        self.tokens: dict[str, bytes] = {}  # SHA-256 of each token, while the session or its report is kept
+        self.clients: dict[str, str] = {}  # the creator's address, while its slot is reserved or its session open
+        self._decode_sem = asyncio.Semaphore(cfg.decode_concurrency)
+        self._decode_pool = concurrent.futures.ThreadPoolExecutor(cfg.decode_concurrency,
+                                                                  thread_name_prefix="cadence-decode")
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._decode_pool.submit(int).result()  # the decode thread exists from now on (a steady thread count)
         use_ice_host_addresses(self.cfg.ice_host_addresses)
         for g in self.groups:
             g.on_message = (lambda msg, g=g: self._route(g, msg))
@@ -124,6 +175,7 @@ class SessionManager:
                 break
             await asyncio.wait(list(self.background), timeout=left)
         await asyncio.gather(*(g.stop() for g in self.groups), return_exceptions=True)
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)
         use_ice_host_addresses(None)
         self.started = False
 
@@ -174,6 +226,7 @@ class SessionManager:
 
     def session_closed(self, sess: LiveSession, report: dict) -> None:
         self.sessions.pop(sess.sid, None)
+        self.clients.pop(sess.sid, None)
         self.metrics.remove_session(sess.sid)
         self.metrics.sessions.labels(sess.close_reason or "unknown").inc()
         self.metrics.active.set(len(self.sessions))
@@ -189,6 +242,8 @@ class SessionManager:
             if len(self.reports) > self.cfg.max_reports or now - self._report_times[sid] > self.cfg.report_ttl_s:
                 self.reports.popitem(last=False)
                 self._report_times.pop(sid, None)
+                if sid not in self.sessions:
+                    self.tokens.pop(sid, None)
             else:
                 break
 
@@ -199,11 +254,92 @@ class SessionManager:
         self._expire_reports()
         if s is not None or sid in self.reports:
             raise ApiError(410, f"session {sid} is closed")
-        raise ApiError(404, f"unknown session {sid!r}")
+        raise ApiError(404, f"unknown session {_short(sid)!r}")
+
+    # ---- auth -----------------------------------------------------------------------------------------
+    def is_operator(self, credential: str | None) -> bool:
+        """``credential`` is the operator key (constant-time compare; False when no key is configured)."""
+        key = self.cfg.api_key
+        return key is not None and credential is not None and hmac.compare_digest(_b(credential), _b(key))
+
+    def authorize(self, sid: str, credential: str | None) -> None:
+        """Let a request on session ``sid`` through, or raise: 404 for an id the server does not know (open
+        or with its report kept), 401 without a credential, 403 for one that is neither this session's
+        token nor the operator key."""
+        self._expire_reports()
+        if sid not in self.sessions and sid not in self.reports:
+            raise ApiError(404, f"unknown session {_short(sid)!r}")
+        if credential is None:
+            raise ApiError(401, "this session's token is needed (Authorization: Bearer <token>, as returned "
+                                "by POST /sessions)", {"WWW-Authenticate": "Bearer"})
+        if self.is_operator(credential):
+            return
+        digest = self.tokens.get(sid)
+        if digest is None or not hmac.compare_digest(hashlib.sha256(_b(credential)).digest(), digest):
+            raise ApiError(403, f"the token given does not open session {sid}")
+
+    def require_operator(self, credential: str | None, what: str) -> None:
+        if self.cfg.api_key is None:
+            raise ApiError(403, f"{what} needs the operator key, and this server has none (cadence serve "
+                                "--api-key-file PATH)")
+        if credential is None:
+            raise ApiError(401, f"{what} needs the operator key (Authorization: Bearer <key>)",
+                           {"WWW-Authenticate": "Bearer"})
+        if not self.is_operator(credential):
+            raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
+
+    # ---- admission ------------------------------------------------------------------------------------
+    def pending_offers(self, client: str) -> int:
+        """Sessions ``client`` created (or is creating) that are not connected yet."""
+        n = 0
+        for sid, c in self.clients.items():
+            if c != client:
+                continue
+            s = self.sessions.get(sid)
+            n += s is None or s.state in ("starting", "connecting")
+        return n
+
+    def reserve(self, client: str) -> tuple[WorkerGroup, str]:
+        """Admit a new session from ``client`` or raise: 429 (+ Retry-After) when the client already has
+        ``max_pending_offers_per_client`` sessions waiting to connect, 503 (+ Retry-After) when no group
+        is free. The group is held for the new id at once (nothing awaits in between), so an image
+        decoding meanwhile cannot lose its slot to a later request."""
+        cfg = self.cfg
+        pending = self.pending_offers(client)
+        if pending >= cfg.max_pending_offers_per_client:
+            self.metrics.refused.inc()
+            raise ApiError(429, f"too many sessions waiting to connect from {client} ({pending}; limit "
+                                f"{cfg.max_pending_offers_per_client}): connect them, DELETE them, or wait "
+                                f"{cfg.connect_timeout_s:.0f} s for them to time out",
+                           {"Retry-After": str(max(1, math.ceil(cfg.connect_timeout_s)))})
+        g = self.acquire()
+        if g is None:
+            self.metrics.refused.inc()
+            raise ApiError(503, f"no free session slot ({len(self.groups)} group(s), all busy); retry later",
+                           {"Retry-After": str(self.retry_after())})
+        sid = uuid.uuid4().hex
+        g.session_id = sid
+        self.clients[sid] = client
+        return g, sid
+
+    def unreserve(self, g: WorkerGroup, sid: str) -> None:
+        if g.session_id == sid:
+            g.session_id = None
+        self.clients.pop(sid, None)
+
+    async def decode_image(self, data: bytes) -> np.ndarray:
+        """The reference image as the engine takes it; at most ``decode_concurrency`` at once, on a pool
+        of that many threads (never the event loop's shared executor)."""
+        async with self._decode_sem:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._decode_pool, _decode_image, data, self.engine_cfg, self.cfg.max_image_bytes,
+                self.cfg.max_image_pixels)
 
     # ---- session creation -------------------------------------------------------------------------
     async def create(self, *, sdp: str, sdp_type: str, image_bytes: bytes | None, prompt: str, agent: str,
-                     seed: int, t_request: float) -> dict:
+                     seed: int, t_request: float, client: str = "unknown") -> dict:
+        """Check the request, admit it (429 / 503), decode its image, start the session. The answer carries
+        the session's token, which only this answer ever shows."""
         cfg = self.cfg
         try:
             ag = make_agent(agent, self.engine_cfg.chunk_seconds)
@@ -215,16 +351,16 @@ class SessionManager:
         if len(prompt) > MAX_PROMPT:
             raise ApiError(400, f"prompt is too long ({len(prompt)} characters; limit {MAX_PROMPT})")
         _check_sdp(sdp, sdp_type, cfg.max_sdp_bytes)
+        g, sid = self.reserve(client)  # before the image is looked at: a full server decodes nothing
         image = None
-        if image_bytes is not None:
-            image = await asyncio.to_thread(_decode_image, image_bytes, self.engine_cfg, cfg.max_image_bytes)
-        g = self.acquire()
-        if g is None:
-            self.metrics.refused.inc()
-            raise ApiError(503, f"no free session slot ({len(self.groups)} group(s), all busy); retry later",
-                           {"Retry-After": str(self.retry_after())})
-        sid = uuid.uuid4().hex
-        g.session_id = sid
+        try:
+            if image_bytes is not None:
+                image = await self.decode_image(image_bytes)
+        except BaseException:  # a bad image, or the client gone meanwhile: the slot is free again
+            self.unreserve(g, sid)
+            raise
+        token = secrets.token_urlsafe(32)
+        self.tokens[sid] = hashlib.sha256(token.encode()).digest()
         sess = LiveSession(self, sid, g, ag, self.engine_cfg, prompt, seed)
         sess.t_created = t_request
         self.sessions[sid] = sess
@@ -242,7 +378,7 @@ class SessionManager:
             await sess.close("start_failed")
             log.exception("session %s failed to start", sid)
             raise ApiError(500, f"session failed to start: {type(e).__name__}: {e}") from None
-        return {"session_id": sid, "sdp": answer.sdp, "type": answer.type, "agent": ag.name,
+        return {"session_id": sid, "token": token, "sdp": answer.sdp, "type": answer.type, "agent": ag.name,
                 "preset": self.engine_cfg.name, "fps": self.engine_cfg.stream.fps,
                 "width": self.engine_cfg.stream.width, "height": self.engine_cfg.stream.height}
 
@@ -250,8 +386,9 @@ class SessionManager:
 def _check_sdp(sdp, sdp_type, limit: int) -> None:
     if not isinstance(sdp, str) or not sdp.strip():
         raise ApiError(400, "missing SDP offer ('sdp')")
+    _check_text(sdp, "sdp")
     if sdp_type != "offer":
-        raise ApiError(400, f"SDP type must be 'offer', got {sdp_type!r}")
+        raise ApiError(400, f"SDP type must be 'offer', got {_short(str(sdp_type))!r}")
     if len(sdp.encode()) > limit:
         raise ApiError(413, f"SDP offer is too large ({len(sdp.encode())} bytes; limit {limit})")
     lines = [ln.strip() for ln in sdp.strip().splitlines()]
@@ -263,13 +400,145 @@ def _check_sdp(sdp, sdp_type, limit: int) -> None:
         raise ApiError(400, "malformed SDP offer: no DTLS fingerprint (a=fingerprint)")
 
 
-def _decode_image(data: bytes, engine_cfg, limit: int) -> np.ndarray:
+def _b(text: str) -> bytes:
+    """A credential as bytes for ``hmac.compare_digest`` (which takes ASCII-only str): any str encodes."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _short(text: str, n: int = 64) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _check_text(value: str, name: str) -> str:
+    """``value`` if it is text the server can pass on: encodable as UTF-8 (no lone surrogate, which JSON's
+    ``\\ud800`` escapes can carry), without NUL. Else a 400 naming the field."""
+    if "\0" in value:
+        raise ApiError(400, f"'{name}' contains a NUL character (at {value.index(chr(0))})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"'{name}' is not valid Unicode text (a lone surrogate at {e.start})") from None
+    return value
+
+
+def _type_name(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _str_field(fields: dict, name: str, default: str | None, max_chars: int | None = None) -> str | None:
+    """A string field: absent -> ``default``; anything but a string (null included) -> 400; checked text."""
+    if name not in fields:
+        return default
+    value = fields[name]
+    if not isinstance(value, str):
+        raise ApiError(400, f"'{name}' must be a string, got {_type_name(value)}")
+    _check_text(value, name)
+    if max_chars is not None and len(value) > max_chars:
+        raise ApiError(400, f"'{name}' is too long ({len(value)} characters; limit {max_chars})")
+    return value
+
+
+def _seed_field(fields: dict, form: bool) -> int:
+    """The seed: an integer in 0..2^63-1. JSON: a number without fraction or exponent (``1e999``, ``3.0``,
+    ``true``, ``"5"`` are refused); a form field: decimal digits. Absent (or an empty form field) = 0."""
+    if "seed" not in fields:
+        return 0
+    v = fields["seed"]
+    if form:
+        if v == "":
+            return 0
+        if not (v.isascii() and v.isdigit()) or len(v) > 19:
+            raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {_short(v)!r}")
+        v = int(v)
+    elif isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {_type_name(v)}")
+    if not 0 <= v <= MAX_SEED:
+        raise ApiError(400, f"'seed' is out of range (0..{MAX_SEED}), got {_short(str(v), 30)}")
+    return v
+
+
+def _parse_json(body: bytes, what: str):
+    """JSON text -> a value, or a 400 for anything ``json`` cannot or should not take: not JSON, not UTF-8,
+    nesting deep enough to exhaust the recursion limit, an integer literal over Python's 4,300 digits."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ApiError(400, f"{what} is nested too deeply") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise ApiError(400, f"{what} is not valid JSON") from None
+
+
+def _bearer(request) -> str | None:
+    """The secret of an ``Authorization: Bearer <secret>`` header; None when there is none."""
+    h = request.headers.get("authorization")
+    if h is None:
+        return None
+    scheme, _, value = h.strip().partition(" ")
+    value = value.strip()
+    return value if scheme.lower() == "bearer" and value else None
+
+
+_malloc_trim = None
+
+
+def trim_memory() -> bool:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim(0)``, all arenas); False where unavailable.
+
+    A decoded image lives in a few large allocations, freed right after; glibc keeps what was freed in
+    each thread's arena for reuse, so without this a process that decoded large images once holds that
+    memory for ever (issue 20: rounds of 8 parallel 64 MP uploads left 2 GB behind)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if not _malloc_trim:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """The image's (width, height) from its header alone (Pillow's ``open`` reads no pixel data), or an
+    ApiError: 400 for data that is not an image in one of ``IMAGE_FORMATS``, 413 over ``max_pixels``."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+                w, h = im.size
+    except Image.DecompressionBombError:
+        raise ApiError(413, f"reference image is too large (over {max_pixels / 1e6:.1f} megapixels)") \
+            from None
+    except UnidentifiedImageError:
+        raise ApiError(400, "reference image is not an image in a format the server takes "
+                            f"({', '.join(IMAGE_FORMATS)})") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise ApiError(400, f"could not read the reference image's header: {_short(str(e), 200)}") from None
+    if w < 1 or h < 1:
+        raise ApiError(400, f"reference image has no pixels ({w}x{h})")
+    if w * h > max_pixels:
+        raise ApiError(413, f"reference image is {w}x{h} pixels ({w * h / 1e6:.1f} megapixels); the limit is "
+                            f"{max_pixels / 1e6:.1f} megapixels")
+    return w, h
+
+
+def _decode_image(data: bytes, engine_cfg, limit: int, max_pixels: int) -> np.ndarray:
+    """Bytes -> the engine's reference image (HxWx3 float in [-1, 1], covered and cropped). The header first
+    (size, format: :func:`image_size`), the pixels only then; the memory goes back to the OS afterwards."""
     from cadence.media.image import load_reference_image
 
     if len(data) > limit:
         raise ApiError(413, f"reference image is too large ({len(data)} bytes; limit {limit})")
     if not data:
         raise ApiError(400, "reference image is empty (0 bytes)")
+    image_size(data, max_pixels)
     fd, path = tempfile.mkstemp(prefix="cadence-upload-")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -279,9 +548,129 @@ def _decode_image(data: bytes, engine_cfg, limit: int) -> np.ndarray:
         except InputError as e:
             msg = str(e).replace(path, "upload").replace(": upload", "")
             raise ApiError(413 if "too large" in msg else 400, msg) from None
+        return img.numpy()
     finally:
         os.unlink(path)
-    return img.numpy()
+        trim_memory()
+
+
+class BodyLimit:
+    """ASGI middleware: a request body may not exceed ``limit_for(method, path)`` bytes, however it is sent.
+
+    A declared Content-Length over the limit is refused before anything is read; a body without one
+    (chunked) is counted as it streams in, and the first message past the limit ends it: the app's
+    ``receive`` raises, whatever the handler then answers is replaced by one 413 (``on_refuse`` makes
+    it), sent with ``Connection: close`` so the server stops reading the rest (at most ``limit`` bytes
+    plus one read buffer are ever read). Any answer sent before the body was read to its end (a 401,
+    404, 503 that needs no body) closes the connection too: otherwise the server would go on reading,
+    and discarding, whatever the client still sends."""
+
+    def __init__(self, app, limit_for, on_refuse):
+        self.app, self.limit_for, self.on_refuse = app, limit_for, on_refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.limit_for(scope["method"], scope["path"])
+        headers = scope.get("headers", ())
+        declared = [v for k, v in headers if k == b"content-length"]
+        size = 0
+        if declared:
+            try:
+                size = int(declared[0])
+            except ValueError:
+                return await self._refuse(send, 400, "invalid Content-Length")
+            if size > limit:
+                return await self._refuse(send, 413,
+                                          f"request body is too large ({size} bytes; limit {limit})")
+        body_left = size > 0 or any(k == b"transfer-encoding" for k, _ in headers)
+        seen = 0
+        over = False
+        replaced = False
+        started = False
+        message = f"request body is too large (over {limit} bytes)"
+
+        async def limited_receive():
+            nonlocal seen, over, body_left
+            if over:
+                raise ApiError(413, message)
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    over = True
+                    raise ApiError(413, message)
+                body_left = body_left and msg.get("more_body", False)
+            return msg
+
+        async def guarded_send(msg):
+            nonlocal replaced, started
+            if replaced:
+                return
+            if msg["type"] == "http.response.start":
+                if over:
+                    replaced = True
+                    return await self._refuse(send, 413, message)
+                started = True
+                if body_left:
+                    msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not over or started or replaced:
+                raise
+            await self._refuse(send, 413, message)
+
+    async def _refuse(self, send, status: int, message: str) -> None:
+        resp = self.on_refuse(status, message)
+        resp.headers["connection"] = "close"
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+# ---- OpenAPI: what every route answers --------------------------------------------------------------
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "additionalProperties": False,
+                 "properties": {"error": {"type": "string", "description": "one line, for a person"}}}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again", "required": True,
+                                "schema": {"type": "integer", "minimum": 1}}}
+_ERRORS = {
+    400: (("Bad request: a field missing, of the wrong type, out of range, or text that is not valid Unicode "
+           "or carries NUL; not JSON; a malformed SDP offer; an image that is not one"), None),
+    401: ("No credential, or an invalid API key (Authorization: Bearer ...)",
+          {"WWW-Authenticate": {"description": "Bearer", "required": True, "schema": {"type": "string"}}}),
+    403: (("The credential does not open this resource (another session's token), or the route needs the "
+           "operator key and this server has none"), None),
+    404: ("No such session (or its report has expired), or no such route", None),
+    409: ("The session is still open: its report is written when it closes", None),
+    410: ("The session is closed (its state and report stay readable for a while)", None),
+    413: ("Body, image (bytes or pixels), SDP offer or audio over its limit", None),
+    415: ("A content type this route does not take, or audio that cannot be decoded", None),
+    429: ("This client already has as many sessions waiting to connect as it may", _RETRY_AFTER),
+    500: ("The session could not be started (the worker failed)", None),
+    503: ("No free session slot, or a server-side dependency missing (espeak-ng for 'say')", _RETRY_AFTER),
+}
+
+
+def _errors(*codes: int) -> dict:
+    out = {}
+    for c in codes:
+        desc, headers = _ERRORS[c]
+        if c == 503:
+            headers = None  # a 503 for a missing espeak-ng carries no Retry-After; a full server's does
+        out[c] = {"description": desc, "content": {"application/json": {"schema": _ERROR_SCHEMA}},
+                  **({"headers": headers} if headers else {})}
+    return out
+
+
+def _ok(description: str, schema: dict | None = None, status: int = 200) -> dict:
+    return {status: {"description": description,
+                     "content": {"application/json": {"schema": schema or {"type": "object"}}}}}
+
+
+_SESSION_ROUTE = (400, 401, 403, 404, 413)
 
 
 # ---- the FastAPI app ------------------------------------------------------------------------------
@@ -289,11 +678,15 @@ def _decode_image(data: bytes, engine_cfg, limit: int) -> np.ndarray:
 def create_app(cfg: ServeConfig | None = None):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
+    from fastapi.openapi.utils import get_openapi
     from fastapi.responses import FileResponse, JSONResponse, Response
     from fastapi.staticfiles import StaticFiles
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     cfg = cfg or ServeConfig()
+    if not cfg.loopback and cfg.api_key is None:  # ServeConfig allows it only with insecure_no_auth
+        log.warning("WARNING: serving on %s (not loopback) WITHOUT an API key (--insecure-no-auth): anyone "
+                    "who reaches this address can start sessions; use --api-key-file PATH", cfg.host)
     mgr = SessionManager(cfg)
 
     @asynccontextmanager
@@ -305,14 +698,35 @@ def create_app(cfg: ServeConfig | None = None):
             await mgr.stop()
 
     app = FastAPI(title="cadence", version="0.1.0", lifespan=lifespan,
-                  description="Live talking characters over WebRTC: chunk-causal video diffusion.")
+                  description="Live talking characters over WebRTC: chunk-causal video diffusion. Each "
+                              "session's routes need the token POST /sessions returned (Authorization: Bearer "
+                              "<token>); with an operator key configured, creating sessions and listing them "
+                              "need it.")
     app.state.manager = mgr
-    body_limit = max(cfg.max_image_bytes, cfg.max_audio_bytes) + cfg.max_sdp_bytes + 64 * 1024
+    session_body = math.ceil(cfg.max_image_bytes * 4 / 3) + cfg.max_sdp_bytes + SMALL_BODY  # (base64 image)
+    audio_body = cfg.max_audio_bytes + SMALL_BODY
+
+    def limit_for(method: str, path: str) -> int:
+        if method == "POST" and path.rstrip("/") == "/sessions":
+            return session_body
+        if method == "POST" and path.startswith("/sessions/") and path.endswith("/audio"):
+            return audio_body
+        return SMALL_BODY
 
     def err(status: int, message: str, headers: dict | None = None):
         if 400 <= status < 500:
             mgr.metrics.bad_requests.labels(str(status)).inc()
         return JSONResponse({"error": " ".join(str(message).split())}, status_code=status, headers=headers)
+
+    app.add_middleware(BodyLimit, limit_for=limit_for, on_refuse=err)
+
+    def allowed_methods(path: str) -> list[str]:
+        methods: set[str] = set()
+        for r in app.router.routes:
+            m = getattr(r, "methods", None)
+            if m and r.path_regex.match(path):
+                methods |= set(m)
+        return sorted(methods)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -320,8 +734,13 @@ def create_app(cfg: ServeConfig | None = None):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
-        return err(exc.status_code, exc.detail if isinstance(exc.detail, str) else str(exc.detail),
-                   getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method of the path, not only those of the route that matched first
+            allow = allowed_methods(request.url.path)
+            if allow:
+                headers["Allow"] = ", ".join(allow)
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return err(exc.status_code, detail, headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
@@ -333,18 +752,6 @@ def create_app(cfg: ServeConfig | None = None):
     async def _cadence_error(request, exc):
         return err(400, str(exc))
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        n = request.headers.get("content-length")
-        if n is not None:
-            try:
-                size = int(n)
-            except ValueError:
-                return err(400, "invalid Content-Length")
-            if size > body_limit:
-                return err(413, f"request body is too large ({size} bytes; limit {body_limit})")
-        return await call_next(request)
-
     # ---- routes ----
     @app.get("/", include_in_schema=False)
     async def index():
@@ -352,62 +759,99 @@ def create_app(cfg: ServeConfig | None = None):
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    @app.get("/healthz")
+    @app.get("/healthz", summary="Liveness", responses=_ok("Liveness and free slots"))
     async def healthz():
         return {"ok": mgr.started, "groups": len(mgr.groups), "free": sum(g.free for g in mgr.groups),
                 "sessions": len(mgr.sessions)}
 
-    @app.get("/config")
+    @app.get("/config", summary="What the page needs: geometry, agents, limits, whether an API key is needed",
+             responses=_ok("The server's configuration"))
     async def config():
         e = mgr.engine_cfg
         return {"preset": e.name, "width": e.stream.width, "height": e.stream.height, "fps": e.stream.fps,
                 "sample_rate": 48000, "frames_per_chunk": e.video_frames_per_chunk,
                 "audio_samples_per_chunk": e.audio_samples_per_chunk, "chunk_ms": round(1e3 * e.chunk_seconds, 3),
                 "agents": ["mirror", "say"], "say_available": espeak_binary() is not None,
+                "api_key_required": cfg.api_key is not None,
                 "groups": len(mgr.groups), "max_image_bytes": cfg.max_image_bytes,
+                "max_image_pixels": cfg.max_image_pixels, "max_prompt_chars": MAX_PROMPT,
                 "max_audio_bytes": cfg.max_audio_bytes, "idle_timeout_s": cfg.idle_timeout_s,
-                "max_duration_s": cfg.max_duration_s,
+                "max_duration_s": cfg.max_duration_s, "connect_timeout_s": cfg.connect_timeout_s,
                 "weights": {"model": e.model.weights, "vae": e.vae.weights},
                 "workers": [{"index": g.index, "device": g.device, "ready": g.ready.is_set(),
                              "lead_ms": round(mgr.lead_ms(g), 1), **(g.info or {})} for g in mgr.groups]}
 
-    @app.post("/sessions", status_code=201, summary="Start a session: SDP offer in, SDP answer out",
-              openapi_extra={"requestBody": {"content": {
+    # A server without an operator key has no credential to ask for on the operator routes (they are off,
+    # 403), so its spec names none there; every session route takes the session's token (or the key).
+    operator = [{"apiKey": []}] if cfg.api_key else []
+    per_session = [{"sessionToken": []}, {"apiKey": []}] if cfg.api_key else [{"sessionToken": []}]
+
+    text = {"type": "string", "pattern": "^[^\\u0000]*$"}
+    session_fields = {
+        "sdp": {"type": "string", "minLength": 1, "description": "the client's SDP offer (a recvonly video "
+                "transceiver; audio sendrecv for the microphone)"},
+        "type": {"type": "string", "enum": ["offer"], "default": "offer"},
+        "prompt": {**text, "maxLength": MAX_PROMPT, "description": f"default: {DEFAULT_PROMPT!r}"},
+        "agent": {"type": "string", "enum": sorted(AGENTS), "default": "mirror"},
+    }
+    created = {"type": "object", "required": ["session_id", "token", "sdp", "type"], "properties": {
+        "session_id": {"type": "string"},
+        "token": {"type": "string", "description": "this session's secret: send it as 'Authorization: Bearer "
+                                                   "<token>' on every /sessions/{id} route; shown only here"},
+        "sdp": {"type": "string"}, "type": {"type": "string", "enum": ["answer"]},
+        "agent": {"type": "string"},
+        "preset": {"type": "string"}, "fps": {"type": "integer"}, "width": {"type": "integer"},
+        "height": {"type": "integer"}}}
+
+    @app.post("/sessions", status_code=201, summary="Start a session: SDP offer in, SDP answer (+ token) out",
+              responses={**_ok("The SDP answer, the session id and its token", created, 201),
+                         **_errors(400, *((401,) if cfg.api_key else ()), 413, 415, 429, 500, 503)},
+              openapi_extra={"security": operator, "requestBody": {"required": True, "content": {
                   "application/json": {"schema": {"type": "object", "required": ["sdp"], "properties": {
-                      "sdp": {"type": "string"}, "type": {"type": "string", "default": "offer"},
-                      "prompt": {"type": "string"}, "agent": {"type": "string", "enum": ["mirror", "say"]},
-                      "seed": {"type": "integer"}, "image_base64": {"type": "string"}}}},
+                      **session_fields,
+                      "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "default": 0},
+                      "image_base64": {"type": "string", "contentEncoding": "base64",
+                                       "description": "the reference image (PNG, JPEG, WebP, ...), base64; "
+                                                      f"at most {cfg.max_image_bytes} bytes and "
+                                                      f"{cfg.max_image_pixels} pixels"}}}},
                   "multipart/form-data": {"schema": {"type": "object", "required": ["sdp"], "properties": {
-                      "sdp": {"type": "string"}, "type": {"type": "string"}, "prompt": {"type": "string"},
-                      "agent": {"type": "string"}, "seed": {"type": "integer"},
+                      **session_fields,
+                      "seed": {"type": "string", "pattern": "^[0-9]{0,19}$", "description": f"0..{MAX_SEED}"},
                       "image": {"type": "string", "format": "binary"}}}}}}})
     async def create_session(request: Request):
         t_request = time.monotonic()
+        if cfg.api_key is not None:
+            cred = _bearer(request)
+            if cred is None:
+                raise ApiError(401, "creating a session needs the API key (Authorization: Bearer <key>)",
+                               {"WWW-Authenticate": "Bearer"})
+            if not mgr.is_operator(cred):
+                raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
         ctype = request.headers.get("content-type", "")
         image_bytes = None
+        form = ctype.startswith("multipart/form-data")
         if ctype.startswith("application/json"):
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ApiError(400, "request body is not valid JSON") from None
+            body = _parse_json(await request.body(), "request body")
             if not isinstance(body, dict):
                 raise ApiError(400, "request body must be a JSON object")
             fields = body
-            if body.get("image_base64"):
-                b64 = str(body["image_base64"])
+            b64 = _str_field(body, "image_base64", None)
+            if b64:
                 if b64.startswith("data:"):
                     b64 = b64.split(",", 1)[-1]
                 try:
                     image_bytes = base64.b64decode(b64, validate=True)
                 except (binascii.Error, ValueError):
                     raise ApiError(400, "image_base64 is not valid base64") from None
-        elif ctype.startswith("multipart/form-data"):
+        elif form:
             try:
-                form = await request.form(max_files=1, max_fields=20)
+                parsed = await request.form(max_files=1, max_fields=20)
+            except ApiError:
+                raise
             except Exception as e:
                 raise ApiError(400, f"could not parse the multipart form: {e}") from None
-            fields = {k: v for k, v in form.items() if isinstance(v, str)}
-            up = form.get("image")
+            fields = {k: v for k, v in parsed.items() if isinstance(v, str)}
+            up = parsed.get("image")
             if up is not None and not isinstance(up, str):
                 image_bytes = await up.read(cfg.max_image_bytes + 1)
                 if len(image_bytes) > cfg.max_image_bytes:
@@ -415,69 +859,97 @@ def create_app(cfg: ServeConfig | None = None):
                 if not image_bytes:
                     image_bytes = None if not up.filename else b""
         else:
-            raise ApiError(415, f"POST /sessions takes application/json or multipart/form-data, got {ctype or 'none'!r}")
-        try:
-            seed = int(fields.get("seed", 0) or 0)
-        except (TypeError, ValueError):
-            raise ApiError(400, f"seed must be an integer, got {fields.get('seed')!r}") from None
+            raise ApiError(415, f"POST /sessions takes application/json or multipart/form-data, got "
+                                f"{_short(ctype) or 'none'!r}")
+        sdp = _str_field(fields, "sdp", None)
+        sdp_type = _str_field(fields, "type", "offer")
+        prompt = _str_field(fields, "prompt", "", MAX_PROMPT) or DEFAULT_PROMPT
+        agent = _str_field(fields, "agent", "") or "mirror"
+        seed = _seed_field(fields, form)
+        client = request.client.host if request.client else "unknown"
         return JSONResponse(await mgr.create(
-            sdp=fields.get("sdp"), sdp_type=fields.get("type", "offer"), image_bytes=image_bytes,
-            prompt=str(fields.get("prompt") or DEFAULT_PROMPT),
-            agent=str(fields.get("agent") or "mirror"), seed=seed, t_request=t_request), status_code=201)
+            sdp=sdp, sdp_type=sdp_type, image_bytes=image_bytes, prompt=prompt, agent=agent, seed=seed,
+            t_request=t_request, client=client), status_code=201)
 
-    @app.get("/sessions")
-    async def list_sessions():
+    @app.get("/sessions", summary="Open sessions (needs the operator key; off on a server without one)",
+             responses={**_ok("Every open session's state"),
+                        **_errors(*((401,) if cfg.api_key else ()), 403)},
+             openapi_extra={"security": operator})
+    async def list_sessions(request: Request):
+        mgr.require_operator(_bearer(request), "the session list")
         return {"sessions": [s.status() for s in mgr.sessions.values()]}
 
-    @app.get("/sessions/{sid}")
-    async def get_session(sid: str):
+    @app.get("/sessions/{sid}", summary="A session's state (a closed one: its final state)",
+             responses={**_ok("The session's state"), **_errors(*_SESSION_ROUTE)},
+             openapi_extra={"security": per_session})
+    async def get_session(sid: str, request: Request):
+        mgr.authorize(sid, _bearer(request))
         s = mgr.sessions.get(sid)
         if s is not None:
             s.touch()
             return s.status()
-        if sid in mgr.reports:
-            return {k: v for k, v in mgr.reports[sid].items() if k != "report"}
-        raise ApiError(404, f"unknown session {sid!r}")
+        return {k: v for k, v in mgr.reports[sid].items() if k != "report"}
 
-    @app.get("/sessions/{sid}/report")
-    async def get_report(sid: str):
-        mgr._expire_reports()
+    @app.get("/sessions/{sid}/report", summary="A closed session's report",
+             responses={**_ok("The session's report"), **_errors(*_SESSION_ROUTE, 409)},
+             openapi_extra={"security": per_session})
+    async def get_report(sid: str, request: Request):
+        mgr.authorize(sid, _bearer(request))
         if sid in mgr.reports:
             return mgr.reports[sid]
-        if sid in mgr.sessions:
-            raise ApiError(409, f"session {sid} is still open; its report is written when it closes")
-        raise ApiError(404, f"no report for session {sid!r} (unknown, or expired after "
-                            f"{cfg.report_ttl_s:.0f} s)")
+        raise ApiError(409, f"session {sid} is still open; its report is written when it closes")
 
-    @app.delete("/sessions/{sid}")
-    async def delete_session(sid: str):
+    @app.delete("/sessions/{sid}", summary="Close a session; its report",
+                responses={**_ok("The session's report"), **_errors(*_SESSION_ROUTE, 410)},
+                openapi_extra={"security": per_session})
+    async def delete_session(sid: str, request: Request):
+        mgr.authorize(sid, _bearer(request))
         s = mgr.get_open(sid)
         return await s.close("client")
 
-    @app.post("/sessions/{sid}/say")
+    say_schema = {"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string", "minLength": 1, "maxLength": SayAgent.max_text,
+                 "pattern": "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$",
+                 "description": "what to say (not only whitespace, no NUL)"},
+        "interrupt": {"type": "boolean", "default": False, "description": "drop what is queued first"}}}
+
+    @app.post("/sessions/{sid}/say", summary="The character says a line of text (espeak-ng)",
+              responses={**_ok("Seconds of speech queued"), **_errors(*_SESSION_ROUTE, 410, 503)},
+              openapi_extra={"security": per_session, "requestBody": {"required": True, "content": {
+                  "application/json": {"schema": say_schema}}}})
     async def say(sid: str, request: Request):
-        s = mgr.get_open(sid)
-        s.touch()
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "request body must be JSON: {\"text\": \"...\"}") from None
-        text = body.get("text") if isinstance(body, dict) else None
-        if not isinstance(text, str) or not text.strip():
+        mgr.authorize(sid, _bearer(request))
+        body = _parse_json(await request.body(), 'request body (JSON: {"text": "..."})')
+        if not isinstance(body, dict):
+            raise ApiError(400, 'request body must be a JSON object: {"text": "..."}')
+        text = _str_field(body, "text", None)
+        if text is None or not text.strip():
             raise ApiError(400, "missing 'text' (a non-empty string)")
+        if len(text) > SayAgent.max_text:
+            raise ApiError(400, f"'text' is too long ({len(text)} characters; limit {SayAgent.max_text})")
+        interrupt = body.get("interrupt", False)
+        if not isinstance(interrupt, bool):
+            raise ApiError(400, f"'interrupt' must be a boolean, got {_type_name(interrupt)}")
+        mgr.get_open(sid).touch()  # a well-formed request on a closed session: 410
         try:
             audio = await asyncio.to_thread(synthesize, text)
         except TTSUnavailable as e:
             raise ApiError(503, str(e)) from None
         s = mgr.get_open(sid)
-        if body.get("interrupt"):
+        if interrupt:
             s.agent.interrupt()
         s.agent.speak(audio, t_agent=time.monotonic())
         return {"session_id": sid, "seconds": round(audio.size / 48000, 3),
                 "queued_s": round(s.agent.queued_samples / 48000, 3)}
 
-    @app.post("/sessions/{sid}/audio", summary="Queue speech audio (any format FFmpeg decodes) for the character")
+    @app.post("/sessions/{sid}/audio",
+              summary="Queue speech audio (any format FFmpeg decodes) for the character",
+              responses={**_ok("Seconds of speech queued"), **_errors(*_SESSION_ROUTE, 410, 415)},
+              openapi_extra={"security": per_session, "requestBody": {"required": True, "content": {
+                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                  "audio/wav": {"schema": {"type": "string", "format": "binary"}}}}})
     async def push_audio(sid: str, request: Request):
+        mgr.authorize(sid, _bearer(request))
         s = mgr.get_open(sid)
         s.touch()
         data = await request.body()
@@ -492,17 +964,50 @@ def create_app(cfg: ServeConfig | None = None):
         return {"session_id": sid, "seconds": round(audio.size / 48000, 3),
                 "queued_s": round(s.agent.queued_samples / 48000, 3)}
 
-    @app.post("/sessions/{sid}/interrupt")
-    async def interrupt(sid: str):
+    @app.post("/sessions/{sid}/interrupt", summary="Stop speaking",
+              responses={**_ok("Interrupted"), **_errors(*_SESSION_ROUTE, 410)},
+              openapi_extra={"security": per_session})
+    async def interrupt(sid: str, request: Request):
+        mgr.authorize(sid, _bearer(request))
         s = mgr.get_open(sid)
         s.touch()
         s.agent.interrupt()
         return {"session_id": sid, "interrupted": True}
 
-    @app.get("/metrics")
-    async def metrics():
-        for s in list(mgr.sessions.values()):
-            s.update_metrics()
-        return Response(mgr.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", summary="Prometheus text exposition (per-session series with the operator key)",
+             response_class=Response,
+             responses={200: {"description": "Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}},
+             openapi_extra={"security": [{}, {"apiKey": []}] if cfg.api_key else []})
+    async def metrics(request: Request):
+        sessions = mgr.is_operator(_bearer(request))
+        if sessions:
+            for s in list(mgr.sessions.values()):
+                s.update_metrics()
+        return Response(mgr.metrics.render(sessions=sessions), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi():
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description,
+                               routes=app.routes)
+            for ops in spec.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)  # FastAPI's own; every refusal here is a 400
+            # FastAPI's spec model turns 2^63 - 1 into a float (2^63): put the exact bound back
+            body = spec["paths"]["/sessions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            body["properties"]["seed"]["maximum"] = MAX_SEED
+            comps = spec.setdefault("components", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                comps.get("schemas", {}).pop(name, None)
+            comps["securitySchemes"] = {
+                "sessionToken": {"type": "http", "scheme": "bearer",
+                                 "description": "the token POST /sessions returned for this session"}}
+            if cfg.api_key:
+                comps["securitySchemes"]["apiKey"] = {
+                    "type": "http", "scheme": "bearer",
+                    "description": "the operator key (cadence serve --api-key-file / --api-key)"}
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

@@ -1,8 +1,10 @@
 """A Python WebRTC client of ``cadence serve`` (aiortc): the tests' and ``cadence bench serve``'s.
 
 It offers what the page offers (a recvonly video transceiver and a sendrecv audio transceiver
-carrying a microphone track), posts the offer, receives the character for ``seconds`` and records
-every frame's arrival time and pts, then closes the session and the connection.
+carrying a microphone track), posts the offer (with the operator key when the server needs one),
+receives the character for ``seconds`` and records every frame's arrival time and pts, then closes the
+session and the connection. Every request on the session carries the token the server returned
+(``Authorization: Bearer``), as the page does.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class MicTrack(MediaStreamTrack):
 @dataclass
 class ClientResult:
     session_id: str = ""
+    token: str = ""  # the session's token (POST /sessions' answer)
     status_code: int = 0
     error: str | None = None
     t_post: float = 0.0
@@ -152,14 +155,18 @@ class ClientResult:
 async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=None, mic: np.ndarray | None = None,
                      speak_wav: bytes | None = None, speak_after_s: float = 0.5, speak_every_s: float = 0.0,
                      speak_jitter_s: float = 0.0, image: bytes | None = None, connect_timeout: float = 30.0,
-                     close: bool = True, video_codec: str | None = None) -> ClientResult:
+                     close: bool = True, video_codec: str | None = None, api_key: str | None = None,
+                     created: dict | None = None) -> ClientResult:
     """One session against ``url`` for ``seconds`` after its first frame. ``speak_wav`` is pushed
     ``speak_after_s`` after the first frame, and again every ``speak_every_s`` seconds (> 0) while the
     session runs (each push is one agent segment: one audio -> frame latency sample), plus a uniform
     random 0..``speak_jitter_s`` (seeded) so the pushes land at different phases of the chunk clock
     (with a period that is a multiple of the chunk length every sample would see the same phase).
     ``video_codec`` ('VP8' or 'H264'): offer only that video codec (``setCodecPreferences``), as a
-    browser that prefers it would; default: aiortc's order (VP8 first)."""
+    browser that prefers it would; default: aiortc's order (VP8 first). ``api_key``: the server's operator
+    key, sent with the POST that creates the session. ``created``: a dict that gets the session's
+    ``session_id`` and ``token`` as soon as the server answers (for a caller watching the session
+    meanwhile: a test, ``cadence bench serve``'s progress lines)."""
     import httpx
 
     res = ClientResult()
@@ -204,19 +211,24 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
         pc.addTransceiver(mic_track, direction="sendrecv")
         await pc.setLocalDescription(await pc.createOffer())
         res.t_post = time.monotonic()
+        key = {"authorization": f"Bearer {api_key}"} if api_key else {}
         if image is not None:
             r = await http.post(f"{url}/sessions", data={"sdp": pc.localDescription.sdp, "type": "offer",
-                                                         "agent": agent}, files={"image": ("face.png", image)})
+                                                         "agent": agent},
+                                files={"image": ("face.png", image)}, headers=key)
         else:
             r = await http.post(f"{url}/sessions", json={"sdp": pc.localDescription.sdp, "type": "offer",
-                                                         "agent": agent})
+                                                         "agent": agent}, headers=key)
         res.status_code = r.status_code
         if r.status_code != 201:
             res.error = r.json().get("error", r.text) if r.headers.get("content-type", "").startswith(
                 "application/json") else r.text
             return res
         body = r.json()
-        res.session_id = body["session_id"]
+        res.session_id, res.token = body["session_id"], body["token"]
+        auth = {"authorization": f"Bearer {res.token}"}
+        if created is not None:
+            created.update(session_id=res.session_id, token=res.token)
         await pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type=body["type"]))
         res.codecs = negotiated_codecs(body["sdp"])
         try:
@@ -233,7 +245,7 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
             while res.error is None:
                 res.pushed_audio_at = time.monotonic()
                 r = await http.post(f"{url}/sessions/{res.session_id}/audio", content=speak_wav,
-                                    headers={"content-type": "audio/wav"})
+                                    headers={"content-type": "audio/wav", **auth})
                 if r.status_code != 200:
                     res.error = f"POST audio: {r.status_code} {r.text}"
                 if speak_every_s <= 0 or time.monotonic() + speak_every_s > t_end - 0.5:
@@ -241,10 +253,10 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
                 await asyncio.sleep(max(0.0, res.pushed_audio_at + speak_every_s + rng.uniform(0.0, speak_jitter_s)
                                         - time.monotonic()))
         await asyncio.sleep(max(0.0, t_end - time.monotonic()))
-        r = await http.get(f"{url}/sessions/{res.session_id}")
+        r = await http.get(f"{url}/sessions/{res.session_id}", headers=auth)
         res.status = r.json()
         if close:
-            r = await http.delete(f"{url}/sessions/{res.session_id}")
+            r = await http.delete(f"{url}/sessions/{res.session_id}", headers=auth)
             res.report = r.json()
         return res
     except Exception as e:

@@ -8,6 +8,11 @@ the web process), sessions by close reason, admissions refused, active sessions,
 underruns and deadline misses (they survive the session's series). Per worker group (label
 ``group``): the worker process's memory with its last chunk (host RSS, GPU allocation).
 
+The per-session series live on a registry of their own (``session_registry``): their labels are the
+session ids, which are operator information (with a session id and nothing else a client can do
+nothing, but the list of who is connected is not for everyone), so ``render(sessions=False)`` (what
+``/metrics`` answers without the operator key) leaves them out and keeps every aggregate.
+
 ``prometheus_client`` is imported here only: the engine and the benchmarks never need it.
 """
 
@@ -27,7 +32,7 @@ _MS_BUCKETS = (5, 10, 20, 35, 50, 75, 100, 125, 150, 166.7, 200, 250, 333, 500, 
 
 class ServeMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        r = self.session_registry = CollectorRegistry(auto_describe=True)
         s = ("session",)
         self.fps = Gauge("cadence_session_fps", "Generated video frames delivered per second (last 2 s)", s, registry=r)
         self.ttff = Gauge("cadence_session_ttff_ms", "Session start (request received) -> first generated frame sent",
@@ -48,6 +53,7 @@ class ServeMetrics:
         self.buffer_ms = Gauge("cadence_session_buffer_ms",
                                "Playout headroom: generated video not yet sent, in ms of media (falls toward 0 "
                                "before an underrun)", s, registry=r)
+        r = self.registry = CollectorRegistry(auto_describe=True)  # everything else: aggregates
         self.chunk_latency = Histogram("cadence_chunk_latency_ms", "Chunk plan -> frames back in the web process",
                                        buckets=_MS_BUCKETS, registry=r)
         self.agent_latency_hist = Histogram("cadence_agent_audio_to_frame_ms",
@@ -86,5 +92,7 @@ class ServeMetrics:
             if mb is not None:
                 self.worker_memory.labels(str(group), name.removesuffix("_mb")).set(mb * 2 ** 20)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, sessions: bool = False) -> bytes:
+        """The Prometheus text exposition: the aggregates, and the per-session series when ``sessions``."""
+        out = generate_latest(self.registry)
+        return out + generate_latest(self.session_registry) if sessions else out

@@ -1,9 +1,15 @@
 // The cadence page: one RTCPeerConnection per session, no build step, no external resources.
 // Hooks for automated tests: window.cadence = {start, stop, say, state()}; data-* attributes on <body>.
+// Auth: POST /sessions answers with the session's token; every request on the session sends it
+// (Authorization: Bearer). When /config says the server has an operator key, the page shows a key
+// field, asks for the key once and keeps it for this tab (sessionStorage) to create sessions with.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
-  let pc = null, sessionId = null, poll = null, micStream = null;
+  let pc = null, sessionId = null, sessionToken = null, poll = null, micStream = null, keyRequired = false;
+  const KEY_STORE = "cadence.apiKey";
+  const bearer = (secret) => (secret ? { authorization: `Bearer ${secret}` } : {});
+  const sessionHeaders = () => bearer(sessionToken);
 
   function setError(msg) { $("error").textContent = msg || ""; }
   function setState(s) { $("m-state").textContent = s; document.body.dataset.state = s; }
@@ -67,10 +73,21 @@
       form.append("prompt", $("prompt").value);
       form.append("agent", $("agent").value);
       if ($("image").files[0]) form.append("image", $("image").files[0]);
-      const r = await fetch("/sessions", { method: "POST", body: form });
+      let key = null;
+      if (keyRequired) {
+        key = $("api-key").value.trim();
+        if (!key) { $("api-key").focus(); throw new Error("this server needs its API key: enter it above"); }
+        sessionStorage.setItem(KEY_STORE, key);
+      }
+      const r = await fetch("/sessions", { method: "POST", body: form, headers: bearer(key) });
+      if (r.status === 401) { // no key, or a wrong one: ask (again)
+        keyRequired = true; $("key-row").hidden = false;
+        sessionStorage.removeItem(KEY_STORE); $("api-key").value = ""; $("api-key").focus();
+      }
       if (!r.ok) throw new Error(await errorText(r));
       const ans = await r.json();
       sessionId = ans.session_id;
+      sessionToken = ans.token;
       document.body.dataset.session = sessionId;
       $("m-preset").textContent = `${ans.preset} ${ans.width}x${ans.height} @ ${ans.fps} fps`;
       await pc.setRemoteDescription({ type: ans.type, sdp: ans.sdp });
@@ -87,7 +104,7 @@
   async function refresh() {
     if (!sessionId) return;
     try {
-      const r = await fetch(`/sessions/${sessionId}`);
+      const r = await fetch(`/sessions/${sessionId}`, { headers: sessionHeaders() });
       if (!r.ok) { setError(await errorText(r)); return; }
       const s = await r.json();
       setState(s.state + (s.close_reason ? ` (${s.close_reason})` : ""));
@@ -106,10 +123,11 @@
 
   async function stop() {
     if (poll) { clearInterval(poll); poll = null; }
-    const sid = sessionId;
+    const sid = sessionId, headers = sessionHeaders();
     sessionId = null;
+    sessionToken = null;
     if (sid) {
-      try { await fetch(`/sessions/${sid}`, { method: "DELETE" }); } catch (e) { /* closing anyway */ }
+      try { await fetch(`/sessions/${sid}`, { method: "DELETE", headers }); } catch (e) { /* closing anyway */ }
     }
     if (pc) { pc.close(); pc = null; }
     if (micStream) { micStream.getTracks().forEach((t) => t.stop()); micStream = null; }
@@ -121,25 +139,31 @@
     if (!sessionId) return;
     text = text === undefined ? $("say-text").value : text;
     const r = await fetch(`/sessions/${sessionId}/say`, {
-      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ text }),
+      method: "POST", headers: { "content-type": "application/json", ...sessionHeaders() }, body: JSON.stringify({ text }),
     });
     if (!r.ok) setError(await errorText(r)); else setError("");
     return r.ok;
   }
 
   async function interrupt() {
-    if (sessionId) await fetch(`/sessions/${sessionId}/interrupt`, { method: "POST" });
+    if (sessionId) await fetch(`/sessions/${sessionId}/interrupt`, { method: "POST", headers: sessionHeaders() });
   }
 
   $("start").addEventListener("click", start);
   $("stop").addEventListener("click", stop);
   $("say").addEventListener("click", () => say());
   $("interrupt").addEventListener("click", interrupt);
-  window.addEventListener("beforeunload", () => { if (sessionId) navigator.sendBeacon && fetch(`/sessions/${sessionId}`, { method: "DELETE", keepalive: true }); });
+  window.addEventListener("beforeunload", () => {
+    if (sessionId) fetch(`/sessions/${sessionId}`, { method: "DELETE", keepalive: true, headers: sessionHeaders() });
+  });
   fetch("/config").then((r) => r.json()).then((c) => {
     $("m-preset").textContent = `${c.preset} ${c.width}x${c.height} @ ${c.fps} fps`;
     if (!c.say_available) $("agent").querySelector("option[value=say]").textContent += " (espeak-ng not installed)";
+    keyRequired = !!c.api_key_required;
+    document.body.dataset.keyRequired = keyRequired ? "1" : "0";
+    $("key-row").hidden = !keyRequired;
+    if (keyRequired) $("api-key").value = sessionStorage.getItem(KEY_STORE) || "";
   }).catch(() => {});
-  window.cadence = { start, stop, say, interrupt, state: () => ({ sessionId, pc }) };
+  window.cadence = { start, stop, say, interrupt, state: () => ({ sessionId, token: sessionToken, pc }) };
   setState("idle");
 })();
