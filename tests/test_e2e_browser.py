@@ -299,6 +299,13 @@ MARKS_JS = ("(() => { const M = window.__e2e; return { now: performance.now(), "
             "frames: M.frames.map((f) => ({ t: f.t, b: f.b })), onsets: M.onsets }; })()")
 
 
+def _get_json(url: str, token: str) -> dict:
+    """GET a session's route with its token (``Authorization: Bearer``, as the page sends it)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
 def _open_page(cdp, url: str) -> None:
     """Navigate to the server's page and wait (<= 20 s) until its script has set up ``window.cadence``."""
     cdp.call("Page.navigate", url=url + "/")
@@ -317,7 +324,8 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
     cdp.eval("document.getElementById('use-mic').checked = false")
     assert cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')") == "ok"
     sid = cdp.eval("window.cadence.state().sessionId")
-    assert sid
+    token = cdp.eval("window.cadence.state().token")  # the page keeps the token POST /sessions returned
+    assert sid and token
     assert cdp.eval(MEASURE_JS) == "running"
     deadline = time.monotonic() + 15
     while (cdp.eval(STATS_JS).get("framesDecoded") or 0) == 0:
@@ -340,7 +348,7 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
             s1 = st
         elif s1 is not None and s2 is None and (st["t"] - s1["t"]) / 1000 >= 3.0:
             s2 = st
-            status = json.loads(urllib.request.urlopen(f"{server.url}/sessions/{sid}", timeout=10).read())
+            status = _get_json(f"{server.url}/sessions/{sid}", token)
         if s2 is not None and t_sync is not None:
             mk = cdp.eval(MARKS_JS)
             markers = _markers(mk["frames"], [o["t"] for o in mk["onsets"]], mk["now"])
@@ -356,7 +364,7 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
     t_stop = time.monotonic()
     assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
     stop_s = time.monotonic() - t_stop  # DELETE (the server's whole session teardown) + the page's pc.close()
-    report = json.loads(urllib.request.urlopen(f"{server.url}/sessions/{sid}/report", timeout=10).read())
+    report = _get_json(f"{server.url}/sessions/{sid}/report", token)
 
     dt = (s2["t"] - s1["t"]) / 1000
     fps = (s2["framesDecoded"] - s1["framesDecoded"]) / dt
@@ -440,3 +448,44 @@ def test_browser_receives_h264_when_the_page_asks_for_it(chromium, server, brows
     assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
     (report,) = server.manager.reports.values()
     assert report["video_codec"] == "H264" and report["close_reason"] == "client", report
+
+
+def test_page_asks_for_the_api_key_once_and_sends_the_session_token(chromium, browser):
+    """A server with an operator key (tiny preset): the page shows its key field (GET /config says a key
+    is needed), refuses to start without one, starts with it, remembers it for the tab (a reload does not
+    ask again), and drives the session with the token it got (its state polls and its Stop's DELETE)."""
+    key = "browser-test-operator-key-0123456789"
+    srv = ServerThread(ServeConfig(preset="tiny", port=0, api_key=key)).start()
+    try:
+        cdp = browser
+        _open_page(cdp, srv.url)
+        cdp.eval("document.getElementById('use-mic').checked = false")
+        deadline = time.monotonic() + 10
+        while cdp.eval("document.body.dataset.keyRequired || ''") != "1":  # /config answered
+            assert time.monotonic() < deadline, "the page did not learn that a key is needed"
+            time.sleep(0.1)
+        assert cdp.eval("document.getElementById('key-row').hidden") is False
+        start = "window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')"
+        assert "API key" in cdp.eval(start)  # no key typed: nothing sent, the page asks for it
+        assert not srv.manager.sessions
+        cdp.eval(f"document.getElementById('api-key').value = '{key}'")
+        assert cdp.eval(start) == "ok"
+        sid, token = cdp.eval("window.cadence.state().sessionId"), cdp.eval("window.cadence.state().token")
+        assert sid in srv.manager.sessions and token and token != key
+        deadline = time.monotonic() + 20
+        while cdp.eval("document.body.dataset.fps || ''") in ("", "0"):  # the page's state poll (its token)
+            assert time.monotonic() < deadline, "the page shows no frame rate"
+            time.sleep(0.2)
+        assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
+        assert srv.manager.reports[sid]["close_reason"] == "client"  # the page's DELETE, with its token
+        # a reload: the key is remembered for the tab, the page starts without asking again
+        _open_page(cdp, srv.url)
+        cdp.eval("document.getElementById('use-mic').checked = false")
+        deadline = time.monotonic() + 10
+        while cdp.eval("document.getElementById('api-key').value") != key:
+            assert time.monotonic() < deadline, "the key was not kept for the tab"
+            time.sleep(0.1)
+        assert cdp.eval(start) == "ok"
+        assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
+    finally:
+        srv.stop()
