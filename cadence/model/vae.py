@@ -35,6 +35,7 @@ calls (tests/test_vae.py checks this against diffusers decoding the whole latent
 from __future__ import annotations
 
 import itertools
+import re
 import json
 from pathlib import Path
 
@@ -486,6 +487,29 @@ class WanVAE(nn.Module):
         self.load_state_dict(sd, strict=True)
 
     @classmethod
+    def from_wan_pth(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "WanVAE":
+        """Wan 2.1's original VAE file (``Wan2.1_VAE.pth``: Wan-Video's ``WanVAE_`` module names), mapped
+        onto diffusers' names by :func:`wan21_vae_to_diffusers`; width and z read off the tensors, the
+        latent statistics Wan 2.1's (the values its code hard-codes, as diffusers' config holds them)."""
+        path = Path(path)
+        if not path.is_file():
+            raise WeightsError(f"Wan VAE checkpoint {path} does not exist")
+        try:
+            sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # not a torch file
+            raise WeightsError(f"cannot read Wan VAE checkpoint {path}: {e}") from None
+        if "encoder.conv1.weight" not in sd or "conv2.weight" not in sd:
+            raise WeightsError(f"Wan VAE checkpoint {path}: not Wan 2.1's VAE layout (no encoder.conv1 / conv2; "
+                               f"first keys: {', '.join(list(sd)[:4])})")
+        base, z = sd["encoder.conv1.weight"].shape[0], sd["conv2.weight"].shape[0]
+        vae = cls(wan_vae_config("2.1", base_dim=int(base), z_dim=int(z)))
+        try:
+            vae.load_diffusers_state_dict(wan21_vae_to_diffusers(sd, vae.config["num_res_blocks"], len(vae.config["dim_mult"])))
+        except WeightsError as e:
+            raise WeightsError(f"{path}: {e}") from None
+        return vae.to(device=device, dtype=dtype).eval()
+
+    @classmethod
     def from_diffusers_dir(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "WanVAE":
         """A diffusers ``vae/`` folder: config.json + diffusion_pytorch_model.safetensors."""
         from safetensors.torch import load_file
@@ -558,6 +582,49 @@ class WanVAE(nn.Module):
         return (1 + self.stride[0] * (latent_frames - 1) if first else self.stride[0] * latent_frames) if latent_frames else 0
 
 
+_WAN21_RES = [(r"\.residual\.0\.", ".norm1."), (r"\.residual\.2\.", ".conv1."), (r"\.residual\.3\.", ".norm2."),
+              (r"\.residual\.6\.", ".conv2."), (r"\.shortcut\.", ".conv_shortcut.")]
+
+
+def wan21_vae_to_diffusers(sd: dict[str, torch.Tensor], num_res_blocks: int = 2, stages: int = 4
+                           ) -> dict[str, torch.Tensor]:
+    """Wan 2.1's ``WanVAE_`` state dict -> ``AutoencoderKLWan`` names (what :class:`WanVAE` uses).
+
+    conv1 / conv2 -> quant_conv / post_quant_conv; {en,de}coder.conv1 -> conv_in; middle.0/1/2 ->
+    mid_block.resnets.0 / attentions.0 / resnets.1; head.0/2 -> norm_out / conv_out; residual.0/2/3/6 ->
+    norm1 / conv1 / norm2 / conv2, shortcut -> conv_shortcut; encoder.downsamples.i -> down_blocks.i
+    (both flat); decoder.upsamples.i (flat: per stage num_res_blocks + 1 blocks, then an upsampler except
+    after the last stage) -> up_blocks.s.resnets.j / up_blocks.s.upsamplers.0. Keys that fit none of
+    these are kept as they are (the strict load then names them)."""
+    per = num_res_blocks + 2  # resnets + upsampler of every stage but the last
+    out = {}
+    for k, v in sd.items():
+        n = k
+        if re.match(r"conv1\.", n):
+            n = "quant_conv." + n[len("conv1."):]
+        elif re.match(r"conv2\.", n):
+            n = "post_quant_conv." + n[len("conv2."):]
+        n = re.sub(r"^(encoder|decoder)\.conv1\.", r"\1.conv_in.", n)
+        n = re.sub(r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0.", n)
+        n = re.sub(r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0.", n)
+        n = re.sub(r"^(encoder|decoder)\.middle\.2\.", r"\1.mid_block.resnets.1.", n)
+        n = re.sub(r"^(encoder|decoder)\.head\.0\.", r"\1.norm_out.", n)
+        n = re.sub(r"^(encoder|decoder)\.head\.2\.", r"\1.conv_out.", n)
+        n = re.sub(r"^encoder\.downsamples\.", "encoder.down_blocks.", n)
+        m = re.match(r"decoder\.upsamples\.(\d+)\.(.*)", n)
+        if m:
+            i = int(m.group(1))
+            s, j = divmod(i, per)
+            if s >= stages - 1:  # the last stage has no upsampler
+                s, j = stages - 1, i - (stages - 1) * per
+            where = "upsamplers.0" if j == num_res_blocks + 1 else f"resnets.{j}"
+            n = f"decoder.up_blocks.{s}.{where}.{m.group(2)}"
+        for p, r in _WAN21_RES:
+            n = re.sub(p, r, n)
+        out[n] = v
+    return out
+
+
 class StreamingDecoder:
     """One session's decode state for a :class:`WanVAE`: feed latent chunks in stream order.
 
@@ -609,3 +676,10 @@ class StreamingDecoder:
         self.latent_frames += n
         self.video_frames += out.shape[2]
         return out[0] if single else out
+
+
+def load_wan_vae(path: str | Path, device="cpu", dtype=torch.float32) -> WanVAE:
+    """A Wan VAE from a diffusers ``vae/`` folder or Wan 2.1's original ``.pth`` file (what
+    ``VAEConfig.weights`` may name)."""
+    path = Path(path)
+    return WanVAE.from_diffusers_dir(path, device, dtype) if path.is_dir() else WanVAE.from_wan_pth(path, device, dtype)
