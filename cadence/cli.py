@@ -15,19 +15,12 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
-from cadence.errors import CadenceError, InputError
+from cadence.errors import EXIT_USAGE, CadenceError, InputError
+from cadence.errors import UsageParser as _Parser
 
-EXIT_USAGE = 2
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with usage errors on one line (``error: ...``), like every other Cadence error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- generate ---------------------------------------------------------------------------------------
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Validate every input, build the generator, stream chunks into the MP4, print a summary."""
+    """Validate every input, build the engine, stream chunks into the MP4, print a summary."""
     import torch
     from tqdm import tqdm
 
@@ -179,16 +172,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     chunks = args.chunks if args.chunks is not None else max(1, math.ceil(audio.shape[0] / per_chunk))
     track = fit_audio(audio, chunks * per_chunk)
 
-    try:
-        from cadence.engine.generate import build_generator
-    except ModuleNotFoundError as e:
-        if e.name not in ("cadence.engine.generate", "cadence.engine"):
-            raise
-        raise InputError("the generation engine (cadence.engine.generate) is not available in this "
-                         "install") from None
+    from cadence.engine.build import build_engine
+    from cadence.engine.spec import FastPath
 
     t_build = time.perf_counter()
-    gen = build_generator(cfg, device=device, dtype=dtype, seed=args.seed)
+    eng = build_engine(cfg, device, FastPath(dtype=str(dtype).replace("torch.", "")), seed=args.seed)
     t_start = time.perf_counter()
     build_s = t_start - t_build
 
@@ -197,16 +185,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         with Mp4Writer(partial, width, height, fps=cfg.stream.fps, sample_rate=AUDIO_SAMPLE_RATE) as writer:
             produced = 0
-            stream = gen.stream(image, args.prompt, track, num_chunks=chunks, seed=args.seed)
+            stream = eng.stream(image, args.prompt, track, num_chunks=chunks, seed=args.seed)
             for chunk in tqdm(stream, total=chunks, desc="chunks", unit="chunk"):
                 writer.write_frames(chunk.frames)
                 writer.write_audio(track[produced * per_chunk:(produced + 1) * per_chunk])
                 produced += 1
         if produced != chunks:
-            raise RuntimeError(f"generator yielded {produced} chunks, expected {chunks}")
+            raise RuntimeError(f"the engine yielded {produced} chunks, expected {chunks}")
         partial.replace(out)
         done = True
     finally:
+        eng.close()
         if not done:
             partial.unlink(missing_ok=True)
     wall = time.perf_counter() - t_start

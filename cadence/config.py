@@ -373,7 +373,7 @@ class CadenceConfig:
         }
 
 
-# ---- placement: which devices diffuse, which decodes (cadence.engine.pipeline) ----------------------
+# ---- placement: which devices diffuse, which decodes (cadence.engine.engine) ----------------------
 
 _DEVICE_SPEC = re.compile(r"cpu|auto|cuda(:\d+)?")
 
@@ -382,13 +382,18 @@ _DEVICE_SPEC = re.compile(r"cpu|auto|cuda(:\d+)?")
 class PipelineConfig:
     """How the chunk pipeline is laid out and buffered (deployment settings, not model shapes).
 
-    Resolved against the machine by :func:`resolve_placement`; ``cadence.engine.pipeline.ChunkPipeline``
-    runs it: diffusion in the caller's thread on ``diffusion_devices``, decode in a worker thread on
+    Resolved against the machine by :func:`resolve_placement`; ``cadence.engine.engine.Engine`` runs it:
+    diffusion in the caller's thread on ``diffusion_devices``, decode in a worker thread on
     ``decode_device``, overlapped (chunk k decodes while chunk k+1 diffuses)."""
+
+    overlap: bool = True
+    """Decode in a thread of its own (on CUDA: its own stream or GPU), overlapped with the next chunk's
+    diffusion. False: decode right after each step in the caller's thread (the serial reference; the
+    same code path otherwise, tests compare the two)."""
 
     diffusion_devices: tuple[str, ...] = ("auto",)
     """Devices that run the DiT: one entry (under tensor parallelism each rank runs its own pipeline
-    with its own GPU here). 'auto' = where the generator's model lives when a ChunkPipeline is built
+    with its own GPU here). 'auto' = where the generator's model lives when an Engine is built
     (in :func:`resolve_placement` alone: cuda:0 when CUDA is present, else cpu); 'cuda' = cuda:0;
     'cuda:N'; 'cpu'."""
     decode_device: str = "auto"
@@ -421,14 +426,14 @@ class PipelineConfig:
     """Keep the session (its cache buffers and decoder object), the graph runner (its captured graphs,
     which read that cache's buffers) and the pinned frame buffers between ``stream`` calls: the next
     stream resets the session in place (``Session.reset``) and replays the graphs captured by earlier
-    streams, including ``ChunkPipeline.prewarm``'s throwaway one. False: a new session, runner and
+    streams, including ``Engine.warm_up``'s throwaway one. False: a new session, runner and
     buffers per stream, all freed at its end."""
     first_chunk_alone: bool = True
     """Wait for the first chunk's frames before diffusing the second, so that its decode and copy do not
     share the device with chunk 1's diffusion (lower time to first frame; chunk 1 starts one decode
     later, once per stream). False: every chunk overlaps from the start."""
     prewarm_chunks: int = 0
-    """Chunks of ``ChunkPipeline.prewarm``'s throwaway stream; 0: enough for every step shape a stream
+    """Chunks of ``Engine.warm_up``'s throwaway stream; 0: enough for every step shape a stream
     uses (the ring filling, ``graph_warmup`` eager runs, the capture, one replay)."""
     capture_filling: bool = False
     """Also capture the steps that run while the ring fills (one graph per fill stage: the first chunk,

@@ -13,17 +13,18 @@ import pytest
 import torch
 
 from cadence.config import get_preset, resolve_asset
-from cadence.engine.generate import build_generator
+from cadence.engine.session import build_generator
 from cadence.eval.metrics import lipsync, mouth_opening
 from cadence.media.image import default_reference_image
 from cadence.train.data import TEST_SEED_BASE, make_clip
+from streams import engine_stream
 
 CFG = get_preset("character")
 
 
 def _stream(gen, image: torch.Tensor, audio: np.ndarray, seed: int = 0) -> np.ndarray:
     n = len(audio) // CFG.audio_samples_per_chunk
-    return torch.cat([o.frames for o in gen.stream(image, "a friendly face", torch.from_numpy(audio), n,
+    return torch.cat([o.frames for o in engine_stream(gen, image, "a friendly face", torch.from_numpy(audio), n,
                                                    seed=seed)]).numpy()
 
 
@@ -81,7 +82,7 @@ def test_window_one_needs_no_commit_pass():
     outs = []
     for commit in ("clean_pass", "last_pass"):
         g = build_generator(CFG.with_overrides(stream={"commit": commit}), "cpu")
-        outs.append([o.latents for o in g.stream(img, "hi", audio, 5, seed=2)])
+        outs.append([o.latents for o in engine_stream(g, img, "hi", audio, 5, seed=2)])
     assert CFG.stream.window_chunks == 1 and CFG.stream.commit == "last_pass"
     for a, b in zip(*outs):
         assert torch.equal(a, b)

@@ -32,8 +32,8 @@ class _Chunk:
     audio: torch.Tensor
 
 
-class _FakeGenerator:
-    """Stands in for cadence.engine.generate.StreamGenerator: random uint8 frames of the right shape."""
+class _FakeEngine:
+    """Stands in for cadence.engine.engine.Engine: random uint8 frames of the right shape."""
 
     def __init__(self, cfg, calls: dict, fail_at: int | None = None) -> None:
         self.cfg, self.calls, self.fail_at = cfg, calls, fail_at
@@ -49,20 +49,23 @@ class _FakeGenerator:
             frames = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
             yield _Chunk(i, torch.zeros(1), frames, audio[i * s:(i + 1) * s])
 
+    def close(self) -> None:
+        self.calls["closed"] = True
+
 
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Install a fake ``cadence.engine.generate`` module; returns the dict its calls are recorded in."""
+    """Install a fake ``cadence.engine.build`` module; returns the dict its calls are recorded in."""
     calls: dict = {"builds": 0}
 
-    def build_generator(cfg, device="cpu", dtype=torch.float32, seed=0):
+    def build_engine(cfg, device="cpu", fast=None, seed=0, **kw):
         calls["builds"] += 1
-        calls["build"] = dict(cfg=cfg, device=device, dtype=dtype, seed=seed)
-        return _FakeGenerator(cfg, calls, calls.get("fail_at"))
+        calls["build"] = dict(cfg=cfg, device=device, dtype=getattr(torch, fast.dtype), seed=seed)
+        return _FakeEngine(cfg, calls, calls.get("fail_at"))
 
-    mod = types.ModuleType("cadence.engine.generate")
-    mod.build_generator = build_generator  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "cadence.engine.generate", mod)
+    mod = types.ModuleType("cadence.engine.build")
+    mod.build_engine = build_engine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cadence.engine.build", mod)
     return calls
 
 
@@ -141,6 +144,7 @@ def test_engine_error_is_one_line_and_leaves_no_file(tmp_path: Path, fake_engine
     err_lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert err_lines == ["error: fake engine failure at chunk 1"]
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
+    assert fake_engine["closed"]  # the engine's threads and buffers are released on failure too
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -217,13 +221,6 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture) -> None:
     assert "--chunks" in capsys.readouterr().out
 
 
-def test_missing_engine_is_a_clean_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setitem(sys.modules, "cadence.engine.generate", None)  # import raises ModuleNotFoundError
-    assert main(["generate", "--chunks", "1", "--out", str(tmp_path / "o.mp4")]) == 2
-    assert capsys.readouterr().err.startswith("error: the generation engine")
-
-
 # ---- bench dispatch ----------------------------------------------------------------------------
 
 def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -260,7 +257,7 @@ def test_real_process_has_no_traceback(tmp_path: Path) -> None:
 # ---- end to end with the real engine (once it exists) ------------------------------------------
 
 def test_generate_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("cadence.engine.generate")
+    pytest.importorskip("cadence.engine.session")
     out = tmp_path / "tiny.mp4"
     rc = main(["generate", "--preset", "tiny", "--chunks", "3", "--out", str(out), "--seed", "1"])
     assert rc == 0, capsys.readouterr().err

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from cadence.config import get_preset
-from cadence.engine.generate import StreamGenerator
+from cadence.engine.session import StreamGenerator
 from cadence.model import layers as L
 from cadence.model.weights import build_model
 from cadence.runtime.compile import _compiler_problem, apply_compile, remove_compile
+from streams import engine_stream
 
 CPU = torch.device("cpu")
 HAVE_INDUCTOR = _compiler_problem(CPU) is None
@@ -76,7 +77,7 @@ def stream(gen, n=5):
     img = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
     t = torch.arange(n * cfg.audio_samples_per_chunk) / 48_000
     audio = 0.3 * torch.sin(2 * math.pi * 220 * t)
-    return [o.latents for o in gen.stream(img, "a person talking", audio, n, seed=0)]
+    return [o.latents for o in engine_stream(gen, img, "a person talking", audio, n, seed=0)]
 
 
 @pytest.mark.parametrize("backend", backends)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from cadence.config import get_preset
-from cadence.engine.generate import build_generator
+from cadence.engine.session import build_generator
 from cadence.errors import InputError
+from streams import engine_stream
 
 TINY = get_preset("tiny")
 SPC = TINY.audio_samples_per_chunk  # 8000
@@ -35,12 +36,12 @@ def speech(n_chunks: int = N, seed: int = 0) -> torch.Tensor:
 def latents(gen, prompt="a person talking", audio=None, seed=0, n=N, img=None):
     audio = speech(n) if audio is None else audio
     img = image() if img is None else img
-    return [o.latents for o in gen.stream(img, prompt, audio, n, seed=seed)]
+    return [o.latents for o in engine_stream(gen, img, prompt, audio, n, seed=seed)]
 
 
 def test_stream_shapes_and_values(gen):
     audio = speech()
-    outs = list(gen.stream(image(), "a person talking", audio, N, seed=0))
+    outs = list(engine_stream(gen, image(), "a person talking", audio, N, seed=0))
     assert [o.index for o in outs] == list(range(N))
     assert TINY.stream.window_chunks < N
     for i, o in enumerate(outs):
@@ -218,28 +219,28 @@ def test_sync_detector_reaches_inside_step(gen, monkeypatch):
 
 def test_wrong_image_shape(gen):
     with pytest.raises(InputError, match=r"\[3, 128, 128\]"):
-        next(gen.stream(torch.zeros(3, 64, 128), "p", speech(1), 1))
+        next(engine_stream(gen, torch.zeros(3, 64, 128), "p", speech(1), 1))
     with pytest.raises(InputError):
-        next(gen.stream(torch.zeros(128, 128, 3), "p", speech(1), 1))
+        next(engine_stream(gen, torch.zeros(128, 128, 3), "p", speech(1), 1))
 
 
 def test_audio_too_short(gen):
     with pytest.raises(InputError) as ei:
-        next(gen.stream(image(), "p", torch.zeros(2 * SPC - 1), 2))
+        next(engine_stream(gen, image(), "p", torch.zeros(2 * SPC - 1), 2))
     assert "16000" in str(ei.value)
     with pytest.raises(InputError):
-        next(gen.stream(image(), "p", torch.zeros(2, 2 * SPC), 2))  # stereo
+        next(engine_stream(gen, image(), "p", torch.zeros(2, 2 * SPC), 2))  # stereo
 
 
 @pytest.mark.parametrize("n", [0, -1])
 def test_bad_chunk_count(gen, n):
     with pytest.raises(InputError, match=str(n)):
-        next(gen.stream(image(), "p", speech(1), n))
+        next(engine_stream(gen, image(), "p", speech(1), n))
 
 
 def test_bad_prompt_embedding(gen):
     with pytest.raises(InputError, match=r"\[16, 64\]"):
-        next(gen.stream(image(), torch.zeros(8, 64), speech(1), 1))
+        next(engine_stream(gen, image(), torch.zeros(8, 64), speech(1), 1))
 
 
 def test_temporal_patch_is_rejected():
@@ -271,7 +272,7 @@ def test_geometry_variants(stream):
     g2 = build_generator(cfg, seed=0)
     spc = cfg.audio_samples_per_chunk
     nf = cfg.stream.latent_frames_per_chunk
-    outs = list(g2.stream(image(), "p", speech(4 * nf)[: 4 * spc], 4))
+    outs = list(engine_stream(g2, image(), "p", speech(4 * nf)[: 4 * spc], 4))
     for o in outs:
         assert o.latents.shape == (16, nf, 16, 16) and torch.isfinite(o.latents).all()
         assert o.frames.shape == (4 * nf, 128, 128, 3)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from cadence.config import get_preset
-from cadence.engine.generate import StreamGenerator
+from cadence.engine.session import StreamGenerator
 from cadence.model.weights import build_model
+from streams import engine_stream
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -42,8 +43,8 @@ def test_stream_deterministic_and_sync_free_on_cuda():
     gen = StreamGenerator(cfg, model)
     image = torch.rand(3, 128, 128) * 2 - 1
     audio = torch.randn(8000 * 6) * 0.1
-    a = [o.latents.cpu() for o in gen.stream(image, "hi", audio, 6, seed=5)]
-    b = [o.latents.cpu() for o in gen.stream(image, "hi", audio, 6, seed=5)]
+    a = [o.latents.cpu() for o in engine_stream(gen, image, "hi", audio, 6, seed=5)]
+    b = [o.latents.cpu() for o in engine_stream(gen, image, "hi", audio, 6, seed=5)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     sess = gen.session(image.cuda(), "hi", seed=1)
     au = audio[:8000].cuda()
@@ -71,10 +72,10 @@ def test_ring_cache_on_cuda_matches_naive(kv_fp8):
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
     image = torch.rand(3, 128, 128) * 2 - 1
     audio = torch.randn(8000 * 8) * 0.1
-    ref = [o.latents for o in StreamGenerator(cfg, model).stream(image, "hi", audio, 8, seed=2)]
+    ref = [o.latents for o in engine_stream(StreamGenerator(cfg, model), image, "hi", audio, 8, seed=2)]
     rcfg = cfg.with_overrides(stream={"cache": "ring", "kv_fp8": kv_fp8})
     gen = StreamGenerator(rcfg, model)
-    got = [o.latents for o in gen.stream(image, "hi", audio, 8, seed=2)]
+    got = [o.latents for o in engine_stream(gen, image, "hi", audio, 8, seed=2)]
     sess = gen.session(image.cuda(), "hi", seed=1)
     assert sess.cache.use_triton
     errs = [((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]

@@ -12,9 +12,9 @@ from fake_graph import FakeGraph
 
 import cadence.runtime.graphs as graphs
 from cadence.config import PipelineConfig, get_preset
-from cadence.engine.generate import build_generator
-from cadence.engine.pipeline import ChunkPipeline
-from cadence.runtime.graphs import GraphRunner, step_key
+from cadence.engine.session import build_generator
+from cadence.engine.engine import Engine
+from cadence.runtime.graphs import GraphRunner
 
 TINY = get_preset("tiny")
 RING = TINY.with_overrides(stream={"cache": "ring"})
@@ -67,7 +67,7 @@ def test_step_key_tracks_shape_and_fill(ring_gen):
     a = audio(W + 1)
     for i in range(W + 1):
         inp = sess.prepare_step(a[i * SPC:(i + 1) * SPC])
-        keys.append(step_key(sess, inp))
+        keys.append(sess.step_key(inp))
         sess.denoise(inp)
         sess.next_frame += 1
     assert [k.filled for k in keys] == [False] * (W - 1) + [True, True]
@@ -79,10 +79,10 @@ def test_step_key_tracks_shape_and_fill(ring_gen):
     # a different conditioning length is a different key; so is another session's cache
     sess.set_prompt(torch.randn(9, 64))
     inp = sess.prepare_step(a[:SPC])
-    k9 = step_key(sess, inp)
+    k9 = sess.step_key(inp)
     assert k9.text_len == 9 and k9 != k
     other = ring_gen.session(image(), "p", seed=0)
-    assert step_key(other, inp).cache_id != k.cache_id
+    assert other.step_key(inp).cache_id != k.cache_id
 
 
 def test_step_key_policy_fields():
@@ -90,7 +90,7 @@ def test_step_key_policy_fields():
                         seed=0)
     sess = g.session(image(), "p", seed=0)
     inp = sess.prepare_step(audio(1))
-    k = step_key(sess, inp)
+    k = sess.step_key(inp)
     assert (k.cache, k.commit, k.sampler) == ("ring-fp8", "clean_pass", "renoise")
     assert inp.renoise is not None and inp.renoise.shape == (3, 16, 1, 16, 16)
 
@@ -136,7 +136,7 @@ def test_length_on_device_ring_shares_one_graph_from_the_first_chunk(ring_gen, m
     monkeypatch.setattr(RingCache, "length_on_device", property(lambda self: True))
     sess = ring_gen.session(image(), "p", seed=0)
     inp = sess.prepare_step(audio(1))
-    k = step_key(sess, inp)
+    k = sess.step_key(inp)
     assert k.filled and k.fill == W  # chunk 0 already has the steady key
     runner = GraphRunner(capture=FakeGraph)
     n = W + 3
@@ -259,11 +259,11 @@ def test_runner_rejects_bad_bounds():
 
 # ---- the pipeline with a changing conditioning length ---------------------------------------------------------
 
-def test_pipeline_conditioning_length_changes_every_few_chunks(ring_gen):
+def test_engine_conditioning_length_changes_every_few_chunks(ring_gen):
     n = 24
     prompts = prompts_cycling(n, 3, [16, 6, 11, 16, 3])
     cfg = PipelineConfig(max_graphs=2)
-    pipe = ChunkPipeline(ring_gen, cfg, graph_capture=FakeGraph)
+    pipe = Engine(ring_gen, cfg, graph_capture=FakeGraph)
     sizes, outs = [], []
     for o in pipe.stream(image(), "p", audio(n), n, seed=4, prompts=prompts):
         sizes.append(len(pipe.runner))

@@ -1,4 +1,4 @@
-"""Pre-warm and session reuse: a prewarmed pipeline streams exactly what a cold one streams, a session
+"""Warm-up and session reuse: a warmed-up engine streams exactly what a cold one streams, a session
 reset in place equals a fresh session, graphs captured on a throwaway stream are replayed (not
 recaptured) by the next stream on the same cache and never by a session with other buffers, and the
 time-to-first-frame fields are there. CPU float32 comparisons are bitwise; graphs run through an
@@ -14,8 +14,8 @@ from fake_graph import FakeGraph
 
 import cadence.runtime.graphs as graphs
 from cadence.config import PipelineConfig, get_preset
-from cadence.engine.generate import build_generator
-from cadence.engine.pipeline import ChunkPipeline
+from cadence.engine.engine import Engine
+from cadence.engine.session import build_generator
 from cadence.errors import ConfigError, InputError
 from cadence.runtime.graphs import GraphRunner
 
@@ -56,14 +56,15 @@ def collect(pipe, img, prompt, audio, n, seed):
 
 def test_prewarmed_stream_equals_cold_stream(gen):
     audio = speech()
-    cold = ChunkPipeline(gen, PipelineConfig(**CPU, reuse_session=False))
+    cold = Engine(gen, PipelineConfig(**CPU, reuse_session=False))
     ref = collect(cold, image(1), "a person talking", audio, N, 7)
     assert cold.session is None and cold.last_run["session"] == "new"
 
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
-    info = pipe.prewarm()
-    assert info["chunks"] == pipe.warm_chunks() == W + 2 and info["prewarm_s"] > 0 and info["ttff_ms"] > 0
-    assert info["graphs"]["captures"] == 1 and info["graphs"]["replays"] == 2  # the capture chunk replays too
+    pipe = Engine(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
+    info = pipe.warm_up(threads=1)
+    assert info["chunks"] == pipe.warm_chunks() == W + 2 and info["ms"] > 0 and info["first_stream_ttff_ms"] > 0
+    # one capture in the first stream; every later warm-up stream replayed it (the capture chunk replays too)
+    assert info["graphs"]["captures"] == 1 and info["graphs"]["replays"] >= 2
     assert pipe.session is not None and len(pipe.runner) == 1
     out = collect(pipe, image(1), "a person talking", audio, N, 7)
     for i, ((rl, rf, _), (ol, of, _)) in enumerate(zip(ref, out)):
@@ -73,7 +74,7 @@ def test_prewarmed_stream_equals_cold_stream(gen):
     steps = [s for _, _, s in out]
     assert steps == ["eager:ring_filling"] * (W - 1) + ["replay"] * (N - W + 1)
     lr = pipe.last_run
-    assert lr["session"] == "reused" and lr["prewarmed"] and lr["graphs_at_start"] == 1
+    assert lr["session"] == "reused" and lr["warmed_up"] and lr["graphs_at_start"] == 1
     assert lr["graphs"]["captures"] == 0 and lr["graphs"]["replays"] == N - W + 1
     assert 0 < lr["open_ms"] < lr["ttff_ms"] and lr["first_chunk"]["step"] == "eager:ring_filling"
     pipe.close()
@@ -98,7 +99,7 @@ def test_session_reset_equals_fresh_session(gen):
         assert torch.equal(sess.decode(x), fresh.decode(y)), i
     with pytest.raises(InputError, match="reference image must be"):
         sess.reset(torch.zeros(3, 64, 64), "p", 0)
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU))
+    pipe = Engine(gen, PipelineConfig(**CPU))
     list(pipe.stream(image(), "p", speech(1), 1, seed=0))
     kept = pipe.session
     with pytest.raises(InputError, match="prompt embedding"):  # a bad input keeps the session
@@ -119,7 +120,7 @@ def test_graph_of_one_cache_never_replays_for_another(gen):
         did.append(runner.last)
     # b's steady steps have their own key (its cache): warm-up and a capture of its own, never a's graph
     assert did[W - 1:W + 1] == ["eager:warmup", "capture"] and runner.graphs_for(b.cache) == 1
-    assert all(e.static.cache is k_cache for e, k_cache in
+    assert all(e.keep is k_cache for e, k_cache in
                zip(runner._graphs.values(), (a.cache, b.cache)))  # each graph holds its cache
     ref = gen.session(image(), "p", seed=1)
     for i in range(N):
@@ -127,21 +128,21 @@ def test_graph_of_one_cache_never_replays_for_another(gen):
 
 
 def test_fresh_session_per_stream_recaptures(gen):
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU, reuse_session=False), graph_capture=FakeGraph)
-    pipe.prewarm()
+    pipe = Engine(gen, PipelineConfig(**CPU, reuse_session=False), graph_capture=FakeGraph)
+    pipe.warm_up(threads=1)
     assert pipe.session is None and all(f.freed for f in FakeGraph.made)  # nothing kept
     list(pipe.stream(image(), "p", speech(), N, seed=0))
     assert pipe.last_run["session"] == "new" and pipe.last_run["graphs"]["captures"] == 1
 
 
 def test_early_close_keeps_session_error_drops_it(gen, monkeypatch):
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
+    pipe = Engine(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
     it = pipe.stream(image(), "p", speech(), N, seed=0)
     next(it)
     it.close()
     kept = pipe.session
     assert kept is not None
-    ref = collect(ChunkPipeline(gen, PipelineConfig(**CPU, reuse_session=False)), image(4), "q", speech(), N, 2)
+    ref = collect(Engine(gen, PipelineConfig(**CPU, reuse_session=False)), image(4), "q", speech(), N, 2)
     out = collect(pipe, image(4), "q", speech(), N, 2)
     assert pipe.session is kept and pipe.last_run["session"] == "reused"
     assert all(torch.equal(r[0], o[0]) and torch.equal(r[1], o[1]) for r, o in zip(ref, out))
@@ -159,7 +160,7 @@ def test_early_close_keeps_session_error_drops_it(gen, monkeypatch):
 
 
 def test_one_stream_at_a_time(gen):
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU))
+    pipe = Engine(gen, PipelineConfig(**CPU))
     it = pipe.stream(image(), "p", speech(), N, seed=0)
     next(it)
     with pytest.raises(RuntimeError, match="already running"):
@@ -172,10 +173,10 @@ def test_one_stream_at_a_time(gen):
 
 def test_first_chunk_alone_orders_chunk_one_after_first_frames(gen):
     for alone in (True, False):
-        pipe = ChunkPipeline(gen, PipelineConfig(**CPU, first_chunk_alone=alone))
+        pipe = Engine(gen, PipelineConfig(**CPU, first_chunk_alone=alone))
         outs = list(pipe.stream(image(), "p", speech(3), 3, seed=0))
         if alone:  # chunk 1 was planned only once chunk 0's frames were ready
-            assert outs[1].timings.plan_s >= outs[0].timings.ready_s
+            assert outs[1].timings.t_plan >= outs[0].timings.t_done
         assert [o.index for o in outs] == list(range(3))
 
 
@@ -211,9 +212,10 @@ def test_cuda_prewarm_graphs_replay_for_reset_session(kv):
     cfg = TINY.with_overrides(stream={"cache": "ring", "kv_fp8": kv == "fp8"})
     g = build_generator(cfg, device="cuda:0", seed=0)
     audio = speech(N + 2)
-    ref = list(g.stream(image(5), "p", audio, N + 2, seed=9))
-    pipe = ChunkPipeline(g, PipelineConfig(decode_device="same"))
-    info = pipe.prewarm()
+    serial = PipelineConfig(decode_device="same", overlap=False, graphs=False)
+    ref = [(o.latents.clone(), o.frames.clone()) for o in Engine(g, serial).stream(image(5), "p", audio, N + 2, seed=9)]
+    pipe = Engine(g, PipelineConfig(decode_device="same"))
+    info = pipe.warm_up()
     assert info["graphs"]["captures"] == 1
     outs = [(o.latents.clone(), o.frames.clone(), o.timings.step)
             for o in pipe.stream(image(5), "p", audio, N + 2, seed=9)]
@@ -221,9 +223,9 @@ def test_cuda_prewarm_graphs_replay_for_reset_session(kv):
     assert pipe.last_run["graphs"]["captures"] == 0
     assert pipe.last_run["graphs"]["replays"] == N + 2 - (0 if filling_replays else W - 1)
     assert outs[0][2] == ("replay" if filling_replays else "eager:ring_filling")
-    for r, (lat, fr, _) in zip(ref, outs, strict=True):
-        torch.testing.assert_close(lat, r.latents, rtol=1e-4, atol=1e-4)
-        assert (fr.int() - r.frames.int()).abs().max() <= 1
+    for (rl, rf), (lat, fr, _) in zip(ref, outs, strict=True):
+        torch.testing.assert_close(lat, rl, rtol=1e-4, atol=1e-4)
+        assert (fr.int() - rf.int()).abs().max() <= 1
     pipe.close()
 
 
@@ -232,11 +234,11 @@ def test_capture_filling_replays_the_whole_stream(gen):
     captured), and the next stream replays every step, the first chunk included, with the same output
     as a cold eager stream. One graph per fill stage (fill = 1..W-1) plus the steady one."""
     audio = speech(N, seed=5)
-    cold = ChunkPipeline(gen, PipelineConfig(**CPU, reuse_session=False, graphs=False))
+    cold = Engine(gen, PipelineConfig(**CPU, reuse_session=False, graphs=False))
     ref = collect(cold, image(1), "a person talking", audio, N, 7)
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
-    info = pipe.prewarm()
-    assert info["prewarm_streams"] == 2 and len(pipe.runner) == W  # W-1 fill stages + steady
+    pipe = Engine(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
+    info = pipe.warm_up(threads=1)
+    assert info["fill_streams"] == 2 and len(pipe.runner) == W  # W-1 fill stages + steady
     assert pipe.runner.max_graphs == PipelineConfig().max_graphs + W
     out = collect(pipe, image(1), "a person talking", audio, N, 7)
     for i, ((rl, rf, _), (ol, of, _)) in enumerate(zip(ref, out)):
@@ -252,8 +254,8 @@ def test_capture_filling_replays_the_whole_stream(gen):
 
 
 def test_capture_filling_off_keeps_filling_eager(gen):
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
-    assert pipe.prewarm()["prewarm_streams"] == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
+    pipe = Engine(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
+    assert pipe.warm_up(threads=1)["fill_streams"] == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
     assert all(k.filled for k in pipe.runner.keys())
     pipe.close()
 
@@ -265,9 +267,9 @@ def test_capture_filling_needs_no_second_stream_when_the_length_is_on_the_device
     from cadence.cache.ring import RingCache
 
     monkeypatch.setattr(RingCache, "length_on_device", property(lambda self: True))
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
-    info = pipe.prewarm()
-    assert info["prewarm_streams"] == 1 and len(pipe.runner) == 1
+    pipe = Engine(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
+    info = pipe.warm_up(threads=1)
+    assert info["fill_streams"] == 1 and len(pipe.runner) == 1
     out = collect(pipe, image(1), "a person talking", speech(N, seed=5), N, 7)
     assert [s for _, _, s in out] == ["replay"] * N
     pipe.close()
@@ -279,7 +281,7 @@ def test_decoder_is_primed_by_the_decode_thread_before_the_first_chunk(gen, monk
     plain generator's, whose first ``decode`` primes lazily."""
     import threading
 
-    from cadence.engine.generate import Session
+    from cadence.engine.session import Session
 
     calls = []
     prime, decode = Session.prime_decoder, Session.decode
@@ -295,13 +297,14 @@ def test_decoder_is_primed_by_the_decode_thread_before_the_first_chunk(gen, monk
 
     monkeypatch.setattr(Session, "prime_decoder", spy_prime)
     monkeypatch.setattr(Session, "decode", spy_decode)
-    pipe = ChunkPipeline(gen, PipelineConfig(**CPU, reuse_session=False))
+    pipe = Engine(gen, PipelineConfig(**CPU, reuse_session=False))
     out = collect(pipe, image(2), "a person talking", speech(3), 3, 1)
     assert calls[0] == ("prime", True, "cadence-decode")  # first, from the decode thread
     assert [c for c in calls if c[0] == "prime" and c[1]] == [calls[0]]  # and only once
     assert [c[0] for c in calls[1:]] == ["decode", "prime"] * 3
     assert all(c[2] == "cadence-decode" for c in calls)
     monkeypatch.undo()
-    ref = list(gen.stream(image(2), "a person talking", speech(3), 3, seed=1))
-    for (ol, of, _), r in zip(out, ref, strict=True):
-        assert torch.equal(ol, r.latents) and torch.equal(of, r.frames)
+    serial = Engine(gen, PipelineConfig(**CPU, overlap=False))
+    ref = [(o.latents, o.frames.clone()) for o in serial.stream(image(2), "a person talking", speech(3), 3, seed=1)]
+    for (ol, of, _), (rl, rf) in zip(out, ref, strict=True):
+        assert torch.equal(ol, rl) and torch.equal(of, rf)

@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cadence.engine.generate as generate
+import cadence.engine.session as generate
 from cadence.cache.naive import NaiveCache
 from cadence.cache.ring import RingCache, dequantize_fp8, quantize_fp8
 from cadence.config import ModelConfig, get_preset
-from cadence.engine.generate import StreamGenerator
+from cadence.engine.session import StreamGenerator
 from cadence.model.rope import Rope3D
 from cadence.model.weights import build_model
+from streams import engine_stream
 
 W = 3
 CFG = get_preset("tiny").with_overrides(stream={"window_chunks": W})
@@ -57,7 +58,7 @@ def stream(gen, monkeypatch, factory, n: int = N_CHUNKS) -> list[torch.Tensor]:
     """Latents of n chunks from a Session whose cache comes from `factory`."""
     monkeypatch.setattr(generate, "make_cache", factory)
     img, audio = inputs(n)
-    out = [o.latents for o in gen.stream(img, "a person talking", audio, n, seed=0)]
+    out = [o.latents for o in engine_stream(gen, img, "a person talking", audio, n, seed=0)]
     monkeypatch.undo()
     return out
 
@@ -178,6 +179,9 @@ class Tee:
     def begin_chunk(self, *a, **kw):
         self.naive.begin_chunk(*a, **kw)
         self.ring.begin_chunk(*a, **kw)
+
+    def step_shape(self):
+        return self.naive.step_shape()
 
     def attend(self, layer, q, k, v, commit):
         ref = self.naive.attend(layer, q, k, v, commit)

@@ -21,6 +21,7 @@ import pytest
 for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "multipart"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
+from cadence.engine.messages import ChunkDone, ChunkTimings
 from cadence.serve.agent import make_agent
 from cadence.serve.app import SessionManager
 from cadence.serve.config import ServeConfig
@@ -40,14 +41,13 @@ async def _streaming(mgr: SessionManager) -> LiveSession:
     """A session whose scheduler has planned its first chunks and waits for them to come back."""
     sess = _session(mgr)
     sent = []
-    sess.group.send = sent.append
-    sess.clock.start()
-    sess._spawn(sess._schedule(), "scheduler")
+    sess.group.send = sess.scheduler.send = sent.append
+    sess._spawn(sess.scheduler.run(), "scheduler")  # before the clock starts: the first two chunks at once
     for _ in range(100):
         await asyncio.sleep(0.01)
         if sess.in_flight == sess.cfg.max_in_flight:
             break
-    assert sess.in_flight == sess.cfg.max_in_flight and [m[2] for m in sent] == [0, 1]
+    assert sess.in_flight == sess.cfg.max_in_flight and [m.index for m in sent] == [0, 1]
     return sess
 
 
@@ -55,7 +55,7 @@ def _chunk_back(sess: LiveSession, c: int) -> None:
     """Chunk ``c`` comes back from the worker (what the reader thread hands to the loop)."""
     t = sess.timing
     frames = np.zeros((t.frames_per_chunk, sess.engine_cfg.stream.height, sess.engine_cfg.stream.width, 3), np.uint8)
-    sess.on_worker_message(("chunk", sess.sid, c, frames, {"diffusion_ms": 1.0, "decode_ms": 1.0}))
+    sess.on_worker_message(ChunkDone(sess.sid, c, frames, ChunkTimings(diffusion_ms=1.0, decode_ms=1.0)))
 
 
 def test_python_wait_for_swallows_a_cancel_that_races_an_event():

@@ -1,12 +1,12 @@
-"""The media clock, pacing and the underrun policy as pure functions, driven by a fake clock; the
-agents' sample queues. No network, no aiortc, no worker process."""
+"""The media clock, pacing, the chunk planner and the underrun policy as pure functions, driven by a fake
+clock; the agents' sample queues. No network, no aiortc, no worker process."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from cadence.serve.pacing import AVBuffer, MediaTiming, next_audio_frame, next_plan, next_video_frame, to_s16
+from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming, next_audio_frame, next_video_frame, to_s16
 
 T = MediaTiming()  # 24 fps, 4 frames per chunk, 48 kHz
 
@@ -85,42 +85,103 @@ def test_client_rates_are_not_fooled_by_a_stall_of_the_client():
     assert fast.media_fps(3750) == pytest.approx(30.0)
 
 
-def test_scheduler_prestarts_then_plans_lead_ahead_with_bounded_in_flight():
-    assert next_plan(0, 0.0, None, T, 0.1, in_flight=0) == (True, 0.0)
-    assert next_plan(1, 0.0, None, T, 0.1, in_flight=1) == (True, 0.0)
-    assert next_plan(2, 0.0, None, T, 0.1, in_flight=0) == (False, None)  # wait for the clock
-    assert next_plan(2, 0.0, 0.0, T, 0.1, in_flight=2) == (False, None)  # wait for a chunk back
-    go, wait = next_plan(2, 0.0, 0.0, T, 0.1, in_flight=0)
-    assert not go and wait == pytest.approx(2 / 6 - 0.1)
-    assert next_plan(2, 2 / 6 - 0.1, 0.0, T, 0.1, in_flight=0)[0]
+def test_planner_prestarts_then_plans_lead_ahead_and_never_queues_past_in_flight():
+    p = ChunkPlanner(T, lead=0.1, latency=0.03, interval=0.03)
+    plan, wait = p.poll(0.0, None)
+    assert (plan.chunk, plan.generate, wait) == (0, True, 0.0)
+    assert p.poll(0.0, None)[0].chunk == 1 and p.in_flight == 2
+    assert p.poll(0.0, None) == (None, None)  # wait for the clock
+    plan, wait = p.poll(0.0, 0.0)
+    assert plan is None and wait == pytest.approx(2 / 6 - 0.1)
+    # two out already: chunk 2 plays its audio without asking the worker (no queue behind it)
+    plan, _ = p.poll(2 / 6 - 0.1, 0.0)
+    assert plan.chunk == 2 and not plan.generate and p.audio_only == 1 and p.in_flight == 2
+    p.observe(0.25, p_plan(0, 0.0))
+    p.observe(0.26, p_plan(1, 0.0))
+    plan, _ = p.poll(3 / 6 - 0.1, 0.0)
+    assert plan.chunk == 3 and plan.generate
 
 
-def _simulate(latency, seconds=3.0, lead=0.1, step=0.001, timing=T, wait_first_chunk=False, serial=False):
-    """Run scheduler, worker (a fixed latency per chunk), both tracks and the buffer on a fake clock.
-    Chunk c's frames are filled with c+1 and its audio with (c+1)/100, so the output names its chunk.
-    ``wait_first_chunk``: the clock starts only once chunk 0 is here (the tracks' rule); ``serial``: the
-    worker runs one chunk at a time (a chunk queued behind another starts when that one is done)."""
+def p_plan(c, start):
+    from cadence.serve.pacing import Plan
+
+    return Plan(c, True, start, start + 0.03)
+
+
+def test_planner_asks_only_for_chunks_the_worker_can_return_in_time():
+    # one chunk per 250 ms sustained (diffusion 250 ms, decode 50 ms overlapped: slower than the 166.7 ms of
+    # media per chunk), each back 300 ms after it starts
+    p = ChunkPlanner(T, lead=0.1, latency=0.3, interval=0.25, max_in_flight=4)
+    assert p.lead == pytest.approx(0.3 * 1.1 + 0.02 + (0.25 - 1 / 6))  # room to wait for the worker
+    out = [p.poll(0.0, None)[0], p.poll(0.0, None)[0]]  # the prestarted two
+    made, now = [], 0.0
+    while len(made) < 30:
+        for q in [q for q in out if q.expected_done <= now]:  # back as predicted
+            out.remove(q)
+            p.observe(q.expected_done, q, 0.25)
+        plan, wait = p.poll(now, 0.0)
+        if plan is None:
+            now += wait
+            continue
+        made.append(plan)
+        if plan.generate:
+            out.append(plan)
+    assert [m.chunk for m in made] == list(range(2, 32))
+    frac = sum(m.generate for m in made) / len(made)
+    assert 0.55 <= frac <= 0.75, frac  # ~ 166.7 / 250 of the chunks get fresh frames
+    assert all(m.expected_done <= T.chunk_due(0.0, m.chunk) for m in made if m.generate)
+    assert p.audio_only == len(made) - sum(m.generate for m in made)
+
+
+def test_planner_lead_follows_a_slower_worker_upward():
+    p = ChunkPlanner(T, lead=0.1, latency=0.03, interval=0.03)
+    assert p.lead == pytest.approx(0.1)
+    for c in range(5):
+        p.observe(1.0 + c, p_plan(c, 1.0 + c - 0.2))  # each came back 200 ms after its start
+    assert p.latency == pytest.approx(0.2) and p.lead == pytest.approx(0.2 * 1.1 + 0.02)
+    assert p.interval == 0.03  # the worker reported no interval: the estimate stays
+    q = ChunkPlanner(T, lead=0.05, latency=0.2, interval=0.1)
+    assert q.lead == pytest.approx(0.2 * 1.1 + 0.02)  # never below what one chunk takes
+
+
+def test_planner_skips_chunks_already_in_the_past_after_a_stall():
+    p = ChunkPlanner(T, lead=0.1, latency=0.03, interval=0.03)
+    p.poll(0.0, None), p.poll(0.0, None)
+    plan, wait = p.poll(1.0, 0.0)  # the loop stalled for a second: chunks 2..6 are due by now, gone
+    assert plan is None and p.skipped == 5 and p.next_chunk == 7 and wait == pytest.approx(7 / 6 - 0.1 - 1.0)
+    assert p.poll(1.0 + wait, 0.0)[0].chunk == 7
+
+
+def _simulate(latency, seconds=3.0, lead=0.1, step=0.001, timing=T, wait_first_chunk=False, serial=False,
+              interval=None, est=None):
+    """Run the planner, a worker (``latency(c)`` per chunk; ``serial``: one chunk at a time, the next starting
+    ``interval(c)`` after the previous one), both tracks and the buffer on a fake clock. Chunk c's frames are
+    filled with c+1 and its audio with (c+1)/100, so the output names its chunk. ``wait_first_chunk``: the
+    clock starts only once chunk 0 is here (the tracks' rule). ``est``: the planner's (latency, interval)."""
     T = timing
     F, spc = T.frames_per_chunk, T.samples_per_chunk
     buf = AVBuffer(T, 4, 4)
+    lat0, int0 = est or (latency(0), (interval or latency)(0))
+    planner = ChunkPlanner(T, lead=lead, latency=lat0, interval=int0)
     t0 = None
     now = 0.0
-    c_next, in_flight, arrivals, busy_until = 0, 0, [], 0.0
+    arrivals, free_at = [], 0.0
     k_next, n_next, t_start = 0, 0, 0.05  # the tracks start 50 ms after the session
     video, audio = [], []
     while now < seconds:
-        go, _ = next_plan(c_next, now, t0, T, lead, in_flight)
-        if go:
-            begin = max(now, busy_until) if serial else now
-            busy_until = begin + latency(c_next)
-            arrivals.append((busy_until, c_next))
-            in_flight += 1
-            c_next += 1
+        plan, _ = planner.poll(now, t0)
+        if plan is not None:
+            c = plan.chunk
+            buf.put_audio(c, np.full(spc, (c + 1) / 100, np.float32))
+            if plan.generate:
+                begin = max(now, free_at) if serial else now
+                free_at = begin + (interval or latency)(c)
+                arrivals.append((begin + latency(c), c, plan))
             continue
-        for at, c in [a for a in arrivals if a[0] <= now]:
-            arrivals.remove((at, c))
-            in_flight -= 1
-            buf.put_chunk(c, np.full((F, 4, 4, 3), c + 1, np.uint8), np.full(spc, (c + 1) / 100, np.float32))
+        for at, c, plan in [a for a in arrivals if a[0] <= now]:
+            arrivals.remove((at, c, plan))
+            buf.put_video(c, np.full((F, 4, 4, 3), c + 1, np.uint8))
+            planner.observe(now, plan, (interval or latency)(c))
         if now >= t_start and (t0 is not None or not wait_first_chunk or buf.has_chunk(0)):
             t0 = (t_start if not wait_first_chunk else now) if t0 is None else t0
             k, wait, _ = next_video_frame(k_next, now, t0, T)
@@ -134,11 +195,11 @@ def _simulate(latency, seconds=3.0, lead=0.1, step=0.001, timing=T, wait_first_c
                 audio.append((now, n, T.audio_pts(n), samples, complete))
                 n_next = n + 1
         now += step
-    return buf, t0, video, audio
+    return buf, t0, video, audio, planner
 
 
 def test_fake_clock_steady_state_is_paced_stamped_and_in_sync():
-    buf, t0, video, audio = _simulate(lambda c: 0.03)
+    buf, t0, video, audio, _ = _simulate(lambda c: 0.03)
     assert buf.video_underruns == 0 and buf.audio_underruns == 0
     assert len(video) == pytest.approx(24 * 2.95, abs=2)
     pts = [v[2] for v in video]
@@ -156,31 +217,60 @@ def test_fake_clock_steady_state_is_paced_stamped_and_in_sync():
             assert by_n[n][(k * 2000) % 960] == pytest.approx(value / 100)
 
 
-def test_fake_clock_late_chunk_holds_last_frame_and_sends_silence():
+def test_fake_clock_late_chunk_holds_last_frame_and_keeps_the_audio():
     # chunk 6 takes 400 ms (misses its slot); everything else 30 ms
-    buf, _, video, audio = _simulate(lambda c: 0.4 if c == 6 else 0.03)
+    buf, _, video, audio, _ = _simulate(lambda c: 0.4 if c == 6 else 0.03)
     held = [v for v in video if not v[4]]
     assert held and buf.video_underruns == len(held)
     assert all(v[3] == 6 for v in held)  # chunk 5's last frame (value 6) is held while 6 is missing
-    assert buf.audio_underruns > 0
-    silent = [a for a in audio if not a[4]]
-    assert all(np.all(a[3][:1] == 0) or np.any(a[3] == 0) for a in silent)
+    assert buf.audio_underruns == 0  # its audio was planned in time: it plays, over the held frame
+    by_n = {n: s for _, n, _, s, _ in audio}
+    n6 = 6 * T.samples_per_chunk // T.audio_frame_samples + 1
+    assert by_n[n6][0] == pytest.approx(7 / 100)  # chunk 6's own audio
     pts = [v[2] for v in video]  # the clock never stopped: stamps stay continuous
     assert all(b - a == 3750 for a, b in itertools.pairwise(pts))
     assert [v for v in video if v[1] >= 40 and v[4]]  # and the stream recovered
+
+
+def test_fake_clock_worker_slower_than_real_time_gives_fewer_fresh_frames_never_a_frozen_face():
+    """One chunk per 250 ms sustained (slower than the 166.7 ms of media in each): the planner asks only for
+    the chunks the worker can return in time; the viewer gets fresh frames at ~2/3 of 24 fps, in chunk-long
+    runs with at most a chunk or two held between them, and the audio of every chunk, in sync."""
+    buf, t0, video, audio, planner = _simulate(lambda c: 0.24, seconds=6.0, lead=0.3, serial=True,
+                                               interval=lambda c: 0.25, wait_first_chunk=True)
+    assert buf.audio_underruns == 0 and planner.audio_only > 0
+    late = sum(1 for v in video if v[1] >= 4 and not v[4])
+    fresh = [v for v in video if v[4]]
+    rate = len(fresh) / (video[-1][0] - video[0][0])
+    assert 13.0 <= rate <= 19.0, rate  # ~ 24 x 166.7 / 250 = 16 fresh frames per second
+    runs, cur = [], 0  # the longest stretch without a fresh frame, after the first chunk
+    for v in video[4:]:
+        cur = 0 if v[4] else cur + 1
+        runs.append(cur)
+    assert max(runs) <= 2 * T.frames_per_chunk, max(runs)
+    assert late == buf.video_underruns - sum(1 for v in video[:4] if not v[4])
+    by_n = {n: s for _, n, _, s, _ in audio}
+    for _, k, _, value, fresh_ in video:  # a fresh frame and the audio at its media time are one chunk's
+        n = (k * 2000) // 960
+        if fresh_ and n in by_n:
+            assert by_n[n][(k * 2000) % 960] == pytest.approx(value / 100)
 
 
 def test_buffer_rejects_wrong_shapes_and_forgets_played_chunks():
     buf = AVBuffer(T, 2, 2)
     with pytest.raises(ValueError):
         buf.put_chunk(0, np.zeros((3, 2, 2, 3), np.uint8), np.zeros(8000, np.float32))
+    with pytest.raises(ValueError):
+        buf.put_audio(0, np.zeros(7999, np.float32))
     for c in range(3):
         buf.put_chunk(c, np.zeros((4, 2, 2, 3), np.uint8), np.zeros(8000, np.float32))
     buf.video_frame(9)  # chunk 2
     buf.audio_frame(20)  # sample 19200 -> chunk 2
-    assert sorted(buf.chunks) == [2]
+    assert sorted(buf.video) == [2] and sorted(buf.audio) == [2]
     buf.put_chunk(0, np.zeros((4, 2, 2, 3), np.uint8), np.zeros(8000, np.float32))  # too late to play
-    assert buf.late_chunks == 1 and 0 not in buf.chunks
+    assert buf.late_chunks == 1 and 0 not in buf.video
+    buf.put_video(1, np.zeros((4, 2, 2, 3), np.uint8))  # frames after all of them were due: dropped, counted
+    assert buf.late_chunks == 2 and 1 not in buf.video
     assert to_s16(np.array([2.0, -2.0, 0.5], np.float32)).tolist() == [32767, -32767, 16384]
 
 
@@ -246,7 +336,7 @@ def test_engine_and_benchmarks_do_not_import_serving_packages():
     import subprocess
     import sys
 
-    code = ("import sys, cadence.cli, cadence.engine.generate, cadence.bench.serve, cadence.serve.pacing; "
+    code = ("import sys, cadence.cli, cadence.engine.session, cadence.bench.serve, cadence.serve.pacing; "
             "bad = [m for m in ('fastapi', 'uvicorn', 'aiortc', 'prometheus_client') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
@@ -296,8 +386,8 @@ def test_twelve_frame_chunks_timing_and_pacing():
     assert T12.frame_chunk(23) == (1, 11) and T12.frame_chunk(24) == (2, 0)
     assert T12.audio_frame_samples == 960 and T12.samples_per_chunk % T12.audio_frame_samples == 0  # 25 per chunk
     # ~400 ms of work per chunk (W1.3 on an H200), one chunk at the worker at a time, lead = work + 15% + 20 ms
-    buf, t0, video, audio = _simulate(lambda c: 0.4, seconds=4.0, lead=0.48, timing=T12, wait_first_chunk=True,
-                                      serial=True)
+    buf, t0, video, audio, _ = _simulate(lambda c: 0.4, seconds=4.0, lead=0.48, timing=T12, wait_first_chunk=True,
+                                         serial=True)
     assert buf.video_underruns == 0 and buf.audio_underruns == 0
     assert t0 == pytest.approx(0.4, abs=0.002)  # the clock waited for the first chunk
     assert len(video) == pytest.approx(24 * (4.0 - t0), abs=2)

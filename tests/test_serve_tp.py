@@ -56,7 +56,7 @@ def test_tensor_parallel_group_streams_then_leaves_nothing_behind():
     srv = _tp_server()
     try:
         (g,) = srv.manager.groups
-        assert len(g.followers) == 1 and g.info["tp"] == 2 and g.info["fast_path"]["tp"] == 2
+        assert len(g.followers) == 1 and g.info.tp == 2 and g.info.fast_path["tp"] == 2
         pids = [g.pid] + [p.pid for p in g.followers]
         res = asyncio.run(run_client(srv.url, 2.5))
         assert res.error is None, res.error

@@ -37,7 +37,7 @@ QUICK = ["--preset", "tiny", "--cache", "ring", "--warmup", "0", "--iters", "2",
 
 
 def _session(model, cfg=TINY_RING):
-    from cadence.engine.generate import StreamGenerator
+    from cadence.engine.session import StreamGenerator
 
     gen = StreamGenerator(cfg, model)
     g = torch.Generator().manual_seed(1)

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from cadence.config import get_preset
-from cadence.engine.generate import build_generator, make_cache
+from cadence.engine.session import build_generator, make_cache
 from cadence.model.audio import AudioFeatures
 from cadence.model.text import ByteTextEncoder
 from cadence.model.weights import build_model
 from cadence.train.character import TrainConfig, sequence_layout, toy_config, train
+from streams import engine_stream
 
 
 def _toy_cfg(**stream):
@@ -95,7 +96,7 @@ def test_toy_training_writes_loadable_weights(tmp_path):
     assert torch.equal(dict(gen.model.named_parameters())[k].half(), sd[k])
     image = torch.rand(3, 64, 64) * 2 - 1
     audio = torch.randn(3 * cfg.audio_samples_per_chunk) * 0.1
-    outs = list(gen.stream(image, "hello", audio, 3, seed=1))
+    outs = list(engine_stream(gen, image, "hello", audio, 3, seed=1))
     assert [tuple(o.frames.shape) for o in outs] == [(4, 64, 64, 3)] * 3
 
 

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from streams import engine_stream  # noqa: E402  (the spawned ranks import this file by path)
+
 NUM_CHUNKS = 5  # > window_chunks (4) of the tiny preset: the window slides
 
 
@@ -32,11 +35,11 @@ def _inputs(cfg):
 
 
 def _run(model, cfg, inputs, img, speech) -> dict:
-    from cadence.engine.generate import StreamGenerator
+    from cadence.engine.session import StreamGenerator
 
     out = {"full": model.forward_full(*inputs)}
     gen = StreamGenerator(cfg, model)
-    chunks = gen.stream(img, "a person talking", speech, NUM_CHUNKS, seed=0)
+    chunks = engine_stream(gen, img, "a person talking", speech, NUM_CHUNKS, seed=0)
     out["stream"] = torch.stack([o.latents for o in chunks])
     sess = gen.session(img, "a person talking", seed=0)  # the sink's cached K: heads per rank
     out["sink_k_shape"] = tuple(sess.cache.sink[0][0].shape)
@@ -50,10 +53,10 @@ def ring_config(cfg):
 
 def _run_ring(model, cfg, img, speech) -> dict:
     """A stream through the FP8 ring cache (the window slides): latents and the per-layer buffer shape."""
-    from cadence.engine.generate import StreamGenerator
+    from cadence.engine.session import StreamGenerator
 
     gen = StreamGenerator(ring_config(cfg), model)
-    chunks = gen.stream(img, "a person talking", speech, NUM_CHUNKS, seed=0)
+    chunks = engine_stream(gen, img, "a person talking", speech, NUM_CHUNKS, seed=0)
     sess = gen.session(img, "a person talking", seed=0)
     return {"stream": torch.stack([o.latents for o in chunks]), "k_shape": tuple(sess.cache.k.shape),
             "v_shape": tuple(sess.cache.v.shape), "k_dtype": str(sess.cache.k.dtype)}
@@ -375,7 +378,10 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
     from cadence.media.image import default_reference_image
     from cadence.parallel import destroy_tp, init_tp
     from cadence.parallel.graphs import all_ranks_ok
-    from cadence.serve.worker import Engine
+    from cadence.config import get_preset
+    from cadence.engine.build import build_engine
+    from cadence.engine.messages import ChunkTimings
+    from cadence.engine.spec import FastPath
 
     info = init_tp(backend="gloo")
     res: dict = {}
@@ -383,16 +389,20 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
         res["all_true"] = all_ranks_ok(True, info.group)
         res["one_false"] = all_ranks_ok(rank == 0, info.group)
 
-        eng = Engine("tiny", "cpu", options={"overrides": {"model": {"num_layers": 1}}}, tp=info)
-        w = eng.cfg.stream.window_chunks
-        times = iter(([100.0] * (w + 2)) * 2 if rank == 0 else [100.0] * w + [900.0, 100.0] + [100.0] * (w + 2))
+        cfg = get_preset("tiny").with_overrides(model={"num_layers": 1})
+        eng = build_engine(cfg, "cpu", FastPath(threads=1), tp=info)
+        w = cfg.stream.window_chunks
+        calls = [0]
 
-        def fake_chunk(sess, audio, out=None, decode=True):
-            return None, {"work_ms": next(times), "step": "eager"}
+        def fake_steps(image, audio, n):  # the first stream's chunk w is slow on rank 1 only
+            slow = rank == 1 and calls[0] == 0
+            calls[0] += 1
+            return [ChunkTimings(work_ms=900.0 if slow and i == w else 100.0, step="eager") for i in range(n)]
 
-        eng.run_chunk = fake_chunk
-        warm = eng.warm_up(default_reference_image(eng.cfg.stream.height, eng.cfg.stream.width), decode=False)
+        eng._steps_only = fake_steps
+        warm = eng.warm_up(default_reference_image(cfg.stream.height, cfg.stream.width), decode=False)
         res["warm_streams"] = warm["streams"]
+        res["repeat_stream"] = warm["repeat_stream"]
         res["notes"] = [str(n) for n in eng.notes]
         # teardown: rank 0 (the store's server here) must wait until rank 1 has destroyed its group
         if rank == 1:

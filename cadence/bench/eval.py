@@ -24,14 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from cadence.errors import InputError
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one-line ``InputError`` (the CLI prints ``error: ...``, exit status 2)."""
-
-    def error(self, message: str):
-        raise InputError(f"{self.prog}: {message} (see '{self.prog} --help')")
+from cadence.errors import InputError, UsageParser
 
 
 def _seconds_list(text: str) -> list[float]:
@@ -47,7 +40,7 @@ def _seconds_list(text: str) -> list[float]:
 def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespace:
     from cadence.eval.harness import CONFIGS, DEFAULT_DRIFT_SECONDS
 
-    p = _Parser(prog=prog, description="Quality harness: lip sync and identity drift of held-out clips per engine "
+    p = UsageParser(prog=prog, description="Quality harness: lip sync and identity drift of held-out clips per engine "
                                        "configuration, with rerun spreads and verdicts against the reference.")
     p.add_argument("--preset", default="character",
                    help="model/stream preset: character (the shipped trained default), tiny (random weights), "

@@ -16,15 +16,20 @@ after the ring has filled plus one warm-up / capture chunk (all chunks are in ``
 Results per BENCHMARKS.md (bench "pipeline"); a PNG of the per-chunk timeline beside the JSON when
 matplotlib is importable. Imports only torch (+ matplotlib if present).
 
+It measures the engine ``cadence serve`` runs (:class:`cadence.engine.engine.Engine`, built by
+``build_engine`` with the same fast paths): the same step + decode loop, the same warm-up.
+
 Time to first frame: ``ttff_ms`` is the timed stream's, from its start (the session's opening: prompt K/V,
 the reference image's encode and sink pass) to the first chunk's frames in host memory. With ``--prewarm``
-(the default) a throwaway stream (``ChunkPipeline.prewarm``: every step shape, the decoder, the graph
+(the default) the engine's warm-up (``Engine.warm_up``: every step shape, the decoder, the graph
 captures) runs first and the timed stream reuses its session and graphs, as a server would; the
-throwaway stream's own ttff, the process's first, is ``ttff_cold_ms``. With ``--no-prewarm`` the timed
-stream is the first and ``ttff_cold_ms`` equals ``ttff_ms``. ``--fp8`` swaps the block linears for FP8
-ones (``cadence.quant.fp8.apply_fp8``), ``--compile`` compiles the per-block elementwise regions
-(``cadence.runtime.compile.apply_compile``; after ``--fp8``), ``--window N`` overrides the attention
-window (``stream.window_chunks``; in the variant name).
+warm-up's first stream's ttff, the process's first, is ``ttff_cold_ms``. With ``--no-prewarm`` the timed
+stream is the first and ``ttff_cold_ms`` equals ``ttff_ms``. Latency is reported twice: ``chunk_p50_ms``
+/ ``chunk_p99_ms`` from the back-to-back stream (chunks queue behind each other: throughput conditions)
+and ``chunk_paced_ms`` (the warm-up's paced chunks: one chunk at a time, as a live server's chunks come
+a chunk period apart). ``--fp8`` swaps the block linears for FP8 ones (``cadence.quant.fp8.apply_fp8``),
+``--compile`` compiles the per-block elementwise regions (``cadence.runtime.compile.apply_compile``; after
+``--fp8``), ``--window N`` overrides the attention window (``stream.window_chunks``; in the variant name).
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     dec.add_argument("--decode-device", default="auto", help="auto | same | cpu | cuda:N (default: auto)")
     dec.add_argument("--decode-gpu", type=int, default=None, metavar="K",
                      help="decode on GPU K (= --decode-device cuda:K)")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA graphs for steady-state steps (default: on)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for steady-state steps (default: on with CUDA)")
     p.add_argument("--shape-change-every", type=int, default=10,
                    help="second run: change the conditioning length every K chunks (0: skip that run)")
     p.add_argument("--cache", default="ring", choices=["ring", "naive"])
@@ -65,7 +70,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps-in-flight", type=int, default=1,
                    help="diffusion steps launched ahead of the device (1: plan after the previous step ends)")
     p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a throwaway stream over every step shape first (ChunkPipeline.prewarm; default: on)")
+                   help="warm the engine up first (Engine.warm_up: every step shape, captures; default: on)")
     p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
     p.add_argument("--capture-filling", action="store_true",
                    help="also graph-capture the ring-filling steps (PipelineConfig.capture_filling; prewarm runs "
@@ -77,6 +82,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="tensor-parallel diffusion over N GPUs (run under torchrun --nproc_per_node N): every rank "
                         "diffuses its shard and decodes on a side stream of its own GPU; rank 0 records")
     p.add_argument("--comm", default="auto", help="row-parallel comm mode with --tp > 1 (see cadence bench step)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU: torch intra-op threads (default 0: the warm-up picks 1 or 2)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="decode right after each step in the same thread (the serial reference)")
     p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
     p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
     a = p.parse_args(argv)
@@ -91,18 +100,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def summarize(outs: list, cfg, deadline_ms: float, skip: int) -> dict:
+def summarize(outs: list, cfg, deadline_ms: float, skip: int, ttff_ms: float | None = None) -> dict:
     """The BENCHMARKS.md `pipeline` keys from one run's chunks (`skip`: non-steady chunks at the start)."""
     t = [o.timings for o in outs]
     steady = t[skip:] if len(t) - skip >= 2 else t
     lat = [x.latency_ms for x in steady]
-    span = steady[-1].ready_s - steady[0].ready_s
+    span = steady[-1].t_done - steady[0].t_done
     frames = cfg.video_frames_per_chunk * (len(steady) - 1)
     return {
         "fps": frames / span if span > 0 else float("nan"),
         "chunk_p50_ms": median(lat), "chunk_p99_ms": p99(lat), "deadline_ms": deadline_ms,
         "deadline_miss_rate": sum(x > deadline_ms for x in lat) / len(lat),
-        "ttff_ms": outs[0].ttff_ms, "first_chunk_diffusion_ms": t[0].diffusion_ms,
+        "ttff_ms": ttff_ms, "first_chunk_diffusion_ms": t[0].diffusion_ms,
         "first_chunk_decode_ms": t[0].decode_ms,
         "diffusion_ms": median([x.diffusion_ms for x in steady]), "decode_ms": median([x.decode_ms for x in steady]),
         "host_copy_ms": median([x.host_copy_ms for x in steady]),
@@ -112,9 +121,9 @@ def summarize(outs: list, cfg, deadline_ms: float, skip: int) -> dict:
     }
 
 
-def run_once(pipe, cfg, image, audio, n: int, seed: int, prompts=None) -> list:
+def run_once(eng, cfg, image, audio, n: int, seed: int, prompts=None) -> list:
     outs = []
-    for o in pipe.stream(image, "benchmark prompt", audio, n, seed=seed, prompts=prompts):
+    for o in eng.stream(image, "benchmark prompt", audio, n, seed=seed, prompts=prompts):
         o.frames = None  # the pinned buffer goes back to the ring; keep only the numbers
         o.latents = None
         outs.append(o)
@@ -147,27 +156,6 @@ def draw_timeline(path, runs: dict[str, list], deadline_ms: float) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-
-
-def apply_fast_paths(model, args) -> dict | None:
-    """--fp8 then --compile on the built model; what was applied (for the JSON), or None after an
-    `error:` line when a requested path is not available."""
-    info: dict = {"fp8": bool(args.fp8), "compile": bool(args.compile)}
-    if args.fp8:
-        from cadence.quant.fp8 import apply_fp8
-
-        info["fp8_layers"] = apply_fp8(model)
-    if args.compile:
-        try:
-            from cadence.runtime.compile import apply_compile
-        except ImportError as e:
-            print(f"error: --compile needs cadence.runtime.compile.apply_compile, which is not available here "
-                  f"({type(e).__name__}: {e})", file=sys.stderr)
-            return None
-        rep = apply_compile(model)
-        info["compile_info"] = rep.describe() if hasattr(rep, "describe") else repr(rep)
-        info["_compile_report"] = rep  # per-op status after the run (not serialised as is)
-    return info
 
 
 def init_tensor_parallel(args):
@@ -211,8 +199,8 @@ def main(argv: list[str]) -> int:
 def _main(args, info) -> int:
     import logging
 
-    from cadence.engine.generate import StreamGenerator, build_generator
-    from cadence.engine.pipeline import ChunkPipeline
+    from cadence.engine.build import build_engine
+    from cadence.engine.spec import FastPath
 
     rank0 = info is None or info.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
@@ -229,7 +217,7 @@ def _main(args, info) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     # the CPU presets decode with their own decoder; the GPU presets with the full Wan VAE unless told
     decoder = args.decoder or (cfg.vae.decoder if cfg.name in ("tiny", "character") else "wan")
-    over = {"stream": {"cache": args.cache, "kv_fp8": args.kv_fp8}, "vae": {"decoder": decoder}}
+    over = {"stream": {"cache": args.cache, "kv_fp8": args.kv_fp8}}
     if args.window:
         over["stream"]["window_chunks"] = args.window
     if args.layers:
@@ -239,41 +227,31 @@ def _main(args, info) -> int:
     # rank keeps the ranks in step at the all-reduces); only rank 0's frames are used
     decode_device = "same" if info is not None else (
         f"cuda:{args.decode_gpu}" if args.decode_gpu is not None else args.decode_device)
-    pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=decode_device, graphs=args.graphs,
-                          max_graphs=args.max_graphs, queue_depth=args.queue_depth,
-                          steps_in_flight=args.steps_in_flight, capture_filling=args.capture_filling)
-    capture = None
-    if info is None:
-        gen = build_generator(cfg, device=device, dtype=dtype, seed=0)
-    else:
-        from cadence.bench.step import build_tp_model
-        from cadence.parallel.graphs import agreeing_capture
-
-        model, how = build_tp_model(cfg, device, dtype, info.group, args.comm)
-        gen = StreamGenerator(cfg, model)
-        if device.type == "cuda":
-            capture = agreeing_capture(info.group)  # every rank captures a step, or none does
-        if rank0:
-            print(f"tp: {info.world_size} ranks ({info.backend}), shards built on {how}, comm {args.comm}",
-                  file=sys.stderr)
-    fast = apply_fast_paths(gen.model, args)
-    if fast is None:
-        return 2
-    pipe = ChunkPipeline(gen, pcfg, graph_capture=capture)
+    pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=decode_device, max_graphs=args.max_graphs,
+                          queue_depth=args.queue_depth, steps_in_flight=args.steps_in_flight,
+                          overlap=not args.no_overlap)
+    fast = FastPath(dtype=str(dtype).replace("torch.", ""), decoder=decoder, kv_fp8=args.kv_fp8,
+                    fp8_linears=args.fp8, graphs=False if args.cache != "ring" else args.graphs,
+                    capture_filling=args.capture_filling, compile=args.compile, comm=args.comm,
+                    threads=args.threads)
+    eng = build_engine(cfg, device, fast, tp=info, pipeline=pcfg, seed=0)
     if rank0:
-        print(f"placement: {pipe.placement.describe()}" + "".join(f"; {n}" for n in pipe.placement.notes),
+        if info is not None:
+            print(f"tp: {info.world_size} ranks ({info.backend}), shards built on {eng.applied.get('tp_build')}, "
+                  f"comm {args.comm}", file=sys.stderr)
+        print(f"placement: {eng.placement.describe()}" + "".join(f"; {n}" for n in eng.placement.notes),
               file=sys.stderr)
     try:
-        return _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0)
+        return _measure(args, info, eng.gen.cfg, eng, device, dtype, decoder, rank0)
     finally:
         # free the kept session and its graphs before the process group goes (graphs that captured
         # NCCL calls keep the communicator busy: destroying it under them hangs at exit)
-        pipe.close()
+        eng.close()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
 
-def _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0) -> int:
+def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
     g = torch.Generator().manual_seed(0)
     n = args.chunks
     image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
@@ -284,28 +262,28 @@ def _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0) -> int:
 
     warm = None
     if args.prewarm:
-        warm = pipe.prewarm()
+        warm = eng.warm_up(decode=True, threads=args.threads)
         if rank0:
-            print(f"prewarm: {warm['prewarm_chunks']} chunks in {warm['prewarm_s']:.2f} s, cold ttff "
-                  f"{warm['ttff_ms']:.1f} ms, graphs {warm.get('graphs')}", file=sys.stderr)
-    outs = run_once(pipe, cfg, image, audio, n, seed=0)
-    res = summarize(outs, cfg, deadline_ms, skip)
-    lr = pipe.last_run
+            print(f"warm-up: {warm['streams']} streams in {warm['ms'] / 1e3:.2f} s, cold ttff "
+                  f"{warm['first_stream_ttff_ms']} ms, paced chunk {warm['steady_chunk_ms']} ms, interval "
+                  f"{warm['interval_ms']} ms, threads {warm['threads']}", file=sys.stderr)
+    outs = run_once(eng, cfg, image, audio, n, seed=0)
+    lr = eng.last_run
+    res = summarize(outs, cfg, deadline_ms, skip, ttff_ms=lr.get("ttff_ms"))
     res["graphs"] = lr.get("graphs")
     res.update(prewarm=bool(args.prewarm), session=lr.get("session"), open_ms=lr.get("open_ms"),
                first_chunk_step=lr.get("first_chunk", {}).get("step"), window_chunks=cfg.stream.window_chunks,
-               ttff_cold_ms=warm["ttff_ms"] if warm else res["ttff_ms"])
+               ttff_cold_ms=warm["first_stream_ttff_ms"] if warm else res["ttff_ms"],
+               chunk_paced_ms=warm["steady_chunk_ms"] if warm else None, threads=torch.get_num_threads(),
+               overlap=not args.no_overlap)
     # the same reference image again (a returning character: its latent is remembered, no VAE encode)
-    run_once(pipe, cfg, image, audio, 1, seed=0)
-    res.update(ttff_repeat_ms=pipe.last_run.get("ttff_ms"), open_repeat_ms=pipe.last_run.get("open_ms"))
+    run_once(eng, cfg, image, audio, 1, seed=0)
+    res.update(ttff_repeat_ms=eng.last_run.get("ttff_ms"), open_repeat_ms=eng.last_run.get("open_ms"))
     if warm:
-        res.update(prewarm_s=warm["prewarm_s"], prewarm_chunks=warm["prewarm_chunks"],
-                   prewarm_open_ms=warm["open_ms"], prewarm_graphs=warm.get("graphs"))
-    rep = fast.pop("_compile_report", None)
-    res.update(fast)
-    if rep is not None and hasattr(rep, "status"):
-        res["compile_status"] = {k: str(v) if not isinstance(v, (int, float, str, bool, dict, list)) else v
-                                 for k, v in rep.status().items()}
+        res.update(prewarm_s=warm["ms"] / 1e3, prewarm_chunks=warm["chunks"], prewarm_graphs=warm.get("graphs"),
+                   warmup=warm)
+    res.update(fast=eng.describe(), fp8=bool(args.fp8), compile=bool(args.compile),
+               fp8_layers=eng.applied.get("fp8_linears"), compile_info=eng.applied.get("compile"))
     runs = {"steady conditioning": outs}
     res["shape_changes"] = 0
     if args.shape_change_every:
@@ -316,9 +294,9 @@ def _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0) -> int:
         embs = {x: torch.randn(x, cfg.model.text_dim, generator=tg) for x in set(lengths)}
         prompts = {i: embs[lengths[(i // k) % len(lengths)]] for i in range(k, n, k)}
         changes = sum(1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)])
-        outs2 = run_once(pipe, cfg, image, audio, n, seed=0, prompts=prompts)
-        sc = summarize(outs2, cfg, deadline_ms, skip)
-        sc["graphs"] = pipe.last_run.get("graphs")
+        outs2 = run_once(eng, cfg, image, audio, n, seed=0, prompts=prompts)
+        sc = summarize(outs2, cfg, deadline_ms, skip, ttff_ms=eng.last_run.get("ttff_ms"))
+        sc["graphs"] = eng.last_run.get("graphs")
         # recovery: diffusion time in the last chunk before each change vs the steady run's median
         before = [outs2[i - 1].timings.diffusion_ms for i in prompts if i - 1 >= skip]
         sc["diffusion_ms_before_change_p50"] = median(before) if before else None
@@ -330,7 +308,7 @@ def _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0) -> int:
     res["per_chunk"] = [dict(i=o.index, **{f: round(getattr(o.timings, f), 3) for f in (
         "diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")}, step=o.timings.step) for o in outs]
 
-    rows = [("placement", pipe.placement.describe()), ("fps (sustained)", f"{res['fps']:.1f}"),
+    rows = [("placement", eng.placement.describe()), ("fps (sustained)", f"{res['fps']:.1f}"),
             ("chunk p50 / p99", f"{res['chunk_p50_ms']:.1f} / {res['chunk_p99_ms']:.1f} ms "
                                 f"(deadline {deadline_ms:.1f}, miss {100 * res['deadline_miss_rate']:.1f}%)"),
             ("ttff", f"{res['ttff_ms']:.1f} ms ({'after prewarm, session ' + str(res['session']) if warm else 'cold'}; "
@@ -356,19 +334,19 @@ def _measure(args, info, cfg, pipe, fast, device, dtype, decoder, rank0) -> int:
     if args.no_record:
         return 0
     variant = "-".join(v for v in (
-        "graphs" if args.graphs else "eager", f"dec{pipe.placement.decode_device.replace(':', '')}",
+        "graphs" if eng.cfg.graphs else "eager", f"dec{eng.placement.decode_device.replace(':', '')}",
         args.cache, "kvfp8" if args.kv_fp8 else "", decoder, "fp8" if args.fp8 else "",
         "compile" if args.compile else "", "capfill" if args.capture_filling else "",
         f"w{args.window}" if args.window else "",
         "" if args.prewarm else "noprewarm", f"l{args.layers}" if args.layers else "") if v)
-    world = len({pipe.placement.diffusion_device, pipe.placement.decode_device} - {"cpu"}) or 1
+    world = len({eng.placement.diffusion_device, eng.placement.decode_device} - {"cpu"}) or 1
     if info is not None:
         world = info.world_size if device.type == "cuda" else 1
         variant += f"-{args.comm}"
     shape = cfg.shape_summary()
     path = record("pipeline", cfg.name, args.tp, device, shape, res, variant=variant, out_dir=args.out_dir,
                   world=world,
-                  extra={"placement": pipe.placement.describe(), "dtype": str(dtype).replace("torch.", ""),
+                  extra={"placement": eng.placement.describe(), "dtype": str(dtype).replace("torch.", ""),
                          "decoder": decoder, "layers": cfg.model.num_layers},
                   headline=f"{res['fps']:.1f} fps, diffusion {res['diffusion_ms']:.1f} ms, "
                            f"p99 {res['chunk_p99_ms']:.1f} ms, ttff {res['ttff_ms']:.0f} ms "

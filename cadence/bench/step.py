@@ -197,7 +197,7 @@ def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, i
     `iters` uninstrumented eager steps, the region split from `profile_iters` instrumented ones (eager:
     the region events need the host), a host-sync check (CUDA), and with `graphs` the same step
     replayed from a CUDA graph (:func:`measure_graphed`; ``graph`` in the result, None without)."""
-    from cadence.engine.generate import StreamGenerator
+    from cadence.engine.session import StreamGenerator
 
     gen = StreamGenerator(cfg, model)
     g = torch.Generator(device=device).manual_seed(1)

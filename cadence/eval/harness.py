@@ -300,72 +300,79 @@ def model_dtype(config: Config, device):
 
 
 def build(config: Config, cfg: CadenceConfig, device, weights: str | None = None, weights_seed: int = 0):
-    """(generator, notes) for ``config``: the model built on ``device`` (random from ``weights_seed`` or
-    loaded from ``weights``), then ``apply_tp`` over the world and ``apply_fp8`` as the config asks."""
-    from cadence.engine.generate import build_generator
+    """(engine, notes) for ``config``: ``cadence.engine.build.build_engine`` with the configuration's fast paths
+    (the model built on ``device``, random from ``weights_seed`` or loaded from ``weights``; ``apply_tp`` over
+    the torchrun world and ``apply_fp8`` as the config asks). The engine decodes inline (the serial order of
+    a reference run; the overlapped engine gives the same frames, tests/test_pipeline.py)."""
+    import torch
+
+    from cadence.config import PipelineConfig
+    from cadence.engine.build import build_engine
+    from cadence.engine.spec import FastPath
 
     run_cfg = cfg.with_overrides(stream=config.stream_overrides())
-    gen = build_generator(run_cfg, device=device, dtype=model_dtype(config, device), seed=weights_seed,
-                          weights=weights)
+    if weights:
+        run_cfg = run_cfg.with_overrides(model={"weights": weights})
+    tp = None
     notes: dict = {}
     if config.tp:
         import torch.distributed as dist
 
-        from cadence.parallel import apply_tp
+        from cadence.parallel.mesh import TPInfo
 
-        apply_tp(gen.model, dist.group.WORLD, comm=config.comm)
+        tp = TPInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(),
+                    device=torch.device(device), backend=dist.get_backend(), group=dist.group.WORLD)
         notes["tp_world"] = dist.get_world_size()
+    dev = str(device)
+    cuda = torch.device(device).type == "cuda"
+    # the cache (naive / ring, FP8 K/V) is in run_cfg; FP8 linears run on the CPU too (dequantised matmul, the
+    # same numerics), so they are applied here rather than through FastPath (which keeps them to CUDA)
+    fast = FastPath(dtype=str(model_dtype(config, device)).replace("torch.", ""), kv_fp8=False, fp8_linears=False,
+                    graphs=config.graphs and cuda, comm=config.comm, decoder=run_cfg.vae.decoder,
+                    threads=0 if cuda else torch.get_num_threads())
+    eng = build_engine(run_cfg, dev, fast, tp=tp, seed=weights_seed,
+                       pipeline=PipelineConfig(diffusion_devices=(dev,), decode_device="same", overlap=False))
     if config.fp8_linears:
         from cadence.quant import apply_fp8
 
-        notes["fp8_layers"] = apply_fp8(gen.model)
-    return gen, notes
+        notes["fp8_layers"] = apply_fp8(eng.gen.model)
+    return eng, notes
 
 
-def run_stream(gen, clip: EvalClip, seed: int, drift_seconds: Sequence[float], runner=None,
-               prompt: str = PROMPT) -> dict[str, float]:
+def run_stream(eng, clip: EvalClip, seed: int, drift_seconds: Sequence[float], prompt: str = PROMPT) -> dict[str, float]:
     """Generate ``clip``'s stream (its reference image, its audio, chunks covering it) with noise ``seed``
-    and return its metrics (:class:`StreamMetrics`)."""
+    through the engine and return its metrics (:class:`StreamMetrics`)."""
     import torch
 
-    cfg = gen.cfg
+    cfg = eng.gen.cfg
     fpc, spc = cfg.video_frames_per_chunk, cfg.audio_samples_per_chunk
     chunks = math.ceil(clip.frames / fpc)
     audio = np.zeros(chunks * spc, np.float32)
     audio[: len(clip.audio)] = clip.audio[: chunks * spc]
     image = torch.from_numpy(clip.reference).permute(2, 0, 1).float() / 127.5 - 1.0
     acc = StreamMetrics(clip.reference, clip.face_box)
-    with torch.no_grad():
-        sess = gen.session(image, prompt, seed=seed)
-        audio_dev = torch.from_numpy(audio).to(gen.model.device)
-        for i in range(chunks):
-            lat = sess.step(audio_dev[i * spc:(i + 1) * spc], runner=runner)
-            frames = sess.decode(lat).cpu().numpy()
-            acc.add(frames[: clip.frames - acc.frames])
+    for out in eng.stream(image, prompt, torch.from_numpy(audio), chunks, seed=seed):
+        acc.add(out.frames.numpy()[: clip.frames - acc.frames])
     return acc.result(clip.audio, drift_seconds, cfg.stream.fps)
 
 
-def run_config(gen, config: Config, clips: Sequence[EvalClip], reruns: int, drift_seconds: Sequence[float],
+def run_config(eng, config: Config, clips: Sequence[EvalClip], reruns: int, drift_seconds: Sequence[float],
                noise_seed: int = 0, prompt: str = PROMPT,
                progress: Callable[[str], None] | None = None) -> tuple[dict[str, list[list[float]]], dict]:
     """Every clip x rerun of one configuration: (``values[metric][clip][rerun]``, run info with
     ``effective``: how the steps actually ran)."""
+    import dataclasses
+
     import torch
 
-    from cadence.runtime.graphs import GraphRunner, GraphStats
-
     values: dict[str, list[list[float]]] = {}
-    stats = GraphStats()
+    s0 = dataclasses.replace(eng.runner.stats, eager_reasons=dict(eng.runner.stats.eager_reasons))
     t_start = time.perf_counter()
     for i, clip in enumerate(clips):
         t0 = time.perf_counter()
         per: list[dict[str, float]] = []
         for r in range(reruns):
-            runner = GraphRunner() if config.graphs else None
-            per.append(run_stream(gen, clip, noise_seed + r, drift_seconds, runner=runner, prompt=prompt))
-            if runner is not None:
-                _add_stats(stats, runner.stats)
-                runner.clear()
+            per.append(run_stream(eng, clip, noise_seed + r, drift_seconds, prompt=prompt))
         for m in per[0]:
             values.setdefault(m, []).append([p[m] for p in per])
         if progress:
@@ -373,7 +380,12 @@ def run_config(gen, config: Config, clips: Sequence[EvalClip], reruns: int, drif
             progress(f"{config.name}: clip {i + 1}/{len(clips)} (seed {clip.seed}, {reruns} reruns): "
                      f"{_brief(mean)} ({time.perf_counter() - t0:.1f} s)")
     wall = time.perf_counter() - t_start
-    dev = gen.model.device
+    st = eng.runner.stats
+    stats = dataclasses.replace(st, captures=st.captures - s0.captures, replays=st.replays - s0.replays,
+                                eager=st.eager - s0.eager, capture_failures=st.capture_failures - s0.capture_failures,
+                                eager_reasons={k: v - s0.eager_reasons.get(k, 0) for k, v in st.eager_reasons.items()
+                                               if v != s0.eager_reasons.get(k, 0)})
+    dev = eng.gen.model.device
     info: dict = {"wall_s": wall, "streams": len(clips) * reruns}
     if not config.graphs:
         info["effective"] = "eager"
@@ -393,20 +405,11 @@ def run_config(gen, config: Config, clips: Sequence[EvalClip], reruns: int, drif
 
         info["comm_decisions"] = fused.chooser_decisions()
         info["comm_fallbacks"] = fused.fallback_warnings()
-    fallbacks = {getattr(mod, "fallback_reason", None) for mod in gen.model.modules()} - {None}
+    fallbacks = {getattr(mod, "fallback_reason", None) for mod in eng.gen.model.modules()} - {None}
     if fallbacks:
         info["fp8_linears_effective"] = "dequantised matmul (FP8 numerics, no FP8 speed): " + "; ".join(
             sorted(fallbacks))
     return values, info
-
-
-def _add_stats(total, s) -> None:
-    total.captures += s.captures
-    total.replays += s.replays
-    total.eager += s.eager
-    total.capture_failures += s.capture_failures
-    for k, v in s.eager_reasons.items():
-        total.eager_reasons[k] = total.eager_reasons.get(k, 0) + v
 
 
 def _brief(m: Mapping[str, float]) -> str:
@@ -448,12 +451,13 @@ def evaluate(cfg: CadenceConfig, configs: Sequence[str | Config], clips: Sequenc
             if progress:
                 progress(f"{config.name}: skipped: {why}")
             continue
-        gen, notes = build(config, cfg, device, weights=weights, weights_seed=weights_seed)
-        entry["build"]["dtype"] = str(gen.model.dtype).replace("torch.", "")
-        entry["build"]["device"] = str(gen.model.device)
+        eng, notes = build(config, cfg, device, weights=weights, weights_seed=weights_seed)
+        entry["build"]["dtype"] = str(eng.gen.model.dtype).replace("torch.", "")
+        entry["build"]["device"] = str(eng.gen.model.device)
         entry["build"].update(notes)
-        values, info = run_config(gen, config, clips, reruns, drift_seconds, noise_seed, prompt, progress)
-        del gen
+        values, info = run_config(eng, config, clips, reruns, drift_seconds, noise_seed, prompt, progress)
+        eng.close()
+        del eng
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

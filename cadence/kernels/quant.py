@@ -104,10 +104,16 @@ def triton_usable(x: torch.Tensor, allow_interpreter: bool = False) -> tuple[boo
 
 # ---- references -------------------------------------------------------------------------------
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain-PyTorch per-row quantisation (:func:`cadence.quant.fp8.quantize_rows`)."""
-    from cadence.quant.fp8 import quantize_rows
+    """x [M, K] -> (x_fp8 [M, K] e4m3, scale [M, 1] float32) with x ~= x_fp8 * scale: the plain-PyTorch
+    per-row quantisation (``cadence.quant.fp8.quantize_rows`` is this function).
 
-    return quantize_rows(x)
+    One scale per row (amax / 448); values are clamped to the e4m3 range before the cast."""
+    # inf-norm = max |x| in one read, no |x| temporary; multiplying by the float32 reciprocal writes
+    # the float32 quotient in one pass (x is promoted), then clamp in place and cast.
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).float().clamp_min(AMAX_MIN)
+    scale = amax / FP8_MAX
+    q = (x * scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
 
 
 def modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, norm: str = "layer",
@@ -127,12 +133,10 @@ def modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
 def quantize_rows_modulated_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
                                       norm: str = "layer", out_dtype: torch.dtype | None = None
                                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`modulate_reference` then :func:`cadence.quant.fp8.quantize_rows` over the rows
+    """:func:`modulate_reference` then :func:`quantize_rows_reference` over the rows
     ([..., K] -> [prod(...), K] e4m3 and [prod(...), 1] float32): the eager path it replaces."""
-    from cadence.quant.fp8 import quantize_rows
-
     h = modulate_reference(x, shift, scale, eps, norm, out_dtype)
-    return quantize_rows(h.reshape(-1, h.shape[-1]))
+    return quantize_rows_reference(h.reshape(-1, h.shape[-1]))
 
 
 # ---- Triton -----------------------------------------------------------------------------------

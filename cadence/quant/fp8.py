@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from cadence.kernels import quant as kq
 from cadence.model.layers import Linear
 from cadence.telemetry.spans import region
 
@@ -53,7 +54,10 @@ log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_AMAX_MIN = 1e-12  # an all-zero row gets a tiny scale (quantises to zeros), never a division by zero
+
+#: x [M, K] -> (x_fp8 [M, K] e4m3, scale [M, 1] float32): the plain per-row quantisation, which lives beside
+#: its Triton kernel (cadence.kernels.quant) as its reference.
+quantize_rows = kq.quantize_rows_reference
 
 _warned = False  # the fallback's warn-once flag (per process)
 # why _scaled_mm failed, decided once and not retried per call: keyed (device type, out dtype) when the op
@@ -61,18 +65,6 @@ _warned = False  # the fallback's warn-once flag (per process)
 # cuBLAS refuses one shape (RuntimeError, e.g. CUBLAS_STATUS_NOT_SUPPORTED): one odd shape must not
 # demote every FP8 layer of the process to the slow path (seen on an H200 at TP=2, 2026-11-30).
 _op_unusable: dict[tuple, str] = {}
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x_fp8 [M, K] e4m3, scale [M, 1] float32) with x ~= x_fp8 * scale.
-
-    One scale per row (amax / 448); values are clamped to the e4m3 range before the cast."""
-    # inf-norm = max |x| in one read, no |x| temporary; multiplying by the float32 reciprocal writes
-    # the float32 quotient in one pass (x is promoted), then clamp in place and cast.
-    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).float().clamp_min(_AMAX_MIN)
-    scale = amax / FP8_MAX
-    q = (x * scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
 
 
 QUANT_BACKENDS = ("auto", "triton", "torch")
@@ -121,8 +113,6 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _quant_failed is not None:
         why = _quant_failed
     else:
-        from cadence.kernels import quant as kq
-
         ok, why = kq.triton_usable(x, allow_interpreter=backend == "triton")
         if ok and x.dim() == 2:
             try:
@@ -320,11 +310,12 @@ def apply_fp8(model: nn.Module, *, min_features: int = 0) -> int:
 
     Linears with fewer than `min_features` input or output features are kept in high precision
     (at small widths FP8 saves nothing and the quantisation/launch overhead dominates). The patch
-    embedding, embedders and head are never touched (see the module docstring)."""
-    n = 0
-    for parent, name, lin in list(_block_linears(model)):
-        if min(lin.in_features, lin.out_features) < min_features:
-            continue
-        setattr(parent, name, FP8Linear.from_linear(lin))
-        n += 1
-    return n
+    embedding, embedders and head are never touched (see the module docstring).
+
+    All or nothing: every replacement is built first, then they are swapped in (a swap cannot fail), so
+    a conversion that fails part-way raises with the model unchanged, never half-converted."""
+    swaps = [(parent, name, FP8Linear.from_linear(lin)) for parent, name, lin in list(_block_linears(model))
+             if min(lin.in_features, lin.out_features) >= min_features]
+    for parent, name, fp8 in swaps:
+        setattr(parent, name, fp8)
+    return len(swaps)

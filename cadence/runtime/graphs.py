@@ -1,14 +1,18 @@
 """CUDA-graph capture of the steady-state chunk step, with eager fallback for every other shape.
 
     runner = GraphRunner(max_graphs=4)
-    x = session.step(audio, runner=runner)     # replays a graph once the step shape is steady
+    x = runner.run(key, step, inputs, keep=cache)   # replays a graph once the step shape is steady
+
+The runner is given a key and a function, never a session: ``key`` (:class:`~cadence.runtime.step.StepKey`)
+is the step's shape signature, ``step(inputs)`` computes the passes from its inputs alone, ``keep`` is
+what the captured graph reads besides them (the cache). ``Session.step`` is the caller.
 
 What is captured: the denoising passes of one chunk (``Session.denoise`` = ``denoise_chunk``: every
 ``forward_chunk``, the sampler updates, the K/V commit into the ring). What stays outside:
 ``Session.prepare_step`` (``cache.begin_chunk``: host bookkeeping, the RoPE tables of the chunk and
 the ring's write slot advanced on the device; the noise draws; the audio front end's FFT). The
 per-chunk inputs (noise, renoise, audio feature tokens) and the prompt's cross-attention K/V are
-copied into static buffers owned by the graph before each replay (text only when the session's
+copied into static buffers owned by the graph before each replay (text only when the inputs'
 ``TextContext`` object changed), and the graph's output is cloned after it.
 
 Which steps are captured, and the key: a step is capturable only when every address and shape it
@@ -27,7 +31,7 @@ Across sessions: a graph captured for session A's cache bakes in the addresses o
 buffers, RoPE tables and write-slot tensors (all updated in place by ``begin_chunk``), of the model's
 weights and of the generator's timesteps; nothing else of the session. It is therefore replayed only
 for steps on that same cache object: a session reset in place (``Session.reset``, what
-``ChunkPipeline`` does between streams) keeps its cache, so its key and its graphs stay valid; a new
+the engine does between streams) keeps its cache, so its key and its graphs stay valid; a new
 session has a new cache, hence new keys, and captures its own. Anything else (the
 first chunks while a bf16 ring fills, the naive cache, a new conditioning length's first step, the
 CPU, graphs disabled) runs eagerly; each reason is logged once per key (``cadence.runtime.graphs``).
@@ -54,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.model.dit import TextContext
+from cadence.runtime.step import StepInputs, StepKey
 
 log = logging.getLogger(__name__)
 
@@ -68,48 +73,10 @@ def reset_log_once() -> None:
     _logged_global.clear()
 
 
-@dataclass(frozen=True)
-class StepKey:
-    """The shape signature of one chunk step: equal keys can share one captured graph."""
-
-    device: str
-    dtype: str
-    latent_shape: tuple[int, ...]
-    tokens_per_chunk: int
-    text_len: int
-    audio_shape: tuple[int, ...] | None
-    cache: str  # "ring-bf16" | "ring-fp8" | "naive" | other class name
-    window_chunks: int
-    filled: bool  # ring window full (steady state)
-    fill: int  # chunks visible while the ring fills (each stage has its own shapes); window when full
-    commit: str
-    passes: int
-    sampler: str
-    cache_id: int  # a graph reads this cache object's buffers
-
-    def short(self) -> str:
-        return (f"tokens={self.tokens_per_chunk} text_len={self.text_len} cache={self.cache} "
-                f"window={self.window_chunks} filled={self.filled} fill={self.fill} commit={self.commit} passes={self.passes}")
-
-
 def filling_shares_steady_graph(session) -> bool:
     """Whether `session`'s ring-filling steps have the steady step's key (a ring that reads its visible
     length on the device): then ``capture_filling`` has nothing to capture. False for no session."""
     return bool(getattr(getattr(session, "cache", None), "length_on_device", False))
-
-
-def step_key(session, inp) -> StepKey:
-    """The key of the step `session` is about to run with inputs `inp` (after ``prepare_step``)."""
-    cfg = session.cfg
-    shape = session.cache.step_shape()
-    kind, filled, fill = shape.kind, shape.filled, shape.fill
-    text_len = int(session.text.kv[0][0].shape[1]) if session.text.kv else 0
-    return StepKey(
-        device=str(inp.noise.device), dtype=str(session.model.dtype).replace("torch.", ""),
-        latent_shape=tuple(inp.noise.shape), tokens_per_chunk=cfg.tokens_per_chunk, text_len=text_len,
-        audio_shape=tuple(inp.audio.shape) if inp.audio is not None else None, cache=kind,
-        window_chunks=cfg.stream.window_chunks, filled=filled, fill=fill, commit=cfg.stream.commit,
-        passes=session.gen.schedule.passes, sampler=session.gen.schedule.rule, cache_id=id(session.cache))
 
 
 class _CudaGraph:
@@ -139,21 +106,11 @@ def cuda_capture(fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream | Non
 
 
 @dataclass
-class _Static:
-    """A graph's input buffers (filled before every replay) and where its text came from."""
-
-    noise: torch.Tensor
-    renoise: torch.Tensor | None
-    audio: torch.Tensor | None
-    text: TextContext
-    text_src: object = None
-    cache: object = None  # the cache the graph reads (kept alive: its id() is part of the key)
-
-
-@dataclass
 class _Entry:
     handle: object
-    static: _Static
+    static: StepInputs  # the graph's input buffers, filled before every replay
+    text_src: object  # the TextContext the static text was copied from (copied again when it changes)
+    keep: object  # what the graph reads besides its inputs (the cache: kept alive, its id() is in the key)
 
 
 @dataclass
@@ -167,8 +124,8 @@ class GraphStats:
 
 
 class GraphRunner:
-    """Runs a session's denoising passes: graph replay for captured steady-state shapes, eager
-    otherwise. One runner per session (graphs read that session's cache and static buffers).
+    """Runs chunk steps: graph replay for captured steady-state shapes, eager otherwise. Graphs read
+    the cache they were captured on (``keep``) and their own static input buffers.
 
     enabled: False runs everything eagerly (one log line). capture: the capture function (default:
     real CUDA capture, used only on CUDA devices; an injected one is used on any device, which is
@@ -204,7 +161,7 @@ class GraphRunner:
         return list(self._graphs)
 
     # ---- the decision ---------------------------------------------------------------------------
-    def eager_reason(self, session, key: StepKey) -> str | None:
+    def eager_reason(self, key: StepKey) -> str | None:
         """Why this step cannot replay a graph (None: it can, now or after warm-up)."""
         from cadence.telemetry import spans
 
@@ -255,13 +212,17 @@ class GraphRunner:
         log.info("cuda graphs: %s [%s]", msg, key.short())
 
     # ---- running --------------------------------------------------------------------------------
-    def denoise(self, session, inp) -> torch.Tensor:
-        """The passes of the step ``session.prepare_step`` set up: replayed or eager, same result."""
-        key = step_key(session, inp)
-        reason = self.eager_reason(session, key)
+    def run(self, key: StepKey, step: Callable[[StepInputs], torch.Tensor], inp: StepInputs,
+            keep: object = None) -> torch.Tensor:
+        """``step(inp)``: replayed from a graph captured for ``key``, or run eagerly, same result.
+
+        ``step`` computes the denoising passes from its inputs alone (everything else it reads, the
+        model, the cache buffers, the timesteps, must sit at fixed addresses); ``keep`` is the object
+        whose buffers it reads (the cache), kept alive with the graph."""
+        reason = self.eager_reason(key)
         if reason is not None:
             self._note(reason, key)
-            return session.denoise(inp)
+            return step(inp)
         entry = self._graphs.get(key)
         if entry is None:
             runs = self._seen.get(key, 0)
@@ -271,46 +232,42 @@ class GraphRunner:
                 while len(self._seen) > 4 * self.max_graphs + 16:
                     self._seen.popitem(last=False)
                 self._note("warmup", key)
-                return self._eager_on_capture_stream(session, inp, key)
-            entry = self._capture_entry(session, inp, key)
+                return self._eager_on_capture_stream(step, inp, key)
+            entry = self._capture_entry(step, inp, key, keep)
             if entry is None:
-                return session.denoise(inp)
+                return step(inp)
             self.last = "capture"
         else:
             self._graphs.move_to_end(key)
             self.last = "replay"
-        self._fill(entry.static, session, inp)
+        self._fill(entry, inp)
         entry.handle.replay()
         self.stats.replays += 1
         return entry.handle.output.clone()
 
-    def _eager_on_capture_stream(self, session, inp, key: StepKey) -> torch.Tensor:
+    def _eager_on_capture_stream(self, step, inp: StepInputs, key: StepKey) -> torch.Tensor:
         """Warm-up runs happen on the stream the capture will use (lazy library state such as cuBLAS
         workspaces is per stream), ordered with the caller's stream."""
         if self._capture is not None or not key.device.startswith("cuda"):
-            return session.denoise(inp)
+            return step(inp)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=inp.noise.device)
         cur = torch.cuda.current_stream(inp.noise.device)
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
-            x = session.denoise(inp)
+            x = step(inp)
         cur.wait_stream(self._stream)
         x.record_stream(cur)
         return x
 
-    def _capture_entry(self, session, inp, key: StepKey) -> _Entry | None:
-        static = _Static(
+    def _capture_entry(self, step, inp: StepInputs, key: StepKey, keep: object) -> _Entry | None:
+        static = StepInputs(
             noise=inp.noise.clone(), renoise=inp.renoise.clone() if inp.renoise is not None else None,
             audio=inp.audio.clone() if inp.audio is not None else None,
-            text=TextContext([(k.clone(), v.clone()) for k, v in session.text.kv]), text_src=session.text,
-            cache=session.cache)
+            text=TextContext([(k.clone(), v.clone()) for k, v in inp.text.kv]))
 
         def fn() -> torch.Tensor:
-            from cadence.runtime.chunk import denoise_chunk
-
-            return denoise_chunk(session.model, session.cache, session.gen.schedule, session.cfg.stream.commit,
-                                 static.noise, static.text, static.audio, session.gen.timesteps, static.renoise)
+            return step(static)
 
         try:
             if self._capture is not None:
@@ -330,7 +287,7 @@ class GraphRunner:
         self.stats.captures += 1
         log.info("cuda graphs: captured step [%s] (%d kept, max %d)", key.short(), len(self._graphs) + 1,
                  self.max_graphs)
-        entry = _Entry(handle, static)
+        entry = _Entry(handle, static, inp.text, keep)
         self._graphs[key] = entry
         while len(self._graphs) > self.max_graphs:
             old_key, old = self._graphs.popitem(last=False)
@@ -340,17 +297,18 @@ class GraphRunner:
         return entry
 
     @staticmethod
-    def _fill(st: _Static, session, inp) -> None:
+    def _fill(entry: _Entry, inp: StepInputs) -> None:
+        st = entry.static
         st.noise.copy_(inp.noise)
         if st.renoise is not None:
             st.renoise.copy_(inp.renoise)
         if st.audio is not None:
             st.audio.copy_(inp.audio)
-        if st.text_src is not session.text:  # the prompt changed (same length: same key)
-            for (dk, dv), (sk, sv) in zip(st.text.kv, session.text.kv):
+        if entry.text_src is not inp.text:  # the prompt changed (same length: same key)
+            for (dk, dv), (sk, sv) in zip(st.text.kv, inp.text.kv):
                 dk.copy_(sk)
                 dv.copy_(sv)
-            st.text_src = session.text
+            entry.text_src = inp.text
 
     @staticmethod
     def _free(entry: _Entry) -> None:
@@ -366,4 +324,4 @@ class GraphRunner:
 
     def graphs_for(self, cache) -> int:
         """How many kept graphs read `cache`'s buffers."""
-        return sum(1 for e in self._graphs.values() if e.static.cache is cache)
+        return sum(1 for e in self._graphs.values() if e.keep is cache)

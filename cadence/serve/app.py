@@ -75,10 +75,11 @@ from cadence.serve.agent import (
     make_agent,
     synthesize,
 )
-from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, resolve_engine_options
+from cadence.engine.messages import CloseSession, Died
+from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, worker_spec
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession
-from cadence.serve.worker import WorkerGroup
+from cadence.serve.workers import WorkerGroup
 from cadence.telemetry.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 
 log = logging.getLogger("cadence.serve")
@@ -109,10 +110,8 @@ class SessionManager:
         frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
         self.groups = []
         for i, dev in enumerate(cfg.groups):
-            opts, notes = resolve_engine_options(cfg, dev, frame_bytes)
-            opts["notes"] = notes
-            self.groups.append(WorkerGroup(i, cfg.preset, dev, cfg.worker_threads, cfg.seed, options=opts,
-                                           frame_shape=frame_shape, slots=cfg.max_in_flight + 1))
+            spec, shm = worker_spec(cfg, dev, frame_bytes)
+            self.groups.append(WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm))
         self.sessions: dict[str, LiveSession] = {}
         self.reports: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._report_times: dict[str, float] = {}
@@ -147,14 +146,28 @@ class SessionManager:
                  list(self.cfg.groups), [round(self.lead_ms(g), 1) for g in self.groups])
 
     def lead_ms(self, g: WorkerGroup) -> float:
-        """How long before a chunk is due the scheduler hands it to group ``g``'s worker: ``lead_ms``, raised
-        (``lead_auto``) to the worker's measured steady chunk time x (1 + lead_margin) + 20 ms. The
-        lower this is, the sooner speech reaches the screen; it cannot go below one chunk's work."""
+        """How long before a chunk is due the scheduler hands it to group ``g``'s worker (at a session's
+        start): ``lead_ms``, raised (``lead_auto``) to the worker's measured chunk latency x (1 + lead_margin)
+        + 20 ms. The lower this is, the sooner speech reaches the screen; it cannot go below one chunk's
+        work (the session's planner raises it further if chunks come back slower)."""
+        return self.worker_speed(g)[0] * 1e3
+
+    def worker_speed(self, g: WorkerGroup) -> tuple[float, float, float]:
+        """``(lead, latency, interval)`` in seconds for a new session on group ``g``: the lead (see
+        ``lead_ms``), the latency of one chunk (plan -> frames back) and the sustained time per chunk, as the
+        worker's warm-up measured them (``lead_ms`` and one chunk period when it measured nothing)."""
+        chunk_s = self.engine_cfg.chunk_seconds
+        warm = (g.info.warmup if g.info is not None else None) or {}
+        latency = warm.get("steady_chunk_ms")
+        interval = warm.get("interval_ms")
         lead = self.cfg.lead_ms
-        warm = (g.info or {}).get("warmup") or {}
-        if self.cfg.lead_auto and warm.get("steady_chunk_ms"):
-            lead = max(lead, warm["steady_chunk_ms"] * (1 + self.cfg.lead_margin) + 20.0)
-        return lead
+        if latency:
+            latency = latency / 1e3 + 0.01  # the web side's view: + the pipe and the event loop
+            if self.cfg.lead_auto:
+                lead = max(lead, (latency * (1 + self.cfg.lead_margin) + 0.02) * 1e3)
+        else:
+            latency = min(self.cfg.lead_ms / 1e3, chunk_s)
+        return lead / 1e3, latency, (interval / 1e3 if interval else min(latency, chunk_s))
 
     async def stop(self, timeout: float = 20.0) -> None:
         """Close every session, wait for the background work (closes, worker restarts), stop the
@@ -179,15 +192,16 @@ class SessionManager:
         use_ice_host_addresses(None)
         self.started = False
 
-    def _route(self, g: WorkerGroup, msg: tuple) -> None:
+    def _route(self, g: WorkerGroup, msg) -> None:
         sess = self.sessions.get(g.session_id) if g.session_id else None
-        if msg[0] == "died":
-            log.error("worker %d died: %s", g.index, msg[2])
+        if isinstance(msg, Died):
+            log.error("worker %d died: %s", g.index, msg.reason)
             if sess is None and g.start_error is None:  # a worker that cannot start is not restarted in a loop
                 self._bg(g.restart())
         if sess is None:
             return
-        if msg[0] in ("opened", "chunk", "closed", "error") and msg[1] is not None and msg[1] != sess.sid:
+        sid = getattr(msg, "sid", None)
+        if sid is not None and sid != sess.sid:
             return  # stale message of an earlier session
         sess.on_worker_message(msg)
 
@@ -216,7 +230,7 @@ class SessionManager:
         ok = False
         if g.ready.is_set():
             ack = sess._closed_ack = asyncio.get_running_loop().create_future()
-            g.send(("close", sess.sid))
+            g.send(CloseSession(sess.sid))
             await asyncio.wait({ack}, timeout=10.0)
             ok = ack.done() and not ack.cancelled() and ack.result() is True
         if not ok:
@@ -779,7 +793,7 @@ def create_app(cfg: ServeConfig | None = None):
                 "max_duration_s": cfg.max_duration_s, "connect_timeout_s": cfg.connect_timeout_s,
                 "weights": {"model": e.model.weights, "vae": e.vae.weights},
                 "workers": [{"index": g.index, "device": g.device, "ready": g.ready.is_set(),
-                             "lead_ms": round(mgr.lead_ms(g), 1), **(g.info or {})} for g in mgr.groups]}
+                             "lead_ms": round(mgr.lead_ms(g), 1), **g.info_dict()} for g in mgr.groups]}
 
     # A server without an operator key has no credential to ask for on the operator routes (they are off,
     # 403), so its spec names none there; every session route takes the session's token (or the key).

@@ -1,12 +1,12 @@
 """Server configuration (``cadence serve`` flags map onto these fields).
 
 The engine's fast path (bf16 is already the CUDA dtype; the TAEHV decoder, the ring cache with FP8
-K/V, FP8 linears, CUDA graphs and a warm-up before the worker reports ready) is applied from outside
-to the built model by the worker process. Each option is ``None`` = automatic (on for CUDA worker
+K/V, FP8 linears, CUDA graphs) is applied from outside to the built model by the worker process
+(``cadence.engine.build.build_engine``). Each option is ``None`` = automatic (on for CUDA worker
 groups, off on the CPU, so the CPU path is exactly the reference one), ``True`` or ``False``.
-:func:`resolve_engine_options` turns them into what one worker actually runs, with one note per
-option that cannot apply on that device (the worker logs each note once and reports them in its
-ready info, ``GET /config`` -> ``workers``).
+:func:`worker_spec` turns them into what one worker group builds (a ``cadence.engine.spec.WorkerSpec``
+with the ``FastPath`` resolved for its device), with one note per option that cannot apply on that
+device (the worker logs each note once and reports them in its ready info, ``GET /config`` -> ``workers``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from cadence.engine.shm import SHM_MIN_BYTES
+from cadence.engine.spec import DEFAULT_PROMPT, FastPath, WorkerSpec
 from cadence.errors import ConfigError, InputError
+
+__all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "serve_groups", "worker_spec"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,9 @@ class ServeConfig:
     devices of a tensor-parallel group joined by '+' ('cuda:0+cuda:1': the model sharded over both, one
     worker process per device; 'cpu+cpu' runs the same on the CPU with gloo). The number of entries is
     the number of sessions admitted at once (``--max-sessions N`` on the CPU = N slots)."""
-    worker_threads: int = 1
-    """torch threads per worker process (CPU); 0 = torch's default."""
+    worker_threads: int = 0
+    """torch intra-op threads per worker process (CPU); 0 = chosen at the worker's warm-up (it times 1 and 2
+    threads with decode overlapped on its own thread and keeps the faster sustained rate)."""
     idle_timeout_s: float = 120.0
     """Close a session after this long with no request and no media from its client."""
     max_duration_s: float = 600.0
@@ -46,7 +51,8 @@ class ServeConfig:
     """Plan a chunk at least this long before its first frame is due (must cover worker time + transfers)."""
     lead_auto: bool = True
     """Raise the lead to what the worker's warm-up measured for one chunk (plan -> frames back) plus a
-    margin (``lead_margin``), when it measured one (CUDA groups); the CPU keeps ``lead_ms``."""
+    margin (``lead_margin``); during a session the scheduler raises it further if chunks come back slower
+    (``cadence.serve.pacing.ChunkPlanner``)."""
     lead_margin: float = 0.15
     """Auto lead = measured chunk time x (1 + lead_margin) + 20 ms."""
     max_in_flight: int = 2
@@ -118,9 +124,11 @@ class ServeConfig:
     apply_compile``, after the FP8 swap); it compiles each step shape on first use, i.e. during the
     warm-up. Where it cannot compile, the plain ops stay (its own one log line)."""
     warmup: bool | None = None
-    """Before reporting ready, run a throwaway session for ``warmup_chunks`` chunks so that every step
-    shape (first chunk, ring filling, steady, graph capture) and the decoder have run once (Triton
-    compiles, autotuning, cuDNN setup, graph capture happen before any user). None = on for CUDA."""
+    """Before reporting ready, run the engine's warm-up (``Engine.warm_up``): every step shape (first chunk,
+    ring filling, steady, graph capture) and the decoder run once (Triton compiles, autotuning, cuDNN setup,
+    graph capture happen before any user), and the worker measures its chunk latency and sustained interval
+    (which size the planning lead and tell the scheduler what it can ask for) and, on the CPU, its thread
+    count. None = on."""
     warmup_chunks: int = 0
     """Chunks of the warm-up session; 0 = window_chunks + 2 (enough to reach a replayed graph)."""
     frame_transport: str = "auto"
@@ -204,15 +212,6 @@ def check_api_key(key: str) -> str:
     return key
 
 
-#: The prompt of a session that names none (the page's default too).
-DEFAULT_PROMPT = "a person talking to the camera"
-
-#: A chunk's frames at least this large go through shared memory under frame_transport='auto'.
-SHM_MIN_BYTES = 1 << 20
-
-CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
-
-
 def engine_config(cfg: ServeConfig):
     """The preset with ``cfg.overrides`` applied (the geometry every session and worker follows)."""
     from cadence.config import get_preset
@@ -221,41 +220,20 @@ def engine_config(cfg: ServeConfig):
     return e.with_overrides(**cfg.overrides) if cfg.overrides else e
 
 
-def resolve_engine_options(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[dict, list[str]]:
-    """What a worker on ``device`` runs: ``(options, notes)``.
-
-    ``options``: ``decoder`` (None = the preset's), ``kv_fp8``, ``fp8_linears``, ``graphs``,
-    ``capture_filling``, ``compile``,
-    ``warmup`` (bools), ``warmup_chunks`` (0 = window + 2), ``frame_transport`` ('pipe' | 'shm'), ``overrides``.
-    ``notes``: one line per option asked for explicitly that cannot apply on this device (CUDA-only
-    options on the CPU). Pure: no torch, no processes."""
-    cuda = str(device).startswith("cuda")
-    notes: list[str] = []
-    opts: dict = {}
-    for name in CUDA_ONLY:
-        value = getattr(cfg, name)
-        if value is None:
-            opts[name] = cuda
-        elif value and not cuda:
-            notes.append(f"{name}: needs a CUDA worker (this one runs on {device}): off")
-            opts[name] = False
-        else:
-            opts[name] = bool(value)
-    opts["capture_filling"] = False
-    if cfg.capture_filling:
-        if not opts["graphs"]:
-            why = f"this worker runs on {device}" if not cuda else "graphs are off"
-            notes.append(f"capture_filling: needs CUDA graphs ({why}): off")
-        else:
-            opts["capture_filling"] = True
-    opts["compile"] = bool(cfg.compile)
-    opts["warmup"] = cuda if cfg.warmup is None else bool(cfg.warmup)
-    opts["warmup_chunks"] = cfg.warmup_chunks
-    opts["decoder"] = cfg.decoder if cfg.decoder is not None else ("taehv" if cuda else None)
+def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[WorkerSpec, bool]:
+    """What the worker group on ``device`` builds: ``(spec, shm)``. ``spec.fast`` is the fast path resolved
+    for the device (automatic options on for CUDA groups, off on the CPU), ``spec.notes`` one line per option
+    asked for explicitly that cannot apply there; ``shm``: frames come back through shared memory
+    (``frame_transport`` 'shm', or 'auto' and a chunk of >= 1 MiB). Pure: no torch, no processes."""
+    fast = FastPath(decoder=cfg.decoder, kv_fp8=cfg.kv_fp8, fp8_linears=cfg.fp8_linears, graphs=cfg.graphs,
+                    capture_filling=cfg.capture_filling, compile=cfg.compile, threads=cfg.worker_threads)
+    fast, notes = fast.resolve(device.split("+")[0])
     t = cfg.frame_transport
-    opts["frame_transport"] = t if t != "auto" else ("shm" if frame_bytes >= SHM_MIN_BYTES else "pipe")
-    opts["overrides"] = dict(cfg.overrides)
-    return opts, notes
+    shm = t == "shm" or (t == "auto" and frame_bytes >= SHM_MIN_BYTES)
+    spec = WorkerSpec(preset=cfg.preset, device=device, fast=fast, overrides=dict(cfg.overrides), seed=cfg.seed,
+                      warmup=True if cfg.warmup is None else bool(cfg.warmup), warmup_chunks=cfg.warmup_chunks,
+                      notes=tuple(notes))
+    return spec, shm
 
 
 def serve_groups(device: str, tp: int = 1, max_sessions: int | None = None, gpus: int = 0) -> tuple[str, ...]:

@@ -13,9 +13,14 @@ asks for media), and every presentation time is derived from it:
 
 Because both tracks read the same ``t0`` and the same chunk store, a frame and the audio of the
 same media instant are always taken from the same chunk: the streams cannot drift apart, whatever
-the network or the model does. Underrun policy (``AVBuffer``): when a chunk has not arrived by
-the time its media is due, video holds the last frame and audio sends silence; both are counted.
-A chunk that arrives late is used only for what is still in the future (the clock never stops).
+the network or the model does. A chunk's audio is in the store from the moment it is planned (the
+agent's audio window does not need the model), its frames from the moment the worker has them back.
+Underrun policy (``AVBuffer``): when a chunk's frames are not there by the time they are due, video
+holds the last frame (counted); a chunk whose frames arrive late is used for what is still in the
+future (the clock never stops). Audio goes silent only where no chunk was planned at all (a stalled
+event loop). When the worker is slower than real time, ``ChunkPlanner`` asks it only for the chunks
+it can return in time and plays the others' audio with the last frame held: fewer fresh frames per
+second, never a frozen face behind a growing queue, the audio whole.
 """
 
 from __future__ import annotations
@@ -131,28 +136,140 @@ def next_audio_frame(n: int, now: float, t0: float, timing: MediaTiming, max_lag
     return n, 0.0, 0
 
 
-def next_plan(c: int, now: float, t0: float | None, timing: MediaTiming, lead: float, in_flight: int,
-              max_in_flight: int = 2, prestart_chunks: int = 2) -> tuple[bool, float | None]:
-    """The chunk scheduler: may chunk ``c`` be planned now? Returns ``(go, wait_seconds)``.
+@dataclass
+class Plan:
+    """The scheduler's decision for one chunk: generate it (send its audio window to the worker), or play
+    its audio with the last frame held (``generate`` False: the worker cannot have it back in time)."""
 
-    Before the clock starts, the first ``prestart_chunks`` chunks are planned at once (they are
-    ready when the tracks start); after it starts, chunk ``c`` is planned ``lead`` before it is due.
-    Never more than ``max_in_flight`` chunks at the worker. ``wait`` None = wait for an event
-    (the clock starting, or a chunk coming back).
-    """
-    if in_flight >= max_in_flight:
-        return False, None
-    if t0 is None:
-        return (True, 0.0) if c < prestart_chunks else (False, None)
-    at = timing.plan_time(t0, c, lead)
-    if now >= at:
-        return True, 0.0
-    return False, at - now
+    chunk: int
+    generate: bool
+    start: float  # when the worker is expected to begin it (monotonic s)
+    expected_done: float  # when its frames are expected back
+
+
+@dataclass
+class ChunkPlanner:
+    """Which chunk to plan next, when, and whether the worker can make it in time. Pure (a fake clock
+    drives it in the tests).
+
+    Before the media clock starts (``t0`` None) the first ``prestart`` chunks are planned at once (they are
+    ready when the tracks start). After it starts, chunk ``c`` is planned ``lead`` before it is due
+    (``timing.plan_time``), whatever the worker is doing: its audio always plays (the session puts it in the
+    buffer at plan time), so a slow worker never costs audio. Whether the worker also generates its video is
+    predicted from the worker's measured speed: ``latency`` (s, plan -> frames back for a chunk started on
+    an idle worker) and ``interval`` (s, the sustained time per chunk with decode overlapped). The worker
+    can begin chunk c at ``max(now, busy_until)`` and is done ``latency`` later; if that is after c is due
+    (or ``max_in_flight`` chunks are out), c is audio-only and its frames are never asked for: the viewer
+    sees fresh frames at the rate the worker sustains (the last frame held in between), never a frozen
+    face behind an ever-growing queue, and the audio stays whole.
+
+    ``observe`` feeds the measured figures of every chunk that comes back (recent medians); the lead follows
+    the measured latency upward (``lead >= latency x 1.1 + 20 ms``, plus ``interval - chunk period`` when
+    the worker is slower than real time, so that it can work back to back), so a worker that is slower than
+    its warm-up said still gets its chunks back before they are due. If the event loop stalls past a chunk's due
+    time, the chunks already in the past are skipped (``skipped``): nothing of them could still play."""
+
+    timing: MediaTiming
+    lead: float
+    latency: float
+    interval: float
+    max_in_flight: int = 2
+    prestart: int = 2
+    history: int = 12
+    next_chunk: int = 0
+    busy_until: float = 0.0
+    in_flight: int = 0
+    skipped: int = 0
+    audio_only: int = 0
+    base_lead: float = field(init=False)
+    _lat: list[float] = field(default_factory=list)
+    _int: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.base_lead = self.lead
+        self.lead = max(self.lead, self._needed_lead())
+
+    def _needed_lead(self) -> float:
+        """The least lead that gets chunks back in time: one chunk's latency (+10% + 20 ms), plus, when the worker
+        sustains less than real time, the time it may have to wait for the worker (interval - chunk period), so
+        that it can work back to back on every chunk it can make (fresh frames at its full rate)."""
+        return self.latency * 1.1 + 0.02 + max(0.0, self.interval - self.timing.chunk_seconds)
+
+    def poll(self, now: float, t0: float | None) -> tuple[Plan | None, float | None]:
+        """``(plan, wait)``: a chunk to plan now (wait 0), or wait this long (None: until an event, i.e.
+        the clock starting)."""
+        c = self.next_chunk
+        if t0 is None:
+            if c < self.prestart:
+                return self._plan(c, now, None), 0.0
+            return None, None
+        if now > self.timing.chunk_due(t0, c + 1):  # fell behind (a stalled loop): what is past is gone
+            skip_to = int((now - t0) / self.timing.chunk_seconds) + 1
+            self.skipped += skip_to - c
+            c = self.next_chunk = skip_to
+        at = self.timing.plan_time(t0, c, self.lead)
+        if now < at:
+            return None, at - now
+        return self._plan(c, now, t0), 0.0
+
+    def _plan(self, c: int, now: float, t0: float | None) -> Plan:
+        start = max(now, self.busy_until)
+        done = start + self.latency
+        ok = self.in_flight < self.max_in_flight and (t0 is None or done <= self.timing.chunk_due(t0, c))
+        self.next_chunk = c + 1
+        if ok:
+            self.busy_until = start + self.interval
+            self.in_flight += 1
+        else:
+            self.audio_only += 1
+        return Plan(c, ok, start, done)
+
+    def observe(self, now: float, plan: Plan, interval: float | None = None) -> None:
+        """A generated chunk came back at ``now``: ``plan`` was its plan; ``interval`` the worker's own
+        figure for its sustained time per chunk (the slower of its stages), if it reported one."""
+        self.in_flight = max(0, self.in_flight - 1)
+        if self.in_flight == 0:
+            self.busy_until = min(self.busy_until, now)  # idle now, whatever was predicted
+        self._lat = (self._lat + [max(0.0, now - plan.start)])[-self.history:]
+        if interval is not None:
+            self._int = (self._int + [interval])[-self.history:]
+        if len(self._lat) >= 3:
+            self.latency = _median(self._lat)
+        if len(self._int) >= 3:
+            self.interval = _median(self._int)
+        self.lead = max(self.base_lead, self._needed_lead())
+
+    def lost(self) -> None:
+        """A generated chunk will not come back (its request failed): free its place."""
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
 SYNC_TONE_HZ = 1000.0  # the sync marker's audio: a 1 kHz tone burst ...
 SYNC_TONE_SECONDS = 0.040  # ... 40 ms long, at amplitude 0.5
 SYNC_TONE_AMPLITUDE = 0.5
+
+
+def sync_marker_frames(frames: np.ndarray) -> np.ndarray:
+    """The video half of the A/V sync marker: the chunk's first frame solid white (a copy)."""
+    frames = np.array(frames, dtype=np.uint8, copy=True)
+    frames[0] = 255
+    return frames
+
+
+def sync_marker_audio(audio: np.ndarray, timing: MediaTiming, tone_seconds: float = SYNC_TONE_SECONDS,
+                      tone_hz: float = SYNC_TONE_HZ, amplitude: float = SYNC_TONE_AMPLITUDE) -> np.ndarray:
+    """The audio half: the chunk's first ``tone_seconds`` a ``tone_hz`` tone burst (a copy)."""
+    audio = np.array(audio, dtype=np.float32, copy=True)
+    n = min(audio.shape[0], round(tone_seconds * timing.sample_rate))
+    t = np.arange(n, dtype=np.float64) / timing.sample_rate
+    audio[:n] = (amplitude * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)
+    return audio
 
 
 def apply_sync_marker(frames: np.ndarray, audio: np.ndarray, timing: MediaTiming,
@@ -162,53 +279,72 @@ def apply_sync_marker(frames: np.ndarray, audio: np.ndarray, timing: MediaTiming
     becomes solid white and its first ``tone_seconds`` of audio a ``tone_hz`` tone burst. Both start at
     the chunk's first media instant (frame 0 and sample 0 of the chunk), so a receiver that sees the
     flash and hears the tone onset at different times measures its own A/V offset. Returns copies."""
-    frames = np.array(frames, dtype=np.uint8, copy=True)
-    audio = np.array(audio, dtype=np.float32, copy=True)
-    frames[0] = 255
-    n = min(audio.shape[0], round(tone_seconds * timing.sample_rate))
-    t = np.arange(n, dtype=np.float64) / timing.sample_rate
-    audio[:n] = (amplitude * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)
-    return frames, audio
-
-
-@dataclass
-class _Chunk:
-    frames: np.ndarray  # uint8 [F, H, W, 3]
-    audio: np.ndarray  # float32 [samples_per_chunk]
+    return sync_marker_frames(frames), sync_marker_audio(audio, timing, tone_seconds, tone_hz, amplitude)
 
 
 @dataclass
 class AVBuffer:
-    """Generated chunks keyed by index; video and audio frames read out by media index with the
-    underrun policy (hold the last frame / silence), counted. Plain data: the tracks call it."""
+    """Chunks keyed by index: each chunk's audio (put when it is planned, so it always plays) and its video
+    frames (put when the worker has them back, if it generated them); video and audio frames read out by
+    media index with the underrun policy (hold the last frame / silence), counted. Plain data: the tracks
+    call it."""
 
     timing: MediaTiming
     height: int
     width: int
-    keep_chunks: int = 6
+    keep_chunks: int = 12
     sync_marker_every: int = 0  # > 0: every K-th chunk (0, K, 2K, ...) carries the A/V sync marker
-    chunks: dict[int, _Chunk] = field(default_factory=dict)
-    video_underruns: int = 0  # video frames held (their chunk had not arrived)
-    audio_underruns: int = 0  # 20 ms audio frames (partly) replaced by silence
+    audio: dict[int, np.ndarray] = field(default_factory=dict)
+    video: dict[int, np.ndarray] = field(default_factory=dict)
+    video_underruns: int = 0  # video frames held (their chunk's frames were not here)
+    audio_underruns: int = 0  # 20 ms audio frames (partly) replaced by silence (their chunk was never planned)
     video_fresh: int = 0  # video frames sent from a generated chunk
-    late_chunks: int = 0  # chunks that arrived after their first frame was due (put with due info)
+    late_chunks: int = 0  # generated chunks whose frames came back after all of them were due
     _last: np.ndarray | None = None
     _min_needed: int = 0
+    _video_chunk: int | None = None
+    _audio_chunk: int | None = None
+
+    def put_audio(self, c: int, audio: np.ndarray) -> None:
+        """Chunk ``c``'s audio window (at plan time)."""
+        if audio.shape[0] != self.timing.samples_per_chunk:
+            raise ValueError(f"chunk {c}: expected {self.timing.samples_per_chunk} samples, got {audio.shape[0]}")
+        audio = audio.astype(np.float32, copy=False)
+        if self.sync_marker_every > 0 and c % self.sync_marker_every == 0:
+            audio = sync_marker_audio(audio, self.timing)
+        self.audio[c] = audio
+        self._gc()
+
+    def put_video(self, c: int, frames: np.ndarray) -> None:
+        """Chunk ``c``'s frames (when the worker has them back)."""
+        f = self.timing.frames_per_chunk
+        if frames.shape[0] != f:
+            raise ValueError(f"chunk {c}: expected {f} frames, got {frames.shape[0]}")
+        if self._video_chunk is not None and c < self._video_chunk:  # every frame of it is in the past
+            self.late_chunks += 1
+            return
+        if self.sync_marker_every > 0 and c % self.sync_marker_every == 0:
+            frames = sync_marker_frames(frames)
+        self.video[c] = frames
+        self._gc()
 
     def put_chunk(self, c: int, frames: np.ndarray, audio: np.ndarray) -> None:
+        """Both halves of chunk ``c`` at once."""
+        if frames.shape[0] != self.timing.frames_per_chunk or audio.shape[0] != self.timing.samples_per_chunk:
+            raise ValueError(f"chunk {c}: expected {self.timing.frames_per_chunk} frames and "
+                             f"{self.timing.samples_per_chunk} samples, got {frames.shape[0]} and {audio.shape[0]}")
         if c < self._min_needed:  # entirely in the past: nothing of it can still be played
             self.late_chunks += 1
             return
-        f = self.timing.frames_per_chunk
-        if frames.shape[0] != f or audio.shape[0] != self.timing.samples_per_chunk:
-            raise ValueError(f"chunk {c}: expected {f} frames and {self.timing.samples_per_chunk} samples, got "
-                             f"{frames.shape[0]} and {audio.shape[0]}")
-        if self.sync_marker_every > 0 and c % self.sync_marker_every == 0:
-            frames, audio = apply_sync_marker(frames, audio, self.timing)
-        self.chunks[c] = _Chunk(frames, audio.astype(np.float32, copy=False))
+        self.put_audio(c, audio)
+        self.put_video(c, frames)
 
     def has_chunk(self, c: int) -> bool:
-        return c in self.chunks
+        return c in self.video
+
+    @property
+    def newest_video(self) -> int | None:
+        return max(self.video) if self.video else None
 
     def blank(self) -> np.ndarray:
         return np.zeros((self.height, self.width, 3), np.uint8)
@@ -216,12 +352,13 @@ class AVBuffer:
     def video_frame(self, k: int) -> tuple[np.ndarray, bool]:
         """Frame ``k`` (uint8 [H, W, 3]) and whether it is fresh (False: the last frame, held)."""
         c, i = self.timing.frame_chunk(k)
-        ch = self.chunks.get(c)
-        self._advance(c)
+        ch = self.video.get(c)
+        self._video_chunk = c
+        self._gc()
         if ch is None:
             self.video_underruns += 1
             return (self._last if self._last is not None else self.blank()), False
-        self._last = ch.frames[i]
+        self._last = ch[i]
         self.video_fresh += 1
         return self._last, True
 
@@ -236,11 +373,11 @@ class AVBuffer:
         while pos < start + size:
             c, off = divmod(pos, t.samples_per_chunk)
             take = min(start + size - pos, t.samples_per_chunk - off)
-            ch = self.chunks.get(c)
+            ch = self.audio.get(c)
             if ch is None:
                 complete = False
             else:
-                out[pos - start:pos - start + take] = ch.audio[off:off + take]
+                out[pos - start:pos - start + take] = ch[off:off + take]
             pos += take
         if not complete:
             self.audio_underruns += 1
@@ -248,19 +385,16 @@ class AVBuffer:
         self._gc()
         return out, complete
 
-    def _advance(self, c: int) -> None:
-        self._video_chunk = c
-        self._gc()
-
     def _gc(self) -> None:
         # a track that never started (a video-only client) does not hold chunks back
-        marks = [m for m in (getattr(self, "_video_chunk", None), getattr(self, "_audio_chunk", None)) if m is not None]
+        marks = [m for m in (self._video_chunk, self._audio_chunk) if m is not None]
         self._min_needed = min(marks) if marks else 0
-        for old in [k for k in self.chunks if k < self._min_needed]:
-            del self.chunks[old]
-        if len(self.chunks) > self.keep_chunks:  # a runaway producer: keep the oldest needed ones
-            for old in sorted(self.chunks)[self.keep_chunks:]:
-                del self.chunks[old]
+        for store in (self.audio, self.video):
+            for old in [k for k in store if k < self._min_needed]:
+                del store[old]
+            if len(store) > self.keep_chunks:  # a runaway producer: keep the oldest needed ones
+                for old in sorted(store)[self.keep_chunks:]:
+                    del store[old]
 
 
 def to_s16(samples: np.ndarray) -> np.ndarray:

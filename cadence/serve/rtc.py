@@ -2,7 +2,8 @@
 
 The tracks only pace and stamp (DESIGN.md): frame/audio *selection* is ``AVBuffer``'s, timing is
 ``pacing.next_video_frame`` / ``next_audio_frame`` on the session's shared :class:`MediaClock`.
-Whichever track the sender asks first starts the clock, so both start together.
+Whichever track the sender asks first starts the clock, so both start together. A track receives what
+it reads (a :class:`MediaFeed`), not the session.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 
 import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from cadence.serve.pacing import VIDEO_CLOCK_RATE, MediaTiming, next_audio_frame, next_video_frame, to_s16
+from cadence.serve.pacing import VIDEO_CLOCK_RATE, AVBuffer, MediaTiming, next_audio_frame, next_video_frame, to_s16
 
 
 class MediaClock:
@@ -34,23 +36,38 @@ class MediaClock:
         return self.t0
 
 
+@dataclass
+class MediaFeed:
+    """What the two outgoing tracks read and whom they tell: the chunk store, the shared clock and its
+    arithmetic, the event that says the first chunk is here (the clock waits for it, at most
+    ``clock_start_timeout_s``), and the hooks each sent frame is reported to
+    (``on_video_frame(k, fresh, skipped, now)``, ``on_audio_frame(n, complete, skipped, now)``)."""
+
+    buffer: AVBuffer
+    clock: MediaClock
+    timing: MediaTiming
+    first_chunk: asyncio.Event
+    clock_start_timeout_s: float
+    on_video_frame: Callable[[int, bool, int, float], None]
+    on_audio_frame: Callable[[int, bool, int, float], None]
+
+
 class _PacedTrack(MediaStreamTrack):
-    def __init__(self, live):
+    def __init__(self, feed: MediaFeed):
         super().__init__()
-        self.live = live  # cadence.serve.session.LiveSession (buffer, clock, timing, hooks)
+        self.feed = feed
         self.next_index = 0
 
     async def _t0(self) -> float:
-        """The media clock's start; the first caller waits (bounded by ``live.clock_start_timeout_s``)
-        for the session's first chunk, so the clock never starts behind a slow first chunk."""
-        clock = self.live.clock
+        """The media clock's start; the first caller waits (bounded by ``clock_start_timeout_s``) for the
+        session's first chunk, so the clock never starts behind a slow first chunk."""
+        feed = self.feed
+        clock = feed.clock
         if clock.t0 is None:
-            ready = getattr(self.live, "first_chunk", None)
-            timeout = getattr(self.live, "clock_start_timeout_s", 0.0)
-            if ready is not None and not ready.is_set() and timeout > 0:
-                w = asyncio.ensure_future(ready.wait())
+            if not feed.first_chunk.is_set() and feed.clock_start_timeout_s > 0:
+                w = asyncio.ensure_future(feed.first_chunk.wait())
                 try:  # asyncio.wait, not wait_for: a cancellation always gets through (see session.py)
-                    await asyncio.wait({w}, timeout=timeout)
+                    await asyncio.wait({w}, timeout=feed.clock_start_timeout_s)
                 finally:
                     w.cancel()
             if self.readyState != "live":
@@ -72,13 +89,13 @@ class VideoOut(_PacedTrack):
     async def recv(self) -> av.VideoFrame:
         if self.readyState != "live":
             raise MediaStreamError
-        live, clock, timing = self.live, self.live.clock, self.live.timing
+        feed, clock, timing = self.feed, self.feed.clock, self.feed.timing
         t0 = await self._t0()
         k, wait, skipped = next_video_frame(self.next_index, clock.now(), t0, timing)
         await self._wait(wait)
-        frame, fresh = live.buffer.video_frame(k)
+        frame, fresh = feed.buffer.video_frame(k)
         self.next_index = k + 1
-        live.on_video_frame(k, fresh, skipped, clock.now())
+        feed.on_video_frame(k, fresh, skipped, clock.now())
         out = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
         out.pts = timing.video_pts(k)
         out.time_base = Fraction(1, VIDEO_CLOCK_RATE)
@@ -93,13 +110,13 @@ class AudioOut(_PacedTrack):
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError
-        live, clock, timing = self.live, self.live.clock, self.live.timing
+        feed, clock, timing = self.feed, self.feed.clock, self.feed.timing
         t0 = await self._t0()
         n, wait, skipped = next_audio_frame(self.next_index, clock.now(), t0, timing)
         await self._wait(wait)
-        samples, complete = live.buffer.audio_frame(n)
+        samples, complete = feed.buffer.audio_frame(n)
         self.next_index = n + 1
-        live.on_audio_frame(n, complete, skipped, clock.now())
+        feed.on_audio_frame(n, complete, skipped, clock.now())
         pcm = to_s16(samples)
         out = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
         out.sample_rate = timing.sample_rate
@@ -166,7 +183,7 @@ def rtc_configuration():
     return RTCConfiguration(iceServers=[])
 
 
-__all__ = ["AudioOut", "MediaClock", "MediaTiming", "VideoOut", "consume_microphone", "rtc_configuration",
+__all__ = ["AudioOut", "MediaClock", "MediaFeed", "MediaTiming", "VideoOut", "consume_microphone", "rtc_configuration",
            "use_ice_host_addresses"]
 
 

@@ -1,75 +1,54 @@
-"""One live session: peer connection, agent, media buffer and clock, the chunk scheduler, stats.
+"""One live session: its life cycle (start, worker replies, close), built from the scheduler, the stats
+and the two tracks.
 
 Life cycle: ``starting`` (worker opening the session, SDP answered) -> ``connecting`` (waiting for
-ICE/DTLS) -> ``streaming`` -> ``closing`` -> ``closed``. The chunk scheduler is an asyncio task that
-only moves small messages: it takes one chunk's audio window from the agent and sends it to the
-group's worker process ``lead`` before the chunk is due (``pacing.next_plan``); frames come back on
-the worker's reader thread and are handed to this session on the event loop (``on_chunk``). The
-geometry is the engine config's: F frames and 48000 x F / fps samples per chunk (4 / 8,000 at the
-tiny presets, 12 / 24,000 at W1.3).
+ICE/DTLS) -> ``streaming`` -> ``closing`` -> ``closed``. The pieces, each in its own file:
+:class:`~cadence.serve.scheduler.ChunkScheduler` plans chunks on the media clock and sends requests to
+the group's worker; :class:`~cadence.serve.stats.SessionStats` counts and times everything and makes the
+status and the report; the tracks (``cadence.serve.rtc``) read a :class:`~cadence.serve.rtc.MediaFeed`
+(buffer, clock, hooks), not the session. The geometry is the engine config's: F frames and
+48000 x F / fps samples per chunk (4 / 8,000 at the tiny presets, 12 / 24,000 at W1.3).
 
 The media clock starts when a track first asks for media *and* the first chunk is here (bounded by
-``clock_start_timeout_s``): a session whose first chunk takes longer than the WebRTC connection
-(W1.3: one ~400 ms chunk) starts on a full chunk instead of beginning behind, with underruns.
+``clock_start_timeout_s``): a session whose first chunk takes longer than the WebRTC connection (W1.3:
+one ~400 ms chunk) starts on a full chunk instead of beginning behind, with underruns.
 
-Agent latency (first audio -> first speaking frame). Speech is taken from the agent at plan time, so
-it goes into the earliest chunk not yet planned, at its start when nothing was queued: it waits for
-the next plan (0..one chunk period), then ``lead`` until that chunk is due, where its first frame
-plays. ``lead`` cannot be below one chunk's work (plan -> frames back) or every chunk would be late,
-so the latency is at least one chunk's work and on average lead + half a chunk period: at W1.3
-(12-frame, 500 ms chunks, ~400 ms of work on an H200) >= ~0.45 s and ~0.7 s on average; the
-<= 250 ms target is out of reach at 12 frames per chunk whatever the scheduling (at the tiny presets'
-166.7 ms chunks it is met). ``lead`` follows the worker's measured chunk time (``SessionManager.lead_ms``),
-so it is no longer than needed; with it one chunk is at the worker at a time in steady state, and
-the next plan (the one that takes new speech) happens after it is done, not a chunk earlier.
+A worker slower than real time (a slow CPU, a loaded machine): the scheduler asks it only for the
+chunks it can return before they are due; the others play their audio over the last frame. The status
+and the report say so (``degraded``, ``chunks.audio_only``, the fresh fps), and the page shows it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import statistics
 import time
 
 import numpy as np
 
+from cadence.engine.messages import ChunkDone, ChunkTimings, Closed, Died, Error, Opened, OpenSession
 from cadence.serve.agent import Agent
-from cadence.serve.pacing import AVBuffer, MediaTiming, next_plan
+from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming
 from cadence.serve.rtc import (
     AudioOut,
     MediaClock,
+    MediaFeed,
     VideoOut,
     consume_microphone,
     negotiated_codecs,
     rtc_configuration,
 )
-from cadence.serve.timeline import Timeline
+from cadence.serve.scheduler import ChunkScheduler
+from cadence.serve.stats import SessionStats
 
 log = logging.getLogger("cadence.serve")
 
-
-async def _wait_events(timeout: float, *events: asyncio.Event) -> None:
-    """Return when one of ``events`` is set or after ``timeout`` seconds.
-
-    Not ``asyncio.wait_for(event.wait(), timeout)``: on Python 3.11, ``wait_for`` swallows a
-    cancellation that arrives while the awaited event has just been set (its inner task finished,
-    its done-callback not yet run: a window of about two loop iterations) and returns normally, so
-    the cancelled task runs on. A chunk arriving (``_wake.set()``) just as a session closes hit that
-    window and left the scheduler running forever. ``asyncio.wait`` always lets the
-    CancelledError through.
-    """
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
+#: The session counts as degraded while a chunk was audio-only (no fresh frames) within this many seconds.
+DEGRADED_WINDOW_S = 3.0
 
 
-def _p50(xs) -> float | None:
-    xs = list(xs)
-    return float(statistics.median(xs)) if xs else None
+def _r(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None else round(float(x), nd)
 
 
 class LiveSession:
@@ -79,7 +58,7 @@ class LiveSession:
         self.engine_cfg = engine_cfg
         self.prompt, self.seed = prompt, seed
         self.timing = MediaTiming.from_config(engine_cfg)
-        self.lead_s = server.lead_ms(group) / 1e3 if hasattr(server, "lead_ms") else self.cfg.lead_ms / 1e3
+        lead, latency, interval = server.worker_speed(group)
         self.first_chunk = asyncio.Event()  # set when the first chunk's frames are here (the clock may start)
         self.clock_start_timeout_s = max(2.0, 4 * self.timing.chunk_seconds)
         self.buffer = AVBuffer(self.timing, engine_cfg.stream.height, engine_cfg.stream.width,
@@ -91,43 +70,44 @@ class LiveSession:
         self.wall_created = time.time()
         self.t_closed: float | None = None
         self.last_activity = self.t_created
+        self.stats = SessionStats(self.timing.fps, self.timing.frames_per_chunk, self.cfg.timeline_window_s,
+                                  server.metrics, sid, self.t_created)
+        self.planner = ChunkPlanner(self.timing, lead=lead, latency=latency, interval=interval,
+                                    max_in_flight=self.cfg.max_in_flight)
+        self.scheduler = ChunkScheduler(sid, self.timing, self.planner, agent, self.buffer, self.clock,
+                                        group.send, self.stats)
+        self.feed = MediaFeed(self.buffer, self.clock, self.timing, self.first_chunk, self.clock_start_timeout_s,
+                              self.on_video_frame, self.on_audio_frame)
         self.pc = None
         self.video: VideoOut | None = None
         self.audio: AudioOut | None = None
         self.tasks: set[asyncio.Task] = set()
         self._opened: asyncio.Future | None = None
         self._closed_ack: asyncio.Future | None = None
-        self._wake = asyncio.Event()
         self._close_task: asyncio.Task | None = None
         self.final_report: dict | None = None
-        # stats
-        self.in_flight = 0
-        self.plans: dict[int, tuple[float, np.ndarray, list]] = {}
-        self.chunks_planned = 0
-        self.chunks_done = 0
-        self.chunks_skipped = 0
-        self.deadline_misses = 0
-        self.chunk_latency_ms: collections.deque[float] = collections.deque(maxlen=2000)
-        self.diffusion_ms: collections.deque[float] = collections.deque(maxlen=2000)
-        self.decode_ms: collections.deque[float] = collections.deque(maxlen=2000)
-        self.ttff_ms: float | None = None
-        self.first_frame_wall: float | None = None
-        self.video_frames_sent = 0
-        self.video_frames_skipped = 0
-        self.audio_frames_sent = 0
-        self.audio_frames_skipped = 0
-        self._fresh_times: collections.deque[float] = collections.deque(maxlen=self.timing.fps * 10)
-        self._first_fresh = 0.0
-        self._video_lag: collections.deque[float] = collections.deque(maxlen=240)
-        self._audio_lag: collections.deque[float] = collections.deque(maxlen=500)
-        self._pending_marks: list[tuple[int, float]] = []  # (video frame, t_agent)
-        self.agent_latency_ms: list[float] = []
-        self.mic_frames = 0
-        self.errors: list[str] = []
         self.worker_open_ms: float | None = None
         self.worker_preopened = False  # the worker had this session opened ahead (default face and prompt)
-        self.timeline = Timeline(self.cfg.timeline_window_s)
         self.codecs: dict[str, str] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
+        self._audio_only_seen = 0
+        self._degraded_at: float | None = None
+
+    # (the figures the timeline, the API and the tests read)
+    @property
+    def errors(self) -> list[str]:
+        return self.stats.errors
+
+    @property
+    def ttff_ms(self) -> float | None:
+        return self.stats.ttff_ms
+
+    @property
+    def in_flight(self) -> int:
+        return self.planner.in_flight
+
+    @property
+    def lead_s(self) -> float:
+        return self.planner.lead
 
     # ---- start ----------------------------------------------------------------------------------
     async def start(self, image: np.ndarray | None, offer_sdp: str, offer_type: str):
@@ -136,7 +116,7 @@ class LiveSession:
 
         loop = asyncio.get_running_loop()
         self._opened = loop.create_future()
-        self.group.send(("open", self.sid, image, self.prompt, self.seed))
+        self.group.send(OpenSession(self.sid, image, self.prompt, self.seed))
         pc = self.pc = RTCPeerConnection(rtc_configuration())
 
         @pc.on("track")
@@ -157,10 +137,10 @@ class LiveSession:
         kinds = {t.kind for t in pc.getTransceivers()}
         if "video" not in kinds:
             raise ValueError("the offer has no video section (the character is sent as video)")
-        self.video = VideoOut(self)
+        self.video = VideoOut(self.feed)
         pc.addTrack(self.video)
         if "audio" in kinds:
-            self.audio = AudioOut(self)
+            self.audio = AudioOut(self.feed)
             pc.addTrack(self.audio)
         answer = await pc.createAnswer()
         await pc.setLocalDescription(answer)  # gathers host candidates (loopback: one, instantly)
@@ -173,7 +153,7 @@ class LiveSession:
             raise RuntimeError(f"the session was closed while starting ({self.close_reason})")
         if self.state == "starting":
             self.state = "connecting"
-        self._spawn(self._schedule(), "scheduler")
+        self._spawn(self.scheduler.run(), "scheduler")
         self._spawn(self._watchdog(), "watchdog")
         return pc.localDescription
 
@@ -194,91 +174,61 @@ class LiveSession:
             self.errors.append(f"{t.get_name()}: {type(e).__name__}: {e}")
             self.close_soon("internal_error")
 
-    # ---- worker messages (on the event loop) ---------------------------------------------------------
-    def on_worker_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "opened":
-            if self._opened is not None and not self._opened.done():
-                self.worker_preopened = bool(msg[3]) if len(msg) > 3 else False
-                self._opened.set_result(msg[2])
-        elif kind == "chunk":
-            self.on_chunk(msg[2], msg[3], msg[4])
-        elif kind == "closed":
-            if self._closed_ack is not None and not self._closed_ack.done():
-                self._closed_ack.set_result(True)
-        elif kind in ("error", "died"):
-            text = f"worker: {msg[2]}"
-            self.errors.append(text)
-            log.error("session %s: %s", self.sid, text)
-            if self._opened is not None and not self._opened.done():
-                self._opened.set_exception(RuntimeError(text))
-            if kind == "died" and self._closed_ack is not None and not self._closed_ack.done():
-                self._closed_ack.set_result(False)
-            self.close_soon("worker_error")
+    # ---- worker replies (on the event loop) ---------------------------------------------------------
+    def on_worker_message(self, msg) -> None:
+        match msg:
+            case Opened(ms=ms, preopened=preopened):
+                if self._opened is not None and not self._opened.done():
+                    self.worker_preopened = bool(preopened)
+                    self._opened.set_result(ms)
+            case ChunkDone(index=index, frames=frames, timings=tm):
+                self.on_chunk(index, frames, tm)
+            case Closed():
+                if self._closed_ack is not None and not self._closed_ack.done():
+                    self._closed_ack.set_result(True)
+            case Error(message=text) | Died(reason=text):
+                text = f"worker: {text}"
+                self.errors.append(text)
+                log.error("session %s: %s", self.sid, text)
+                if self._opened is not None and not self._opened.done():
+                    self._opened.set_exception(RuntimeError(text))
+                if isinstance(msg, Died) and self._closed_ack is not None and not self._closed_ack.done():
+                    self._closed_ack.set_result(False)
+                self.close_soon("worker_error")
 
-    def on_chunk(self, c: int, frames: np.ndarray, timings: dict) -> None:
+    def on_chunk(self, c: int, frames: np.ndarray, timings: ChunkTimings | dict) -> None:
+        if self.state in ("closing", "closed"):  # the report's counts are final once closing
+            return
+        if isinstance(timings, dict):
+            timings = ChunkTimings(**timings)
         now = time.monotonic()
-        plan = self.plans.pop(c, None)
-        if plan is None:
+        got = self.scheduler.arrived(c, now, timings)
+        if got is None:
             return
-        self.in_flight -= 1
-        t_plan, window, marks = plan
-        before = self._counts()
-        self.chunks_done += 1
-        lat = (now - t_plan) * 1e3
-        self.chunk_latency_ms.append(lat)
-        self.diffusion_ms.append(timings.get("diffusion_ms", 0.0))
-        self.decode_ms.append(timings.get("decode_ms", 0.0))
-        m = self.server.metrics
-        m.chunk_latency.observe(lat)
+        _, lat = got
         t0 = self.clock.t0
-        if t0 is not None and now > self.timing.chunk_due(t0, c):
-            self.deadline_misses += 1
-            m.deadline_misses_total.inc()
-        self.buffer.put_chunk(c, frames, window)
+        late = t0 is not None and now > self.timing.chunk_due(t0, c)
+        before = self._counts()
+        self.buffer.put_video(c, frames)
         self.first_chunk.set()
-        mem = timings.get("memory") or {}  # the worker's memory (MB) with this chunk: rss_mb, cuda_mb on CUDA
-        if mem:
-            m.set_worker_memory(self.group.index, mem)
-        self.timeline.chunk(now, lat, before, mem)
-        for mark in marks:
-            self._pending_marks.append((c * self.timing.frames_per_chunk + self.timing.frame_of_sample(mark.offset),
-                                        mark.t_agent))
-        self._wake.set()
+        if timings.memory:  # the worker's memory (MB) with this chunk: rss_mb, cuda_mb on CUDA
+            self.server.metrics.set_worker_memory(self.group.index, timings.memory)
+        self.stats.chunk(now, c, lat, timings, late, before)
 
-    # ---- track callbacks -------------------------------------------------------------------------
+    # ---- track hooks -----------------------------------------------------------------------------
     def on_video_frame(self, k: int, fresh: bool, skipped: int, now: float) -> None:
-        self.video_frames_sent += 1
-        self.video_frames_skipped += skipped
-        if self.clock.t0 is not None:
-            self._video_lag.append(now - self.timing.video_due(self.clock.t0, k))
-        if not fresh:
-            self.server.metrics.underruns_total.labels("video").inc()
-            return
-        self._fresh_times.append(now)
-        if self.ttff_ms is None:
-            self._first_fresh = now
-            self.ttff_ms = (now - self.t_created) * 1e3
-            self.first_frame_wall = time.time()
-            self.server.metrics.ttff_hist.observe(self.ttff_ms)
-            if self.state in ("starting", "connecting"):
-                self.state = "streaming"
-        while self._pending_marks and self._pending_marks[0][0] <= k:
-            _, t_agent = self._pending_marks.pop(0)
-            ms = (now - t_agent) * 1e3
-            self.agent_latency_ms.append(ms)
-            self.server.metrics.agent_latency_hist.observe(ms)
+        t0 = self.clock.t0
+        lag = now - self.timing.video_due(t0, k) if t0 is not None else None
+        if self.stats.video_frame(k, fresh, skipped, now, lag) and self.state in ("starting", "connecting"):
+            self.state = "streaming"
 
     def on_audio_frame(self, n: int, complete: bool, skipped: int, now: float) -> None:
-        self.audio_frames_sent += 1
-        self.audio_frames_skipped += skipped
-        if self.clock.t0 is not None:
-            self._audio_lag.append(now - self.timing.audio_due(self.clock.t0, n))
-        if not complete and self.ttff_ms is not None:
-            self.server.metrics.underruns_total.labels("audio").inc()
+        t0 = self.clock.t0
+        lag = now - self.timing.audio_due(t0, n) if t0 is not None else None
+        self.stats.audio_frame(complete, skipped, lag)
 
     def _on_mic(self, samples: np.ndarray) -> None:
-        self.mic_frames += 1
+        self.stats.mic_frames += 1
         self.touch()
         self.agent.push_mic(samples)
 
@@ -289,34 +239,7 @@ class LiveSession:
     def touch(self) -> None:
         self.last_activity = time.monotonic()
 
-    # ---- the scheduler and the watchdog ---------------------------------------------------------------
-    async def _schedule(self) -> None:
-        timing, spc = self.timing, self.timing.samples_per_chunk
-        lead = self.lead_s
-        c = 0
-        loop = asyncio.get_running_loop()
-        while True:
-            now = loop.time()
-            t0 = self.clock.t0
-            if t0 is not None and now > timing.chunk_due(t0, c + 1):  # fell behind: skip what is already past
-                skip_to = int((now - t0) / timing.chunk_seconds) + 1
-                self.chunks_skipped += skip_to - c
-                c = skip_to
-            go, wait = next_plan(c, now, t0, timing, lead, self.in_flight, self.cfg.max_in_flight)
-            if go:
-                window, marks = self.agent.take(spc)
-                self.plans[c] = (now, window, marks)
-                self.in_flight += 1
-                self.chunks_planned += 1
-                self.group.send(("chunk", self.sid, c, window, now))
-                c += 1
-                continue
-            self._wake.clear()
-            if t0 is None:
-                await _wait_events(1.0, self._wake, self.clock.started)
-            else:
-                await _wait_events(wait if wait is not None else 1.0, self._wake)
-
+    # ---- the watchdog ------------------------------------------------------------------------------
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.25)
@@ -329,110 +252,84 @@ class LiveSession:
             elif self.pc is not None and self.pc.connectionState != "connected" and self.ttff_ms is None \
                     and now - self.t_created > cfg.connect_timeout_s:
                 self.close_soon("connect_timeout")
-            self.timeline.tick(now, self._counts())
+            self.stats.timeline.tick(now, self._counts())
             self.update_metrics()
 
     # ---- status, metrics, report ------------------------------------------------------------------
     def fps(self, now: float | None = None) -> float:
-        """Generated frames sent per second over the last 2 s (or since the first one)."""
-        if not self._fresh_times:
-            return 0.0
-        now = time.monotonic() if now is None else now
-        window = 2.0
-        n = sum(1 for t in self._fresh_times if t >= now - window)
-        span = min(window, now - self._first_fresh)
-        return n / max(span, 1.0 / self.timing.fps)
+        return self.stats.fps(now)
 
     def av_offset_ms(self) -> float | None:
-        v, a = _p50(self._video_lag), _p50(self._audio_lag)
-        return None if v is None or a is None else (v - a) * 1e3
+        return self.stats.av_offset_ms()
+
+    def degraded(self, now: float | None = None) -> bool:
+        """Whether the worker could not keep up lately (an audio-only chunk within DEGRADED_WINDOW_S)."""
+        now = time.monotonic() if now is None else now
+        if self.planner.audio_only != self._audio_only_seen:
+            self._audio_only_seen = self.planner.audio_only
+            self._degraded_at = now
+        return self._degraded_at is not None and now - self._degraded_at <= DEGRADED_WINDOW_S
 
     def buffer_ms(self) -> float:
         """Playout headroom: generated video not yet sent (ms of media from the next frame due to the
         end of the newest chunk that is back). Falls toward 0 before an underrun; ~lead when healthy."""
-        if not self.buffer.chunks or self.video is None:
+        newest = self.buffer.newest_video
+        if newest is None or self.video is None:
             return 0.0
-        frames = (max(self.buffer.chunks) + 1) * self.timing.frames_per_chunk - self.video.next_index
+        frames = (newest + 1) * self.timing.frames_per_chunk - self.video.next_index
         return max(0.0, frames * 1e3 / self.timing.fps)
 
     def _counts(self) -> dict:
         """The cumulative counters the timeline cuts into windows."""
-        return {"video_fresh": self.buffer.video_fresh, "chunks_done": self.chunks_done,
-                "underruns_video": self.buffer.video_underruns, "deadline_misses": self.deadline_misses}
+        return {"video_fresh": self.buffer.video_fresh, "chunks_done": self.stats.chunks_done,
+                "underruns_video": self.buffer.video_underruns, "deadline_misses": self.stats.deadline_misses}
 
     def update_metrics(self) -> None:
-        m, s = self.server.metrics, self.sid
+        m, s, st = self.server.metrics, self.sid, self.stats
         m.fps.labels(s).set(self.fps())
         m.video_underruns.labels(s).set(self.buffer.video_underruns)
         m.audio_underruns.labels(s).set(self.buffer.audio_underruns)
-        m.deadline_misses.labels(s).set(self.deadline_misses)
+        m.deadline_misses.labels(s).set(st.deadline_misses)
         m.in_flight.labels(s).set(self.in_flight)
         m.buffer_ms.labels(s).set(self.buffer_ms())
-        if self.ttff_ms is not None:
-            m.ttff.labels(s).set(self.ttff_ms)
+        if st.ttff_ms is not None:
+            m.ttff.labels(s).set(st.ttff_ms)
         off = self.av_offset_ms()
         if off is not None:
             m.av_offset.labels(s).set(off)
-        if self.agent_latency_ms:
-            m.agent_latency.labels(s).set(self.agent_latency_ms[-1])
+        if st.agent_latency_ms:
+            m.agent_latency.labels(s).set(st.agent_latency_ms[-1])
 
     def status(self) -> dict:
         now = time.monotonic()
         end = self.t_closed or now
-        return {
-            "session_id": self.sid, "state": self.state, "agent": self.agent.name, "preset": self.engine_cfg.name,
-            "group": self.group.index, "close_reason": self.close_reason,
-            "age_s": round(end - self.t_created, 3),
-            "fps": round(self.fps(now), 2) if self.state != "closed" else 0.0,
-            "target_fps": self.timing.fps,
-            "frames_per_chunk": self.timing.frames_per_chunk, "lead_ms": _r(self.lead_s * 1e3),
-            "ttff_ms": _r(self.ttff_ms),
-            "chunk_latency_ms_p50": _r(_p50(self.chunk_latency_ms)),
-            "chunk_latency_ms_last": _r(self.chunk_latency_ms[-1] if self.chunk_latency_ms else None),
-            "diffusion_ms_p50": _r(_p50(self.diffusion_ms)), "decode_ms_p50": _r(_p50(self.decode_ms)),
-            "agent_audio_to_frame_ms_p50": _r(_p50(self.agent_latency_ms)),
-            "agent_audio_to_frame_ms_last": _r(self.agent_latency_ms[-1] if self.agent_latency_ms else None),
-            "av_offset_ms": _r(self.av_offset_ms()),
-            "video_frames_sent": self.video_frames_sent, "video_frames_fresh": self.buffer.video_fresh,
-            "audio_frames_sent": self.audio_frames_sent,
+        closed = self.state == "closed"
+        p = self.planner
+        out = {"session_id": self.sid, "state": self.state, "agent": self.agent.name, "preset": self.engine_cfg.name,
+               "group": self.group.index, "close_reason": self.close_reason, "age_s": round(end - self.t_created, 3),
+               "lead_ms": _r(p.lead * 1e3)}
+        out.update(self.stats.status_fields(now, closed))
+        out.update({
+            "video_frames_fresh": self.buffer.video_fresh,
             "underruns": {"video": self.buffer.video_underruns, "audio": self.buffer.audio_underruns},
-            "deadline_misses": self.deadline_misses,
-            "chunks": {"planned": self.chunks_planned, "done": self.chunks_done, "skipped": self.chunks_skipped,
-                       "late_dropped": self.buffer.late_chunks, "in_flight": self.in_flight},
-            "buffer_ms": _r(self.buffer_ms()) if self.state != "closed" else 0.0,
+            "chunks": {"planned": self.stats.chunks_planned, "done": self.stats.chunks_done, "skipped": p.skipped,
+                       "audio_only": p.audio_only, "late_dropped": self.buffer.late_chunks, "in_flight": p.in_flight},
+            "degraded": self.degraded(now) if not closed else False,
+            "worker_estimate_ms": {"latency": _r(p.latency * 1e3), "interval": _r(p.interval * 1e3)},
+            "buffer_ms": _r(self.buffer_ms()) if not closed else 0.0,
             "agent_queued_s": round(self.agent.queued_samples / self.timing.sample_rate, 3),
             "agent_segments": self.agent.segments,
-            "mic_frames": self.mic_frames,
             "connection": self.pc.connectionState if self.pc is not None else None,
             "video_codec": self.codecs.get("video"), "audio_codec": self.codecs.get("audio"),
-            "worker_memory_mb": {k: _r(v) for k, v in self.timeline.memory_last.items()},
-            "errors": self.errors[-5:],
-        }
+        })
+        return out
 
     def report(self) -> dict:
         st = self.status()
-        lat = sorted(self.chunk_latency_ms)
-        st.update({
-            "report": True,
-            "started_at": self.wall_created,
-            "duration_s": round((self.t_closed or time.monotonic()) - self.t_created, 3),
-            "fps_mean": round(self.buffer.video_fresh / max(1e-9, (self.t_closed or time.monotonic())
-                                                              - (self.clock.t0 or self.t_created)), 2)
-            if self.clock.t0 else 0.0,
-            "chunk_latency_ms_p99": _r(lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))] if lat else None),
-            # the p50/p99 (and diffusion/decode p50) cover the last this-many chunks (a bounded window:
-            # 2,000 chunks = 5.6 min at 4 frames per chunk); the timeline has every window of the session
-            "chunk_latency_samples": len(lat),
-            "agent_audio_to_frame_ms": [round(x, 1) for x in self.agent_latency_ms[-100:]],
-            "video_frames_skipped": self.video_frames_skipped, "audio_frames_skipped": self.audio_frames_skipped,
-            "worker_open_ms": _r(self.worker_open_ms), "worker_preopened": self.worker_preopened,
-            "worker_memory_first_mb": {k: _r(v) for k, v in self.timeline.memory_first.items()},
-            "worker_memory_max_mb": {k: _r(v) for k, v in self.timeline.memory_max.items()},
-            "worker_memory_growth_mb": self.timeline.memory_growth(),
-            "timeline_window_s": self.timeline.window_s,
-            "timeline": self.timeline.rows(self.t_closed or time.monotonic(), self._counts()),
-            "errors": self.errors[-20:],
-        })
+        t_end = self.t_closed or time.monotonic()
+        st.update({"report": True, "started_at": self.wall_created, "duration_s": round(t_end - self.t_created, 3),
+                   "worker_open_ms": _r(self.worker_open_ms), "worker_preopened": self.worker_preopened})
+        st.update(self.stats.report_fields(t_end, self.clock.t0, self.buffer.video_fresh, self._counts()))
         return st
 
     # ---- close ---------------------------------------------------------------------------------
@@ -526,7 +423,3 @@ class LiveSession:
             closing.add_done_callback(self.server.background.discard)
         elif not closing.cancelled() and closing.exception() is not None:
             log.warning("session %s: closing the peer connection: %r", self.sid, closing.exception())
-
-
-def _r(x: float | None, nd: int = 1) -> float | None:
-    return None if x is None else round(float(x), nd)

@@ -148,7 +148,7 @@ def _lr(step: int, total: int, base: float, warmup: int = 200) -> float:
 
 def train_vae(tc: TrainConfig, cfg: CadenceConfig, frames: torch.Tensor, device, log: dict):
     """Phase 2. frames uint8 [N, T, H, W, 3] on `device`. Returns (wan, taehv) in eval mode."""
-    from cadence.engine.generate import build_vae_modules
+    from cadence.engine.session import build_vae_modules
 
     wan, taehv = build_vae_modules(cfg)
     wan.to(device).train()
@@ -428,9 +428,9 @@ def toy_config() -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cadence.cli import _Parser  # usage errors on one line, exit status 2, like every Cadence command
+    from cadence.errors import UsageParser  # usage errors on one line, exit status 2, like every Cadence command
 
-    p = _Parser(prog="cadence train", description=__doc__.split("\n\n")[0])
+    p = UsageParser(prog="cadence train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (weights, VAE folder, train_log.json)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=None, help="total wall-time budget (splits VAE / DiT)")

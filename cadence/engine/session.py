@@ -1,21 +1,22 @@
-"""The generation loop: reference image + prompt + audio in, latent chunks (and frames) out.
+"""A stream's state and its chunk step: :class:`StreamGenerator` (the built model and its front ends) and
+:class:`Session` (one stream).
 
     gen = build_generator(get_preset("tiny"))
-    for out in gen.stream(image, "a person talking", audio, num_chunks=10, seed=0):
-        ...  # out.latents [C, F, h, w], out.frames uint8 [T, H, W, 3]
+    sess = gen.session(image, "a person talking", seed=0)
+    lat = sess.step(audio_window)          # [C, F, h, w] clean latent of the next chunk
+    frames = sess.decode(lat)              # uint8 [T, H, W, 3]
 
 A :class:`Session` owns one stream's state: its cache (the sink = the VAE-encoded reference image,
-written once at t=0), the prompt's cross-attention K/V (computed once), a seeded device generator
-and the position of the next chunk. ``Session.step`` is the chunk step: device work only, no host
-syncs; the same seed gives the same output.
+written once at t=0), the prompt's cross-attention K/V (computed once), a seeded device generator,
+the position of the next chunk and its streaming decoder's state. ``Session.step`` is the chunk step:
+device work only, no host syncs; the same seed gives the same output. The loop that steps and decodes
+chunk after chunk (and overlaps the two) is :class:`cadence.engine.engine.Engine`, the only one.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -30,25 +31,8 @@ from cadence.model.text import ByteTextEncoder
 from cadence.model.vae import WanVAE, wan_vae_config
 from cadence.model.weights import build_model
 from cadence.runtime.chunk import denoise_chunk
+from cadence.runtime.step import StepInputs, StepKey, step_key
 from cadence.runtime.sampler import Schedule
-
-
-@dataclass
-class ChunkOutput:
-    index: int
-    latents: torch.Tensor  # [C, F, h, w] float32, on the model's device
-    frames: torch.Tensor  # uint8 CPU [T, H, W, 3]
-    audio: torch.Tensor  # float32 CPU [cfg.audio_samples_per_chunk], this chunk's audio
-
-
-@dataclass
-class StepInputs:
-    """What changes from one chunk step to the next (drawn in ``Session.prepare_step``, outside the
-    denoising passes, so a captured CUDA graph of the passes can be fed by copying these in)."""
-
-    noise: torch.Tensor  # [C, F, h, w] float32
-    renoise: torch.Tensor | None  # [passes - 1, C, F, h, w] for the 'renoise' rule
-    audio: torch.Tensor | None  # audio feature tokens [F, A, audio_dim], None without audio layers
 
 
 def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
@@ -110,7 +94,7 @@ class Session:
     def reseed(self, seed: int) -> None:
         """Give a session that has not generated a chunk yet another noise seed: exactly what opening it
         with that seed gives (the open itself draws no noise: the sink pass runs the clean latent at
-        t=0). What lets a server open the next session ahead of time (cadence.serve.worker)."""
+        t=0). What lets a server open the next session ahead of time (``Engine.preopen``)."""
         if self.index:
             raise RuntimeError(f"reseed() before the first chunk only (this session made {self.index})")
         self.noise_gen.manual_seed(seed)
@@ -191,11 +175,18 @@ class Session:
         if sched.rule == "renoise" and sched.passes > 1:
             renoise = torch.randn((sched.passes - 1, *self.latent_shape), generator=self.noise_gen,
                                   device=self.model.device)
-        return StepInputs(noise, renoise, self._audio_feats(audio))
+        return StepInputs(noise, renoise, self._audio_feats(audio), self.text)
+
+    def step_key(self, inp: StepInputs) -> StepKey:
+        """The shape signature of the step ``prepare_step`` placed (which steps may share a CUDA graph)."""
+        cfg = self.cfg
+        return step_key(inp, self.cache.step_shape(), dtype=self.model.dtype, tokens_per_chunk=cfg.tokens_per_chunk,
+                        window_chunks=cfg.stream.window_chunks, commit=cfg.stream.commit,
+                        passes=self.gen.schedule.passes, sampler=self.gen.schedule.rule, cache_id=id(self.cache))
 
     def denoise(self, inp: StepInputs) -> torch.Tensor:
-        """The passes of the chunk ``prepare_step`` placed (what a CUDA graph captures)."""
-        return denoise_chunk(self.model, self.cache, self.gen.schedule, self.cfg.stream.commit, inp.noise, self.text,
+        """The passes of the chunk ``prepare_step`` placed, from its inputs alone (what a CUDA graph captures)."""
+        return denoise_chunk(self.model, self.cache, self.gen.schedule, self.cfg.stream.commit, inp.noise, inp.text,
                              inp.audio, self.gen.timesteps, inp.renoise)
 
     def step(self, audio: torch.Tensor, runner=None) -> torch.Tensor:
@@ -203,7 +194,7 @@ class Session:
         Returns its clean latent [C, F, h, w] float32. `runner` (a ``cadence.runtime.graphs.GraphRunner``)
         runs the passes, replaying a CUDA graph where the step shape allows; None runs them eagerly."""
         inp = self.prepare_step(audio)
-        x = self.denoise(inp) if runner is None else runner.denoise(self, inp)
+        x = self.denoise(inp) if runner is None else runner.run(self.step_key(inp), self.denoise, inp, keep=self.cache)
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
         return x
@@ -264,24 +255,6 @@ class StreamGenerator:
             raise InputError(f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, "
                              f"got {list(image.shape)}")
         return Session(self, image, prompt, seed, decode_device=decode_device)
-
-    @torch.no_grad()
-    def stream(self, image: torch.Tensor, prompt: str | torch.Tensor, audio: torch.Tensor, num_chunks: int,
-               seed: int = 0) -> Iterator[ChunkOutput]:
-        """Yield `num_chunks` chunks. `audio`: float32 mono 48 kHz samples, at least
-        num_chunks * audio_samples_per_chunk long."""
-        if num_chunks <= 0:
-            raise InputError(f"number of chunks must be positive, got {num_chunks}")
-        spc = self.cfg.audio_samples_per_chunk
-        if audio.ndim != 1 or audio.numel() < num_chunks * spc:
-            raise InputError(f"audio must be mono with >= {num_chunks * spc} samples for {num_chunks} chunks, "
-                             f"got shape {list(audio.shape)}")
-        sess = self.session(image, prompt, seed)
-        audio_dev = audio[: num_chunks * spc].float().to(self.model.device)  # one copy, outside the steps
-        for i in range(num_chunks):
-            lat = sess.step(audio_dev[i * spc:(i + 1) * spc])
-            frames = sess.decode(lat).cpu()
-            yield ChunkOutput(index=i, latents=lat, frames=frames, audio=audio[i * spc:(i + 1) * spc])
 
 
 class WanVAEAdapter:

@@ -1,5 +1,6 @@
-"""The chunk pipeline on the CPU: placement resolution, parity with the sequential stream, order,
-timings, overlap, and clean shutdown (early stop, errors on either side). CUDA-only checks skip."""
+"""The engine on the CPU: placement resolution, the overlapped decode equal to the serial order, order,
+timings, overlap, the submit / collect API (caller's buffers, the delivery callback, dropped work), and
+clean shutdown (early stop, errors on either side). CUDA-only checks skip."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from cadence.config import PipelineConfig, Placement, get_preset, resolve_placement
-from cadence.engine.generate import Session, build_generator
-from cadence.engine.pipeline import ChunkPipeline
+from cadence.engine.engine import Engine
+from cadence.engine.session import Session, build_generator
 from cadence.errors import ConfigError, InputError
 
 TINY = get_preset("tiny")
@@ -44,7 +45,7 @@ def gen():
 def no_leaked_threads():
     assert decode_threads() == []
     yield
-    assert decode_threads() == [], "a decode thread outlived its pipeline"
+    assert decode_threads() == [], "a decode thread outlived its stream"
 
 
 # ---- placement ---------------------------------------------------------------------------------------
@@ -103,65 +104,68 @@ def test_pipeline_config_rejects(kw, match):
         PipelineConfig(**kw)
 
 
-def test_pipeline_refuses_model_on_another_device(gen):
+def test_engine_refuses_model_on_another_device(gen):
     with pytest.raises(InputError, match="model is on cpu but the placement diffuses on cuda:0"):
-        ChunkPipeline(gen, placement=Placement(("cuda:0",), "cuda:0", True))
+        Engine(gen, placement=Placement(("cuda:0",), "cuda:0", True))
+
+
+SERIAL = PipelineConfig(diffusion_devices=("cpu",), decode_device="same", overlap=False)
 
 
 # ---- parity, order, timings --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", [{}, {"cache": "ring"}, {"cache": "ring", "sampler": "renoise"}])
-def test_pipeline_equals_sequential_stream(stream):
+def test_overlapped_engine_equals_serial_order(stream):
     cfg = TINY.with_overrides(stream=stream)
     g = build_generator(cfg, seed=0)
     audio = speech()
-    ref = list(g.stream(image(), "a person talking", audio, N, seed=5))
+    ref = [(o.latents, o.frames.clone(), o.audio) for o in Engine(g, SERIAL).stream(image(), "a person talking",
+                                                                                     audio, N, seed=5)]
     # the model is on the CPU: say so (the default 'auto' picks cuda:0 where a GPU exists; seen on the H200)
-    pipe = ChunkPipeline(g, PipelineConfig(diffusion_devices=("cpu",), decode_device="same"))
-    outs = list(pipe.stream(image(), "a person talking", audio, N, seed=5))
+    eng = Engine(g, PipelineConfig(diffusion_devices=("cpu",), decode_device="same"))
+    outs = list(eng.stream(image(), "a person talking", audio, N, seed=5))
     assert [o.index for o in outs] == list(range(N))
-    for r, o in zip(ref, outs):
-        assert torch.equal(r.latents, o.latents)  # bitwise: same device work, same seed
-        assert torch.equal(r.frames, o.frames)
+    for (lat, frames, au), o in zip(ref, outs):
+        assert torch.equal(lat, o.latents)  # bitwise: same device work, same seed
+        assert torch.equal(frames, o.frames)
         assert o.frames.dtype == torch.uint8 and o.frames.shape == (4, 128, 128, 3)
         assert o.frames.device.type == "cpu"
-        assert torch.equal(o.audio, r.audio)
-    assert pipe.last_run["chunks"] == N and pipe.last_run["placement"] == "diffusion cpu -> decode cpu"
+        assert torch.equal(o.audio, au)
+    assert eng.last_run["chunks"] == N and eng.last_run["placement"] == "diffusion cpu -> decode cpu"
 
 
-def test_pipeline_wan_decoder_state_matches_sequential():
+def test_stateful_decoder_matches_serial():
     # the streaming (stateful) decoder: frames depend on every earlier chunk, so order and the
     # decode-thread-only state must be right for this to match
     cfg = TINY.with_overrides(vae={"decoder": "taehv"})
     torch.manual_seed(0)
     g = build_generator(cfg, seed=0)
     audio = speech(5)
-    ref = list(g.stream(image(), "p", audio, 5, seed=1))
+    ref = [o.frames.clone() for o in Engine(g, SERIAL).stream(image(), "p", audio, 5, seed=1)]
     # a CPU model: CPU placement (the default 'auto' picks cuda:0 on a GPU machine)
     cpu = PipelineConfig(diffusion_devices=("cpu",), decode_device="same")
-    outs = list(ChunkPipeline(g, cpu).stream(image(), "p", audio, 5, seed=1))
-    assert all(torch.equal(r.frames, o.frames) for r, o in zip(ref, outs))
+    outs = list(Engine(g, cpu).stream(image(), "p", audio, 5, seed=1))
+    assert all(torch.equal(r, o.frames) for r, o in zip(ref, outs))
     assert not torch.equal(outs[1].frames, outs[2].frames)
 
 
 def test_timings_present_and_sane(gen):
-    pipe = ChunkPipeline(gen)
-    t_start = time.perf_counter()
-    outs = list(pipe.stream(image(), "p", speech(), N, seed=0))
-    wall_ms = (time.perf_counter() - t_start) * 1e3
-    ttff = pipe.last_run["ttff_ms"]
+    eng = Engine(gen)
+    t_start = time.monotonic()
+    outs = list(eng.stream(image(), "p", speech(), N, seed=0))
+    wall_ms = (time.monotonic() - t_start) * 1e3
+    ttff = eng.last_run["ttff_ms"]
     assert 0 < ttff <= wall_ms
-    assert all(o.ttff_ms == ttff for o in outs)
-    assert ttff == pytest.approx(outs[0].timings.ready_s * 1e3)
+    assert ttff == pytest.approx((outs[0].timings.t_done - t_start) * 1e3, abs=5.0)
     for o in outs:
         t = o.timings
         assert t.diffusion_ms > 0 and t.decode_ms > 0 and t.host_copy_ms >= 0
         # plan -> ready covers this chunk's diffusion and decode
         assert t.latency_ms >= t.diffusion_ms + t.decode_ms - 0.5
-        assert t.latency_ms <= wall_ms
-        assert t.ready_s > t.plan_s
-    plans = [o.timings.plan_s for o in outs]
-    readies = [o.timings.ready_s for o in outs]
+        assert t.latency_ms <= wall_ms and t.work_ms <= t.latency_ms + 0.5
+        assert t.t_done > t.t_plan and t.memory["rss_mb"] > 50  # the worker's memory rides with each chunk
+    plans = [o.timings.t_plan for o in outs]
+    readies = [o.timings.t_done for o in outs]
     assert plans == sorted(plans) and readies == sorted(readies)
     # the first chunks run eagerly while the ring would fill: the runner says why
     assert outs[0].timings.step.startswith("eager:")
@@ -184,18 +188,128 @@ def test_decode_overlaps_diffusion(gen, monkeypatch):
     monkeypatch.setattr(gen.vae, "decode", slow_decode)
     # every chunk overlapped from the start (first_chunk_alone would serialise chunk 0's decode once);
     # the clock starts after the session's opening (not part of the overlap; slow when cold on a busy CPU)
-    pipe = ChunkPipeline(gen, PipelineConfig(first_chunk_alone=False))
-    outs = list(pipe.stream(image(), "p", speech(6), 6))
-    wall = outs[-1].timings.ready_s - pipe.last_run["open_ms"] / 1e3
+    eng = Engine(gen, PipelineConfig(first_chunk_alone=False))
+    outs = list(eng.stream(image(), "p", speech(6), 6))
+    wall = outs[-1].timings.t_done - outs[0].timings.t_plan
     serial = sum(o.timings.diffusion_ms + o.timings.decode_ms for o in outs) / 1e3
     assert serial > 6 * 0.16
     assert wall < 0.8 * serial, (wall, serial)
 
 
+# ---- the request API: submit / collect, the caller's buffers, the delivery callback -----------------------
+
+def test_submit_collect_writes_into_the_callers_buffers(gen):
+    """What a server does: one request per chunk, frames straight into the buffer it lends (a shared-memory
+    slot), results in order; equal to the stream of the same seed."""
+    import numpy as np
+
+    audio = speech()
+    ref = [o.frames.clone() for o in Engine(gen, SERIAL).stream(image(), "p", audio, 4, seed=9)]
+    eng = Engine(gen)
+    eng.open(image(), "p", seed=9)
+    slots = [np.zeros((4, 128, 128, 3), np.uint8) for _ in range(4)]
+    for i in range(4):
+        eng.submit(i, audio[i * SPC:(i + 1) * SPC].numpy(), out=slots[i], tag=("s", i))
+    got = eng.collect(block=True)
+    assert [r.index for r in got] == [0, 1, 2, 3] and [r.tag for r in got] == [("s", i) for i in range(4)]
+    assert all(r.frames is None for r in got)  # written into the caller's buffer, not returned
+    for i in range(4):
+        assert np.array_equal(slots[i], ref[i].numpy())
+    assert eng.collect(block=True) == []  # nothing outstanding
+    eng.end_stream()
+
+
+def test_on_chunk_delivers_on_the_decode_thread_and_end_stream_reports_dropped_work(gen, monkeypatch):
+    """The worker process's path: results go to a callback as soon as they are decoded; ending the stream
+    drops what was queued and names it (so a server can give back the slots it lent)."""
+    got, threads = [], []
+
+    def on_chunk(r):
+        threads.append(threading.current_thread().name)
+        got.append((r.index, r.frames.shape, r.tag))
+
+    eng = Engine(gen, PipelineConfig(queue_depth=4, first_chunk_alone=False), on_chunk=on_chunk)
+    eng.open(image(), "p", seed=0)
+    eng.submit(0, speech(1))
+    deadline = time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == [(0, (4, 128, 128, 3), None)] and threads == ["cadence-decode"]
+    dec = gen.vae.decode
+    release = threading.Event()
+
+    def blocked(lat):  # the decoder is busy: later chunks wait in its queue
+        release.wait(10)
+        return dec(lat)
+
+    monkeypatch.setattr(gen.vae, "decode", blocked)
+    for i in range(1, 4):
+        eng.submit(i, speech(1), tag=("sid", i, i))
+    time.sleep(0.1)
+    release.set()
+    dropped = eng.end_stream()
+    delivered = [g[0] for g in got]
+    assert delivered[0] == 0 and delivered == sorted(delivered)
+    # every chunk was either delivered or reported dropped, never both, never lost
+    assert sorted(delivered[1:] + [t[1] for t in dropped]) == [1, 2, 3], (delivered, dropped)
+    assert decode_threads() == []
+
+
+def test_steps_without_decode_for_a_follower_rank(gen):
+    """A tensor-parallel follower steps in lockstep and decodes nothing: its latents equal rank 0's."""
+    audio = speech(3)
+    ref = [o.latents for o in Engine(gen, SERIAL).stream(image(), "p", audio, 3, seed=4)]
+    eng = Engine(gen)
+    eng.open(image(), "p", seed=4, decode=False)
+    assert decode_threads() == []
+    for i in range(3):
+        eng.submit(i, audio[i * SPC:(i + 1) * SPC], decode=False)
+    assert eng.session.index == 3 and eng.state.submitted == 3  # the steps ran, no result is waiting
+    assert eng.collect(block=True) == []
+    with pytest.raises(RuntimeError, match="without a decoder"):
+        eng.submit(3, speech(1))
+    eng.end_stream()
+    # the same session reset by the next open gives the same stream as a fresh one
+    again = [o.latents for o in eng.stream(image(), "p", audio, 3, seed=4)]
+    assert all(torch.equal(a, b) for a, b in zip(again, ref))
+
+
+def test_preopen_then_open_with_the_key_only_reseeds(gen):
+    audio = speech(3)
+    ref = [o.frames.clone() for o in Engine(gen, SERIAL).stream(image(), "p", audio, 3, seed=7)]
+    eng = Engine(gen)
+    assert eng.preopen(image(), "p", "default") > 0
+    assert eng.open(None, "p", seed=7, key="default") == "preopened" and eng.last_open_preopened
+    for i in range(3):
+        eng.submit(i, audio[i * SPC:(i + 1) * SPC])
+    got = [r.frames.clone() for r in eng.collect(block=True)]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # another prompt (or another key) is a real open; None as the image is then an error
+    eng.preopen(image(), "p", "default")
+    assert eng.open(image(1), "q", seed=7, key="default") == "reused" and not eng.last_open_preopened
+    with pytest.raises(InputError, match="needs a reference image"):
+        eng.open(None, "p", seed=0, key="other")
+    eng.close()
+
+
+def test_warm_up_measures_latency_and_interval_and_picks_threads(gen):
+    eng = Engine(gen)
+    before = torch.get_num_threads()
+    try:
+        rep = eng.warm_up(image())
+    finally:
+        torch.set_num_threads(before)
+    assert rep["steady_chunk_ms"] > 0 and rep["interval_ms"] > 0 and rep["media_chunk_ms"] == pytest.approx(166.7)
+    assert rep["threads"] in (1, 2) and set(rep["thread_trials"]) <= {"1", "2"}
+    assert rep["threads"] == int(min(rep["thread_trials"], key=lambda k: rep["thread_trials"][k]))
+    assert rep["streams"] >= 4 and len(rep["chunk_ms"]) == eng.warm_chunks()
+    assert eng.warmup_report is rep and decode_threads() == []
+
+
 # ---- shutdown ------------------------------------------------------------------------------------------
 
 def test_consumer_stops_early(gen):
-    it = ChunkPipeline(gen).stream(image(), "p", speech(), N)
+    it = Engine(gen).stream(image(), "p", speech(), N)
     first = next(it)
     second = next(it)
     assert (first.index, second.index) == (0, 1)
@@ -206,7 +320,7 @@ def test_consumer_stops_early(gen):
 
 def test_consumer_breaks_out_of_loop(gen):
     seen = []
-    for out in ChunkPipeline(gen).stream(image(), "p", speech(), N):
+    for out in Engine(gen).stream(image(), "p", speech(), N):
         seen.append(out.index)
         if out.index == 2:
             break
@@ -232,7 +346,7 @@ def test_exception_in_decode_propagates_and_stops(gen, monkeypatch):
     monkeypatch.setattr(gen.vae, "decode", flaky)
     got = []
     with pytest.raises(DecodeBoom, match="chunk 2"):
-        for out in ChunkPipeline(gen).stream(image(), "p", speech(), N):
+        for out in Engine(gen).stream(image(), "p", speech(), N):
             got.append(out.index)
     assert got == [0, 1]  # the chunks before the failure still came out, in order
     assert decode_threads() == []
@@ -249,7 +363,7 @@ def test_exception_in_diffusion_propagates_and_stops(gen, monkeypatch):
     monkeypatch.setattr(Session, "prepare_step", failing)
     got = []
     with pytest.raises(ValueError, match="chunk 3"):
-        for out in ChunkPipeline(gen).stream(image(), "p", speech(), N):
+        for out in Engine(gen).stream(image(), "p", speech(), N):
             got.append(out.index)
     assert got == sorted(got) and len(got) <= 3
     assert decode_threads() == []
@@ -257,9 +371,9 @@ def test_exception_in_diffusion_propagates_and_stops(gen, monkeypatch):
 
 def test_bad_input_fails_before_any_thread(gen):
     with pytest.raises(InputError, match=str(N * SPC)):
-        next(ChunkPipeline(gen).stream(image(), "p", speech(1), N))
+        next(Engine(gen).stream(image(), "p", speech(1), N))
     with pytest.raises(InputError, match="positive"):
-        next(ChunkPipeline(gen).stream(image(), "p", speech(1), 0))
+        next(Engine(gen).stream(image(), "p", speech(1), 0))
 
 
 def test_set_prompt_validates(gen):
@@ -277,26 +391,27 @@ def test_set_prompt_validates(gen):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("decode", ["same", "auto", "cpu"])
 @pytest.mark.parametrize("decoder", ["standin", "taehv"])
-def test_cuda_pipeline_matches_sequential(decode, decoder):
+def test_cuda_engine_matches_serial(decode, decoder):
     """taehv: a stateful decoder, primed by the decode thread on its own streams as the stream opens
-    (ordered after the open by an event): the frames must equal the sequential generator's."""
+    (ordered after the open by an event): the frames must equal the serial order's."""
     cfg = TINY.with_overrides(stream={"cache": "ring"}, vae={"decoder": decoder})
     g = build_generator(cfg, device="cuda:0", seed=0)
     audio = speech(8)
-    ref = list(g.stream(image(), "p", audio, 8, seed=2))
-    pipe = ChunkPipeline(g, PipelineConfig(decode_device=decode))
+    serial = PipelineConfig(decode_device="same", overlap=False, graphs=False)
+    ref = [(o.latents.clone(), o.frames.clone()) for o in Engine(g, serial).stream(image(), "p", audio, 8, seed=2)]
+    eng = Engine(g, PipelineConfig(decode_device=decode))
     outs = []
-    for o in pipe.stream(image(), "p", audio, 8, seed=2):
+    for o in eng.stream(image(), "p", audio, 8, seed=2):
         outs.append((o.index, o.latents.clone(), o.frames.clone(), o.frames.is_pinned(), o.timings))
     assert [o[0] for o in outs] == list(range(8))
-    for r, (_, lat, fr, pinned, t) in zip(ref, outs, strict=True):
+    for (rl, rf), (_, lat, fr, pinned, t) in zip(ref, outs, strict=True):
         # graphs replay the same kernels; allow bf16-free float32 rounding differences of replays
-        torch.testing.assert_close(lat, r.latents, rtol=1e-4, atol=1e-4)
-        assert (fr.int() - r.frames.int()).abs().max() <= 1
-        assert pinned == (pipe.placement.decode_device != "cpu")
+        torch.testing.assert_close(lat, rl, rtol=1e-4, atol=1e-4)
+        assert (fr.int() - rf.int()).abs().max() <= 1
+        assert pinned == (eng.placement.decode_device != "cpu")
         assert t.diffusion_ms > 0 and t.decode_ms >= 0 and t.latency_ms > 0
     if decode == "same":
-        assert pipe.runner.stats.captures >= 1 and pipe.runner.stats.replays >= 1
+        assert eng.runner.stats.captures >= 1 and eng.runner.stats.replays >= 1
 
 
 # ---- the benchmark's CPU smoke run --------------------------------------------------------------------------

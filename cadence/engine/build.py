@@ -1,0 +1,138 @@
+"""``build_engine``: the one place a model is assembled with its fast paths, for every caller.
+
+    eng = build_engine(get_preset("w14"), "cuda:0", FastPath(fp8_linears=True, compile=True), tp=info)
+
+The order, and why (torchtitan's ``parallelize`` / gpt-fast's ``tp.py`` shape: a plain model, everything
+else applied from outside):
+
+1. **Resolve the fast path** for the device (``FastPath.resolve``: automatic options on for CUDA, off on the
+   CPU; a note for each asked-for option that cannot apply) and fold what changes the model's shapes into
+   the config: the decoder, the ring cache (forced by CUDA graphs: fixed addresses), FP8 K/V.
+2. **Build on ``meta``, then allocate** on the device: no random initialisation of weights about to be
+   overwritten, no full-size copy on the host.
+3. **Load weights** (``cfg.model.weights``) or initialise randomly from ``seed``; the VAE / decoder load
+   their own (``cfg.vae.weights``).
+4. **Tensor parallelism** (``apply_tp`` over ``tp.group``): with random weights the model is sharded while
+   still on ``meta`` and only this rank's shard is allocated (W57 does not fit a GPU whole); with a
+   checkpoint the full weights load first and are sliced.
+5. **FP8 linears** (``apply_fp8``, after TP: it quantises the shards each rank holds; all or nothing).
+6. **Compile** (``apply_compile``: the per-block elementwise math, after the FP8 swap).
+7. **Cache and graphs**: the session's cache follows the config (step 1); the engine owns a graph runner
+   (capturing only steady-state shapes, after warm-up; a tensor-parallel group agrees on every capture).
+
+Any step that cannot apply falls back with one log line (``Engine.notes``, reported at ``/config``), never
+a crash; a converter that fails raises with the model unchanged (no half-converted model is ever served).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from cadence.config import CadenceConfig, PipelineConfig, resolve_asset
+from cadence.engine.engine import Engine
+from cadence.engine.session import StreamGenerator
+from cadence.engine.spec import FastPath
+
+log = logging.getLogger("cadence.engine")
+
+
+def engine_config(cfg: CadenceConfig, fast: FastPath) -> CadenceConfig:
+    """``cfg`` with the shape-changing choices of a resolved ``fast`` folded in (decoder, ring cache, FP8 K/V)."""
+    stream: dict = {}
+    if fast.kv_fp8:
+        stream.update(cache="ring", kv_fp8=True)
+    if fast.graphs and cfg.stream.cache != "ring":
+        stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
+    if stream:
+        cfg = cfg.with_overrides(stream=stream)
+    if fast.decoder and fast.decoder != cfg.vae.decoder:
+        cfg = cfg.with_overrides(vae={"decoder": fast.decoder})
+    return cfg
+
+
+def build_model_for(cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, seed: int, tp=None,
+                    comm: str = "auto"):
+    """Steps 2-4: the model on ``device`` with its weights, sharded over ``tp.group`` when given.
+    Returns ``(model, how)`` with how = 'meta' (sharded before allocation) or 'full'."""
+    from cadence.model.dit import WanDiT
+    from cadence.model.weights import build_model, init_random, load_weights
+
+    weights = resolve_asset(cfg.model.weights) if cfg.model.weights else None
+    sharded = tp is not None and tp.world_size > 1
+    if sharded and weights is None:
+        from cadence.parallel import apply_tp
+
+        try:
+            with torch.device("meta"):
+                model = WanDiT(cfg, device="meta", dtype=dtype)
+            apply_tp(model, tp.group, comm=comm)
+            model = model.to_empty(device=device)
+            model.rope.to(device)
+            init_random(model, seed)
+            return model.eval().requires_grad_(False), "meta"
+        except (NotImplementedError, RuntimeError, TypeError) as e:
+            log.warning("sharding on meta failed (%s): building the full model first", e)
+    model = build_model(cfg, device, dtype, seed=None if weights else seed)
+    if weights:
+        load_weights(model, weights)
+    if sharded:
+        from cadence.parallel import apply_tp
+
+        apply_tp(model, tp.group, comm=comm)
+    return model, "full"
+
+
+def build_engine(cfg: CadenceConfig, device: str | torch.device = "cpu", fast: FastPath | None = None, tp=None,
+                 pipeline: PipelineConfig | None = None, seed: int = 0, graph_capture=None,
+                 on_chunk=None) -> Engine:
+    """The engine for ``cfg`` on ``device`` with ``fast`` applied (see the module docstring for the order).
+
+    ``tp``: this rank's ``cadence.parallel.TPInfo`` (a tensor-parallel group; every rank calls this with the
+    same arguments). ``pipeline``: placement and queues (default: decode on the diffusion device, on its own
+    stream / thread); its ``graphs`` and ``capture_filling`` follow ``fast``. ``graph_capture`` injects a
+    capture function (tests). ``on_chunk``: deliver finished chunks to this callback (the worker process)."""
+    t0 = time.monotonic()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    fast, notes = (fast or FastPath()).resolve(str(device))
+    cfg = engine_config(cfg, fast)
+    dtype = getattr(torch, fast.dtype)
+    if device.type == "cpu" and fast.threads:
+        torch.set_num_threads(fast.threads)
+    applied: dict = {"decoder": cfg.vae.decoder, "cache": cfg.stream.cache, "kv_fp8": cfg.stream.kv_fp8,
+                     "dtype": fast.dtype, "fp8_linears": 0, "graphs": bool(fast.graphs), "tp": 1,
+                     "compile": "off", "capture_filling": bool(fast.capture_filling)}
+    model, how = build_model_for(cfg, device, dtype, seed, tp, fast.comm)
+    if tp is not None and tp.world_size > 1:
+        applied.update(tp=tp.world_size, comm=fast.comm, tp_build=how)
+        if graph_capture is None and device.type == "cuda":
+            from cadence.parallel.graphs import agreeing_capture
+
+            graph_capture = agreeing_capture(tp.group)  # every rank captures a step, or none does
+    if fast.fp8_linears:
+        from cadence.quant.fp8 import apply_fp8
+
+        try:
+            applied["fp8_linears"] = apply_fp8(model)
+        except Exception as e:  # all or nothing: the plain linears stay
+            notes.append(f"fp8_linears: could not apply ({type(e).__name__}: {e}): plain linears")
+    if fast.compile:
+        from cadence.runtime.compile import apply_compile
+
+        rep = apply_compile(model)
+        applied["compile"] = rep.describe()
+        if not rep.enabled:
+            notes.append(f"compile: {rep.describe()}")
+    gen = StreamGenerator(cfg, model)
+    base = pipeline or PipelineConfig(diffusion_devices=(str(device),), decode_device="same")
+    pcfg = dataclasses.replace(base, graphs=bool(fast.graphs), capture_filling=bool(fast.capture_filling))
+    eng = Engine(gen, pcfg, graph_capture=graph_capture, applied=applied, tp=tp, on_chunk=on_chunk)
+    for n in notes:
+        eng._note(n)
+    eng.build_ms = (time.monotonic() - t0) * 1e3
+    return eng

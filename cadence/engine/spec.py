@@ -1,0 +1,126 @@
+"""What an engine is built with, as plain data: :class:`FastPath` and a worker process's :class:`WorkerSpec`.
+
+Torch-free, so the web process (``cadence serve``) can decide what its workers run without importing
+torch; ``cadence.engine.build.build_engine`` applies a resolved ``FastPath`` to a built model.
+
+Every fast path is applied from outside the plain model and keeps its reference beside it (FP8 linears:
+``cadence.quant.fp8``; the ring cache with FP8 K/V: ``cadence.cache.ring``; CUDA graphs:
+``cadence.runtime.graphs``; compiled elementwise math: ``cadence.runtime.compile``). ``None`` fields mean
+"automatic for the device": on for CUDA, off on the CPU (where the CPU path is exactly the reference
+one); :meth:`FastPath.resolve` turns them into what one device actually runs, with one note per option
+asked for explicitly that cannot apply there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from cadence.errors import ConfigError
+
+#: The prompt of a session that names none (the page's default too): the worker opens it ahead.
+DEFAULT_PROMPT = "a person talking to the camera"
+
+#: Options that need a CUDA device (asked for on the CPU they are turned off with a note).
+CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
+DECODERS = ("standin", "wan", "taehv")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """The fast paths ``build_engine`` applies to a built model (``None`` = automatic, see the module)."""
+
+    dtype: str | None = None
+    """Model dtype: 'float32', 'bfloat16' or 'float16'. None: bfloat16 on CUDA, float32 on the CPU."""
+    decoder: str | None = None
+    """VAE decoder: 'standin', 'wan' or 'taehv'. None: the preset's own on the CPU, 'taehv' (the tiny
+    streaming decoder) on CUDA."""
+    kv_fp8: bool | None = None
+    """Ring cache with FP8 K/V read by the FP8 attention kernel (``cadence.cache.ring``). CUDA only."""
+    fp8_linears: bool | None = None
+    """FP8 block linears (``cadence.quant.fp8.apply_fp8``). CUDA only."""
+    graphs: bool | None = None
+    """CUDA graphs for the steady-state chunk step (``cadence.runtime.graphs.GraphRunner``); forces the
+    ring cache (fixed addresses). CUDA only."""
+    capture_filling: bool = False
+    """With graphs: also capture each ring-filling step (one graph per fill stage). With FP8 K/V the filling
+    steps replay the steady graph already; this matters for bf16 K/V."""
+    compile: bool = False
+    """``torch.compile`` of the per-block elementwise math (``cadence.runtime.compile.apply_compile``)."""
+    comm: str = "auto"
+    """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""
+    threads: int = 0
+    """CPU: torch intra-op threads for the diffusion and decode threads. 0 = chosen at warm-up (the
+    engine times 1 and 2 threads and keeps the faster sustained rate; ``Engine.warm_up``)."""
+
+    def resolve(self, device: str) -> tuple[FastPath, list[str]]:
+        """What a worker on ``device`` runs (no ``None`` left) and the notes for options that cannot
+        apply there. Pure."""
+        cuda = str(device).startswith("cuda")
+        notes: list[str] = []
+        kw: dict = {}
+        for name in CUDA_ONLY:
+            value = getattr(self, name)
+            if value is None:
+                kw[name] = cuda
+            elif value and not cuda:
+                notes.append(f"{name}: needs a CUDA worker (this one runs on {device}): off")
+                kw[name] = False
+            else:
+                kw[name] = bool(value)
+        kw["capture_filling"] = False
+        if self.capture_filling:
+            if not kw["graphs"]:
+                why = f"this worker runs on {device}" if not cuda else "graphs are off"
+                notes.append(f"capture_filling: needs CUDA graphs ({why}): off")
+            else:
+                kw["capture_filling"] = True
+        kw["dtype"] = self.dtype or ("bfloat16" if cuda else "float32")
+        kw["decoder"] = self.decoder if self.decoder is not None else ("taehv" if cuda else None)
+        return dataclasses.replace(self, **kw), notes
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.decoder is not None and self.decoder not in DECODERS:
+            raise ConfigError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to build its engine (pickled to the spawned process)."""
+
+    preset: str
+    """Engine preset."""
+    device: str
+    """'cpu', 'cuda:N', or a tensor-parallel group 'cuda:0+cuda:1' (one process per device)."""
+    fast: FastPath = field(default_factory=FastPath)
+    """The fast paths, resolved for the device (``FastPath.resolve``)."""
+    overrides: dict = field(default_factory=dict)
+    """Engine-config overrides (``CadenceConfig.with_overrides``), e.g. weights or geometry."""
+    seed: int = 0
+    """Random-weight seed (presets without weights)."""
+    decode_device: str = "same"
+    """Where the decode runs ('same': the diffusion device, on its own CUDA stream / thread;
+    'cuda:N': its own GPU; see ``cadence.config.PipelineConfig.decode_device``)."""
+    warmup: bool = True
+    """Run ``Engine.warm_up`` before reporting ready (every step shape, graph captures, the decoder, and
+    on the CPU the thread choice), so that no user pays first-use work."""
+    warmup_chunks: int = 0
+    """Chunks of the warm-up stream (0 = what every step shape needs)."""
+    notes: tuple[str, ...] = ()
+    """What the web side noted when resolving the options (logged by the worker)."""
+    shm: dict | None = None
+    """The frame ring to attach ({'name', 'shape', 'slots'}), or None: frames travel through the pipe."""
+    tp_port: int | None = None
+    """Rendezvous port of a tensor-parallel group."""
+
+    @property
+    def devices(self) -> list[str]:
+        return self.device.split("+")

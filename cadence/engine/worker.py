@@ -1,0 +1,309 @@
+"""The GPU side of ``cadence serve``: one worker process per device of a worker group, each driving one
+:class:`~cadence.engine.engine.Engine`.
+
+The web process never runs the model: each group (a GPU, a tensor-parallel set of GPUs, or a CPU slot)
+owns long-lived processes started with ``spawn`` (``cadence.serve.workers.WorkerGroup``) that build the
+engine once (so a new session's first frame costs a chunk, not a model build) and serve one session at
+a time. Requests and replies are the dataclasses of :mod:`cadence.engine.messages`.
+
+Rank 0 talks to the web process over a pipe; in a tensor-parallel group ('cuda:0+cuda:1') it forwards
+every command to the follower ranks over a gloo group (``_Peers``), so the collectives inside the steps
+meet, and only rank 0 decodes and answers. Both run the same command loop (:func:`run_commands`): rank 0's
+commands come from the pipe, the followers' from rank 0. A collective that waits longer than
+``TP_TIMEOUT_S`` fails, so a dead rank takes its group down (the web side restarts it) instead of hanging it.
+
+Chunks: the main thread runs each request's diffusion (``Engine.submit``) and goes back to the pipe; the
+engine's decode thread finishes the chunk and the reply (``ChunkDone``) is sent from there, frames written
+straight into the request's shared-memory slot when one was lent (``cadence.engine.shm``). So while chunk
+k decodes, chunk k+1 diffuses: the worker's busy time per chunk falls from step + decode toward
+max(step, decode).
+
+Before "ready": the engine's warm-up (every step shape, graph captures, the decoder; on the CPU the thread
+count that sustains the faster rate), whose report sizes the web side's planning lead; then the next
+session is opened ahead (default face and prompt), and again whenever the worker goes idle after a close:
+a session that brings no image and the default prompt then only re-seeds it (the stream is exactly a fresh
+open's), so its time to first frame is the first chunk's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from cadence.engine.messages import (
+    ChunkDone,
+    ChunkRequest,
+    Closed,
+    CloseSession,
+    Dropped,
+    Error,
+    Opened,
+    OpenSession,
+    Preopen,
+    Ready,
+    Stop,
+    WorkerInfo,
+)
+from cadence.engine.spec import DEFAULT_PROMPT, WorkerSpec
+
+log = logging.getLogger("cadence.serve")
+
+#: How long a collective of a tensor-parallel worker group waits for a peer rank before failing: a rank
+#: that died is noticed (the group then fails and is restarted) instead of hanging for torch's default.
+TP_TIMEOUT_S = 300.0
+
+
+
+class _Peers:
+    """The control plane of a tensor-parallel worker group: rank 0 broadcasts every command it runs; each
+    follower receives them in the same order."""
+
+    def __init__(self, info):
+        import torch.distributed as dist
+
+        self.info = info
+        self.control = info.group if info.backend == "gloo" else dist.new_group(backend="gloo")
+
+    def bcast(self, msg=None):
+        import torch.distributed as dist
+
+        box = [msg]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+def _tp_join(rank: int, devices: list[str], port: int):  # pragma: no cover - other process
+    """Join the group's process group (rank ``rank`` of ``len(devices)``, on ``devices[rank]``)."""
+    from cadence.parallel import init_tp
+
+    dev = devices[rank]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(len(devices)),
+                      LOCAL_RANK=str(int(dev.split(":")[1]) if dev.startswith("cuda:") else rank))
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback
+    return init_tp(backend="gloo" if dev == "cpu" else None, timeout_s=TP_TIMEOUT_S)
+
+
+def _build(spec: WorkerSpec, rank: int, tp, on_chunk=None):
+    from cadence.config import PipelineConfig, get_preset
+    from cadence.engine.build import build_engine
+
+    cfg = get_preset(spec.preset)
+    if spec.overrides:
+        cfg = cfg.with_overrides(**spec.overrides)
+    dev = spec.devices[rank]
+    decode = "same" if tp is not None else spec.decode_device
+    pipeline = PipelineConfig(diffusion_devices=(dev,), decode_device=decode)
+    return build_engine(cfg, dev, spec.fast, tp=tp, pipeline=pipeline, seed=spec.seed, on_chunk=on_chunk)
+
+
+def run_commands(eng, next_msg: Callable[[], object], reply: Callable[[object], None] | None, default_image,
+                 ring=None) -> None:
+    """The one command loop of a worker group, shared by rank 0 (``reply`` answers the web side; chunks
+    decode) and the follower ranks (``reply`` None: they only step). Runs until ``Stop`` (or ``next_msg``
+    raises EOFError / OSError: the other side is gone)."""
+    rank0 = reply is not None
+    say = reply or (lambda msg: None)
+    sid_open: str | None = None
+
+    def drop(tags) -> None:  # chunks accepted but not decoded: give their slots back
+        for tag in tags:
+            sid, index, slot = tag
+            say(Dropped(sid, index, slot))
+
+    while True:
+        try:
+            msg = next_msg()
+        except (EOFError, OSError):
+            break
+        try:
+            match msg:
+                case Stop():
+                    break
+                case OpenSession(sid=sid, image=image, prompt=prompt, seed=seed):
+                    t = time.monotonic()
+                    drop(eng.end_stream())
+                    sid_open = None
+                    img = default_image if image is None else torch.from_numpy(image)
+                    eng.open(img, prompt, seed, key="default" if image is None else None, decode=rank0)
+                    sid_open = sid
+                    say(Opened(sid, (time.monotonic() - t) * 1e3, eng.last_open_preopened))
+                case ChunkRequest(sid=sid, index=index, audio=audio, t_plan=t_plan, slot=slot):
+                    if sid != sid_open:  # a chunk for a session already closed: drop it
+                        say(Dropped(sid, index, slot))
+                        continue
+                    out = ring.view(slot) if ring is not None and slot is not None else None
+                    if out is None and slot is not None:  # no ring here: the slot is not used
+                        say(Dropped(sid, index, slot))
+                        slot = None
+                    eng.submit(index, audio, out=out, tag=(sid, index, slot), t_plan=t_plan, decode=rank0)
+                    del out
+                case CloseSession(sid=sid):
+                    if sid == sid_open:
+                        drop(eng.end_stream())
+                        sid_open = None
+                    say(Closed(sid))
+                case Preopen():
+                    try:
+                        eng.preopen(default_image, DEFAULT_PROMPT, "default")
+                    except Exception as e:  # only a head start: the next open works as without it
+                        log.warning("worker: could not open the next session ahead (%s: %s)", type(e).__name__, e)
+                case _:
+                    say(Error(None, f"unknown message {type(msg).__name__}"))
+        except (EOFError, OSError, BrokenPipeError):
+            break
+        except Exception as e:
+            sid = getattr(msg, "sid", None)
+            if isinstance(msg, OpenSession):
+                sid_open = None
+            if not rank0:  # rank 0 meets the same error on the same input and reports it
+                log.warning("follower: %s failed (%s: %s)", type(msg).__name__, type(e).__name__, e)
+            try:
+                say(Error(sid, f"{type(e).__name__}: {e}", getattr(msg, "slot", None)))
+            except (EOFError, OSError):
+                break
+
+
+class _Pipe:
+    """Rank 0's end of the pipe: the main thread and the decode thread both send (one lock)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+def _chunk_reply(pipe: _Pipe):
+    """The engine's on_chunk callback for rank 0: a finished chunk -> ChunkDone (or Error)."""
+
+    def on_chunk(res) -> None:
+        sid, index, slot = res.tag
+        try:
+            if res.error is not None:
+                pipe.send(Error(sid, f"chunk {index}: {res.error}", slot))
+            elif res.frames is None:  # written into the shared-memory slot
+                pipe.send(ChunkDone(sid, index, None, res.timings, slot))
+            else:
+                pipe.send(ChunkDone(sid, index, res.frames.numpy(), res.timings, None))
+        except (EOFError, OSError, BrokenPipeError):
+            pass  # the web side is gone; the main loop notices
+
+    return on_chunk
+
+
+def _setup_process(spec: WorkerSpec, label: str) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us cleanly
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s")
+    if spec.fast.threads > 0:
+        torch.set_num_threads(spec.fast.threads)
+
+
+def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict | None, float]:
+    """What every rank runs before serving, in the same order: the warm-up (when asked), then the next
+    default session opened ahead. Returns (warm-up report or None, preopen ms)."""
+    warm = eng.warm_up(default_image, spec.warmup_chunks, decode=decode,
+                       threads=spec.fast.threads) if spec.warmup else None
+    return warm, eng.preopen(default_image, DEFAULT_PROMPT, "default")
+
+
+def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other process
+    """Rank 0 of a worker group (the process the web side talks to). For a tensor-parallel group it also
+    joins the group's process group and broadcasts every command to the followers (``follower_main``)."""
+    _setup_process(spec, f"worker {spec.device}")
+    from cadence.engine.shm import FrameRing
+    from cadence.media.image import default_reference_image
+
+    for note in spec.notes:
+        log.warning("worker: %s", note)
+    t = time.monotonic()
+    pipe = _Pipe(conn)
+    ring = None
+    peers = None
+    devices = spec.devices
+    try:
+        info = _tp_join(0, devices, spec.tp_port) if len(devices) > 1 else None
+        peers = _Peers(info) if info is not None else None
+        eng = _build(spec, 0, info, on_chunk=_chunk_reply(pipe))
+        if spec.shm:
+            sh = spec.shm
+            if tuple(sh["shape"]) != eng.frame_shape:
+                raise ValueError(f"frame ring shape {sh['shape']} != the engine's {list(eng.frame_shape)}")
+            ring = FrameRing.attach(sh["name"], sh["shape"], sh["slots"])
+        cfg = eng.gen.cfg
+        default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
+        build_ms = (time.monotonic() - t) * 1e3
+        with torch.no_grad():
+            warm, preopen_ms = _start_up(eng, spec, default_image, decode=True)
+    except Exception as e:
+        pipe.send(Error(None, f"worker start failed: {type(e).__name__}: {e}"))
+        raise
+    pipe.send(Ready(WorkerInfo(
+        preset=cfg.name, device=spec.device, tp=len(devices), build_ms=round(build_ms, 1),
+        threads=torch.get_num_threads(), fast_path=eng.describe(), notes=list(spec.notes) + eng.notes,
+        warmup=warm, preopen_ms=round(preopen_ms, 1), frame_transport="shm" if ring is not None else "pipe",
+        frames_per_chunk=cfg.video_frames_per_chunk, audio_samples_per_chunk=cfg.audio_samples_per_chunk)))
+    idle_preopen = [False]
+
+    def next_msg():
+        if idle_preopen[0] and not conn.poll():  # idle after a close: open the next default session ahead
+            idle_preopen[0] = False
+            msg = Preopen()
+        else:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the web side is gone: stop, and tell the followers
+                msg = Stop()
+        if peers is not None:
+            # the followers need the command, not the shared-memory slot rank 0 writes its frames to
+            peers.bcast(ChunkRequest(msg.sid, msg.index, msg.audio, msg.t_plan) if isinstance(msg, ChunkRequest)
+                        else msg)
+        if isinstance(msg, CloseSession):
+            idle_preopen[0] = True
+        elif not isinstance(msg, Preopen):
+            idle_preopen[0] = False
+        return msg
+
+    try:
+        with torch.no_grad():
+            run_commands(eng, next_msg, pipe.send, default_image, ring)
+    finally:
+        eng.end_stream()
+        if ring is not None:
+            ring.close()
+        if peers is not None:
+            from cadence.parallel import destroy_tp
+
+            destroy_tp()
+
+
+def follower_main(rank: int, spec: WorkerSpec) -> None:  # pragma: no cover - other process
+    """A follower rank (1..N-1) of a tensor-parallel worker group: builds the same engine shard, runs the
+    same start-up (warm-up, session opened ahead), then every command rank 0 broadcasts, without decoding;
+    exits on ``Stop`` (or when a collective times out because rank 0 is gone)."""
+    _setup_process(spec, f"worker {spec.device} rank {rank}")
+    from cadence.media.image import default_reference_image
+    from cadence.parallel import destroy_tp
+
+    info = _tp_join(rank, spec.devices, spec.tp_port)
+    try:
+        peers = _Peers(info)
+        eng = _build(spec, rank, info)
+        cfg = eng.gen.cfg
+        default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
+        with torch.no_grad():
+            _start_up(eng, spec, default_image, decode=False)
+            run_commands(eng, peers.bcast, None, default_image)
+    finally:
+        destroy_tp()

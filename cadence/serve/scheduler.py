@@ -1,0 +1,97 @@
+"""A session's chunk scheduler: an asyncio task that plans chunks on the media clock.
+
+It only moves small messages: each chunk's audio window is taken from the agent when the chunk is planned
+(``lead`` before it is due, ``pacing.ChunkPlanner``), put in the session's buffer at once (so the audio
+always plays), and, when the planner predicts the worker can have its frames back in time, sent to the
+worker as a :class:`~cadence.engine.messages.ChunkRequest`. Frames come back on the worker group's reader
+thread and reach the session on the event loop (``LiveSession.on_worker_message`` -> ``arrived``).
+
+Agent latency (first audio -> first speaking frame): speech is taken from the agent at plan time, so it
+goes into the earliest chunk not yet planned, at its start when nothing was queued: it waits for the next
+plan (0..one chunk period), then ``lead`` until that chunk is due, where its first frame plays. ``lead``
+cannot be below one chunk's latency (plan -> frames back) or every chunk would be late, so the agent
+latency is at least one chunk's work and on average lead + half a chunk period. The planner follows the
+worker's measured latency, so the lead is no longer than needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from cadence.engine.messages import ChunkRequest, ChunkTimings
+from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming, Plan
+from cadence.serve.rtc import MediaClock
+from cadence.serve.stats import SessionStats
+
+
+async def wait_events(timeout: float, *events: asyncio.Event) -> None:
+    """Return when one of ``events`` is set or after ``timeout`` seconds.
+
+    Not ``asyncio.wait_for(event.wait(), timeout)``: on Python 3.11, ``wait_for`` swallows a cancellation
+    that arrives while the awaited event has just been set (its inner task finished, its done-callback not
+    yet run: a window of about two loop iterations) and returns normally, so the cancelled task runs on. A
+    chunk arriving (``wake``) just as a session closes hit that window and left the scheduler running
+    forever. ``asyncio.wait`` always lets the CancelledError through.
+    """
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+class ChunkScheduler:
+    def __init__(self, sid: str, timing: MediaTiming, planner: ChunkPlanner, agent, buffer: AVBuffer,
+                 clock: MediaClock, send: Callable[[object], None], stats: SessionStats):
+        self.sid, self.timing, self.planner, self.agent = sid, timing, planner, agent
+        self.buffer, self.clock, self.send, self.stats = buffer, clock, send, stats
+        self.plans: dict[int, tuple[Plan, float]] = {}  # generated chunks not back yet: (plan, t_plan)
+        self.wake = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return self.planner.in_flight
+
+    async def run(self) -> None:
+        timing, spc = self.timing, self.timing.samples_per_chunk
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            plan, wait = self.planner.poll(now, self.clock.t0)
+            if plan is not None:
+                c = plan.chunk
+                window, marks = self.agent.take(spc)
+                self.buffer.put_audio(c, window)  # the audio plays whether or not its frames are made
+                self.stats.chunks_planned += 1
+                for mark in marks:
+                    self.stats.mark_speech(c * timing.frames_per_chunk + timing.frame_of_sample(mark.offset),
+                                           mark.t_agent)
+                if plan.generate:
+                    self.plans[c] = (plan, now)
+                    self.send(ChunkRequest(self.sid, c, window, now))
+                continue
+            self.wake.clear()
+            if self.clock.t0 is None:
+                await wait_events(1.0, self.wake, self.clock.started)
+            else:
+                await wait_events(wait if wait is not None else 1.0, self.wake)
+
+    def arrived(self, index: int, now: float, tm: ChunkTimings) -> tuple[float, float] | None:
+        """A generated chunk is back: ``(t_plan, latency_ms)``, or None for a chunk this session did not
+        ask for (a stale reply). Feeds the planner what the worker measured."""
+        got = self.plans.pop(index, None)
+        if got is None:
+            return None
+        plan, t_plan = got
+        interval = max(tm.diffusion_ms, tm.decode_ms + tm.host_copy_ms) / 1e3 if tm.diffusion_ms else None
+        self.planner.observe(now, plan, interval)
+        self.wake.set()
+        return t_plan, (now - t_plan) * 1e3
+
+    def failed(self, index: int | None) -> None:
+        """A request failed at the worker: its place is free again."""
+        if index is not None and self.plans.pop(index, None) is not None:
+            self.planner.lost()
+            self.wake.set()
