@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from cadence.telemetry.devices import device_kind
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Ceilings measured on the H200s (BENCHMARKS.md), TFLOP/s: used for the floor and efficiency.
@@ -45,15 +47,6 @@ def device_name(device: torch.device, world: int = 1) -> str:
     import platform
 
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def device_kind(device: torch.device, world: int = 1) -> str:
-    """Short kind for file names: nvidia-h200, nvidia-h200-x2, cpu."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower().replace("nvidia ", "").replace(" ", "-")
-    kind = f"nvidia-{name}"
-    return f"{kind}-x{world}" if world > 1 else kind
 
 
 def command_line() -> str:

@@ -63,7 +63,7 @@ def load_reference_image(path: str | os.PathLike, height: int, width: int) -> to
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous().div_(127.5).sub_(1.0)
 
 
-#: The built-in face: seed of the synthetic-data renderer (cadence.train.data), from the train split, so the
+#: The built-in face: seed of the face renderer (cadence.media.face) in the train split, so the
 #: shipped default character (trained on that renderer's faces) is in its own domain out of the box.
 DEFAULT_FACE_SEED = 7
 
@@ -71,12 +71,12 @@ DEFAULT_FACE_SEED = 7
 def default_reference_image(height: int, width: int) -> torch.Tensor:
     """A built-in stylised face (float32 [3, height, width] in [-1, 1]) for runs without ``--image``.
 
-    Drawn by the renderer that made the default character's training data (``cadence.train.data``,
+    Drawn by the renderer that made the default character's training data (``cadence.media.face``,
     face ``DEFAULT_FACE_SEED`` of the train split, mouth closed, eyes open); any size.
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"target size must be positive, got {height}x{width}")
-    from cadence.train.data import face_params, render_face
+    from cadence.media.face import face_params, render_face
 
     frame = render_face(face_params(DEFAULT_FACE_SEED, "train"), height, width, 0.0, False)
     return torch.from_numpy(np.array(frame)).permute(2, 0, 1).float() / 127.5 - 1.0

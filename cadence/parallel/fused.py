@@ -317,7 +317,7 @@ def table_path(world: int) -> Path | None:
         return None
     try:  # this GPU's own table first (chooser-nvidia-h200-x2-tp2.json), else any for this TP size
         if torch.cuda.is_available():
-            from cadence.bench.common import device_kind
+            from cadence.telemetry.devices import device_kind
 
             own = d / f"chooser-{device_kind(torch.device('cuda', torch.cuda.current_device()), world)}-tp{world}.json"
             if own.is_file():

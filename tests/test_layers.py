@@ -1,0 +1,145 @@
+"""The import structure: layers import downward only, and no module imports itself back through others.
+
+Every ``import cadence...`` / ``from cadence... import`` in the package is read with ``ast`` (module level and
+inside functions alike: a lazy import is still a dependency), mapped onto the layers below, and checked:
+
+* an import from a lower layer to a higher one fails (the layer table is the architecture: docs/architecture.md);
+* a cycle between modules fails (at module granularity, lazy imports included);
+* the web process's side of the server imports no torch (``cadence.serve.app`` in a fresh interpreter).
+
+Layers, lowest first. Within one layer modules may import each other (acyclically).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "cadence"
+
+LAYERS: list[set[str]] = [
+    {"__init__", "errors", "config", "net", "telemetry"},  # plain data, errors, timing regions, device names
+    {"model", "media"},  # the plain model and media in/out
+    {"kernels"},  # fast kernels, each beside its PyTorch reference
+    {"cache", "quant"},  # the K/V caches and FP8 linears, built on the kernels
+    {"runtime"},  # the chunk step, sampler, graphs, compile
+    {"engine", "parallel"},  # the one engine and tensor parallelism
+    {"serve"},  # the live server (web side and its session logic)
+    {"bench", "train", "eval"},  # benchmarks, training, the quality harness: drive everything below
+    {"cli", "__main__"},  # the entry point dispatches to everything
+]
+
+
+def _layer_of(top: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"cadence.{top} is in no layer of tests/test_layers.py: add it")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "cadence"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = pkg.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "cadence":
+                continue
+            out.add(mod)
+            for a in node.names:  # `from cadence.engine import spec` imports the module cadence.engine.spec
+                sub = f"{mod}.{a.name}"
+                if (PKG.parent / Path(*sub.split("."))).with_suffix(".py").is_file():
+                    out.add(sub)
+    return out - {name}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {m: {i for i in _imports(p, m) if i in mods} for m, p in mods.items()}
+
+
+def _top(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_import_goes_down_the_layers():
+    bad = []
+    for mod, deps in _graph().items():
+        for dep in deps:
+            if _layer_of(_top(dep)) > _layer_of(_top(mod)):
+                bad.append(f"{mod} (layer {_layer_of(_top(mod))}) imports {dep} (layer {_layer_of(_top(dep))})")
+    assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def strong(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    # a package's __init__ re-exporting its submodules is not a cycle with them when the submodules never
+    # import the package itself; anything else is
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_layer_table_knows_every_subpackage():
+    tops = {_top(_module_name(p)) for p in PKG.rglob("*.py")}
+    for t in tops:
+        _layer_of(t)
+
+
+def test_the_web_app_imports_no_torch():
+    """One file per process side: the web process (the FastAPI app, the session logic, the worker-group
+    proxy) never imports torch; the worker processes do (cadence.engine.worker)."""
+    code = ("import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config; "
+            "print('torch' in sys.modules); sys.exit(1 if 'torch' in sys.modules else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
