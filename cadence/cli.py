@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 120)")
     s.add_argument("--max-duration", type=float, default=600.0,
                    help="close a session this many seconds after it started (default: 600)")
-    s.add_argument("--worker-threads", type=int, default=1,
-                   help="torch threads per worker process on the CPU (default: 1; 0 = torch's default)")
+    s.add_argument("--worker-threads", type=int, default=0,
+                   help="torch intra-op threads per worker process on the CPU (default 0: the worker's warm-up "
+                        "times 1 and 2 and keeps the faster)")
     s.add_argument("--lead-ms", type=float, default=100.0,
                    help="plan each chunk this long before it is due (default: 100)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -110,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False, prefix_chars="+")
     e.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.bench.eval")
     e.set_defaults(func=cmd_eval)
+
+    m = sub.add_parser("models", help="list the open model families Cadence serves (for --model)",
+                       description="The model families --model takes: their reference code, files and status.")
+    m.set_defaults(func=cmd_models)
 
     tr = sub.add_parser("train", help="train the default character (small VAE + DiT on synthetic talking faces)",
                         description="cadence train --out DIR [--minutes M] [--device cuda] [--toy] ... (see "
@@ -149,17 +154,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cadence.media.image import default_reference_image, load_reference_image
     from cadence.media.video import Mp4Writer
 
-    cfg = get_preset(args.preset)
+    from cadence.engine.spec import base_config
+    from cadence.serve.config import model_kwargs
+
+    get_preset(args.preset)  # a clear error for an unknown preset
     device = _check_device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
     if args.chunks is not None and args.chunks <= 0:
         raise InputError(f"--chunks must be a positive number of chunks, got {args.chunks}")
     out = _check_output(args.out)
-    from cadence.serve.config import weight_overrides
-
-    over = weight_overrides(args.weights, args.vae_weights)
-    if over:
-        cfg = cfg.with_overrides(**over)
+    model = model_kwargs(args)
+    cfg = base_config(args.preset, model["model"], model["overrides"])
 
     # Inputs first: a bad file fails in milliseconds, before any model is built.
     height, width = cfg.stream.height, cfg.stream.width
@@ -235,12 +240,29 @@ def _check_output(out: Path) -> Path:
     return out
 
 
+# ---- models -----------------------------------------------------------------------------------------
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """``cadence models``: one block per family (name, what it is, its files, what is proven, what is not)."""
+    from cadence.model.families import list_families
+
+    for f in list_families():
+        print(f"{f.name}: {f.title} [{f.status}]")
+        print(f"    reference: {f.reference}")
+        for note in (f.notes if isinstance(f.notes, (list, tuple)) else [f.notes]):
+            if note:
+                print(f"    {note}")
+    print("serve one: cadence serve --model NAME --weights FILE --text-encoder PATH --vae-weights PATH "
+          "(docs/models.md)")
+    return 0
+
+
 # ---- serve ------------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.config import get_preset
-    from cadence.serve.config import ServeConfig, engine_kwargs, serve_groups, weight_overrides
+    from cadence.serve.config import ServeConfig, engine_kwargs, model_kwargs, serve_groups
 
     get_preset(args.preset)  # a clear error for an unknown preset, before anything starts
     if args.device not in ("cpu", "cuda"):
@@ -259,8 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(preset=args.preset, host=args.host, port=args.port, groups=groups,
                       idle_timeout_s=args.idle_timeout, max_duration_s=args.max_duration,
                       worker_threads=args.worker_threads, lead_ms=args.lead_ms, api_key=api_key,
-                      insecure_no_auth=args.insecure_no_auth,
-                      overrides=weight_overrides(args.weights, args.vae_weights), **engine_kwargs(args))
+                      insecure_no_auth=args.insecure_no_auth, **model_kwargs(args), **engine_kwargs(args))
     from cadence.serve.server import run
 
     run(cfg, log_level=args.log_level)

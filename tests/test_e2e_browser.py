@@ -36,22 +36,18 @@ Debian's chromium); skips, with the reason, only when Chromium or ``websocket-cl
 when ``CADENCE_BROWSER_TESTS=0`` opts out.
 """
 
-import contextlib
 import itertools
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import tempfile
 import time
-import urllib.request
 
 import pytest
 
 for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "multipart"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
+from cadence.serve.browser import STATS_JS, Chromium, chromium_path, get_json, open_page
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
 
@@ -67,60 +63,12 @@ SETTLE_DEADLINE_S = 15.0  # seconds after the first frame
 SYNC_GRACE_S = 1.0  # markers count from this long after the browser's A/V sync has its sender reports
 
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--allow-loopback-in-peer-connection", "--use-fake-ui-for-media-stream",
-                  "--use-fake-device-for-media-stream", "--disable-features=WebRtcHideLocalIpsWithMdns",
-                  "--autoplay-policy=no-user-gesture-required", "--remote-debugging-port=0",
-                  "--remote-allow-origins=*"]
-
-
-class CDP:
-    """A minimal DevTools-protocol client for one page (websocket-client, synchronous)."""
-
-    def __init__(self, ws_url: str):
-        import websocket
-
-        self.ws = websocket.create_connection(ws_url, timeout=30, suppress_origin=True)
-        self.n = 0
-
-    def call(self, method: str, **params):
-        self.n += 1
-        self.ws.send(json.dumps({"id": self.n, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == self.n:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg.get("result", {})
-
-    def eval(self, expr: str, timeout_s: float = 20.0):
-        r = self.call("Runtime.evaluate", expression=expr, awaitPromise=True, returnByValue=True,
-                      timeout=int(timeout_s * 1000))
-        if "exceptionDetails" in r:
-            d = r["exceptionDetails"]
-            raise RuntimeError(f"page exception: {d.get('exception', {}).get('description') or d.get('text')}")
-        return r["result"].get("value")
-
-    def close(self):
-        with contextlib.suppress(Exception):
-            self.ws.close()
-
-
 @pytest.fixture
 def chromium() -> str:
     """Chromium's path; skips (before the server starts) when the test cannot run here."""
     if os.environ.get("CADENCE_BROWSER_TESTS") == "0":
         pytest.skip("browser end-to-end test opted out (CADENCE_BROWSER_TESTS=0)")
-    exe = _chromium()
+    exe = chromium_path()
     if exe is None:
         pytest.skip("Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
     pytest.importorskip("websocket", reason="websocket-client is not installed (pip install websocket-client)")
@@ -129,45 +77,8 @@ def chromium() -> str:
 
 @pytest.fixture
 def browser(chromium):
-    exe = chromium
-    profile = tempfile.mkdtemp(prefix="cadence-chromium-")
-    proc = subprocess.Popen([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    cdp = None
-    try:
-        port_file = os.path.join(profile, "DevToolsActivePort")  # --remote-debugging-port=0: no port race
-        deadline = time.monotonic() + 30
-        port = None
-        while port is None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"chromium exited at startup (rc {proc.returncode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError("chromium did not open its DevTools port within 30 s")
-            try:
-                with open(port_file) as fh:
-                    port = int(fh.readline().strip())
-            except (OSError, ValueError):
-                time.sleep(0.1)
-        tabs = []
-        while not [t for t in tabs if t.get("type") == "page"]:
-            if time.monotonic() > deadline:
-                raise RuntimeError("chromium has no page target")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as r:
-                    tabs = json.load(r)
-            except OSError:
-                time.sleep(0.1)
-        cdp = CDP(next(t for t in tabs if t["type"] == "page")["webSocketDebuggerUrl"])
+    with Chromium(chromium) as cdp:
         yield cdp
-    finally:
-        if cdp is not None:
-            cdp.close()
-        proc.kill()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture
@@ -235,24 +146,6 @@ MEASURE_JS = r"""
 })()
 """
 
-STATS_JS = r"""
-(async () => {
-  const pc = window.cadence.state().pc;
-  const out = { t: performance.now() };
-  (await pc.getStats()).forEach((r) => {
-    if (r.type === "inbound-rtp" && r.kind === "video")
-      Object.assign(out, { framesDecoded: r.framesDecoded || 0, framesReceived: r.framesReceived || 0,
-                           frameWidth: r.frameWidth, codec: r.codecId, framesDropped: r.framesDropped || 0,
-                           playoutV: r.estimatedPlayoutTimestamp });
-    if (r.type === "inbound-rtp" && r.kind === "audio")
-      Object.assign(out, { samples: r.totalSamplesReceived || 0, concealed: r.concealedSamples || 0,
-                           audioEnergy: r.totalAudioEnergy || 0, playoutA: r.estimatedPlayoutTimestamp });
-  });
-  return out;
-})()
-"""
-
-
 def _flashes(frames: list[dict]) -> list[float]:
     """Display times of the marker frames: a presented frame much brighter than the one before."""
     out = []
@@ -299,26 +192,10 @@ MARKS_JS = ("(() => { const M = window.__e2e; return { now: performance.now(), "
             "frames: M.frames.map((f) => ({ t: f.t, b: f.b })), onsets: M.onsets }; })()")
 
 
-def _get_json(url: str, token: str) -> dict:
-    """GET a session's route with its token (``Authorization: Bearer``, as the page sends it)."""
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def _open_page(cdp, url: str) -> None:
-    """Navigate to the server's page and wait (<= 20 s) until its script has set up ``window.cadence``."""
-    cdp.call("Page.navigate", url=url + "/")
-    deadline = time.monotonic() + 20
-    while cdp.eval("document.readyState === 'complete' && typeof window.cadence === 'object'") is not True:
-        assert time.monotonic() < deadline, "the page did not load"
-        time.sleep(0.1)
-
-
 def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, browser):
     t_start = time.monotonic()
     cdp = browser
-    _open_page(cdp, server.url)
+    open_page(cdp, server.url)
     # no microphone: Chromium's fake device beeps, and the 'mirror' agent would echo the beeps,
     # which would look like marker tones (the aiortc-client test covers the microphone path)
     cdp.eval("document.getElementById('use-mic').checked = false")
@@ -348,7 +225,7 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
             s1 = st
         elif s1 is not None and s2 is None and (st["t"] - s1["t"]) / 1000 >= 3.0:
             s2 = st
-            status = _get_json(f"{server.url}/sessions/{sid}", token)
+            status = get_json(f"{server.url}/sessions/{sid}", token)
         if s2 is not None and t_sync is not None:
             mk = cdp.eval(MARKS_JS)
             markers = _markers(mk["frames"], [o["t"] for o in mk["onsets"]], mk["now"])
@@ -364,7 +241,7 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
     t_stop = time.monotonic()
     assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
     stop_s = time.monotonic() - t_stop  # DELETE (the server's whole session teardown) + the page's pc.close()
-    report = _get_json(f"{server.url}/sessions/{sid}/report", token)
+    report = get_json(f"{server.url}/sessions/{sid}/report", token)
 
     dt = (s2["t"] - s1["t"]) / 1000
     fps = (s2["framesDecoded"] - s1["framesDecoded"]) / dt
@@ -427,7 +304,7 @@ def test_browser_receives_h264_when_the_page_asks_for_it(chromium, server, brows
     """The page's codec choice (H.264 here; VP8 is the browser's default, tested above): the browser
     offers only H.264, the server's libx264 encoder sends it, Chromium decodes it."""
     cdp = browser
-    _open_page(cdp, server.url)
+    open_page(cdp, server.url)
     caps = cdp.eval("RTCRtpReceiver.getCapabilities('video').codecs.map((c) => c.mimeType)")
     if "video/H264" not in caps:
         pytest.skip(f"this Chromium build cannot receive H.264 (receiver codecs: {sorted(set(caps))})")
@@ -458,7 +335,7 @@ def test_page_asks_for_the_api_key_once_and_sends_the_session_token(chromium, br
     srv = ServerThread(ServeConfig(preset="tiny", port=0, api_key=key)).start()
     try:
         cdp = browser
-        _open_page(cdp, srv.url)
+        open_page(cdp, srv.url)
         cdp.eval("document.getElementById('use-mic').checked = false")
         deadline = time.monotonic() + 10
         while cdp.eval("document.body.dataset.keyRequired || ''") != "1":  # /config answered
@@ -479,7 +356,7 @@ def test_page_asks_for_the_api_key_once_and_sends_the_session_token(chromium, br
         assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
         assert srv.manager.reports[sid]["close_reason"] == "client"  # the page's DELETE, with its token
         # a reload: the key is remembered for the tab, the page starts without asking again
-        _open_page(cdp, srv.url)
+        open_page(cdp, srv.url)
         cdp.eval("document.getElementById('use-mic').checked = false")
         deadline = time.monotonic() + 10
         while cdp.eval("document.getElementById('api-key').value") != key:

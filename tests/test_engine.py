@@ -454,3 +454,40 @@ def test_bench_pipeline_decode_gpu_flag(tmp_path, capsys):
     assert "cuda:1 mapped to cpu" in capsys.readouterr().err
     (f,) = (tmp_path / "pipeline").glob("*.json")
     assert json.loads(f.read_text())["placement"] == "diffusion cpu -> decode cpu"
+
+
+def test_automatic_decoder_follows_the_weights(tmp_path):
+    """FastPath(decoder=None): the preset's own on the CPU; on CUDA the tiny decoder when it is trained or
+    nothing is (random benchmarks), else the full Wan VAE the given weights belong to."""
+    from cadence.engine.build import choose_decoder
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    w14 = get_preset("w14")
+    assert choose_decoder(w14, cpu) == w14.vae.decoder and choose_decoder(w14, cuda) == "taehv"
+    vae = tmp_path / "vae"
+    vae.mkdir()
+    assert choose_decoder(w14.with_overrides(vae={"weights": str(vae)}), cuda) == "wan"
+    (vae / "taehv.safetensors").write_bytes(b"")
+    assert choose_decoder(w14.with_overrides(vae={"weights": str(vae)}), cuda) == "taehv"
+    assert choose_decoder(w14.with_overrides(vae={"taehv_weights": "taew2_2.pth"}), cuda) == "taehv"
+    character = get_preset("character")  # trained, shipped: its own tiny decoder everywhere
+    assert choose_decoder(character, cpu) == "taehv" and choose_decoder(character, cuda) == "taehv"
+
+
+def test_a_model_family_builds_and_streams_through_the_one_engine():
+    """--model NAME: the family's configuration (here Self-Forcing at a tiny width) goes through the same
+    build_engine and loop; its sampler's model timesteps are the warped shift-5 table's, and each chunk is
+    its 3 latent frames = 12 video frames."""
+    from cadence.engine.build import build_engine
+    from cadence.engine.spec import FastPath, base_config
+
+    cfg = base_config("tiny", "self-forcing", {"model": dict(dim=64, num_heads=2, head_dim=32, ffn_dim=128,
+                                                             num_layers=1, text_dim=32, text_len=8),
+                                               "stream": dict(height=64, width=64)})
+    assert cfg.model.family == "self-forcing" and cfg.video_frames_per_chunk == 12
+    eng = build_engine(cfg, "cpu", FastPath(threads=1))
+    ts = eng.gen.timesteps.tolist()
+    assert ts[:4] == pytest.approx([1000.0, 937.5, 833.333, 625.0], abs=1e-3) and ts[-1] == 0.0
+    spc = cfg.audio_samples_per_chunk
+    outs = list(eng.stream(image()[:, :64, :64], "a dog", torch.zeros(2 * spc), 2))
+    assert [tuple(o.frames.shape) for o in outs] == [(12, 64, 64, 3)] * 2

@@ -21,6 +21,7 @@ import torch
 
 from cadence.bench.attention import attention_bench, summarise
 from cadence.bench.common import median, print_table, record
+from cadence.bench.results import add_record_flags, results_dir
 from cadence.bench.step import DTYPES, layers_that_fit, measure_step
 from cadence.config import get_preset
 
@@ -33,8 +34,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--attn-iters", type=int, default=30)
-    p.add_argument("--out-dir", default=None)
-    p.add_argument("--no-record", action="store_true")
+    add_record_flags(p)
     return p.parse_args(argv)
 
 
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     ]
     print_table(rows, f"bench cache: {full.name} ({layers}/{m.num_layers} layers)")
     if not args.no_record:
-        path = record("cache", full.name, 1, device, full.shape_summary(), results, out_dir=args.out_dir,
+        path = record("cache", full.name, 1, device, full.shape_summary(), results, out_dir=results_dir(args),
                       command=args.command,
                       headline=f"step naive {nv['step_ms']:.0f} -> ring bf16 {rb['step_ms']:.0f} / fp8 "
                                f"{rf['step_ms']:.0f} ms; upkeep {nv['cache_upkeep_ms']:.1f} -> "

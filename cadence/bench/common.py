@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from cadence.bench.results import RESULTS_DIR
 from cadence.telemetry.devices import device_kind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,12 +101,19 @@ def p99(xs: list[float]) -> float:
 def record(bench: str, preset: str, tp: int, device: torch.device, shape: dict, results: dict,
            variant: str | None = None, out_dir: str | Path | None = None, world: int = 1, extra: dict | None = None,
            headline: str = "", command: str | None = None) -> Path:
-    """Write docs/perf/<bench>/<date>-<kind>-<preset>-tp<N>[-variant].json and a README line."""
-    base = Path(out_dir) if out_dir else REPO / "docs" / "perf"
+    """Write <out_dir>/<bench>/<date>-<kind>-<preset>-tp<N>[-variant].json and a line in <out_dir>/README.md.
+    ``out_dir`` defaults to ./cadence-results (``results_dir``); an existing file is never overwritten (the
+    name gets -2, -3, ...)."""
+    base = Path(out_dir) if out_dir else Path.cwd() / RESULTS_DIR
     date = _dt.date.today().isoformat()
     kind = device_kind(device, world)
-    name = f"{date}-{kind}-{preset}-tp{tp}" + (f"-{variant}" if variant else "") + ".json"
-    path = base / bench / name
+    stem = f"{date}-{kind}-{preset}-tp{tp}" + (f"-{variant}" if variant else "")
+    path = base / bench / f"{stem}.json"
+    k = 2
+    while path.exists():
+        path = base / bench / f"{stem}-{k}.json"
+        k += 1
+    name = path.name
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "bench": bench, "preset": preset, "tp": tp, "device": device_name(device, world),

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from cadence.errors import InputError, UsageParser
+from cadence.bench.results import add_record_flags
 
 
 def _seconds_list(text: str) -> list[float]:
@@ -64,8 +65,7 @@ def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespa
     p.add_argument("--split-seed", type=int, default=0, help="seed of the held-out split: which test clips (default: 0)")
     p.add_argument("--noise-seed", type=int, default=0, help="rerun r uses noise seed N + r (default: 0)")
     p.add_argument("--weights-seed", type=int, default=0, help="random weights' seed, without --weights (default: 0)")
-    p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
-    p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
+    add_record_flags(p)
     a = p.parse_args(argv)
     if a.clips < 1:
         p.error(f"--clips must be >= 1, got {a.clips}")
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
 
     import torch
 
-    from cadence.bench.common import record
+    from cadence.bench.common import record, results_dir
     from cadence.config import get_preset
     from cadence.eval import harness
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
         verdicts = "; ".join(f"{n}: {c['verdict']}" for n, c in results["configs"].items()
                              if n not in (harness.GROUND_TRUTH, harness.REFERENCE))
         path = record("eval", cfg.name, world, device, cfg.shape_summary(), results, variant=args.speech,
-                      out_dir=args.out_dir, world=world, command=prog + " " + " ".join(map(shlex.quote, argv)),
+                      out_dir=results_dir(args), world=world, command=prog + " " + " ".join(map(shlex.quote, argv)),
                       headline=f"lipsync corr reference {results['lipsync_corr_reference']:.3f} (ground truth "
                                f"{results['lipsync_corr_ground_truth']:.3f}), {args.clips} clips x "
                                f"{args.reruns} reruns; {verdicts}")

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.net import free_port
+from cadence.bench.results import add_record_flags
 
 FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked2", "chunked4", "tiles"]
 SWEEP_M = [64, 128, 80, 37, 512, 748, 1496, 64]
@@ -72,8 +73,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="graph (CUDA default): calls replayed from a CUDA graph, GPU time only, as in a graphed "
                         "step; eager: events around each Python call (host launch time included)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
-    p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
-    p.add_argument("--no-record", action="store_true")
+    add_record_flags(p)
     p.add_argument("--quant", action="store_true",
                    help="time FP8 activation quantisation (eager vs one-launch Triton), one process; see above")
     p.add_argument("--quant-m", default=None, help="--quant: comma list of token counts (default 748,4680)")
@@ -358,7 +358,7 @@ def print_summary(rows: list[dict], modes: list[str], world: int, sweep) -> None
 
 @torch.no_grad()
 def run(args: argparse.Namespace) -> dict:
-    from cadence.bench.common import device_kind, record
+    from cadence.bench.common import device_kind, record, results_dir
     from cadence.parallel import destroy_tp, fused, init_tp
 
     info = init_tp()
@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> dict:
                                  for r in good[:4])
             path = record("fused", preset, world, dev, {"shapes": [{k: s[k] for k in ("name", "m", "n", "k")}
                                                                for s in shapes(args, world)]},
-                          results, out_dir=args.out_dir, world=world, command=getattr(args, "command", None),
+                          results, out_dir=results_dir(args), world=world, command=getattr(args, "command", None),
                           headline=headline or "no fused mode measured")
             print(f"wrote {path}")
             table = {"kind": "chooser", "device": kind, "world": world, "torch": torch.__version__,
@@ -620,7 +620,7 @@ def run_quant(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
-    from cadence.bench.common import record
+    from cadence.bench.common import record, results_dir
 
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tiny = args.tiny or not cuda
@@ -649,7 +649,7 @@ def run_quant(args: argparse.Namespace) -> dict:
                     f" vs {_f(key.get('triton_graph_us'), 1).strip()}, {_f(key.get('mod_eager_graph_us'), 1).strip()} vs "
                     f"{_f(key.get('mod_triton_graph_us'), 1).strip()})")
         path = record("fused", "tiny" if tiny else "all", 1, dev, {"quant_m": ms, "quant_k": ks}, results,
-                      variant="quant", out_dir=args.out_dir, command=getattr(args, "command", None), headline=headline)
+                      variant="quant", out_dir=results_dir(args), command=getattr(args, "command", None), headline=headline)
         print(f"wrote {path}")
         results["_path"] = str(path)
     return results

@@ -41,6 +41,7 @@ import sys
 import torch
 
 from cadence.bench.common import median, p99, print_table, record
+from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import PipelineConfig, get_preset
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -86,8 +87,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="CPU: torch intra-op threads (default 0: the warm-up picks 1 or 2)")
     p.add_argument("--no-overlap", action="store_true",
                    help="decode right after each step in the same thread (the serial reference)")
-    p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
-    p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
+    from cadence.serve.config import add_weight_flags  # torch-free flag definitions shared with serve / generate
+
+    add_weight_flags(p)
+    add_record_flags(p)
     a = p.parse_args(argv)
     if a.chunks < 2:
         p.error(f"--chunks must be >= 2, got {a.chunks}")
@@ -206,7 +209,12 @@ def _main(args, info) -> int:
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(name)s: %(message)s" if info is None else f"[rank{info.rank}] %(name)s: %(message)s",
                         stream=sys.stderr)
-    cfg = get_preset(args.preset)
+    from cadence.engine.spec import base_config
+    from cadence.serve.config import model_kwargs
+
+    model = model_kwargs(args)
+    get_preset(args.preset)
+    cfg = base_config(args.preset, model["model"], model["overrides"])
     cuda = torch.cuda.is_available()
     if info is not None:
         device = info.device
@@ -216,7 +224,8 @@ def _main(args, info) -> int:
         device = torch.device("cuda:0")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     # the CPU presets decode with their own decoder; the GPU presets with the full Wan VAE unless told
-    decoder = args.decoder or (cfg.vae.decoder if cfg.name in ("tiny", "character") else "wan")
+    decoder = args.decoder or (cfg.vae.decoder if cfg.name in ("tiny", "character") or cfg.vae.decoder != "standin"
+                               else "wan")
     over = {"stream": {"cache": args.cache, "kv_fp8": args.kv_fp8}}
     if args.window:
         over["stream"]["window_chunks"] = args.window
@@ -344,7 +353,7 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
         world = info.world_size if device.type == "cuda" else 1
         variant += f"-{args.comm}"
     shape = cfg.shape_summary()
-    path = record("pipeline", cfg.name, args.tp, device, shape, res, variant=variant, out_dir=args.out_dir,
+    path = record("pipeline", cfg.name, args.tp, device, shape, res, variant=variant, out_dir=results_dir(args),
                   world=world,
                   extra={"placement": eng.placement.describe(), "dtype": str(dtype).replace("torch.", ""),
                          "decoder": decoder, "layers": cfg.model.num_layers},

@@ -28,7 +28,8 @@ import os
 import statistics
 import sys
 
-from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, weight_overrides
+from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
+from cadence.bench.results import add_record_flags
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -60,8 +61,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="print each session's live status this often, in seconds (0: never)")
     add_engine_flags(p)
     add_weight_flags(p)
-    p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
-    p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
+    add_record_flags(p)
     a = p.parse_args(argv)
     if a.sessions < 1:
         p.error(f"--sessions must be >= 1, got {a.sessions}")
@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from cadence.bench.common import print_table, record
+    from cadence.bench.common import print_table, record, results_dir
     from cadence.serve.config import ServeConfig
     from cadence.serve.server import ServerThread
 
@@ -171,21 +171,21 @@ def main(argv: list[str]) -> int:
     srv = None
     url = args.url
     if url is None:
-        from cadence.errors import InputError
+        from cadence.errors import CadenceError
         from cadence.serve.config import serve_groups
 
         gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
         try:
             groups = serve_groups(args.device, args.tp, args.sessions, gpus)
-            overrides = weight_overrides(args.weights, args.vae_weights)
-        except InputError as e:
+            model = model_kwargs(args)
+        except CadenceError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
         start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
         srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups, max_duration_s=args.seconds + 120,
                                        worker_start_timeout_s=start_timeout, timeline_window_s=args.window_s,
-                                       overrides=overrides, **engine_kwargs(args), **extra)
+                                       **model, **engine_kwargs(args), **extra)
                            ).start(timeout=start_timeout + 60)
         url = srv.url
         print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
@@ -257,7 +257,7 @@ def main(argv: list[str]) -> int:
                       variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else "")
                       + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
                       + (f"-{args.video_codec.lower()}" if args.video_codec else ""),
-                      out_dir=args.out_dir, world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
+                      out_dir=results_dir(args), world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
                       headline=headline, extra={"workers": _workers(cfg),
                                                 "timelines": [r.report.get("timeline") for r in ok]})
         print(f"wrote {path}")

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from cadence.bench.common import CEILING, Timer, median, p99, print_table, record
+from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import CadenceConfig, get_preset
 from cadence.telemetry.spans import SpanRecorder
 
@@ -256,8 +257,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile), "
                         "applied after TP and FP8")
-    p.add_argument("--out-dir", default=None, help="where docs/perf lives (default: the repo's)")
-    p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
+    add_record_flags(p)
     p.add_argument("--png", action="store_true", help="also draw the breakdown as a PNG beside the JSON")
     return p.parse_args(argv)
 
@@ -475,7 +475,7 @@ def _run(args: argparse.Namespace) -> dict:
         if args.compile:
             variant += "-compile"
         path = record("step", full.name, args.tp, device, full.shape_summary(), results, variant=variant,
-                      out_dir=args.out_dir, world=args.tp, command=getattr(args, "command", None),
+                      out_dir=results_dir(args), world=args.tp, command=getattr(args, "command", None),
                       headline=f"step {s_step:.1f} ms ({results['step_mode']}"
                                + (f", eager {results['step_eager_ms']:.1f} ms" if graph_ms is not None else "")
                                + f"), attention {results['attention_ms']:.1f}, cache "

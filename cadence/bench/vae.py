@@ -20,6 +20,7 @@ import sys
 import torch
 
 from cadence.bench.common import Timer, median, p99, print_table, record
+from cadence.bench.results import add_record_flags, results_dir
 
 DEADLINE_MS = 4 / 24 * 1e3
 
@@ -42,8 +43,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder (eager on failure)")
     p.add_argument("--compare-diffusers", action="store_true", help="also time diffusers' whole-latent decode")
     p.add_argument("--diffusers-frames", type=int, default=3, help="K: diffusers decodes 1 and 1 + K latent frames")
-    p.add_argument("--out-dir", default=None)
-    p.add_argument("--no-record", action="store_true")
+    add_record_flags(p)
     return p.parse_args(argv)
 
 
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
         variant = "-".join([args.variant, args.decoder, results["dtype"]] + (["cl"] if args.channels_last else [])
                            + (["compile"] if compiled else []) + (["cudnnbench"] if args.cudnn_benchmark else []))
         shape = {"height": args.height, "width": args.width, "latent": [z, lf, lh, lw], "stride": list(stride)}
-        path = record("vae", f"wan{args.variant}", 1, device, shape, results, variant=variant, out_dir=args.out_dir,
+        path = record("vae", f"wan{args.variant}", 1, device, shape, results, variant=variant, out_dir=results_dir(args),
                       command=getattr(args, "command", None),
                       headline=f"{args.decoder} decode {per:.1f} ms per {frames_per_chunk}-frame chunk"
                                + (f" (diffusers {results['diffusers_per_chunk_ms']:.1f})"

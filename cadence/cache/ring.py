@@ -136,9 +136,10 @@ class RingCache(SelfAttentionCache):
         # Triton kernels when they can run here (CUDA, or the interpreter when forced)
         ok, why = ra.triton_usable(self.device, head_dim, allow_interpreter=bool(use_triton))
         self.use_triton = ok if use_triton is None else (use_triton and ok)
-        if not self.use_triton:
+        if not self.use_triton:  # expected on the CPU (INFO); on CUDA a missing fast path is a WARNING
             ra.warn_once(f"ring-{self.device.type}-{why}",
-                         f"ring cache: using the PyTorch reference path ({why or 'requested'})")
+                         f"ring cache: using the PyTorch reference path ({why or 'requested'})",
+                         logging.WARNING if self.device.type == "cuda" else logging.INFO)
         # ---- the store, allocated once, zeroed (unused rows must hold finite values) ----
         self.k = torch.zeros(L, H, N, D, dtype=store, device=dev)
         self.v = torch.zeros(L, H, D, N, dtype=store, device=dev) if fp8 else torch.zeros(L, H, N, D, dtype=store,

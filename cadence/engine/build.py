@@ -40,7 +40,23 @@ from cadence.engine.spec import FastPath
 log = logging.getLogger("cadence.engine")
 
 
-def engine_config(cfg: CadenceConfig, fast: FastPath) -> CadenceConfig:
+def choose_decoder(cfg: CadenceConfig, device: torch.device) -> str:
+    """The automatic decoder (``FastPath.decoder`` None): the preset's own on the CPU; on CUDA the tiny
+    streaming decoder when it has trained weights (``vae.taehv_weights``, or ``taehv.safetensors`` beside the
+    VAE) or when nothing has weights (random-weight benchmarks: the fast one), else the Wan VAE the given
+    weights are for (a random tiny decoder in front of real weights would draw noise)."""
+    from pathlib import Path
+
+    v = cfg.vae
+    if device.type != "cuda":
+        return v.decoder
+    trained_tiny = bool(v.taehv_weights) or bool(v.weights and (Path(resolve_asset(v.weights)) / "taehv.safetensors").is_file())
+    if trained_tiny or not v.weights:
+        return "taehv"
+    return "wan"
+
+
+def engine_config(cfg: CadenceConfig, fast: FastPath, device: torch.device | None = None) -> CadenceConfig:
     """``cfg`` with the shape-changing choices of a resolved ``fast`` folded in (decoder, ring cache, FP8 K/V)."""
     stream: dict = {}
     if fast.kv_fp8:
@@ -49,8 +65,9 @@ def engine_config(cfg: CadenceConfig, fast: FastPath) -> CadenceConfig:
         stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
     if stream:
         cfg = cfg.with_overrides(stream=stream)
-    if fast.decoder and fast.decoder != cfg.vae.decoder:
-        cfg = cfg.with_overrides(vae={"decoder": fast.decoder})
+    decoder = fast.decoder or choose_decoder(cfg, device or torch.device("cpu"))
+    if decoder != cfg.vae.decoder:
+        cfg = cfg.with_overrides(vae={"decoder": decoder})
     return cfg
 
 
@@ -100,7 +117,7 @@ def build_engine(cfg: CadenceConfig, device: str | torch.device = "cpu", fast: F
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     fast, notes = (fast or FastPath()).resolve(str(device))
-    cfg = engine_config(cfg, fast)
+    cfg = engine_config(cfg, fast, device)
     dtype = getattr(torch, fast.dtype)
     if device.type == "cpu" and fast.threads:
         torch.set_num_threads(fast.threads)

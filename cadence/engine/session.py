@@ -24,10 +24,10 @@ from cadence.cache.naive import NaiveCache
 from cadence.cache.ring import RingCache
 from cadence.config import CadenceConfig
 from cadence.errors import ConfigError, InputError
-from cadence.model.audio import AudioFeatures
+from cadence.model.audio import make_audio_encoder
 from cadence.model.dit import WanDiT
 from cadence.model.standin_vae import StandInVAE
-from cadence.model.text import ByteTextEncoder
+from cadence.model.text import make_text_encoder
 from cadence.model.vae import WanVAE, wan_vae_config
 from cadence.model.weights import build_model
 from cadence.runtime.chunk import denoise_chunk
@@ -39,8 +39,7 @@ def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
     """The self-attention cache the config asks for (naive or ring; FP8 K/V with `kv_fp8`)."""
     s = cfg.stream
     if s.cache == "naive":
-        return NaiveCache(cfg.model.num_layers, s.window_chunks, cfg.token_grid, model.rope, model.device,
-                          fp8=s.kv_fp8, sink_policy=s.sink_policy, sink_distance=cfg.sink_distance)
+        return NaiveCache.from_config(cfg, model)
     if s.cache == "ring":
         return RingCache.from_config(cfg, model, dtype="fp8" if s.kv_fp8 else "bf16", sink_policy=s.sink_policy,
                                      sink_distance=cfg.sink_distance)
@@ -208,12 +207,14 @@ class StreamGenerator:
         dev = model.device
         self.vae = make_vae(cfg, dev, model.dtype)
         self._vaes = {dev: self.vae}  # the autoencoder per decode device (see vae_on)
-        self.text_encoder = ByteTextEncoder(cfg.model)
-        self.audio = AudioFeatures(cfg, dev)
+        # the family's real encoders (umT5 through transformers, ...) or the byte / log-mel stand-ins of the
+        # no-download presets; a prompt's embedding is padded to the model's fixed text length (one step shape)
+        self.text_encoder = make_text_encoder(cfg, dev, model.dtype)
+        self.audio = make_audio_encoder(cfg, dev)
         self.schedule = Schedule.from_config(cfg.stream)
-        # Model timesteps of every pass and 0 (the sink and the clean pass), built once, on the device.
-        ts = [self.schedule.timestep(i) for i in range(self.schedule.passes)] + [0.0]
-        self.timesteps = torch.tensor(ts, dtype=torch.float32).to(dev)
+        # Model timesteps of every pass, the clean commit pass's (the family's context noise, else 0) and 0
+        # (the sink pass, last), built once, on the device.
+        self.timesteps = self.schedule.device_timesteps(dev)
         self._ref_latents: OrderedDict[str, torch.Tensor] = OrderedDict()  # see encode_reference
 
     REFERENCE_CACHE = 4  # distinct reference images whose latents are kept
@@ -267,17 +268,18 @@ class WanVAEAdapter:
 
         from cadence.config import resolve_asset
 
-        v = cfg.vae
-        folder = Path(resolve_asset(v.weights)) if v.weights else None
-        trained_taehv = folder is not None and (folder / "taehv.safetensors").is_file()
-        # random modules for whatever the folder does not hold
-        wan, taehv = build_vae_modules(cfg, wan=folder is None, taehv=v.decoder == "taehv" and not trained_taehv)
-        if folder is not None:
-            wan = WanVAE.from_diffusers_dir(folder, device, dtype)
-        if v.decoder == "taehv" and trained_taehv:
-            from cadence.model.taehv import load_taehv
+        from cadence.model.taehv import tiny_decoder_from_config
+        from cadence.model.vae import load_wan_vae
 
-            taehv = load_taehv(folder, device, dtype)
+        v = cfg.vae
+        path = Path(resolve_asset(v.weights)) if v.weights else None
+        # the tiny decoder: the published TAEHV file (vae.taehv_weights), or Cadence's own trained one beside
+        # the VAE (taehv.safetensors), else random; the Wan VAE from a diffusers folder or Wan's .pth, else random
+        taehv = tiny_decoder_from_config(cfg, device, dtype) if v.decoder == "taehv" else None
+        wan, rand_taehv = build_vae_modules(cfg, wan=path is None, taehv=v.decoder == "taehv" and taehv is None)
+        taehv = taehv if taehv is not None else rand_taehv
+        if path is not None:
+            wan = load_wan_vae(path, device, dtype)
         self.wan = wan.to(device=device, dtype=dtype).eval()
         self.taehv = taehv.to(device=device, dtype=dtype).eval() if taehv is not None else None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from cadence.config import CadenceConfig, get_preset
 from cadence.errors import ConfigError
 
 #: The prompt of a session that names none (the page's default too): the worker opens it ahead.
@@ -34,8 +35,9 @@ class FastPath:
     dtype: str | None = None
     """Model dtype: 'float32', 'bfloat16' or 'float16'. None: bfloat16 on CUDA, float32 on the CPU."""
     decoder: str | None = None
-    """VAE decoder: 'standin', 'wan' or 'taehv'. None: the preset's own on the CPU, 'taehv' (the tiny
-    streaming decoder) on CUDA."""
+    """VAE decoder: 'standin', 'wan' or 'taehv'. None: automatic (``cadence.engine.build.choose_decoder``):
+    the preset's own on the CPU; on CUDA the tiny streaming decoder ('taehv') when it has trained weights or
+    nothing has (random-weight benchmarks), else the full Wan VAE the weights are for ('wan')."""
     kv_fp8: bool | None = None
     """Ring cache with FP8 K/V read by the FP8 attention kernel (``cadence.cache.ring``). CUDA only."""
     fp8_linears: bool | None = None
@@ -77,7 +79,6 @@ class FastPath:
             else:
                 kw["capture_filling"] = True
         kw["dtype"] = self.dtype or ("bfloat16" if cuda else "float32")
-        kw["decoder"] = self.decoder if self.decoder is not None else ("taehv" if cuda else None)
         return dataclasses.replace(self, **kw), notes
 
     def __post_init__(self) -> None:
@@ -92,6 +93,19 @@ class FastPath:
         return dataclasses.asdict(self)
 
 
+def base_config(preset: str, family: str | None = None, overrides: dict | None = None) -> CadenceConfig:
+    """The engine configuration a worker builds: a model family's (``cadence.model.families``: its geometry,
+    sampler, cache policy and checkpoint format) or a preset's, then ``overrides`` (the files to load,
+    geometry for tests). Torch-free: the web side reads the geometry from it too."""
+    if family:
+        from cadence.model.families import family_config
+
+        cfg = family_config(family)
+    else:
+        cfg = get_preset(preset)
+    return cfg.with_overrides(**overrides) if overrides else cfg
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker process needs to build its engine (pickled to the spawned process)."""
@@ -104,6 +118,8 @@ class WorkerSpec:
     """The fast paths, resolved for the device (``FastPath.resolve``)."""
     overrides: dict = field(default_factory=dict)
     """Engine-config overrides (``CadenceConfig.with_overrides``), e.g. weights or geometry."""
+    family: str | None = None
+    """A model family (``cadence models``) instead of the preset: see :func:`base_config`."""
     seed: int = 0
     """Random-weight seed (presets without weights)."""
     decode_device: str = "same"
@@ -124,3 +140,7 @@ class WorkerSpec:
     @property
     def devices(self) -> list[str]:
         return self.device.split("+")
+
+    def config(self) -> CadenceConfig:
+        """The engine configuration this worker builds."""
+        return base_config(self.preset, self.family, self.overrides)

@@ -91,12 +91,10 @@ def _tp_join(rank: int, devices: list[str], port: int):  # pragma: no cover - ot
 
 
 def _build(spec: WorkerSpec, rank: int, tp, on_chunk=None):
-    from cadence.config import PipelineConfig, get_preset
+    from cadence.config import PipelineConfig
     from cadence.engine.build import build_engine
 
-    cfg = get_preset(spec.preset)
-    if spec.overrides:
-        cfg = cfg.with_overrides(**spec.overrides)
+    cfg = spec.config()
     dev = spec.devices[rank]
     decode = "same" if tp is not None else spec.decode_device
     pipeline = PipelineConfig(diffusion_devices=(dev,), decode_device=decode)
@@ -203,7 +201,10 @@ def _chunk_reply(pipe: _Pipe):
 def _setup_process(spec: WorkerSpec, label: str) -> None:
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which stops us cleanly
+    # Ctrl-C (SIGINT) and a service manager's SIGTERM reach the whole process group: the server stops us
+    # cleanly (Stop, then terminate/kill if needed), and a parent that vanishes closes our pipe (EOF -> Stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s")
     if spec.fast.threads > 0:

@@ -43,10 +43,11 @@ P_SCALE = 256.0
 _warned: set[str] = set()
 
 
-def warn_once(key: str, msg: str) -> None:
+def warn_once(key: str, msg: str, level: int = logging.WARNING) -> None:
+    """Log ``msg`` once per process per ``key`` (a fallback is worth one line, not one per session)."""
     if key not in _warned:
         _warned.add(key)
-        log.warning(msg)
+        log.log(level, msg)
 
 
 def interpreting() -> bool:

@@ -117,6 +117,7 @@ class SessionManager:
         self._report_times: dict[str, float] = {}
         self.background: set[asyncio.Task] = set()
         self.started = False
+        self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         # auth and admission bookkeeping, by session id (kept here, not in LiveSession):
         self.tokens: dict[str, bytes] = {}  # SHA-256 of each token, while the session or its report is kept
@@ -173,6 +174,7 @@ class SessionManager:
         """Close every session, wait for the background work (closes, worker restarts), stop the
         workers. Bounded: what still runs ``timeout`` seconds in is cancelled (and logged), and the
         worker processes are stopped whatever happened before."""
+        self.stopping = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         for s in list(self.sessions.values()):
@@ -195,6 +197,8 @@ class SessionManager:
     def _route(self, g: WorkerGroup, msg) -> None:
         sess = self.sessions.get(g.session_id) if g.session_id else None
         if isinstance(msg, Died):
+            if self.stopping:  # the server is going down: nothing to restart
+                return
             log.error("worker %d died: %s", g.index, msg.reason)
             if sess is None and g.start_error is None:  # a worker that cannot start is not restarted in a loop
                 self._bg(g.restart())
@@ -791,7 +795,9 @@ def create_app(cfg: ServeConfig | None = None):
                 "max_image_pixels": cfg.max_image_pixels, "max_prompt_chars": MAX_PROMPT,
                 "max_audio_bytes": cfg.max_audio_bytes, "idle_timeout_s": cfg.idle_timeout_s,
                 "max_duration_s": cfg.max_duration_s, "connect_timeout_s": cfg.connect_timeout_s,
-                "weights": {"model": e.model.weights, "vae": e.vae.weights},
+                "model_family": e.model.family,
+                "weights": {"model": e.model.weights, "vae": e.vae.weights, "taehv": e.vae.taehv_weights,
+                            "text_encoder": e.model.text_encoder, "text_tokenizer": e.model.text_tokenizer},
                 "workers": [{"index": g.index, "device": g.device, "ready": g.ready.is_set(),
                              "lead_ms": round(mgr.lead_ms(g), 1), **g.info_dict()} for g in mgr.groups]}
 

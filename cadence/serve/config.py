@@ -15,7 +15,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from cadence.engine.shm import SHM_MIN_BYTES
-from cadence.engine.spec import DEFAULT_PROMPT, FastPath, WorkerSpec
+from cadence.engine.spec import DEFAULT_PROMPT, FastPath, WorkerSpec, base_config
 from cadence.errors import ConfigError, InputError
 
 __all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "serve_groups", "worker_spec"]
@@ -25,6 +25,10 @@ __all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "s
 class ServeConfig:
     preset: str = "character"
     """Engine preset every worker builds."""
+    model: str | None = None
+    """A model family instead of the preset (``cadence models``: 'self-forcing', 'causvid', 'longlive',
+    'krea-14b'): its geometry, sampler, cache policy and checkpoint format; its files come in ``overrides``
+    (``weight_overrides``)."""
     host: str = "127.0.0.1"
     """Address the HTTP server listens on (loopback by default)."""
     port: int = 8000
@@ -213,11 +217,8 @@ def check_api_key(key: str) -> str:
 
 
 def engine_config(cfg: ServeConfig):
-    """The preset with ``cfg.overrides`` applied (the geometry every session and worker follows)."""
-    from cadence.config import get_preset
-
-    e = get_preset(cfg.preset)
-    return e.with_overrides(**cfg.overrides) if cfg.overrides else e
+    """The preset (or model family) with ``cfg.overrides`` applied: the geometry every session and worker follows."""
+    return base_config(cfg.preset, cfg.model, cfg.overrides)
 
 
 def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[WorkerSpec, bool]:
@@ -230,7 +231,8 @@ def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[Wo
     fast, notes = fast.resolve(device.split("+")[0])
     t = cfg.frame_transport
     shm = t == "shm" or (t == "auto" and frame_bytes >= SHM_MIN_BYTES)
-    spec = WorkerSpec(preset=cfg.preset, device=device, fast=fast, overrides=dict(cfg.overrides), seed=cfg.seed,
+    spec = WorkerSpec(preset=cfg.preset, device=device, fast=fast, overrides=dict(cfg.overrides), family=cfg.model,
+                      seed=cfg.seed,
                       warmup=True if cfg.warmup is None else bool(cfg.warmup), warmup_chunks=cfg.warmup_chunks,
                       notes=tuple(notes))
     return spec, shm
@@ -279,34 +281,68 @@ def add_engine_flags(parser) -> None:
 
 
 def add_weight_flags(parser) -> None:
-    """Checkpoints to serve (``cadence serve``, ``cadence bench serve``, ``cadence generate``)."""
-    g = parser.add_argument_group("weights (default: the preset's shipped weights; random weights for presets "
-                                  "without any)")
+    """The model and its checkpoints (``cadence serve``, ``cadence generate``, ``cadence bench serve|pipeline``)."""
+    g = parser.add_argument_group("model and weights (default: the preset's shipped weights; random weights for "
+                                  "presets without any)")
+    g.add_argument("--model", default=None, metavar="FAMILY",
+                   help="an open model family instead of --preset (see 'cadence models': self-forcing, causvid, "
+                        "longlive, krea-14b): its geometry, sampler, cache policy and checkpoint format")
     g.add_argument("--weights", default=None,
-                   help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, "
-                        "original Wan or Cadence key names)")
+                   help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, original "
+                        "Wan or Cadence key names), or a model family's own file (e.g. Self-Forcing's .pt)")
     g.add_argument("--vae-weights", default=None,
-                   help="a diffusers vae/ folder (config.json + safetensors) for the Wan VAE, optionally with "
-                        "taehv.safetensors (+ taehv.json) for the tiny decoder")
+                   help="the Wan VAE: a diffusers vae/ folder (config.json + safetensors, optionally with Cadence's "
+                        "taehv.safetensors for the tiny decoder) or Wan 2.1's original Wan2.1_VAE.pth")
+    g.add_argument("--taehv-weights", default=None,
+                   help="a published TAEHV decoder (taew2_1.pth / taew2_2.pth): the tiny streaming decoder")
+    g.add_argument("--text-encoder", default=None,
+                   help="umT5: a transformers UMT5EncoderModel folder or Wan's models_t5_umt5-xxl-enc-bf16.pth")
+    g.add_argument("--text-tokenizer", default=None,
+                   help="the umT5 tokenizer folder (Wan ships it as google/umt5-xxl/)")
 
 
-def weight_overrides(weights: str | None, vae_weights: str | None) -> dict:
-    """Engine-config overrides that load ``weights`` (model) and ``vae_weights`` (VAE folder); one clear
-    error for a path that holds no checkpoint, before any worker starts."""
+def weight_overrides(weights: str | None, vae_weights: str | None, text_encoder: str | None = None,
+                     text_tokenizer: str | None = None, taehv_weights: str | None = None) -> dict:
+    """Engine-config overrides that load the given files; one clear error for a path that holds no checkpoint,
+    before any worker starts."""
     from pathlib import Path
 
-    out: dict = {}
+    def exists(path: str, what: str, folder_ok: bool = True, file_ok: bool = True) -> str:
+        p = Path(path)
+        if (file_ok and p.is_file()) or (folder_ok and p.is_dir() and any(p.iterdir())):
+            return str(p.resolve())
+        kinds = " or ".join(k for k, ok in (("a file", file_ok), ("a folder", folder_ok)) if ok)
+        raise InputError(f"{what} not found: {path} ({kinds})")
+
+    out: dict = {"model": {}, "vae": {}}
     if weights is not None:
         p = Path(weights)
         if not (p.is_file() or (p.is_dir() and any(p.glob("*.safetensors")))):
-            raise InputError(f"weights not found: {weights} (a .safetensors file, or a folder holding them)")
-        out["model"] = {"weights": str(p.resolve())}
+            raise InputError(f"weights not found: {weights} (a checkpoint file, or a folder of .safetensors)")
+        out["model"]["weights"] = str(p.resolve())
     if vae_weights is not None:
         p = Path(vae_weights)
-        if not p.is_dir():
-            raise InputError(f"--vae-weights must be a folder (a diffusers vae/ folder), got {vae_weights}")
-        out["vae"] = {"weights": str(p.resolve())}
-    return out
+        if not (p.is_dir() or (p.is_file() and p.suffix == ".pth")):
+            raise InputError(f"--vae-weights must be a folder (a diffusers vae/ folder) or Wan 2.1's .pth file, "
+                             f"got {vae_weights}")
+        out["vae"]["weights"] = str(p.resolve())
+    if taehv_weights is not None:
+        out["vae"]["taehv_weights"] = exists(taehv_weights, "--taehv-weights", folder_ok=False)
+    if text_encoder is not None:
+        out["model"]["text_encoder"] = exists(text_encoder, "--text-encoder")
+    if text_tokenizer is not None:
+        out["model"]["text_tokenizer"] = exists(text_tokenizer, "--text-tokenizer", file_ok=False)
+    return {k: v for k, v in out.items() if v}
+
+
+def model_kwargs(args) -> dict:
+    """``ServeConfig(model=..., overrides=...)`` from the flags of :func:`add_weight_flags` (files checked)."""
+    if args.model is not None:
+        from cadence.model.families import get_family
+
+        get_family(args.model)  # a clear error for an unknown family, before anything starts
+    return {"model": args.model, "overrides": weight_overrides(args.weights, args.vae_weights, args.text_encoder,
+                                                              args.text_tokenizer, args.taehv_weights)}
 
 
 def engine_kwargs(args) -> dict:

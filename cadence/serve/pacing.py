@@ -163,8 +163,8 @@ class ChunkPlanner:
     sees fresh frames at the rate the worker sustains (the last frame held in between), never a frozen
     face behind an ever-growing queue, and the audio stays whole.
 
-    ``observe`` feeds the measured figures of every chunk that comes back (recent medians); the lead follows
-    the measured latency upward (``lead >= latency x 1.1 + 20 ms``, plus ``interval - chunk period`` when
+    ``observe`` feeds the measured figures of every chunk that comes back (recent medians decide; the lead
+    covers the recent p90 latency: ``lead >= p90 x 1.1 + 20 ms``, plus ``interval - chunk period`` when
     the worker is slower than real time, so that it can work back to back), so a worker that is slower than
     its warm-up said still gets its chunks back before they are due. If the event loop stalls past a chunk's due
     time, the chunks already in the past are skipped (``skipped``): nothing of them could still play."""
@@ -175,25 +175,27 @@ class ChunkPlanner:
     interval: float
     max_in_flight: int = 2
     prestart: int = 2
-    history: int = 12
+    history: int = 24
     next_chunk: int = 0
     busy_until: float = 0.0
     in_flight: int = 0
     skipped: int = 0
     audio_only: int = 0
     base_lead: float = field(init=False)
+    latency_tail: float = field(init=False)  # a high quantile (p90) of recent latencies: what the lead covers
     _lat: list[float] = field(default_factory=list)
     _int: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.base_lead = self.lead
+        self.latency_tail = self.latency
         self.lead = max(self.lead, self._needed_lead())
 
     def _needed_lead(self) -> float:
         """The least lead that gets chunks back in time: one chunk's latency (+10% + 20 ms), plus, when the worker
         sustains less than real time, the time it may have to wait for the worker (interval - chunk period), so
         that it can work back to back on every chunk it can make (fresh frames at its full rate)."""
-        return self.latency * 1.1 + 0.02 + max(0.0, self.interval - self.timing.chunk_seconds)
+        return self.latency_tail * 1.1 + 0.02 + max(0.0, self.interval - self.timing.chunk_seconds)
 
     def poll(self, now: float, t0: float | None) -> tuple[Plan | None, float | None]:
         """``(plan, wait)``: a chunk to plan now (wait 0), or wait this long (None: until an event, i.e.
@@ -235,6 +237,7 @@ class ChunkPlanner:
             self._int = (self._int + [interval])[-self.history:]
         if len(self._lat) >= 3:
             self.latency = _median(self._lat)
+            self.latency_tail = _quantile(self._lat, 0.9)
         if len(self._int) >= 3:
             self.interval = _median(self._int)
         self.lead = max(self.base_lead, self._needed_lead())
@@ -242,6 +245,11 @@ class ChunkPlanner:
     def lost(self) -> None:
         """A generated chunk will not come back (its request failed): free its place."""
         self.in_flight = max(0, self.in_flight - 1)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * (len(ys) - 1) + 0.5))]
 
 
 def _median(xs: list[float]) -> float:

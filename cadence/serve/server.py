@@ -28,8 +28,9 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(cfg)
-    print(f"cadence serve: http://{cfg.host}:{cfg.port}/ (preset {cfg.preset}, {len(cfg.groups)} session slot(s); "
-          f"OpenAPI at /openapi.json)", flush=True)
+    where = f"http://{cfg.host}:{cfg.port}/" if cfg.port else f"{cfg.host} on a free port (uvicorn prints it below)"
+    print(f"cadence serve: {where} (preset {cfg.preset}, {len(cfg.groups)} session slot(s); the workers warm up "
+          f"first; OpenAPI at /openapi.json)", flush=True)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=15)
 
 

@@ -214,10 +214,7 @@ class WorkerGroup:
             deadline = time.monotonic() + timeout
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if proc.is_alive():
-                proc.terminate()
-                await asyncio.to_thread(proc.join, 3.0)
-            if proc.is_alive():  # pragma: no cover
+            if proc.is_alive():  # (the workers ignore SIGTERM: the server, not a signal, decides when they go)
                 proc.kill()
             await asyncio.to_thread(proc.join, 3.0)
         for p in self.followers:  # rank 0 told them to stop; if it could not, they go now

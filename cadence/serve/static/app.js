@@ -108,8 +108,11 @@
       if (!r.ok) { setError(await errorText(r)); return; }
       const s = await r.json();
       setState(s.state + (s.close_reason ? ` (${s.close_reason})` : ""));
-      $("m-fps").textContent = `${s.fps.toFixed(1)} / ${s.target_fps}`;
+      // a worker slower than real time: fewer fresh frames, the audio whole (the server says so)
+      $("m-fps").textContent = `${s.fps.toFixed(1)} / ${s.target_fps}` +
+        (s.degraded ? " (reduced: the server cannot keep up; audio intact)" : "");
       document.body.dataset.fps = s.fps;
+      document.body.dataset.degraded = s.degraded ? "1" : "0";
       $("m-ttff").textContent = ms(s.ttff_ms);
       $("m-latency").textContent = ms(s.chunk_latency_ms_p50);
       $("m-agent").textContent = ms(s.agent_audio_to_frame_ms_last);

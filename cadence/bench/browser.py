@@ -1,0 +1,220 @@
+"""`cadence bench browser`: the main job as a user runs it, measured in a real browser.
+
+    cadence bench browser --seconds 60                 # starts `cadence serve` (the default character) itself
+    cadence bench browser --url http://127.0.0.1:8000 --seconds 60
+
+Starts ``cadence serve`` exactly as the README says (a separate process: ``python -m cadence serve``), opens
+its page in headless Chromium (``cadence.serve.browser``), presses Start (the page's ``window.cadence.start``:
+the fake microphone of Chromium drives the ``mirror`` agent), and every second reads what the page received:
+video frames decoded (``getStats`` inbound-rtp), frames presented on screen (``requestVideoFrameCallback``),
+audio samples received, and the fps and the "reduced" flag the page shows. After ``--seconds`` it stops
+the session (the page's Stop: DELETE) and reads the server's report for that session. Results per
+BENCHMARKS.md bench "serve" keys where they apply (``fps_mean``, ``fps_min``, ``share_seconds_ge_23_5fps``,
+``underruns``, ...) plus the per-second series, and the machine's CPU (model, cores, AVX2 / AVX-512 / AMX)
+so that a figure is read with the machine it came from. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from cadence.bench.results import add_record_flags, results_dir
+
+PRESENT_JS = r"""
+(() => {
+  const video = document.getElementById("video");
+  const M = window.__bench = { presented: 0 };
+  const onFrame = () => { M.presented++; video.requestVideoFrameCallback(onFrame); };
+  video.requestVideoFrameCallback(onFrame);
+  return true;
+})()
+"""
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cadence bench browser", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=60.0, help="seconds to stream after the first frame")
+    p.add_argument("--url", default=None, help="a running server (default: start `cadence serve` here)")
+    p.add_argument("--preset", default="character", help="preset of the self-started server")
+    p.add_argument("--serve-args", default="", help="extra arguments for the self-started `cadence serve`")
+    p.add_argument("--mic", action=argparse.BooleanOptionalAction, default=True,
+                   help="Chromium's fake microphone drives the mirror agent (default: on)")
+    p.add_argument("--start-timeout", type=float, default=240.0, help="seconds to wait for the server to be ready")
+    add_record_flags(p)
+    a = p.parse_args(argv)
+    if not 5 <= a.seconds <= 3600:
+        p.error(f"--seconds must be within 5..3600, got {a.seconds}")
+    return a
+
+
+def cpu_info() -> dict:
+    """The CPU this ran on: model, logical cores, and the vector extensions that decide CPU speed here."""
+    info: dict = {"cores": os.cpu_count()}
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        if line.startswith("model name") and "model" not in info:
+            info["model"] = line.split(":", 1)[1].strip()
+        if line.startswith("flags") and "flags" not in info:
+            flags = set(line.split(":", 1)[1].split())
+            info["flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    try:
+        import torch
+
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001  (informational only)
+        pass
+    return info
+
+
+def _wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None:
+    from cadence.serve.browser import get_json
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"`cadence serve` exited with status {proc.returncode} before it was ready")
+        try:
+            if get_json(url + "/healthz").get("ok"):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server at {url} was not ready within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from cadence.net import free_port
+    from cadence.serve.browser import STATS_JS, Chromium, get_json, open_page
+
+    proc = None
+    url = args.url
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "cadence", "serve", "--port", str(port), "--preset", args.preset,
+               *args.serve_args.split()]
+        print("server: " + " ".join(cmd[1:]), file=sys.stderr)
+        log = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        try:
+            _wait_ready(url, args.start_timeout, proc)
+        except RuntimeError:
+            if proc is not None:
+                log.seek(0)
+                print(log.read()[-3000:], file=sys.stderr)
+            raise
+        config = get_json(url + "/config")
+        with Chromium() as cdp:
+            open_page(cdp, url)
+            cdp.eval(f"document.getElementById('use-mic').checked = {'true' if args.mic else 'false'}")
+            t0 = time.monotonic()
+            err = cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || '')",
+                           timeout_s=60)
+            if err:
+                raise RuntimeError(f"the page could not start a session: {err}")
+            sid, token = cdp.eval("window.cadence.state().sessionId"), cdp.eval("window.cadence.state().token")
+            cdp.eval(PRESENT_JS)
+            while (cdp.eval(STATS_JS).get("framesDecoded") or 0) == 0:
+                if time.monotonic() - t0 > 30:
+                    raise RuntimeError("no video frame decoded within 30 s of Start")
+                time.sleep(0.05)
+            first_frame_s = time.monotonic() - t0
+            samples = []
+            end = time.monotonic() + args.seconds
+            last = time.monotonic()
+            while time.monotonic() < end:
+                st = cdp.eval(STATS_JS)
+                st["presented"] = cdp.eval("window.__bench.presented")
+                st["page_fps"] = float(cdp.eval("document.body.dataset.fps || 0"))
+                st["degraded"] = cdp.eval("document.body.dataset.degraded || '0'") == "1"
+                st["wall"] = time.monotonic()
+                samples.append(st)
+                if args.progress and st["wall"] - last >= 10:
+                    last = st["wall"]
+                    print(f"  [{st['wall'] - t0:6.1f} s] page shows {st['page_fps']:.1f} fps"
+                          + (" (reduced)" if st["degraded"] else ""), file=sys.stderr, flush=True)
+                time.sleep(max(0.0, 1.0 - (time.monotonic() - st["wall"])))
+            cdp.eval("window.cadence.stop().then(() => true)", timeout_s=30)
+        report = get_json(f"{url}/sessions/{sid}/report", token)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return summarize(samples, report, config, first_frame_s)
+
+
+def _rates(samples: list[dict], key: str, dt_key: str = "t") -> list[float]:
+    out = []
+    for a, b in zip(samples, samples[1:]):
+        dt = (b[dt_key] - a[dt_key]) / (1e3 if dt_key == "t" else 1.0)
+        if dt > 0:
+            out.append((b[key] - a[key]) / dt)
+    return out
+
+
+def summarize(samples: list[dict], report: dict, config: dict, first_frame_s: float) -> dict:
+    decoded = _rates(samples, "framesDecoded")
+    presented = _rates(samples, "presented")
+    audio = _rates(samples, "samples")
+    r = lambda x: None if x is None else round(float(x), 2)  # noqa: E731
+    return {
+        "seconds": round(samples[-1]["wall"] - samples[0]["wall"], 1) if len(samples) > 1 else 0.0,
+        "fps_mean": r(statistics.fmean(decoded)) if decoded else None,
+        "fps_min": r(min(decoded)) if decoded else None,
+        "fps_presented_mean": r(statistics.fmean(presented)) if presented else None,
+        "fps_presented_min": r(min(presented)) if presented else None,
+        "share_seconds_ge_23_5fps": r(sum(x >= 23.5 for x in decoded) / len(decoded)) if decoded else None,
+        "audio_samples_per_s_mean": r(statistics.fmean(audio)) if audio else None,
+        "page_fps_min": r(min(s["page_fps"] for s in samples[2:])) if len(samples) > 2 else None,
+        "degraded_seconds": sum(1 for s in samples if s["degraded"]),
+        "first_frame_s": r(first_frame_s),
+        "fps_per_second": [round(x, 1) for x in decoded],
+        "server": {k: report.get(k) for k in ("fps_mean", "ttff_ms", "underruns", "deadline_misses", "chunks",
+                                              "chunk_latency_ms_p50", "chunk_latency_ms_p99", "lead_ms",
+                                              "av_offset_ms", "worker", "video_codec", "errors")},
+        "worker": (config.get("workers") or [{}])[0].get("warmup"),
+        "cpu": cpu_info(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    from cadence.bench.common import print_table, record
+
+    args = parse(argv)
+    args.progress = True
+    try:
+        res = run(args)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = [(k, str(res[k])) for k in ("seconds", "fps_mean", "fps_min", "fps_presented_mean", "fps_presented_min",
+                                        "share_seconds_ge_23_5fps", "audio_samples_per_s_mean", "page_fps_min",
+                                        "degraded_seconds", "first_frame_s")]
+    s = res["server"]
+    rows += [("server fps_mean", str(s.get("fps_mean"))), ("server underruns", str(s.get("underruns"))),
+             ("server chunks", str(s.get("chunks"))), ("chunk latency p50 / p99",
+                                                       f"{s.get('chunk_latency_ms_p50')} / {s.get('chunk_latency_ms_p99')} ms"),
+             ("cpu", f"{res['cpu'].get('model')} ({res['cpu'].get('cores')} cores, {res['cpu'].get('torch_cpu_capability')})")]
+    print_table(rows, f"bench browser: {args.preset}, {args.seconds:.0f} s in headless Chromium")
+    if args.no_record:
+        return 0
+    import torch
+
+    path = record("browser", args.preset, 1, torch.device("cpu"), {"seconds": args.seconds}, res,
+                  out_dir=results_dir(args), headline=f"{res['fps_mean']} fps decoded in the page (min {res['fps_min']})")
+    print(f"wrote {path}")
+    return 0
