@@ -156,7 +156,7 @@ def test_timings_present_and_sane(gen):
     wall_ms = (time.monotonic() - t_start) * 1e3
     ttff = eng.last_run["ttff_ms"]
     assert 0 < ttff <= wall_ms
-    assert ttff == pytest.approx((outs[0].timings.t_done - t_start) * 1e3, abs=5.0)
+    assert ttff <= (outs[0].timings.t_done - t_start) * 1e3 + 0.5  # from the stream's start to chunk 0's frames
     for o in outs:
         t = o.timings
         assert t.diffusion_ms > 0 and t.decode_ms > 0 and t.host_copy_ms >= 0

@@ -109,7 +109,9 @@ def test_page_openapi_config_health(http):
         assert path in spec["paths"], path
     cfg = http.get("/config").json()
     assert (cfg["preset"], cfg["fps"], cfg["width"], cfg["height"]) == ("tiny", 24, 128, 128)
-    assert cfg["weights"] == {"model": None, "vae": None}  # tiny: random weights (serve --weights sets them)
+    # tiny: random weights (serve --model / --weights / --vae-weights / --text-encoder set them)
+    assert cfg["model_family"] is None and set(cfg["weights"].values()) == {None}
+    assert set(cfg["weights"]) == {"model", "vae", "taehv", "text_encoder", "text_tokenizer"}
     assert http.get("/healthz").json()["ok"] is True
     _err(http.get("/no/such/route"), 404)
 

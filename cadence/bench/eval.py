@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from cadence.errors import InputError, UsageParser
-from cadence.bench.results import add_record_flags
+from cadence.bench.results import add_record_flags, results_dir
 
 
 def _seconds_list(text: str) -> list[float]:
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
 
     import torch
 
-    from cadence.bench.common import record, results_dir
+    from cadence.bench.common import record
     from cadence.config import get_preset
     from cadence.eval import harness
 

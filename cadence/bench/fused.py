@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.net import free_port
-from cadence.bench.results import add_record_flags
+from cadence.bench.results import add_record_flags, results_dir
 
 FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked2", "chunked4", "tiles"]
 SWEEP_M = [64, 128, 80, 37, 512, 748, 1496, 64]
@@ -358,7 +358,7 @@ def print_summary(rows: list[dict], modes: list[str], world: int, sweep) -> None
 
 @torch.no_grad()
 def run(args: argparse.Namespace) -> dict:
-    from cadence.bench.common import device_kind, record, results_dir
+    from cadence.bench.common import device_kind, record
     from cadence.parallel import destroy_tp, fused, init_tp
 
     info = init_tp()
@@ -620,7 +620,7 @@ def run_quant(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
-    from cadence.bench.common import record, results_dir
+    from cadence.bench.common import record
 
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tiny = args.tiny or not cuda

@@ -24,7 +24,7 @@ def add_record_flags(p) -> None:
                    help=f"where the JSON (and the README line) go (default: ./{RESULTS_DIR}/<bench>/)")
     g.add_argument("--record", action="store_true",
                    help="write into this checkout's docs/perf/<bench>/ (the committed records; never overwrites)")
-    g.add_argument("--no-record", action="store_true", help="print only; write no JSON")
+    p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
 
 
 def results_dir(args) -> Path:

@@ -29,7 +29,7 @@ import statistics
 import sys
 
 from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
-from cadence.bench.results import add_record_flags
+from cadence.bench.results import add_record_flags, results_dir
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from cadence.bench.common import print_table, record, results_dir
+    from cadence.bench.common import print_table, record
     from cadence.serve.config import ServeConfig
     from cadence.serve.server import ServerThread
 
