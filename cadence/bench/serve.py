@@ -222,6 +222,14 @@ def main(argv: list[str]) -> int:
         "worker_open_ms_p50": _p50([r.report.get("worker_open_ms") for r in ok]),
         "sessions_preopened": sum(bool(r.report.get("worker_preopened")) for r in ok),
         "chunks_skipped": sum(r.report.get("chunks", {}).get("skipped", 0) for r in ok),
+        "chunks_audio_only": sum(r.report.get("chunks", {}).get("audio_only", 0) for r in ok),
+        # the worker's own time per chunk (request -> frames), and what it would be serial (diffusion + decode)
+        # or perfectly overlapped (the slower stage): the one engine overlaps decode with the next diffusion
+        "worker_work_ms_p50": _p50([(r.report.get("worker") or {}).get("work_ms_p50") for r in ok]),
+        "worker_serial_ms_p50": _p50([(r.report.get("worker") or {}).get("serial_ms_p50") for r in ok]),
+        "worker_overlapped_ms_p50": _p50([(r.report.get("worker") or {}).get("overlapped_ms_p50") for r in ok]),
+        # what the worker sustains back to back (its warm-up): the capacity per chunk, decode overlapped
+        "worker_interval_ms": _p50([((w.get("warmup") or {}).get("interval_ms")) for w in _workers(cfg)]),
         "video_codec": sorted({r.report.get("video_codec") or "?" for r in ok}),
         "timeline_window_s": ok[0].report.get("timeline_window_s") if ok else None,
         **_timeline_summary([r.report for r in ok]),
@@ -259,6 +267,7 @@ def main(argv: list[str]) -> int:
                       + (f"-{args.video_codec.lower()}" if args.video_codec else ""),
                       out_dir=results_dir(args), world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
                       headline=headline, extra={"workers": _workers(cfg),
-                                                "timelines": [r.report.get("timeline") for r in ok]})
+                                                "timelines": [r.report.get("timeline") for r in ok],
+                                                "worker_chunks": [r.report.get("worker_chunks") for r in ok]})
         print(f"wrote {path}")
     return 0 if not errors else 1
