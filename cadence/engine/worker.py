@@ -308,3 +308,10 @@ def follower_main(rank: int, spec: WorkerSpec) -> None:  # pragma: no cover - ot
             run_commands(eng, peers.bcast, None, default_image)
     finally:
         destroy_tp()
+    # Leave at once: rank 0 serves the group's store and exits as soon as every follower has destroyed its
+    # group (destroy_tp); a follower's interpreter teardown (~1 s) would leave its NCCL heartbeat thread
+    # polling a store that is gone (a screen of "Broken pipe" traces at every stop of a GPU group).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
