@@ -300,9 +300,13 @@ def test_warm_up_measures_latency_and_interval_and_picks_threads(gen):
     finally:
         torch.set_num_threads(before)
     assert rep["steady_chunk_ms"] > 0 and rep["interval_ms"] > 0 and rep["media_chunk_ms"] == pytest.approx(166.7)
-    assert rep["threads"] in (1, 2) and set(rep["thread_trials"]) <= {"1", "2"}
-    assert rep["threads"] == int(min(rep["thread_trials"], key=lambda k: rep["thread_trials"][k]))
-    assert rep["streams"] >= 4 and len(rep["chunk_ms"]) == eng.warm_chunks()
+    import os
+
+    if (os.cpu_count() or 1) > 2:  # the faster of 1 and 2 intra-op threads, timed
+        assert rep["threads"] == int(min(rep["thread_trials"], key=lambda k: rep["thread_trials"][k]))
+    else:  # two cores: the diffusion thread and the decode thread take one each
+        assert rep["threads"] == 1 and "thread_trials" not in rep
+    assert rep["streams"] >= 2 and len(rep["chunk_ms"]) == eng.warm_chunks()
     assert eng.warmup_report is rep and decode_threads() == []
 
 

@@ -751,9 +751,10 @@ class Engine:
         cover it), ``interval_ms``, the sustained time per chunk when chunks come back to back (decode
         overlapped with the next diffusion; real time needs it below ``media_chunk_ms``), and
         ``slowest_chunk_ms`` over what a user's stream runs (captures left out). On the CPU with
-        ``threads=0`` (or None) it times 1 and 2 intra-op threads and keeps the faster sustained rate
-        (``threads`` > 0 keeps that count; the ranks of a tensor-parallel group, processes sharing the
-        cores, take one each; the GPU leaves torch's default).
+        ``threads=0`` (or None) and more than two cores it times 1 and 2 intra-op threads and keeps the faster
+        sustained rate; on two cores (or in a tensor-parallel group, whose ranks are processes sharing the
+        cores) each thread of the engine takes one; ``threads`` > 0 keeps that count; the GPU leaves torch's
+        default.
 
         A chunk slower than its media makes a stream slower than real time there. When one stream has such
         chunks, one more runs to tell one-time work (a kernel compiled on first use: W14 TP=2 on 2x H200 ran
@@ -792,19 +793,29 @@ class Engine:
             out["fill_streams"] = ran
             if k == 0:
                 out["first_stream_ttff_ms"] = _r(self.last_run.get("ttff_ms")) if decode else None
+        import os
+
         chosen = torch.get_num_threads()
+        steady: list[ChunkTimings] | None = None
         if not self.cuda and threads:
             torch.set_num_threads(threads)
             chosen = threads
-        elif not self.cuda and self.tp is not None:  # the ranks are processes sharing the cores: one thread each
+        elif not self.cuda and (self.tp is not None or (os.cpu_count() or 1) <= 2):
+            # TP ranks are processes sharing the cores; on two cores the diffusion and the decode thread take
+            # one each (2 intra-op threads each would oversubscribe: 60 vs 107 ms a chunk, docs/perf/serve)
             torch.set_num_threads(1)
             chosen = 1
         elif not self.cuda:
-            chosen, trials = self._choose_threads(run, n)
+            chosen, trials, steady = self._choose_threads(run, n)
             out["thread_trials"] = trials
         out["threads"] = chosen
-        # the sustained interval, as a user's stream will run
-        steady = run(max(n, 4), pace=False)
+        # the sustained interval, as a user's stream will run: the thread trial's, the first stream's when it
+        # ran nothing but user steps (the CPU: no captures), else one more stream
+        if steady is None and chosen == torch.get_num_threads() and len(per) >= 3 and not any(
+                t.step == "capture" or t.step.startswith("eager:warmup") for t in per):
+            steady = per
+        if steady is None:
+            steady = run(max(n, 4), pace=False)
         out["interval_ms"] = _r(_interval_ms(steady))
         first = 0 if ran > 1 else 1  # a lone stream's chunk 0 is the cold one
         user = [(i, t) for i, t in enumerate(per) if i >= first and t.step != "capture"] or list(enumerate(per))
@@ -821,8 +832,8 @@ class Engine:
                            f"the first stream only (one-time work); {max(per[i].work_ms for i in gone):.0f} ms in "
                            "the next")
             user = [(i, t) for i, t in enumerate(per) if t.step != "capture"] or list(enumerate(per))
-        # the latency of one chunk when chunks come one at a time (the last of a few paced chunks)
-        paced = run(3, pace=True)
+        # the latency of one chunk when chunks come one at a time (the second of two paced chunks)
+        paced = run(2, pace=True)
         lat = [t.work_ms for t in paced[1:]] or [t.work_ms for t in paced]
         out["steady_chunk_ms"] = _r(statistics.median(lat))
         slowest = max(t.work_ms for _, t in user)
@@ -845,19 +856,19 @@ class Engine:
         self.warmup_report = out
         return out
 
-    def _choose_threads(self, run, n: int) -> tuple[int, dict[str, float]]:
-        """CPU: the intra-op thread count (1 or 2) whose back-to-back stream sustains the shorter interval."""
-        import os
-
+    def _choose_threads(self, run, n: int) -> tuple[int, dict[str, float], list[ChunkTimings]]:
+        """CPU with more than two cores: the intra-op thread count (1 or 2) whose back-to-back stream sustains
+        the shorter interval; returns it, the trials and the winner's timings."""
         trials: dict[str, float] = {}
-        cores = os.cpu_count() or 1
-        for k in (1, 2) if cores >= 2 else (1,):
+        timings: dict[str, list[ChunkTimings]] = {}
+        for k in (1, 2):
             torch.set_num_threads(k)
             run(2, pace=False)  # settle (thread pool start, caches)
-            trials[str(k)] = _r(_interval_ms(run(max(n, 6), pace=False)))
+            timings[str(k)] = run(max(n, 6), pace=False)
+            trials[str(k)] = _r(_interval_ms(timings[str(k)]))
         best = min(trials, key=lambda k: trials[k])
         torch.set_num_threads(int(best))
-        return int(best), trials
+        return int(best), trials, timings[best]
 
     def _steps_only(self, image: torch.Tensor, audio: torch.Tensor, n: int) -> list[ChunkTimings]:
         """A follower rank's warm-up stream: the same steps, no decode."""
