@@ -4,7 +4,8 @@
 # overlapped one), then `cadence bench pipeline` at W1.3 (one GPU) and W14 TP=2 (the served engine, now the
 # only one). Stage B: `cadence bench serve` at W14 TP=2 and W1.3 (the worker's busy time per chunk is in each
 # session report: worker.work_ms_p50 against serial_ms_p50 = diffusion + decode).
-# Usage on the device machine (repo root, .whl carried):  STAGE=A bash scripts/device_engine.sh
+# Usage on the device machine (repo root, .whl carried for stage B):
+#   CADENCE_GIT=$(git rev-parse --short=12 HEAD) STAGE=A bash scripts/device_engine.sh   (the device copy of .git is stale)
 set -uo pipefail
 STAGE=${STAGE:-A}
 BUDGET_S=${BUDGET_S:-540}

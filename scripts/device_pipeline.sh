@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.device_count(), "GPUs")'
 python3 -c 'import cadence.runtime.compile as c; print("compile module:", [n for n in dir(c) if n.startswith("apply")])' \
   2>&1 | tail -n 1
-run 80 gpu-tests python3 -m pytest -q -p no:cacheprovider -x tests/test_prewarm.py tests/test_pipeline.py tests/test_graphs.py
+run 80 gpu-tests python3 -m pytest -q -p no:cacheprovider -x tests/test_prewarm.py tests/test_engine.py tests/test_graphs.py
 B="python3 -m cadence bench pipeline --preset w1.3 --chunks $CHUNKS --device cuda:0 --decode-device same --decoder taehv --out-dir $PERF"
 run 95 A-base-kvfp8 $B --kv-fp8 --shape-change-every 10
 run 65 B-kvfp8-fp8 $B --kv-fp8 --fp8 --shape-change-every 0

@@ -14,7 +14,7 @@ source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 run 70 gpu-tests python3 -m pytest -q -p no:cacheprovider -x tests/test_compile.py -k cuda
-run 60 gpu-tests-pipeline python3 -m pytest -q -p no:cacheprovider -x tests/test_pipeline.py tests/test_prewarm.py
+run 60 gpu-tests-pipeline python3 -m pytest -q -p no:cacheprovider -x tests/test_engine.py tests/test_prewarm.py
 TR="torchrun --standalone --nproc_per_node 2"
 B="-m cadence bench pipeline --preset w14 --decoder taehv --out-dir $PERF"
 run 150 w14-tp2-fp8-compile $TR $B --tp 2 --chunks 100 --kv-fp8 --fp8 --compile --shape-change-every 10

@@ -137,7 +137,7 @@ def test_overlapped_engine_equals_serial_order(stream):
 def test_stateful_decoder_matches_serial():
     # the streaming (stateful) decoder: frames depend on every earlier chunk, so order and the
     # decode-thread-only state must be right for this to match
-    cfg = TINY.with_overrides(vae={"decoder": "taehv"})
+    cfg = TINY.with_overrides(vae={"decoder": "taehv", "taehv_channels": (32, 16), "taehv_shuffle": 4})
     torch.manual_seed(0)
     g = build_generator(cfg, seed=0)
     audio = speech(5)

@@ -353,14 +353,14 @@ def test_triton_path_matches_reference_path(gen, monkeypatch, dtype):
     """The same stream with the ring's Triton kernels (under TRITON_INTERPRET=1 on CPU) and with its
     PyTorch reference path. float32 storage ('bf16' mode with a float32 model): the fused write is the
     same float32 rotation and attention is SDPA in both -> equal to rounding (1e-5). FP8: the kernel
-    quantises P too and, under the interpreter, casts with truncation: latents within 2% over 6
-    chunks x 4 passes (measured ~0.3%)."""
+    quantises P too and, under the interpreter, casts with truncation: latents within 2% over 5
+    chunks x 4 passes (one past the window of 4; measured ~0.3%)."""
     from cadence.kernels.ring_attention import triton_usable
 
     if not triton_usable(torch.device("cpu"), 32, allow_interpreter=True)[0] and not torch.cuda.is_available():
         pytest.skip("triton cannot run here")
-    ref = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=False), n=6)
-    got = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=True), n=6)
+    ref = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=False), n=5)
+    got = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=True), n=5)
     errs = [rel_err(a, b) for a, b in zip(got, ref)]
     print(f"\ntriton vs reference path ({dtype}) latents rel err:", " ".join(f"{e:.1e}" for e in errs))
     assert all(torch.isfinite(x).all() for x in got)
