@@ -14,8 +14,8 @@ import pkgutil
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from cadence.errors import EXIT_USAGE, CadenceError, InputError
 from cadence.errors import UsageParser as _Parser
@@ -27,98 +27,178 @@ def build_parser() -> argparse.ArgumentParser:
     """The full ``cadence`` parser (subcommands: generate, serve, bench, eval, train)."""
     from cadence.serve.config import add_engine_flags, add_weight_flags  # torch-free, no serving packages
 
-    parser = _Parser(prog="cadence", description="Real-time chunk-causal video diffusion for live talking "
-                                                 "characters.")
+    parser = _Parser(
+        prog="cadence", description="Real-time chunk-causal video diffusion for live talking characters."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    g = sub.add_parser("generate", help="render a talking-character clip to an MP4 file",
-                       description="Generate chunks from a reference image and driving audio; write H.264 + "
-                                   "AAC MP4.")
-    g.add_argument("--preset", default="character",
-                   help="model/stream preset: character (the shipped trained default), tiny (random weights), "
-                        "w1.3, w14, w57 (default: character)")
-    g.add_argument("--image", type=Path, default=None,
-                   help="reference image (any format Pillow reads; cropped to cover the frame). "
-                        "Default: a built-in drawn face")
-    g.add_argument("--audio", type=Path, default=None,
-                   help="driving audio (any file FFmpeg decodes). Default: 2 s of synthetic speech")
-    g.add_argument("--chunks", type=int, default=None,
-                   help="chunks to generate (4 frames = 166.7 ms each at tiny). "
-                        "Default: enough to cover the audio")
+    g = sub.add_parser(
+        "generate",
+        help="render a talking-character clip to an MP4 file",
+        description="Generate chunks from a reference image and driving audio; write H.264 + AAC MP4.",
+    )
+    g.add_argument(
+        "--preset",
+        default="character",
+        help="model/stream preset: character (the shipped trained default), tiny (random weights), "
+        "w1.3, w14, w57 (default: character)",
+    )
+    g.add_argument(
+        "--image",
+        type=Path,
+        default=None,
+        help="reference image (any format Pillow reads; cropped to cover the frame). "
+        "Default: a built-in drawn face",
+    )
+    g.add_argument(
+        "--audio",
+        type=Path,
+        default=None,
+        help="driving audio (any file FFmpeg decodes). Default: 2 s of synthetic speech",
+    )
+    g.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="chunks to generate (4 frames = 166.7 ms each at tiny). Default: enough to cover the audio",
+    )
     g.add_argument("--out", type=Path, default=Path("out.mp4"), help="output MP4 path (default: out.mp4)")
     g.add_argument("--prompt", default="a person talking to the camera", help="text prompt")
     g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    g.add_argument("--dtype", default=None, choices=_DTYPES,
-                   help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=_DTYPES,
+        help="compute dtype (default: float32 on cpu, bfloat16 on cuda)",
+    )
     add_weight_flags(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="serve live characters over WebRTC (HTTP API + browser page)",
-                       description="Start the HTTP API (FastAPI + uvicorn; OpenAPI at /openapi.json) and WebRTC "
-                                   "(aiortc), with the browser page at /. Defaults: the shipped character on loopback "
-                                   "with the built-in reference face; nothing to download.")
-    s.add_argument("--preset", default="character",
-                   help="model/stream preset: character (the shipped trained default), tiny (random weights), "
-                        "w1.3, w14, w57 (default: character)")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: 127.0.0.1); a non-loopback address needs an API key")
+    s = sub.add_parser(
+        "serve",
+        help="serve live characters over WebRTC (HTTP API + browser page)",
+        description="Start the HTTP API (FastAPI + uvicorn; OpenAPI at /openapi.json) and WebRTC "
+        "(aiortc), with the browser page at /. Defaults: the shipped character on loopback "
+        "with the built-in reference face; nothing to download.",
+    )
+    s.add_argument(
+        "--preset",
+        default="character",
+        help="model/stream preset: character (the shipped trained default), tiny (random weights), "
+        "w1.3, w14, w57 (default: character)",
+    )
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1); a non-loopback address needs an API key",
+    )
     a = s.add_argument_group("access (each session's routes always need the token its creator got)")
-    a.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
-                   help="the operator key, read from this file (its first line): needed to create sessions, "
-                        "list them and see per-session metrics; required on a non-loopback --host")
-    a.add_argument("--api-key", default=None, metavar="KEY",
-                   help="the operator key itself (visible to other local users in the process list: prefer "
-                        "--api-key-file or the CADENCE_API_KEY environment variable)")
-    a.add_argument("--insecure-no-auth", action="store_true",
-                   help="serve a non-loopback --host without an API key (anyone who reaches it can start "
-                        "sessions; logged as a WARNING)")
+    a.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the operator key, read from this file (its first line): needed to create sessions, "
+        "list them and see per-session metrics; required on a non-loopback --host",
+    )
+    a.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="the operator key itself (visible to other local users in the process list: prefer "
+        "--api-key-file or the CADENCE_API_KEY environment variable)",
+    )
+    a.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (anyone who reaches it can start "
+        "sessions; logged as a WARNING)",
+    )
     s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
-    s.add_argument("--max-sessions", type=int, default=None,
-                   help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
-                        "with --device cuda)")
+    s.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
+        "with --device cuda)",
+    )
     s.add_argument("--device", default="cpu", help="cpu or cuda: where the worker groups run (default: cpu)")
-    s.add_argument("--tp", type=int, default=1,
-                   help="GPUs per worker group: the model sharded over N consecutive GPUs, one process each "
-                        "(tensor parallel; default 1)")
-    s.add_argument("--idle-timeout", type=float, default=120.0,
-                   help="close a session after this many seconds with no request or media from its client "
-                        "(default: 120)")
-    s.add_argument("--max-duration", type=float, default=600.0,
-                   help="close a session this many seconds after it started (default: 600)")
-    s.add_argument("--worker-threads", type=int, default=0,
-                   help="torch intra-op threads per worker process on the CPU (default 0: the worker's warm-up "
-                        "times 1 and 2 and keeps the faster)")
-    s.add_argument("--lead-ms", type=float, default=100.0,
-                   help="plan each chunk this long before it is due (default: 100)")
+    s.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="GPUs per worker group: the model sharded over N consecutive GPUs, one process each "
+        "(tensor parallel; default 1)",
+    )
+    s.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=120.0,
+        help="close a session after this many seconds with no request or media from its client "
+        "(default: 120)",
+    )
+    s.add_argument(
+        "--max-duration",
+        type=float,
+        default=600.0,
+        help="close a session this many seconds after it started (default: 600)",
+    )
+    s.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads per worker process on the CPU (default 0: the worker's warm-up "
+        "times 1 and 2 and keeps the faster)",
+    )
+    s.add_argument(
+        "--lead-ms",
+        type=float,
+        default=100.0,
+        help="plan each chunk this long before it is due (default: 100)",
+    )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
     add_weight_flags(s)
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="run a benchmark: cadence bench <name> [args...]",
-                       description="Run cadence.bench.<name>.main(args). "
-                                   "Benchmarks write JSON and print a table.")
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark: cadence bench <name> [args...]",
+        description="Run cadence.bench.<name>.main(args). Benchmarks write JSON and print a table.",
+    )
     b.add_argument("name", help="benchmark module in cadence.bench (e.g. step)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=cmd_bench)
 
     # The options live in cadence.bench.eval (imported only when run); '+' as the prefix hands every
     # argument, --help included, through to it.
-    e = sub.add_parser("eval", help="quality harness: lip sync and identity drift per engine configuration",
-                       description="cadence eval [--preset P] [--clips N] [--reruns R] ... (see 'cadence eval "
-                                   "--help'); the same as 'cadence bench eval'.",
-                       add_help=False, prefix_chars="+")
+    e = sub.add_parser(
+        "eval",
+        help="quality harness: lip sync and identity drift per engine configuration",
+        description="cadence eval [--preset P] [--clips N] [--reruns R] ... (see 'cadence eval "
+        "--help'); the same as 'cadence bench eval'.",
+        add_help=False,
+        prefix_chars="+",
+    )
     e.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.bench.eval")
     e.set_defaults(func=cmd_eval)
 
-    m = sub.add_parser("models", help="list the open model families Cadence serves (for --model)",
-                       description="The model families --model takes: their reference code, files and status.")
+    m = sub.add_parser(
+        "models",
+        help="list the open model families Cadence serves (for --model)",
+        description="The model families --model takes: their reference code, files and status.",
+    )
     m.set_defaults(func=cmd_models)
 
-    tr = sub.add_parser("train", help="train the default character (small VAE + DiT on synthetic talking faces)",
-                        description="cadence train --out DIR [--minutes M] [--device cuda] [--toy] ... (see "
-                                    "'cadence train --help')", add_help=False, prefix_chars="+")
+    tr = sub.add_parser(
+        "train",
+        help="train the default character (small VAE + DiT on synthetic talking faces)",
+        description="cadence train --out DIR [--minutes M] [--device cuda] [--toy] ... (see "
+        "'cadence train --help')",
+        add_help=False,
+        prefix_chars="+",
+    )
     tr.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.train.character")
     tr.set_defaults(func=cmd_train)
     return parser
@@ -144,17 +224,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ---- generate ---------------------------------------------------------------------------------------
 
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Validate every input, build the engine, stream chunks into the MP4, print a summary."""
     import torch
     from tqdm import tqdm
 
     from cadence.config import AUDIO_SAMPLE_RATE, get_preset
+    from cadence.engine.spec import base_config
     from cadence.media.audio import fit_audio, load_audio, synthetic_speech
     from cadence.media.image import default_reference_image, load_reference_image
     from cadence.media.video import Mp4Writer
-
-    from cadence.engine.spec import base_config
     from cadence.serve.config import model_kwargs
 
     get_preset(args.preset)  # a clear error for an unknown preset
@@ -168,12 +248,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # Inputs first: a bad file fails in milliseconds, before any model is built.
     height, width = cfg.stream.height, cfg.stream.width
-    image = (load_reference_image(args.image, height, width) if args.image is not None
-             else default_reference_image(height, width))
+    image = (
+        load_reference_image(args.image, height, width)
+        if args.image is not None
+        else default_reference_image(height, width)
+    )
     per_chunk = cfg.audio_samples_per_chunk
     wanted = args.chunks * per_chunk if args.chunks is not None else None
-    audio = (load_audio(args.audio, AUDIO_SAMPLE_RATE, max_samples=wanted) if args.audio is not None
-             else synthetic_speech(2.0, AUDIO_SAMPLE_RATE))
+    audio = (
+        load_audio(args.audio, AUDIO_SAMPLE_RATE, max_samples=wanted)
+        if args.audio is not None
+        else synthetic_speech(2.0, AUDIO_SAMPLE_RATE)
+    )
     chunks = args.chunks if args.chunks is not None else max(1, math.ceil(audio.shape[0] / per_chunk))
     track = fit_audio(audio, chunks * per_chunk)
 
@@ -193,7 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stream = eng.stream(image, args.prompt, track, num_chunks=chunks, seed=args.seed)
             for chunk in tqdm(stream, total=chunks, desc="chunks", unit="chunk"):
                 writer.write_frames(chunk.frames)
-                writer.write_audio(track[produced * per_chunk:(produced + 1) * per_chunk])
+                writer.write_audio(track[produced * per_chunk : (produced + 1) * per_chunk])
                 produced += 1
         if produced != chunks:
             raise RuntimeError(f"the engine yielded {produced} chunks, expected {chunks}")
@@ -207,9 +293,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     rate = chunks / wall if wall > 0 else float("inf")
     need = cfg.stream.fps / cfg.video_frames_per_chunk
-    print(f"wrote {out}: {writer.frames_written} frames, {writer.seconds:.2f} s at {cfg.stream.fps} fps "
-          f"({cfg.name}, {width}x{height}, {chunks} chunks) in {wall:.2f} s; {rate:.2f} chunks/s "
-          f"(real time needs {need:.2f}); model build {build_s:.2f} s")
+    print(
+        f"wrote {out}: {writer.frames_written} frames, {writer.seconds:.2f} s at {cfg.stream.fps} fps "
+        f"({cfg.name}, {width}x{height}, {chunks} chunks) in {wall:.2f} s; {rate:.2f} chunks/s "
+        f"(real time needs {need:.2f}); model build {build_s:.2f} s"
+    )
     return 0
 
 
@@ -221,8 +309,10 @@ def _check_device(device: str) -> str:
         import torch
 
         if not torch.cuda.is_available():
-            raise InputError(f"--device {device} requested but CUDA is not available "
-                             f"(torch {torch.__version__}, {torch.cuda.device_count()} GPUs visible)")
+            raise InputError(
+                f"--device {device} requested but CUDA is not available "
+                f"(torch {torch.__version__}, {torch.cuda.device_count()} GPUs visible)"
+            )
         if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
             raise InputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return device
@@ -242,6 +332,7 @@ def _check_output(out: Path) -> Path:
 
 # ---- models -----------------------------------------------------------------------------------------
 
+
 def cmd_models(args: argparse.Namespace) -> int:
     """``cadence models``: one block per family (name, what it is, its files, what is proven, what is not)."""
     from cadence.model.families import list_families
@@ -249,15 +340,18 @@ def cmd_models(args: argparse.Namespace) -> int:
     for f in list_families():
         print(f"{f.name}: {f.title} [{f.status}]")
         print(f"    reference: {f.reference}")
-        for note in (f.notes if isinstance(f.notes, (list, tuple)) else [f.notes]):
+        for note in f.notes if isinstance(f.notes, (list, tuple)) else [f.notes]:
             if note:
                 print(f"    {note}")
-    print("serve one: cadence serve --model NAME --weights FILE --text-encoder PATH --vae-weights PATH "
-          "(docs/models.md)")
+    print(
+        "serve one: cadence serve --model NAME --weights FILE --text-encoder PATH --vae-weights PATH "
+        "(docs/models.md)"
+    )
     return 0
 
 
 # ---- serve ------------------------------------------------------------------------------------------
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
@@ -278,10 +372,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InputError("--device cuda requested but CUDA is not available")
     groups = serve_groups(args.device, args.tp, args.max_sessions, n)
     api_key = _api_key(args)
-    cfg = ServeConfig(preset=args.preset, host=args.host, port=args.port, groups=groups,
-                      idle_timeout_s=args.idle_timeout, max_duration_s=args.max_duration,
-                      worker_threads=args.worker_threads, lead_ms=args.lead_ms, api_key=api_key,
-                      insecure_no_auth=args.insecure_no_auth, **model_kwargs(args), **engine_kwargs(args))
+    cfg = ServeConfig(
+        preset=args.preset,
+        host=args.host,
+        port=args.port,
+        groups=groups,
+        idle_timeout_s=args.idle_timeout,
+        max_duration_s=args.max_duration,
+        worker_threads=args.worker_threads,
+        lead_ms=args.lead_ms,
+        api_key=api_key,
+        insecure_no_auth=args.insecure_no_auth,
+        **model_kwargs(args),
+        **engine_kwargs(args),
+    )
     from cadence.serve.server import run
 
     run(cfg, log_level=args.log_level)
@@ -296,16 +400,24 @@ def _api_key(args: argparse.Namespace) -> str | None:
     from cadence.serve.config import check_api_key
 
     env = os.environ.get("CADENCE_API_KEY") or None
-    given = [name for name, v in (("--api-key-file", args.api_key_file), ("--api-key", args.api_key),
-                                  ("CADENCE_API_KEY", env)) if v is not None]
+    given = [
+        name
+        for name, v in (
+            ("--api-key-file", args.api_key_file),
+            ("--api-key", args.api_key),
+            ("CADENCE_API_KEY", env),
+        )
+        if v is not None
+    ]
     if len(given) > 1:
         raise InputError(f"give the API key one way, not {' and '.join(given)}")
     if args.api_key_file is not None:
         try:
             text = args.api_key_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"cannot read --api-key-file {args.api_key_file}: {type(e).__name__}: {e}") \
-                from None
+            raise InputError(
+                f"cannot read --api-key-file {args.api_key_file}: {type(e).__name__}: {e}"
+            ) from None
         key = text.strip().split("\n", 1)[0].strip() if text.strip() else ""
         if not key:
             raise InputError(f"--api-key-file {args.api_key_file} is empty")
@@ -315,6 +427,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 # ---- bench ------------------------------------------------------------------------------------------
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``cadence bench <name> ...`` -> ``cadence.bench.<name>.main(args)``, imported only now."""

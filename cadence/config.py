@@ -251,22 +251,35 @@ class CadenceConfig:
     @property
     def kv_tokens(self) -> int:
         """Keys a query sees in steady state: sink + frame sink + full window (current chunk included)."""
-        return self.sink_tokens + (self.stream.frame_sink_chunks + self.stream.window_chunks) * self.tokens_per_chunk
+        return (
+            self.sink_tokens
+            + (self.stream.frame_sink_chunks + self.stream.window_chunks) * self.tokens_per_chunk
+        )
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:
         m, v, s = self.model, self.vae, self.stream
         errs: list[str] = []
         if m.num_heads * m.head_dim != m.dim:
-            errs.append(f"num_heads ({m.num_heads}) x head_dim ({m.head_dim}) = "
-                        f"{m.num_heads * m.head_dim} must equal dim ({m.dim})")
+            errs.append(
+                f"num_heads ({m.num_heads}) x head_dim ({m.head_dim}) = "
+                f"{m.num_heads * m.head_dim} must equal dim ({m.dim})"
+            )
         if m.head_dim % 2 or m.head_dim < 6:
             errs.append(f"head_dim ({m.head_dim}) must be even and >= 6 for 3D RoPE")
         elif any(p % 2 for p in m.rope_split) or min(m.rope_split) <= 0:
-            errs.append(f"head_dim ({m.head_dim}) splits into RoPE parts {m.rope_split}; each must be even "
-                        "and positive")
-        for what, n in (("dim", m.dim), ("ffn_dim", m.ffn_dim), ("num_layers", m.num_layers),
-                        ("text_len", m.text_len), ("text_dim", m.text_dim), ("freq_dim", m.freq_dim)):
+            errs.append(
+                f"head_dim ({m.head_dim}) splits into RoPE parts {m.rope_split}; each must be even "
+                "and positive"
+            )
+        for what, n in (
+            ("dim", m.dim),
+            ("ffn_dim", m.ffn_dim),
+            ("num_layers", m.num_layers),
+            ("text_len", m.text_len),
+            ("text_dim", m.text_dim),
+            ("freq_dim", m.freq_dim),
+        ):
             if n <= 0:
                 errs.append(f"{what} must be positive, got {n}")
         if m.freq_dim % 2:
@@ -274,11 +287,15 @@ class CadenceConfig:
         if m.audio_every < 0:
             errs.append(f"audio_every must be >= 0, got {m.audio_every}")
         if m.audio_every and (m.audio_dim <= 0 or m.audio_tokens_per_frame <= 0):
-            errs.append(f"audio_dim ({m.audio_dim}) and audio_tokens_per_frame ({m.audio_tokens_per_frame}) "
-                        "must be positive when audio is on")
+            errs.append(
+                f"audio_dim ({m.audio_dim}) and audio_tokens_per_frame ({m.audio_tokens_per_frame}) "
+                "must be positive when audio is on"
+            )
         if m.in_channels != v.latent_channels or m.out_channels != v.latent_channels:
-            errs.append(f"model in/out channels ({m.in_channels}/{m.out_channels}) must equal the VAE's "
-                        f"latent channels ({v.latent_channels})")
+            errs.append(
+                f"model in/out channels ({m.in_channels}/{m.out_channels}) must equal the VAE's "
+                f"latent channels ({v.latent_channels})"
+            )
         for axis, (px, st, pt) in enumerate(zip((s.height, s.width), v.stride[1:], m.patch[1:])):
             name = ("height", "width")[axis]
             if px <= 0 or px % (st * pt):
@@ -286,35 +303,56 @@ class CadenceConfig:
         if v.decoder not in ("standin", "wan", "taehv"):
             errs.append(f"vae.decoder must be 'standin', 'wan' or 'taehv', got {v.decoder!r}")
         if v.taehv_shuffle < 1 or v.taehv_shuffle & (v.taehv_shuffle - 1) or v.taehv_shuffle > v.stride[1]:
-            errs.append(f"vae.taehv_shuffle must be a power of two <= the spatial stride {v.stride[1]}, "
-                        f"got {v.taehv_shuffle}")
-        if v.decoder != "standin" and (tuple(v.stride), v.latent_channels) not in (((4, 8, 8), 16), ((4, 16, 16), 48)):
-            errs.append(f"the Wan VAE has stride 4x8x8 with z=16 or 4x16x16 with z=48, got "
-                        f"{'x'.join(map(str, v.stride))} with z={v.latent_channels}")
+            errs.append(
+                f"vae.taehv_shuffle must be a power of two <= the spatial stride {v.stride[1]}, "
+                f"got {v.taehv_shuffle}"
+            )
+        if v.decoder != "standin" and (tuple(v.stride), v.latent_channels) not in (
+            ((4, 8, 8), 16),
+            ((4, 16, 16), 48),
+        ):
+            errs.append(
+                f"the Wan VAE has stride 4x8x8 with z=16 or 4x16x16 with z=48, got "
+                f"{'x'.join(map(str, v.stride))} with z={v.latent_channels}"
+            )
         if v.stride[0] != 4:
             errs.append(f"VAE temporal stride must be 4 (4 video frames per latent frame), got {v.stride[0]}")
         if m.patch[0] != 1:
-            errs.append(f"temporal patch must be 1 (every Wan model uses 1; the cache and audio alignment "
-                        f"count latent frames), got patch {m.patch}")
+            errs.append(
+                f"temporal patch must be 1 (every Wan model uses 1; the cache and audio alignment "
+                f"count latent frames), got patch {m.patch}"
+            )
         if s.latent_frames_per_chunk <= 0 or s.latent_frames_per_chunk % m.patch[0]:
-            errs.append(f"latent_frames_per_chunk ({s.latent_frames_per_chunk}) must be a positive multiple of "
-                        f"the temporal patch ({m.patch[0]})")
+            errs.append(
+                f"latent_frames_per_chunk ({s.latent_frames_per_chunk}) must be a positive multiple of "
+                f"the temporal patch ({m.patch[0]})"
+            )
         if s.sink_frames < 0 or s.sink_frames % m.patch[0]:
-            errs.append(f"sink_frames ({s.sink_frames}) must be a non-negative multiple of the temporal patch "
-                        f"({m.patch[0]})")
+            errs.append(
+                f"sink_frames ({s.sink_frames}) must be a non-negative multiple of the temporal patch "
+                f"({m.patch[0]})"
+            )
         if s.passes <= 0 or len(s.timesteps) != s.passes:
             errs.append(f"passes ({s.passes}) must be positive and equal len(timesteps) ({len(s.timesteps)})")
         lo_ok = (lambda t: t >= 0.0) if s.timestep_table else (lambda t: t > 0.0)
         if any(not (lo_ok(t) and t <= 1000.0) for t in s.timesteps) or list(s.timesteps) != sorted(
-                set(s.timesteps), reverse=True):
-            errs.append(f"timesteps {s.timesteps} must be decreasing values in "
-                        f"{'[0' if s.timestep_table else '(0'}, 1000]")
+            set(s.timesteps), reverse=True
+        ):
+            errs.append(
+                f"timesteps {s.timesteps} must be decreasing values in "
+                f"{'[0' if s.timestep_table else '(0'}, 1000]"
+            )
         if s.timestep_table < 0:
             errs.append(f"timestep_table must be >= 0, got {s.timestep_table}")
-        elif s.timestep_table and s.warp_denoising_step and any(
-                float(t) != int(t) or int(t) > s.timestep_table for t in s.timesteps):
-            errs.append(f"warped timesteps {s.timesteps} index the {s.timestep_table}-step table: they must be "
-                        f"whole numbers <= {s.timestep_table}")
+        elif (
+            s.timestep_table
+            and s.warp_denoising_step
+            and any(float(t) != int(t) or int(t) > s.timestep_table for t in s.timesteps)
+        ):
+            errs.append(
+                f"warped timesteps {s.timesteps} index the {s.timestep_table}-step table: they must be "
+                f"whole numbers <= {s.timestep_table}"
+            )
         if not (0.0 <= s.context_noise <= 1000.0):
             errs.append(f"context_noise must be in [0, 1000], got {s.context_noise}")
         if s.frame_sink_chunks < 0:
@@ -334,13 +372,15 @@ class CadenceConfig:
         if s.sink_distance < 0:
             errs.append(f"sink_distance must be >= 0, got {s.sink_distance}")
         if s.fps <= 0 or (self.video_frames_per_chunk * AUDIO_SAMPLE_RATE) % s.fps:
-            errs.append(f"fps {s.fps} must divide {self.video_frames_per_chunk} frames x {AUDIO_SAMPLE_RATE} Hz "
-                        "into whole audio samples per chunk")
+            errs.append(
+                f"fps {s.fps} must divide {self.video_frames_per_chunk} frames x {AUDIO_SAMPLE_RATE} Hz "
+                "into whole audio samples per chunk"
+            )
         if errs:
             raise ConfigError(f"invalid configuration {self.name!r}: " + "; ".join(errs))
 
     # ---- helpers ----------------------------------------------------------------------------
-    def with_overrides(self, **sections: dict) -> "CadenceConfig":
+    def with_overrides(self, **sections: dict) -> CadenceConfig:
         """Copy with fields replaced per section, e.g. ``with_overrides(model={"num_layers": 30})``."""
         kw = {}
         for sec, fields in sections.items():
@@ -363,7 +403,8 @@ class CadenceConfig:
             "tokens_per_chunk": self.tokens_per_chunk,
             "window_chunks": self.stream.window_chunks,
             "sink_chunks": self.stream.sink_frames // self.stream.latent_frames_per_chunk
-            if self.stream.sink_frames % self.stream.latent_frames_per_chunk == 0 else None,
+            if self.stream.sink_frames % self.stream.latent_frames_per_chunk == 0
+            else None,
             "sink_tokens": self.sink_tokens,
             "passes_per_chunk": self.stream.passes,
             "kv_tokens": self.kv_tokens,
@@ -446,18 +487,26 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         errs: list[str] = []
         if len(self.diffusion_devices) != 1:
-            errs.append(f"diffusion_devices must list exactly one device (under tensor parallelism every rank "
-                        f"runs its own pipeline on its GPU: bench pipeline --tp N), got {list(self.diffusion_devices)}")
+            errs.append(
+                f"diffusion_devices must list exactly one device (under tensor parallelism every rank "
+                f"runs its own pipeline on its GPU: bench pipeline --tp N), got {list(self.diffusion_devices)}"
+            )
         for d in self.diffusion_devices:
             if not _DEVICE_SPEC.fullmatch(str(d)):
                 errs.append(f"diffusion device {d!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.decode_device != "same" and not _DEVICE_SPEC.fullmatch(str(self.decode_device)):
-            errs.append(f"decode_device {self.decode_device!r} must be 'auto', 'same', 'cpu', 'cuda' or 'cuda:N'")
-        for what, n, lo in (("queue_depth", self.queue_depth, 1), ("host_buffers", self.host_buffers, 2),
-                            ("steps_in_flight", self.steps_in_flight, 1),
-                            ("max_graphs", self.max_graphs, 1), ("graph_warmup", self.graph_warmup, 1),
-                            ("max_captures_per_key", self.max_captures_per_key, 1),
-                            ("prewarm_chunks", self.prewarm_chunks, 0)):
+            errs.append(
+                f"decode_device {self.decode_device!r} must be 'auto', 'same', 'cpu', 'cuda' or 'cuda:N'"
+            )
+        for what, n, lo in (
+            ("queue_depth", self.queue_depth, 1),
+            ("host_buffers", self.host_buffers, 2),
+            ("steps_in_flight", self.steps_in_flight, 1),
+            ("max_graphs", self.max_graphs, 1),
+            ("graph_warmup", self.graph_warmup, 1),
+            ("max_captures_per_key", self.max_captures_per_key, 1),
+            ("prewarm_chunks", self.prewarm_chunks, 0),
+        ):
             if n < lo:
                 errs.append(f"{what} must be >= {lo}, got {n}")
         if errs:
@@ -547,26 +596,50 @@ def resolve_placement(cfg: PipelineConfig, cuda_device_count: int) -> Placement:
         raise ConfigError(f"decode_device {dec} is out of range: {visible}")
     dec = f"cuda:{i}"
     if first == "cpu":
-        raise ConfigError(f"decode_device {dec} with diffusion on the CPU: put diffusion on a GPU, or decode "
-                          "on the CPU")
+        raise ConfigError(
+            f"decode_device {dec} with diffusion on the CPU: put diffusion on a GPU, or decode on the CPU"
+        )
     if dec in diff[1:]:
-        raise ConfigError(f"decode_device {dec} is also a (non-first) diffusion device {diff}: decode may share "
-                          "only the first diffusion GPU ('same'), or use a GPU of its own")
+        raise ConfigError(
+            f"decode_device {dec} is also a (non-first) diffusion device {diff}: decode may share "
+            "only the first diffusion GPU ('same'), or use a GPU of its own"
+        )
     return Placement(tuple(diff), dec, dec == first, tuple(notes))
 
 
 def _wan(dim: int, heads: int, ffn: int, layers: int) -> dict:
-    return dict(dim=dim, num_heads=heads, head_dim=dim // heads, ffn_dim=ffn, num_layers=layers,
-                text_dim=4096, text_len=512, audio_dim=1024, audio_tokens_per_frame=8)
+    return dict(
+        dim=dim,
+        num_heads=heads,
+        head_dim=dim // heads,
+        ffn_dim=ffn,
+        num_layers=layers,
+        text_dim=4096,
+        text_len=512,
+        audio_dim=1024,
+        audio_tokens_per_frame=8,
+    )
 
 
 PRESETS: dict[str, CadenceConfig] = {
     # Small enough to run the whole path on a 2-core CPU: 128x128 video, 64 tokens per chunk.
     "tiny": CadenceConfig(
         name="tiny",
-        model=ModelConfig(dim=128, num_heads=4, head_dim=32, ffn_dim=256, num_layers=2, patch=(1, 2, 2),
-                          in_channels=16, out_channels=16, text_dim=64, text_len=16, audio_dim=64,
-                          audio_tokens_per_frame=4, audio_every=1),
+        model=ModelConfig(
+            dim=128,
+            num_heads=4,
+            head_dim=32,
+            ffn_dim=256,
+            num_layers=2,
+            patch=(1, 2, 2),
+            in_channels=16,
+            out_channels=16,
+            text_dim=64,
+            text_len=16,
+            audio_dim=64,
+            audio_tokens_per_frame=4,
+            audio_every=1,
+        ),
         vae=VAEConfig(stride=(4, 8, 8), latent_channels=16),
         stream=StreamConfig(height=128, width=128, latent_frames_per_chunk=1, window_chunks=4, sink_frames=1),
     ),
@@ -575,17 +648,21 @@ PRESETS: dict[str, CadenceConfig] = {
     # within the 21 of the open Self-Forcing geometry.
     "w1.3": CadenceConfig(
         name="w1.3",
-        model=ModelConfig(in_channels=16, out_channels=16, audio_every=4, patch=(1, 2, 2),
-                          **_wan(1536, 12, 8960, 30)),
+        model=ModelConfig(
+            in_channels=16, out_channels=16, audio_every=4, patch=(1, 2, 2), **_wan(1536, 12, 8960, 30)
+        ),
         vae=VAEConfig(stride=(4, 8, 8), latent_channels=16),
         stream=StreamConfig(height=480, width=832, latent_frames_per_chunk=3, window_chunks=6, sink_frames=1),
     ),
     "w14": CadenceConfig(
         name="w14",
-        model=ModelConfig(in_channels=48, out_channels=48, audio_every=4, patch=(1, 2, 2),
-                          **_wan(5120, 40, 13824, 40)),
+        model=ModelConfig(
+            in_channels=48, out_channels=48, audio_every=4, patch=(1, 2, 2), **_wan(5120, 40, 13824, 40)
+        ),
         vae=VAEConfig(stride=(4, 16, 16), latent_channels=48),
-        stream=StreamConfig(height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1),
+        stream=StreamConfig(
+            height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1
+        ),
     ),
     # The shipped default character (issue 7): tiny's geometry (128x128, 64 tokens per chunk) with the
     # model trained by `cadence.train.character` (weights in cadence/assets/character, model card there).
@@ -598,21 +675,51 @@ PRESETS: dict[str, CadenceConfig] = {
     # training has no effect here (tests/test_character.py checks both give equal streams): last_pass.
     "character": CadenceConfig(
         name="character",
-        model=ModelConfig(dim=128, num_heads=4, head_dim=32, ffn_dim=384, num_layers=4, patch=(1, 2, 2),
-                          in_channels=16, out_channels=16, text_dim=64, text_len=16, audio_dim=64,
-                          audio_tokens_per_frame=4, audio_every=1, audio_pos=True,
-                          weights="package:assets/character/dit.safetensors"),
-        vae=VAEConfig(stride=(4, 8, 8), latent_channels=16, decoder="taehv", base_dim=16,
-                      taehv_channels=(96, 64), taehv_shuffle=4, weights="package:assets/character/vae"),
-        stream=StreamConfig(height=128, width=128, latent_frames_per_chunk=1, window_chunks=1, sink_frames=1,
-                            commit="last_pass", cache="ring"),
+        model=ModelConfig(
+            dim=128,
+            num_heads=4,
+            head_dim=32,
+            ffn_dim=384,
+            num_layers=4,
+            patch=(1, 2, 2),
+            in_channels=16,
+            out_channels=16,
+            text_dim=64,
+            text_len=16,
+            audio_dim=64,
+            audio_tokens_per_frame=4,
+            audio_every=1,
+            audio_pos=True,
+            weights="package:assets/character/dit.safetensors",
+        ),
+        vae=VAEConfig(
+            stride=(4, 8, 8),
+            latent_channels=16,
+            decoder="taehv",
+            base_dim=16,
+            taehv_channels=(96, 64),
+            taehv_shuffle=4,
+            weights="package:assets/character/vae",
+        ),
+        stream=StreamConfig(
+            height=128,
+            width=128,
+            latent_frames_per_chunk=1,
+            window_chunks=1,
+            sink_frames=1,
+            commit="last_pass",
+            cache="ring",
+        ),
     ),
     "w57": CadenceConfig(
         name="w57",
-        model=ModelConfig(in_channels=48, out_channels=48, audio_every=4, patch=(1, 2, 2),
-                          **_wan(8192, 64, 24576, 60)),
+        model=ModelConfig(
+            in_channels=48, out_channels=48, audio_every=4, patch=(1, 2, 2), **_wan(8192, 64, 24576, 60)
+        ),
         vae=VAEConfig(stride=(4, 16, 16), latent_channels=48),
-        stream=StreamConfig(height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1),
+        stream=StreamConfig(
+            height=704, width=1088, latent_frames_per_chunk=1, window_chunks=20, sink_frames=1
+        ),
     ),
 }
 
@@ -622,7 +729,7 @@ def resolve_asset(path: str) -> str:
     if path.startswith("package:"):
         from pathlib import Path
 
-        return str(Path(__file__).resolve().parent / path[len("package:"):])
+        return str(Path(__file__).resolve().parent / path[len("package:") :])
     return path
 
 

@@ -12,4 +12,6 @@ from cadence.engine.engine import Engine
 
 
 def engine_stream(gen, image, prompt, audio, num_chunks, seed=0, **kw):
-    return Engine(gen, PipelineConfig(overlap=False)).stream(image, prompt, audio, num_chunks, seed=seed, **kw)
+    return Engine(gen, PipelineConfig(overlap=False)).stream(
+        image, prompt, audio, num_chunks, seed=seed, **kw
+    )

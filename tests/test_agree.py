@@ -14,8 +14,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 import tp_worker
 
-pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
 
 
 def test_ranks_agree_on_the_second_warm_up_session_and_tear_down_in_order(tmp_path):

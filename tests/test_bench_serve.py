@@ -15,8 +15,22 @@ def test_bench_serve_records_json_with_codec_and_timeline(tmp_path, capsys, monk
 
     from cadence.cli import main
 
-    argv = ["bench", "serve", "--preset", "tiny", "--seconds", "3", "--window-s", "1", "--video-codec", "H264",
-            "--progress-every", "1", "--out-dir", str(tmp_path)]
+    argv = [
+        "bench",
+        "serve",
+        "--preset",
+        "tiny",
+        "--seconds",
+        "3",
+        "--window-s",
+        "1",
+        "--video-codec",
+        "H264",
+        "--progress-every",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     monkeypatch.setattr(sys, "argv", ["cadence", *argv])  # the JSON records the command line it ran with
     rc = main(argv)
     out = capsys.readouterr()
@@ -39,12 +53,21 @@ def test_timeline_summary_across_sessions():
     def w(fps, p50, partial=False):
         return {"fps": fps, "chunk_latency_ms_p50": p50, **({"partial": True} if partial else {})}
 
-    reports = [{"timeline": [w(24.0, 60.0), w(23.5, 80.0), w(30.0, 200.0, partial=True)],
-                "worker_memory_growth_mb": {"rss_mb": 1.5}},
-               {"timeline": [w(23.9, 50.0)], "worker_memory_growth_mb": {"rss_mb": 12.0, "cuda_mb": 0.0}},
-               {"timeline": []}]
+    reports = [
+        {
+            "timeline": [w(24.0, 60.0), w(23.5, 80.0), w(30.0, 200.0, partial=True)],
+            "worker_memory_growth_mb": {"rss_mb": 1.5},
+        },
+        {"timeline": [w(23.9, 50.0)], "worker_memory_growth_mb": {"rss_mb": 12.0, "cuda_mb": 0.0}},
+        {"timeline": []},
+    ]
     s = _timeline_summary(reports)
-    assert s == {"full_windows": 3, "fps_min_window": 23.5, "chunk_latency_ms_p50_first_window": 55.0,
-                 "chunk_latency_ms_p50_worst_window": 80.0, "worker_rss_growth_mb_max": 12.0,
-                 "worker_cuda_growth_mb_max": 0.0}  # partial windows do not count
+    assert s == {
+        "full_windows": 3,
+        "fps_min_window": 23.5,
+        "chunk_latency_ms_p50_first_window": 55.0,
+        "chunk_latency_ms_p50_worst_window": 80.0,
+        "worker_rss_growth_mb_max": 12.0,
+        "worker_cuda_growth_mb_max": 0.0,
+    }  # partial windows do not count
     assert _timeline_summary([])["fps_min_window"] is None

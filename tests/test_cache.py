@@ -48,6 +48,7 @@ def manual_attention(r: Rope3D, q, q_start, entries):
 
 # ---- NaiveCache --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("window", [1, 2, 3, 10])
 def test_window_keeps_last_chunks_and_sink(window):
     layers, n, fpc = 2, 6, 1
@@ -87,8 +88,11 @@ def test_window_keeps_last_chunks_and_sink(window):
     assert rel_err(out, ref) < 1e-6
     # ... and it differs from attending over one chunk more or less (the window is really applied)
     if 1 < window <= n:
-        wider = [(sink[1], sink[2], 0, 1)] + [(chunks[i][1], chunks[i][2], 1 + i * fpc, fpc)
-                                              for i in range(n - window, n)] + [(k_, v, start, fpc)]
+        wider = (
+            [(sink[1], sink[2], 0, 1)]
+            + [(chunks[i][1], chunks[i][2], 1 + i * fpc, fpc) for i in range(n - window, n)]
+            + [(k_, v, start, fpc)]
+        )
         assert rel_err(out, manual_attention(r, q, start, wider)) > 1e-3
     # commit=False did not store anything
     assert len(cache.past[0]) == min(n, window - 1)
@@ -165,7 +169,7 @@ def test_fake_fp8_elementwise_error():
     scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
     # normal e4m3 numbers: |err| <= 2^-4 |x|; below the smallest normal (2^-6) the spacing is the
     # subnormal step 2^-9, so half of it (2^-10) in scaled units bounds the absolute error there.
-    bound = 2.0 ** -4 * x.abs() + 2.0 ** -10 * scale + 1e-12
+    bound = 2.0**-4 * x.abs() + 2.0**-10 * scale + 1e-12
     assert ((y - x).abs() <= bound).all()
     # the per-row maximum is exactly representable (it maps to 448)
     idx = x.abs().argmax(-1, keepdim=True)
@@ -174,16 +178,18 @@ def test_fake_fp8_elementwise_error():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fake_fp8_huge_and_zero(dtype):
-    x = torch.tensor([[1e30, -3e30, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [3e38, -3e38, 1e-30, 5.0]],
-                     dtype=torch.float32).to(dtype)
+    x = torch.tensor(
+        [[1e30, -3e30, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [3e38, -3e38, 1e-30, 5.0]], dtype=torch.float32
+    ).to(dtype)
     y = fake_fp8(x)
     assert torch.isfinite(y).all()
     assert (y[1] == 0).all()  # an all-zero row stays zero (no 0/0)
     # the largest magnitudes survive to within e4m3 rounding
-    assert torch.allclose(y[0, :2].float(), x[0, :2].float(), rtol=2 ** -4)
+    assert torch.allclose(y[0, :2].float(), x[0, :2].float(), rtol=2**-4)
 
 
 # ---- RoPE --------------------------------------------------------------------------------------------
+
 
 def test_rope_split_like_wan():
     assert ModelConfig(dim=8192, num_heads=64, head_dim=128).rope_split == (44, 42, 42)
@@ -196,7 +202,10 @@ def test_rope_preserves_pair_norms():
     x = torch.randn(1, 4 * TPF, HEADS, HEAD_DIM, generator=g)
     cos, sin = r.cos_sin(torch.arange(3, 7), *GRID)
     y = apply_rope(x, cos, sin)
-    pn = lambda t: t.unflatten(-1, (-1, 2)).norm(dim=-1)
+
+    def pn(t):
+        return t.unflatten(-1, (-1, 2)).norm(dim=-1)
+
     # a rotation of each (2i, 2i+1) pair: norms kept to float32 rounding
     assert torch.allclose(pn(y), pn(x), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(y, x, atol=1e-3)  # and it did rotate
@@ -229,10 +238,10 @@ def test_rope_relative_positions():
 
 def test_rope_large_positions_finite():
     r = rope()
-    frames = torch.tensor([10 ** 6, 10 ** 6 + 1, 2 ** 31 - 1])
+    frames = torch.tensor([10**6, 10**6 + 1, 2**31 - 1])
     cos, sin = r.cos_sin(frames, *GRID)
     assert torch.isfinite(cos).all() and torch.isfinite(sin).all()
-    assert torch.allclose(cos ** 2 + sin ** 2, torch.ones_like(cos), atol=1e-6)
+    assert torch.allclose(cos**2 + sin**2, torch.ones_like(cos), atol=1e-6)
     # angles are pos * inv_freq from integer positions: the frame part at frame 10^6, channel 0
     # (inv_freq 1) is exactly float32(10^6) rad
     a = r.angles(frames[:1], 1, 1)
@@ -254,6 +263,6 @@ def test_rope_grid_order():
             for w in range(GRID[1]):
                 row = a[f_i * TPF + h * GRID[1] + w]
                 assert torch.allclose(row[:nf], f * inv[0])
-                assert torch.allclose(row[nf:nf + nh], h * inv[1])
-                assert torch.allclose(row[nf + nh:], w * inv[2])
+                assert torch.allclose(row[nf : nf + nh], h * inv[1])
+                assert torch.allclose(row[nf + nh :], w * inv[2])
     assert math.isclose(inv[0][0].item(), 1.0)

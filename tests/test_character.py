@@ -11,21 +11,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from streams import engine_stream
 
 from cadence.config import get_preset, resolve_asset
 from cadence.engine.session import build_generator
 from cadence.eval.metrics import lipsync, mouth_opening
 from cadence.media.image import default_reference_image
 from cadence.train.data import TEST_SEED_BASE, make_clip
-from streams import engine_stream
 
 CFG = get_preset("character")
 
 
 def _stream(gen, image: torch.Tensor, audio: np.ndarray, seed: int = 0) -> np.ndarray:
     n = len(audio) // CFG.audio_samples_per_chunk
-    return torch.cat([o.frames for o in engine_stream(gen, image, "a friendly face", torch.from_numpy(audio), n,
-                                                   seed=seed)]).numpy()
+    return torch.cat(
+        [
+            o.frames
+            for o in engine_stream(gen, image, "a friendly face", torch.from_numpy(audio), n, seed=seed)
+        ]
+    ).numpy()
 
 
 def _image(clip) -> torch.Tensor:
@@ -40,8 +44,15 @@ def gen():
 def test_weights_ship_in_the_package_within_budget():
     root = Path(resolve_asset("package:assets/character"))
     files = [p for p in root.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"dit.safetensors", "config.json", "diffusion_pytorch_model.safetensors",
-                                       "taehv.json", "taehv.safetensors", "MODEL_CARD.md", "train_log.json"}
+    assert {p.name for p in files} >= {
+        "dit.safetensors",
+        "config.json",
+        "diffusion_pytorch_model.safetensors",
+        "taehv.json",
+        "taehv.safetensors",
+        "MODEL_CARD.md",
+        "train_log.json",
+    }
     assert sum(p.stat().st_size for p in files) <= 30 * 2**20
 
 
@@ -67,7 +78,9 @@ def test_mouth_closes_in_silence_and_opens_with_speech(gen):
     img = default_reference_image(128, 128)
     spc = CFG.audio_samples_per_chunk
     speech = synthetic_speech(2.0, seed=3).numpy()
-    audio = np.concatenate([np.zeros(12 * spc, np.float32), speech[: 12 * spc] / max(1e-6, np.abs(speech).max()) * 0.5])
+    audio = np.concatenate(
+        [np.zeros(12 * spc, np.float32), speech[: 12 * spc] / max(1e-6, np.abs(speech).max()) * 0.5]
+    )
     frames = _stream(gen, img, audio.astype(np.float32))
     m = mouth_opening(frames)
     quiet, loud = m[4:48], m[52:]

@@ -47,7 +47,7 @@ class _FakeEngine:
                 raise InputError("fake engine failure at chunk 1")
             shape = (t, c.stream.height, c.stream.width, 3)
             frames = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
-            yield _Chunk(i, torch.zeros(1), frames, audio[i * s:(i + 1) * s])
+            yield _Chunk(i, torch.zeros(1), frames, audio[i * s : (i + 1) * s])
 
     def close(self) -> None:
         self.calls["closed"] = True
@@ -92,14 +92,32 @@ def _tone_wav(path: Path, seconds: float, rate: int = 16_000) -> None:
 
 # ---- happy path with the fake engine ------------------------------------------------------------
 
+
 def test_generate_with_fake_engine(tmp_path: Path, fake_engine: dict, capsys: pytest.CaptureFixture) -> None:
     img = tmp_path / "face.jpg"
     Image.new("RGB", (300, 200), (200, 150, 120)).save(img)
     wav = tmp_path / "speech.wav"
     _tone_wav(wav, 1.0)
     out = tmp_path / "out.mp4"
-    rc = main(["generate", "--preset", "tiny", "--image", str(img), "--audio", str(wav), "--chunks", "3",
-               "--out", str(out), "--prompt", "hello", "--seed", "7"])
+    rc = main(
+        [
+            "generate",
+            "--preset",
+            "tiny",
+            "--image",
+            str(img),
+            "--audio",
+            str(wav),
+            "--chunks",
+            "3",
+            "--out",
+            str(out),
+            "--prompt",
+            "hello",
+            "--seed",
+            "7",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     s = TINY.audio_samples_per_chunk
@@ -117,8 +135,9 @@ def test_generate_with_fake_engine(tmp_path: Path, fake_engine: dict, capsys: py
     assert len(summary) == 1 and str(out) in summary[0] and "chunks/s" in summary[0]
 
 
-def test_generate_defaults_cover_synthetic_audio(tmp_path: Path, fake_engine: dict,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_defaults_cover_synthetic_audio(
+    tmp_path: Path, fake_engine: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["generate"]) == 0  # built-in face, 2 s of synthetic speech, out.mp4 in the cwd
     st = fake_engine["stream"]
@@ -136,8 +155,9 @@ def test_generate_default_chunks_round_up(tmp_path: Path, fake_engine: dict) -> 
     assert audio[43_300:].abs().max() == 0 and audio[:43_000].abs().max() > 0.3
 
 
-def test_engine_error_is_one_line_and_leaves_no_file(tmp_path: Path, fake_engine: dict,
-                                                     capsys: pytest.CaptureFixture) -> None:
+def test_engine_error_is_one_line_and_leaves_no_file(
+    tmp_path: Path, fake_engine: dict, capsys: pytest.CaptureFixture
+) -> None:
     fake_engine["fail_at"] = 1
     out = tmp_path / "o.mp4"
     assert main(["generate", "--chunks", "3", "--out", str(out)]) == 2
@@ -148,6 +168,7 @@ def test_engine_error_is_one_line_and_leaves_no_file(tmp_path: Path, fake_engine
 
 
 # ---- errors ------------------------------------------------------------------------------------
+
 
 def _bad_args(case: str, tmp: Path) -> list[str]:
     text = tmp / "notes.png"
@@ -173,12 +194,28 @@ def _bad_args(case: str, tmp: Path) -> list[str]:
     }[case]
 
 
-@pytest.mark.parametrize("case", ["missing_image", "image_is_text", "missing_audio", "audio_is_image",
-                                  "chunks_zero", "chunks_negative", "unknown_preset", "out_dir_missing",
-                                  "out_is_dir", "bad_device", "cuda_missing", "missing_weights",
-                                  "weights_dir_without_checkpoint", "vae_weights_not_a_folder"])
-def test_generate_errors_are_one_line(case: str, tmp_path: Path, fake_engine: dict,
-                                      capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing_image",
+        "image_is_text",
+        "missing_audio",
+        "audio_is_image",
+        "chunks_zero",
+        "chunks_negative",
+        "unknown_preset",
+        "out_dir_missing",
+        "out_is_dir",
+        "bad_device",
+        "cuda_missing",
+        "missing_weights",
+        "weights_dir_without_checkpoint",
+        "vae_weights_not_a_folder",
+    ],
+)
+def test_generate_errors_are_one_line(
+    case: str, tmp_path: Path, fake_engine: dict, capsys: pytest.CaptureFixture
+) -> None:
     if case == "cuda_missing" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     rc = main(["generate", *_bad_args(case, tmp_path)])
@@ -194,22 +231,45 @@ def test_generate_loads_the_checkpoint_it_is_given(tmp_path: Path, fake_engine: 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "model-00001.safetensors").write_bytes(b"")  # a folder of shards is taken as is
-    assert main(["generate", "--chunks", "1", "--weights", str(ckpt), "--vae-weights", str(tmp_path),
-                 "--out", str(tmp_path / "o.mp4")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--chunks",
+                "1",
+                "--weights",
+                str(ckpt),
+                "--vae-weights",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "o.mp4"),
+            ]
+        )
+        == 0
+    )
     cfg = fake_engine["build"]["cfg"]
     assert cfg.model.weights == str(ckpt.resolve()) and cfg.vae.weights == str(tmp_path.resolve())
 
 
 @pytest.mark.parametrize("flag", ["--weights", "--vae-weights"])
-def test_serve_refuses_missing_weights_before_starting(flag: str, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_serve_refuses_missing_weights_before_starting(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert main(["serve", "--port", "0", flag, str(tmp_path / "nope")]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0], lines
 
 
-@pytest.mark.parametrize("argv", [["generate", "--chunks", "many"], ["generate", "--dtype", "int3"],
-                                  ["generate", "--bogus"], [], ["frobnicate"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--chunks", "many"],
+        ["generate", "--dtype", "int3"],
+        ["generate", "--bogus"],
+        [],
+        ["frobnicate"],
+    ],
+)
 def test_usage_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(argv) == 2
     lines = capsys.readouterr().err.splitlines()
@@ -222,6 +282,7 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture) -> None:
 
 
 # ---- bench dispatch ----------------------------------------------------------------------------
+
 
 def test_bench_dispatches_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
@@ -240,14 +301,31 @@ def test_unknown_bench_is_one_line(capsys: pytest.CaptureFixture) -> None:
 
 # ---- a real process ----------------------------------------------------------------------------
 
+
 def test_real_process_has_no_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "face.png"
     bad.write_text("not an image")
     path = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    r = subprocess.run([sys.executable, "-m", "cadence", "generate", "--image", str(bad), "--chunks", "2",
-                        "--out", str(tmp_path / "o.mp4")], capture_output=True, text=True, env=env,
-                       cwd=tmp_path, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cadence",
+            "generate",
+            "--image",
+            str(bad),
+            "--chunks",
+            "2",
+            "--out",
+            str(tmp_path / "o.mp4"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [f"error: not an image (unrecognised format): {bad}"]
     assert "Traceback" not in r.stderr and r.stdout == ""
@@ -255,6 +333,7 @@ def test_real_process_has_no_traceback(tmp_path: Path) -> None:
 
 
 # ---- end to end with the real engine (once it exists) ------------------------------------------
+
 
 def test_generate_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("cadence.engine.session")
@@ -266,4 +345,4 @@ def test_generate_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert samples > 0
     with av.open(str(out)) as c:
         pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
-    assert np.sqrt(np.mean(pcm ** 2)) > 0.01  # the synthetic speech made it into the file
+    assert np.sqrt(np.mean(pcm**2)) > 0.01  # the synthetic speech made it into the file

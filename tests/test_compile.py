@@ -15,13 +15,13 @@ import math
 
 import pytest
 import torch
+from streams import engine_stream
 
 from cadence.config import get_preset
 from cadence.engine.session import StreamGenerator
 from cadence.model import layers as L
 from cadence.model.weights import build_model
 from cadence.runtime.compile import _compiler_problem, apply_compile, remove_compile
-from streams import engine_stream
 
 CPU = torch.device("cpu")
 HAVE_INDUCTOR = _compiler_problem(CPU) is None
@@ -65,10 +65,11 @@ def test_ops_match_reference(backend):
     xb, yb = x.bfloat16(), y.bfloat16()
     got, ref = ops.norm_modulate(xb, shift, scale, 1e-6), L.norm_modulate(xb, shift, scale, 1e-6)
     assert got.dtype == torch.bfloat16
-    ulp = ((got.float() - ref.float()).abs() > ref.float().abs() * 2 ** -8 + 1e-6).float().mean().item()
+    ulp = ((got.float() - ref.float()).abs() > ref.float().abs() * 2**-8 + 1e-6).float().mean().item()
     assert ulp == 0.0
-    assert (ops.gate_residual(xb, yb, gate).float() - L.gate_residual(xb, yb, gate).float()).abs().max() \
-        <= (L.gate_residual(xb, yb, gate).float().abs().max() * 2 ** -8)
+    assert (ops.gate_residual(xb, yb, gate).float() - L.gate_residual(xb, yb, gate).float()).abs().max() <= (
+        L.gate_residual(xb, yb, gate).float().abs().max() * 2**-8
+    )
 
 
 def stream(gen, n=5):
@@ -88,13 +89,17 @@ def test_model_stream_matches_reference(backend):
         ref = stream(gen)
         rep = apply_compile(gen.model, backend=backend)
         assert rep.enabled and rep.blocks == cfg.model.num_layers
-        assert rep.norms == 2 * 2 * cfg.model.num_layers + sum(2 for i in range(cfg.model.num_layers)
-                                                                if cfg.model.has_audio(i))
+        assert rep.norms == 2 * 2 * cfg.model.num_layers + sum(
+            2 for i in range(cfg.model.num_layers) if cfg.model.has_audio(i)
+        )
         got = stream(gen)
     st = rep.status()
     sharded = ("sum_squares", "rms_scale")  # only tensor-parallel sharded norms call these (tests/test_tp.py)
-    assert all(v.startswith("compiled") and not v.startswith("compiled (0") for k, v in st.items()
-               if k not in sharded), st
+    assert all(
+        v.startswith("compiled") and not v.startswith("compiled (0")
+        for k, v in st.items()
+        if k not in sharded
+    ), st
     assert all(st[k] == "compiled (0 calls)" for k in sharded), st
     for a, b in zip(got, ref):
         assert rel(a, b) < 1e-4
@@ -139,11 +144,15 @@ def test_cuda_bf16_ops_and_graph_capture():
     ops = FusedOps("inductor")
     dev = torch.device("cuda")
     x, y, shift, scale, gate, w, b = (t.to(dev) for t in op_inputs(torch.bfloat16))
-    for name, args in (("norm_modulate", (x, shift, scale, 1e-6)), ("layer_norm_cast", (x, w, b, 1e-6)),
-                       ("gate_residual", (x, y, gate)), ("rms_norm", (x, w.bfloat16(), 1e-6))):
+    for name, args in (
+        ("norm_modulate", (x, shift, scale, 1e-6)),
+        ("layer_norm_cast", (x, w, b, 1e-6)),
+        ("gate_residual", (x, y, gate)),
+        ("rms_norm", (x, w.bfloat16(), 1e-6)),
+    ):
         got, ref = getattr(ops, name)(*args), getattr(L, name)(*args)
         assert got.dtype == ref.dtype == torch.bfloat16
-        tol = ref.float().abs() * 2 ** -7 + 1e-3
+        tol = ref.float().abs() * 2**-7 + 1e-3
         assert ((got.float() - ref.float()).abs() <= tol).all(), name
     assert all(not s.startswith("failed") for s in ops.status().values()), ops.status()
     static = x.clone()
@@ -159,4 +168,4 @@ def test_cuda_bf16_ops_and_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     ref = L.norm_modulate(y, shift, scale, 1e-6)
-    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-3).all()
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-3).all()

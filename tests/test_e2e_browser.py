@@ -71,7 +71,9 @@ def chromium() -> str:
     exe = chromium_path()
     if exe is None:
         pytest.skip("Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
-    pytest.importorskip("websocket", reason="websocket-client is not installed (pip install websocket-client)")
+    pytest.importorskip(
+        "websocket", reason="websocket-client is not installed (pip install websocket-client)"
+    )
     return exe
 
 
@@ -146,6 +148,7 @@ MEASURE_JS = r"""
 })()
 """
 
+
 def _flashes(frames: list[dict]) -> list[float]:
     """Display times of the marker frames: a presented frame much brighter than the one before."""
     out = []
@@ -188,8 +191,10 @@ def _settled(markers: list[tuple[float, float | None]]) -> list[float] | None:
     return None
 
 
-MARKS_JS = ("(() => { const M = window.__e2e; return { now: performance.now(), "
-            "frames: M.frames.map((f) => ({ t: f.t, b: f.b })), onsets: M.onsets }; })()")
+MARKS_JS = (
+    "(() => { const M = window.__e2e; return { now: performance.now(), "
+    "frames: M.frames.map((f) => ({ t: f.t, b: f.b })), onsets: M.onsets }; })()"
+)
 
 
 def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, browser):
@@ -199,7 +204,10 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
     # no microphone: Chromium's fake device beeps, and the 'mirror' agent would echo the beeps,
     # which would look like marker tones (the aiortc-client test covers the microphone path)
     cdp.eval("document.getElementById('use-mic').checked = false")
-    assert cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')") == "ok"
+    assert (
+        cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')")
+        == "ok"
+    )
     sid = cdp.eval("window.cadence.state().sessionId")
     token = cdp.eval("window.cadence.state().token")  # the page keeps the token POST /sessions returned
     assert sid and token
@@ -235,9 +243,11 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
         if now > SETTLE_DEADLINE_S and s2 is not None:
             break
         time.sleep(0.2)
-    m = cdp.eval("(() => { const M = window.__e2e; M.stopped = true; "
-                 "return { frames: M.frames, onsets: M.onsets, blocks: M.blocks, loudBlocks: M.loudBlocks, "
-                 "ctxState: M.ctx.state, latency: [M.ctx.baseLatency, M.ctx.outputLatency] }; })()")
+    m = cdp.eval(
+        "(() => { const M = window.__e2e; M.stopped = true; "
+        "return { frames: M.frames, onsets: M.onsets, blocks: M.blocks, loudBlocks: M.loudBlocks, "
+        "ctxState: M.ctx.state, latency: [M.ctx.baseLatency, M.ctx.outputLatency] }; })()"
+    )
     t_stop = time.monotonic()
     assert cdp.eval("window.cadence.stop().then(() => document.body.dataset.state)") == "closed"
     stop_s = time.monotonic() - t_stop  # DELETE (the server's whole session teardown) + the page's pc.close()
@@ -246,7 +256,9 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
     dt = (s2["t"] - s1["t"]) / 1000
     fps = (s2["framesDecoded"] - s1["framesDecoded"]) / dt
     win = [f for f in m["frames"] if s1["t"] <= f["t"] <= s2["t"]]
-    shown_fps = (win[-1]["pf"] - win[0]["pf"]) / ((win[-1]["t"] - win[0]["t"]) / 1000) if len(win) > 1 else 0.0
+    shown_fps = (
+        (win[-1]["pf"] - win[0]["pf"]) / ((win[-1]["t"] - win[0]["t"]) / 1000) if len(win) > 1 else 0.0
+    )
     audio_rate = (s2["samples"] - s1["samples"]) / dt
     t_first = m["frames"][0]["t"] if m["frames"] else 0.0
 
@@ -254,18 +266,28 @@ def test_browser_receives_24fps_video_with_audio_in_sync(chromium, server, brows
         near = [d for t, d in browser_offsets if abs(t - tv) <= 300]
         return round(statistics.mean(near), 1) if near else None
 
-    summary = {"fps_decoded": round(fps, 2), "fps_presented": round(shown_fps, 2), "window_s": round(dt, 2),
-               "audio_samples_per_s": round(audio_rate), "audio_blocks": m["blocks"], "loud_blocks": m["loudBlocks"],
-               "settled_av_offsets_ms": settled and [round(o, 1) for o in settled],
-               "sync_from_s": t_sync and round((t_sync - t_first) / 1000, 2),
-               "settled_at_s": round((markers[-1][0] - t_first) / 1000, 2) if settled else None,
-               # (flash time s, audio - video ms, Chrome's own estimate of that offset ms)
-               "markers": [(round((tv - t_first) / 1000, 2), o if o is None else round(o, 1), browser_estimate(tv))
-                           for tv, o in markers],
-               "ctx_latency_s": m["latency"],
-               "server": {k: status[k] for k in ("fps", "underruns", "av_offset_ms", "ttff_ms")},
-               "width": s2.get("frameWidth"), "stop_s": round(stop_s, 2), "close_reason": report.get("close_reason"),
-               "test_s": round(time.monotonic() - t_start, 1)}
+    summary = {
+        "fps_decoded": round(fps, 2),
+        "fps_presented": round(shown_fps, 2),
+        "window_s": round(dt, 2),
+        "audio_samples_per_s": round(audio_rate),
+        "audio_blocks": m["blocks"],
+        "loud_blocks": m["loudBlocks"],
+        "settled_av_offsets_ms": settled and [round(o, 1) for o in settled],
+        "sync_from_s": t_sync and round((t_sync - t_first) / 1000, 2),
+        "settled_at_s": round((markers[-1][0] - t_first) / 1000, 2) if settled else None,
+        # (flash time s, audio - video ms, Chrome's own estimate of that offset ms)
+        "markers": [
+            (round((tv - t_first) / 1000, 2), o if o is None else round(o, 1), browser_estimate(tv))
+            for tv, o in markers
+        ],
+        "ctx_latency_s": m["latency"],
+        "server": {k: status[k] for k in ("fps", "underruns", "av_offset_ms", "ttff_ms")},
+        "width": s2.get("frameWidth"),
+        "stop_s": round(stop_s, 2),
+        "close_reason": report.get("close_reason"),
+        "test_s": round(time.monotonic() - t_start, 1),
+    }
     print("e2e browser:", json.dumps(summary))
 
     # >= 2 s of video at about 24 fps
@@ -310,7 +332,10 @@ def test_browser_receives_h264_when_the_page_asks_for_it(chromium, server, brows
         pytest.skip(f"this Chromium build cannot receive H.264 (receiver codecs: {sorted(set(caps))})")
     cdp.eval("document.getElementById('use-mic').checked = false")
     cdp.eval("document.getElementById('codec').value = 'H264'")
-    assert cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')") == "ok"
+    assert (
+        cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || 'ok')")
+        == "ok"
+    )
     deadline = time.monotonic() + 20
     st = {}
     while (st.get("framesDecoded") or 0) < 36:  # 1.5 s of video

@@ -95,8 +95,9 @@ def test_bad_umt5_state_dict_is_named(tmp_path):
 def test_factory_stand_in_and_real():
     assert isinstance(make_text_encoder(get_preset("tiny")), ByteTextEncoder)
     assert isinstance(make_text_encoder(get_preset("character")), ByteTextEncoder)
-    cfg = family_config("self-forcing", text_encoder=str(PTH), text_tokenizer=str(TOK),
-                        model=dict(text_dim=32, text_len=SEQ))
+    cfg = family_config(
+        "self-forcing", text_encoder=str(PTH), text_tokenizer=str(TOK), model=dict(text_dim=32, text_len=SEQ)
+    )
     enc = make_text_encoder(cfg)
     assert rel(enc(DATA["prompts"][2]), DATA["embeds"][2]) <= 1e-5
     bad = family_config("self-forcing", text_encoder=str(PTH), text_tokenizer=str(TOK))  # text_dim 4096

@@ -50,16 +50,20 @@ def no_leaked_threads():
 
 # ---- placement ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("decode, count, want", [
-    ("auto", 0, ("cpu", "cpu", False)),      # no CUDA: everything on the CPU (decode in a CPU thread)
-    ("cuda:1", 0, ("cpu", "cpu", False)),    # ... even when a GPU was asked for (with a note)
-    ("auto", 1, ("cuda:0", "cuda:0", True)),  # one GPU: decode shares it on its own stream
-    ("auto", 2, ("cuda:0", "cuda:1", False)),  # two: decode gets the free one
-    ("same", 2, ("cuda:0", "cuda:0", True)),
-    ("cuda:0", 2, ("cuda:0", "cuda:0", True)),  # naming the diffusion GPU = same GPU, separate stream
-    ("cuda:1", 2, ("cuda:0", "cuda:1", False)),
-    ("cpu", 1, ("cuda:0", "cpu", False)),
-])
+
+@pytest.mark.parametrize(
+    "decode, count, want",
+    [
+        ("auto", 0, ("cpu", "cpu", False)),  # no CUDA: everything on the CPU (decode in a CPU thread)
+        ("cuda:1", 0, ("cpu", "cpu", False)),  # ... even when a GPU was asked for (with a note)
+        ("auto", 1, ("cuda:0", "cuda:0", True)),  # one GPU: decode shares it on its own stream
+        ("auto", 2, ("cuda:0", "cuda:1", False)),  # two: decode gets the free one
+        ("same", 2, ("cuda:0", "cuda:0", True)),
+        ("cuda:0", 2, ("cuda:0", "cuda:0", True)),  # naming the diffusion GPU = same GPU, separate stream
+        ("cuda:1", 2, ("cuda:0", "cuda:1", False)),
+        ("cpu", 1, ("cuda:0", "cpu", False)),
+    ],
+)
 def test_resolve_placement_valid(decode, count, want):
     p = resolve_placement(PipelineConfig(decode_device=decode), count)
     assert isinstance(p, Placement)
@@ -77,28 +81,38 @@ def test_resolve_placement_diffusion_device_choice():
     assert resolve_placement(PipelineConfig(diffusion_devices=("cpu",)), 2).decode_device == "cpu"
 
 
-@pytest.mark.parametrize("kw, count, match", [
-    (dict(decode_device="cuda:1"), 1, r"decode_device cuda:1 is out of range: 1 CUDA device\(s\) visible "
-                                      r"\(cuda:0..cuda:0\)"),
-    (dict(decode_device="cuda:5"), 2, r"cuda:5 is out of range: 2 CUDA"),
-    (dict(diffusion_devices=("cuda:3",)), 2, r"diffusion device cuda:3 is out of range"),
-    (dict(diffusion_devices=("cpu",), decode_device="cuda:0"), 1, r"diffusion on the CPU"),
-])
+@pytest.mark.parametrize(
+    "kw, count, match",
+    [
+        (
+            dict(decode_device="cuda:1"),
+            1,
+            r"decode_device cuda:1 is out of range: 1 CUDA device\(s\) visible "
+            r"\(cuda:0..cuda:0\)",
+        ),
+        (dict(decode_device="cuda:5"), 2, r"cuda:5 is out of range: 2 CUDA"),
+        (dict(diffusion_devices=("cuda:3",)), 2, r"diffusion device cuda:3 is out of range"),
+        (dict(diffusion_devices=("cpu",), decode_device="cuda:0"), 1, r"diffusion on the CPU"),
+    ],
+)
 def test_resolve_placement_invalid(kw, count, match):
     with pytest.raises(ConfigError, match=match):
         resolve_placement(PipelineConfig(**kw), count)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(diffusion_devices=("cuda:0", "cuda:1")), r"exactly one device.*\['cuda:0', 'cuda:1'\]"),
-    (dict(diffusion_devices=()), r"exactly one device"),
-    (dict(decode_device="gpu1"), r"decode_device 'gpu1' must be"),
-    (dict(diffusion_devices=("tpu",)), r"diffusion device 'tpu' must be"),
-    (dict(queue_depth=0), r"queue_depth must be >= 1, got 0"),
-    (dict(host_buffers=1), r"host_buffers must be >= 2, got 1"),
-    (dict(max_graphs=0), r"max_graphs must be >= 1, got 0"),
-    (dict(steps_in_flight=0), r"steps_in_flight must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(diffusion_devices=("cuda:0", "cuda:1")), r"exactly one device.*\['cuda:0', 'cuda:1'\]"),
+        (dict(diffusion_devices=()), r"exactly one device"),
+        (dict(decode_device="gpu1"), r"decode_device 'gpu1' must be"),
+        (dict(diffusion_devices=("tpu",)), r"diffusion device 'tpu' must be"),
+        (dict(queue_depth=0), r"queue_depth must be >= 1, got 0"),
+        (dict(host_buffers=1), r"host_buffers must be >= 2, got 1"),
+        (dict(max_graphs=0), r"max_graphs must be >= 1, got 0"),
+        (dict(steps_in_flight=0), r"steps_in_flight must be >= 1, got 0"),
+    ],
+)
 def test_pipeline_config_rejects(kw, match):
     with pytest.raises(ConfigError, match=match):
         PipelineConfig(**kw)
@@ -114,13 +128,16 @@ SERIAL = PipelineConfig(diffusion_devices=("cpu",), decode_device="same", overla
 
 # ---- parity, order, timings --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("stream", [{}, {"cache": "ring"}, {"cache": "ring", "sampler": "renoise"}])
 def test_overlapped_engine_equals_serial_order(stream):
     cfg = TINY.with_overrides(stream=stream)
     g = build_generator(cfg, seed=0)
     audio = speech()
-    ref = [(o.latents, o.frames.clone(), o.audio) for o in Engine(g, SERIAL).stream(image(), "a person talking",
-                                                                                     audio, N, seed=5)]
+    ref = [
+        (o.latents, o.frames.clone(), o.audio)
+        for o in Engine(g, SERIAL).stream(image(), "a person talking", audio, N, seed=5)
+    ]
     # the model is on the CPU: say so (the default 'auto' picks cuda:0 where a GPU exists; seen on the H200)
     eng = Engine(g, PipelineConfig(diffusion_devices=("cpu",), decode_device="same"))
     outs = list(eng.stream(image(), "a person talking", audio, N, seed=5))
@@ -156,7 +173,9 @@ def test_timings_present_and_sane(gen):
     wall_ms = (time.monotonic() - t_start) * 1e3
     ttff = eng.last_run["ttff_ms"]
     assert 0 < ttff <= wall_ms
-    assert ttff <= (outs[0].timings.t_done - t_start) * 1e3 + 0.5  # from the stream's start to chunk 0's frames
+    assert (
+        ttff <= (outs[0].timings.t_done - t_start) * 1e3 + 0.5
+    )  # from the stream's start to chunk 0's frames
     for o in outs:
         t = o.timings
         assert t.diffusion_ms > 0 and t.decode_ms > 0 and t.host_copy_ms >= 0
@@ -198,6 +217,7 @@ def test_decode_overlaps_diffusion(gen, monkeypatch):
 
 # ---- the request API: submit / collect, the caller's buffers, the delivery callback -----------------------
 
+
 def test_submit_collect_writes_into_the_callers_buffers(gen):
     """What a server does: one request per chunk, frames straight into the buffer it lends (a shared-memory
     slot), results in order; equal to the stream of the same seed."""
@@ -209,7 +229,7 @@ def test_submit_collect_writes_into_the_callers_buffers(gen):
     eng.open(image(), "p", seed=9)
     slots = [np.zeros((4, 128, 128, 3), np.uint8) for _ in range(4)]
     for i in range(4):
-        eng.submit(i, audio[i * SPC:(i + 1) * SPC].numpy(), out=slots[i], tag=("s", i))
+        eng.submit(i, audio[i * SPC : (i + 1) * SPC].numpy(), out=slots[i], tag=("s", i))
     got = eng.collect(block=True)
     assert [r.index for r in got] == [0, 1, 2, 3] and [r.tag for r in got] == [("s", i) for i in range(4)]
     assert all(r.frames is None for r in got)  # written into the caller's buffer, not returned
@@ -263,7 +283,7 @@ def test_steps_without_decode_for_a_follower_rank(gen):
     eng.open(image(), "p", seed=4, decode=False)
     assert decode_threads() == []
     for i in range(3):
-        eng.submit(i, audio[i * SPC:(i + 1) * SPC], decode=False)
+        eng.submit(i, audio[i * SPC : (i + 1) * SPC], decode=False)
     assert eng.session.index == 3 and eng.state.submitted == 3  # the steps ran, no result is waiting
     assert eng.collect(block=True) == []
     with pytest.raises(RuntimeError, match="without a decoder"):
@@ -281,7 +301,7 @@ def test_preopen_then_open_with_the_key_only_reseeds(gen):
     assert eng.preopen(image(), "p", "default") > 0
     assert eng.open(None, "p", seed=7, key="default") == "preopened" and eng.last_open_preopened
     for i in range(3):
-        eng.submit(i, audio[i * SPC:(i + 1) * SPC])
+        eng.submit(i, audio[i * SPC : (i + 1) * SPC])
     got = [r.frames.clone() for r in eng.collect(block=True)]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     # another prompt (or another key) is a real open; None as the image is then an error
@@ -299,7 +319,11 @@ def test_warm_up_measures_latency_and_interval_and_picks_threads(gen):
         rep = eng.warm_up(image())
     finally:
         torch.set_num_threads(before)
-    assert rep["steady_chunk_ms"] > 0 and rep["interval_ms"] > 0 and rep["media_chunk_ms"] == pytest.approx(166.7)
+    assert (
+        rep["steady_chunk_ms"] > 0
+        and rep["interval_ms"] > 0
+        and rep["media_chunk_ms"] == pytest.approx(166.7)
+    )
     import os
 
     if (os.cpu_count() or 1) > 2:  # the faster of 1 and 2 intra-op threads, timed
@@ -311,6 +335,7 @@ def test_warm_up_measures_latency_and_interval_and_picks_threads(gen):
 
 
 # ---- shutdown ------------------------------------------------------------------------------------------
+
 
 def test_consumer_stops_early(gen):
     it = Engine(gen).stream(image(), "p", speech(), N)
@@ -392,6 +417,7 @@ def test_set_prompt_validates(gen):
 
 # ---- CUDA (skipped here) -------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("decode", ["same", "auto", "cpu"])
 @pytest.mark.parametrize("decoder", ["standin", "taehv"])
@@ -402,7 +428,10 @@ def test_cuda_engine_matches_serial(decode, decoder):
     g = build_generator(cfg, device="cuda:0", seed=0)
     audio = speech(8)
     serial = PipelineConfig(decode_device="same", overlap=False, graphs=False)
-    ref = [(o.latents.clone(), o.frames.clone()) for o in Engine(g, serial).stream(image(), "p", audio, 8, seed=2)]
+    ref = [
+        (o.latents.clone(), o.frames.clone())
+        for o in Engine(g, serial).stream(image(), "p", audio, 8, seed=2)
+    ]
     eng = Engine(g, PipelineConfig(decode_device=decode))
     outs = []
     for o in eng.stream(image(), "p", audio, 8, seed=2):
@@ -420,19 +449,34 @@ def test_cuda_engine_matches_serial(decode, decoder):
 
 # ---- the benchmark's CPU smoke run --------------------------------------------------------------------------
 
+
 def test_bench_pipeline_tiny_smoke(tmp_path, capsys):
     import json
 
     from cadence.bench.pipeline import main
 
-    assert main(["--preset", "tiny", "--chunks", "12", "--shape-change-every", "3", "--out-dir", str(tmp_path)]) == 0
+    assert (
+        main(["--preset", "tiny", "--chunks", "12", "--shape-change-every", "3", "--out-dir", str(tmp_path)])
+        == 0
+    )
     files = list((tmp_path / "pipeline").glob("*.json"))
     assert len(files) == 1
     doc = json.loads(files[0].read_text())
     assert doc["bench"] == "pipeline" and doc["preset"] == "tiny"
     r = doc["results"]
-    for key in ("fps", "chunk_p50_ms", "chunk_p99_ms", "deadline_ms", "deadline_miss_rate", "ttff_ms",
-                "diffusion_ms", "decode_ms", "host_copy_ms", "chunks", "shape_changes"):
+    for key in (
+        "fps",
+        "chunk_p50_ms",
+        "chunk_p99_ms",
+        "deadline_ms",
+        "deadline_miss_rate",
+        "ttff_ms",
+        "diffusion_ms",
+        "decode_ms",
+        "host_copy_ms",
+        "chunks",
+        "shape_changes",
+    ):
         assert key in r, key
     assert r["chunks"] == 12 and r["deadline_ms"] == pytest.approx(1000 * 4 / 24)
     assert r["fps"] > 0 and 0 <= r["deadline_miss_rate"] <= 1 and r["chunk_p99_ms"] >= r["chunk_p50_ms"] > 0
@@ -453,8 +497,23 @@ def test_bench_pipeline_decode_gpu_flag(tmp_path, capsys):
     if torch.cuda.device_count() > 1:
         pytest.skip("a machine with a second GPU would really decode there")
     capsys.readouterr()
-    assert main(["--preset", "tiny", "--chunks", "2", "--shape-change-every", "0", "--decode-gpu", "1",
-                 "--out-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "--preset",
+                "tiny",
+                "--chunks",
+                "2",
+                "--shape-change-every",
+                "0",
+                "--decode-gpu",
+                "1",
+                "--out-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "cuda:1 mapped to cpu" in capsys.readouterr().err
     (f,) = (tmp_path / "pipeline").glob("*.json")
     assert json.loads(f.read_text())["placement"] == "diffusion cpu -> decode cpu"
@@ -485,9 +544,16 @@ def test_a_model_family_builds_and_streams_through_the_one_engine():
     from cadence.engine.build import build_engine
     from cadence.engine.spec import FastPath, base_config
 
-    cfg = base_config("tiny", "self-forcing", {"model": dict(dim=64, num_heads=2, head_dim=32, ffn_dim=128,
-                                                             num_layers=1, text_dim=32, text_len=8),
-                                               "stream": dict(height=64, width=64)})
+    cfg = base_config(
+        "tiny",
+        "self-forcing",
+        {
+            "model": dict(
+                dim=64, num_heads=2, head_dim=32, ffn_dim=128, num_layers=1, text_dim=32, text_len=8
+            ),
+            "stream": dict(height=64, width=64),
+        },
+    )
     assert cfg.model.family == "self-forcing" and cfg.video_frames_per_chunk == 12
     eng = build_engine(cfg, "cpu", FastPath(threads=1))
     ts = eng.gen.timesteps.tolist()

@@ -38,7 +38,9 @@ def test_compare_flags_only_shifts_beyond_the_spread():
     ref = aggregate({"lipsync_corr": vals, "identity_1s": vals})
     verdict, d = compare(ref, aggregate({"lipsync_corr": _shifted(vals, 0.05), "identity_1s": vals}))
     assert verdict == "within rerun spread"
-    assert d["lipsync_corr"]["delta"] == pytest.approx(0.05) and d["lipsync_corr"]["threshold"] == pytest.approx(0.1)
+    assert d["lipsync_corr"]["delta"] == pytest.approx(0.05) and d["lipsync_corr"][
+        "threshold"
+    ] == pytest.approx(0.1)
     assert not d["lipsync_corr"]["differs"] and not d["identity_1s"]["differs"]
     verdict, d = compare(ref, aggregate({"lipsync_corr": _shifted(vals, -0.15), "identity_1s": vals}))
     assert verdict.startswith("DIFFERS (lipsync_corr -0.15") and "identity_1s" not in verdict
@@ -56,12 +58,13 @@ def test_compare_uses_the_larger_of_the_two_spreads():
 
 # ---- streamed metrics equal the whole-stream metrics ----------------------------------------------------
 
+
 @pytest.mark.parametrize("chunk", [4, 5])
 def test_stream_metrics_equal_metrics_on_all_frames(chunk):
     clip = held_out_split(0, 1, seed=3)[1][0].make(1.5)
     acc = StreamMetrics(clip.reference, clip.face_box)
     for i in range(0, len(clip.frames), chunk):
-        acc.add(clip.frames[i:i + chunk])
+        acc.add(clip.frames[i : i + chunk])
     got = acc.result(clip.audio, (0.5, 1.0, 2.0), fps=24)
     want = lipsync(clip.frames, clip.audio, face_box=clip.face_box)
     assert got["lipsync_corr"] == pytest.approx(want["corr"], abs=1e-9)
@@ -73,6 +76,7 @@ def test_stream_metrics_equal_metrics_on_all_frames(chunk):
 
 
 # ---- configurations ------------------------------------------------------------------------------------
+
 
 def test_tp_configs_are_skipped_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -97,9 +101,27 @@ def e2e(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.delenv("WORLD_SIZE", raising=False)
     try:
-        rc = main(["eval", "--preset", "tiny", "--clips", "2", "--reruns", "2", "--seconds", "1",
-                   "--drift-seconds", "0.5,1", "--configs", ",".join(E2E_CONFIGS), "--device", "cpu",
-                   "--out-dir", str(out)])
+        rc = main(
+            [
+                "eval",
+                "--preset",
+                "tiny",
+                "--clips",
+                "2",
+                "--reruns",
+                "2",
+                "--seconds",
+                "1",
+                "--drift-seconds",
+                "0.5,1",
+                "--configs",
+                ",".join(E2E_CONFIGS),
+                "--device",
+                "cpu",
+                "--out-dir",
+                str(out),
+            ]
+        )
     finally:
         mp.undo()
     assert rc == 0
@@ -176,15 +198,18 @@ def test_e2e_ground_truth_is_the_ceiling(e2e):
 
 # ---- command line ------------------------------------------------------------------------------------
 
+
 def test_cli_eval_help_and_one_line_errors(capsys):
     assert main(["eval", "--help"]) == 0
     assert "--drift-seconds" in capsys.readouterr().out
     assert main(["bench", "eval", "--help"]) == 0
     assert "--reruns" in capsys.readouterr().out
-    for bad, words in ((["--configs", "reference,nope"], "unknown configuration"),
-                       (["--reruns", "1"], "--reruns must be >= 2"),
-                       (["--seconds", "2"], "past the end"),
-                       (["--drift-seconds", "0,1"], "positive seconds")):
+    for bad, words in (
+        (["--configs", "reference,nope"], "unknown configuration"),
+        (["--reruns", "1"], "--reruns must be >= 2"),
+        (["--seconds", "2"], "past the end"),
+        (["--drift-seconds", "0,1"], "positive seconds"),
+    ):
         assert main(["eval", *bad]) == 2, bad
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("error: cadence eval") and words in err[0], err
@@ -192,8 +217,14 @@ def test_cli_eval_help_and_one_line_errors(capsys):
 
 def test_harness_lists_the_issue_configurations():
     c = CONFIGS
-    assert (c["reference"].cache, c["reference"].fp8_linears, c["reference"].kv_fp8) == ("naive", False, False)
-    assert all(c[n].cache == "ring" and c[n].kv_fp8 and c[n].fp8_linears
-               for n in ("fp8_ring", "fp8_ring_graphs", "fp8_ring_tp_fused"))
+    assert (c["reference"].cache, c["reference"].fp8_linears, c["reference"].kv_fp8) == (
+        "naive",
+        False,
+        False,
+    )
+    assert all(
+        c[n].cache == "ring" and c[n].kv_fp8 and c[n].fp8_linears
+        for n in ("fp8_ring", "fp8_ring_graphs", "fp8_ring_tp_fused")
+    )
     assert c["fp8_ring_graphs"].graphs and not c["fp8_ring"].graphs and c["fp8_ring_tp_fused"].tp
     assert harness.metric_names((1, 10, 60))[2:] == ["identity_1s", "identity_10s", "identity_60s"]

@@ -27,8 +27,11 @@ def clips():
 
 def _delay(frames, k):
     """The video k frames late (k > 0): repeat the first frame k times, drop the last k."""
-    return np.concatenate([np.repeat(frames[:1], k, 0), frames[:-k]]) if k > 0 else \
-        np.concatenate([frames[-k:], np.repeat(frames[-1:], -k, 0)])
+    return (
+        np.concatenate([np.repeat(frames[:1], k, 0), frames[:-k]])
+        if k > 0
+        else np.concatenate([frames[-k:], np.repeat(frames[-1:], -k, 0)])
+    )
 
 
 def test_mouth_opening_recovers_ground_truth(clips):

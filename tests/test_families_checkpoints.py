@@ -21,7 +21,9 @@ from cadence.model.weights import (
 
 FIX = Path(__file__).parent / "fixtures" / "self_forcing"
 CKPT = FIX / "self_forcing_tiny.pt"
-TINY_MODEL = dict(dim=64, num_heads=2, head_dim=32, ffn_dim=128, num_layers=2, freq_dim=32, text_dim=32, text_len=8)
+TINY_MODEL = dict(
+    dim=64, num_heads=2, head_dim=32, ffn_dim=128, num_layers=2, freq_dim=32, text_dim=32, text_len=8
+)
 
 
 def tiny_model(family="self-forcing", **model):
@@ -35,8 +37,10 @@ def generator_sd():
 
 def geometry_only(dim: int, layers: int) -> dict:
     """A state dict with just enough of a real family's geometry for detection (not loadable)."""
-    return {"model.patch_embedding.weight": torch.zeros(dim, 16, 1, 2, 2, dtype=torch.bfloat16),
-            f"model.blocks.{layers - 1}.self_attn.norm_q.weight": torch.zeros(dim, dtype=torch.bfloat16)}
+    return {
+        "model.patch_embedding.weight": torch.zeros(dim, 16, 1, 2, 2, dtype=torch.bfloat16),
+        f"model.blocks.{layers - 1}.self_attn.norm_q.weight": torch.zeros(dim, dtype=torch.bfloat16),
+    }
 
 
 def test_missing_file_names_file_and_family(tmp_path):
@@ -50,7 +54,11 @@ def test_krea_file_passed_as_self_forcing_is_detected(tmp_path):
     with pytest.raises(WeightsError) as e:
         load_family_weights(tiny_model(), f, "self-forcing")
     msg = str(e.value)
-    assert str(f) in msg and "'self-forcing' expects .pt with generator / model / generator_ema)" in msg and "it is a .safetensors file" in msg
+    assert (
+        str(f) in msg
+        and "'self-forcing' expects .pt with generator / model / generator_ema)" in msg
+        and "it is a .safetensors file" in msg
+    )
     assert "dim 5120, 40 layers" in msg and "looks like krea-14b" in msg
 
 
@@ -67,7 +75,9 @@ def test_self_forcing_file_passed_as_krea_is_detected(tmp_path):
 def test_cadence_safetensors_passed_as_family(tmp_path):
     f = tmp_path / "dit.safetensors"
     save_weights(tiny_model(), f)
-    with pytest.raises(WeightsError, match=r"expects \.pt with .*it is a \.safetensors file; it holds cadence names"):
+    with pytest.raises(
+        WeightsError, match=r"expects \.pt with .*it is a \.safetensors file; it holds cadence names"
+    ):
         load_family_weights(tiny_model(), f, "self-forcing")
 
 
@@ -80,15 +90,24 @@ def test_pt_without_generator_entry(tmp_path):
 
 def test_lora_file_passed_as_generator(tmp_path):
     f = tmp_path / "lora.pt"
-    torch.save({"generator_lora": {"base_model.model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 64)}}, f)
+    torch.save(
+        {"generator_lora": {"base_model.model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 64)}}, f
+    )
     with pytest.raises(WeightsError, match=r"this is a LoRA file"):
         load_family_weights(tiny_model("longlive"), f, "longlive")
 
 
 def test_diffusers_names_under_generator(tmp_path):
     f = tmp_path / "diffusers_inside.pt"
-    torch.save({"generator": {"model.condition_embedder.time_proj.weight": torch.zeros(4, 4),
-                              "model.blocks.0.attn1.to_q.weight": torch.zeros(4, 4)}}, f)
+    torch.save(
+        {
+            "generator": {
+                "model.condition_embedder.time_proj.weight": torch.zeros(4, 4),
+                "model.blocks.0.attn1.to_q.weight": torch.zeros(4, 4),
+            }
+        },
+        f,
+    )
     with pytest.raises(WeightsError, match=r"its keys are diffusers names, not wan names"):
         read_family_checkpoint(f, "self-forcing")
 
@@ -124,7 +143,7 @@ def _lora_for(sd: dict, rank: int, seed: int = 0) -> dict:
     out = {}
     for k, w in sd.items():
         if k.startswith("model.blocks.") and k.endswith(".weight") and w.ndim == 2:
-            mod = k[len("model."):-len(".weight")]
+            mod = k[len("model.") : -len(".weight")]
             out[f"base_model.model.{mod}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.1
             out[f"base_model.model.{mod}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.1
     return out
@@ -147,14 +166,21 @@ def test_lora_merged_at_load_equals_merged_weights(tmp_path):
         m = tiny_model("longlive")
         rep = load_family_weights(m, CKPT, "longlive-tiny-lora", lora=lf)
         n_linear = sum(1 for k in lora if k.endswith("lora_A.weight"))
-        assert rep["lora_merged"] == n_linear == 2 * (4 + 4 + 2)  # per block: self q,k,v,o; cross q,k,v,o; ffn 0,2
+        assert (
+            rep["lora_merged"] == n_linear == 2 * (4 + 4 + 2)
+        )  # per block: self q,k,v,o; cross q,k,v,o; ffn 0,2
         # the same by hand: W + alpha/rank * B @ A on the Wan-named weights
         w = sd["model.blocks.1.ffn.0.weight"]
-        a, b = lora["base_model.model.blocks.1.ffn.0.lora_A.weight"], lora["base_model.model.blocks.1.ffn.0.lora_B.weight"]
+        a, b = (
+            lora["base_model.model.blocks.1.ffn.0.lora_A.weight"],
+            lora["base_model.model.blocks.1.ffn.0.lora_B.weight"],
+        )
         assert torch.allclose(m.blocks[1].ffn.fc1.weight, w + 2.0 * b @ a, atol=1e-6)
         q = sd["model.blocks.0.self_attn.k.weight"]
-        a, b = lora["base_model.model.blocks.0.self_attn.k.lora_A.weight"], \
-            lora["base_model.model.blocks.0.self_attn.k.lora_B.weight"]
+        a, b = (
+            lora["base_model.model.blocks.0.self_attn.k.lora_A.weight"],
+            lora["base_model.model.blocks.0.self_attn.k.lora_B.weight"],
+        )
         assert torch.allclose(m.blocks[0].self_attn.qkv.weight[64:128], q + 2.0 * b @ a, atol=1e-6)
         # a LoRA of another rank is refused with the module named
         bad = tmp_path / "bad.pt"
@@ -168,8 +194,15 @@ def test_lora_merged_at_load_equals_merged_weights(tmp_path):
 def test_merge_lora_refuses_unknown_modules_and_unpaired_factors():
     sd = {"blocks.0.self_attn.q.weight": torch.zeros(4, 4)}
     with pytest.raises(WeightsError, match=r"blocks\.0\.self_attn\.v: no such weight"):
-        merge_lora(sd, {"blocks.0.self_attn.v.lora_A.weight": torch.zeros(2, 4),
-                        "blocks.0.self_attn.v.lora_B.weight": torch.zeros(4, 2)}, 2, 2.0)
+        merge_lora(
+            sd,
+            {
+                "blocks.0.self_attn.v.lora_A.weight": torch.zeros(2, 4),
+                "blocks.0.self_attn.v.lora_B.weight": torch.zeros(4, 2),
+            },
+            2,
+            2.0,
+        )
     with pytest.raises(WeightsError, match=r"has only lora_A"):
         merge_lora(sd, {"blocks.0.self_attn.q.lora_A.default.weight": torch.zeros(2, 4)}, 2, 2.0)
 
@@ -180,15 +213,28 @@ def test_model_package_imports_downward_only():
     import ast
 
     root = Path(__file__).resolve().parents[1] / "cadence" / "model"
-    above = ("cadence.cache", "cadence.quant", "cadence.runtime", "cadence.engine", "cadence.parallel",
-             "cadence.serve", "cadence.cli", "cadence.bench", "cadence.train")
+    above = (
+        "cadence.cache",
+        "cadence.quant",
+        "cadence.runtime",
+        "cadence.engine",
+        "cadence.parallel",
+        "cadence.serve",
+        "cadence.cli",
+        "cadence.bench",
+        "cadence.train",
+    )
     bad = []
     for f in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             for n in names:
-                if n.startswith("torch.distributed") or (n.startswith(above) and not (
-                        f.name == "dit.py" and n == "cadence.cache.full")):
+                if n.startswith("torch.distributed") or (
+                    n.startswith(above) and not (f.name == "dit.py" and n == "cadence.cache.full")
+                ):
                     bad.append(f"{f.name}: {n}")
     assert not bad, bad

@@ -33,8 +33,16 @@ META = json.loads((FIX / "fixture.json").read_text())
 DATA = torch.load(FIX / "data.pt", weights_only=True)
 C = META["config"]
 F = C["frames_per_block"]
-TINY_MODEL = dict(dim=C["dim"], num_heads=C["num_heads"], head_dim=C["dim"] // C["num_heads"], ffn_dim=C["ffn_dim"],
-                  num_layers=C["num_layers"], freq_dim=C["freq_dim"], text_dim=C["text_dim"], text_len=C["text_len"])
+TINY_MODEL = dict(
+    dim=C["dim"],
+    num_heads=C["num_heads"],
+    head_dim=C["dim"] // C["num_heads"],
+    ffn_dim=C["ffn_dim"],
+    num_layers=C["num_layers"],
+    freq_dim=C["freq_dim"],
+    text_dim=C["text_dim"],
+    text_len=C["text_len"],
+)
 HW = dict(height=C["latent_hw"][0] * 8, width=C["latent_hw"][1] * 8)
 
 
@@ -77,7 +85,9 @@ def test_one_forward_pass_matches_reference():
     cache.begin_chunk(0, F)
     x = DATA["forward_x"].permute(1, 0, 2, 3)  # reference [F, C, h, w] -> Cadence [C, F, h, w]
     with torch.no_grad():
-        out = model.forward_chunk(x, torch.tensor([DATA["forward_t"]]), text_of(model, cfg), None, cache, commit=False)
+        out = model.forward_chunk(
+            x, torch.tensor([DATA["forward_t"]]), text_of(model, cfg), None, cache, commit=False
+        )
     err = rel(out, DATA["forward_flow"].permute(1, 0, 2, 3))
     assert err <= 1e-5, err
 
@@ -98,7 +108,9 @@ def test_float64_time_embedding_is_closer_to_the_reference():
         cache = NaiveCache.from_config(c, model)
         cache.begin_chunk(0, F)
         with torch.no_grad():
-            out = model.forward_chunk(x, torch.tensor([DATA["forward_t"]]), text_of(model, c), None, cache, False)
+            out = model.forward_chunk(
+                x, torch.tensor([DATA["forward_t"]]), text_of(model, c), None, cache, False
+            )
         errs.append(rel(out, ref))
     assert errs[0] < errs[1], errs
 
@@ -109,7 +121,9 @@ def run_stream(cfg, model, stream: dict, cache_kind: str) -> torch.Tensor:
     if cache_kind == "naive":
         cache = NaiveCache.from_config(cfg, model)
     else:
-        cache = RingCache.from_config(cfg, model, dtype="bf16", sink_policy=cfg.stream.sink_policy, use_triton=False)
+        cache = RingCache.from_config(
+            cfg, model, dtype="bf16", sink_policy=cfg.stream.sink_policy, use_triton=False
+        )
     text = text_of(model, cfg)
     noise, draws = stream["noise"], stream["renoise"]
     p = sched.passes
@@ -117,8 +131,8 @@ def run_stream(cfg, model, stream: dict, cache_kind: str) -> torch.Tensor:
     with torch.no_grad():
         for b in range(stream["blocks"]):
             cache.begin_chunk(b * F, F)
-            x0 = noise[b * F:(b + 1) * F].permute(1, 0, 2, 3).contiguous()
-            ren = draws[b * (p - 1):(b + 1) * (p - 1)].permute(0, 2, 1, 3, 4).contiguous()
+            x0 = noise[b * F : (b + 1) * F].permute(1, 0, 2, 3).contiguous()
+            ren = draws[b * (p - 1) : (b + 1) * (p - 1)].permute(0, 2, 1, 3, 4).contiguous()
             out.append(denoise_chunk(model, cache, sched, cfg.stream.commit, x0, text, None, ts, ren))
     return torch.cat(out, dim=1)  # [C, frames, h, w]
 
@@ -138,8 +152,10 @@ def test_stream_matches_reference(name, cache_kind):
     cfg = tiny(family, **over)
     meta = META["streams"][name]
     # the configuration reproduces the reference run's own settings
-    assert reference_attention(cfg) == (max(meta["local_attn_size"], 0) or reference_attention(cfg)[0],
-                                        meta["sink_size"])
+    assert reference_attention(cfg) == (
+        max(meta["local_attn_size"], 0) or reference_attention(cfg)[0],
+        meta["sink_size"],
+    )
     assert list(cfg.stream.timesteps) == meta["steps"] and cfg.stream.warp_denoising_step == meta["warp"]
     assert cfg.stream.shift == meta["shift"]
     model = loaded(cfg, ema=meta["weights"] == "generator_ema")

@@ -36,7 +36,7 @@ def _lin(k: int, n: int, seed: int = 0, dtype=torch.float32) -> Linear:
     g = torch.Generator().manual_seed(seed)
     lin = Linear(k, n, dtype=dtype)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(n, k, generator=g) / k ** 0.5)
+        lin.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
         lin.bias.copy_(0.02 * torch.randn(n, generator=g))
     return lin
 
@@ -71,7 +71,7 @@ def test_quantize_rows_bounds():
     # per element: relative rounding <= 2^-4 for normal e4m3 numbers (|q| >= 2^-6); tiny ones (subnormal)
     # are off by at most half the subnormal step 2^-10 (in units of the row's scale)
     err = (deq - x).abs()
-    assert (err <= 2 ** -4 * x.abs() + 2 ** -10 * s).all()
+    assert (err <= 2**-4 * x.abs() + 2**-10 * s).all()
     assert (q.float().abs().amax(-1) == FP8_MAX).all()  # each row's amax lands on the top of the range
 
 
@@ -124,8 +124,14 @@ def test_apply_fp8_swaps_block_linears_only():
     swapped = [n for n, mod in model.named_modules() if isinstance(mod, FP8Linear)]
     assert len(swapped) == expected and all(n.startswith("blocks.") for n in swapped)
     # embedders and head untouched
-    for name in ("patch_embed", "time_proj", "time_embed.fc1", "text_embed.fc2", "audio_embed.fc1",
-                 "head.proj"):
+    for name in (
+        "patch_embed",
+        "time_proj",
+        "time_embed.fc1",
+        "text_embed.fc2",
+        "audio_embed.fc1",
+        "head.proj",
+    ):
         assert type(model.get_submodule(name)) is Linear
     # nothing left to swap; min_features keeps narrow layers in high precision
     assert apply_fp8(model) == 0
@@ -207,7 +213,9 @@ def test_shape_specific_failure_stays_with_that_shape(monkeypatch, caplog):
     def picky(a, b, **kw):
         calls.append(a.shape[0])
         if a.shape[0] == 7:
-            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+            raise RuntimeError(
+                "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic"
+            )
         return real(a, b, **kw)
 
     q = FP8Linear.from_linear(_lin(64, 48))

@@ -33,8 +33,10 @@ from cadence.kernels import quant as kq
 from cadence.quant import fp8
 from cadence.quant.fp8 import FP8Linear, QuantizedActivation, quantize_activations, quantize_rows
 
-pytestmark = pytest.mark.skipif(kq._triton_import_error() != "" or not kq.interpreting() and not torch.cuda.is_available(),
-                                reason="needs triton (and TRITON_INTERPRET=1 without CUDA)")
+pytestmark = pytest.mark.skipif(
+    kq._triton_import_error() != "" or not kq.interpreting() and not torch.cuda.is_available(),
+    reason="needs triton (and TRITON_INTERPRET=1 without CUDA)",
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -46,7 +48,7 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
 
 def e4m3_step(q: torch.Tensor) -> torch.Tensor:
     """One e4m3 step at each value (in the units of the row scale)."""
-    a = q.float().abs().clamp_min(2.0 ** -6)
+    a = q.float().abs().clamp_min(2.0**-6)
     return torch.exp2(torch.floor(torch.log2(a)) - 3)
 
 
@@ -83,13 +85,13 @@ def test_rounding_edges_bitwise():
     vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     pos = vals[torch.isfinite(vals) & (vals >= 0)].unique().sort().values
     mids = (pos[1:] + pos[:-1]) / 2
-    near = torch.cat([pos * (1 - 2.0 ** -12), pos * (1 + 2.0 ** -12)])
-    extra = torch.tensor([-0.0, 0.0, 1e-30, -1e-30, 2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -11, 448.0])
+    near = torch.cat([pos * (1 - 2.0**-12), pos * (1 + 2.0**-12)])
+    extra = torch.tensor([-0.0, 0.0, 1e-30, -1e-30, 2.0**-10, -(2.0**-10), 3 * 2.0**-11, 448.0])
     row = torch.cat([pos, -pos, mids, -mids, near, -near, extra]).clamp(-448, 448)
-    x = torch.stack([row, row * 2.0 ** -20, row * 3.0]).to(DEV)
+    x = torch.stack([row, row * 2.0**-20, row * 3.0]).to(DEV)
     q, s = kq.quantize_rows_triton(x)
     qr, sr = quantize_rows(x)
-    assert s.flatten().tolist() == [1.0, 2.0 ** -20, 3.0] and torch.equal(s, sr)
+    assert s.flatten().tolist() == [1.0, 2.0**-20, 3.0] and torch.equal(s, sr)
     diff = (_bytes(q) != _bytes(qr)).nonzero().tolist()
     assert not diff, [(x[i, j].item(), q[i, j].float().item(), qr[i, j].float().item()) for i, j in diff[:8]]
 
@@ -112,7 +114,9 @@ def test_triton_usable_reasons():
     x = x.to(DEV)
     assert kq.triton_usable(x, allow_interpreter=True) == (True, "")
     assert "not contiguous" in kq.triton_usable(x.t(), allow_interpreter=True)[1]
-    assert "row length" in kq.triton_usable(torch.zeros(1, kq.MAX_K + 1, device=DEV), allow_interpreter=True)[1]
+    assert (
+        "row length" in kq.triton_usable(torch.zeros(1, kq.MAX_K + 1, device=DEV), allow_interpreter=True)[1]
+    )
     assert "dtype" in kq.triton_usable(x.double(), allow_interpreter=True)[1]
 
 
@@ -200,9 +204,12 @@ def test_whole_model_triton_quant_equals_reference(fresh_quant_state):
     cfg = get_preset("tiny")
     m = cfg.model
     g = torch.Generator().manual_seed(0)
-    inputs = (torch.randn(1, 16, 1, *cfg.latent_hw, generator=g), torch.tensor([600.0]),
-              torch.randn(1, m.text_len, m.text_dim, generator=g),
-              torch.randn(1, 1, m.audio_tokens_per_frame, m.audio_dim, generator=g))
+    inputs = (
+        torch.randn(1, 16, 1, *cfg.latent_hw, generator=g),
+        torch.tensor([600.0]),
+        torch.randn(1, m.text_len, m.text_dim, generator=g),
+        torch.randn(1, 1, m.audio_tokens_per_frame, m.audio_dim, generator=g),
+    )
     inputs = tuple(t.to(DEV) for t in inputs)
     model = build_model(cfg, DEV, torch.float32, seed=0)
     apply_fp8(model)
@@ -217,8 +224,13 @@ def test_whole_model_triton_quant_equals_reference(fresh_quant_state):
 # ---- norm + modulation + quantisation ----------------------------------------------------------
 #: (x shape, modulation per sample or per token); per sample with B == 1 takes the kernel's shared-modulation
 #: path (grid-stride over row blocks: 64 rows of 1 and 50 rows of 4 with a ragged tail over 4 programs here)
-CASES = [((1, 37, 128), "sample"), ((2, 5, 1000), "token"), ((1, 64, 1536), "sample"), ((3, 8192), "token"),
-         ((50, 256), "sample")]
+CASES = [
+    ((1, 37, 128), "sample"),
+    ((2, 5, 1000), "token"),
+    ((1, 64, 1536), "sample"),
+    ((3, 8192), "token"),
+    ((50, 256), "sample"),
+]
 
 
 def _mod_inputs(shape, per, dtype, seed):
@@ -279,11 +291,16 @@ def test_modulated_matches_the_model_block(fresh_quant_state):
         blk = model.blocks[0]
         g = torch.Generator().manual_seed(1)
         x = torch.randn(2, 24, cfg.model.dim, generator=g).to(DEV, dtype)
-        for temb6 in (torch.randn(2, 6, cfg.model.dim, generator=g), torch.randn(2, 24, 6, cfg.model.dim, generator=g)):
+        for temb6 in (
+            torch.randn(2, 6, cfg.model.dim, generator=g),
+            torch.randn(2, 24, 6, cfg.model.dim, generator=g),
+        ):
             mod = _split_mod(blk.modulation, temb6.to(DEV))
             h = (blk.norm1(x) * (1 + mod.attn.scale) + mod.attn.shift).to(dtype)  # as Block.forward
             qr, sr = quantize_rows(h.reshape(-1, h.shape[-1]))
-            q, s = kq.quantize_rows_modulated(x, mod.attn.shift, mod.attn.scale, blk.norm1.eps, backend="triton")
+            q, s = kq.quantize_rows_modulated(
+                x, mod.attn.shift, mod.attn.scale, blk.norm1.eps, backend="triton"
+            )
             _assert_close_quant(q, s, qr, sr, f"block norm1 {dtype} temb {tuple(temb6.shape)}")
             with torch.no_grad():
                 fp8.set_quant_backend("torch")
@@ -311,11 +328,32 @@ def test_bench_fused_quant_smoke(tmp_path):
 
     from cadence.bench import fused as bench_fused
 
-    assert bench_fused.main(["--quant", "--quant-m", "8", "--quant-k", "64,40", "--reps", "3", "--warmup", "1",
-                             "--no-gemm", "--out-dir", str(tmp_path)]) == 0
+    assert (
+        bench_fused.main(
+            [
+                "--quant",
+                "--quant-m",
+                "8",
+                "--quant-k",
+                "64,40",
+                "--reps",
+                "3",
+                "--warmup",
+                "1",
+                "--no-gemm",
+                "--out-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     (path,) = (tmp_path / "fused").glob("*-quant.json")
     doc = json.loads(path.read_text())
-    assert doc["bench"] == "fused" and doc["tp"] == 1 and doc["command"].startswith("cadence bench fused --quant")
+    assert (
+        doc["bench"] == "fused"
+        and doc["tp"] == 1
+        and doc["command"].startswith("cadence bench fused --quant")
+    )
     rows = doc["results"]["quant"]
     assert [(r["m"], r["k"]) for r in rows] == [(8, 64), (8, 40)]
     for r in rows:

@@ -33,8 +33,6 @@ WORLD = 2
 TP_TOL = 1e-5
 
 
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
@@ -49,7 +47,9 @@ def test_every_mode_equals_nccl_reference(results):
     for r in range(WORLD):
         ref = results[r]["nccl"]
         for mode, y in results[r]["modes"].items():
-            assert torch.equal(y, ref), f"rank {r} comm={mode}: {tp_worker.rel_err(y, ref):.2e} from the nccl reference"
+            assert torch.equal(y, ref), (
+                f"rank {r} comm={mode}: {tp_worker.rel_err(y, ref):.2e} from the nccl reference"
+            )
     assert torch.equal(results[0]["nccl"], results[1]["nccl"])
 
 
@@ -141,9 +141,14 @@ def test_tile_state_cache_lru_bounded_and_frees():
         assert st.rows == fused.bucket_rows(m) >= m
         assert c.info()["entries"] <= 3
     info = c.info()
-    assert info["evictions"] > 0 and info["hits"] > 0 and info["allocations"] == info["entries"] + info["evictions"]
-    assert c.get(None, torch.device("cpu"), 128, 40, torch.bfloat16) is c.get(None, torch.device("cpu"), 128, 37,
-                                                                               torch.bfloat16)  # one bucket
+    assert (
+        info["evictions"] > 0
+        and info["hits"] > 0
+        and info["allocations"] == info["entries"] + info["evictions"]
+    )
+    assert c.get(None, torch.device("cpu"), 128, 40, torch.bfloat16) is c.get(
+        None, torch.device("cpu"), 128, 37, torch.bfloat16
+    )  # one bucket
     del st
     gc.collect()
     assert sum(r() is not None for r in made) == c.info()["entries"], "evicted sets must be freed"
@@ -165,11 +170,20 @@ def test_parse_mode():
 
 
 def test_chooser_table_default_and_logs_once(tmp_path, monkeypatch, caplog):
-    table = {"entries": [
-        {"m": 748, "n": 8192, "k": 12288, "dtype": "fp8", "world": 2, "best_mode": "rs_ag",
-         "modes_us": {"nccl": 198.0, "rs_ag": 150.0}},
-        {"m": 748, "n": 8192, "k": 4096, "dtype": "bf16", "world": 2, "best_mode": "nccl"},
-    ]}
+    table = {
+        "entries": [
+            {
+                "m": 748,
+                "n": 8192,
+                "k": 12288,
+                "dtype": "fp8",
+                "world": 2,
+                "best_mode": "rs_ag",
+                "modes_us": {"nccl": 198.0, "rs_ag": 150.0},
+            },
+            {"m": 748, "n": 8192, "k": 4096, "dtype": "bf16", "world": 2, "best_mode": "nccl"},
+        ]
+    }
     p = tmp_path / "chooser-test-tp2.json"
     p.write_text(json.dumps(table))
     monkeypatch.setenv("CADENCE_FUSED_TABLE", str(p))
@@ -201,8 +215,13 @@ def test_symm_code_paths_with_emulated_ops(results):
         for mode, e in em["fp8"].items():
             assert e < 1e-5, f"rank {r} emulated FP8 {mode}: {e:.2e} from nccl"
         calls = em["calls"]
-        for op in ("two_shot_all_reduce_out", "two_shot_all_reduce_", "one_shot_all_reduce",
-                   "fused_matmul_reduce_scatter", "fused_scaled_matmul_reduce_scatter"):
+        for op in (
+            "two_shot_all_reduce_out",
+            "two_shot_all_reduce_",
+            "one_shot_all_reduce",
+            "fused_matmul_reduce_scatter",
+            "fused_scaled_matmul_reduce_scatter",
+        ):
             assert calls.get(op, 0) > 0, f"{op} never called: {calls}"
         for g in em["grids"]:
             c = g["cache"]

@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="needs triton (and TRITON_INTERPRET=1 witho
 
 from cadence.kernels import gemm_allreduce as gar
 
-U = 2.0 ** -8
+U = 2.0**-8
 
 
 def _partials(a, b, sa=None, sb=None):
@@ -40,13 +40,15 @@ def _check(outs, a, b, sa=None, sb=None):
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("m,k,n,programs", [(70, 64, 96, None), (33, 40, 72, 1), (64, 96, 32, 3), (5, 32, 200, 2)])
+@pytest.mark.parametrize(
+    "m,k,n,programs", [(70, 64, 96, None), (33, 40, 72, 1), (64, 96, 32, 3), (5, 32, 200, 2)]
+)
 def test_bf16_two_ranks_match_the_unfused_all_reduce(m, k, n, programs, tma):
     """Odd tile counts, M / N / K not multiples of the tile (masks or the descriptors' zero fill, the
     uneven-K loop), 1-4 programs sharing the tile counter; masked pointer loads and tensor descriptors."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     a = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _ in range(2)]
-    b = [(torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16) for _ in range(2)]
+    b = [(torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16) for _ in range(2)]
     outs, state = gar.simulate_two_ranks(a, b, programs=programs, tma=tma)
     _check(outs, a, b)
     # the flags were consumed and the counters reset: the buffers are clean for the next call
@@ -61,7 +63,7 @@ def test_fp8_rowwise_scales_and_repeated_calls_on_the_same_buffers(tma):
     g = torch.Generator().manual_seed(7)
     m, k, n = 48, 64, 80
     xs = [torch.randn(m, k, generator=g) * 3 for _ in range(2)]
-    ws = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(2)]
+    ws = [torch.randn(n, k, generator=g) / k**0.5 for _ in range(2)]
     a, sa = zip(*(quantize_rows(x) for x in xs), strict=True)
     b, sb = zip(*(quantize_rows(w) for w in ws), strict=True)
     a, b = list(a), list(b)
@@ -108,7 +110,7 @@ def test_both_protocol_is_exactly_the_sum_of_the_rounded_partials(m, k, n, progr
 
     g = torch.Generator().manual_seed(m + k + n)
     xs = [torch.randn(m, k, generator=g) for _ in range(2)]
-    ws = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(2)]
+    ws = [torch.randn(n, k, generator=g) / k**0.5 for _ in range(2)]
     if fp8:
         a, sa = (list(v) for v in zip(*(quantize_rows(x) for x in xs), strict=True))
         b, sb = (list(v) for v in zip(*(quantize_rows(w) for w in ws), strict=True))
@@ -117,8 +119,10 @@ def test_both_protocol_is_exactly_the_sum_of_the_rounded_partials(m, k, n, progr
         a, b = [x.to(torch.bfloat16) for x in xs], [w.to(torch.bfloat16) for w in ws]
         sa = sb = None
     outs, state = gar.simulate_two_ranks(a, b, sa, sb, programs=programs, calls=2, proto="both")
-    parts = [gar.gemm_only(a[r], b[r], None if sa is None else sa[r], None if sb is None else sb[r])
-             for r in range(2)]
+    parts = [
+        gar.gemm_only(a[r], b[r], None if sa is None else sa[r], None if sb is None else sb[r])
+        for r in range(2)
+    ]
     expect = (parts[0].float() + parts[1].float()).to(torch.bfloat16)
     assert torch.equal(outs[0], expect) and torch.equal(outs[1], expect)
     _check(outs, a, b, sa, sb)

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from streams import engine_stream
 
 from cadence.config import get_preset
 from cadence.engine.session import build_generator
 from cadence.errors import InputError
-from streams import engine_stream
 
 TINY = get_preset("tiny")
 SPC = TINY.audio_samples_per_chunk  # 8000
@@ -52,14 +52,14 @@ def test_stream_shapes_and_values(gen):
         assert o.frames.shape == (4, 128, 128, 3) and o.frames.dtype == torch.uint8
         assert o.frames.device.type == "cpu"
         assert o.audio.shape == (8000,)
-        assert torch.equal(o.audio, audio[i * SPC:(i + 1) * SPC])  # this chunk's own audio, in order
+        assert torch.equal(o.audio, audio[i * SPC : (i + 1) * SPC])  # this chunk's own audio, in order
     # chunks differ from each other (fresh noise per chunk)
     assert not torch.equal(outs[0].latents, outs[1].latents)
     # the cache keeps window - 1 chunks per layer after sliding
     # (checked on a session since stream() hides its own)
     sess = gen.session(image(), "x", seed=0)
     for i in range(N):
-        sess.step(audio[i * SPC:(i + 1) * SPC])
+        sess.step(audio[i * SPC : (i + 1) * SPC])
     assert all(len(p) == TINY.stream.window_chunks - 1 for p in sess.cache.past)
     assert sess.next_frame == TINY.stream.sink_frames + N
 
@@ -116,7 +116,7 @@ def test_reseed_before_the_first_chunk_equals_opening_with_that_seed(gen):
     early = gen.session(image(), "a person talking", seed=0)
     early.reseed(7)
     for i in range(3):
-        x, y = fresh.step(a[i * SPC:(i + 1) * SPC]), early.step(a[i * SPC:(i + 1) * SPC])
+        x, y = fresh.step(a[i * SPC : (i + 1) * SPC]), early.step(a[i * SPC : (i + 1) * SPC])
         assert torch.equal(x, y) and torch.equal(fresh.decode(x), early.decode(y))
     with pytest.raises(RuntimeError, match="before the first chunk"):
         early.reseed(1)
@@ -144,8 +144,14 @@ def test_reference_latent_is_remembered_by_content():
     assert len(calls) == 3 + g1.REFERENCE_CACHE
 
 
-@pytest.mark.parametrize("stream", [{"commit": "clean_pass"}, {"sampler": "renoise"},
-                                    {"sampler": "renoise", "commit": "clean_pass", "window_chunks": 2}])
+@pytest.mark.parametrize(
+    "stream",
+    [
+        {"commit": "clean_pass"},
+        {"sampler": "renoise"},
+        {"sampler": "renoise", "commit": "clean_pass", "window_chunks": 2},
+    ],
+)
 def test_other_policies_run(gen, stream):
     cfg = TINY.with_overrides(stream=stream)
     g2 = build_generator(cfg, seed=0)
@@ -165,7 +171,7 @@ def test_clean_pass_commits_once_per_chunk(gen):
     sess = g2.session(image(), "x", seed=0)
     audio = speech(3)
     for i in range(3):
-        sess.step(audio[i * SPC:(i + 1) * SPC])
+        sess.step(audio[i * SPC : (i + 1) * SPC])
         # exactly one commit per chunk (the clean pass), not one per denoising pass
         assert all(len(p) == i + 1 for p in sess.cache.past)
         starts = [e[2] for e in sess.cache.past[0]]
@@ -178,7 +184,7 @@ def test_step_makes_no_host_syncs(gen, monkeypatch):
     sess = gen.session(image(), "a person talking", seed=3)
     audio = speech(2)
     chunk0 = audio[:SPC].clone()
-    chunk1 = audio[SPC:2 * SPC].clone()
+    chunk1 = audio[SPC : 2 * SPC].clone()
 
     def boom(*a, **k):
         raise AssertionError("host sync in Session.step")
@@ -217,6 +223,7 @@ def test_sync_detector_reaches_inside_step(gen, monkeypatch):
 
 # ---- bad input ---------------------------------------------------------------------------------------
 
+
 def test_wrong_image_shape(gen):
     with pytest.raises(InputError, match=r"\[3, 128, 128\]"):
         next(engine_stream(gen, torch.zeros(3, 64, 128), "p", speech(1), 1))
@@ -249,7 +256,9 @@ def test_temporal_patch_is_rejected():
     from cadence.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"temporal patch must be 1.*\(2, 2, 2\)"):
-        TINY.with_overrides(model={"patch": (2, 2, 2)}, stream={"latent_frames_per_chunk": 2, "sink_frames": 2})
+        TINY.with_overrides(
+            model={"patch": (2, 2, 2)}, stream={"latent_frames_per_chunk": 2, "sink_frames": 2}
+        )
 
 
 def test_bfloat16_close_to_float32(gen):

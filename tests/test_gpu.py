@@ -3,11 +3,11 @@ determinism, and no host sync inside the chunk step."""
 
 import pytest
 import torch
+from streams import engine_stream
 
 from cadence.config import get_preset
 from cadence.engine.session import StreamGenerator
 from cadence.model.weights import build_model
-from streams import engine_stream
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

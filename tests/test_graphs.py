@@ -12,8 +12,8 @@ from fake_graph import FakeGraph
 
 import cadence.runtime.graphs as graphs
 from cadence.config import PipelineConfig, get_preset
-from cadence.engine.session import build_generator
 from cadence.engine.engine import Engine
+from cadence.engine.session import build_generator
 from cadence.runtime.graphs import GraphRunner
 
 TINY = get_preset("tiny")
@@ -50,7 +50,7 @@ def run_steps(gen, runner, n, prompts=None, seed=3):
     for i in range(n):
         if prompts and i in prompts:
             sess.set_prompt(prompts[i])
-        out.append(sess.step(a[i * SPC:(i + 1) * SPC], runner=runner))
+        out.append(sess.step(a[i * SPC : (i + 1) * SPC], runner=runner))
         did.append(runner.last if runner is not None else "")
     return out, did, sess
 
@@ -61,19 +61,27 @@ def graph_logs(caplog):
 
 # ---- keys ----------------------------------------------------------------------------------------------
 
+
 def test_step_key_tracks_shape_and_fill(ring_gen):
     sess = ring_gen.session(image(), "p", seed=0)
     keys = []
     a = audio(W + 1)
     for i in range(W + 1):
-        inp = sess.prepare_step(a[i * SPC:(i + 1) * SPC])
+        inp = sess.prepare_step(a[i * SPC : (i + 1) * SPC])
         keys.append(sess.step_key(inp))
         sess.denoise(inp)
         sess.next_frame += 1
     assert [k.filled for k in keys] == [False] * (W - 1) + [True, True]
     k = keys[-1]
     assert (k.tokens_per_chunk, k.text_len, k.cache, k.window_chunks, k.commit, k.passes, k.sampler) == (
-        64, 16, "ring-bf16", W, "last_pass", 4, "euler")
+        64,
+        16,
+        "ring-bf16",
+        W,
+        "last_pass",
+        4,
+        "euler",
+    )
     assert k.latent_shape == (16, 1, 16, 16) and k.audio_shape == (1, 4, 64) and k.device == "cpu"
     assert keys[-1] == keys[-2] and hash(keys[-1]) == hash(keys[-2])  # steady state: one key
     # a different conditioning length is a different key; so is another session's cache
@@ -86,8 +94,9 @@ def test_step_key_tracks_shape_and_fill(ring_gen):
 
 
 def test_step_key_policy_fields():
-    g = build_generator(RING.with_overrides(stream={"kv_fp8": True, "commit": "clean_pass", "sampler": "renoise"}),
-                        seed=0)
+    g = build_generator(
+        RING.with_overrides(stream={"kv_fp8": True, "commit": "clean_pass", "sampler": "renoise"}), seed=0
+    )
     sess = g.session(image(), "p", seed=0)
     inp = sess.prepare_step(audio(1))
     k = sess.step_key(inp)
@@ -96,6 +105,7 @@ def test_step_key_policy_fields():
 
 
 # ---- eager fallbacks -------------------------------------------------------------------------------------
+
 
 def test_cpu_skips_real_capture_with_one_log_line(ring_gen, monkeypatch, caplog):
     def no_capture(*a, **k):
@@ -198,7 +208,7 @@ def test_capture_failure_falls_back_once(ring_gen, caplog):
     ref, _, _ = run_steps(ring_gen, None, W + 5)
     assert all(torch.equal(x, y) for x, y in zip(out, ref))
     assert len(tries) == 1 and runner.stats.capture_failures == 1  # never retried for that shape
-    assert did[W + 1:] == ["eager:capture_failed"] * 4
+    assert did[W + 1 :] == ["eager:capture_failed"] * 4
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "not permitted" in warnings[0].getMessage()
 
@@ -213,6 +223,7 @@ def test_span_recorder_forces_eager(ring_gen):
 
 
 # ---- bounded: LRU and recapture limit ----------------------------------------------------------------------
+
 
 def prompts_cycling(n, every, lengths):
     g = torch.Generator().manual_seed(7)
@@ -232,12 +243,13 @@ def test_lru_eviction_bound_and_frees(ring_gen, caplog):
     for i in range(n):
         if i in prompts:
             sess.set_prompt(prompts[i])
-        out.append(sess.step(a[i * SPC:(i + 1) * SPC], runner=runner))
+        out.append(sess.step(a[i * SPC : (i + 1) * SPC], runner=runner))
         sizes.append(len(runner))
     assert max(sizes) == 2  # never more than max_graphs alive
     live = [f for f in FakeGraph.made if not f.freed]
     assert len(live) == 2 and {f.output.data_ptr() for f in live} == {
-        runner._graphs[k].handle.output.data_ptr() for k in runner.keys()}
+        runner._graphs[k].handle.output.data_ptr() for k in runner.keys()
+    }
     assert runner.stats.evictions == len(FakeGraph.made) - 2 > 0  # every evicted graph was freed
     # captures are bounded per shape: 3 shapes x 3 captures at most, then those shapes stay eager
     assert runner.stats.captures <= 9
@@ -248,7 +260,7 @@ def test_lru_eviction_bound_and_frees(ring_gen, caplog):
     for i in range(n):
         if i in prompts:
             s2.set_prompt(prompts[i])
-        ref.append(s2.step(a[i * SPC:(i + 1) * SPC]))
+        ref.append(s2.step(a[i * SPC : (i + 1) * SPC]))
     assert all(torch.equal(x, y) for x, y in zip(out, ref))
 
 
@@ -258,6 +270,7 @@ def test_runner_rejects_bad_bounds():
 
 
 # ---- the pipeline with a changing conditioning length ---------------------------------------------------------
+
 
 def test_engine_conditioning_length_changes_every_few_chunks(ring_gen):
     n = 24
@@ -279,6 +292,6 @@ def test_engine_conditioning_length_changes_every_few_chunks(ring_gen):
     for i, o in enumerate(outs):
         if i in prompts:
             sess.set_prompt(prompts[i])
-        assert torch.equal(sess.step(a[i * SPC:(i + 1) * SPC]), o.latents), i
+        assert torch.equal(sess.step(a[i * SPC : (i + 1) * SPC]), o.latents), i
     steps = [o.timings.step for o in outs]
     assert "replay" in steps and any(s.startswith("eager:warmup") for s in steps)

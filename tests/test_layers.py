@@ -57,7 +57,7 @@ def _imports(path: Path, name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = pkg.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -86,7 +86,9 @@ def test_every_import_goes_down_the_layers():
     for mod, deps in _graph().items():
         for dep in deps:
             if _layer_of(_top(dep)) > _layer_of(_top(mod)):
-                bad.append(f"{mod} (layer {_layer_of(_top(mod))}) imports {dep} (layer {_layer_of(_top(dep))})")
+                bad.append(
+                    f"{mod} (layer {_layer_of(_top(mod))}) imports {dep} (layer {_layer_of(_top(dep))})"
+                )
     assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
 
 
@@ -139,7 +141,11 @@ def test_the_layer_table_knows_every_subpackage():
 def test_the_web_app_imports_no_torch():
     """One file per process side: the web process (the FastAPI app, the session logic, the worker-group
     proxy) never imports torch; the worker processes do (cadence.engine.worker)."""
-    code = ("import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config; "
-            "print('torch' in sys.modules); sys.exit(1 if 'torch' in sys.modules else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    code = (
+        "import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config; "
+        "print('torch' in sys.modules); sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -25,19 +25,25 @@ SR = 48_000
 
 def _rgb01(t: torch.Tensor) -> np.ndarray:
     """[3, H, W] in [-1, 1] -> [H, W, 3] in [0, 255]."""
-    return ((t.permute(1, 2, 0).numpy() + 1.0) * 127.5)
+    return (t.permute(1, 2, 0).numpy() + 1.0) * 127.5
 
 
 def _png_header_only(path: Path, w: int, h: int) -> None:
     """A tiny PNG whose header declares w x h pixels (the data does not follow)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                     + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+        + chunk(b"IEND", b"")
+    )
 
 
 # ---- image ---------------------------------------------------------------------------------------
+
 
 def test_image_covers_then_center_crops(tmp_path: Path) -> None:
     # 300x100: red | green | blue thirds. A square target keeps only the green middle (crop, not pad).
@@ -67,8 +73,8 @@ def test_image_modes_become_rgb(tmp_path: Path) -> None:
     rgba[:, 20:, 3] = 255
     Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
     px = _rgb01(load_reference_image(tmp_path / "a.png", 40, 40))
-    assert np.allclose(px[:, :16], 255, atol=2)                 # transparent -> white background
-    assert np.allclose(px[:, 24:], [255, 0, 0], atol=2)          # opaque red stays red
+    assert np.allclose(px[:, :16], 255, atol=2)  # transparent -> white background
+    assert np.allclose(px[:, 24:], [255, 0, 0], atol=2)  # opaque red stays red
 
     Image.new("L", (30, 50), 128).save(tmp_path / "g.png")
     px = _rgb01(load_reference_image(tmp_path / "g.png", 16, 16))
@@ -103,16 +109,19 @@ def test_image_exif_orientation(tmp_path: Path) -> None:
     assert bottom[2] > 200 and bottom[0] < 60, bottom
 
 
-@pytest.mark.parametrize("case, match", [
-    ("missing", "not found"),
-    ("text", "not an image"),
-    ("empty", "empty"),
-    ("dir", "not a file"),
-    ("truncated", "could not decode"),
-    ("zero", "not an image"),
-    ("bomb_81mp", "too large"),
-    ("bomb_400mp", "too large"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing", "not found"),
+        ("text", "not an image"),
+        ("empty", "empty"),
+        ("dir", "not a file"),
+        ("truncated", "could not decode"),
+        ("zero", "not an image"),
+        ("bomb_81mp", "too large"),
+        ("bomb_400mp", "too large"),
+    ],
+)
 def test_image_errors(tmp_path: Path, case: str, match: str) -> None:
     p = tmp_path / "x.png"
     if case == "text":
@@ -127,7 +136,7 @@ def test_image_errors(tmp_path: Path, case: str, match: str) -> None:
     elif case == "zero":
         _png_header_only(p, 0, 10)
     elif case == "bomb_81mp":
-        _png_header_only(p, 9000, 9000)   # over our 64 MP limit, under Pillow's own bomb guard
+        _png_header_only(p, 9000, 9000)  # over our 64 MP limit, under Pillow's own bomb guard
     elif case == "bomb_400mp":
         _png_header_only(p, 20000, 20000)  # Pillow's DecompressionBombError
     with pytest.raises(InputError, match=match) as ei:
@@ -151,8 +160,17 @@ def test_default_reference_image() -> None:
 
 # ---- audio ---------------------------------------------------------------------------------------
 
-def _write_audio(path: Path, x: np.ndarray, rate: int, codec: str, fmt: str, sample_fmt: str,
-                 layout: str, frame_size: int = 1024) -> None:
+
+def _write_audio(
+    path: Path,
+    x: np.ndarray,
+    rate: int,
+    codec: str,
+    fmt: str,
+    sample_fmt: str,
+    layout: str,
+    frame_size: int = 1024,
+) -> None:
     """Encode x [channels, samples] (float in [-1, 1]) with PyAV."""
     with av.open(str(path), "w", format=fmt) as c:
         s = c.add_stream(codec, rate=rate)
@@ -161,7 +179,7 @@ def _write_audio(path: Path, x: np.ndarray, rate: int, codec: str, fmt: str, sam
         packed = not sample_fmt.endswith("p")
         n = x.shape[1]
         for i in range(0, n, frame_size):
-            blk = x[:, i:i + frame_size]
+            blk = x[:, i : i + frame_size]
             if sample_fmt.startswith("s16"):
                 blk = (blk * 32767).round().astype(np.int16)
             else:
@@ -201,8 +219,9 @@ _CASES = [
 
 
 @pytest.mark.parametrize("name, rate, codec, fmt, sample_fmt, layout", _CASES, ids=[c[0] for c in _CASES])
-def test_load_audio_resamples_and_keeps_pitch(tmp_path: Path, name: str, rate: int, codec: str, fmt: str,
-                                              sample_fmt: str, layout: str) -> None:
+def test_load_audio_resamples_and_keeps_pitch(
+    tmp_path: Path, name: str, rate: int, codec: str, fmt: str, sample_fmt: str, layout: str
+) -> None:
     if not _has_encoder(codec):
         pytest.skip(f"{codec} encoder not in this FFmpeg build")
     secs = 1.5
@@ -226,10 +245,16 @@ def test_load_audio_other_rate_and_max_samples(tmp_path: Path) -> None:
     assert torch.equal(load_audio(tmp_path / "a.wav", max_samples=10**9), load_audio(tmp_path / "a.wav"))
 
 
-@pytest.mark.parametrize("case, match", [
-    ("missing", "not found"), ("text", "could not decode"), ("image", "no audio stream"), ("empty", "empty"),
-    ("no_samples", "no samples"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("missing", "not found"),
+        ("text", "could not decode"),
+        ("image", "no audio stream"),
+        ("empty", "empty"),
+        ("no_samples", "no samples"),
+    ],
+)
 def test_load_audio_errors(tmp_path: Path, case: str, match: str) -> None:
     p = tmp_path / "x.wav"
     if case == "text":
@@ -265,7 +290,7 @@ def test_synthetic_speech() -> None:
     assert s.shape == (2 * SR,) and s.dtype == torch.float32
     assert 0.4 < float(s.abs().max()) <= 0.5
     rms = s.reshape(-1, SR // 50).pow(2).mean(dim=1).sqrt()  # 20 ms windows
-    assert (rms > 0.05).sum() > 20 and (rms < 1e-4).sum() > 5   # syllables and pauses
+    assert (rms > 0.05).sum() > 20 and (rms < 1e-4).sum() > 5  # syllables and pauses
     assert torch.equal(s, synthetic_speech(2.0, SR))
 
 
@@ -280,11 +305,18 @@ def test_synthetic_speech_finite_for_every_seed() -> None:
 
 # ---- mp4 -----------------------------------------------------------------------------------------
 
+
 def _probe(path: Path) -> dict:
     with av.open(str(path)) as c:
         v, a = c.streams.video[0], c.streams.audio[0]
-        info = {"vcodec": v.codec_context.name, "rate": v.average_rate, "w": v.width, "h": v.height,
-                "acodec": a.codec_context.name, "arate": a.rate}
+        info = {
+            "vcodec": v.codec_context.name,
+            "rate": v.average_rate,
+            "w": v.width,
+            "h": v.height,
+            "acodec": a.codec_context.name,
+            "arate": a.rate,
+        }
         frames = [f.to_ndarray(format="rgb24") for f in c.decode(v)]
     with av.open(str(path)) as c:
         rs = av.AudioResampler(format="flt", layout="mono", rate=SR)
@@ -305,7 +337,7 @@ def test_mp4_round_trip(tmp_path: Path) -> None:
             frames = np.empty((tpc, 48, 64, 3), np.uint8)
             frames[:] = colours[i % 3]
             w.write_frames(torch.from_numpy(frames) if i % 2 else frames)
-            w.write_audio(speech[i * spc:(i + 1) * spc])
+            w.write_audio(speech[i * spc : (i + 1) * spc])
     assert w.frames_written == chunks * tpc and w.samples_written == chunks * spc
 
     info = _probe(out)
@@ -316,8 +348,8 @@ def test_mp4_round_trip(tmp_path: Path) -> None:
     assert abs(video_s - audio_s) < tpc / fps  # within one chunk (166.7 ms)
     for i in range(chunks):  # colours survive rgb -> yuv420p -> rgb, in order
         assert np.abs(info["frames"][i * tpc + 1].astype(float).mean(axis=(0, 1)) - colours[i % 3]).max() < 12
-    got = info["audio"][:speech.shape[0]]
-    assert np.sqrt(np.mean(got ** 2)) > 0.05  # not silent
+    got = info["audio"][: speech.shape[0]]
+    assert np.sqrt(np.mean(got**2)) > 0.05  # not silent
     corr = np.corrcoef(got, speech.numpy())[0, 1]
     assert corr > 0.9, corr  # and aligned with what went in (no offset)
 
@@ -343,8 +375,9 @@ def test_mp4_writer_rejects_bad_input(tmp_path: Path) -> None:
         w.write_frames(np.zeros((1, 48, 64, 3), np.uint8))
 
 
-def test_mp4_falls_back_to_mpeg4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_mp4_falls_back_to_mpeg4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     real = av.codec.Codec
 
     def no_x264(name: str, mode: str = "r"):

@@ -17,9 +17,9 @@ import re
 import pytest
 import torch
 
-from cadence.model.full import block_causal_mask
 from cadence.cache.naive import NaiveCache
 from cadence.config import get_preset
+from cadence.model.full import block_causal_mask
 from cadence.model.weights import build_model, load_state_dict_into, load_weights
 
 diffusers = pytest.importorskip("diffusers")
@@ -56,10 +56,23 @@ def randomise(module: torch.nn.Module, seed: int) -> None:
 
 def make_diffusers(cfg, seed: int = 0) -> WanTransformer3DModel:
     m = cfg.model
-    d = WanTransformer3DModel(patch_size=m.patch, num_attention_heads=m.num_heads, attention_head_dim=m.head_dim,
-                              in_channels=m.in_channels, out_channels=m.out_channels, text_dim=m.text_dim,
-                              freq_dim=m.freq_dim, ffn_dim=m.ffn_dim, num_layers=m.num_layers,
-                              cross_attn_norm=m.cross_attn_norm, eps=m.eps).float().eval()
+    d = (
+        WanTransformer3DModel(
+            patch_size=m.patch,
+            num_attention_heads=m.num_heads,
+            attention_head_dim=m.head_dim,
+            in_channels=m.in_channels,
+            out_channels=m.out_channels,
+            text_dim=m.text_dim,
+            freq_dim=m.freq_dim,
+            ffn_dim=m.ffn_dim,
+            num_layers=m.num_layers,
+            cross_attn_norm=m.cross_attn_norm,
+            eps=m.eps,
+        )
+        .float()
+        .eval()
+    )
     randomise(d, seed)
     return d
 
@@ -88,6 +101,7 @@ def reference(d, x, t, text, per_frame: bool = False):
 
 
 # ---- diffusers names ---------------------------------------------------------------------------------
+
 
 def test_square_single_frame():
     cfg = small_cfg()
@@ -155,7 +169,7 @@ def test_sharded_directory(tmp_path):
     sd = {k: v.contiguous() for k, v in d.state_dict().items()}
     keys = sorted(sd)
     save_file({k: sd[k] for k in keys[: len(keys) // 2]}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({k: sd[k] for k in keys[len(keys) // 2:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({k: sd[k] for k in keys[len(keys) // 2 :]}, str(tmp_path / "model-00002-of-00002.safetensors"))
     model = build_model(cfg, "cpu", torch.float32, seed=None)
     load_weights(model, tmp_path)
     x, text = inputs(cfg, 1, 8, 8, seed=5)
@@ -237,16 +251,20 @@ def test_wan_norm_names_not_swapped():
 
 # ---- chunked causal generation == masked full forward ------------------------------------------------
 
+
 def test_block_causal_mask_small():
     # frames: sink, chunk0, chunk1, chunk2; 1 token per frame; window 2 (a chunk sees itself + 1 before)
     m = block_causal_mask(torch.tensor([-1, 0, 1, 2]), 1, 2)
-    expected = torch.tensor([
-        # keys: sink c0  c1  c2
-        [1, 0, 0, 0],  # sink query: sink only
-        [1, 1, 0, 0],  # c0
-        [1, 1, 1, 0],  # c1
-        [1, 0, 1, 1],  # c2: chunk 0 has left the window
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            # keys: sink c0  c1  c2
+            [1, 0, 0, 0],  # sink query: sink only
+            [1, 1, 0, 0],  # c0
+            [1, 1, 1, 0],  # c1
+            [1, 0, 1, 1],  # c2: chunk 0 has left the window
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(m, expected)
 
 
@@ -266,7 +284,8 @@ def test_block_causal_mask_tokens_and_frames():
 def _chunked_vs_full(window: int, n: int, frames_per_chunk: int = 2):
     cfg = get_preset("tiny").with_overrides(
         stream={"window_chunks": window, "latent_frames_per_chunk": frames_per_chunk, "sink_frames": 1},
-        model={"num_layers": 3})
+        model={"num_layers": 3},
+    )
     model = build_model(cfg, "cpu", torch.float32, seed=1)
     lh, lw = cfg.latent_hw
     F = frames_per_chunk
@@ -285,8 +304,16 @@ def _chunked_vs_full(window: int, n: int, frames_per_chunk: int = 2):
         outs = []
         for i in range(n):
             cache.begin_chunk(1 + i * F, F)
-            outs.append(model.forward_chunk(chunks[i], torch.tensor([700.0]), text_ctx,
-                                            audio[1 + i * F:1 + (i + 1) * F], cache, commit=True))
+            outs.append(
+                model.forward_chunk(
+                    chunks[i],
+                    torch.tensor([700.0]),
+                    text_ctx,
+                    audio[1 + i * F : 1 + (i + 1) * F],
+                    cache,
+                    commit=True,
+                )
+            )
         # keeps at most window - 1 past chunks per layer
         assert all(len(p) == min(n, window - 1) for p in cache.past)
 

@@ -53,10 +53,19 @@ def _codes(spec, path, method) -> set[int]:
 def test_every_status_code_and_content_type_is_documented():
     spec = _spec()
     ops = {(p, m) for p, item in spec["paths"].items() for m in item}
-    assert ops == {("/healthz", "get"), ("/config", "get"), ("/sessions", "post"), ("/sessions", "get"),
-                   (SESSION, "get"), (SESSION, "delete"), (SESSION + "/report", "get"),
-                   (SESSION + "/say", "post"), (SESSION + "/audio", "post"), (SESSION + "/interrupt", "post"),
-                   ("/metrics", "get")}
+    assert ops == {
+        ("/healthz", "get"),
+        ("/config", "get"),
+        ("/sessions", "post"),
+        ("/sessions", "get"),
+        (SESSION, "get"),
+        (SESSION, "delete"),
+        (SESSION + "/report", "get"),
+        (SESSION + "/say", "post"),
+        (SESSION + "/audio", "post"),
+        (SESSION + "/interrupt", "post"),
+        ("/metrics", "get"),
+    }
     session = {400, 401, 403, 404, 413}
     assert _codes(spec, "/sessions", "post") == {201, 400, 413, 415, 429, 500, 503}
     assert _codes(spec, "/sessions", "get") == {200, 403}  # no operator key: the list is off
@@ -83,7 +92,7 @@ def test_every_status_code_and_content_type_is_documented():
     assert {"session_id", "token", "sdp", "type"} <= set(created["required"])
     body = spec["paths"]["/sessions"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "multipart/form-data"}
-    assert body["application/json"]["schema"]["properties"]["seed"]["maximum"] == 2 ** 63 - 1
+    assert body["application/json"]["schema"]["properties"]["seed"]["maximum"] == 2**63 - 1
     assert spec["paths"][SESSION]["get"]["security"] == [{"sessionToken": []}]
     assert set(spec["components"]["securitySchemes"]) == {"sessionToken"}
     assert "HTTPValidationError" not in spec["components"].get("schemas", {})
@@ -100,11 +109,15 @@ def test_405_names_every_method_of_the_path():
     from starlette.testclient import TestClient
 
     client = TestClient(create_app(ServeConfig(preset="tiny")))  # no lifespan: no workers needed for this
-    for method, path, allow in (("PUT", "/sessions/abc", "DELETE, GET"),
-                                ("POST", "/sessions/abc", "DELETE, GET"), ("PATCH", "/sessions", "GET, POST"),
-                                ("DELETE", "/sessions", "GET, POST"),
-                                ("POST", "/metrics", "GET"), ("GET", "/sessions/abc/say", "POST"),
-                                ("PUT", "/sessions/abc/report", "GET")):
+    for method, path, allow in (
+        ("PUT", "/sessions/abc", "DELETE, GET"),
+        ("POST", "/sessions/abc", "DELETE, GET"),
+        ("PATCH", "/sessions", "GET, POST"),
+        ("DELETE", "/sessions", "GET, POST"),
+        ("POST", "/metrics", "GET"),
+        ("GET", "/sessions/abc/say", "POST"),
+        ("PUT", "/sessions/abc/report", "GET"),
+    ):
         r = client.request(method, path)
         assert r.status_code == 405 and r.headers["allow"] == allow, (method, path, r.status_code, r.headers)
         assert set(r.json()) == {"error"}
@@ -165,16 +178,35 @@ def test_schemathesis_finds_no_failure_against_the_live_server(srv, tmp_path):
     sess.cfg = dataclasses.replace(sess.cfg, connect_timeout_s=300.0)
     (tmp_path / "schemathesis.toml").write_text(CONFIG)
     env = {**os.environ, "CADENCE_ST_SID": sid, "CADENCE_ST_TOKEN": token}
-    base = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "schemathesis.toml"),
-            "run", f"{srv.url}/openapi.json", "--phases", "coverage,fuzzing", "--max-examples", "25",
-            "--seed", "20", "--workers", "1", "--request-timeout", "20", "--no-color",
-            "--generation-database", "none"]
+    base = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "--config-file",
+        str(tmp_path / "schemathesis.toml"),
+        "run",
+        f"{srv.url}/openapi.json",
+        "--phases",
+        "coverage,fuzzing",
+        "--max-examples",
+        "25",
+        "--seed",
+        "20",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "20",
+        "--no-color",
+        "--generation-database",
+        "none",
+    ]
     t = time.monotonic()
     generated = 0
     # every operation but DELETE first, on the open session; then DELETE (which closes it)
     for only in (["--exclude-method", "DELETE"], ["--include-method", "DELETE"]):
-        out = subprocess.run(base + only, capture_output=True, text=True, timeout=150, cwd=tmp_path, env=env,
-                             check=False)
+        out = subprocess.run(
+            base + only, capture_output=True, text=True, timeout=150, cwd=tmp_path, env=env, check=False
+        )
         text = out.stdout + out.stderr
         assert out.returncode == 0, text[-6000:]
         m = re.search(r"(\d+) generated, (\d+) passed", text)

@@ -11,9 +11,30 @@ import sys
 
 def test_bench_pipeline_tp2_gloo(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "cadence", "bench", "pipeline", "--preset", "tiny", "--tp", "2", "--device", "cpu",
-           "--chunks", "6", "--shape-change-every", "3", "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "cadence",
+        "bench",
+        "pipeline",
+        "--preset",
+        "tiny",
+        "--tp",
+        "2",
+        "--device",
+        "cpu",
+        "--chunks",
+        "6",
+        "--shape-change-every",
+        "3",
+        "--out-dir",
+        str(tmp_path),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "tensor parallel                 2 ranks" in p.stdout

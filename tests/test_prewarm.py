@@ -22,8 +22,9 @@ from cadence.runtime.graphs import GraphRunner
 TINY = get_preset("tiny")
 # a stateful decoder, narrow (32 / 16 channels, a 4x pixel shuffle): what these tests check is the engine's
 # reuse and graph logic, so the decode costs ~8 ms a chunk here instead of ~180 ms at the default width
-RING = TINY.with_overrides(stream={"cache": "ring"},
-                           vae={"decoder": "taehv", "taehv_channels": (32, 16), "taehv_shuffle": 4})
+RING = TINY.with_overrides(
+    stream={"cache": "ring"}, vae={"decoder": "taehv", "taehv_channels": (32, 16), "taehv_shuffle": 4}
+)
 SPC = TINY.audio_samples_per_chunk
 W = TINY.stream.window_chunks  # 4
 N = W + 2  # past the window: fill, the first steady steps, the first sink move
@@ -54,7 +55,10 @@ def gen():
 
 
 def collect(pipe, img, prompt, audio, n, seed):
-    return [(o.latents.clone(), o.frames.clone(), o.timings.step) for o in pipe.stream(img, prompt, audio, n, seed=seed)]
+    return [
+        (o.latents.clone(), o.frames.clone(), o.timings.step)
+        for o in pipe.stream(img, prompt, audio, n, seed=seed)
+    ]
 
 
 def test_prewarmed_stream_equals_cold_stream(gen):
@@ -65,7 +69,9 @@ def test_prewarmed_stream_equals_cold_stream(gen):
 
     pipe = Engine(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
     info = pipe.warm_up(threads=1)
-    assert info["chunks"] == pipe.warm_chunks() == W + 2 and info["ms"] > 0 and info["first_stream_ttff_ms"] > 0
+    assert (
+        info["chunks"] == pipe.warm_chunks() == W + 2 and info["ms"] > 0 and info["first_stream_ttff_ms"] > 0
+    )
     # one capture in the first stream; every later warm-up stream replayed it (the capture chunk replays too)
     assert info["graphs"]["captures"] == 1 and info["graphs"]["replays"] >= 2
     assert pipe.session is not None and len(pipe.runner) == 1
@@ -90,14 +96,14 @@ def test_session_reset_equals_fresh_session(gen):
     for i in range(W + 1):  # past the window, with a prompt of another length mid-way
         if i == 2:
             sess.set_prompt(torch.randn(5, RING.model.text_dim, generator=torch.Generator().manual_seed(0)))
-        sess.decode(sess.step(a[i * SPC:(i + 1) * SPC]))
+        sess.decode(sess.step(a[i * SPC : (i + 1) * SPC]))
     cache, decoder = sess.cache, sess.decoder
     sess.reset(image(3), "second prompt", seed=12)
     assert sess.cache is cache and sess.decoder is decoder and sess.streams == 2
     fresh = gen.session(image(3), "second prompt", seed=12)
     b = speech(W + 1, seed=4)
     for i in range(W + 1):
-        x, y = sess.step(b[i * SPC:(i + 1) * SPC]), fresh.step(b[i * SPC:(i + 1) * SPC])
+        x, y = sess.step(b[i * SPC : (i + 1) * SPC]), fresh.step(b[i * SPC : (i + 1) * SPC])
         assert torch.equal(x, y), i
         assert torch.equal(sess.decode(x), fresh.decode(y)), i
     with pytest.raises(InputError, match="reference image must be"):
@@ -115,19 +121,20 @@ def test_graph_of_one_cache_never_replays_for_another(gen):
     a, b = gen.session(image(), "p", seed=1), gen.session(image(), "p", seed=1)
     audio = speech(N + 2)
     for i in range(N):
-        a.step(audio[i * SPC:(i + 1) * SPC], runner=runner)
+        a.step(audio[i * SPC : (i + 1) * SPC], runner=runner)
     assert runner.graphs_for(a.cache) == 1 and runner.graphs_for(b.cache) == 0
     did, outs = [], []
     for i in range(N):
-        outs.append(b.step(audio[i * SPC:(i + 1) * SPC], runner=runner))
+        outs.append(b.step(audio[i * SPC : (i + 1) * SPC], runner=runner))
         did.append(runner.last)
     # b's steady steps have their own key (its cache): warm-up and a capture of its own, never a's graph
-    assert did[W - 1:W + 1] == ["eager:warmup", "capture"] and runner.graphs_for(b.cache) == 1
-    assert all(e.keep is k_cache for e, k_cache in
-               zip(runner._graphs.values(), (a.cache, b.cache)))  # each graph holds its cache
+    assert did[W - 1 : W + 1] == ["eager:warmup", "capture"] and runner.graphs_for(b.cache) == 1
+    assert all(
+        e.keep is k_cache for e, k_cache in zip(runner._graphs.values(), (a.cache, b.cache))
+    )  # each graph holds its cache
     ref = gen.session(image(), "p", seed=1)
     for i in range(N):
-        assert torch.equal(ref.step(audio[i * SPC:(i + 1) * SPC]), outs[i]), i
+        assert torch.equal(ref.step(audio[i * SPC : (i + 1) * SPC]), outs[i]), i
 
 
 def test_fresh_session_per_stream_recaptures(gen):
@@ -194,15 +201,45 @@ def test_bench_pipeline_prewarm_fields(tmp_path):
 
     from cadence.bench.pipeline import main
 
-    assert main(["--preset", "tiny", "--chunks", "8", "--shape-change-every", "0", "--out-dir", str(tmp_path),
-                 "--window", "2"]) == 0
+    assert (
+        main(
+            [
+                "--preset",
+                "tiny",
+                "--chunks",
+                "8",
+                "--shape-change-every",
+                "0",
+                "--out-dir",
+                str(tmp_path),
+                "--window",
+                "2",
+            ]
+        )
+        == 0
+    )
     (f,) = (tmp_path / "pipeline").glob("*.json")
     assert "-w2" in f.name
     r = json.loads(f.read_text())["results"]
     assert r["prewarm"] is True and r["ttff_ms"] > 0 and r["ttff_cold_ms"] > 0 and r["prewarm_s"] > 0
     assert r["session"] == "reused" and r["open_ms"] > 0 and r["window_chunks"] == 2
-    assert main(["--preset", "tiny", "--chunks", "6", "--shape-change-every", "0", "--out-dir", str(tmp_path),
-                 "--no-prewarm", "--no-record"]) == 0
+    assert (
+        main(
+            [
+                "--preset",
+                "tiny",
+                "--chunks",
+                "6",
+                "--shape-change-every",
+                "0",
+                "--out-dir",
+                str(tmp_path),
+                "--no-prewarm",
+                "--no-record",
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -216,12 +253,17 @@ def test_cuda_prewarm_graphs_replay_for_reset_session(kv):
     g = build_generator(cfg, device="cuda:0", seed=0)
     audio = speech(N + 2)
     serial = PipelineConfig(decode_device="same", overlap=False, graphs=False)
-    ref = [(o.latents.clone(), o.frames.clone()) for o in Engine(g, serial).stream(image(5), "p", audio, N + 2, seed=9)]
+    ref = [
+        (o.latents.clone(), o.frames.clone())
+        for o in Engine(g, serial).stream(image(5), "p", audio, N + 2, seed=9)
+    ]
     pipe = Engine(g, PipelineConfig(decode_device="same"))
     info = pipe.warm_up()
     assert info["graphs"]["captures"] == 1
-    outs = [(o.latents.clone(), o.frames.clone(), o.timings.step)
-            for o in pipe.stream(image(5), "p", audio, N + 2, seed=9)]
+    outs = [
+        (o.latents.clone(), o.frames.clone(), o.timings.step)
+        for o in pipe.stream(image(5), "p", audio, N + 2, seed=9)
+    ]
     filling_replays = kv == "fp8"
     assert pipe.last_run["graphs"]["captures"] == 0
     assert pipe.last_run["graphs"]["replays"] == N + 2 - (0 if filling_replays else W - 1)
@@ -249,7 +291,11 @@ def test_capture_filling_replays_the_whole_stream(gen):
         assert torch.equal(rf, of), i
     assert [s for _, _, s in out] == ["replay"] * N
     lr = pipe.last_run
-    assert lr["graphs"]["captures"] == 0 and lr["graphs"]["replays"] == N and lr["first_chunk"]["step"] == "replay"
+    assert (
+        lr["graphs"]["captures"] == 0
+        and lr["graphs"]["replays"] == N
+        and lr["first_chunk"]["step"] == "replay"
+    )
     fills = sorted(k.fill for k in pipe.runner.keys())
     assert fills == list(range(1, W + 1))
     pipe.close()
@@ -258,7 +304,9 @@ def test_capture_filling_replays_the_whole_stream(gen):
 
 def test_capture_filling_off_keeps_filling_eager(gen):
     pipe = Engine(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
-    assert pipe.warm_up(threads=1)["fill_streams"] == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
+    assert (
+        pipe.warm_up(threads=1)["fill_streams"] == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
+    )
     assert all(k.filled for k in pipe.runner.keys())
     pipe.close()
 
@@ -308,6 +356,9 @@ def test_decoder_is_primed_by_the_decode_thread_before_the_first_chunk(gen, monk
     assert all(c[2] == "cadence-decode" for c in calls)
     monkeypatch.undo()
     serial = Engine(gen, PipelineConfig(**CPU, overlap=False))
-    ref = [(o.latents, o.frames.clone()) for o in serial.stream(image(2), "a person talking", speech(3), 3, seed=1)]
+    ref = [
+        (o.latents, o.frames.clone())
+        for o in serial.stream(image(2), "a person talking", speech(3), 3, seed=1)
+    ]
     for (ol, of, _), (rl, rf) in zip(out, ref, strict=True):
         assert torch.equal(ol, rl) and torch.equal(of, rf)

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from streams import engine_stream
 
 import cadence.engine.session as generate
 from cadence.cache.naive import NaiveCache
@@ -20,7 +21,6 @@ from cadence.config import ModelConfig, get_preset
 from cadence.engine.session import StreamGenerator
 from cadence.model.rope import Rope3D
 from cadence.model.weights import build_model
-from streams import engine_stream
 
 W = 3
 CFG = get_preset("tiny").with_overrides(stream={"window_chunks": W})
@@ -50,8 +50,9 @@ def ring_factory(**kw):
 
 
 def naive_factory():
-    return lambda cfg, model, fp8=False: NaiveCache(cfg.model.num_layers, cfg.stream.window_chunks,
-                                                    cfg.token_grid, model.rope, model.device, fp8=fp8)
+    return lambda cfg, model, fp8=False: NaiveCache(
+        cfg.model.num_layers, cfg.stream.window_chunks, cfg.token_grid, model.rope, model.device, fp8=fp8
+    )
 
 
 def stream(gen, monkeypatch, factory, n: int = N_CHUNKS) -> list[torch.Tensor]:
@@ -64,6 +65,7 @@ def stream(gen, monkeypatch, factory, n: int = N_CHUNKS) -> list[torch.Tensor]:
 
 
 # ---- 1. parity with the naive cache through the model -------------------------------------------------
+
 
 def test_ring_matches_naive_through_model(gen, monkeypatch):
     """Keys rotated once at write and read in ring order give the naive cache's attention: the same math
@@ -96,8 +98,19 @@ def rand_qkv(g, frames: int):
 
 
 def make_ring(window, fpc=1, sink_frames=1, **kw) -> RingCache:
-    return RingCache(1, window, GRID, Rope3D(SPLIT, 10_000.0), "cpu", HEADS, HEAD_DIM, fpc, sink_frames,
-                     model_dtype=torch.float32, **kw)
+    return RingCache(
+        1,
+        window,
+        GRID,
+        Rope3D(SPLIT, 10_000.0),
+        "cpu",
+        HEADS,
+        HEAD_DIM,
+        fpc,
+        sink_frames,
+        model_dtype=torch.float32,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("window,fpc,sink_frames", [(1, 1, 1), (2, 2, 1), (4, 1, 2), (3, 1, 0)])
@@ -130,6 +143,7 @@ def test_ring_matches_naive_direct(window, fpc, sink_frames):
 
 # ---- 2. FP8 ---------------------------------------------------------------------------------------------
 
+
 def test_fp8_scale_granularity():
     """Per-(token, head) vs per-(chunk, head) FP8 scales: attention-output error on realistic data.
 
@@ -152,19 +166,25 @@ def test_fp8_scale_granularity():
         v = torch.randn(C * T, H, D, generator=g)
         v[torch.randperm(C * T, generator=g)[: C * T // 100]] *= 30.0
 
-        def att(k_, v_):
+        def att(k_, v_, q=q):
             return F.scaled_dot_product_attention(q.transpose(0, 1), k_.transpose(0, 1), v_.transpose(0, 1))
 
         ref = att(k, v)
         for per in res:
-            def fq(x):
-                return torch.cat([dequantize_fp8(*quantize_fp8(x[i * T:(i + 1) * T], per)) for i in range(C)])
+
+            def fq(x, per=per):
+                return torch.cat(
+                    [dequantize_fp8(*quantize_fp8(x[i * T : (i + 1) * T], per)) for i in range(C)]
+                )
+
             kq, vq = fq(k), fq(v)
             assert torch.isfinite(kq).all() and torch.isfinite(vq).all()
             res[per][0] += rel_err(att(kq, v), ref) / len(seeds)
             res[per][1] += rel_err(att(kq, vq), ref) / len(seeds)
-    print(f"\nFP8 attention rel err  keys only / K+V:  per-(token,head) {res['token'][0]:.4f} / "
-          f"{res['token'][1]:.4f}   per-(chunk,head) {res['chunk'][0]:.4f} / {res['chunk'][1]:.4f}")
+    print(
+        f"\nFP8 attention rel err  keys only / K+V:  per-(token,head) {res['token'][0]:.4f} / "
+        f"{res['token'][1]:.4f}   per-(chunk,head) {res['chunk'][0]:.4f} / {res['chunk'][1]:.4f}"
+    )
     assert res["token"][0] <= res["chunk"][0] and res["token"][1] <= res["chunk"][1]
     assert res["token"][1] < 0.06  # e4m3: 3 mantissa bits, ~2.5% RMS per element
 
@@ -206,15 +226,19 @@ def test_fp8_ring_error_budget(gen, monkeypatch):
     tee = {}
 
     def factory(cfg, model, fp8=False):
-        tee["t"] = Tee(naive_factory()(cfg, model), RingCache.from_config(cfg, model, dtype="fp8",
-                                                                           sink_policy="absolute"))
+        tee["t"] = Tee(
+            naive_factory()(cfg, model),
+            RingCache.from_config(cfg, model, dtype="fp8", sink_policy="absolute"),
+        )
         return tee["t"]
 
     stream(gen, monkeypatch, factory)
     errs = tee["t"].errs
     per_layer = {layer: (sum(e) / len(e), max(e)) for layer, e in errs.items()}
-    print("\nFP8 ring per-layer attention rel err (mean, max):",
-          {k: (round(a, 4), round(b, 4)) for k, (a, b) in per_layer.items()})
+    print(
+        "\nFP8 ring per-layer attention rel err (mean, max):",
+        {k: (round(a, 4), round(b, 4)) for k, (a, b) in per_layer.items()},
+    )
     assert all(mx < 0.03 for _, mx in per_layer.values())
     assert all(mx > 1e-4 for _, mx in per_layer.values())  # it really stores FP8
     ref = stream(gen, monkeypatch, naive_factory())
@@ -226,6 +250,7 @@ def test_fp8_ring_error_budget(gen, monkeypatch):
 
 
 # ---- 3. a 1,000-chunk stream ---------------------------------------------------------------------------
+
 
 def fresh_naive_reference(sink, window_chunks, q, k, v, fpc=1):
     """Naive cache at the follow geometry, from scratch: sink at frame 0, the W-1 kept chunks right after
@@ -253,8 +278,11 @@ def test_thousand_chunk_stream():
     n = 1000
     g = torch.Generator().manual_seed(0)
     sink = rand_qkv(g, 1)
-    caches = {"abs": make_ring(W, sink_policy="absolute"), "fol32": make_ring(W, sink_policy="follow"),
-              "fol8": make_ring(W, sink_policy="follow", dtype="fp8")}
+    caches = {
+        "abs": make_ring(W, sink_policy="absolute"),
+        "fol32": make_ring(W, sink_policy="follow"),
+        "fol8": make_ring(W, sink_policy="follow", dtype="fp8"),
+    }
     naive = NaiveCache(1, W, GRID, caches["abs"].rope, "cpu")
     for c in [*caches.values(), naive]:
         c.begin_chunk(0, 1, sink=True)
@@ -270,11 +298,11 @@ def test_thousand_chunk_stream():
             outs[name] = c.attend(0, q, k, v, commit=True)
         errs["abs"][i] = rel_err(outs["abs"], outs["naive"])
         if i in checkpoints:
-            ref = fresh_naive_reference(sink, hist[-(W - 1):], q, k, v)
+            ref = fresh_naive_reference(sink, hist[-(W - 1) :], q, k, v)
             for name in ("fol32", "fol8"):
                 assert torch.isfinite(outs[name]).all()
                 errs[name][i] = rel_err(outs[name], ref)
-        hist = (hist + [(q, k, v)])[-(W - 1):]
+        hist = (hist + [(q, k, v)])[-(W - 1) :]
 
     def mean(name, lo, hi):
         e = [errs[name][i] for i in range(lo, hi)]
@@ -282,8 +310,10 @@ def test_thousand_chunk_stream():
 
     print()
     for name in caches:
-        print(f"{name}: mean rel err chunks 5-14 {mean(name, 5, 15):.2e}, "
-              f"chunks 990-999 {mean(name, n - 10, n):.2e}")
+        print(
+            f"{name}: mean rel err chunks 5-14 {mean(name, 5, 15):.2e}, "
+            f"chunks 990-999 {mean(name, n - 10, n):.2e}"
+        )
     assert max(errs["abs"].values()) < 1e-6
     assert mean("abs", n - 10, n) < 2 * mean("abs", 5, 15)
     assert max(errs["fol32"][i] for i in range(5, 15)) < 1e-6
@@ -293,6 +323,7 @@ def test_thousand_chunk_stream():
 
 
 # ---- 4. no host syncs -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_no_host_syncs(gen, monkeypatch, dtype):
@@ -310,11 +341,12 @@ def test_no_host_syncs(gen, monkeypatch, dtype):
     with monkeypatch.context() as m:
         for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
             m.setattr(torch.Tensor, name, boom)
-        outs = [sess.step(audio[i * SPC:(i + 1) * SPC]) for i in range(6)]
+        outs = [sess.step(audio[i * SPC : (i + 1) * SPC]) for i in range(6)]
     assert all(torch.isfinite(x).all() for x in outs)
 
 
 # ---- 5. memory ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_memory_preallocated_and_constant(dtype):
@@ -342,11 +374,12 @@ def test_memory_preallocated_and_constant(dtype):
     # vs float32 storage: FP8 quarters K/V per row (at this toy size the 128-row padding dominates)
     if dtype == "fp8":
         f32 = make_ring(W, sink_policy="absolute")
-        per_row = (ring.k[0, 0, 0].nbytes + ring.v[0, 0, :, 0].nbytes)
+        per_row = ring.k[0, 0, 0].nbytes + ring.v[0, 0, :, 0].nbytes
         assert 4 * per_row == f32.k[0, 0, 0].nbytes + f32.v[0, 0, 0].nbytes
 
 
 # ---- 6. the Triton path (fused write kernel + FP8 attention kernel) against the PyTorch path ------------
+
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_triton_path_matches_reference_path(gen, monkeypatch, dtype):
@@ -357,7 +390,10 @@ def test_triton_path_matches_reference_path(gen, monkeypatch, dtype):
     chunks x 4 passes (one past the window of 4; measured ~0.3%)."""
     from cadence.kernels.ring_attention import triton_usable
 
-    if not triton_usable(torch.device("cpu"), 32, allow_interpreter=True)[0] and not torch.cuda.is_available():
+    if (
+        not triton_usable(torch.device("cpu"), 32, allow_interpreter=True)[0]
+        and not torch.cuda.is_available()
+    ):
         pytest.skip("triton cannot run here")
     ref = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=False), n=5)
     got = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=True), n=5)

@@ -12,9 +12,12 @@ import torch
 
 from cadence.kernels import ring_attention as ra
 
-pytestmark = pytest.mark.skipif(not ra.triton_usable(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                                                     32, allow_interpreter=True)[0],
-                                reason="triton cannot run here")
+pytestmark = pytest.mark.skipif(
+    not ra.triton_usable(
+        torch.device("cuda" if torch.cuda.is_available() else "cpu"), 32, allow_interpreter=True
+    )[0],
+    reason="triton cannot run here",
+)
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -48,9 +51,9 @@ def test_rope_quant_write_fp8(transpose):
     # be within that and all within 2^-2.
     diff = (got.float() - ref.float()).abs() / 448.0
     if ra.interpreting():
-        assert (diff <= 2 ** -4).float().mean() > 0.98 and diff.max() <= 2 ** -2
+        assert (diff <= 2**-4).float().mean() > 0.98 and diff.max() <= 2**-2
     else:
-        assert diff.max() <= 2 ** -4
+        assert diff.max() <= 2**-4
     assert (scale[:, :17] == 0).all() and (scale[:, 57:] == 0).all()  # nothing outside the rows
 
 
@@ -114,8 +117,9 @@ def test_ring_attention_fp8_within_budget():
     bufs = _buffers(q, k, v, ra.FP8)
     nv = torch.tensor([n], dtype=torch.int32).to(DEV)
     out = ra.ring_attention(*bufs, nv, out_dtype=torch.float32)
-    exact = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                                             v.transpose(0, 1)).transpose(0, 1)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    ).transpose(0, 1)
     same_quant = ra.ring_attention_reference(*bufs, n)
     interp = ra.interpreting()
     assert torch.isfinite(out).all()
@@ -132,7 +136,7 @@ def test_qkv_write_one_launch_matches_reference(fp8):
     g = torch.Generator().manual_seed(4)
     t, h, d, n = 48, 2, 32, 256
     qkv = torch.randn(t, h, 3 * d, generator=g).to(DEV)
-    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]  # strided views, as the model's
+    q, k, v = qkv[..., :d], qkv[..., d : 2 * d], qkv[..., 2 * d :]  # strided views, as the model's
     cos, sin = angles(t, d, g)
     dt = ra.FP8 if fp8 else torch.float32
     qo, qs = torch.zeros(h, t, d, dtype=dt, device=DEV), torch.zeros(h, t, device=DEV)
@@ -153,4 +157,4 @@ def test_qkv_write_one_launch_matches_reference(fp8):
     for (a, b), (sa, sb) in zip(pairs, [(qs, rqs), (ks[:, 100:148], rks), (vs[:, 100:148], rvs)]):
         assert torch.allclose(sa, sb, rtol=1e-6)
         diff = (a.float() - b.float()).abs() / 448.0
-        assert (diff <= 2 ** -4).float().mean() > 0.98 and diff.max() <= 2 ** -2
+        assert (diff <= 2**-4).float().mean() > 0.98 and diff.max() <= 2**-2

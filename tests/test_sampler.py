@@ -37,7 +37,9 @@ def _run(sched: Schedule, x0: torch.Tensor, noise: torch.Tensor, renoise=None) -
     v_of = _oracle(x0)
     x = noise.clone()
     for i in range(sched.passes):
-        x = sched.step(x, v_of(x, sched.sigmas[i]), i, None if renoise is None or i >= len(renoise) else renoise[i])
+        x = sched.step(
+            x, v_of(x, sched.sigmas[i]), i, None if renoise is None or i >= len(renoise) else renoise[i]
+        )
     return x
 
 
@@ -98,6 +100,7 @@ def test_step_keeps_dtype():
 
 # ---- the Self-Forcing family's table-based schedule (cadence.runtime.sampler.training_table) ------------
 
+
 def _table_stream(**kw):
     from cadence.config import StreamConfig
 
@@ -121,7 +124,9 @@ def test_unwarped_table_schedule_model_sees_raw_timesteps():
     """CausVid: the model runs at 1000 / 757 / 522; the noise level is the table's nearest entry (~t/1000)."""
     from cadence.runtime.sampler import Schedule, training_table
 
-    s = Schedule.from_config(_table_stream(timesteps=(1000.0, 757.0, 522.0), shift=8.0, warp_denoising_step=False))
+    s = Schedule.from_config(
+        _table_stream(timesteps=(1000.0, 757.0, 522.0), shift=8.0, warp_denoising_step=False)
+    )
     assert [s.timestep(i) for i in range(3)] == [1000.0, 757.0, 522.0]
     sig, ts = training_table(1000, 8.0)
     for i, t in enumerate((1000.0, 757.0, 522.0)):

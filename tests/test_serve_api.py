@@ -35,8 +35,11 @@ GOOD_SDP_HEAD = "v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n"
 def srv():
     # the API mechanics on the fastest preset (random weights); the shipped default is tested by the rtc and
     # browser tests
-    s = ServerThread(ServeConfig(preset="tiny", port=0, max_image_bytes=MAX_IMAGE, max_audio_bytes=400_000,
-                                 timeline_window_s=1.0)).start()
+    s = ServerThread(
+        ServeConfig(
+            preset="tiny", port=0, max_image_bytes=MAX_IMAGE, max_audio_bytes=400_000, timeline_window_s=1.0
+        )
+    ).start()
     yield s
     s.stop()
 
@@ -129,11 +132,17 @@ def test_bad_session_requests_are_4xx_json(http, srv, monkeypatch):
     # malformed SDP: not SDP at all, no video, garbage that passes the first checks
     assert "v=0" in _err(http.post("/sessions", json={"sdp": "hello"}), 400)
     _err(http.post("/sessions", json={"sdp": GOOD_SDP_HEAD + "m=audio 9 UDP/TLS/RTP/SAVPF 111\r\n"}), 400)
-    garbage = GOOD_SDP_HEAD + "a=fingerprint:sha-256 00\r\nm=video 9 UDP/TLS/RTP/SAVPF 96\r\nc=IN IP4 0\r\na=rtpmap:x\r\n"
+    garbage = (
+        GOOD_SDP_HEAD
+        + "a=fingerprint:sha-256 00\r\nm=video 9 UDP/TLS/RTP/SAVPF 96\r\nc=IN IP4 0\r\na=rtpmap:x\r\n"
+    )
     assert "SDP" in _err(http.post("/sessions", json={"sdp": garbage}), 400)
     _err(http.post("/sessions", json={"sdp": "v=0\r\n" + "a=x\r\n" * 20000}), 413)
     # images: corrupt, oversized (both per-field limit and whole-body limit), bad base64
-    _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("x.png", b"\x89PNG\r\n\x1a\nnot really")}), 400)
+    _err(
+        http.post("/sessions", data={"sdp": sdp}, files={"image": ("x.png", b"\x89PNG\r\n\x1a\nnot really")}),
+        400,
+    )
     _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("x.jpg", b"hello world")}), 400)
     big = _png(400, 400) + b"\0" * MAX_IMAGE
     _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("big.png", big)}), 413)
@@ -145,9 +154,14 @@ def test_bad_session_requests_are_4xx_json(http, srv, monkeypatch):
     monkeypatch.setattr(app_mod, "espeak_binary", lambda: None)
     assert "espeak-ng" in _err(http.post("/sessions", json={"sdp": sdp, "agent": "say"}), 503)
     # unknown sessions
-    for method, path in (("GET", "/sessions/nope"), ("DELETE", "/sessions/nope"), ("POST", "/sessions/nope/say"),
-                         ("POST", "/sessions/nope/audio"), ("GET", "/sessions/nope/report"),
-                         ("POST", "/sessions/nope/interrupt")):
+    for method, path in (
+        ("GET", "/sessions/nope"),
+        ("DELETE", "/sessions/nope"),
+        ("POST", "/sessions/nope/say"),
+        ("POST", "/sessions/nope/audio"),
+        ("GET", "/sessions/nope/report"),
+        ("POST", "/sessions/nope/interrupt"),
+    ):
         _err(http.request(method, path, json={"text": "hi"} if path.endswith("say") else None), 404)
     # no failed request left a session or a busy group behind
     assert srv.manager.sessions == {} and all(g.free for g in srv.manager.groups)
@@ -158,8 +172,14 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     from cadence.media import synthetic_speech
 
     info: dict = {}
-    client = BackgroundClient(srv.url, 4.0, image=_png(), speak_wav=wav_bytes(synthetic_speech(1.0).numpy()),
-                              speak_after_s=0.3, created=info)
+    client = BackgroundClient(
+        srv.url,
+        4.0,
+        image=_png(),
+        speak_wav=wav_bytes(synthetic_speech(1.0).numpy()),
+        speak_after_s=0.3,
+        created=info,
+    )
     sid, token = _wait_created(info, srv)
     auth = _tok(token)
     sdp = _offer_sdp()
@@ -175,8 +195,12 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
         _err(http.post(f"/sessions/{sid}/audio", content=b"", headers=auth), 415)
         _err(http.post(f"/sessions/{sid}/audio", content=b"\0" * 500_000, headers=auth), 413)
         _err(http.post(f"/sessions/{sid}/say", json={"text": "   "}, headers=auth), 400)
-        _err(http.post(f"/sessions/{sid}/say", content=b"[",
-                       headers={"content-type": "application/json", **auth}), 400)
+        _err(
+            http.post(
+                f"/sessions/{sid}/say", content=b"[", headers={"content-type": "application/json", **auth}
+            ),
+            400,
+        )
         _err(http.post(f"/sessions/{sid}/interrupt"), 401)  # no token: nothing happens to the session
         _err(http.post(f"/sessions/{sid}/audio", content=b"x", headers=_tok("guessed")), 403)
         _err(http.post("/sessions", json={"sdp": "garbage"}), 400)
@@ -210,16 +234,28 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     # requests after close: 410 for anything that would change it; its final state and report stay readable
     _err(http.delete(f"/sessions/{sid}", headers=auth), 410)
     _err(http.post(f"/sessions/{sid}/say", json={"text": "hi"}, headers=auth), 410)
-    _err(http.post(f"/sessions/{sid}/audio", content=wav_bytes(np.zeros(4800, np.float32)),
-                   headers=auth), 410)
+    _err(
+        http.post(f"/sessions/{sid}/audio", content=wav_bytes(np.zeros(4800, np.float32)), headers=auth), 410
+    )
     _err(http.post(f"/sessions/{sid}/interrupt", headers=auth), 410)
     assert http.get(f"/sessions/{sid}", headers=auth).json()["state"] == "closed"
     _err(http.get(f"/sessions/{sid}/report"), 401)
     report = http.get(f"/sessions/{sid}/report", headers=auth).json()
-    for key in ("fps_mean", "ttff_ms", "chunk_latency_ms_p50", "chunk_latency_ms_p99", "underruns", "deadline_misses",
-                "av_offset_ms", "agent_audio_to_frame_ms", "duration_s"):
+    for key in (
+        "fps_mean",
+        "ttff_ms",
+        "chunk_latency_ms_p50",
+        "chunk_latency_ms_p99",
+        "underruns",
+        "deadline_misses",
+        "av_offset_ms",
+        "agent_audio_to_frame_ms",
+        "duration_s",
+    ):
         assert key in report, key
-    assert report["chunk_latency_samples"] == min(2000, report["chunks"]["done"])  # what the percentiles cover
+    assert report["chunk_latency_samples"] == min(
+        2000, report["chunks"]["done"]
+    )  # what the percentiles cover
     # the stream window by window (1 s windows in this server): the windows partition the session's
     # counts; each carries the worker's memory (a process with torch and a model: well over 100 MB)
     tl = report["timeline"]
@@ -232,9 +268,14 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     first, peak = report["worker_memory_first_mb"]["rss_mb"], report["worker_memory_max_mb"]["rss_mb"]
     assert 100 < first <= peak and abs(report["worker_memory_growth_mb"]["rss_mb"]) <= peak, report
     metrics = http.get("/metrics").text
-    assert "cadence_admissions_refused_total" in metrics and 'cadence_bad_requests_total{status="415"}' in metrics
+    assert (
+        "cadence_admissions_refused_total" in metrics
+        and 'cadence_bad_requests_total{status="415"}' in metrics
+    )
     assert 'cadence_worker_memory_bytes{group="0",kind="rss"}' in metrics
-    assert f'session="{sid}"' not in metrics  # a closed session's series are gone (the label set stays bounded)
+    assert (
+        f'session="{sid}"' not in metrics
+    )  # a closed session's series are gone (the label set stays bounded)
 
 
 @pytest.mark.skipif(espeak_binary() is None, reason="espeak-ng is not installed (CI installs it)")

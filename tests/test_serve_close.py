@@ -54,7 +54,9 @@ async def _streaming(mgr: SessionManager) -> LiveSession:
 def _chunk_back(sess: LiveSession, c: int) -> None:
     """Chunk ``c`` comes back from the worker (what the reader thread hands to the loop)."""
     t = sess.timing
-    frames = np.zeros((t.frames_per_chunk, sess.engine_cfg.stream.height, sess.engine_cfg.stream.width, 3), np.uint8)
+    frames = np.zeros(
+        (t.frames_per_chunk, sess.engine_cfg.stream.height, sess.engine_cfg.stream.width, 3), np.uint8
+    )
     sess.on_worker_message(ChunkDone(sess.sid, c, frames, ChunkTimings(diffusion_ms=1.0, decode_ms=1.0)))
 
 

@@ -8,7 +8,6 @@ one end-to-end run (a worker process + an aiortc client for ~3 s) takes ~15 s.
 """
 
 import asyncio
-import dataclasses
 import os
 import time
 
@@ -43,13 +42,21 @@ def test_worker_spec_reference_on_cpu_fast_path_on_cuda():
     assert f.compile is False and worker_spec(ServeConfig(compile=True), "cpu")[0].fast.compile
     spec, shm = worker_spec(cfg, "cuda:0", frame_bytes=W13_BYTES)
     f = spec.fast
-    assert spec.notes == () and f.kv_fp8 and f.fp8_linears and f.graphs and spec.warmup and f.dtype == "bfloat16"
+    assert (
+        spec.notes == () and f.kv_fp8 and f.fp8_linears and f.graphs and spec.warmup and f.dtype == "bfloat16"
+    )
     assert f.decoder is None and shm  # automatic: build_engine picks (tests/test_engine.py)
     # asked for explicitly on the CPU: off, one line each; a decoder may run anywhere
-    spec, shm = worker_spec(ServeConfig(kv_fp8=True, fp8_linears=True, graphs=True, warmup=False,
-                                        decoder="taehv", frame_transport="shm"), "cpu")
+    spec, shm = worker_spec(
+        ServeConfig(
+            kv_fp8=True, fp8_linears=True, graphs=True, warmup=False, decoder="taehv", frame_transport="shm"
+        ),
+        "cpu",
+    )
     assert not (spec.fast.kv_fp8 or spec.fast.fp8_linears or spec.fast.graphs) and not spec.warmup
-    assert len(spec.notes) == 3 and all("needs a CUDA worker" in n and n.endswith(": off") for n in spec.notes)
+    assert len(spec.notes) == 3 and all(
+        "needs a CUDA worker" in n and n.endswith(": off") for n in spec.notes
+    )
     assert spec.fast.decoder == "taehv" and shm
     # explicit off on CUDA stays off; a TP group resolves for its devices
     spec, shm = worker_spec(ServeConfig(graphs=False, kv_fp8=False), "cuda:1+cuda:2", W13_BYTES - 1)
@@ -59,10 +66,14 @@ def test_worker_spec_reference_on_cpu_fast_path_on_cuda():
     # capture_filling: opt-in, needs graphs (hence CUDA); one line where it cannot apply
     assert not worker_spec(cfg, "cuda:0", W13_BYTES)[0].fast.capture_filling
     assert worker_spec(ServeConfig(capture_filling=True), "cuda:0", W13_BYTES)[0].fast.capture_filling
-    for dev, kw, why in (("cpu", {}, "this worker runs on cpu"),
-                         ("cuda:0", {"graphs": False}, "graphs are off")):
+    for dev, kw, why in (
+        ("cpu", {}, "this worker runs on cpu"),
+        ("cuda:0", {"graphs": False}, "graphs are off"),
+    ):
         spec, _ = worker_spec(ServeConfig(capture_filling=True, **kw), dev)
-        assert not spec.fast.capture_filling and spec.notes == (f"capture_filling: needs CUDA graphs ({why}): off",)
+        assert not spec.fast.capture_filling and spec.notes == (
+            f"capture_filling: needs CUDA graphs ({why}): off",
+        )
     # the CPU's thread count: chosen at warm-up unless given
     assert worker_spec(cfg, "cpu")[0].fast.threads == 0
     assert worker_spec(ServeConfig(worker_threads=2), "cpu")[0].fast.threads == 2
@@ -107,14 +118,20 @@ def test_frame_ring_lends_slots_and_leaves_nothing_behind():
     # the reader thread's view of the answers: frames copied out of the slot, the slot freed
     tm = ChunkTimings(diffusion_ms=1.0)
     msg = WorkerGroup.take_frames(ring, ChunkDone("s", 5, None, tm, slot=1))
-    assert (msg.sid, msg.index, msg.slot) == ("s", 5, None) and msg.frames.shape == shape and (msg.frames == 7).all()
+    assert (
+        (msg.sid, msg.index, msg.slot) == ("s", 5, None)
+        and msg.frames.shape == shape
+        and (msg.frames == 7).all()
+    )
     assert ring.free_slots == 1
     assert WorkerGroup.take_frames(ring, Dropped("s", 6, 0)) is None and ring.free_slots == 2
     assert WorkerGroup.take_frames(ring, Error("s", "boom", 2)) == Error("s", "boom")
     assert ring.free_slots == 3
     pipe_msg = ChunkDone("s", 7, np.zeros(shape, np.uint8), tm)
     assert WorkerGroup.take_frames(ring, pipe_msg) is pipe_msg
-    assert isinstance(WorkerGroup.take_frames(ring, ChunkDone("s", 8, None, tm)), Error)  # never silently dropped
+    assert isinstance(
+        WorkerGroup.take_frames(ring, ChunkDone("s", 8, None, tm)), Error
+    )  # never silently dropped
     other.close()
     ring.close()
     ring.close()  # idempotent
@@ -148,7 +165,9 @@ def test_engine_twelve_frame_chunks_warmup_and_one_ring_cache_equal_fresh_sessio
     ref.end_stream()
     # graphs asked for on the CPU: off with a note, the ring cache anyway; every stream is the one kept session
     # reset in place, and a stream on the reused cache gives exactly what a fresh session gives
-    eng = build_engine(TINY12.with_overrides(stream={"cache": "ring"}), "cpu", FastPath(graphs=True, threads=1))
+    eng = build_engine(
+        TINY12.with_overrides(stream={"cache": "ring"}), "cpu", FastPath(graphs=True, threads=1)
+    )
     assert eng.applied["cache"] == "ring" and eng.describe()["reuse"] == "session"
     assert eng.notes == ["graphs: needs a CUDA worker (this one runs on cpu): off"]
     t = time.monotonic()
@@ -166,8 +185,10 @@ def test_engine_twelve_frame_chunks_warmup_and_one_ring_cache_equal_fresh_sessio
         for i in range(6):
             eng.submit(i, audio * (i + 1), out=bufs[i])
         res = eng.collect(block=True)
-        assert all(r.frames is None and r.timings.diffusion_ms > 0 and r.timings.step.startswith("eager")
-                   for r in res)
+        assert all(
+            r.frames is None and r.timings.diffusion_ms > 0 and r.timings.step.startswith("eager")
+            for r in res
+        )
         eng.end_stream()
         for a, b in zip(bufs, expect):
             np.testing.assert_array_equal(a, b)
@@ -182,8 +203,9 @@ def _fake_graph_engine(**pcfg):
 
     FakeGraph.made = []
     gen = build_generator(get_preset("tiny").with_overrides(stream={"cache": "ring"}), seed=0)
-    return Engine(gen, PipelineConfig(diffusion_devices=("cpu",), decode_device="same", **pcfg),
-                  graph_capture=FakeGraph)
+    return Engine(
+        gen, PipelineConfig(diffusion_devices=("cpu",), decode_device="same", **pcfg), graph_capture=FakeGraph
+    )
 
 
 @torch.no_grad()
@@ -204,7 +226,9 @@ def test_engine_capture_filling_warms_up_twice_then_replays_every_chunk_of_a_ses
     assert warm["steps"] == ["capture"] * (w - 1) + ["replay"] * 3
     assert warm["slowest_chunk_ms"] > 0 and warm["steady_chunk_ms"] > 0
     assert warm["media_chunk_ms"] == pytest.approx(166.7)
-    fresh = build_engine(get_preset("tiny").with_overrides(stream={"cache": "ring"}), "cpu", FastPath(threads=1))
+    fresh = build_engine(
+        get_preset("tiny").with_overrides(stream={"cache": "ring"}), "cpu", FastPath(threads=1)
+    )
     expect = _stream_frames(fresh, img, "a prompt", 4, [audio * (i + 1) for i in range(w + 2)])
     eng.open(img, "a prompt", 4)
     for i in range(w + 2):
@@ -273,10 +297,16 @@ def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
     warm = eng.warm_up(default_reference_image(128, 128), decode=False, threads=1)
     assert warm["repeat_stream"] and warm["streams"] == 4
     assert warm["steady_chunk_ms"] == 60.0 and warm["slowest_chunk_ms"] == 400.0
-    assert warm["first_stream_chunk_ms"] == [ms for ms, _ in first] and warm["chunk_ms"] == [ms for ms, _ in again]
-    assert eng.notes == [(f"warm-up: {w - 1} chunk(s) of a stream take up to 400 ms, longer than a chunk's "
-                          "167 ms of media: expect underruns there in every stream (eager ring-filling "
-                          "steps: --capture-filling captures them)")]
+    assert warm["first_stream_chunk_ms"] == [ms for ms, _ in first] and warm["chunk_ms"] == [
+        ms for ms, _ in again
+    ]
+    assert eng.notes == [
+        (
+            f"warm-up: {w - 1} chunk(s) of a stream take up to 400 ms, longer than a chunk's "
+            "167 ms of media: expect underruns there in every stream (eager ring-filling "
+            "steps: --capture-filling captures them)"
+        )
+    ]
 
 
 def test_engine_warm_up_tells_one_time_work_from_slow_chunks(monkeypatch):
@@ -296,8 +326,12 @@ def test_engine_warm_up_tells_one_time_work_from_slow_chunks(monkeypatch):
     _fake_streams(eng, monkeypatch, [first, steady, again, paced])
     warm = eng.warm_up(default_reference_image(128, 128), decode=False, threads=1)
     assert warm["repeat_stream"] and warm["slowest_chunk_ms"] == 130.0 and warm["steady_chunk_ms"] == 130.0
-    assert eng.notes == [(f"warm-up: chunk(s) [{w}] took up to 671 ms in the first stream only (one-time work); "
-                          "120 ms in the next")]
+    assert eng.notes == [
+        (
+            f"warm-up: chunk(s) [{w}] took up to 671 ms in the first stream only (one-time work); "
+            "120 ms in the next"
+        )
+    ]
     eng2 = _fake_graph_engine()
     _fake_streams(eng2, monkeypatch, [_rows([5000.0, 900.0] + [100.0] * w, steps), steady, paced])
     warm = eng2.warm_up(default_reference_image(128, 128), decode=False, threads=1)
@@ -344,9 +378,20 @@ def test_engine_compile_is_opt_in_and_says_why_it_is_off(monkeypatch):
 
 
 def _info(warmup) -> WorkerInfo:
-    return WorkerInfo(preset="tiny", device="cpu", tp=1, build_ms=1.0, threads=1, fast_path={}, notes=[],
-                      warmup=warmup, preopen_ms=1.0, frame_transport="pipe", frames_per_chunk=12,
-                      audio_samples_per_chunk=24000)
+    return WorkerInfo(
+        preset="tiny",
+        device="cpu",
+        tp=1,
+        build_ms=1.0,
+        threads=1,
+        fast_path={},
+        notes=[],
+        warmup=warmup,
+        preopen_ms=1.0,
+        frame_transport="pipe",
+        frames_per_chunk=12,
+        audio_samples_per_chunk=24000,
+    )
 
 
 def test_manager_lead_follows_the_measured_chunk_time():
@@ -412,8 +457,9 @@ def test_clock_waits_for_the_first_chunk_but_not_for_ever():
 
     def feed(timeout):
         t = MediaTiming()
-        return MediaFeed(AVBuffer(t, 8, 8), MediaClock(), t, asyncio.Event(), timeout, lambda *a: None,
-                         lambda *a: None)
+        return MediaFeed(
+            AVBuffer(t, 8, 8), MediaClock(), t, asyncio.Event(), timeout, lambda *a: None, lambda *a: None
+        )
 
     async def main():
         f = feed(5.0)
@@ -441,8 +487,15 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
     from cadence.serve.client import run_client
     from cadence.serve.server import ServerThread
 
-    cfg = ServeConfig(preset="tiny", port=0, overrides=TWELVE, frame_transport="shm", warmup=True, warmup_chunks=2,
-                      kv_fp8=True)
+    cfg = ServeConfig(
+        preset="tiny",
+        port=0,
+        overrides=TWELVE,
+        frame_transport="shm",
+        warmup=True,
+        warmup_chunks=2,
+        kv_fp8=True,
+    )
     srv = ServerThread(cfg).start()
     try:
         g = srv.manager.groups[0]
@@ -453,7 +506,11 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
         assert w["frame_transport"] == "shm" and w["frames_per_chunk"] == 12
         assert w["notes"] == ["kv_fp8: needs a CUDA worker (this one runs on cpu): off"]
         assert w["fast_path"]["kv_fp8"] is False and w["fast_path"]["fp8_linears"] == 0
-        assert w["warmup"]["chunks"] == 2 and w["warmup"]["steady_chunk_ms"] > 0 and w["warmup"]["threads"] in (1, 2)
+        assert (
+            w["warmup"]["chunks"] == 2
+            and w["warmup"]["steady_chunk_ms"] > 0
+            and w["warmup"]["threads"] in (1, 2)
+        )
         res = asyncio.run(run_client(srv.url, 3.0))
         assert res.error is None, res.error
         assert 22.0 <= res.media_fps(3750) <= 26.0, (res.media_fps(3750), res.video_fps())
@@ -474,7 +531,9 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
     assert not os.path.exists(shm_path)  # the segment was unlinked with the worker
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (the worker must fail to start)")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="needs a machine without CUDA (the worker must fail to start)"
+)
 def test_a_worker_that_cannot_start_fails_startup_once_and_leaves_nothing_behind():
     pytest.importorskip("prometheus_client")
     pytest.importorskip("aiortc")
@@ -483,8 +542,15 @@ def test_a_worker_that_cannot_start_fails_startup_once_and_leaves_nothing_behind
     from cadence.serve.app import SessionManager
 
     async def main():
-        mgr = SessionManager(ServeConfig(preset="tiny", groups=("cuda:0",), overrides=TWELVE,
-                                         frame_transport="shm", worker_start_timeout_s=60))
+        mgr = SessionManager(
+            ServeConfig(
+                preset="tiny",
+                groups=("cuda:0",),
+                overrides=TWELVE,
+                frame_transport="shm",
+                worker_start_timeout_s=60,
+            )
+        )
         g = mgr.groups[0]
         assert g.spec.warmup and g.spec.fast.graphs  # a CUDA group: the fast path, resolved up front
         t = time.monotonic()

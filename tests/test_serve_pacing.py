@@ -6,7 +6,14 @@ import itertools
 import numpy as np
 import pytest
 
-from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming, next_audio_frame, next_video_frame, to_s16
+from cadence.serve.pacing import (
+    AVBuffer,
+    ChunkPlanner,
+    MediaTiming,
+    next_audio_frame,
+    next_video_frame,
+    to_s16,
+)
 
 T = MediaTiming()  # 24 fps, 4 frames per chunk, 48 kHz
 
@@ -152,8 +159,17 @@ def test_planner_skips_chunks_already_in_the_past_after_a_stall():
     assert p.poll(1.0 + wait, 0.0)[0].chunk == 7
 
 
-def _simulate(latency, seconds=3.0, lead=0.1, step=0.001, timing=T, wait_first_chunk=False, serial=False,
-              interval=None, est=None):
+def _simulate(
+    latency,
+    seconds=3.0,
+    lead=0.1,
+    step=0.001,
+    timing=T,
+    wait_first_chunk=False,
+    serial=False,
+    interval=None,
+    est=None,
+):
     """Run the planner, a worker (``latency(c)`` per chunk; ``serial``: one chunk at a time, the next starting
     ``interval(c)`` after the previous one), both tracks and the buffer on a fake clock. Chunk c's frames are
     filled with c+1 and its audio with (c+1)/100, so the output names its chunk. ``wait_first_chunk``: the
@@ -236,8 +252,9 @@ def test_fake_clock_worker_slower_than_real_time_gives_fewer_fresh_frames_never_
     """One chunk per 250 ms sustained (slower than the 166.7 ms of media in each): the planner asks only for
     the chunks the worker can return in time; the viewer gets fresh frames at ~2/3 of 24 fps, in chunk-long
     runs with at most a chunk or two held between them, and the audio of every chunk, in sync."""
-    buf, t0, video, audio, planner = _simulate(lambda c: 0.24, seconds=6.0, lead=0.3, serial=True,
-                                               interval=lambda c: 0.25, wait_first_chunk=True)
+    buf, t0, video, audio, planner = _simulate(
+        lambda c: 0.24, seconds=6.0, lead=0.3, serial=True, interval=lambda c: 0.25, wait_first_chunk=True
+    )
     assert buf.audio_underruns == 0 and planner.audio_only > 0
     late = sum(1 for v in video if v[1] >= 4 and not v[4])
     fresh = [v for v in video if v[4]]
@@ -336,10 +353,14 @@ def test_engine_and_benchmarks_do_not_import_serving_packages():
     import subprocess
     import sys
 
-    code = ("import sys, cadence.cli, cadence.engine.session, cadence.bench.serve, cadence.serve.pacing; "
-            "bad = [m for m in ('fastapi', 'uvicorn', 'aiortc', 'prometheus_client') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    code = (
+        "import sys, cadence.cli, cadence.engine.session, cadence.bench.serve, cadence.serve.pacing; "
+        "bad = [m for m in ('fastapi', 'uvicorn', 'aiortc', 'prometheus_client') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -384,10 +405,13 @@ T12 = MediaTiming(fps=24, frames_per_chunk=12)  # W1.3's geometry: 12 frames, 24
 def test_twelve_frame_chunks_timing_and_pacing():
     assert T12.samples_per_chunk == 24000 and T12.chunk_seconds == pytest.approx(0.5)
     assert T12.frame_chunk(23) == (1, 11) and T12.frame_chunk(24) == (2, 0)
-    assert T12.audio_frame_samples == 960 and T12.samples_per_chunk % T12.audio_frame_samples == 0  # 25 per chunk
+    assert (
+        T12.audio_frame_samples == 960 and T12.samples_per_chunk % T12.audio_frame_samples == 0
+    )  # 25 per chunk
     # ~400 ms of work per chunk (W1.3 on an H200), one chunk at the worker at a time, lead = work + 15% + 20 ms
-    buf, t0, video, audio, _ = _simulate(lambda c: 0.4, seconds=4.0, lead=0.48, timing=T12, wait_first_chunk=True,
-                                         serial=True)
+    buf, t0, video, audio, _ = _simulate(
+        lambda c: 0.4, seconds=4.0, lead=0.48, timing=T12, wait_first_chunk=True, serial=True
+    )
     assert buf.video_underruns == 0 and buf.audio_underruns == 0
     assert t0 == pytest.approx(0.4, abs=0.002)  # the clock waited for the first chunk
     assert len(video) == pytest.approx(24 * (4.0 - t0), abs=2)

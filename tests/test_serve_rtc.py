@@ -73,7 +73,9 @@ def test_aiortc_client_gets_24fps_video_and_48khz_audio_then_nothing_leaks():
         assert rep["state"] == "closed" and rep["close_reason"] == "client"
         assert rep["worker_preopened"] is True  # default face and prompt: the worker had it opened ahead
         # >= 2 s of generated video sent, or skipped by the pacer after a stall (bounded above)
-        assert rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 48 and rep["av_offset_ms"] is not None
+        assert (
+            rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 48 and rep["av_offset_ms"] is not None
+        )
         assert abs(rep["av_offset_ms"]) < 60
         # session teardown: its tasks are gone, the group is free again, the worker is the same process
         names = on_server_loop(srv, _task_names)

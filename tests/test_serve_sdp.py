@@ -17,7 +17,10 @@ a=rtpmap:0 PCMU/8000\r
 
 
 def test_first_payload_type_of_each_section_named_by_its_rtpmap():
-    assert negotiated_codecs(ANSWER) == {"video": "H264", "audio": "opus"}  # the m= order, not the rtpmap order
+    assert negotiated_codecs(ANSWER) == {
+        "video": "H264",
+        "audio": "opus",
+    }  # the m= order, not the rtpmap order
     assert negotiated_codecs(ANSWER.replace("101 102", "102 101")) == {"video": "VP8", "audio": "opus"}
 
 

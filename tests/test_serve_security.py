@@ -52,14 +52,22 @@ pytestmark = pytest.mark.timeout(180)
 KEY = "test-operator-key-0123456789abcdef"
 CONNECT_S = 2.0
 MAX_IMAGE = 200_000
-MB = 2 ** 20
+MB = 2**20
 
 
 @pytest.fixture(scope="module")
 def srv():
-    s = ServerThread(ServeConfig(preset="tiny", port=0, api_key=KEY, max_image_bytes=MAX_IMAGE,
-                                 max_audio_bytes=400_000, connect_timeout_s=CONNECT_S,
-                                 max_pending_offers_per_client=1)).start()
+    s = ServerThread(
+        ServeConfig(
+            preset="tiny",
+            port=0,
+            api_key=KEY,
+            max_image_bytes=MAX_IMAGE,
+            max_audio_bytes=400_000,
+            connect_timeout_s=CONNECT_S,
+            max_pending_offers_per_client=1,
+        )
+    ).start()
     yield s
     s.stop()
 
@@ -131,6 +139,7 @@ def sdp():
 def _png(w: int, h: int) -> bytes:
     """A grey (mode L) PNG of w x h zero pixels, built row by row: 8000 x 8000 (64 MP, 64 MB of pixels)
     compresses to ~62 KB and never exists decoded in this process."""
+
     def chunk(tag, data):
         crc = zlib.crc32(tag + data) & 0xFFFFFFFF
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", crc)
@@ -139,8 +148,12 @@ def _png(w: int, h: int) -> bytes:
     for _ in range(h):
         parts.append(comp.compress(row))
     parts.append(comp.flush())
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
-            + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", b"".join(parts))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _rss_mb() -> float:
@@ -172,6 +185,7 @@ def _say_wav_seconds(text: str) -> float:
 
 
 # ---- espeak-ng: the text is never an option ------------------------------------------------------------
+
 
 def test_espeak_gets_the_text_on_stdin_never_in_its_arguments(monkeypatch):
     from cadence.serve import agent
@@ -211,11 +225,16 @@ def test_espeak_says_an_option_like_text_instead_of_reading_the_file(tmp_path):
 
 # ---- tokens and the operator key ------------------------------------------------------------------------
 
+
 def _session_routes(sid: str) -> list[tuple[str, str, dict]]:
-    return [("GET", f"/sessions/{sid}", {}), ("GET", f"/sessions/{sid}/report", {}),
-            ("POST", f"/sessions/{sid}/say", {"json": {"text": "hello"}}),
-            ("POST", f"/sessions/{sid}/audio", {"content": wav_bytes(np.zeros(4800, np.float32))}),
-            ("POST", f"/sessions/{sid}/interrupt", {}), ("DELETE", f"/sessions/{sid}", {})]
+    return [
+        ("GET", f"/sessions/{sid}", {}),
+        ("GET", f"/sessions/{sid}/report", {}),
+        ("POST", f"/sessions/{sid}/say", {"json": {"text": "hello"}}),
+        ("POST", f"/sessions/{sid}/audio", {"content": wav_bytes(np.zeros(4800, np.float32))}),
+        ("POST", f"/sessions/{sid}/interrupt", {}),
+        ("DELETE", f"/sessions/{sid}", {}),
+    ]
 
 
 def test_another_sessions_token_is_refused_and_changes_nothing(srv, op, anon, sdp, tmp_path):
@@ -228,8 +247,11 @@ def test_another_sessions_token_is_refused_and_changes_nothing(srv, op, anon, sd
     a_info: dict = {}
     client = BackgroundClient(srv.url, 2.0, api_key=KEY, created=a_info)
     deadline = time.monotonic() + 60
-    while not (a_info and a_info["session_id"] in mgr.sessions
-               and mgr.sessions[a_info["session_id"]].state == "streaming"):
+    while not (
+        a_info
+        and a_info["session_id"] in mgr.sessions
+        and mgr.sessions[a_info["session_id"]].state == "streaming"
+    ):
         assert time.monotonic() < deadline, "session A did not start streaming"
         time.sleep(0.05)
     a, ta = a_info["session_id"], a_info["token"]
@@ -283,23 +305,39 @@ def test_another_sessions_token_is_refused_and_changes_nothing(srv, op, anon, sd
 
 # ---- every field validated --------------------------------------------------------------------------------
 
+
 def test_seeds_surrogates_nul_and_types_are_json_400s(srv, op, sdp):
     raw = [  # JSON bodies as text: 1e999 is a float (inf) to Python's json, \\ud800 a lone surrogate
-        '{"sdp": %s, "seed": 1e999}', '{"sdp": %s, "seed": 18446744073709551616}',
-        '{"sdp": %s, "seed": 9223372036854775808}', '{"sdp": %s, "seed": -9223372036854775809}',
-        '{"sdp": %s, "seed": -1}', '{"sdp": %s, "seed": 3.0}', '{"sdp": %s, "seed": true}',
-        '{"sdp": %s, "seed": "5"}', '{"sdp": %s, "seed": null}', '{"sdp": %s, "seed": NaN}',
+        '{"sdp": %s, "seed": 1e999}',
+        '{"sdp": %s, "seed": 18446744073709551616}',
+        '{"sdp": %s, "seed": 9223372036854775808}',
+        '{"sdp": %s, "seed": -9223372036854775809}',
+        '{"sdp": %s, "seed": -1}',
+        '{"sdp": %s, "seed": 3.0}',
+        '{"sdp": %s, "seed": true}',
+        '{"sdp": %s, "seed": "5"}',
+        '{"sdp": %s, "seed": null}',
+        '{"sdp": %s, "seed": NaN}',
         '{"sdp": %s, "seed": ' + "9" * 5000 + "}",
-        '{"sdp": %s, "prompt": "\\ud800"}', '{"sdp": %s, "prompt": "a\\u0000b"}',
-        '{"sdp": %s, "prompt": null}', '{"sdp": %s, "prompt": ["x"]}', '{"sdp": %s, "agent": 5}',
-        '{"sdp": %s, "agent": "nobody"}', '{"sdp": %s, "type": "answer"}',
-        '{"sdp": %s, "prompt": "' + "p" * 1001 + '"}', '{"sdp": %s, "image_base64": 7}',
-        '{"sdp": "v=0\\r\\n\\ud800", "x": %s}', '{"sdp": "v=0\\u0000", "x": %s}',
+        '{"sdp": %s, "prompt": "\\ud800"}',
+        '{"sdp": %s, "prompt": "a\\u0000b"}',
+        '{"sdp": %s, "prompt": null}',
+        '{"sdp": %s, "prompt": ["x"]}',
+        '{"sdp": %s, "agent": 5}',
+        '{"sdp": %s, "agent": "nobody"}',
+        '{"sdp": %s, "type": "answer"}',
+        '{"sdp": %s, "prompt": "' + "p" * 1001 + '"}',
+        '{"sdp": %s, "image_base64": 7}',
+        '{"sdp": "v=0\\r\\n\\ud800", "x": %s}',
+        '{"sdp": "v=0\\u0000", "x": %s}',
     ]
     msgs = []
     for body in raw:
-        r = op.post("/sessions", content=(body % json.dumps(sdp)).encode(),
-                    headers={"content-type": "application/json"})
+        r = op.post(
+            "/sessions",
+            content=(body % json.dumps(sdp)).encode(),
+            headers={"content-type": "application/json"},
+        )
         msgs.append(_err(r, 400))
     assert any("surrogate" in m for m in msgs) and any("NUL" in m for m in msgs), msgs
     assert sum("'seed'" in m for m in msgs) == 10 and "not valid JSON" in msgs[10], msgs  # (5000 digits)
@@ -309,8 +347,10 @@ def test_seeds_surrogates_nul_and_types_are_json_400s(srv, op, sdp):
     _err(op.post("/sessions", files=_form(sdp=sdp, prompt="a\0b")), 400)
     assert srv.manager.sessions == {}
     # the largest seed is accepted (as JSON and as a form field), and so is a plain one
-    for kw in ({"json": {"sdp": sdp, "seed": 2 ** 63 - 1}},
-               {"files": _form(sdp=sdp, seed="9223372036854775807")}):
+    for kw in (
+        {"json": {"sdp": sdp, "seed": 2**63 - 1}},
+        {"files": _form(sdp=sdp, seed="9223372036854775807")},
+    ):
         r = op.post("/sessions", **kw)
         assert r.status_code == 201, r.text
         assert op.delete(f"/sessions/{r.json()['session_id']}").status_code == 200
@@ -321,9 +361,17 @@ def test_say_text_is_validated(srv, op, sdp):
     assert r.status_code == 201, r.text
     sid, tok = r.json()["session_id"], r.json()["token"]
     h = {**_bearer(tok), "content-type": "application/json"}
-    for body in ('{"text": "a\\u0000b"}', '{"text": "\\ud800"}', '{"text": 5}', '{"text": null}',
-                 '{"text": "  "}', '{"text": "hi", "interrupt": "yes"}', '["hi"]',
-                 '{"text": "' + "x" * 1001 + '"}', "[" * 50_000):
+    for body in (
+        '{"text": "a\\u0000b"}',
+        '{"text": "\\ud800"}',
+        '{"text": 5}',
+        '{"text": null}',
+        '{"text": "  "}',
+        '{"text": "hi", "interrupt": "yes"}',
+        '["hi"]',
+        '{"text": "' + "x" * 1001 + '"}',
+        "[" * 50_000,
+    ):
         _err(op.post(f"/sessions/{sid}/say", content=body.encode(), headers=h), 400)
     assert srv.manager.sessions[sid].agent.segments == 0
     assert op.delete(f"/sessions/{sid}").status_code == 200
@@ -331,14 +379,19 @@ def test_say_text_is_validated(srv, op, sdp):
 
 # ---- body limits on streamed bodies ------------------------------------------------------------------
 
+
 def _stream(url: str, path: str, headers: dict, total: int) -> tuple[int, dict, bytes, int]:
     """POST ``total`` bytes to ``path`` as a chunked body (no Content-Length), 1 MiB chunks, without
     waiting for the body to be read: stop sending as soon as the server answers or closes. Returns
     (status, headers, body, bytes sent)."""
     u = urlsplit(url)
     s = socket.create_connection((u.hostname, u.port), timeout=10)
-    head = [f"POST {path} HTTP/1.1", f"Host: {u.hostname}", "Transfer-Encoding: chunked",
-            *(f"{k}: {v}" for k, v in headers.items())]
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {u.hostname}",
+        "Transfer-Encoding: chunked",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
     s.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
     piece = b"100000\r\n" + b"a" * (1 << 20) + b"\r\n"
     sent, buf = 0, memoryview(b"")
@@ -393,8 +446,10 @@ def test_a_chunked_body_is_cut_at_the_limit_not_read_whole(srv):
     limit = srv.manager.cfg.max_image_bytes * 4 // 3 + srv.manager.cfg.max_sdp_bytes + 64 * 1024
     rss0 = _rss_mb()
     with _PeakRss() as peak:
-        for headers, want in (({"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, 413),
-                              ({"Content-Type": "application/json"}, 401)):
+        for headers, want in (
+            ({"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, 413),
+            ({"Content-Type": "application/json"}, 401),
+        ):
             t = time.monotonic()
             status, hdrs, body, sent = _stream(srv.url, "/sessions", headers, 300 * MB)
             assert status == want, (status, body)
@@ -402,23 +457,30 @@ def test_a_chunked_body_is_cut_at_the_limit_not_read_whole(srv):
             assert hdrs["connection"] == "close" and hdrs["_closed"], hdrs
             assert sent < 32 * MB, f"{sent / MB:.1f} MB sent before the answer (limit {limit / MB:.2f} MB)"
             assert time.monotonic() - t < 20
-        status, hdrs, body, sent = _stream(srv.url, "/sessions/0123/say", {"Authorization": f"Bearer {KEY}"},
-                                           300 * MB)  # refused (unknown session) before its body is read
+        status, hdrs, body, sent = _stream(
+            srv.url, "/sessions/0123/say", {"Authorization": f"Bearer {KEY}"}, 300 * MB
+        )  # refused (unknown session) before its body is read
         assert status == 404 and hdrs["_closed"] and sent < 32 * MB, (status, hdrs, sent)
     assert peak.peak - rss0 < 100, (rss0, peak.peak)
     # a declared Content-Length over the limit: refused before a byte of the body is read
     u = urlsplit(srv.url)
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-        s.sendall(f"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Length: {300 * MB}\r\n"
-                  "Content-Type: application/json\r\n\r\n".encode())
+        s.sendall(
+            f"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Length: {300 * MB}\r\n"
+            "Content-Type: application/json\r\n\r\n".encode()
+        )
         assert s.recv(65536).startswith(b"HTTP/1.1 413 ")
     # a chunked body within the limit is read as usual
-    r = httpx.post(f"{srv.url}/sessions", content=iter([b'{"sdp": ', b'"v=0"}']),
-                   headers={**_bearer(KEY), "content-type": "application/json"})
+    r = httpx.post(
+        f"{srv.url}/sessions",
+        content=iter([b'{"sdp": ', b'"v=0"}']),
+        headers={**_bearer(KEY), "content-type": "application/json"},
+    )
     assert "m=video" in _err(r, 400)
 
 
 # ---- image uploads -----------------------------------------------------------------------------------
+
 
 def test_parallel_64_megapixel_pngs_are_refused_without_decoding(srv, op, sdp):
     """The issue's probe: rounds of 8 parallel 62 KB PNGs claiming 64 megapixels took the server from 97 MB
@@ -435,9 +497,15 @@ def test_parallel_64_megapixel_pngs_are_refused_without_decoding(srv, op, sdp):
     r = op.post("/sessions", data={"sdp": sdp}, files={"image": ("ok.png", ok)})
     assert r.status_code == 201, r.text
     op.delete(f"/sessions/{r.json()['session_id']}")
+
     def upload(png):  # one client per request: 8 at once from 8 threads
-        return httpx.post(f"{srv.url}/sessions", data={"sdp": sdp}, files={"image": ("x.png", png)},
-                          headers=_bearer(KEY), timeout=30)
+        return httpx.post(
+            f"{srv.url}/sessions",
+            data={"sdp": sdp},
+            files={"image": ("x.png", png)},
+            headers=_bearer(KEY),
+            timeout=30,
+        )
 
     threads0, rss0 = threading.active_count(), _rss_mb()
     statuses = []
@@ -483,6 +551,7 @@ def test_image_header_is_read_before_any_pixel():
 
 # ---- offers that never connect -----------------------------------------------------------------------
 
+
 def test_an_abandoned_offer_is_freed_and_pending_offers_are_limited_per_client(srv, op, sdp):
     """An offer whose client never connects holds its slot for the connect timeout only (10 s by default,
     2 s here), and a client may have only ``max_pending_offers_per_client`` (1 here) such offers: one more
@@ -508,6 +577,7 @@ def test_an_abandoned_offer_is_freed_and_pending_offers_are_limited_per_client(s
 
 
 # ---- cadence serve: no key on a public address -------------------------------------------------------
+
 
 def test_serve_refuses_a_public_address_without_a_key(capsys, tmp_path, caplog, monkeypatch):
     from cadence.cli import _api_key, build_parser, main

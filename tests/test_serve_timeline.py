@@ -5,8 +5,9 @@ import pytest
 from cadence.serve.timeline import Timeline
 
 
-def _run(tl, seconds, *, chunk_s=1 / 6, fresh_per_chunk=4, latency=lambda t: 60.0, rss=lambda t: 500.0,
-         stall=None):
+def _run(
+    tl, seconds, *, chunk_s=1 / 6, fresh_per_chunk=4, latency=lambda t: 60.0, rss=lambda t: 500.0, stall=None
+):
     """Feed ``seconds`` of chunks; ``stall=(t_from, t_to)``: no chunk comes back in between."""
     counts = {"video_fresh": 0, "chunks_done": 0, "underruns_video": 0, "deadline_misses": 0}
     t, k = 100.0, 0
@@ -50,8 +51,12 @@ def test_a_stall_and_a_leak_show_in_their_window():
     assert rows[0]["fps"] == pytest.approx(24.0, abs=0.5) and rows[0]["underruns_video"] == 0
     # no chunk between 12 s and 25 s: the window [10, 20) closes on time all the same (the watchdog's
     # tick) with its 8 s of held frames; the next one has the other 5 s of them and 5 s of chunks
-    assert rows[1]["underruns_video"] == pytest.approx(8 * 24, abs=4) and rows[1]["fps"] == pytest.approx(4.8, abs=0.5)
-    assert rows[2]["underruns_video"] == pytest.approx(5 * 24, abs=4) and rows[2]["chunks"] == pytest.approx(30, abs=1)
+    assert rows[1]["underruns_video"] == pytest.approx(8 * 24, abs=4) and rows[1]["fps"] == pytest.approx(
+        4.8, abs=0.5
+    )
+    assert rows[2]["underruns_video"] == pytest.approx(5 * 24, abs=4) and rows[2]["chunks"] == pytest.approx(
+        30, abs=1
+    )
     assert rows[1]["seconds"] == pytest.approx(10.0, abs=0.2)
     assert sum(r["underruns_video"] for r in rows) == counts["underruns_video"]
     assert tl.memory_first == {"rss_mb": 400.0}

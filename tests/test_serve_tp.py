@@ -18,11 +18,15 @@ from cadence.errors import ConfigError
 from cadence.serve.client import run_client
 from cadence.serve.config import ServeConfig
 
-ONE_LAYER = {"model": {"num_layers": 1}}  # half the all-reduces of tiny: the protocol, not the model, is tested
+ONE_LAYER = {
+    "model": {"num_layers": 1}
+}  # half the all-reduces of tiny: the protocol, not the model, is tested
 from cadence.serve.server import ServerThread
 
-pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
 
 
 def _alive(pid: int) -> bool:
@@ -38,8 +42,9 @@ def _tp_server() -> ServerThread:
     # for tiny's two layers (the all-reduces over loopback dominate at this size), ~85 ms with one, and
     # a generous lead; real time is not the point here (on GPUs the group is NCCL over NVLink), the
     # protocol is
-    return ServerThread(ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0,
-                                    overrides=ONE_LAYER)).start()
+    return ServerThread(
+        ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0, overrides=ONE_LAYER)
+    ).start()
 
 
 def _short_session_ok(url: str) -> None:
@@ -64,7 +69,9 @@ def test_tensor_parallel_group_streams_then_leaves_nothing_behind():
         rep = res.report
         assert not rep["errors"], rep["errors"]
         assert rep["worker_preopened"] is True  # the default session was opened ahead on both ranks
-        assert rep["chunks"]["done"] >= 12 and rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 36, rep
+        assert (
+            rep["chunks"]["done"] >= 12 and rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 36
+        ), rep
         bad, missing = res.pts_gaps(3750)
         assert bad == [] and missing <= rep["video_frames_skipped"] <= 24, rep  # at most 1 s skipped in 2.5 s
         # a second session on the same group: the ranks stayed in step through close and the next open

@@ -164,6 +164,7 @@ def test_measure_graphed_capture_failure_falls_back_with_one_warning(caplog):
 
 # ---- two gloo ranks: capture agreed across the group ---------------------------------------------------
 
+
 @torch.no_grad()
 def _agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
     tp_worker.gloo_env(rank, world, port)
@@ -184,8 +185,9 @@ def _agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
 
             model = apply_tp(build_model(TINY_RING, "cpu", torch.float32, seed=0), info.group)
             sess, audio = _session(model)
-            r = bench_step.measure_graphed(sess, audio, torch.device("cpu"), warmup=0, iters=2,
-                                           group=info.group, capture=capture)
+            r = bench_step.measure_graphed(
+                sess, audio, torch.device("cpu"), warmup=0, iters=2, group=info.group, capture=capture
+            )
             out = sess.step(audio)  # one more step after the timed ones: the ranks must still agree
             res[case] = {k: r[k] for k in ("used", "captures", "capture_failures", "last")}
             res[case]["tried"] = len(tried)
@@ -212,6 +214,7 @@ def test_capture_is_agreed_across_tp_ranks(tmp_path):
 
 # ---- --compile ------------------------------------------------------------------------------------------
 
+
 def test_compile_flag_applies_after_fp8_and_records_the_report(monkeypatch):
     import types
 
@@ -232,10 +235,14 @@ def test_compile_flag_applies_after_fp8_and_records_the_report(monkeypatch):
         seen["fp8_linears"] = sum(isinstance(m, FP8Linear) for m in model.modules())
         return Report()
 
-    monkeypatch.setitem(sys.modules, "cadence.runtime.compile", types.SimpleNamespace(apply_compile=fake_apply))
+    monkeypatch.setitem(
+        sys.modules, "cadence.runtime.compile", types.SimpleNamespace(apply_compile=fake_apply)
+    )
     r = bench_step.run(bench_step.parse([*QUICK, "--fp8", "--compile", "--no-record"]))
     assert seen["fp8_linears"] == r["fp8_layers"] > 0  # compiled after apply_fp8
-    assert r["compile"]["describe"] == "fake compile" and r["compile"]["status"] == {"norm_modulate": "compiled (1 calls)"}
+    assert r["compile"]["describe"] == "fake compile" and r["compile"]["status"] == {
+        "norm_modulate": "compiled (1 calls)"
+    }
 
 
 def test_compile_flag_without_the_module_is_a_clear_error(monkeypatch):

@@ -36,9 +36,15 @@ def regenerate(name: str) -> dict[str, torch.Tensor]:
     sd = {}
     for k, shape in shapes:
         t = torch.randn(shape, generator=g, dtype=torch.float32)
-        sd[k] = t * 0.02 + (0.5 if k == last_bias else 0.0) if k.endswith(".bias") else t / math.sqrt(math.prod(shape[1:]))
+        sd[k] = (
+            t * 0.02 + (0.5 if k == last_bias else 0.0)
+            if k.endswith(".bias")
+            else t / math.sqrt(math.prod(shape[1:]))
+        )
         s, s2 = DATA[name]["checksums"][k]
-        assert abs(float(sd[k].double().sum()) - s) <= 1e-6 * max(1.0, abs(s)) + 1e-9, f"{k}: regenerated weights differ"
+        assert abs(float(sd[k].double().sum()) - s) <= 1e-6 * max(1.0, abs(s)) + 1e-9, (
+            f"{k}: regenerated weights differ"
+        )
         assert abs(float(sd[k].double().pow(2).sum()) - s2) <= 1e-6 * s2 + 1e-12, k
     return sd
 
@@ -81,7 +87,7 @@ def test_streamed_decode_matches_reference(variant):
     m = load_published_taehv(path)
     lat = DATA[name]["latents"].transpose(0, 1)
     st = m.stream()
-    parts = [st.decode_chunk(lat[:, i:i + 1]) for i in range(lat.shape[1])]
+    parts = [st.decode_chunk(lat[:, i : i + 1]) for i in range(lat.shape[1])]
     assert [p.shape[1] for p in parts] == [1] + [4] * (lat.shape[1] - 1)  # Wan's frame count
     out = torch.cat(parts, dim=1)
     err = rel((out + 1) / 2, DATA[name]["frames"].transpose(0, 1))
@@ -95,7 +101,9 @@ def test_bad_taehv_files_are_named(tmp_path):
     del broken["decoder.15.conv.4.bias"]
     f = tmp_path / "broken.pth"
     torch.save(broken, f)
-    with pytest.raises(WeightsError, match=r"broken\.pth do not fit .*missing \['15\.conv\.4\.bias'\].*9\.conv\.2\.weight"):
+    with pytest.raises(
+        WeightsError, match=r"broken\.pth do not fit .*missing \['15\.conv\.4\.bias'\].*9\.conv\.2\.weight"
+    ):
         load_published_taehv(f)
     enc_only = tmp_path / "enc.pth"
     torch.save({k: v for k, v in sd.items() if k.startswith("encoder.")}, enc_only)
@@ -123,5 +131,7 @@ def test_decoder_from_config(variant):
     assert isinstance(tiny_decoder_from_config(cfg), PublishedTAEHV)
     other = get_preset("w14") if name == "taew2_1" else get_preset("tiny")
     with pytest.raises(ConfigError, match=r"the VAE is z="):
-        tiny_decoder_from_config(replace(other, vae=replace(other.vae, decoder="taehv", taehv_weights=str(path))))
+        tiny_decoder_from_config(
+            replace(other, vae=replace(other.vae, decoder="taehv", taehv_weights=str(path)))
+        )
     assert tiny_decoder_from_config(get_preset("tiny")) is None

@@ -33,10 +33,9 @@ WORLD = 2
 TP_TOL = 1e-5
 FP8_BUDGET = 0.10
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
-
-
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +76,12 @@ def test_fp8_composes_with_tp(results):
         for key in ("tp_then_fp8", "fp8_then_tp"):
             y = results[r][key]
             assert torch.isfinite(y).all()
-            assert tp_worker.rel_err(y, ref) < FP8_BUDGET, f"rank {r} {key}: {tp_worker.rel_err(y, ref):.4f} vs float32"
-            assert tp_worker.rel_err(y, ref_fp8) < FP8_BUDGET / 2, f"rank {r} {key}: {tp_worker.rel_err(y, ref_fp8):.4f} vs unsharded FP8"
+            assert tp_worker.rel_err(y, ref) < FP8_BUDGET, (
+                f"rank {r} {key}: {tp_worker.rel_err(y, ref):.4f} vs float32"
+            )
+            assert tp_worker.rel_err(y, ref_fp8) < FP8_BUDGET / 2, (
+                f"rank {r} {key}: {tp_worker.rel_err(y, ref_fp8):.4f} vs unsharded FP8"
+            )
     for key in ("tp_then_fp8", "fp8_then_tp"):
         assert torch.equal(results[0][key], results[1][key])
 

@@ -49,8 +49,9 @@ TP_TOL = 1e-5
 RING_FP8_TOL = 1e-4
 FP8_BUDGET = 0.10
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,9 @@ def test_fp8_linears_compose_with_tp(results):
             y = results[r][key]
             assert torch.isfinite(y).all()
             assert tp_worker.rel_err(y, ref) < FP8_BUDGET, f"rank {r} {key}: {tp_worker.rel_err(y, ref):.4f}"
-            assert tp_worker.rel_err(y, ref_fp8) < FP8_BUDGET / 2, \
+            assert tp_worker.rel_err(y, ref_fp8) < FP8_BUDGET / 2, (
                 f"rank {r} {key}: {tp_worker.rel_err(y, ref_fp8):.4f} vs unsharded FP8"
+            )
     for key in ("tp_then_fp8", "fp8_then_tp"):
         assert _all_ranks_equal(results, key)
 
@@ -135,5 +137,9 @@ def test_symm_code_paths_at_four_ranks(results):
             assert e < 1e-6, f"rank {r} emulated {mode}: {e:.2e} from nccl"
         for mode, e in em["fp8"].items():
             assert e < 1e-5, f"rank {r} emulated FP8 {mode}: {e:.2e} from nccl"
-        for op in ("two_shot_all_reduce_", "fused_matmul_reduce_scatter", "fused_scaled_matmul_reduce_scatter"):
+        for op in (
+            "two_shot_all_reduce_",
+            "fused_matmul_reduce_scatter",
+            "fused_scaled_matmul_reduce_scatter",
+        ):
             assert em["calls"].get(op, 0) > 0, f"{op} never called: {em['calls']}"

@@ -54,7 +54,7 @@ def test_mouth_follows_loudness(clip):
     assert silent.sum() > 5 and (clip.mouth_open[silent] == 0).all()
     # Open-mouth frames differ from closed ones in the mouth area, darker there.
     x0, y0, x1, y1 = clip.face_box
-    mouth = clip.frames[:, (y0 + y1) // 2:y1, x0:x1].astype(float).mean(axis=(1, 2, 3))
+    mouth = clip.frames[:, (y0 + y1) // 2 : y1, x0:x1].astype(float).mean(axis=(1, 2, 3))
     assert mouth[clip.mouth_open > 0.8].mean() < mouth[clip.mouth_open == 0].mean() - 2
 
 
@@ -66,7 +66,7 @@ def test_blinks(clip):
     assert ((ends - starts) >= 2).all() and ((ends - starts) <= 4).all()
     # Shut eyes show no eye white: far fewer near-white pixels in the eye band.
     x0, y0, x1, y1 = clip.face_box
-    band = clip.frames[:, y0 + (y1 - y0) // 4:(y0 + y1) // 2, x0:x1]
+    band = clip.frames[:, y0 + (y1 - y0) // 4 : (y0 + y1) // 2, x0:x1]
     white = (band.min(axis=-1) > 235).sum(axis=(1, 2))
     assert white[clip.blink].max() < 0.3 * white[~clip.blink].mean()
 
@@ -78,7 +78,7 @@ def test_head_moves(clip):
     assert np.abs(np.diff(off, axis=0)).max() < 0.5  # smooth: under half a pixel per frame
     # The forehead/hair band (untouched by mouth and eyes) shifts with the head.
     _x0, y0, _x1, y1 = clip.face_box
-    top = clip.frames[:, max(y0 - 4, 0):y0 + (y1 - y0) // 5].astype(float)
+    top = clip.frames[:, max(y0 - 4, 0) : y0 + (y1 - y0) // 5].astype(float)
     far = int(np.argmax(np.abs(off).sum(1)))
     assert np.abs(top[far] - top[0]).mean() > 3 * np.abs(top[1] - top[0]).mean() + 0.5
 

@@ -61,7 +61,7 @@ def _stream(ours: WanVAE, z: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     st = ours.stream()
     outs, i = [], 0
     for n in sizes:
-        o = st.decode_chunk(z[:, i:i + n])
+        o = st.decode_chunk(z[:, i : i + n])
         assert o.shape[1] == ours.frames_for(n, first=i == 0)
         outs.append(o)
         i += n
@@ -82,7 +82,11 @@ def test_streaming_decode_matches_diffusers(pair, sizes):
     z = torch.randn(ours.z_dim, N_LAT, *LAT_HW)
     want = _ref_decode(ref, z)
     got = _stream(ours, z, sizes)
-    assert got.shape == want.shape == (3, 1 + 4 * (N_LAT - 1), LAT_HW[0] * ours.stride[1], LAT_HW[1] * ours.stride[2])
+    assert (
+        got.shape
+        == want.shape
+        == (3, 1 + 4 * (N_LAT - 1), LAT_HW[0] * ours.stride[1], LAT_HW[1] * ours.stride[2])
+    )
     assert (want.abs() < 1).float().mean() > 0.5  # mostly unclamped: the comparison means something
     assert _rel(got, want) <= REL_TOL
     assert (got - want).abs().max() <= ABS_TOL
@@ -112,8 +116,8 @@ def test_sessions_interleaved_and_reset(pair):
     sa, sb = ours.stream(), ours.stream()
     outs_a, outs_b = [], []
     for i in range(4):  # alternate the two sessions chunk by chunk
-        outs_a.append(sa.decode_chunk(za[:, i:i + 1]))
-        outs_b.append(sb.decode_chunk(zb[:, i:i + 1]))
+        outs_a.append(sa.decode_chunk(za[:, i : i + 1]))
+        outs_b.append(sb.decode_chunk(zb[:, i : i + 1]))
     assert _rel(torch.cat(outs_a, 1), want_a) <= REL_TOL
     assert _rel(torch.cat(outs_b, 1), want_b) <= REL_TOL
     sa.reset()  # a reset session starts a new stream: b's latents now decode as b's
@@ -152,6 +156,7 @@ def test_weight_errors(pair):
 
 # ---- TAEHV ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("stride,z", [((4, 8, 8), 16), ((4, 16, 16), 48)])
 def test_taehv_shapes_and_streaming(stride, z):
     torch.manual_seed(4)
@@ -164,7 +169,7 @@ def test_taehv_shapes_and_streaming(stride, z):
     for sizes in ([1, 1, 1, 1, 1], [2, 3]):
         st, outs, i = model.stream(), [], 0
         for n in sizes:
-            outs.append(st.decode_chunk(lat[:, i:i + n]))
+            outs.append(st.decode_chunk(lat[:, i : i + n]))
             assert outs[-1].shape[1] == (1 + 4 * (n - 1) if i == 0 else 4 * n)
             i += n
         got = torch.cat(outs, 1)
@@ -172,11 +177,11 @@ def test_taehv_shapes_and_streaming(stride, z):
     # two interleaved sessions, then a reset
     a, b = model.stream(), model.stream()
     lat2 = torch.randn_like(lat)
-    oa = [a.decode_chunk(lat[:, i:i + 1]) for i in range(1)]
-    ob = [b.decode_chunk(lat2[:, i:i + 1]) for i in range(1)]
+    oa = [a.decode_chunk(lat[:, i : i + 1]) for i in range(1)]
+    ob = [b.decode_chunk(lat2[:, i : i + 1]) for i in range(1)]
     for i in range(1, 5):
-        oa.append(a.decode_chunk(lat[:, i:i + 1]))
-        ob.append(b.decode_chunk(lat2[:, i:i + 1]))
+        oa.append(a.decode_chunk(lat[:, i : i + 1]))
+        ob.append(b.decode_chunk(lat2[:, i : i + 1]))
     assert _rel(torch.cat(oa, 1), whole) <= REL_TOL
     assert _rel(torch.cat(ob, 1), model.decode_video(lat2)) <= REL_TOL
     a.reset()
@@ -196,11 +201,13 @@ def test_taehv_speed_vs_wan(capsys):
         st.decode_chunk(lat[:, :1])
         t0 = time.perf_counter()
         for i in range(1, 4):
-            st.decode_chunk(lat[:, i:i + 1])
+            st.decode_chunk(lat[:, i : i + 1])
         return (time.perf_counter() - t0) / 3 * 1e3
 
     t_wan, t_tae = per_chunk(wan), per_chunk(tae)
     with capsys.disabled():
-        print(f"\n[vae speed, CPU {hw[0] * 8}x{hw[1] * 8}, per 4-frame chunk] Wan 2.1 (base_dim 32): {t_wan:.1f} ms, "
-              f"TAEHV: {t_tae:.1f} ms ({t_wan / t_tae:.1f}x)")
+        print(
+            f"\n[vae speed, CPU {hw[0] * 8}x{hw[1] * 8}, per 4-frame chunk] Wan 2.1 (base_dim 32): {t_wan:.1f} ms, "
+            f"TAEHV: {t_tae:.1f} ms ({t_wan / t_tae:.1f}x)"
+        )
     assert t_tae < t_wan

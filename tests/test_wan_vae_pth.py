@@ -39,7 +39,7 @@ def test_streamed_decode_matches_reference(split):
     st = vae.stream()
     parts, i = [], 0
     for n in split:
-        parts.append(st.decode_chunk(z[:, i:i + n]))
+        parts.append(st.decode_chunk(z[:, i : i + n]))
         i += n
     out = torch.cat(parts, dim=1)  # [3, T, H, W]
     err = rel(out, DATA["frames"].transpose(0, 1))
@@ -56,7 +56,10 @@ def test_bad_wan_vae_files(tmp_path):
     del sd["decoder.upsamples.4.shortcut.bias"]
     f = tmp_path / "broken.pth"
     torch.save(sd, f)
-    with pytest.raises(WeightsError, match=r"broken\.pth: .*missing 1: decoder\.up_blocks\.1\.resnets\.0\.conv_shortcut\.bias"):
+    with pytest.raises(
+        WeightsError,
+        match=r"broken\.pth: .*missing 1: decoder\.up_blocks\.1\.resnets\.0\.conv_shortcut\.bias",
+    ):
         WanVAE.from_wan_pth(f)
     g = tmp_path / "other.pth"
     torch.save({"blocks.0.weight": torch.zeros(2)}, g)

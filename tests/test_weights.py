@@ -27,9 +27,17 @@ NO_AUDIO = TINY.with_overrides(model={"audio_every": 0})
 def diffusers_sd(cfg=NO_AUDIO, seed: int = 0) -> dict[str, torch.Tensor]:
     m = cfg.model
     torch.manual_seed(seed)
-    d = WanTransformer3DModel(patch_size=m.patch, num_attention_heads=m.num_heads, attention_head_dim=m.head_dim,
-                              in_channels=m.in_channels, out_channels=m.out_channels, text_dim=m.text_dim,
-                              freq_dim=m.freq_dim, ffn_dim=m.ffn_dim, num_layers=m.num_layers)
+    d = WanTransformer3DModel(
+        patch_size=m.patch,
+        num_attention_heads=m.num_heads,
+        attention_head_dim=m.head_dim,
+        in_channels=m.in_channels,
+        out_channels=m.out_channels,
+        text_dim=m.text_dim,
+        freq_dim=m.freq_dim,
+        ffn_dim=m.ffn_dim,
+        num_layers=m.num_layers,
+    )
     with torch.no_grad():
         for p in d.parameters():  # nothing left at its trivial init (zero biases, unit norms)
             p.add_(0.05 * torch.randn_like(p))
@@ -54,6 +62,7 @@ def expect_error(sd, cfg=NO_AUDIO, **kw) -> str:
 
 # ---- building ----------------------------------------------------------------------------------------
 
+
 def test_w57_on_meta_fast_and_57b():
     t0 = time.perf_counter()
     model = build_model(get_preset("w57"), device="meta", dtype=torch.bfloat16, seed=None)
@@ -64,7 +73,9 @@ def test_w57_on_meta_fast_and_57b():
     assert 5.3e10 < n < 6.3e10, n
     assert all(p.device.type == "meta" for p in model.parameters())
     # the transformer without the audio branch is MISSION's ~57B model
-    bare = build_model(get_preset("w57").with_overrides(model={"audio_every": 0}), "meta", torch.bfloat16, seed=None)
+    bare = build_model(
+        get_preset("w57").with_overrides(model={"audio_every": 0}), "meta", torch.bfloat16, seed=None
+    )
     n_bare = sum(p.numel() for p in bare.parameters())
     assert 5.6e10 < n_bare < 5.8e10, n_bare
     assert len(model.blocks) == 60
@@ -93,13 +104,14 @@ def test_init_random_seeded():
     assert not torch.equal(sa["blocks.0.self_attn.qkv.weight"], sc["blocks.0.self_attn.qkv.weight"])
     # linears N(0, 1/fan_in): 384x128 samples, std within 5% of 1/sqrt(128)
     w = sa["blocks.0.self_attn.qkv.weight"]
-    assert abs(w.std().item() * 128 ** 0.5 - 1.0) < 0.05
+    assert abs(w.std().item() * 128**0.5 - 1.0) < 0.05
     assert torch.equal(sa["blocks.0.norm2.weight"], torch.ones(128))
     assert torch.equal(sa["blocks.0.self_attn.norm_q.weight"], torch.ones(128))
     assert all(torch.isfinite(v).all() for v in sa.values())
 
 
 # ---- loading errors ----------------------------------------------------------------------------------
+
 
 def test_missing_keys_named():
     sd = diffusers_sd()
@@ -195,6 +207,7 @@ def test_weights_error_message_is_plain():
 
 # ---- missing audio branch ----------------------------------------------------------------------------
 
+
 def test_missing_audio_branch_zeroed_and_inert():
     # a diffusers (no-audio) checkpoint into an audio model: allowed, audio output projection zeroed
     sd = diffusers_sd()
@@ -244,6 +257,7 @@ def test_missing_audio_not_allowed():
 
 
 # ---- Cadence names -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cadence_round_trip_exact(tmp_path, dtype):

@@ -58,15 +58,24 @@ def _run_ring(model, cfg, img, speech) -> dict:
     gen = StreamGenerator(ring_config(cfg), model)
     chunks = engine_stream(gen, img, "a person talking", speech, NUM_CHUNKS, seed=0)
     sess = gen.session(img, "a person talking", seed=0)
-    return {"stream": torch.stack([o.latents for o in chunks]), "k_shape": tuple(sess.cache.k.shape),
-            "v_shape": tuple(sess.cache.v.shape), "k_dtype": str(sess.cache.k.dtype)}
+    return {
+        "stream": torch.stack([o.latents for o in chunks]),
+        "k_shape": tuple(sess.cache.k.shape),
+        "v_shape": tuple(sess.cache.v.shape),
+        "k_dtype": str(sess.cache.k.dtype),
+    }
 
 
 def gloo_env(rank: int, world: int, port: int) -> None:
     """torchrun's environment for rank `rank` of a `world`-rank gloo group on loopback (no hostname
     resolution), one thread per rank (two ranks on a 2-core runner)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
@@ -104,16 +113,29 @@ def run_rank(rank: int, world: int, port: int, outdir: str, extended: bool = Fal
             from cadence.runtime.compile import apply_compile, remove_compile
 
             rep = apply_compile(model, backend="aot_eager")  # traced, no code generated: the plumbing
-            res["compiled"] = {"full": model.forward_full(*inputs), "blocks": rep.blocks, "norms": rep.norms,
-                               "status": rep.status()}
+            res["compiled"] = {
+                "full": model.forward_full(*inputs),
+                "blocks": rep.blocks,
+                "norms": rep.norms,
+                "status": rep.status(),
+            }
             remove_compile(model)
         ref = build_model(cfg, "cpu", torch.float32, seed=0) if rank == 0 else None
         if extended:
             res["ring"] = _run_ring(model, cfg, img, speech)
             # the paths whose arithmetic depends on the group size: the reduce-scatter (M / world rows a
             # rank, bf16 and FP8 scaled) and the chunked GEMM + two-shot (every mode runs at TP=2 in test_fused)
-            res["emulated"] = _emulated_symm_modes(model, ref, cfg, inputs, info.group, rank, grids=False,
-                                                   modes=("rs_ag", "chunked4"), fp8_modes=("rs_ag",))
+            res["emulated"] = _emulated_symm_modes(
+                model,
+                ref,
+                cfg,
+                inputs,
+                info.group,
+                rank,
+                grids=False,
+                modes=("rs_ag", "chunked4"),
+                fp8_modes=("rs_ag",),
+            )
         if rank == 0:
             if extended:
                 res["ref_ring"] = _run_ring(ref, cfg, img, speech)
@@ -188,8 +210,22 @@ class _GlooSymmOps:
         self._n("fused_matmul_reduce_scatter")
         return self._rs(a @ b, scatter_dim)
 
-    def fused_scaled_matmul_reduce_scatter(self, a, b, a_scale, b_scale, op, orig_dim, dim, gname, out_shape,
-                                           bias, result_scale, out_dtype, fast_accum):
+    def fused_scaled_matmul_reduce_scatter(
+        self,
+        a,
+        b,
+        a_scale,
+        b_scale,
+        op,
+        orig_dim,
+        dim,
+        gname,
+        out_shape,
+        bias,
+        result_scale,
+        out_dtype,
+        fast_accum,
+    ):
         self._n("fused_scaled_matmul_reduce_scatter")
         assert list(out_shape) == [a.shape[0], b.shape[1]] and a_scale.shape == (a.shape[0], 1)
         full = (a.float() * a_scale) @ (b.float() * b_scale)
@@ -200,8 +236,17 @@ EMULATED_MODES = ("two_shot", "one_shot", "rs_ag", "chunked", "chunked4")
 EMULATED_FP8_MODES = ("two_shot", "rs_ag", "chunked")
 
 
-def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank, grids: bool = True,
-                         modes=EMULATED_MODES, fp8_modes=EMULATED_FP8_MODES) -> dict:
+def _emulated_symm_modes(
+    model,
+    ref_model,
+    cfg,
+    inputs,
+    group,
+    rank,
+    grids: bool = True,
+    modes=EMULATED_MODES,
+    fp8_modes=EMULATED_FP8_MODES,
+) -> dict:
     """Every mode through the symmetric-memory code paths with gloo-emulated ops and a CPU buffer
     allocator, against nccl (model level, float32 and FP8), and a token-count sequence in two_shot
     with a small buffer cache (bounded, buffers reused)."""
@@ -214,7 +259,9 @@ def _emulated_symm_modes(model, ref_model, cfg, inputs, group, rank, grids: bool
     fused._ops = lambda: ops
     fused.symm_unavailable_reason = lambda device, group: None
     fused._prepare = lambda group: None
-    fused._CACHE = fused.SymmBufferCache(3, alloc=lambda numel, dt, dev, g: torch.empty(numel, dtype=dt, device=dev))
+    fused._CACHE = fused.SymmBufferCache(
+        3, alloc=lambda numel, dt, dev, g: torch.empty(numel, dtype=dt, device=dev)
+    )
     out: dict = {"modes": {}, "fp8": {}, "grids": []}
     try:
         set_comm(model, "nccl")
@@ -350,8 +397,10 @@ def main() -> None:
             print(f"identical on all ranks: {bool(flags.item())}; sink K shape {tp['sink_k_shape']}")
             from cadence.parallel import fused
 
-            print(f"comm={comm}: decisions {fused.chooser_decisions()}; fallbacks {fused.fallback_warnings()}; "
-                  f"symm cache {fused.symm_cache_info()}")
+            print(
+                f"comm={comm}: decisions {fused.chooser_decisions()}; fallbacks {fused.fallback_warnings()}; "
+                f"symm cache {fused.symm_cache_info()}"
+            )
     finally:
         destroy_tp()
 
@@ -375,13 +424,13 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
 
     gloo_env(rank, world, port)
 
-    from cadence.media.image import default_reference_image
-    from cadence.parallel import destroy_tp, init_tp
-    from cadence.parallel.graphs import all_ranks_ok
     from cadence.config import get_preset
     from cadence.engine.build import build_engine
     from cadence.engine.messages import ChunkTimings
     from cadence.engine.spec import FastPath
+    from cadence.media.image import default_reference_image
+    from cadence.parallel import destroy_tp, init_tp
+    from cadence.parallel.graphs import all_ranks_ok
 
     info = init_tp(backend="gloo")
     res: dict = {}

@@ -7,6 +7,7 @@ against a float32 reference computed from the unquantised inputs. Used by `caden
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -25,22 +26,44 @@ def sdpa_backends():
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:  # pragma: no cover
         return {}
-    return {"cudnn": (sdpa_kernel, SDPBackend.CUDNN_ATTENTION), "flash": (sdpa_kernel, SDPBackend.FLASH_ATTENTION),
-            "efficient": (sdpa_kernel, SDPBackend.EFFICIENT_ATTENTION)}
+    return {
+        "cudnn": (sdpa_kernel, SDPBackend.CUDNN_ATTENTION),
+        "flash": (sdpa_kernel, SDPBackend.FLASH_ATTENTION),
+        "efficient": (sdpa_kernel, SDPBackend.EFFICIENT_ATTENTION),
+    }
 
 
 def kernel_configs(device: torch.device, mode: str) -> list[dict]:
     """Block shapes to try (chosen from a first sweep on an H200; docs/perf/cache/NOTES.md)."""
     if device.type != "cuda":
         return [dict(block_m=32, block_n=32, num_warps=None, num_stages=None)]
-    shapes = ([(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 4, 2),
-               (128, 256, 8, 2)] if mode == "fp8" else [(128, 128, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3)])
+    shapes = (
+        [
+            (64, 128, 4, 3),
+            (64, 128, 4, 2),
+            (128, 128, 8, 3),
+            (128, 64, 4, 3),
+            (64, 256, 4, 2),
+            (128, 256, 8, 2),
+        ]
+        if mode == "fp8"
+        else [(128, 128, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3)]
+    )
     return [dict(block_m=a, block_n=b, num_warps=w, num_stages=st) for a, b, w, st in shapes]
 
 
 @torch.no_grad()
-def attention_bench(heads: int, m: int, n: int, d: int, device: torch.device, iters: int = 30,
-                    splits=(1, 2), seed: int = 0, log=print) -> dict:
+def attention_bench(
+    heads: int,
+    m: int,
+    n: int,
+    d: int,
+    device: torch.device,
+    iters: int = 30,
+    splits=(1, 2),
+    seed: int = 0,
+    log=print,
+) -> dict:
     """Time each variant; returns {variant: {ms, tflops, rel_err}} plus best picks."""
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(m, heads, d, generator=g, device=device)
@@ -54,9 +77,15 @@ def attention_bench(heads: int, m: int, n: int, d: int, device: torch.device, it
     ref = torch.empty(m, heads, d, device=device)
     for h0 in range(0, heads, 8):
         sl = slice(h0, h0 + 8)
-        ref[:, sl] = F.scaled_dot_product_attention(q[:, sl].transpose(0, 1)[None].double(),
-                                                    k[:, sl].transpose(0, 1)[None].double(),
-                                                    v[:, sl].transpose(0, 1)[None].double())[0].transpose(0, 1).float()
+        ref[:, sl] = (
+            F.scaled_dot_product_attention(
+                q[:, sl].transpose(0, 1)[None].double(),
+                k[:, sl].transpose(0, 1)[None].double(),
+                v[:, sl].transpose(0, 1)[None].double(),
+            )[0]
+            .transpose(0, 1)
+            .float()
+        )
 
     qb, kb, vb = (x.transpose(0, 1)[None].to(torch.bfloat16).contiguous() for x in (q, k, v))
     for name, (ctx, backend) in sdpa_backends().items():
@@ -69,15 +98,24 @@ def attention_bench(heads: int, m: int, n: int, d: int, device: torch.device, it
         except RuntimeError as e:
             log(f"  sdpa {name}: not available ({str(e).splitlines()[0][:80]})")
             continue
-        res[f"sdpa_{name}_bf16"] = {"ms": median(ts), "tflops": flops / median(ts) / 1e9,
-                                    "rel_err": _rel(out[0].transpose(0, 1), ref)}
+        res[f"sdpa_{name}_bf16"] = {
+            "ms": median(ts),
+            "tflops": flops / median(ts) / 1e9,
+            "rel_err": _rel(out[0].transpose(0, 1), ref),
+        }
     # the call the model makes today (naive cache): [1, N, H, D] views, default backend
     qv, kv_, vv = (x[None].to(torch.bfloat16) for x in (q, k, v))
     out = F.scaled_dot_product_attention(qv.transpose(1, 2), kv_.transpose(1, 2), vv.transpose(1, 2))
-    ts = timer.run(lambda: F.scaled_dot_product_attention(qv.transpose(1, 2), kv_.transpose(1, 2),
-                                                          vv.transpose(1, 2)), 3, iters)
-    res["sdpa_model_call_bf16"] = {"ms": median(ts), "tflops": flops / median(ts) / 1e9,
-                                   "rel_err": _rel(out[0].transpose(0, 1), ref)}
+    ts = timer.run(
+        lambda: F.scaled_dot_product_attention(qv.transpose(1, 2), kv_.transpose(1, 2), vv.transpose(1, 2)),
+        3,
+        iters,
+    )
+    res["sdpa_model_call_bf16"] = {
+        "ms": median(ts),
+        "tflops": flops / median(ts) / 1e9,
+        "rel_err": _rel(out[0].transpose(0, 1), ref),
+    }
 
     ok, why = ra.triton_usable(device, d, allow_interpreter=True)
     if not ok:
@@ -101,20 +139,30 @@ def attention_bench(heads: int, m: int, n: int, d: int, device: torch.device, it
             for split in splits:
                 key = f"ring_{mode}_m{cfg['block_m']}_n{cfg['block_n']}_w{cfg['num_warps']}_s{cfg['num_stages']}_x{split}"
                 try:
-                    def call():
-                        return ra.ring_attention(Q, QS, K, KS, VT, VS, n_valid, split=split, **cfg)
+                    call = functools.partial(
+                        ra.ring_attention, Q, QS, K, KS, VT, VS, n_valid, split=split, **cfg
+                    )
                     out = call()
                     ts = timer.run(call, 2, iters)
                 except Exception as e:  # a config the compiler rejects (e.g. shared memory) is skipped
                     log(f"  {key}: failed ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
                     continue
-                r = {"ms": median(ts), "tflops": flops / median(ts) / 1e9, "rel_err": _rel(out, ref), **cfg,
-                     "split": split}
+                r = {
+                    "ms": median(ts),
+                    "tflops": flops / median(ts) / 1e9,
+                    "rel_err": _rel(out, ref),
+                    **cfg,
+                    "split": split,
+                }
                 res[key] = r
                 if best is None or r["ms"] < best[1]["ms"]:
                     best = (key, r)
-                print(f"\r  {key}: {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s err {r['rel_err']:.4f}   ",
-                      end="", file=sys.stderr, flush=True)
+                print(
+                    f"\r  {key}: {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s err {r['rel_err']:.4f}   ",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
         print(file=sys.stderr)
         if best:
             res[f"best_ring_{mode}"] = {"variant": best[0], **best[1]}
@@ -123,14 +171,24 @@ def attention_bench(heads: int, m: int, n: int, d: int, device: torch.device, it
 
 def summarise(res: dict, flops_note: str = "") -> list[tuple[str, str]]:
     rows = []
-    for key in ("sdpa_cudnn_bf16", "sdpa_flash_bf16", "sdpa_efficient_bf16", "sdpa_model_call_bf16",
-                "best_ring_fp8", "best_ring_bf16"):
+    for key in (
+        "sdpa_cudnn_bf16",
+        "sdpa_flash_bf16",
+        "sdpa_efficient_bf16",
+        "sdpa_model_call_bf16",
+        "best_ring_fp8",
+        "best_ring_bf16",
+    ):
         if key in res:
             r = res[key]
             extra = f"  [{r['variant']}]" if "variant" in r else ""
-            rows.append((key, f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s  rel_err {r['rel_err']:.4f}{extra}"))
+            rows.append(
+                (key, f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s  rel_err {r['rel_err']:.4f}{extra}")
+            )
     if "sdpa_cudnn_bf16" in res and "best_ring_fp8" in res:
-        rows.append(("fp8 ring / cuDNN bf16", f"{res['sdpa_cudnn_bf16']['ms'] / res['best_ring_fp8']['ms']:.2f}x"))
+        rows.append(
+            ("fp8 ring / cuDNN bf16", f"{res['sdpa_cudnn_bf16']['ms'] / res['best_ring_fp8']['ms']:.2f}x")
+        )
     return rows
 
 
@@ -149,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads = cfg.model.num_heads // a.tp
     res = attention_bench(heads, cfg.tokens_per_chunk, cfg.kv_tokens, cfg.model.head_dim, dev, a.iters)
-    print_table(summarise(res), f"attention {a.preset} tp{a.tp}: {heads} heads, {cfg.tokens_per_chunk} q x "
-                                f"{cfg.kv_tokens} kv, d {cfg.model.head_dim}")
+    print_table(
+        summarise(res),
+        f"attention {a.preset} tp{a.tp}: {heads} heads, {cfg.tokens_per_chunk} q x "
+        f"{cfg.kv_tokens} kv, d {cfg.model.head_dim}",
+    )
     return 0
 
 

@@ -43,9 +43,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--url", default=None, help="a running server (default: start `cadence serve` here)")
     p.add_argument("--preset", default="character", help="preset of the self-started server")
     p.add_argument("--serve-args", default="", help="extra arguments for the self-started `cadence serve`")
-    p.add_argument("--mic", action=argparse.BooleanOptionalAction, default=True,
-                   help="Chromium's fake microphone drives the mirror agent (default: on)")
-    p.add_argument("--start-timeout", type=float, default=240.0, help="seconds to wait for the server to be ready")
+    p.add_argument(
+        "--mic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Chromium's fake microphone drives the mirror agent (default: on)",
+    )
+    p.add_argument(
+        "--start-timeout", type=float, default=240.0, help="seconds to wait for the server to be ready"
+    )
     add_record_flags(p)
     a = p.parse_args(argv)
     if not 5 <= a.seconds <= 3600:
@@ -101,8 +107,17 @@ def run(args: argparse.Namespace) -> dict:
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "cadence", "serve", "--port", str(port), "--preset", args.preset,
-               *args.serve_args.split()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cadence",
+            "serve",
+            "--port",
+            str(port),
+            "--preset",
+            args.preset,
+            *args.serve_args.split(),
+        ]
         print("server: " + " ".join(cmd[1:]), file=sys.stderr)
         log = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -119,11 +134,16 @@ def run(args: argparse.Namespace) -> dict:
             open_page(cdp, url)
             cdp.eval(f"document.getElementById('use-mic').checked = {'true' if args.mic else 'false'}")
             t0 = time.monotonic()
-            err = cdp.eval("window.cadence.start().then(() => document.getElementById('error').textContent || '')",
-                           timeout_s=60)
+            err = cdp.eval(
+                "window.cadence.start().then(() => document.getElementById('error').textContent || '')",
+                timeout_s=60,
+            )
             if err:
                 raise RuntimeError(f"the page could not start a session: {err}")
-            sid, token = cdp.eval("window.cadence.state().sessionId"), cdp.eval("window.cadence.state().token")
+            sid, token = (
+                cdp.eval("window.cadence.state().sessionId"),
+                cdp.eval("window.cadence.state().token"),
+            )
             cdp.eval(PRESENT_JS)
             while (cdp.eval(STATS_JS).get("framesDecoded") or 0) == 0:
                 if time.monotonic() - t0 > 30:
@@ -142,8 +162,12 @@ def run(args: argparse.Namespace) -> dict:
                 samples.append(st)
                 if args.progress and st["wall"] - last >= 10:
                     last = st["wall"]
-                    print(f"  [{st['wall'] - t0:6.1f} s] page shows {st['page_fps']:.1f} fps"
-                          + (" (reduced)" if st["degraded"] else ""), file=sys.stderr, flush=True)
+                    print(
+                        f"  [{st['wall'] - t0:6.1f} s] page shows {st['page_fps']:.1f} fps"
+                        + (" (reduced)" if st["degraded"] else ""),
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(max(0.0, 1.0 - (time.monotonic() - st["wall"])))
             cdp.eval("window.cadence.stop().then(() => true)", timeout_s=30)
         report = get_json(f"{url}/sessions/{sid}/report", token)
@@ -183,9 +207,23 @@ def summarize(samples: list[dict], report: dict, config: dict, first_frame_s: fl
         "degraded_seconds": sum(1 for s in samples if s["degraded"]),
         "first_frame_s": r(first_frame_s),
         "fps_per_second": [round(x, 1) for x in decoded],
-        "server": {k: report.get(k) for k in ("fps_mean", "ttff_ms", "underruns", "deadline_misses", "chunks",
-                                              "chunk_latency_ms_p50", "chunk_latency_ms_p99", "lead_ms",
-                                              "av_offset_ms", "worker", "video_codec", "errors")},
+        "server": {
+            k: report.get(k)
+            for k in (
+                "fps_mean",
+                "ttff_ms",
+                "underruns",
+                "deadline_misses",
+                "chunks",
+                "chunk_latency_ms_p50",
+                "chunk_latency_ms_p99",
+                "lead_ms",
+                "av_offset_ms",
+                "worker",
+                "video_codec",
+                "errors",
+            )
+        },
         "worker": (config.get("workers") or [{}])[0].get("warmup"),
         "cpu": cpu_info(),
     }
@@ -201,20 +239,46 @@ def main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [(k, str(res[k])) for k in ("seconds", "fps_mean", "fps_min", "fps_presented_mean", "fps_presented_min",
-                                        "share_seconds_ge_23_5fps", "audio_samples_per_s_mean", "page_fps_min",
-                                        "degraded_seconds", "first_frame_s")]
+    rows = [
+        (k, str(res[k]))
+        for k in (
+            "seconds",
+            "fps_mean",
+            "fps_min",
+            "fps_presented_mean",
+            "fps_presented_min",
+            "share_seconds_ge_23_5fps",
+            "audio_samples_per_s_mean",
+            "page_fps_min",
+            "degraded_seconds",
+            "first_frame_s",
+        )
+    ]
     s = res["server"]
-    rows += [("server fps_mean", str(s.get("fps_mean"))), ("server underruns", str(s.get("underruns"))),
-             ("server chunks", str(s.get("chunks"))), ("chunk latency p50 / p99",
-                                                       f"{s.get('chunk_latency_ms_p50')} / {s.get('chunk_latency_ms_p99')} ms"),
-             ("cpu", f"{res['cpu'].get('model')} ({res['cpu'].get('cores')} cores, {res['cpu'].get('torch_cpu_capability')})")]
+    rows += [
+        ("server fps_mean", str(s.get("fps_mean"))),
+        ("server underruns", str(s.get("underruns"))),
+        ("server chunks", str(s.get("chunks"))),
+        ("chunk latency p50 / p99", f"{s.get('chunk_latency_ms_p50')} / {s.get('chunk_latency_ms_p99')} ms"),
+        (
+            "cpu",
+            f"{res['cpu'].get('model')} ({res['cpu'].get('cores')} cores, {res['cpu'].get('torch_cpu_capability')})",
+        ),
+    ]
     print_table(rows, f"bench browser: {args.preset}, {args.seconds:.0f} s in headless Chromium")
     if args.no_record:
         return 0
     import torch
 
-    path = record("browser", args.preset, 1, torch.device("cpu"), {"seconds": args.seconds}, res,
-                  out_dir=results_dir(args), headline=f"{res['fps_mean']} fps decoded in the page (min {res['fps_min']})")
+    path = record(
+        "browser",
+        args.preset,
+        1,
+        torch.device("cpu"),
+        {"seconds": args.seconds},
+        res,
+        out_dir=results_dir(args),
+        headline=f"{res['fps_mean']} fps decoded in the page (min {res['fps_min']})",
+    )
     print(f"wrote {path}")
     return 0

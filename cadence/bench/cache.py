@@ -51,23 +51,41 @@ def run(args: argparse.Namespace) -> dict:
     warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
     iters = args.iters if args.iters is not None else (10 if device.type == "cuda" else 3)
     m = full.model
-    print(f"[bench cache] {full.name}: attention at {m.num_heads} heads x {full.tokens_per_chunk} q x "
-          f"{full.kv_tokens} kv", file=sys.stderr)
-    attn = attention_bench(m.num_heads, full.tokens_per_chunk, full.kv_tokens, m.head_dim, device,
-                           iters=args.attn_iters, log=lambda s: print(s, file=sys.stderr))
+    print(
+        f"[bench cache] {full.name}: attention at {m.num_heads} heads x {full.tokens_per_chunk} q x "
+        f"{full.kv_tokens} kv",
+        file=sys.stderr,
+    )
+    attn = attention_bench(
+        m.num_heads,
+        full.tokens_per_chunk,
+        full.kv_tokens,
+        m.head_dim,
+        device,
+        iters=args.attn_iters,
+        log=lambda s: print(s, file=sys.stderr),
+    )
     print(f"[bench cache] steps: {layers}/{m.num_layers} layers, {dtype}", file=sys.stderr)
     model = build_model(base, device, dtype, seed=0)
-    variants = {"naive": {"cache": "naive", "kv_fp8": False}, "ring_bf16": {"cache": "ring", "kv_fp8": False},
-                "ring_fp8": {"cache": "ring", "kv_fp8": True}}
+    variants = {
+        "naive": {"cache": "naive", "kv_fp8": False},
+        "ring_bf16": {"cache": "ring", "kv_fp8": False},
+        "ring_fp8": {"cache": "ring", "kv_fp8": True},
+    }
     steps: dict[str, dict] = {}
     for name, st in variants.items():
         cfg = base.with_overrides(stream=st)
         r = measure_step(cfg, model, device, warmup, iters)
         step = median(r["times"]) * scale
-        steps[name] = {"step_ms": step, "cache_upkeep_ms": r["region"]["cache"] * scale,
-                       "attention_ms": r["region"]["attention"] * scale, "linear_ms": r["region"]["linear"] * scale,
-                       "instrumented_step_ms": median(r["totals"]) * scale,
-                       "cache_mem_gib": r["cache_bytes"] * scale / 2**30, "host_sync_in_step": r["host_sync"]}
+        steps[name] = {
+            "step_ms": step,
+            "cache_upkeep_ms": r["region"]["cache"] * scale,
+            "attention_ms": r["region"]["attention"] * scale,
+            "linear_ms": r["region"]["linear"] * scale,
+            "instrumented_step_ms": median(r["totals"]) * scale,
+            "cache_mem_gib": r["cache_bytes"] * scale / 2**30,
+            "host_sync_in_step": r["host_sync"],
+        }
         if device.type == "cuda":
             torch.cuda.empty_cache()
     nv, rb, rf = steps["naive"], steps["ring_bf16"], steps["ring_fp8"]
@@ -101,24 +119,39 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
     }
     rows = summarise(attn) + [
-        ("step naive / ring bf16 / ring fp8",
-         f"{nv['step_ms']:.1f} / {rb['step_ms']:.1f} / {rf['step_ms']:.1f} ms" + (" (scaled)" if scale != 1 else "")),
-        ("upkeep naive / ring bf16 / ring fp8",
-         f"{nv['cache_upkeep_ms']:.1f} / {rb['cache_upkeep_ms']:.1f} / {rf['cache_upkeep_ms']:.1f} ms  "
-         f"(ring fp8 share {results['upkeep_share']:.1%})"),
-        ("attention naive / ring bf16 / ring fp8",
-         f"{nv['attention_ms']:.1f} / {rb['attention_ms']:.1f} / {rf['attention_ms']:.1f} ms"),
+        (
+            "step naive / ring bf16 / ring fp8",
+            f"{nv['step_ms']:.1f} / {rb['step_ms']:.1f} / {rf['step_ms']:.1f} ms"
+            + (" (scaled)" if scale != 1 else ""),
+        ),
+        (
+            "upkeep naive / ring bf16 / ring fp8",
+            f"{nv['cache_upkeep_ms']:.1f} / {rb['cache_upkeep_ms']:.1f} / {rf['cache_upkeep_ms']:.1f} ms  "
+            f"(ring fp8 share {results['upkeep_share']:.1%})",
+        ),
+        (
+            "attention naive / ring bf16 / ring fp8",
+            f"{nv['attention_ms']:.1f} / {rb['attention_ms']:.1f} / {rf['attention_ms']:.1f} ms",
+        ),
         ("cache memory", ", ".join(f"{k} {v:.1f} GiB" for k, v in results["cache_mem_gib"].items())),
         ("host sync in step", ", ".join(f"{k} {v['host_sync_in_step']}" for k, v in steps.items())),
     ]
     print_table(rows, f"bench cache: {full.name} ({layers}/{m.num_layers} layers)")
     if not args.no_record:
-        path = record("cache", full.name, 1, device, full.shape_summary(), results, out_dir=results_dir(args),
-                      command=args.command,
-                      headline=f"step naive {nv['step_ms']:.0f} -> ring bf16 {rb['step_ms']:.0f} / fp8 "
-                               f"{rf['step_ms']:.0f} ms; upkeep {nv['cache_upkeep_ms']:.1f} -> "
-                               f"{rb['cache_upkeep_ms']:.1f} / {rf['cache_upkeep_ms']:.1f} ms; FP8 kernel "
-                               f"{results['attn_speedup_vs_cudnn_bf16'] or 0:.2f}x cuDNN bf16")
+        path = record(
+            "cache",
+            full.name,
+            1,
+            device,
+            full.shape_summary(),
+            results,
+            out_dir=results_dir(args),
+            command=args.command,
+            headline=f"step naive {nv['step_ms']:.0f} -> ring bf16 {rb['step_ms']:.0f} / fp8 "
+            f"{rf['step_ms']:.0f} ms; upkeep {nv['cache_upkeep_ms']:.1f} -> "
+            f"{rb['cache_upkeep_ms']:.1f} / {rf['cache_upkeep_ms']:.1f} ms; FP8 kernel "
+            f"{results['attn_speedup_vs_cudnn_bf16'] or 0:.2f}x cuDNN bf16",
+        )
         print(f"wrote {path}")
     return results
 

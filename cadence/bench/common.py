@@ -29,13 +29,19 @@ def git_commit() -> str:
     if os.environ.get("CADENCE_GIT"):
         return os.environ["CADENCE_GIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
         sha = out.stdout.strip()
         if not sha:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("CADENCE_GIT", "unknown")
@@ -65,7 +71,9 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def run(self, fn: Callable[[], object], warmup: int, iters: int, progress: str | None = None) -> list[float]:
+    def run(
+        self, fn: Callable[[], object], warmup: int, iters: int, progress: str | None = None
+    ) -> list[float]:
         for _ in range(warmup):
             fn()
         self.sync()
@@ -83,7 +91,9 @@ class Timer:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
             if progress:
-                print(f"\r{progress}: {i + 1}/{iters} ({times[-1]:.1f} ms)", end="", file=sys.stderr, flush=True)
+                print(
+                    f"\r{progress}: {i + 1}/{iters} ({times[-1]:.1f} ms)", end="", file=sys.stderr, flush=True
+                )
         if progress:
             print(file=sys.stderr)
         return times
@@ -98,9 +108,20 @@ def p99(xs: list[float]) -> float:
     return float(s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))])
 
 
-def record(bench: str, preset: str, tp: int, device: torch.device, shape: dict, results: dict,
-           variant: str | None = None, out_dir: str | Path | None = None, world: int = 1, extra: dict | None = None,
-           headline: str = "", command: str | None = None) -> Path:
+def record(
+    bench: str,
+    preset: str,
+    tp: int,
+    device: torch.device,
+    shape: dict,
+    results: dict,
+    variant: str | None = None,
+    out_dir: str | Path | None = None,
+    world: int = 1,
+    extra: dict | None = None,
+    headline: str = "",
+    command: str | None = None,
+) -> Path:
     """Write <out_dir>/<bench>/<date>-<kind>-<preset>-tp<N>[-variant].json and a line in <out_dir>/README.md.
     ``out_dir`` defaults to ./cadence-results (``results_dir``); an existing file is never overwritten (the
     name gets -2, -3, ...)."""
@@ -116,8 +137,14 @@ def record(bench: str, preset: str, tp: int, device: torch.device, shape: dict, 
     name = path.name
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "bench": bench, "preset": preset, "tp": tp, "device": device_name(device, world),
-        "torch": torch.__version__, "git": git_commit(), "command": command or command_line(), "shape": shape,
+        "bench": bench,
+        "preset": preset,
+        "tp": tp,
+        "device": device_name(device, world),
+        "torch": torch.__version__,
+        "git": git_commit(),
+        "command": command or command_line(),
+        "shape": shape,
         "results": results,
     }
     if extra:
@@ -125,9 +152,13 @@ def record(bench: str, preset: str, tp: int, device: torch.device, shape: dict, 
     path.write_text(json.dumps(doc, indent=2) + "\n")
     readme = base / "README.md"
     if not readme.exists():
-        readme.write_text("# Performance records\n\nOne line per benchmark run: date, device, command, headline.\n\n")
+        readme.write_text(
+            "# Performance records\n\nOne line per benchmark run: date, device, command, headline.\n\n"
+        )
     with readme.open("a") as fh:
-        fh.write(f"- {date} | {doc['device']} | `{doc['command']}` | {headline} | [{bench}/{name}]({bench}/{name})\n")
+        fh.write(
+            f"- {date} | {doc['device']} | `{doc['command']}` | {headline} | [{bench}/{name}]({bench}/{name})\n"
+        )
     return path
 
 

@@ -24,8 +24,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from cadence.errors import InputError, UsageParser
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.errors import InputError, UsageParser
 
 
 def _seconds_list(text: str) -> list[float]:
@@ -41,30 +41,61 @@ def _seconds_list(text: str) -> list[float]:
 def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespace:
     from cadence.eval.harness import CONFIGS, DEFAULT_DRIFT_SECONDS
 
-    p = UsageParser(prog=prog, description="Quality harness: lip sync and identity drift of held-out clips per engine "
-                                       "configuration, with rerun spreads and verdicts against the reference.")
-    p.add_argument("--preset", default="character",
-                   help="model/stream preset: character (the shipped trained default), tiny (random weights), "
-                        "w1.3, w14, w57 (default: character)")
-    p.add_argument("--weights", type=Path, default=None,
-                   help="DiT checkpoint (safetensors file or directory); default: the preset's weights if it "
-                        "declares any, else random from --weights-seed")
+    p = UsageParser(
+        prog=prog,
+        description="Quality harness: lip sync and identity drift of held-out clips per engine "
+        "configuration, with rerun spreads and verdicts against the reference.",
+    )
+    p.add_argument(
+        "--preset",
+        default="character",
+        help="model/stream preset: character (the shipped trained default), tiny (random weights), "
+        "w1.3, w14, w57 (default: character)",
+    )
+    p.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="DiT checkpoint (safetensors file or directory); default: the preset's weights if it "
+        "declares any, else random from --weights-seed",
+    )
     p.add_argument("--clips", type=int, default=50, help="held-out clips (default: 50)")
-    p.add_argument("--reruns", type=int, default=3, help="noise seeds per clip, >= 2: the spread needs two (default: 3)")
-    p.add_argument("--seconds", type=float, default=None,
-                   help="seconds per clip (default: the largest --drift-seconds)")
-    p.add_argument("--drift-seconds", type=_seconds_list, default=list(DEFAULT_DRIFT_SECONDS),
-                   help="comma list: identity measured this far into each stream (default: 1,10,60)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma list of {', '.join(CONFIGS)} (default: all; the reference always runs)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available; "
-                                                  "under torchrun each rank's own GPU)")
-    p.add_argument("--speech", default="synthetic", choices=("synthetic", "espeak"),
-                   help="clip speech: synthetic, or espeak-ng sentences (default: synthetic)")
+    p.add_argument(
+        "--reruns", type=int, default=3, help="noise seeds per clip, >= 2: the spread needs two (default: 3)"
+    )
+    p.add_argument(
+        "--seconds", type=float, default=None, help="seconds per clip (default: the largest --drift-seconds)"
+    )
+    p.add_argument(
+        "--drift-seconds",
+        type=_seconds_list,
+        default=list(DEFAULT_DRIFT_SECONDS),
+        help="comma list: identity measured this far into each stream (default: 1,10,60)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma list of {', '.join(CONFIGS)} (default: all; the reference always runs)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu | cuda | cuda:N (default: cuda if available; under torchrun each rank's own GPU)",
+    )
+    p.add_argument(
+        "--speech",
+        default="synthetic",
+        choices=("synthetic", "espeak"),
+        help="clip speech: synthetic, or espeak-ng sentences (default: synthetic)",
+    )
     p.add_argument("--prompt", default=None, help="text prompt (default: the harness's)")
-    p.add_argument("--split-seed", type=int, default=0, help="seed of the held-out split: which test clips (default: 0)")
+    p.add_argument(
+        "--split-seed", type=int, default=0, help="seed of the held-out split: which test clips (default: 0)"
+    )
     p.add_argument("--noise-seed", type=int, default=0, help="rerun r uses noise seed N + r (default: 0)")
-    p.add_argument("--weights-seed", type=int, default=0, help="random weights' seed, without --weights (default: 0)")
+    p.add_argument(
+        "--weights-seed", type=int, default=0, help="random weights' seed, without --weights (default: 0)"
+    )
     add_record_flags(p)
     a = p.parse_args(argv)
     if a.clips < 1:
@@ -81,8 +112,10 @@ def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespa
         p.error(f"--seconds must be positive, got {a.seconds}")
     late = [s for s in a.drift_seconds if s > a.seconds]
     if late:
-        p.error(f"--drift-seconds {','.join(f'{s:g}' for s in late)} is past the end of a {a.seconds:g} s clip "
-                "(raise --seconds)")
+        p.error(
+            f"--drift-seconds {','.join(f'{s:g}' for s in late)} is past the end of a {a.seconds:g} s clip "
+            "(raise --seconds)"
+        )
     if a.weights is not None and not a.weights.exists():
         p.error(f"weights not found: {a.weights}")
     return a
@@ -113,8 +146,11 @@ def table(results: dict) -> list[str]:
         cells = []
         for m in metrics:
             v = c.get(m)
-            cells.append("n/a" if v is None else f"{v['mean']:.3f} ±{v['rerun_spread']:.3f}"
-                         + ("*" if v.get("differs") else ""))
+            cells.append(
+                "n/a"
+                if v is None
+                else f"{v['mean']:.3f} ±{v['rerun_spread']:.3f}" + ("*" if v.get("differs") else "")
+            )
         verdict = c["verdict"] + (f" [{c['effective']}]" if c.get("effective", "eager") != "eager" else "")
         rows.append([name, *cells, verdict])
     widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads) - 1)]
@@ -158,13 +194,26 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
     progress = _progress if rank0 else None
     try:
         if progress:
-            progress(f"{cfg.name} on {device}: {args.clips} held-out clips x {args.seconds:g} s, {args.reruns} reruns, "
-                     f"configurations {', '.join(args.configs)}; weights: {weights or 'random'}")
-        clips = harness.prepare_clips(cfg, args.clips, args.seconds, args.drift_seconds, args.speech,
-                                      args.split_seed, progress)
-        results = harness.evaluate(cfg, args.configs, clips, args.reruns, device, args.drift_seconds,
-                                   weights=weights, weights_seed=args.weights_seed, noise_seed=args.noise_seed,
-                                   prompt=args.prompt or harness.PROMPT, progress=progress)
+            progress(
+                f"{cfg.name} on {device}: {args.clips} held-out clips x {args.seconds:g} s, {args.reruns} reruns, "
+                f"configurations {', '.join(args.configs)}; weights: {weights or 'random'}"
+            )
+        clips = harness.prepare_clips(
+            cfg, args.clips, args.seconds, args.drift_seconds, args.speech, args.split_seed, progress
+        )
+        results = harness.evaluate(
+            cfg,
+            args.configs,
+            clips,
+            args.reruns,
+            device,
+            args.drift_seconds,
+            weights=weights,
+            weights_seed=args.weights_seed,
+            noise_seed=args.noise_seed,
+            prompt=args.prompt or harness.PROMPT,
+            progress=progress,
+        )
     finally:
         if info is not None:
             from cadence.parallel import destroy_tp
@@ -176,16 +225,31 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
     results["split_seed"] = args.split_seed
     world = info.world_size if info is not None else 1
     if not args.no_record:
-        verdicts = "; ".join(f"{n}: {c['verdict']}" for n, c in results["configs"].items()
-                             if n not in (harness.GROUND_TRUTH, harness.REFERENCE))
-        path = record("eval", cfg.name, world, device, cfg.shape_summary(), results, variant=args.speech,
-                      out_dir=results_dir(args), world=world, command=prog + " " + " ".join(map(shlex.quote, argv)),
-                      headline=f"lipsync corr reference {results['lipsync_corr_reference']:.3f} (ground truth "
-                               f"{results['lipsync_corr_ground_truth']:.3f}), {args.clips} clips x "
-                               f"{args.reruns} reruns; {verdicts}")
+        verdicts = "; ".join(
+            f"{n}: {c['verdict']}"
+            for n, c in results["configs"].items()
+            if n not in (harness.GROUND_TRUTH, harness.REFERENCE)
+        )
+        path = record(
+            "eval",
+            cfg.name,
+            world,
+            device,
+            cfg.shape_summary(),
+            results,
+            variant=args.speech,
+            out_dir=results_dir(args),
+            world=world,
+            command=prog + " " + " ".join(map(shlex.quote, argv)),
+            headline=f"lipsync corr reference {results['lipsync_corr_reference']:.3f} (ground truth "
+            f"{results['lipsync_corr_ground_truth']:.3f}), {args.clips} clips x "
+            f"{args.reruns} reruns; {verdicts}",
+        )
         print(f"wrote {path}")
-    print(f"eval: {cfg.name}, {args.clips} clips x {args.seconds:g} s, {args.reruns} reruns "
-          "(mean ±rerun spread; * = differs from the reference by more than the spread)")
+    print(
+        f"eval: {cfg.name}, {args.clips} clips x {args.seconds:g} s, {args.reruns} reruns "
+        "(mean ±rerun spread; * = differs from the reference by more than the spread)"
+    )
     for line in table(results):
         print("  " + line)
     return 0

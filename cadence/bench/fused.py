@@ -51,8 +51,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from cadence.net import free_port
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.net import free_port
 
 FUSED_MODES = ["two_shot", "one_shot", "rs_ag", "chunked2", "chunked4", "tiles"]
 SWEEP_M = [64, 128, 80, 37, 512, 748, 1496, 64]
@@ -69,16 +69,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--no-sweep", action="store_true", help="skip the changing-M sweep")
     p.add_argument("--sweep-mode", default="two_shot", help="the comm mode the changing-M sweep runs")
-    p.add_argument("--timing", default="graph", choices=["graph", "eager"],
-                   help="graph (CUDA default): calls replayed from a CUDA graph, GPU time only, as in a graphed "
-                        "step; eager: events around each Python call (host launch time included)")
+    p.add_argument(
+        "--timing",
+        default="graph",
+        choices=["graph", "eager"],
+        help="graph (CUDA default): calls replayed from a CUDA graph, GPU time only, as in a graphed "
+        "step; eager: events around each Python call (host launch time included)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     add_record_flags(p)
-    p.add_argument("--quant", action="store_true",
-                   help="time FP8 activation quantisation (eager vs one-launch Triton), one process; see above")
+    p.add_argument(
+        "--quant",
+        action="store_true",
+        help="time FP8 activation quantisation (eager vs one-launch Triton), one process; see above",
+    )
     p.add_argument("--quant-m", default=None, help="--quant: comma list of token counts (default 748,4680)")
-    p.add_argument("--quant-k", default=None, help="--quant: comma list of row lengths (default 1536,5120,8192,12288)")
-    p.add_argument("--quant-sweep", action="store_true", help="--quant: also sweep the kernels' launch configs")
+    p.add_argument(
+        "--quant-k", default=None, help="--quant: comma list of row lengths (default 1536,5120,8192,12288)"
+    )
+    p.add_argument(
+        "--quant-sweep", action="store_true", help="--quant: also sweep the kernels' launch configs"
+    )
     p.add_argument("--no-gemm", action="store_true", help="--quant: skip the FP8 GEMM timed for scale")
     return p.parse_args(argv)
 
@@ -88,8 +99,10 @@ def shapes(args, world: int) -> list[dict]:
 
     if args.tiny:
         m = args.m or 64
-        return [{"name": "tiny attn_out", "m": m, "n": 256, "k": 256 // world},
-                {"name": "tiny ffn_out", "m": m, "n": 256, "k": 1024 // world}]
+        return [
+            {"name": "tiny attn_out", "m": m, "n": 256, "k": 256 // world},
+            {"name": "tiny ffn_out", "m": m, "n": 256, "k": 1024 // world},
+        ]
     out = []
     for p in [s.strip() for s in args.presets.split(",") if s.strip()]:
         cfg = get_preset(p)
@@ -108,8 +121,9 @@ class Bench:
     graph-replayed chunk step pays. Every rank captures or none does (a failed capture anywhere: that
     measurement is timed eagerly on every rank, noted in ``graph_failures``)."""
 
-    def __init__(self, device: torch.device, warmup: int, reps: int, timing: str = "eager", group=None,
-                 inner: int = 20):
+    def __init__(
+        self, device: torch.device, warmup: int, reps: int, timing: str = "eager", group=None, inner: int = 20
+    ):
         self.device, self.warmup, self.reps = device, warmup, reps
         self.cuda = device.type == "cuda"
         self.timing = timing if self.cuda else "eager"
@@ -135,8 +149,10 @@ class Bench:
                 return t
             self.eager_timed += 1
         if self.cuda:
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                   for _ in range(self.reps)]
+            evs = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(self.reps)
+            ]
             for a, b in evs:
                 a.record()
                 fn()
@@ -152,7 +168,6 @@ class Bench:
             ts.sort()
         dist.barrier()
         return float(ts[len(ts) // 2])
-
 
     def _graph_us(self, fn) -> float | None:
         from cadence.parallel.graphs import all_ranks_ok
@@ -210,7 +225,14 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
         lin = FP8Linear.from_linear(lin)
     rpl = RowParallelLinear(lin, None, group, comm="nccl")
     x = torch.randn(m, k, device=dev, dtype=act, generator=g)
-    r: dict = {"name": sh["name"], "m": m, "n": n, "k": k, "dtype": dt, "act_dtype": str(act).replace("torch.", "")}
+    r: dict = {
+        "name": sh["name"],
+        "m": m,
+        "n": n,
+        "k": k,
+        "dtype": dt,
+        "act_dtype": str(act).replace("torch.", ""),
+    }
 
     r["gemm_us"] = _safe(r, "gemm", lambda: bench.time_us(lambda: lin(x)))
     if dt == "fp8" and dev.type == "cuda":
@@ -220,9 +242,20 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
         # about quant_us + gemm_kernel_us + the layer's Python / launch overhead
         r["quant_us"] = _safe(r, "quant", lambda: bench.time_us(lambda: quantize_activations(x)))
         xq, xs = quantize_rows(x)
-        r["gemm_kernel_us"] = _safe(r, "gemm_kernel", lambda: bench.time_us(lambda: torch._scaled_mm(
-            xq, lin.weight_fp8.t(), scale_a=xs, scale_b=lin.weight_scale, out_dtype=torch.bfloat16,
-            use_fast_accum=True)))
+        r["gemm_kernel_us"] = _safe(
+            r,
+            "gemm_kernel",
+            lambda: bench.time_us(
+                lambda: torch._scaled_mm(
+                    xq,
+                    lin.weight_fp8.t(),
+                    scale_a=xs,
+                    scale_b=lin.weight_scale,
+                    out_dtype=torch.bfloat16,
+                    use_fast_accum=True,
+                )
+            ),
+        )
     if "tiles" in modes and dev.type == "cuda":
         # the tile kernel's own GEMM with the exchange switched off: what it hides the all-reduce under
         # (its gap to cuBLAS's gemm_kernel_us is the price of a hand-written GEMM)
@@ -235,7 +268,9 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
             args_ = (x, lin.weight, None, None)
         r["tiles_gemm_us"] = _safe(r, "tiles_gemm", lambda: bench.time_us(lambda: gar.gemm_only(*args_)))
     y0 = torch.randn(m, n, device=dev, dtype=act, generator=g)
-    r["allreduce_us"] = _safe(r, "allreduce_nccl", lambda: bench.time_us(lambda: dist.all_reduce(y0, group=group)))
+    r["allreduce_us"] = _safe(
+        r, "allreduce_nccl", lambda: bench.time_us(lambda: dist.all_reduce(y0, group=group))
+    )
     symm_ok = fused.symm_unavailable_reason(dev, group) is None
     if symm_ok:
         gname = fused.group_name(group)
@@ -245,10 +280,16 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
             b.copy_(y0)
             return b
 
-        r["allreduce_two_shot_us"] = _safe(r, "allreduce_two_shot", lambda: bench.time_us(
-            lambda b=symm_buf(): torch.ops.symm_mem.two_shot_all_reduce_(b, "sum", gname)))
-        r["allreduce_one_shot_us"] = _safe(r, "allreduce_one_shot", lambda: bench.time_us(
-            lambda b=symm_buf(): torch.ops.symm_mem.one_shot_all_reduce(b, "sum", gname)))
+        def two_shot() -> float:
+            b = symm_buf()  # one buffer for every timed call
+            return bench.time_us(lambda: torch.ops.symm_mem.two_shot_all_reduce_(b, "sum", gname))
+
+        def one_shot() -> float:
+            b = symm_buf()
+            return bench.time_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(b, "sum", gname))
+
+        r["allreduce_two_shot_us"] = _safe(r, "allreduce_two_shot", two_shot)
+        r["allreduce_one_shot_us"] = _safe(r, "allreduce_one_shot", one_shot)
     else:
         r["allreduce_two_shot_us"] = r["allreduce_one_shot_us"] = None
 
@@ -259,6 +300,7 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
     r["rel_err"] = {}
     r["fell_back"] = []
     for mode in modes:
+
         def run_mode(mode=mode):
             rpl.comm = mode
             before = _fallbacks()
@@ -267,6 +309,7 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
             err = _rel(y, ref)
             t = bench.time_us(lambda: rpl(x))
             return t, fell, err
+
         out = _safe(r, mode, run_mode)
         if out is None:
             r["modes"][mode] = None
@@ -303,7 +346,7 @@ def shape_sweep(dev: torch.device, group, world: int, mode: str) -> dict:
     n, k = 1024, 512
     g = torch.Generator(device=dev).manual_seed(99 + dist.get_rank())
     lin = Linear(k, n, bias=False, device=dev, dtype=act).requires_grad_(False)
-    lin.weight.normal_(0.0, k ** -0.5, generator=g)
+    lin.weight.normal_(0.0, k**-0.5, generator=g)
     rpl = RowParallelLinear(lin, torch.randn(n, device=dev, dtype=act, generator=g), group, comm=mode)
     ref = RowParallelLinear(lin, rpl.bias, group, comm="nccl")
     errs, mem = [], []
@@ -316,11 +359,19 @@ def shape_sweep(dev: torch.device, group, world: int, mode: str) -> dict:
             torch.cuda.synchronize(dev)
             mem.append(torch.cuda.memory_allocated(dev))
     info = fused.symm_cache_info()
-    return {"mode": mode, "token_counts": SWEEP_M, "max_rel_err": max(errs), "cache": info,
-            "fell_back": _fallbacks() != before, "tile_states": fused.tile_states_info(),
-            "mem_after_round_bytes": mem, "mem_growth_bytes": (mem[1] - mem[0]) if len(mem) == 2 else None,
-            "ok": max(errs) < 2e-2 and info["entries"] <= info["max_entries"]
-            and (len(mem) < 2 or mem[1] <= mem[0])}
+    return {
+        "mode": mode,
+        "token_counts": SWEEP_M,
+        "max_rel_err": max(errs),
+        "cache": info,
+        "fell_back": _fallbacks() != before,
+        "tile_states": fused.tile_states_info(),
+        "mem_after_round_bytes": mem,
+        "mem_growth_bytes": (mem[1] - mem[0]) if len(mem) == 2 else None,
+        "ok": max(errs) < 2e-2
+        and info["entries"] <= info["max_entries"]
+        and (len(mem) < 2 or mem[1] <= mem[0]),
+    }
 
 
 def _f(v, w=8, d=1) -> str:
@@ -328,8 +379,10 @@ def _f(v, w=8, d=1) -> str:
 
 
 def print_summary(rows: list[dict], modes: list[str], world: int, sweep) -> None:
-    hdr = (f"{'shape':<16}{'dt':>5}{'M':>6}{'K':>7}{'N':>6}{'gemm':>8}{'AR':>8}{'AR2sh':>8}{'AR1sh':>8}"
-           f"{'unfused':>8}" + "".join(f"{md[:8]:>9}" for md in modes) + f"{'best':>10}{'hidden':>8}")
+    hdr = (
+        f"{'shape':<16}{'dt':>5}{'M':>6}{'K':>7}{'N':>6}{'gemm':>8}{'AR':>8}{'AR2sh':>8}{'AR1sh':>8}"
+        f"{'unfused':>8}" + "".join(f"{md[:8]:>9}" for md in modes) + f"{'best':>10}{'hidden':>8}"
+    )
     print(f"\nbench fused: row-parallel GEMM + all-reduce, TP={world}, microseconds (medians)")
     print(hdr)
     for r in rows:
@@ -339,21 +392,33 @@ def print_summary(rows: list[dict], modes: list[str], world: int, sweep) -> None
             mark = "*" if md in r.get("fell_back", []) else " "
             cells += _f(t, 8) + mark
         hf = r.get("hidden_fraction")
-        print(f"{r['name']:<16}{r['dtype']:>5}{r['m']:>6}{r['k']:>7}{r['n']:>6}{_f(r.get('gemm_us'))}"
-              f"{_f(r.get('allreduce_us'))}{_f(r.get('allreduce_two_shot_us'))}{_f(r.get('allreduce_one_shot_us'))}"
-              f"{_f(r.get('unfused_us'))}{cells}{r.get('best_mode', '-'):>10}{_f(hf, 8, 2)}")
-    print("AR = NCCL all-reduce alone; AR2sh / AR1sh = symm-mem two-/one-shot alone; * = fell back to nccl;"
-          " hidden = (unfused - best fused) / AR")
+        print(
+            f"{r['name']:<16}{r['dtype']:>5}{r['m']:>6}{r['k']:>7}{r['n']:>6}{_f(r.get('gemm_us'))}"
+            f"{_f(r.get('allreduce_us'))}{_f(r.get('allreduce_two_shot_us'))}{_f(r.get('allreduce_one_shot_us'))}"
+            f"{_f(r.get('unfused_us'))}{cells}{r.get('best_mode', '-'):>10}{_f(hf, 8, 2)}"
+        )
+    print(
+        "AR = NCCL all-reduce alone; AR2sh / AR1sh = symm-mem two-/one-shot alone; * = fell back to nccl;"
+        " hidden = (unfused - best fused) / AR"
+    )
     if any(r.get("tiles_gemm_us") for r in rows):
-        print("tiles: the tile kernel's GEMM alone (no exchange) vs cuBLAS: " + ", ".join(
-            f"{r['name']} {r['dtype']} {_f(r.get('tiles_gemm_us'), 1, 1).strip()} vs "
-            f"{_f(r.get('gemm_kernel_us') or r.get('gemm_us'), 1, 1).strip()}" for r in rows if r.get("tiles_gemm_us")))
+        print(
+            "tiles: the tile kernel's GEMM alone (no exchange) vs cuBLAS: "
+            + ", ".join(
+                f"{r['name']} {r['dtype']} {_f(r.get('tiles_gemm_us'), 1, 1).strip()} vs "
+                f"{_f(r.get('gemm_kernel_us') or r.get('gemm_us'), 1, 1).strip()}"
+                for r in rows
+                if r.get("tiles_gemm_us")
+            )
+        )
     errs = {md: max((r.get("rel_err") or {}).get(md, 0.0) for r in rows) for md in modes}
     print("max relative error vs nccl: " + ", ".join(f"{md} {e:.1e}" for md, e in errs.items()))
     if sweep:
-        print(f"shape sweep ({sweep['mode']}, M={sweep['token_counts']} x2): ok={sweep['ok']} max_rel_err="
-              f"{sweep['max_rel_err']:.1e} cache={sweep['cache']['entries']}/{sweep['cache']['max_entries']} entries "
-              f"{sweep['cache']['bytes'] / 2**20:.1f} MiB, memory growth {sweep['mem_growth_bytes']}")
+        print(
+            f"shape sweep ({sweep['mode']}, M={sweep['token_counts']} x2): ok={sweep['ok']} max_rel_err="
+            f"{sweep['max_rel_err']:.1e} cache={sweep['cache']['entries']}/{sweep['cache']['max_entries']} entries "
+            f"{sweep['cache']['bytes'] / 2**20:.1f} MiB, memory growth {sweep['mem_growth_bytes']}"
+        )
 
 
 @torch.no_grad()
@@ -372,9 +437,12 @@ def run(args: argparse.Namespace) -> dict:
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         bench = Bench(dev, args.warmup, max(args.reps, 5), timing=args.timing, group=info.group)
         if rank == 0:
-            print(f"[bench fused] TP={world} {info.backend} on {dev}; torch {torch.__version__}; "
-                  f"symm-mem: {fused.symm_unavailable_reason(dev, info.group) or 'available'}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[bench fused] TP={world} {info.backend} on {dev}; torch {torch.__version__}; "
+                f"symm-mem: {fused.symm_unavailable_reason(dev, info.group) or 'available'}",
+                file=sys.stderr,
+                flush=True,
+            )
         rows = []
         for sh in shapes(args, world):
             for dt in dtypes:
@@ -382,36 +450,74 @@ def run(args: argparse.Namespace) -> dict:
                 r = measure_shape(sh, dt, modes, bench, info.group, world)
                 rows.append(r)
                 if rank == 0:
-                    print(f"[bench fused] {sh['name']} {dt}: unfused {_f(r['unfused_us'], 1)} us, best "
-                          f"{r['best_mode']} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+                    print(
+                        f"[bench fused] {sh['name']} {dt}: unfused {_f(r['unfused_us'], 1)} us, best "
+                        f"{r['best_mode']} ({time.perf_counter() - t0:.1f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         sweep = None
         if not args.no_sweep:
             sweep = _safe({}, "sweep", lambda: shape_sweep(dev, info.group, world, args.sweep_mode))
         from cadence.quant import fp8 as fp8_mod
 
-        results = {"shapes": rows, "modes_timed": modes, "timing": bench.timing,
-                   "graph_failures": bench.graph_failures, "eager_timed_after_capture_failure": bench.eager_timed, "shape_sweep": sweep, "symm_cache": fused.symm_cache_info(),
-                   "fallback_warnings": fused.fallback_warnings(), "fp8_quant_backend": fp8_mod.quant_backend(),
-                   "fp8_refused": {" ".join(str(k) for k in key): why for key, why in fp8_mod._op_unusable.items()}}
+        results = {
+            "shapes": rows,
+            "modes_timed": modes,
+            "timing": bench.timing,
+            "graph_failures": bench.graph_failures,
+            "eager_timed_after_capture_failure": bench.eager_timed,
+            "shape_sweep": sweep,
+            "symm_cache": fused.symm_cache_info(),
+            "fallback_warnings": fused.fallback_warnings(),
+            "fp8_quant_backend": fp8_mod.quant_backend(),
+            "fp8_refused": {" ".join(str(k) for k in key): why for key, why in fp8_mod._op_unusable.items()},
+        }
         if rank == 0:
             print_summary(rows, modes, world, sweep)
         if rank == 0 and not args.no_record:
             preset = "tiny" if args.tiny else "all"
             kind = device_kind(dev, world)
             good = [r for r in rows if r.get("hidden_fraction") is not None]
-            headline = ", ".join(f"{r['name']} {r['dtype']} {r['best_mode']} hidden {r['hidden_fraction']:.2f}"
-                                 for r in good[:4])
-            path = record("fused", preset, world, dev, {"shapes": [{k: s[k] for k in ("name", "m", "n", "k")}
-                                                               for s in shapes(args, world)]},
-                          results, out_dir=results_dir(args), world=world, command=getattr(args, "command", None),
-                          headline=headline or "no fused mode measured")
+            headline = ", ".join(
+                f"{r['name']} {r['dtype']} {r['best_mode']} hidden {r['hidden_fraction']:.2f}"
+                for r in good[:4]
+            )
+            path = record(
+                "fused",
+                preset,
+                world,
+                dev,
+                {"shapes": [{k: s[k] for k in ("name", "m", "n", "k")} for s in shapes(args, world)]},
+                results,
+                out_dir=results_dir(args),
+                world=world,
+                command=getattr(args, "command", None),
+                headline=headline or "no fused mode measured",
+            )
             print(f"wrote {path}")
-            table = {"kind": "chooser", "device": kind, "world": world, "torch": torch.__version__,
-                     "source": str(path.name),
-                     "entries": [{"m": r["m"], "n": r["n"], "k": r["k"], "dtype": r["dtype"], "world": world,
-                                  "best_mode": r["best_mode"], "modes_us": r["modes"],
-                                  **({"fp8_fallback_calls": r.get("fp8_fallback_calls")} if r["dtype"] == "fp8" else {})}
-                                 for r in rows]}
+            table = {
+                "kind": "chooser",
+                "device": kind,
+                "world": world,
+                "torch": torch.__version__,
+                "source": str(path.name),
+                "entries": [
+                    {
+                        "m": r["m"],
+                        "n": r["n"],
+                        "k": r["k"],
+                        "dtype": r["dtype"],
+                        "world": world,
+                        "best_mode": r["best_mode"],
+                        "modes_us": r["modes"],
+                        **(
+                            {"fp8_fallback_calls": r.get("fp8_fallback_calls")} if r["dtype"] == "fp8" else {}
+                        ),
+                    }
+                    for r in rows
+                ],
+            }
             tpath = path.parent / f"chooser-{kind}-tp{world}.json"
             tpath.write_text(json.dumps(table, indent=2) + "\n")
             print(f"wrote {tpath}")
@@ -422,8 +528,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     if not torch.cuda.is_available():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -453,9 +564,12 @@ def quant_bytes(m: int, k: int, el: int = 2, per_token_mod: bool = False) -> dic
     shift / scale when they are per token)."""
     n = m * k
     mod = 8 * n if per_token_mod else 0
-    return {"eager": (el + el + 4 + 8 + 5) * n, "triton": (el + 1) * n,
-            "mod_eager": (el + 4 + 8 + 8 + 8 + 4 + el) * n + (el + el + 4 + 8 + 5) * n + mod,
-            "mod_triton": (el + 1) * n + mod}
+    return {
+        "eager": (el + el + 4 + 8 + 5) * n,
+        "triton": (el + 1) * n,
+        "mod_eager": (el + 4 + 8 + 8 + 8 + 4 + el) * n + (el + el + 4 + 8 + 5) * n + mod,
+        "mod_triton": (el + 1) * n + mod,
+    }
 
 
 def _time_calls_us(fn, warmup: int, reps: int, cuda: bool) -> float:
@@ -464,7 +578,9 @@ def _time_calls_us(fn, warmup: int, reps: int, cuda: bool) -> float:
         fn()
     if cuda:
         torch.cuda.synchronize()
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        evs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+        ]
         for a, b in evs:
             a.record()
             fn()
@@ -502,7 +618,9 @@ def _replay_us(g: torch.cuda.CUDAGraph, inner: int, replays: int) -> float:
     for _ in range(2):
         g.replay()
     torch.cuda.synchronize()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    evs = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)
+    ]
     for a, b in evs:
         a.record()
         g.replay()
@@ -520,11 +638,14 @@ def _time_graph_us(fn, inner: int = 20, replays: int = 20) -> float:
 def _quant_parity(q, s, qr, sr) -> dict:
     bq, br = q.view(torch.uint8), qr.view(torch.uint8)
     d = (q.float() * (s / sr) - qr.float()).abs()
-    step = torch.exp2(torch.floor(torch.log2(qr.float().abs().clamp_min(2.0 ** -6))) - 3)
-    return {"bytes_differ": int((bq != br).sum().item()), "elements": bq.numel(),
-            "scales_equal": bool(torch.equal(s, sr)),
-            "scale_max_rel": float(((s - sr).abs() / sr).max().item()) if s.numel() else 0.0,
-            "max_steps_off": float((d / step).max().item()) if d.numel() else 0.0}
+    step = torch.exp2(torch.floor(torch.log2(qr.float().abs().clamp_min(2.0**-6))) - 3)
+    return {
+        "bytes_differ": int((bq != br).sum().item()),
+        "elements": bq.numel(),
+        "scales_equal": bool(torch.equal(s, sr)),
+        "scale_max_rel": float(((s - sr).abs() / sr).max().item()) if s.numel() else 0.0,
+        "max_steps_off": float((d / step).max().item()) if d.numel() else 0.0,
+    }
 
 
 def _sweep(fn_of_cfg, cfgs, cuda: bool, warmup: int, reps: int) -> dict:
@@ -558,11 +679,21 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
     r["bytes"] = by
     r["floor_us"] = {name: b / (HBM_TBPS * 1e12) * 1e6 for name, b in by.items()}
 
-    eager = lambda: quantize_rows(x)
-    mod_eager = lambda: kq.quantize_rows_modulated_reference(x3, shift, scale, LN_EPS)
-    trit = lambda: kq.quantize_rows_triton(x)
-    trit_hw = lambda: kq.quantize_rows_triton(x, grid_round=False)
-    mod_trit = lambda: kq.quantize_rows_modulated_triton(x3, shift, scale, LN_EPS)
+    def eager():
+        return quantize_rows(x)
+
+    def mod_eager():
+        return kq.quantize_rows_modulated_reference(x3, shift, scale, LN_EPS)
+
+    def trit():
+        return kq.quantize_rows_triton(x)
+
+    def trit_hw():
+        return kq.quantize_rows_triton(x, grid_round=False)
+
+    def mod_trit():
+        return kq.quantize_rows_modulated_triton(x3, shift, scale, LN_EPS)
+
     res: dict = {}
     res["eager_us"] = _safe(r, "eager", lambda: _time_calls_us(eager, warmup, reps, cuda))
     res["mod_eager_us"] = _safe(r, "mod_eager", lambda: _time_calls_us(mod_eager, warmup, reps, cuda))
@@ -573,7 +704,9 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
         res["mod_triton_us"] = _safe(r, "mod_triton", lambda: _time_calls_us(mod_trit, warmup, reps, cuda))
         if cuda:
             r["parity_hwcast"] = _safe(r, "parity_hwcast", lambda: _quant_parity(*trit_hw(), *eager()))
-            res["triton_hwcast_us"] = _safe(r, "triton_hwcast", lambda: _time_calls_us(trit_hw, warmup, reps, cuda))
+            res["triton_hwcast_us"] = _safe(
+                r, "triton_hwcast", lambda: _time_calls_us(trit_hw, warmup, reps, cuda)
+            )
     if cuda:
         res["eager_graph_us"] = _safe(r, "eager_graph", lambda: _time_graph_us(eager))
         res["mod_eager_graph_us"] = _safe(r, "mod_eager_graph", lambda: _time_graph_us(mod_eager))
@@ -582,19 +715,30 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
             res["triton_hwcast_graph_us"] = _safe(r, "triton_hwcast_graph", lambda: _time_graph_us(trit_hw))
             res["mod_triton_graph_us"] = _safe(r, "mod_triton_graph", lambda: _time_graph_us(mod_trit))
         if gemm:
+
             def run_gemm():
-                w = (torch.randn(k, k, device=dev, generator=g) * k ** -0.5)
+                w = torch.randn(k, k, device=dev, generator=g) * k**-0.5
                 wq, ws = quantize_rows(w)
                 del w
                 xq, xs = quantize_rows(x)
                 wst = ws.t().contiguous()  # [1, K], scale_b's layout (as FP8Linear keeps it)
-                return _time_calls_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=wst,
-                                                               out_dtype=torch.bfloat16, use_fast_accum=True),
-                                      warmup, reps, cuda)
+                return _time_calls_us(
+                    lambda: torch._scaled_mm(
+                        xq, wq.t(), scale_a=xs, scale_b=wst, out_dtype=torch.bfloat16, use_fast_accum=True
+                    ),
+                    warmup,
+                    reps,
+                    cuda,
+                )
+
             res["gemm_fp8_us"] = _safe(r, "gemm_fp8", run_gemm)
     r.update(res)
-    for a, b in (("eager_us", "triton_us"), ("eager_graph_us", "triton_graph_us"), ("mod_eager_us", "mod_triton_us"),
-                 ("mod_eager_graph_us", "mod_triton_graph_us")):
+    for a, b in (
+        ("eager_us", "triton_us"),
+        ("eager_graph_us", "triton_graph_us"),
+        ("mod_eager_us", "mod_triton_us"),
+        ("mod_eager_graph_us", "mod_triton_graph_us"),
+    ):
         if r.get(a) and r.get(b):
             r[f"speedup_{a[:-3]}"] = r[a] / r[b]
     for name, key in (("triton", "triton_graph_us"), ("mod_triton", "mod_triton_graph_us")):
@@ -604,13 +748,33 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
         bk = kq.launch_config(k, not cuda)[1]
         bms = [bm for bm in (1, 2, 4, 8) if bm * bk <= 32768]
         nws = (4, 8, 16) if cuda else (None,)
-        r["sweep_triton"] = _sweep(lambda block_m, num_warps: kq.quantize_rows_triton(
-            x, block_m=block_m, num_warps=num_warps), [{"block_m": bm, "num_warps": nw} for bm in bms for nw in nws],
-            cuda, warmup, reps)
-        r["sweep_mod_triton"] = _sweep(lambda block_m, num_warps, programs_per_sm: kq.quantize_rows_modulated_triton(
-            x3, shift, scale, LN_EPS, block_m=block_m, num_warps=num_warps, programs_per_sm=programs_per_sm),
-            [{"block_m": bm, "num_warps": nw, "programs_per_sm": p} for bm in bms for nw in nws for p in (1, 2, 4, 8)],
-            cuda, warmup, reps)
+        r["sweep_triton"] = _sweep(
+            lambda block_m, num_warps: kq.quantize_rows_triton(x, block_m=block_m, num_warps=num_warps),
+            [{"block_m": bm, "num_warps": nw} for bm in bms for nw in nws],
+            cuda,
+            warmup,
+            reps,
+        )
+        r["sweep_mod_triton"] = _sweep(
+            lambda block_m, num_warps, programs_per_sm: kq.quantize_rows_modulated_triton(
+                x3,
+                shift,
+                scale,
+                LN_EPS,
+                block_m=block_m,
+                num_warps=num_warps,
+                programs_per_sm=programs_per_sm,
+            ),
+            [
+                {"block_m": bm, "num_warps": nw, "programs_per_sm": p}
+                for bm in bms
+                for nw in nws
+                for p in (1, 2, 4, 8)
+            ],
+            cuda,
+            warmup,
+            reps,
+        )
     return r
 
 
@@ -624,32 +788,56 @@ def run_quant(args: argparse.Namespace) -> dict:
 
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tiny = args.tiny or not cuda
-    ms = [int(v) for v in args.quant_m.split(",")] if args.quant_m else list(TINY_QUANT_M if tiny else QUANT_M)
-    ks = [int(v) for v in args.quant_k.split(",")] if args.quant_k else list(TINY_QUANT_K if tiny else QUANT_K)
+    ms = (
+        [int(v) for v in args.quant_m.split(",")] if args.quant_m else list(TINY_QUANT_M if tiny else QUANT_M)
+    )
+    ks = (
+        [int(v) for v in args.quant_k.split(",")] if args.quant_k else list(TINY_QUANT_K if tiny else QUANT_K)
+    )
     reps = max(args.reps, 5) if cuda else 3
     warmup = args.warmup if cuda else min(args.warmup, 2)
-    print(f"[bench fused --quant] {dev} torch {torch.__version__}; M {ms} x K {ks}; reps {reps}"
-          + ("" if cuda else " (CPU: Triton interpreter, a smoke test; times mean nothing)"), file=sys.stderr, flush=True)
+    print(
+        f"[bench fused --quant] {dev} torch {torch.__version__}; M {ms} x K {ks}; reps {reps}"
+        + ("" if cuda else " (CPU: Triton interpreter, a smoke test; times mean nothing)"),
+        file=sys.stderr,
+        flush=True,
+    )
     rows = []
     for m in ms:
         for k in ks:
             t0 = time.perf_counter()
             r = measure_quant(m, k, dev, warmup, reps, args.quant_sweep, cuda and not args.no_gemm)
             rows.append(r)
-            print(f"[bench fused --quant] M={m} K={k}: eager {_f(r.get('eager_us'), 1)} us, triton "
-                  f"{_f(r.get('triton_us'), 1)} us; modulated eager {_f(r.get('mod_eager_us'), 1)} us, fused "
-                  f"{_f(r.get('mod_triton_us'), 1)} us ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+            print(
+                f"[bench fused --quant] M={m} K={k}: eager {_f(r.get('eager_us'), 1)} us, triton "
+                f"{_f(r.get('triton_us'), 1)} us; modulated eager {_f(r.get('mod_eager_us'), 1)} us, fused "
+                f"{_f(r.get('mod_triton_us'), 1)} us ({time.perf_counter() - t0:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     print_quant_summary(rows, cuda)
     results = {"quant": rows, "hbm_tbps_assumed": HBM_TBPS, "ln_eps": LN_EPS}
     if not args.no_record:
         key = next((r for r in rows if r["m"] == 748 and r["k"] == 8192), rows[0])
-        headline = (f"quant M={key['m']} K={key['k']}: eager {_f(key.get('eager_us'), 1).strip()} us vs triton "
-                    f"{_f(key.get('triton_us'), 1).strip()} us; modulated {_f(key.get('mod_eager_us'), 1).strip()} "
-                    f"vs {_f(key.get('mod_triton_us'), 1).strip()} us (graph: {_f(key.get('eager_graph_us'), 1).strip()}"
-                    f" vs {_f(key.get('triton_graph_us'), 1).strip()}, {_f(key.get('mod_eager_graph_us'), 1).strip()} vs "
-                    f"{_f(key.get('mod_triton_graph_us'), 1).strip()})")
-        path = record("fused", "tiny" if tiny else "all", 1, dev, {"quant_m": ms, "quant_k": ks}, results,
-                      variant="quant", out_dir=results_dir(args), command=getattr(args, "command", None), headline=headline)
+        headline = (
+            f"quant M={key['m']} K={key['k']}: eager {_f(key.get('eager_us'), 1).strip()} us vs triton "
+            f"{_f(key.get('triton_us'), 1).strip()} us; modulated {_f(key.get('mod_eager_us'), 1).strip()} "
+            f"vs {_f(key.get('mod_triton_us'), 1).strip()} us (graph: {_f(key.get('eager_graph_us'), 1).strip()}"
+            f" vs {_f(key.get('triton_graph_us'), 1).strip()}, {_f(key.get('mod_eager_graph_us'), 1).strip()} vs "
+            f"{_f(key.get('mod_triton_graph_us'), 1).strip()})"
+        )
+        path = record(
+            "fused",
+            "tiny" if tiny else "all",
+            1,
+            dev,
+            {"quant_m": ms, "quant_k": ks},
+            results,
+            variant="quant",
+            out_dir=results_dir(args),
+            command=getattr(args, "command", None),
+            headline=headline,
+        )
         print(f"wrote {path}")
         results["_path"] = str(path)
     return results
@@ -657,10 +845,21 @@ def run_quant(args: argparse.Namespace) -> dict:
 
 def print_quant_summary(rows: list[dict], cuda: bool) -> None:
     print("\nbench fused --quant: FP8 activation quantisation, microseconds (medians)")
-    cols = [("eager", "eager_us"), ("triton", "triton_us"), ("x", "speedup_eager"), ("eager_g", "eager_graph_us"),
-            ("triton_g", "triton_graph_us"), ("x", "speedup_eager_graph"), ("floor", None),
-            ("mod_eag", "mod_eager_us"), ("mod_tri", "mod_triton_us"), ("mod_eag_g", "mod_eager_graph_us"),
-            ("mod_tri_g", "mod_triton_graph_us"), ("x", "speedup_mod_eager_graph"), ("gemm", "gemm_fp8_us")]
+    cols = [
+        ("eager", "eager_us"),
+        ("triton", "triton_us"),
+        ("x", "speedup_eager"),
+        ("eager_g", "eager_graph_us"),
+        ("triton_g", "triton_graph_us"),
+        ("x", "speedup_eager_graph"),
+        ("floor", None),
+        ("mod_eag", "mod_eager_us"),
+        ("mod_tri", "mod_triton_us"),
+        ("mod_eag_g", "mod_eager_graph_us"),
+        ("mod_tri_g", "mod_triton_graph_us"),
+        ("x", "speedup_mod_eager_graph"),
+        ("gemm", "gemm_fp8_us"),
+    ]
     print(f"{'M':>6}{'K':>7}" + "".join(f"{c:>10}" for c, _ in cols) + "   parity")
     for r in rows:
         cells = ""
@@ -668,11 +867,15 @@ def print_quant_summary(rows: list[dict], cuda: bool) -> None:
             v = r.get("floor_us", {}).get("triton") if key is None else r.get(key)
             cells += _f(v, 10, 2 if c == "x" else 1)
         p, pm = r.get("parity") or {}, r.get("parity_modulated") or {}
-        par = (f"bytes differ {p.get('bytes_differ', '-')}/{p.get('elements', '-')}, scales equal {p.get('scales_equal', '-')}; "
-               f"modulated {pm.get('bytes_differ', '-')} differ, <= {_f(pm.get('max_steps_off'), 1, 2).strip()} steps")
+        par = (
+            f"bytes differ {p.get('bytes_differ', '-')}/{p.get('elements', '-')}, scales equal {p.get('scales_equal', '-')}; "
+            f"modulated {pm.get('bytes_differ', '-')} differ, <= {_f(pm.get('max_steps_off'), 1, 2).strip()} steps"
+        )
         print(f"{r['m']:>6}{r['k']:>7}{cells}   {par}")
-    print("_g = replayed from a CUDA graph (GPU time only); floor = Triton bytes at 4.2 TB/s; x = eager / triton; "
-          "gemm = FP8 GEMM M x K -> K" + ("" if cuda else "  [CPU: interpreter smoke test]"))
+    print(
+        "_g = replayed from a CUDA graph (GPU time only); floor = Triton bytes at 4.2 TB/s; x = eager / triton; "
+        "gemm = FP8 GEMM M x K -> K" + ("" if cuda else "  [CPU: interpreter smoke test]")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,43 +51,91 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cadence bench pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny", help="tiny | w1.3 | w14 | w57")
     p.add_argument("--chunks", type=int, default=200)
-    p.add_argument("--device", default=None, help="diffusion device: cuda[:N] | cpu (default: cuda:0 if present)")
+    p.add_argument(
+        "--device", default=None, help="diffusion device: cuda[:N] | cpu (default: cuda:0 if present)"
+    )
     dec = p.add_mutually_exclusive_group()
     dec.add_argument("--decode-device", default="auto", help="auto | same | cpu | cuda:N (default: auto)")
-    dec.add_argument("--decode-gpu", type=int, default=None, metavar="K",
-                     help="decode on GPU K (= --decode-device cuda:K)")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA graphs for steady-state steps (default: on with CUDA)")
-    p.add_argument("--shape-change-every", type=int, default=10,
-                   help="second run: change the conditioning length every K chunks (0: skip that run)")
+    dec.add_argument(
+        "--decode-gpu", type=int, default=None, metavar="K", help="decode on GPU K (= --decode-device cuda:K)"
+    )
+    p.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CUDA graphs for steady-state steps (default: on with CUDA)",
+    )
+    p.add_argument(
+        "--shape-change-every",
+        type=int,
+        default=10,
+        help="second run: change the conditioning length every K chunks (0: skip that run)",
+    )
     p.add_argument("--cache", default="ring", choices=["ring", "naive"])
     p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V in the ring (FP8 attention kernel)")
-    p.add_argument("--decoder", default=None, choices=["standin", "wan", "taehv"],
-                   help="VAE decoder (default: the preset's own at tiny and character, wan otherwise)")
+    p.add_argument(
+        "--decoder",
+        default=None,
+        choices=["standin", "wan", "taehv"],
+        help="VAE decoder (default: the preset's own at tiny and character, wan otherwise)",
+    )
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--layers", type=int, default=None, help="run this many transformer layers (stated in the JSON)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="run this many transformer layers (stated in the JSON)"
+    )
     p.add_argument("--max-graphs", type=int, default=4)
     p.add_argument("--queue-depth", type=int, default=2)
-    p.add_argument("--steps-in-flight", type=int, default=1,
-                   help="diffusion steps launched ahead of the device (1: plan after the previous step ends)")
-    p.add_argument("--prewarm", action=argparse.BooleanOptionalAction, default=True,
-                   help="warm the engine up first (Engine.warm_up: every step shape, captures; default: on)")
+    p.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=1,
+        help="diffusion steps launched ahead of the device (1: plan after the previous step ends)",
+    )
+    p.add_argument(
+        "--prewarm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="warm the engine up first (Engine.warm_up: every step shape, captures; default: on)",
+    )
     p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
-    p.add_argument("--capture-filling", action="store_true",
-                   help="also graph-capture the ring-filling steps (PipelineConfig.capture_filling; prewarm runs "
-                        "an extra stream to capture them)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile)")
-    p.add_argument("--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel diffusion over N GPUs (run under torchrun --nproc_per_node N): every rank "
-                        "diffuses its shard and decodes on a side stream of its own GPU; rank 0 records")
-    p.add_argument("--comm", default="auto", help="row-parallel comm mode with --tp > 1 (see cadence bench step)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU: torch intra-op threads (default 0: the warm-up picks 1 or 2)")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="decode right after each step in the same thread (the serial reference)")
-    from cadence.serve.config import add_weight_flags  # torch-free flag definitions shared with serve / generate
+    p.add_argument(
+        "--capture-filling",
+        action="store_true",
+        help="also graph-capture the ring-filling steps (PipelineConfig.capture_filling; prewarm runs "
+        "an extra stream to capture them)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile)",
+    )
+    p.add_argument(
+        "--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel diffusion over N GPUs (run under torchrun --nproc_per_node N): every rank "
+        "diffuses its shard and decodes on a side stream of its own GPU; rank 0 records",
+    )
+    p.add_argument(
+        "--comm", default="auto", help="row-parallel comm mode with --tp > 1 (see cadence bench step)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU: torch intra-op threads (default 0: the warm-up picks 1 or 2)",
+    )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="decode right after each step in the same thread (the serial reference)",
+    )
+    from cadence.serve.config import (
+        add_weight_flags,  # torch-free flag definitions shared with serve / generate
+    )
 
     add_weight_flags(p)
     add_record_flags(p)
@@ -112,13 +160,18 @@ def summarize(outs: list, cfg, deadline_ms: float, skip: int, ttff_ms: float | N
     frames = cfg.video_frames_per_chunk * (len(steady) - 1)
     return {
         "fps": frames / span if span > 0 else float("nan"),
-        "chunk_p50_ms": median(lat), "chunk_p99_ms": p99(lat), "deadline_ms": deadline_ms,
+        "chunk_p50_ms": median(lat),
+        "chunk_p99_ms": p99(lat),
+        "deadline_ms": deadline_ms,
         "deadline_miss_rate": sum(x > deadline_ms for x in lat) / len(lat),
-        "ttff_ms": ttff_ms, "first_chunk_diffusion_ms": t[0].diffusion_ms,
+        "ttff_ms": ttff_ms,
+        "first_chunk_diffusion_ms": t[0].diffusion_ms,
         "first_chunk_decode_ms": t[0].decode_ms,
-        "diffusion_ms": median([x.diffusion_ms for x in steady]), "decode_ms": median([x.decode_ms for x in steady]),
+        "diffusion_ms": median([x.diffusion_ms for x in steady]),
+        "decode_ms": median([x.decode_ms for x in steady]),
         "host_copy_ms": median([x.host_copy_ms for x in steady]),
-        "chunks": len(outs), "steady_chunks": len(steady),
+        "chunks": len(outs),
+        "steady_chunks": len(steady),
         "chunk_p99_ms_all": p99([x.latency_ms for x in t]),
         "deadline_miss_rate_all": sum(x.latency_ms > deadline_ms for x in t) / len(t),
     }
@@ -144,7 +197,12 @@ def draw_timeline(path, runs: dict[str, list], deadline_ms: float) -> bool:
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.2 * len(runs)), squeeze=False)
     for ax, (name, outs) in zip(axes[:, 0], runs.items()):
         idx = [o.index for o in outs]
-        for key, style in (("latency_ms", "-"), ("diffusion_ms", "--"), ("decode_ms", ":"), ("host_copy_ms", "-.")):
+        for key, style in (
+            ("latency_ms", "-"),
+            ("diffusion_ms", "--"),
+            ("decode_ms", ":"),
+            ("host_copy_ms", "-."),
+        ):
             ax.plot(idx, [getattr(o.timings, key) for o in outs], style, label=key.replace("_ms", ""))
         ax.axhline(deadline_ms, color="red", lw=0.8, label=f"deadline {deadline_ms:.1f} ms")
         for o in outs:
@@ -167,8 +225,11 @@ def init_tensor_parallel(args):
     import os
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(f"error: --tp {args.tp} runs under torchrun: torchrun --nproc_per_node {args.tp} -m cadence bench "
-              f"pipeline ... --tp {args.tp}", file=sys.stderr)
+        print(
+            f"error: --tp {args.tp} runs under torchrun: torchrun --nproc_per_node {args.tp} -m cadence bench "
+            f"pipeline ... --tp {args.tp}",
+            file=sys.stderr,
+        )
         return None
     from cadence.parallel import init_tp
 
@@ -206,9 +267,11 @@ def _main(args, info) -> int:
     from cadence.engine.spec import FastPath
 
     rank0 = info is None or info.rank == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
-                        format="%(name)s: %(message)s" if info is None else f"[rank{info.rank}] %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if rank0 else logging.WARNING,
+        format="%(name)s: %(message)s" if info is None else f"[rank{info.rank}] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     from cadence.engine.spec import base_config
     from cadence.serve.config import model_kwargs
 
@@ -224,8 +287,9 @@ def _main(args, info) -> int:
         device = torch.device("cuda:0")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     # the CPU presets decode with their own decoder; the GPU presets with the full Wan VAE unless told
-    decoder = args.decoder or (cfg.vae.decoder if cfg.name in ("tiny", "character") or cfg.vae.decoder != "standin"
-                               else "wan")
+    decoder = args.decoder or (
+        cfg.vae.decoder if cfg.name in ("tiny", "character") or cfg.vae.decoder != "standin" else "wan"
+    )
     over = {"stream": {"cache": args.cache, "kv_fp8": args.kv_fp8}}
     if args.window:
         over["stream"]["window_chunks"] = args.window
@@ -234,22 +298,42 @@ def _main(args, info) -> int:
     cfg = cfg.with_overrides(**over)
     # under TP every rank decodes its own copy on a side stream of its GPU (the same work on every
     # rank keeps the ranks in step at the all-reduces); only rank 0's frames are used
-    decode_device = "same" if info is not None else (
-        f"cuda:{args.decode_gpu}" if args.decode_gpu is not None else args.decode_device)
-    pcfg = PipelineConfig(diffusion_devices=(str(device),), decode_device=decode_device, max_graphs=args.max_graphs,
-                          queue_depth=args.queue_depth, steps_in_flight=args.steps_in_flight,
-                          overlap=not args.no_overlap)
-    fast = FastPath(dtype=str(dtype).replace("torch.", ""), decoder=decoder, kv_fp8=args.kv_fp8,
-                    fp8_linears=args.fp8, graphs=False if args.cache != "ring" else args.graphs,
-                    capture_filling=args.capture_filling, compile=args.compile, comm=args.comm,
-                    threads=args.threads)
+    decode_device = (
+        "same"
+        if info is not None
+        else (f"cuda:{args.decode_gpu}" if args.decode_gpu is not None else args.decode_device)
+    )
+    pcfg = PipelineConfig(
+        diffusion_devices=(str(device),),
+        decode_device=decode_device,
+        max_graphs=args.max_graphs,
+        queue_depth=args.queue_depth,
+        steps_in_flight=args.steps_in_flight,
+        overlap=not args.no_overlap,
+    )
+    fast = FastPath(
+        dtype=str(dtype).replace("torch.", ""),
+        decoder=decoder,
+        kv_fp8=args.kv_fp8,
+        fp8_linears=args.fp8,
+        graphs=False if args.cache != "ring" else args.graphs,
+        capture_filling=args.capture_filling,
+        compile=args.compile,
+        comm=args.comm,
+        threads=args.threads,
+    )
     eng = build_engine(cfg, device, fast, tp=info, pipeline=pcfg, seed=0)
     if rank0:
         if info is not None:
-            print(f"tp: {info.world_size} ranks ({info.backend}), shards built on {eng.applied.get('tp_build')}, "
-                  f"comm {args.comm}", file=sys.stderr)
-        print(f"placement: {eng.placement.describe()}" + "".join(f"; {n}" for n in eng.placement.notes),
-              file=sys.stderr)
+            print(
+                f"tp: {info.world_size} ranks ({info.backend}), shards built on {eng.applied.get('tp_build')}, "
+                f"comm {args.comm}",
+                file=sys.stderr,
+            )
+        print(
+            f"placement: {eng.placement.describe()}" + "".join(f"; {n}" for n in eng.placement.notes),
+            file=sys.stderr,
+        )
     try:
         return _measure(args, info, eng.gen.cfg, eng, device, dtype, decoder, rank0)
     finally:
@@ -273,26 +357,44 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
     if args.prewarm:
         warm = eng.warm_up(decode=True, threads=args.threads)
         if rank0:
-            print(f"warm-up: {warm['streams']} streams in {warm['ms'] / 1e3:.2f} s, cold ttff "
-                  f"{warm['first_stream_ttff_ms']} ms, paced chunk {warm['steady_chunk_ms']} ms, interval "
-                  f"{warm['interval_ms']} ms, threads {warm['threads']}", file=sys.stderr)
+            print(
+                f"warm-up: {warm['streams']} streams in {warm['ms'] / 1e3:.2f} s, cold ttff "
+                f"{warm['first_stream_ttff_ms']} ms, paced chunk {warm['steady_chunk_ms']} ms, interval "
+                f"{warm['interval_ms']} ms, threads {warm['threads']}",
+                file=sys.stderr,
+            )
     outs = run_once(eng, cfg, image, audio, n, seed=0)
     lr = eng.last_run
     res = summarize(outs, cfg, deadline_ms, skip, ttff_ms=lr.get("ttff_ms"))
     res["graphs"] = lr.get("graphs")
-    res.update(prewarm=bool(args.prewarm), session=lr.get("session"), open_ms=lr.get("open_ms"),
-               first_chunk_step=lr.get("first_chunk", {}).get("step"), window_chunks=cfg.stream.window_chunks,
-               ttff_cold_ms=warm["first_stream_ttff_ms"] if warm else res["ttff_ms"],
-               chunk_paced_ms=warm["steady_chunk_ms"] if warm else None, threads=torch.get_num_threads(),
-               overlap=not args.no_overlap)
+    res.update(
+        prewarm=bool(args.prewarm),
+        session=lr.get("session"),
+        open_ms=lr.get("open_ms"),
+        first_chunk_step=lr.get("first_chunk", {}).get("step"),
+        window_chunks=cfg.stream.window_chunks,
+        ttff_cold_ms=warm["first_stream_ttff_ms"] if warm else res["ttff_ms"],
+        chunk_paced_ms=warm["steady_chunk_ms"] if warm else None,
+        threads=torch.get_num_threads(),
+        overlap=not args.no_overlap,
+    )
     # the same reference image again (a returning character: its latent is remembered, no VAE encode)
     run_once(eng, cfg, image, audio, 1, seed=0)
     res.update(ttff_repeat_ms=eng.last_run.get("ttff_ms"), open_repeat_ms=eng.last_run.get("open_ms"))
     if warm:
-        res.update(prewarm_s=warm["ms"] / 1e3, prewarm_chunks=warm["chunks"], prewarm_graphs=warm.get("graphs"),
-                   warmup=warm)
-    res.update(fast=eng.describe(), fp8=bool(args.fp8), compile=bool(args.compile),
-               fp8_layers=eng.applied.get("fp8_linears"), compile_info=eng.applied.get("compile"))
+        res.update(
+            prewarm_s=warm["ms"] / 1e3,
+            prewarm_chunks=warm["chunks"],
+            prewarm_graphs=warm.get("graphs"),
+            warmup=warm,
+        )
+    res.update(
+        fast=eng.describe(),
+        fp8=bool(args.fp8),
+        compile=bool(args.compile),
+        fp8_layers=eng.applied.get("fp8_linears"),
+        compile_info=eng.applied.get("compile"),
+    )
     runs = {"steady conditioning": outs}
     res["shape_changes"] = 0
     if args.shape_change_every:
@@ -302,7 +404,9 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
         tg = torch.Generator().manual_seed(1)
         embs = {x: torch.randn(x, cfg.model.text_dim, generator=tg) for x in set(lengths)}
         prompts = {i: embs[lengths[(i // k) % len(lengths)]] for i in range(k, n, k)}
-        changes = sum(1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)])
+        changes = sum(
+            1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)]
+        )
         outs2 = run_once(eng, cfg, image, audio, n, seed=0, prompts=prompts)
         sc = summarize(outs2, cfg, deadline_ms, skip, ttff_ms=eng.last_run.get("ttff_ms"))
         sc["graphs"] = eng.last_run.get("graphs")
@@ -314,52 +418,108 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
         res["shape_changes"] = changes
         res["shape_change_run"] = sc
         runs[f"conditioning length changes every {k} chunks"] = outs2
-    res["per_chunk"] = [dict(i=o.index, **{f: round(getattr(o.timings, f), 3) for f in (
-        "diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")}, step=o.timings.step) for o in outs]
+    res["per_chunk"] = [
+        dict(
+            i=o.index,
+            **{
+                f: round(getattr(o.timings, f), 3)
+                for f in ("diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")
+            },
+            step=o.timings.step,
+        )
+        for o in outs
+    ]
 
-    rows = [("placement", eng.placement.describe()), ("fps (sustained)", f"{res['fps']:.1f}"),
-            ("chunk p50 / p99", f"{res['chunk_p50_ms']:.1f} / {res['chunk_p99_ms']:.1f} ms "
-                                f"(deadline {deadline_ms:.1f}, miss {100 * res['deadline_miss_rate']:.1f}%)"),
-            ("ttff", f"{res['ttff_ms']:.1f} ms ({'after prewarm, session ' + str(res['session']) if warm else 'cold'}; "
-                     f"open {res['open_ms']:.1f} ms, first chunk diffusion {res['first_chunk_diffusion_ms']:.1f} ms); "
-                     f"cold {res['ttff_cold_ms']:.1f} ms"),
-            ("ttff, same image again",
-             f"{res['ttff_repeat_ms']:.1f} ms (open {res['open_repeat_ms']:.1f} ms: the reference latent is remembered)"),
-            ("diffusion / decode / host copy", f"{res['diffusion_ms']:.1f} / {res['decode_ms']:.1f} / "
-                                               f"{res['host_copy_ms']:.2f} ms"),
-            ("graphs", str(res["graphs"]))]
+    rows = [
+        ("placement", eng.placement.describe()),
+        ("fps (sustained)", f"{res['fps']:.1f}"),
+        (
+            "chunk p50 / p99",
+            f"{res['chunk_p50_ms']:.1f} / {res['chunk_p99_ms']:.1f} ms "
+            f"(deadline {deadline_ms:.1f}, miss {100 * res['deadline_miss_rate']:.1f}%)",
+        ),
+        (
+            "ttff",
+            f"{res['ttff_ms']:.1f} ms ({'after prewarm, session ' + str(res['session']) if warm else 'cold'}; "
+            f"open {res['open_ms']:.1f} ms, first chunk diffusion {res['first_chunk_diffusion_ms']:.1f} ms); "
+            f"cold {res['ttff_cold_ms']:.1f} ms",
+        ),
+        (
+            "ttff, same image again",
+            f"{res['ttff_repeat_ms']:.1f} ms (open {res['open_repeat_ms']:.1f} ms: the reference latent is remembered)",
+        ),
+        (
+            "diffusion / decode / host copy",
+            f"{res['diffusion_ms']:.1f} / {res['decode_ms']:.1f} / {res['host_copy_ms']:.2f} ms",
+        ),
+        ("graphs", str(res["graphs"])),
+    ]
     if "shape_change_run" in res:
         sc = res["shape_change_run"]
-        rows += [("shape-change run", f"{res['shape_changes']} changes: fps {sc['fps']:.1f}, p99 "
-                                      f"{sc['chunk_p99_ms']:.1f} ms, miss {100 * sc['deadline_miss_rate']:.1f}%, "
-                                      f"graphs {sc['graphs']}")]
+        rows += [
+            (
+                "shape-change run",
+                f"{res['shape_changes']} changes: fps {sc['fps']:.1f}, p99 "
+                f"{sc['chunk_p99_ms']:.1f} ms, miss {100 * sc['deadline_miss_rate']:.1f}%, "
+                f"graphs {sc['graphs']}",
+            )
+        ]
     if info is not None:
-        rows.insert(1, ("tensor parallel", f"{info.world_size} ranks, comm {args.comm}; every rank decodes on a "
-                                           f"side stream of its GPU"))
+        rows.insert(
+            1,
+            (
+                "tensor parallel",
+                f"{info.world_size} ranks, comm {args.comm}; every rank decodes on a side stream of its GPU",
+            ),
+        )
         res["tp_comm"] = args.comm
     if not rank0:
         return 0
     print_table(rows, f"bench pipeline: {cfg.name}, {n} chunks, {device}, {str(dtype).replace('torch.', '')}")
     if args.no_record:
         return 0
-    variant = "-".join(v for v in (
-        "graphs" if eng.cfg.graphs else "eager", f"dec{eng.placement.decode_device.replace(':', '')}",
-        args.cache, "kvfp8" if args.kv_fp8 else "", decoder, "fp8" if args.fp8 else "",
-        "compile" if args.compile else "", "capfill" if args.capture_filling else "",
-        f"w{args.window}" if args.window else "",
-        "" if args.prewarm else "noprewarm", f"l{args.layers}" if args.layers else "") if v)
+    variant = "-".join(
+        v
+        for v in (
+            "graphs" if eng.cfg.graphs else "eager",
+            f"dec{eng.placement.decode_device.replace(':', '')}",
+            args.cache,
+            "kvfp8" if args.kv_fp8 else "",
+            decoder,
+            "fp8" if args.fp8 else "",
+            "compile" if args.compile else "",
+            "capfill" if args.capture_filling else "",
+            f"w{args.window}" if args.window else "",
+            "" if args.prewarm else "noprewarm",
+            f"l{args.layers}" if args.layers else "",
+        )
+        if v
+    )
     world = len({eng.placement.diffusion_device, eng.placement.decode_device} - {"cpu"}) or 1
     if info is not None:
         world = info.world_size if device.type == "cuda" else 1
         variant += f"-{args.comm}"
     shape = cfg.shape_summary()
-    path = record("pipeline", cfg.name, args.tp, device, shape, res, variant=variant, out_dir=results_dir(args),
-                  world=world,
-                  extra={"placement": eng.placement.describe(), "dtype": str(dtype).replace("torch.", ""),
-                         "decoder": decoder, "layers": cfg.model.num_layers},
-                  headline=f"{res['fps']:.1f} fps, diffusion {res['diffusion_ms']:.1f} ms, "
-                           f"p99 {res['chunk_p99_ms']:.1f} ms, ttff {res['ttff_ms']:.0f} ms "
-                           f"(cold {res['ttff_cold_ms']:.0f})")
+    path = record(
+        "pipeline",
+        cfg.name,
+        args.tp,
+        device,
+        shape,
+        res,
+        variant=variant,
+        out_dir=results_dir(args),
+        world=world,
+        extra={
+            "placement": eng.placement.describe(),
+            "dtype": str(dtype).replace("torch.", ""),
+            "decoder": decoder,
+            "layers": cfg.model.num_layers,
+        },
+        headline=f"{res['fps']:.1f} fps, diffusion {res['diffusion_ms']:.1f} ms, "
+        f"p99 {res['chunk_p99_ms']:.1f} ms, ttff {res['ttff_ms']:.0f} ms "
+        f"(cold {res['ttff_cold_ms']:.0f})",
+    )
     png = path.with_suffix(".png")
     if draw_timeline(png, runs, deadline_ms):
         print(f"wrote {path} and {png.name}")

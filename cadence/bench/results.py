@@ -20,10 +20,16 @@ def add_record_flags(p) -> None:
     """``--out-dir DIR`` (default ./cadence-results), ``--record`` (into this checkout's docs/perf, the
     committed records: for maintainers recording a measurement) and ``--no-record`` (print only)."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--out-dir", default=None,
-                   help=f"where the JSON (and the README line) go (default: ./{RESULTS_DIR}/<bench>/)")
-    g.add_argument("--record", action="store_true",
-                   help="write into this checkout's docs/perf/<bench>/ (the committed records; never overwrites)")
+    g.add_argument(
+        "--out-dir",
+        default=None,
+        help=f"where the JSON (and the README line) go (default: ./{RESULTS_DIR}/<bench>/)",
+    )
+    g.add_argument(
+        "--record",
+        action="store_true",
+        help="write into this checkout's docs/perf/<bench>/ (the committed records; never overwrites)",
+    )
     p.add_argument("--no-record", action="store_true", help="print only; write no JSON")
 
 

@@ -28,37 +28,73 @@ import os
 import statistics
 import sys
 
-from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cadence bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=1, help="concurrent sessions (clients)")
-    p.add_argument("--seconds", type=float, default=10.0, help="seconds to stream per session after its first frame")
+    p.add_argument(
+        "--seconds", type=float, default=10.0, help="seconds to stream per session after its first frame"
+    )
     p.add_argument("--url", default=None, help="a running server (default: start one here on loopback)")
-    p.add_argument("--preset", default="character", help="preset of the self-started server (default: character)")
+    p.add_argument(
+        "--preset", default="character", help="preset of the self-started server (default: character)"
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="self-started server's groups")
-    p.add_argument("--tp", type=int, default=1, help="GPUs (CPU: gloo ranks) per worker group: tensor parallel")
-    p.add_argument("--speak-after", type=float, default=1.0, help="push speech this long after the first frame")
-    p.add_argument("--speak-every", type=float, default=0.0,
-                   help="push it again every this many seconds (0: once); each push is one agent latency sample")
-    p.add_argument("--speak-jitter", type=float, default=0.5,
-                   help="add a seeded uniform 0..this many seconds to each repeat, so samples see every phase of "
-                        "the chunk clock (default 0.5)")
-    p.add_argument("--lead-ms", type=float, default=None,
-                   help="self-started server: least planning lead (default: the server's; raised to the "
-                        "worker's measured chunk time on CUDA)")
-    p.add_argument("--start-timeout", type=float, default=None,
-                   help="seconds the self-started server waits for its workers (build + warm-up; default "
-                        "120 on the CPU, 600 on CUDA)")
-    p.add_argument("--video-codec", default=None, choices=["VP8", "H264"],
-                   help="the clients offer only this video codec (default: aiortc's order, VP8 first)")
-    p.add_argument("--window-s", type=float, default=60.0,
-                   help="self-started server: the report's timeline window (fps, chunk latency, underruns, "
-                        "worker memory per window; default 60)")
-    p.add_argument("--progress-every", type=float, default=10.0,
-                   help="print each session's live status this often, in seconds (0: never)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="GPUs (CPU: gloo ranks) per worker group: tensor parallel"
+    )
+    p.add_argument(
+        "--speak-after", type=float, default=1.0, help="push speech this long after the first frame"
+    )
+    p.add_argument(
+        "--speak-every",
+        type=float,
+        default=0.0,
+        help="push it again every this many seconds (0: once); each push is one agent latency sample",
+    )
+    p.add_argument(
+        "--speak-jitter",
+        type=float,
+        default=0.5,
+        help="add a seeded uniform 0..this many seconds to each repeat, so samples see every phase of "
+        "the chunk clock (default 0.5)",
+    )
+    p.add_argument(
+        "--lead-ms",
+        type=float,
+        default=None,
+        help="self-started server: least planning lead (default: the server's; raised to the "
+        "worker's measured chunk time on CUDA)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        help="seconds the self-started server waits for its workers (build + warm-up; default "
+        "120 on the CPU, 600 on CUDA)",
+    )
+    p.add_argument(
+        "--video-codec",
+        default=None,
+        choices=["VP8", "H264"],
+        help="the clients offer only this video codec (default: aiortc's order, VP8 first)",
+    )
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=60.0,
+        help="self-started server: the report's timeline window (fps, chunk latency, underruns, "
+        "worker memory per window; default 60)",
+    )
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=10.0,
+        help="print each session's live status this often, in seconds (0: never)",
+    )
     add_engine_flags(p)
     add_weight_flags(p)
     add_record_flags(p)
@@ -75,8 +111,16 @@ def _p50(xs):
     return round(float(statistics.median(xs)), 1) if xs else None
 
 
-async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_every: float = 0.0,
-                 speak_jitter: float = 0.0, progress_every: float = 0.0, video_codec: str | None = None):
+async def _drive(
+    url: str,
+    n: int,
+    seconds: float,
+    speak_after: float,
+    speak_every: float = 0.0,
+    speak_jitter: float = 0.0,
+    progress_every: float = 0.0,
+    video_codec: str | None = None,
+):
     import httpx
 
     from cadence.media import synthetic_speech
@@ -88,14 +132,27 @@ async def _drive(url: str, n: int, seconds: float, speak_after: float, speak_eve
     created: list[dict] = [{} for _ in range(n)]  # each client's session id and token, once it has them
     async with httpx.AsyncClient(timeout=60.0) as http:
         cfg = (await http.get(f"{url}/config")).json()
-        progress = (asyncio.create_task(_progress(http, url, progress_every, created)) if progress_every > 0
-                    else None)
+        progress = (
+            asyncio.create_task(_progress(http, url, progress_every, created)) if progress_every > 0 else None
+        )
         try:
-            results = await asyncio.gather(*(run_client(url, seconds, http=http, speak_wav=speech,
-                                                        speak_after_s=speak_after, speak_every_s=speak_every,
-                                                        speak_jitter_s=speak_jitter, video_codec=video_codec,
-                                                        api_key=api_key, created=c)
-                                             for c in created))
+            results = await asyncio.gather(
+                *(
+                    run_client(
+                        url,
+                        seconds,
+                        http=http,
+                        speak_wav=speech,
+                        speak_after_s=speak_after,
+                        speak_every_s=speak_every,
+                        speak_jitter_s=speak_jitter,
+                        video_codec=video_codec,
+                        api_key=api_key,
+                        created=c,
+                    )
+                    for c in created
+                )
+            )
         finally:
             if progress is not None:
                 progress.cancel()
@@ -113,22 +170,28 @@ async def _progress(http, url: str, every: float, created: list[dict]) -> None:
             if not c.get("token"):
                 continue
             try:
-                r = await http.get(f"{url}/sessions/{c['session_id']}",
-                                   headers={"authorization": f"Bearer {c['token']}"})
+                r = await http.get(
+                    f"{url}/sessions/{c['session_id']}", headers={"authorization": f"Bearer {c['token']}"}
+                )
                 st = r.json()
             except Exception as e:  # progress only: the clients report the real errors
-                print(f"  progress: GET /sessions/{c['session_id'][:8]} failed ({type(e).__name__})",
-                      file=sys.stderr)
+                print(
+                    f"  progress: GET /sessions/{c['session_id'][:8]} failed ({type(e).__name__})",
+                    file=sys.stderr,
+                )
                 continue
             if r.status_code == 200 and st.get("state") != "closed":
                 sessions.append(st)
         for st in sessions:
             mem = st.get("worker_memory_mb") or {}
-            print(f"  [{st.get('age_s', 0):7.1f} s] {st['session_id'][:8]} {st.get('state')}: "
-                  f"{st.get('fps')} fps, chunk {st.get('chunk_latency_ms_p50')} ms p50, "
-                  f"underruns {st.get('underruns', {}).get('video')}, worker rss {mem.get('rss_mb')} MB"
-                  + (f", cuda {mem['cuda_mb']} MB" if mem.get("cuda_mb") is not None else ""),
-                  file=sys.stderr, flush=True)
+            print(
+                f"  [{st.get('age_s', 0):7.1f} s] {st['session_id'][:8]} {st.get('state')}: "
+                f"{st.get('fps')} fps, chunk {st.get('chunk_latency_ms_p50')} ms p50, "
+                f"underruns {st.get('underruns', {}).get('video')}, worker rss {mem.get('rss_mb')} MB"
+                + (f", cuda {mem['cuda_mb']} MB" if mem.get("cuda_mb") is not None else ""),
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _timeline_summary(reports: list[dict]) -> dict:
@@ -136,24 +199,41 @@ def _timeline_summary(reports: list[dict]) -> dict:
     latency p50 of any full window against the first one's, and the worker memory growth."""
     full = [[w for w in r.get("timeline") or [] if not w.get("partial")] for r in reports]
     fps = [w["fps"] for ws in full for w in ws if w.get("fps") is not None]
-    first = [ws[0]["chunk_latency_ms_p50"] for ws in full if ws and ws[0].get("chunk_latency_ms_p50") is not None]
-    worst = [max(w["chunk_latency_ms_p50"] for w in ws if w.get("chunk_latency_ms_p50") is not None)
-             for ws in full if any(w.get("chunk_latency_ms_p50") is not None for w in ws)]
+    first = [
+        ws[0]["chunk_latency_ms_p50"] for ws in full if ws and ws[0].get("chunk_latency_ms_p50") is not None
+    ]
+    worst = [
+        max(w["chunk_latency_ms_p50"] for w in ws if w.get("chunk_latency_ms_p50") is not None)
+        for ws in full
+        if any(w.get("chunk_latency_ms_p50") is not None for w in ws)
+    ]
     growth = [r.get("worker_memory_growth_mb") or {} for r in reports]
     rss = [g["rss_mb"] for g in growth if g.get("rss_mb") is not None]
     cuda = [g["cuda_mb"] for g in growth if g.get("cuda_mb") is not None]
-    return {"full_windows": sum(len(ws) for ws in full),
-            "fps_min_window": round(min(fps), 2) if fps else None,
-            "chunk_latency_ms_p50_first_window": _p50(first),
-            "chunk_latency_ms_p50_worst_window": max(worst) if worst else None,
-            "worker_rss_growth_mb_max": max(rss) if rss else None,
-            "worker_cuda_growth_mb_max": max(cuda) if cuda else None}
+    return {
+        "full_windows": sum(len(ws) for ws in full),
+        "fps_min_window": round(min(fps), 2) if fps else None,
+        "chunk_latency_ms_p50_first_window": _p50(first),
+        "chunk_latency_ms_p50_worst_window": max(worst) if worst else None,
+        "worker_rss_growth_mb_max": max(rss) if rss else None,
+        "worker_cuda_growth_mb_max": max(cuda) if cuda else None,
+    }
 
 
 def _workers(cfg: dict) -> list[dict]:
     """The server's worker groups as recorded: device, fast path, warm-up, lead (GET /config)."""
-    keep = ("index", "device", "lead_ms", "build_ms", "fast_path", "notes", "warmup", "frame_transport",
-            "frames_per_chunk", "audio_samples_per_chunk")
+    keep = (
+        "index",
+        "device",
+        "lead_ms",
+        "build_ms",
+        "fast_path",
+        "notes",
+        "warmup",
+        "frame_transport",
+        "frames_per_chunk",
+        "audio_samples_per_chunk",
+    )
     return [{k: w.get(k) for k in keep} for w in cfg.get("workers") or []]
 
 
@@ -183,15 +263,34 @@ def main(argv: list[str]) -> int:
             return 2
         extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
         start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
-        srv = ServerThread(ServeConfig(preset=args.preset, port=0, groups=groups, max_duration_s=args.seconds + 120,
-                                       worker_start_timeout_s=start_timeout, timeline_window_s=args.window_s,
-                                       **model, **engine_kwargs(args), **extra)
-                           ).start(timeout=start_timeout + 60)
+        srv = ServerThread(
+            ServeConfig(
+                preset=args.preset,
+                port=0,
+                groups=groups,
+                max_duration_s=args.seconds + 120,
+                worker_start_timeout_s=start_timeout,
+                timeline_window_s=args.window_s,
+                **model,
+                **engine_kwargs(args),
+                **extra,
+            )
+        ).start(timeout=start_timeout + 60)
         url = srv.url
         print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
     try:
-        cfg, results = asyncio.run(_drive(url, args.sessions, args.seconds, args.speak_after, args.speak_every,
-                                          args.speak_jitter, args.progress_every, args.video_codec))
+        cfg, results = asyncio.run(
+            _drive(
+                url,
+                args.sessions,
+                args.seconds,
+                args.speak_after,
+                args.speak_every,
+                args.speak_jitter,
+                args.progress_every,
+                args.video_codec,
+            )
+        )
     finally:
         if srv is not None:
             srv.stop()
@@ -210,8 +309,10 @@ def main(argv: list[str]) -> int:
         "server_ttff_ms_p50": _p50([r.report.get("ttff_ms") for r in ok]),
         "agent_audio_to_frame_ms_p50": _p50(agent),
         "av_offset_ms_p50": _p50([r.report.get("av_offset_ms") for r in ok]),
-        "underruns": sum(r.report.get("underruns", {}).get("video", 0) + r.report.get("underruns", {}).get("audio", 0)
-                         for r in ok),
+        "underruns": sum(
+            r.report.get("underruns", {}).get("video", 0) + r.report.get("underruns", {}).get("audio", 0)
+            for r in ok
+        ),
         "deadline_misses": sum(r.report.get("deadline_misses", 0) for r in ok),
         "chunk_latency_ms_p50": _p50([r.report.get("chunk_latency_ms_p50") for r in ok]),
         "chunk_latency_ms_p99": _p50([r.report.get("chunk_latency_ms_p99") for r in ok]),
@@ -227,7 +328,9 @@ def main(argv: list[str]) -> int:
         # or perfectly overlapped (the slower stage): the one engine overlaps decode with the next diffusion
         "worker_work_ms_p50": _p50([(r.report.get("worker") or {}).get("work_ms_p50") for r in ok]),
         "worker_serial_ms_p50": _p50([(r.report.get("worker") or {}).get("serial_ms_p50") for r in ok]),
-        "worker_overlapped_ms_p50": _p50([(r.report.get("worker") or {}).get("overlapped_ms_p50") for r in ok]),
+        "worker_overlapped_ms_p50": _p50(
+            [(r.report.get("worker") or {}).get("overlapped_ms_p50") for r in ok]
+        ),
         # what the worker sustains back to back (its warm-up): the capacity per chunk, decode overlapped
         "worker_interval_ms": _p50([((w.get("warmup") or {}).get("interval_ms")) for w in _workers(cfg)]),
         "video_codec": sorted({r.report.get("video_codec") or "?" for r in ok}),
@@ -237,37 +340,62 @@ def main(argv: list[str]) -> int:
         "error_messages": errors[:10],
         "server": "self-started" if srv is not None else url,
     }
-    print_table([(k, str(v)) for k, v in res.items() if k != "error_messages"],
-                f"bench serve: {args.sessions} session(s), {args.seconds:.0f} s, preset {cfg.get('preset')}")
+    print_table(
+        [(k, str(v)) for k, v in res.items() if k != "error_messages"],
+        f"bench serve: {args.sessions} session(s), {args.seconds:.0f} s, preset {cfg.get('preset')}",
+    )
     for w in _workers(cfg):
         warm = w.get("warmup") or {}
-        print(f"  worker {w['index']} ({w['device']}): lead {w['lead_ms']} ms, frames via {w['frame_transport']}, "
-              f"fast path {w['fast_path']}, warm-up {warm.get('ms')} ms / {warm.get('chunks')} chunks, "
-              f"steady chunk {warm.get('steady_chunk_ms')} ms, slowest {warm.get('slowest_chunk_ms')} ms"
-              + "".join(f"; {n}" for n in w.get("notes") or ()))
+        print(
+            f"  worker {w['index']} ({w['device']}): lead {w['lead_ms']} ms, frames via {w['frame_transport']}, "
+            f"fast path {w['fast_path']}, warm-up {warm.get('ms')} ms / {warm.get('chunks')} chunks, "
+            f"steady chunk {warm.get('steady_chunk_ms')} ms, slowest {warm.get('slowest_chunk_ms')} ms"
+            + "".join(f"; {n}" for n in w.get("notes") or ())
+        )
     timeline = ok[0].report.get("timeline") or [] if ok else []
     if len(timeline) > 1:
         print(f"  session 1, window by window ({res['timeline_window_s']} s):")
         for w in timeline:
-            print(f"    {w['t_s']:7.1f} s +{w['seconds']:5.1f}: {w['fps']} fps, {w['chunks']} chunks, chunk p50 "
-                  f"{w['chunk_latency_ms_p50']} max {w['chunk_latency_ms_max']} ms, underruns {w['underruns_video']}, "
-                  f"worker rss {w.get('worker_rss_mb')} MB" + (" (partial)" if w.get("partial") else ""))
+            print(
+                f"    {w['t_s']:7.1f} s +{w['seconds']:5.1f}: {w['fps']} fps, {w['chunks']} chunks, chunk p50 "
+                f"{w['chunk_latency_ms_p50']} max {w['chunk_latency_ms_max']} ms, underruns {w['underruns_video']}, "
+                f"worker rss {w.get('worker_rss_mb')} MB" + (" (partial)" if w.get("partial") else "")
+            )
     for e in errors[:10]:
         print(f"  error: {e}", file=sys.stderr)
     if not args.no_record:
         device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-        shape = {"width": cfg.get("width"), "height": cfg.get("height"), "fps": cfg.get("fps"),
-                 "frames_per_chunk": cfg.get("frames_per_chunk"),
-                 "audio_samples_per_chunk": cfg.get("audio_samples_per_chunk"), "chunk_ms": cfg.get("chunk_ms")}
-        headline = (f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
-                    f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms")
-        path = record("serve", cfg.get("preset", args.preset), args.tp, device, shape, res,
-                      variant=f"s{args.sessions}" + ("-compile" if getattr(args, "compile", False) else "")
-                      + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
-                      + (f"-{args.video_codec.lower()}" if args.video_codec else ""),
-                      out_dir=results_dir(args), world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
-                      headline=headline, extra={"workers": _workers(cfg),
-                                                "timelines": [r.report.get("timeline") for r in ok],
-                                                "worker_chunks": [r.report.get("worker_chunks") for r in ok]})
+        shape = {
+            "width": cfg.get("width"),
+            "height": cfg.get("height"),
+            "fps": cfg.get("fps"),
+            "frames_per_chunk": cfg.get("frames_per_chunk"),
+            "audio_samples_per_chunk": cfg.get("audio_samples_per_chunk"),
+            "chunk_ms": cfg.get("chunk_ms"),
+        }
+        headline = (
+            f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
+            f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms"
+        )
+        path = record(
+            "serve",
+            cfg.get("preset", args.preset),
+            args.tp,
+            device,
+            shape,
+            res,
+            variant=f"s{args.sessions}"
+            + ("-compile" if getattr(args, "compile", False) else "")
+            + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
+            + (f"-{args.video_codec.lower()}" if args.video_codec else ""),
+            out_dir=results_dir(args),
+            world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
+            headline=headline,
+            extra={
+                "workers": _workers(cfg),
+                "timelines": [r.report.get("timeline") for r in ok],
+                "worker_chunks": [r.report.get("worker_chunks") for r in ok],
+            },
+        )
         print(f"wrote {path}")
     return 0 if not errors else 1

@@ -56,8 +56,13 @@ from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import CadenceConfig, get_preset
 from cadence.telemetry.spans import SpanRecorder
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
@@ -117,8 +122,11 @@ def layers_that_fit(cfg: CadenceConfig, dtype: torch.dtype, device: torch.device
         return cfg.model.num_layers
     m = cfg.model
     el = torch.tensor([], dtype=dtype).element_size()
-    per_layer_params = 4 * m.dim**2 * 2 + 2 * m.dim * m.ffn_dim + (4 * m.dim**2 if m.audio_every else 0) / max(
-        m.audio_every, 1)
+    per_layer_params = (
+        4 * m.dim**2 * 2
+        + 2 * m.dim * m.ffn_dim
+        + (4 * m.dim**2 if m.audio_every else 0) / max(m.audio_every, 1)
+    )
     cache = 2 * cfg.kv_tokens * m.dim * el
     free, _ = torch.cuda.mem_get_info(device)
     room = free - 20 * 2**30  # activations, concatenated windows, allocator slack
@@ -150,8 +158,16 @@ def graphs_unavailable_reason(device: torch.device, cache: str) -> str | None:
     return None
 
 
-def measure_graphed(sess, audio, device: torch.device, warmup: int, iters: int, group=None,
-                    progress: str | None = None, capture=None) -> dict:
+def measure_graphed(
+    sess,
+    audio,
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    group=None,
+    progress: str | None = None,
+    capture=None,
+) -> dict:
     """Time the same session's step with its passes (every pass, every layer) replayed from one CUDA
     graph per rank (``cadence.runtime.graphs.GraphRunner``; the capture agreed across the TP group by
     ``cadence.parallel.graphs.agreeing_capture``: every rank captures or none does). The first call
@@ -170,8 +186,12 @@ def measure_graphed(sess, audio, device: torch.device, warmup: int, iters: int, 
         with torch.cuda.stream(stream):
             sess.step(audio)
         cur.wait_stream(stream)
-    runner = GraphRunner(max_graphs=1, warmup=1, max_captures_per_key=1,
-                         capture=agreeing_capture(group, capture=capture, stream=stream))
+    runner = GraphRunner(
+        max_graphs=1,
+        warmup=1,
+        max_captures_per_key=1,
+        capture=agreeing_capture(group, capture=capture, stream=stream),
+    )
     timer = Timer(device)
     out: list = []
 
@@ -180,11 +200,20 @@ def measure_graphed(sess, audio, device: torch.device, warmup: int, iters: int, 
         out[:] = [x]
         return x
 
-    times = timer.run(step, warmup + 2, iters, progress=progress)  # +2: the runner's eager warm-up, the capture
+    times = timer.run(
+        step, warmup + 2, iters, progress=progress
+    )  # +2: the runner's eager warm-up, the capture
     used = runner.stats.captures > 0 and runner.last == "replay"
-    res = {"times": times, "used": used, "captures": runner.stats.captures, "replays": runner.stats.replays,
-           "capture_failures": runner.stats.capture_failures, "eager_reasons": dict(runner.stats.eager_reasons),
-           "last": runner.last, "output_finite": bool(torch.isfinite(out[0]).all()) if out else None}
+    res = {
+        "times": times,
+        "used": used,
+        "captures": runner.stats.captures,
+        "replays": runner.stats.replays,
+        "capture_failures": runner.stats.capture_failures,
+        "eager_reasons": dict(runner.stats.eager_reasons),
+        "last": runner.last,
+        "output_finite": bool(torch.isfinite(out[0]).all()) if out else None,
+    }
     if used:
         res["host_sync_in_step"] = _sync_check(device, step)
     runner.clear()
@@ -192,8 +221,17 @@ def measure_graphed(sess, audio, device: torch.device, warmup: int, iters: int, 
 
 
 @torch.no_grad()
-def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, iters: int,
-                 profile_iters: int = 3, progress: str | None = "steps", graphs: bool = False, group=None) -> dict:
+def measure_step(
+    cfg: CadenceConfig,
+    model,
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    profile_iters: int = 3,
+    progress: str | None = "steps",
+    graphs: bool = False,
+    group=None,
+) -> dict:
     """Time the steady-state chunk step of `cfg` (its cache choice) on a built model: median over
     `iters` uninstrumented eager steps, the region split from `profile_iters` instrumented ones (eager:
     the region events need the host), a host-sync check (CUDA), and with `graphs` the same step
@@ -219,14 +257,25 @@ def measure_step(cfg: CadenceConfig, model, device: torch.device, warmup: int, i
             t = timer.run(step, 0, 1)[0]
         splits.append(rec.totals())
         totals.append(t)
-    region = {k: median([s.get(k, 0.0) for s in splits])
-              for k in ("attention", "cache", "linear", "allreduce", "linear_comm")}
+    region = {
+        k: median([s.get(k, 0.0) for s in splits])
+        for k in ("attention", "cache", "linear", "allreduce", "linear_comm")
+    }
     host_sync = _sync_check(device, step)
-    graph = measure_graphed(sess, audio, device, warmup, iters, group, progress=progress and "graphed") \
-        if graphs else None
+    graph = (
+        measure_graphed(sess, audio, device, warmup, iters, group, progress=progress and "graphed")
+        if graphs
+        else None
+    )
     cache_bytes = sess.cache.memory_bytes()
-    return {"times": times, "region": region, "totals": totals, "host_sync": host_sync, "cache_bytes": cache_bytes,
-            "graph": graph}
+    return {
+        "times": times,
+        "region": region,
+        "totals": totals,
+        "host_sync": host_sync,
+        "cache_bytes": cache_bytes,
+        "graph": graph,
+    }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -236,27 +285,46 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V (ring: FP8 attention kernel)")
     p.add_argument("--sink-policy", default="follow", choices=["follow", "absolute"])
     p.add_argument("--dtype", default=None, help="bf16 (default on CUDA) | fp32 (default on CPU) | fp16")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks (> 1: run under torchrun --nproc_per_node N)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (> 1: run under torchrun --nproc_per_node N)"
+    )
     p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
-    p.add_argument("--fp8-quant", default=None, choices=["auto", "triton", "torch"],
-                   help="with --fp8: activation quantisation path (auto: the one-launch Triton kernel on CUDA; "
-                        "torch: the eager reference; default: $CADENCE_FP8_QUANT or auto)")
-    p.add_argument("--comm", default="auto",
-                   help="row-parallel comm mode with --tp > 1: auto | nccl | two_shot | one_shot | rs_ag | chunkedN")
+    p.add_argument(
+        "--fp8-quant",
+        default=None,
+        choices=["auto", "triton", "torch"],
+        help="with --fp8: activation quantisation path (auto: the one-launch Triton kernel on CUDA; "
+        "torch: the eager reference; default: $CADENCE_FP8_QUANT or auto)",
+    )
+    p.add_argument(
+        "--comm",
+        default="auto",
+        help="row-parallel comm mode with --tp > 1: auto | nccl | two_shot | one_shot | rs_ag | chunkedN",
+    )
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
-    p.add_argument("--layers", type=int, default=None,
-                   help="run this many layers and scale to the preset's count (default: all that fit)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="run this many layers and scale to the preset's count (default: all that fit)",
+    )
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--profile-iters", type=int, default=3, help="instrumented steps for the breakdown")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time the step replayed from one CUDA graph per rank (all passes, all layers) and "
-                        "report eager vs graphed (default: on with CUDA and the ring cache; elsewhere --graphs "
-                        "falls back to eager with one log line)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile), "
-                        "applied after TP and FP8")
+    p.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the step replayed from one CUDA graph per rank (all passes, all layers) and "
+        "report eager vs graphed (default: on with CUDA and the ring cache; elsewhere --graphs "
+        "falls back to eager with one log line)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile), "
+        "applied after TP and FP8",
+    )
     add_record_flags(p)
     p.add_argument("--png", action="store_true", help="also draw the breakdown as a PNG beside the JSON")
     return p.parse_args(argv)
@@ -308,13 +376,19 @@ def _run(args: argparse.Namespace) -> dict:
 
         parse_mode(args.comm)
         if "WORLD_SIZE" not in os.environ:
-            raise SystemExit(f"error: --tp {args.tp} runs under torchrun: "
-                             f"torchrun --nproc_per_node {args.tp} -m cadence bench step ... --tp {args.tp}")
+            raise SystemExit(
+                f"error: --tp {args.tp} runs under torchrun: "
+                f"torchrun --nproc_per_node {args.tp} -m cadence bench step ... --tp {args.tp}"
+            )
         info = init_tp(backend=None if (args.device or "cuda") != "cpu" else "gloo")
         if info.world_size != args.tp:
             raise SystemExit(f"error: --tp {args.tp} but torchrun started {info.world_size} ranks")
-        logging.basicConfig(level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s")
-        logging.getLogger("cadence.parallel.fused").setLevel(logging.INFO if info.rank == 0 else logging.WARNING)
+        logging.basicConfig(
+            level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
+        )
+        logging.getLogger("cadence.parallel.fused").setLevel(
+            logging.INFO if info.rank == 0 else logging.WARNING
+        )
         device = info.device
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -322,8 +396,9 @@ def _run(args: argparse.Namespace) -> dict:
         raise SystemExit("error: --device cuda but CUDA is not available")
     rank0 = info is None or info.rank == 0
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    full = get_preset(args.preset).with_overrides(stream={"cache": args.cache, "kv_fp8": args.kv_fp8,
-                                                          "sink_policy": args.sink_policy})
+    full = get_preset(args.preset).with_overrides(
+        stream={"cache": args.cache, "kv_fp8": args.kv_fp8, "sink_policy": args.sink_policy}
+    )
     layers = args.layers or layers_that_fit(full, dtype, device, args.tp)
     layers = min(layers, full.model.num_layers)
     cfg = full.with_overrides(model={"num_layers": layers})
@@ -332,9 +407,13 @@ def _run(args: argparse.Namespace) -> dict:
     iters = args.iters if args.iters is not None else (20 if device.type == "cuda" else 5)
 
     if rank0:
-        print(f"[bench step] {full.name}: {layers}/{full.model.num_layers} layers, {dtype}, cache={args.cache}, "
-              f"{device}" + (f", tp={args.tp} comm={args.comm}" if info else "") + (", fp8" if args.fp8 else ""),
-              file=sys.stderr)
+        print(
+            f"[bench step] {full.name}: {layers}/{full.model.num_layers} layers, {dtype}, cache={args.cache}, "
+            f"{device}"
+            + (f", tp={args.tp} comm={args.comm}" if info else "")
+            + (", fp8" if args.fp8 else ""),
+            file=sys.stderr,
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     built = "full"
@@ -357,18 +436,36 @@ def _run(args: argparse.Namespace) -> dict:
     if graphs and graphs_why is not None:
         logging.getLogger(__name__).warning("--graphs: %s; timing the eager step only", graphs_why)
         graphs = False
-    m = measure_step(cfg, model, device, warmup, iters, args.profile_iters, progress="steps" if rank0 else None,
-                     graphs=graphs, group=info.group if info is not None else None)
-    times, region, totals, host_sync, cache_bytes = (m["times"], m["region"], m["totals"], m["host_sync"],
-                                                     m["cache_bytes"])
+    m = measure_step(
+        cfg,
+        model,
+        device,
+        warmup,
+        iters,
+        args.profile_iters,
+        progress="steps" if rank0 else None,
+        graphs=graphs,
+        group=info.group if info is not None else None,
+    )
+    times, region, totals, host_sync, cache_bytes = (
+        m["times"],
+        m["region"],
+        m["totals"],
+        m["host_sync"],
+        m["cache_bytes"],
+    )
     graph = m["graph"]
     eager_ms = median(times)
     graph_ms = median(graph["times"]) if graph is not None and graph["used"] else None
     step_ms = graph_ms if graph_ms is not None else eager_ms
     step_times = graph["times"] if graph_ms is not None else times
     fl = chunk_flops(full)
-    floor_ms = (fl["linear"] / (CEILING["fp8_gemm"] * 1e12) + fl["attention"] / (CEILING["fp8_attn"] * 1e12)) * 1e3
-    floor_bf16 = (fl["linear"] / (CEILING["bf16_gemm"] * 1e12) + fl["attention"] / (CEILING["bf16_attn"] * 1e12)) * 1e3
+    floor_ms = (
+        fl["linear"] / (CEILING["fp8_gemm"] * 1e12) + fl["attention"] / (CEILING["fp8_attn"] * 1e12)
+    ) * 1e3
+    floor_bf16 = (
+        fl["linear"] / (CEILING["bf16_gemm"] * 1e12) + fl["attention"] / (CEILING["bf16_attn"] * 1e12)
+    ) * 1e3
     floor_ms, floor_bf16 = floor_ms / args.tp, floor_bf16 / args.tp  # N GPUs share the FLOPs
     s_step = step_ms * scale
     regions_scaled = {k: v * scale for k, v in region.items()}
@@ -385,9 +482,13 @@ def _run(args: argparse.Namespace) -> dict:
         "step_graph_ms": graph_ms * scale if graph_ms is not None else None,
         "step_graph_p99_ms": p99(graph["times"]) * scale if graph_ms is not None else None,
         "graph_speedup": eager_ms / graph_ms if graph_ms is not None else None,
-        "graphs": {"requested": args.graphs, "tried": graph is not None, "used": graph_ms is not None,
-                   "reason": graphs_why if graph is None else (None if graph["used"] else graph["last"]),
-                   **({k: v for k, v in graph.items() if k != "times"} if graph is not None else {})},
+        "graphs": {
+            "requested": args.graphs,
+            "tried": graph is not None,
+            "used": graph_ms is not None,
+            "reason": graphs_why if graph is None else (None if graph["used"] else graph["last"]),
+            **({k: v for k, v in graph.items() if k != "times"} if graph is not None else {}),
+        },
         "compile": compile_info(compile_report) if args.compile else None,
         "attention_ms": regions_scaled["attention"],
         "cache_upkeep_ms": regions_scaled["cache"],
@@ -426,41 +527,83 @@ def _run(args: argparse.Namespace) -> dict:
 
         results["fp8_layers"] = fp8_layers
         results["fp8_counts"] = fp8_mod.fp8_report(model)
-        results["fp8_quant"] = {"backend": fp8_mod.quant_backend(), "triton_failed": fp8_mod._quant_failed,
-                                "reference_path_reasons": sorted(fp8_mod._quant_logged)}
+        results["fp8_quant"] = {
+            "backend": fp8_mod.quant_backend(),
+            "triton_failed": fp8_mod._quant_failed,
+            "reference_path_reasons": sorted(fp8_mod._quant_logged),
+        }
     if info is not None:
         from cadence.parallel import fused
 
-        results.update({"comm": args.comm, "comm_decisions": fused.chooser_decisions(),
-                        "comm_fallbacks": fused.fallback_warnings(), "symm_cache": fused.symm_cache_info(),
-                        "tp_built": built})
+        results.update(
+            {
+                "comm": args.comm,
+                "comm_decisions": fused.chooser_decisions(),
+                "comm_fallbacks": fused.fallback_warnings(),
+                "symm_cache": fused.symm_cache_info(),
+                "tp_built": built,
+            }
+        )
         if not rank0:
             return results
     rows = [
-        ("step (median)", f"{s_step:9.2f} ms  [{results['step_mode']}]"
-         + (f"   (scaled x{scale:.2f} from {layers} layers)" if scale != 1 else "")),
+        (
+            "step (median)",
+            f"{s_step:9.2f} ms  [{results['step_mode']}]"
+            + (f"   (scaled x{scale:.2f} from {layers} layers)" if scale != 1 else ""),
+        ),
         ("step p99", f"{results['step_p99_ms']:9.2f} ms"),
-        ("eager / graphed", f"{results['step_eager_ms']:9.2f} ms / "
-         + (f"{results['step_graph_ms']:.2f} ms  (x{results['graph_speedup']:.2f})" if graph_ms is not None
-            else f"n/a ({results['graphs']['reason']})")),
-        *([("FP8 linears", "{fp8_linears}: {ran_fp8} ran FP8, {fell_back} fell back ({mixed} mixed), {unused} unused"
-            .format(**results["fp8_counts"]))] if args.fp8 else []),
+        (
+            "eager / graphed",
+            f"{results['step_eager_ms']:9.2f} ms / "
+            + (
+                f"{results['step_graph_ms']:.2f} ms  (x{results['graph_speedup']:.2f})"
+                if graph_ms is not None
+                else f"n/a ({results['graphs']['reason']})"
+            ),
+        ),
+        *(
+            [
+                (
+                    "FP8 linears",
+                    "{fp8_linears}: {ran_fp8} ran FP8, {fell_back} fell back ({mixed} mixed), {unused} unused".format(
+                        **results["fp8_counts"]
+                    ),
+                )
+            ]
+            if args.fp8
+            else []
+        ),
         ("attention", f"{results['attention_ms']:9.2f} ms  {results['attention_ms'] / s_step:6.1%}"),
         ("cache upkeep", f"{results['cache_upkeep_ms']:9.2f} ms  {results['cache_upkeep_ms'] / s_step:6.1%}"),
         ("linear", f"{results['linear_ms']:9.2f} ms  {results['linear_ms'] / s_step:6.1%}"),
-        *([("comm (all-reduce)", f"{results['comm_ms']:9.2f} ms  {results['comm_ms'] / s_step:6.1%}"),
-           ("linear+comm (fused)", f"{results['linear_comm_ms']:9.2f} ms  {results['linear_comm_ms'] / s_step:6.1%}")]
-          if info is not None else []),
+        *(
+            [
+                ("comm (all-reduce)", f"{results['comm_ms']:9.2f} ms  {results['comm_ms'] / s_step:6.1%}"),
+                (
+                    "linear+comm (fused)",
+                    f"{results['linear_comm_ms']:9.2f} ms  {results['linear_comm_ms'] / s_step:6.1%}",
+                ),
+            ]
+            if info is not None
+            else []
+        ),
         ("other", f"{other:9.2f} ms  {other / s_step:6.1%}"),
         ("instrumented step", f"{instrumented:9.2f} ms  (the split above is of this)"),
         ("TFLOP / chunk", f"{results['tflop_per_chunk']:9.2f}  ({results['tflops_per_gpu']:.0f} TFLOP/s)"),
-        ("floor (FP8) / bf16", f"{floor_ms:9.2f} ms / {floor_bf16:.2f} ms  efficiency {results['efficiency']:.1%}"),
+        (
+            "floor (FP8) / bf16",
+            f"{floor_ms:9.2f} ms / {floor_bf16:.2f} ms  efficiency {results['efficiency']:.1%}",
+        ),
         ("peak memory", f"{results['peak_mem_gib']:.1f} GiB" if results["peak_mem_gib"] else "n/a (CPU)"),
         ("host sync in step", str(host_sync)),
     ]
-    print_table(rows, f"bench step: {full.name} tp{args.tp} cache={args.cache}{' fp8 K/V' if args.kv_fp8 else ''} "
-                      f"{results['dtype']}{' fp8 linears' if args.fp8 else ''}"
-                      + (f" comm={args.comm}" if info is not None else ""))
+    print_table(
+        rows,
+        f"bench step: {full.name} tp{args.tp} cache={args.cache}{' fp8 K/V' if args.kv_fp8 else ''} "
+        f"{results['dtype']}{' fp8 linears' if args.fp8 else ''}"
+        + (f" comm={args.comm}" if info is not None else ""),
+    )
     if info is not None:
         for shape, d in results["comm_decisions"].items():
             print(f"  comm {shape}: {d['mode']} ({d['why']})")
@@ -474,16 +617,28 @@ def _run(args: argparse.Namespace) -> dict:
             variant += "-graphs"
         if args.compile:
             variant += "-compile"
-        path = record("step", full.name, args.tp, device, full.shape_summary(), results, variant=variant,
-                      out_dir=results_dir(args), world=args.tp, command=getattr(args, "command", None),
-                      headline=f"step {s_step:.1f} ms ({results['step_mode']}"
-                               + (f", eager {results['step_eager_ms']:.1f} ms" if graph_ms is not None else "")
-                               + f"), attention {results['attention_ms']:.1f}, cache "
-                               f"{results['cache_upkeep_ms']:.1f}, linear {results['linear_ms']:.1f} ms"
-                               + (f" (scaled from {layers} layers)" if scale != 1 else ""))
+        path = record(
+            "step",
+            full.name,
+            args.tp,
+            device,
+            full.shape_summary(),
+            results,
+            variant=variant,
+            out_dir=results_dir(args),
+            world=args.tp,
+            command=getattr(args, "command", None),
+            headline=f"step {s_step:.1f} ms ({results['step_mode']}"
+            + (f", eager {results['step_eager_ms']:.1f} ms" if graph_ms is not None else "")
+            + f"), attention {results['attention_ms']:.1f}, cache "
+            f"{results['cache_upkeep_ms']:.1f}, linear {results['linear_ms']:.1f} ms"
+            + (f" (scaled from {layers} layers)" if scale != 1 else ""),
+        )
         print(f"wrote {path}")
         if args.png:
-            draw_png(path.with_suffix(".png"), results, f"{full.name} step ({results['dtype']}, {args.cache})")
+            draw_png(
+                path.with_suffix(".png"), results, f"{full.name} step ({results['dtype']}, {args.cache})"
+            )
         results["_path"] = str(path)
     return results
 
@@ -495,8 +650,10 @@ def apply_compile_or_exit(model):
     try:
         from cadence.runtime.compile import apply_compile
     except ImportError as e:
-        raise SystemExit(f"error: --compile needs cadence.runtime.compile.apply_compile, which this checkout "
-                         f"does not have ({e})") from None
+        raise SystemExit(
+            f"error: --compile needs cadence.runtime.compile.apply_compile, which this checkout "
+            f"does not have ({e})"
+        ) from None
     out = apply_compile(model)
     if isinstance(out, torch.nn.Module):
         return out, None
@@ -534,8 +691,12 @@ def draw_png(path: Path, r: dict, title: str) -> None:
     except ImportError:
         print("matplotlib not installed: no PNG", file=sys.stderr)
         return
-    parts = [("attention", r["attention_ms"]), ("cache upkeep", r["cache_upkeep_ms"]), ("linear", r["linear_ms"]),
-             ("other", r["other_ms"])]
+    parts = [
+        ("attention", r["attention_ms"]),
+        ("cache upkeep", r["cache_upkeep_ms"]),
+        ("linear", r["linear_ms"]),
+        ("other", r["other_ms"]),
+    ]
     fig, ax = plt.subplots(figsize=(7, 2.6))
     left = 0.0
     for name, v in parts:

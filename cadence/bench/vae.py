@@ -28,21 +28,35 @@ DEADLINE_MS = 4 / 24 * 1e3
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cadence bench vae", description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=["2.1", "2.2"], default="2.2", help="Wan VAE geometry")
-    p.add_argument("--decoder", choices=["wan", "taehv"], default="wan", help="full Wan decoder or the tiny one")
+    p.add_argument(
+        "--decoder", choices=["wan", "taehv"], default="wan", help="full Wan decoder or the tiny one"
+    )
     p.add_argument("--height", type=int, default=704)
     p.add_argument("--width", type=int, default=1088)
     p.add_argument("--chunks", type=int, default=20, help="timed further chunks")
-    p.add_argument("--latent-frames", type=int, default=1, help="latent frames per chunk (4 video frames each)")
+    p.add_argument(
+        "--latent-frames", type=int, default=1, help="latent frames per chunk (4 video frames each)"
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed further chunks of a warm-up stream")
-    p.add_argument("--base-dim", type=int, default=None, help="override the decoder width (tiny CPU smoke runs)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                   help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument(
+        "--base-dim", type=int, default=None, help="override the decoder width (tiny CPU smoke runs)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        default="auto",
+        help="auto: bf16 on CUDA, fp32 on CPU",
+    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--channels-last", action="store_true", help="channels_last(_3d) weights and activations")
     p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder (eager on failure)")
-    p.add_argument("--compare-diffusers", action="store_true", help="also time diffusers' whole-latent decode")
-    p.add_argument("--diffusers-frames", type=int, default=3, help="K: diffusers decodes 1 and 1 + K latent frames")
+    p.add_argument(
+        "--compare-diffusers", action="store_true", help="also time diffusers' whole-latent decode"
+    )
+    p.add_argument(
+        "--diffusers-frames", type=int, default=3, help="K: diffusers decodes 1 and 1 + K latent frames"
+    )
     add_record_flags(p)
     return p.parse_args(argv)
 
@@ -136,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         st = model.stream()
         st.decode_chunk(lat[:, :1])
         for i in range(args.warmup):
-            st.decode_chunk(lat[:, 1 + i * lf:1 + (i + 1) * lf])
+            st.decode_chunk(lat[:, 1 + i * lf : 1 + (i + 1) * lf])
 
     try:
         warm()
@@ -155,43 +169,87 @@ def run(args: argparse.Namespace) -> dict:
     first = timer.run(lambda: st.decode_chunk(lat[:, :1]), warmup=0, iters=1)[0]
     times: list[float] = []
     for i in range(args.chunks):
-        sl = lat[:, 1 + i * lf:1 + (i + 1) * lf]
+        sl = lat[:, 1 + i * lf : 1 + (i + 1) * lf]
         times += timer.run(lambda sl=sl: st.decode_chunk(sl), warmup=0, iters=1)
         print(f"\rchunk {i + 1}/{args.chunks} ({times[-1]:.1f} ms)", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     frames_per_chunk = stride[0] * lf
     per = median(times)
     results = {
-        "variant": args.variant, "decoder": args.decoder, "height": args.height, "width": args.width,
-        "dtype": str(dtype).replace("torch.", ""), "latent_frames_per_chunk": lf,
-        "frames_per_chunk": frames_per_chunk, "first_chunk_ms": first, "per_chunk_ms": per,
-        "per_chunk_p99_ms": p99(times), "per_chunk_mean_ms": float(statistics.mean(times)),
-        "per_frame_ms": per / frames_per_chunk, "deadline_ms": DEADLINE_MS * lf,
-        "meets_deadline": per <= DEADLINE_MS * lf, "chunks": args.chunks,
-        "channels_last": args.channels_last, "cudnn_benchmark": args.cudnn_benchmark, "compiled": bool(compiled),
+        "variant": args.variant,
+        "decoder": args.decoder,
+        "height": args.height,
+        "width": args.width,
+        "dtype": str(dtype).replace("torch.", ""),
+        "latent_frames_per_chunk": lf,
+        "frames_per_chunk": frames_per_chunk,
+        "first_chunk_ms": first,
+        "per_chunk_ms": per,
+        "per_chunk_p99_ms": p99(times),
+        "per_chunk_mean_ms": float(statistics.mean(times)),
+        "per_frame_ms": per / frames_per_chunk,
+        "deadline_ms": DEADLINE_MS * lf,
+        "meets_deadline": per <= DEADLINE_MS * lf,
+        "chunks": args.chunks,
+        "channels_last": args.channels_last,
+        "cudnn_benchmark": args.cudnn_benchmark,
+        "compiled": bool(compiled),
         "base_dim": args.base_dim or cfg["base_dim"],
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "chunk_ms": times,
     }
     if args.compare_diffusers:
         results.update(_diffusers(args, cfg, model, lat, device, dtype, timer, log))
 
-    rows = [("first chunk (1 frame)", f"{first:9.2f} ms"),
-            (f"per further chunk ({frames_per_chunk} frames)",
-             f"{per:9.2f} ms  p99 {results['per_chunk_p99_ms']:.2f}  (deadline {DEADLINE_MS * lf:.1f} ms)")]
+    rows = [
+        ("first chunk (1 frame)", f"{first:9.2f} ms"),
+        (
+            f"per further chunk ({frames_per_chunk} frames)",
+            f"{per:9.2f} ms  p99 {results['per_chunk_p99_ms']:.2f}  (deadline {DEADLINE_MS * lf:.1f} ms)",
+        ),
+    ]
     if results.get("diffusers_per_chunk_ms") is not None:
-        rows.append(("diffusers per chunk", f"{results['diffusers_per_chunk_ms']:9.2f} ms (whole-latent decode slope)"))
-    print_table(rows, f"bench vae: {args.decoder} {args.variant} {args.height}x{args.width} {results['dtype']}"
-                      f"{' channels_last' if args.channels_last else ''}{' compiled' if compiled else ''}")
+        rows.append(
+            (
+                "diffusers per chunk",
+                f"{results['diffusers_per_chunk_ms']:9.2f} ms (whole-latent decode slope)",
+            )
+        )
+    print_table(
+        rows,
+        f"bench vae: {args.decoder} {args.variant} {args.height}x{args.width} {results['dtype']}"
+        f"{' channels_last' if args.channels_last else ''}{' compiled' if compiled else ''}",
+    )
     if not args.no_record:
-        variant = "-".join([args.variant, args.decoder, results["dtype"]] + (["cl"] if args.channels_last else [])
-                           + (["compile"] if compiled else []) + (["cudnnbench"] if args.cudnn_benchmark else []))
-        shape = {"height": args.height, "width": args.width, "latent": [z, lf, lh, lw], "stride": list(stride)}
-        path = record("vae", f"wan{args.variant}", 1, device, shape, results, variant=variant, out_dir=results_dir(args),
-                      command=getattr(args, "command", None),
-                      headline=f"{args.decoder} decode {per:.1f} ms per {frames_per_chunk}-frame chunk"
-                               + (f" (diffusers {results['diffusers_per_chunk_ms']:.1f})"
-                                  if results.get("diffusers_per_chunk_ms") is not None else ""))
+        variant = "-".join(
+            [args.variant, args.decoder, results["dtype"]]
+            + (["cl"] if args.channels_last else [])
+            + (["compile"] if compiled else [])
+            + (["cudnnbench"] if args.cudnn_benchmark else [])
+        )
+        shape = {
+            "height": args.height,
+            "width": args.width,
+            "latent": [z, lf, lh, lw],
+            "stride": list(stride),
+        }
+        path = record(
+            "vae",
+            f"wan{args.variant}",
+            1,
+            device,
+            shape,
+            results,
+            variant=variant,
+            out_dir=results_dir(args),
+            command=getattr(args, "command", None),
+            headline=f"{args.decoder} decode {per:.1f} ms per {frames_per_chunk}-frame chunk"
+            + (
+                f" (diffusers {results['diffusers_per_chunk_ms']:.1f})"
+                if results.get("diffusers_per_chunk_ms") is not None
+                else ""
+            ),
+        )
         print(f"wrote {path}")
         results["_path"] = str(path)
     return results
@@ -207,7 +265,7 @@ def _diffusers(args, cfg, model, lat, device, dtype, timer, log) -> dict:
     if args.decoder == "wan":
         ref.load_state_dict(model.state_dict(), strict=True)
     k = max(1, args.diffusers_frames)
-    z1, zk = lat[None, :, :1], lat[None, :, :1 + k]
+    z1, zk = lat[None, :, :1], lat[None, :, : 1 + k]
     t1 = median(timer.run(lambda: ref.decode(z1), warmup=1, iters=3))
     tk = median(timer.run(lambda: ref.decode(zk), warmup=1, iters=3))
     return {"diffusers_first_ms": t1, f"diffusers_1p{k}_ms": tk, "diffusers_per_chunk_ms": (tk - t1) / k}

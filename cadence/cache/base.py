@@ -43,7 +43,9 @@ class SelfAttentionCache(ABC):
         is the sink (the reference image), which sees only itself and is kept for the whole stream."""
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, commit: bool) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, commit: bool
+    ) -> torch.Tensor:
         """Attention output [1, tokens, heads*head_dim] for the current chunk at `layer`; keep K/V if
         `commit`."""
 

@@ -45,9 +45,18 @@ def fake_fp8(x: torch.Tensor) -> torch.Tensor:
 class NaiveCache(SelfAttentionCache):
     """Raw K/V per chunk; window concatenated, re-rotated (and optionally re-quantised) every call."""
 
-    def __init__(self, num_layers: int, window_chunks: int, grid: tuple[int, int], rope: Rope3D,
-                 device: torch.device | str, fp8: bool = False, sink_policy: str = "absolute",
-                 sink_distance: int = 0, frame_sink_chunks: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        window_chunks: int,
+        grid: tuple[int, int],
+        rope: Rope3D,
+        device: torch.device | str,
+        fp8: bool = False,
+        sink_policy: str = "absolute",
+        sink_distance: int = 0,
+        frame_sink_chunks: int = 0,
+    ):
         self.frame_sink_chunks = frame_sink_chunks
         self.sink_policy = sink_policy
         self.sink_distance = sink_distance
@@ -60,16 +69,27 @@ class NaiveCache(SelfAttentionCache):
         self.reset()
 
     @classmethod
-    def from_config(cls, cfg, model) -> "NaiveCache":
+    def from_config(cls, cfg, model) -> NaiveCache:
         """The naive cache of a whole configuration (window, frame sink, FP8, sink policy)."""
         s = cfg.stream
-        return cls(cfg.model.num_layers, s.window_chunks, cfg.token_grid, model.rope, model.device, fp8=s.kv_fp8,
-                   sink_policy=s.sink_policy, sink_distance=cfg.sink_distance, frame_sink_chunks=s.frame_sink_chunks)
+        return cls(
+            cfg.model.num_layers,
+            s.window_chunks,
+            cfg.token_grid,
+            model.rope,
+            model.device,
+            fp8=s.kv_fp8,
+            sink_policy=s.sink_policy,
+            sink_distance=cfg.sink_distance,
+            frame_sink_chunks=s.frame_sink_chunks,
+        )
 
     def reset(self) -> None:
         self.sink: list[tuple[torch.Tensor, torch.Tensor, int, int] | None] = [None] * self.num_layers
         self.frame_sink: list[list] = [[] for _ in range(self.num_layers)]
-        self.past: list[deque] = [deque(maxlen=max(self.window_chunks - 1, 0)) for _ in range(self.num_layers)]
+        self.past: list[deque] = [
+            deque(maxlen=max(self.window_chunks - 1, 0)) for _ in range(self.num_layers)
+        ]
         self.cur: tuple[int, int, bool] | None = None
         self._chunk = -1  # index of the current generated chunk (host bookkeeping)
         self._last_start: int | None = None
@@ -117,7 +137,7 @@ class NaiveCache(SelfAttentionCache):
             if is_sink:
                 self.sink[layer] = (k, v, start, nf)
             elif self._chunk < self.frame_sink_chunks:  # kept for the whole stream (a re-commit replaces)
-                del self.frame_sink[layer][self._chunk:]
+                del self.frame_sink[layer][self._chunk :]
                 self.frame_sink[layer].append((k, v, start, nf))
             elif self.window_chunks > 1:
                 self.past[layer].append((k, v, start, nf))
@@ -130,7 +150,10 @@ class NaiveCache(SelfAttentionCache):
     def memory_bytes(self) -> int:
         n = 0
         for layer in range(self.num_layers):
-            for e in (([self.sink[layer]] if self.sink[layer] is not None else []) + self.frame_sink[layer]
-                      + list(self.past[layer])):
+            for e in (
+                ([self.sink[layer]] if self.sink[layer] is not None else [])
+                + self.frame_sink[layer]
+                + list(self.past[layer])
+            ):
                 n += e[0].numel() * e[0].element_size() + e[1].numel() * e[1].element_size()
         return n

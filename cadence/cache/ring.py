@@ -101,11 +101,24 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class RingCache(SelfAttentionCache):
     """[sink | ring of W chunk slots] K/V per layer; RoPE (and FP8) once at write; read in place."""
 
-    def __init__(self, num_layers: int, window_chunks: int, grid: tuple[int, int], rope: Rope3D,
-                 device: torch.device | str, heads: int, head_dim: int, frames_per_chunk: int,
-                 sink_frames: int, model_dtype: torch.dtype = torch.bfloat16, dtype: str = "bf16",
-                 sink_policy: str = "follow", sink_distance: int | None = None, use_triton: bool | None = None,
-                 frame_sink_chunks: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        window_chunks: int,
+        grid: tuple[int, int],
+        rope: Rope3D,
+        device: torch.device | str,
+        heads: int,
+        head_dim: int,
+        frames_per_chunk: int,
+        sink_frames: int,
+        model_dtype: torch.dtype = torch.bfloat16,
+        dtype: str = "bf16",
+        sink_policy: str = "follow",
+        sink_distance: int | None = None,
+        use_triton: bool | None = None,
+        frame_sink_chunks: int = 0,
+    ):
         if dtype not in STORAGE:
             raise ValueError(f"dtype must be one of {STORAGE}, got {dtype!r}")
         if sink_policy not in SINK_POLICIES:
@@ -114,15 +127,18 @@ class RingCache(SelfAttentionCache):
             raise ValueError(f"frame_sink_chunks must be >= 0, got {frame_sink_chunks}")
         self.frame_sink_chunks = frame_sink_chunks
         if window_chunks < 1 or frames_per_chunk < 1 or sink_frames < 0:
-            raise ValueError(f"need window_chunks >= 1 ({window_chunks}), frames_per_chunk >= 1 "
-                             f"({frames_per_chunk}), sink_frames >= 0 ({sink_frames})")
+            raise ValueError(
+                f"need window_chunks >= 1 ({window_chunks}), frames_per_chunk >= 1 "
+                f"({frames_per_chunk}), sink_frames >= 0 ({sink_frames})"
+            )
         self.num_layers, self.window_chunks, self.grid, self.rope = num_layers, window_chunks, grid, rope
         self.device = torch.device(device)
         self.heads, self.head_dim = heads, head_dim
         self.frames_per_chunk, self.sink_frames = frames_per_chunk, sink_frames
         self.model_dtype, self.storage, self.sink_policy = model_dtype, dtype, sink_policy
-        self.sink_distance = (sink_frames + (window_chunks - 1) * frames_per_chunk if sink_distance is None
-                              else sink_distance)
+        self.sink_distance = (
+            sink_frames + (window_chunks - 1) * frames_per_chunk if sink_distance is None else sink_distance
+        )
         tpf = grid[0] * grid[1]
         self.tokens_per_chunk = T = tpf * frames_per_chunk
         self.sink_tokens = S = tpf * sink_frames
@@ -137,17 +153,23 @@ class RingCache(SelfAttentionCache):
         ok, why = ra.triton_usable(self.device, head_dim, allow_interpreter=bool(use_triton))
         self.use_triton = ok if use_triton is None else (use_triton and ok)
         if not self.use_triton:  # expected on the CPU (INFO); on CUDA a missing fast path is a WARNING
-            ra.warn_once(f"ring-{self.device.type}-{why}",
-                         f"ring cache: using the PyTorch reference path ({why or 'requested'})",
-                         logging.WARNING if self.device.type == "cuda" else logging.INFO)
+            ra.warn_once(
+                f"ring-{self.device.type}-{why}",
+                f"ring cache: using the PyTorch reference path ({why or 'requested'})",
+                logging.WARNING if self.device.type == "cuda" else logging.INFO,
+            )
         # ---- the store, allocated once, zeroed (unused rows must hold finite values) ----
         self.k = torch.zeros(L, H, N, D, dtype=store, device=dev)
-        self.v = torch.zeros(L, H, D, N, dtype=store, device=dev) if fp8 else torch.zeros(L, H, N, D, dtype=store,
-                                                                                         device=dev)
+        self.v = (
+            torch.zeros(L, H, D, N, dtype=store, device=dev)
+            if fp8
+            else torch.zeros(L, H, N, D, dtype=store, device=dev)
+        )
         self.k_scale = torch.ones(L, H, N, dtype=torch.float32, device=dev)
         self.v_scale = torch.ones(L, H, N, dtype=torch.float32, device=dev)
-        self.sink_raw = (torch.zeros(L, S, H, D, dtype=model_dtype, device=dev)
-                         if sink_policy == "follow" and S else None)
+        self.sink_raw = (
+            torch.zeros(L, S, H, D, dtype=model_dtype, device=dev) if sink_policy == "follow" and S else None
+        )
         # ---- device-side addressing (static buffers, updated in place) ----
         self.slot = torch.zeros(1, dtype=torch.int32, device=dev)
         self.row0 = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -167,14 +189,34 @@ class RingCache(SelfAttentionCache):
         self.reset()
 
     @classmethod
-    def from_config(cls, cfg, model, dtype: str = "bf16", sink_policy: str = "follow",
-                    sink_distance: int | None = None, use_triton: bool | None = None) -> "RingCache":
+    def from_config(
+        cls,
+        cfg,
+        model,
+        dtype: str = "bf16",
+        sink_policy: str = "follow",
+        sink_distance: int | None = None,
+        use_triton: bool | None = None,
+    ) -> RingCache:
         m, s = cfg.model, cfg.stream
         heads = model.blocks[0].self_attn.heads  # heads of this rank under tensor parallelism
-        return cls(m.num_layers, s.window_chunks, cfg.token_grid, model.rope, model.device, heads,
-                   m.head_dim, s.latent_frames_per_chunk // m.patch[0], s.sink_frames // m.patch[0],
-                   model_dtype=model.dtype, dtype=dtype, sink_policy=sink_policy, sink_distance=sink_distance,
-                   use_triton=use_triton, frame_sink_chunks=getattr(s, "frame_sink_chunks", 0))
+        return cls(
+            m.num_layers,
+            s.window_chunks,
+            cfg.token_grid,
+            model.rope,
+            model.device,
+            heads,
+            m.head_dim,
+            s.latent_frames_per_chunk // m.patch[0],
+            s.sink_frames // m.patch[0],
+            model_dtype=model.dtype,
+            dtype=dtype,
+            sink_policy=sink_policy,
+            sink_distance=sink_distance,
+            use_triton=use_triton,
+            frame_sink_chunks=getattr(s, "frame_sink_chunks", 0),
+        )
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -220,9 +262,11 @@ class RingCache(SelfAttentionCache):
         tpf = self.grid[0] * self.grid[1]
         want = self.sink_frames if sink else self.frames_per_chunk
         if num_frames != want:
-            raise ValueError(f"{'sink' if sink else 'chunk'} of {num_frames} latent frames; this ring was "
-                             f"built for {want} ({num_frames * tpf} tokens vs "
-                             f"{self.sink_tokens if sink else self.tokens_per_chunk})")
+            raise ValueError(
+                f"{'sink' if sink else 'chunk'} of {num_frames} latent frames; this ring was "
+                f"built for {want} ({num_frames * tpf} tokens vs "
+                f"{self.sink_tokens if sink else self.tokens_per_chunk})"
+            )
         self.cur = (frame_start, num_frames, sink)
         n = num_frames * tpf
         with region("cache"):
@@ -243,8 +287,11 @@ class RingCache(SelfAttentionCache):
                     self.row0.fill_(self.sink_tokens + (self._chunks - 1) * self.tokens_per_chunk)
                 else:
                     self.slot.add_(1).remainder_(self.window_chunks)
-                    torch.add(self.slot * self.tokens_per_chunk, self.sink_tokens + k * self.tokens_per_chunk,
-                              out=self.row0)
+                    torch.add(
+                        self.slot * self.tokens_per_chunk,
+                        self.sink_tokens + k * self.tokens_per_chunk,
+                        out=self.row0,
+                    )
                 torch.add(self._arange_t, self.row0, out=self.write_rows)
                 self.n_valid.fill_(self._n_visible())
             if self.sink_raw is not None and self._has_sink:
@@ -285,8 +332,11 @@ class RingCache(SelfAttentionCache):
         self._index_copy(self.v_scale[layer], 1, row0, scale, v.shape[0])
 
     def _index_copy(self, dst: torch.Tensor, dim: int, row0: torch.Tensor, src: torch.Tensor, n: int) -> None:
-        rows = self.write_rows if n == self.tokens_per_chunk and row0 is self.row0 else (
-            self._arange_n(n) + row0.long())
+        rows = (
+            self.write_rows
+            if n == self.tokens_per_chunk and row0 is self.row0
+            else (self._arange_n(n) + row0.long())
+        )
         if dst.dtype == FP8_DTYPE:  # index_copy_ has no float8 kernel on CPU: move the bytes
             dst.view(torch.uint8).index_copy_(dim, rows, src.view(torch.uint8))
         else:
@@ -309,8 +359,22 @@ class RingCache(SelfAttentionCache):
                 self.sink_raw[layer].copy_(k[0])
                 self._has_sink = True
             if self.use_triton:  # one fused launch: q rotated (+quantised) to scratch, k and v into the ring
-                ra.qkv_write(q[0], k[0], v[0], cos, sin, self.q_rot, self.q_scale, self.k[layer],
-                             self.k_scale[layer], self.v[layer], self.v_scale[layer], self.zero, row0, fp8)
+                ra.qkv_write(
+                    q[0],
+                    k[0],
+                    v[0],
+                    cos,
+                    sin,
+                    self.q_rot,
+                    self.q_scale,
+                    self.k[layer],
+                    self.k_scale[layer],
+                    self.v[layer],
+                    self.v_scale[layer],
+                    self.zero,
+                    row0,
+                    fp8,
+                )
                 qr, qs = self.q_rot[:, :m], self.q_scale[:, :m]
             else:
                 self._store_k(layer, k[0], cos, sin, row0)
@@ -319,14 +383,31 @@ class RingCache(SelfAttentionCache):
         with region("attention"):
             if fp8:
                 if self.use_triton:
-                    out = ra.ring_attention(qr, qs, self.k[layer], self.k_scale[layer], self.v[layer],
-                                            self.v_scale[layer], self.n_valid, out_dtype=q.dtype)
+                    out = ra.ring_attention(
+                        qr,
+                        qs,
+                        self.k[layer],
+                        self.k_scale[layer],
+                        self.v[layer],
+                        self.v_scale[layer],
+                        self.n_valid,
+                        out_dtype=q.dtype,
+                    )
                 else:
-                    out = ra.ring_attention_reference(qr, qs, self.k[layer], self.k_scale[layer], self.v[layer],
-                                                      self.v_scale[layer], self._n_visible()).to(q.dtype)
+                    out = ra.ring_attention_reference(
+                        qr,
+                        qs,
+                        self.k[layer],
+                        self.k_scale[layer],
+                        self.v[layer],
+                        self.v_scale[layer],
+                        self._n_visible(),
+                    ).to(q.dtype)
                 return out.reshape(1, m, -1)
             n = self._n_visible()
-            o = F.scaled_dot_product_attention(qr[None], self.k[layer, :, :n][None], self.v[layer, :, :n][None])
+            o = F.scaled_dot_product_attention(
+                qr[None], self.k[layer, :, :n][None], self.v[layer, :, :n][None]
+            )
             return o[0].transpose(0, 1).reshape(1, m, -1)
 
     def memory_bytes(self) -> int:

@@ -50,7 +50,9 @@ def choose_decoder(cfg: CadenceConfig, device: torch.device) -> str:
     v = cfg.vae
     if device.type != "cuda":
         return v.decoder
-    trained_tiny = bool(v.taehv_weights) or bool(v.weights and (Path(resolve_asset(v.weights)) / "taehv.safetensors").is_file())
+    trained_tiny = bool(v.taehv_weights) or bool(
+        v.weights and (Path(resolve_asset(v.weights)) / "taehv.safetensors").is_file()
+    )
     if trained_tiny or not v.weights:
         return "taehv"
     return "wan"
@@ -71,8 +73,9 @@ def engine_config(cfg: CadenceConfig, fast: FastPath, device: torch.device | Non
     return cfg
 
 
-def build_model_for(cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, seed: int, tp=None,
-                    comm: str = "auto"):
+def build_model_for(
+    cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, seed: int, tp=None, comm: str = "auto"
+):
     """Steps 2-4: the model on ``device`` with its weights, sharded over ``tp.group`` when given.
     Returns ``(model, how)`` with how = 'meta' (sharded before allocation) or 'full'."""
     from cadence.model.dit import WanDiT
@@ -103,9 +106,16 @@ def build_model_for(cfg: CadenceConfig, device: torch.device, dtype: torch.dtype
     return model, "full"
 
 
-def build_engine(cfg: CadenceConfig, device: str | torch.device = "cpu", fast: FastPath | None = None, tp=None,
-                 pipeline: PipelineConfig | None = None, seed: int = 0, graph_capture=None,
-                 on_chunk=None) -> Engine:
+def build_engine(
+    cfg: CadenceConfig,
+    device: str | torch.device = "cpu",
+    fast: FastPath | None = None,
+    tp=None,
+    pipeline: PipelineConfig | None = None,
+    seed: int = 0,
+    graph_capture=None,
+    on_chunk=None,
+) -> Engine:
     """The engine for ``cfg`` on ``device`` with ``fast`` applied (see the module docstring for the order).
 
     ``tp``: this rank's ``cadence.parallel.TPInfo`` (a tensor-parallel group; every rank calls this with the
@@ -121,9 +131,17 @@ def build_engine(cfg: CadenceConfig, device: str | torch.device = "cpu", fast: F
     dtype = getattr(torch, fast.dtype)
     if device.type == "cpu" and fast.threads:
         torch.set_num_threads(fast.threads)
-    applied: dict = {"decoder": cfg.vae.decoder, "cache": cfg.stream.cache, "kv_fp8": cfg.stream.kv_fp8,
-                     "dtype": fast.dtype, "fp8_linears": 0, "graphs": bool(fast.graphs), "tp": 1,
-                     "compile": "off", "capture_filling": bool(fast.capture_filling)}
+    applied: dict = {
+        "decoder": cfg.vae.decoder,
+        "cache": cfg.stream.cache,
+        "kv_fp8": cfg.stream.kv_fp8,
+        "dtype": fast.dtype,
+        "fp8_linears": 0,
+        "graphs": bool(fast.graphs),
+        "tp": 1,
+        "compile": "off",
+        "capture_filling": bool(fast.capture_filling),
+    }
     model, how = build_model_for(cfg, device, dtype, seed, tp, fast.comm)
     if tp is not None and tp.world_size > 1:
         applied.update(tp=tp.world_size, comm=fast.comm, tp_build=how)

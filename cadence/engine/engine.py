@@ -85,7 +85,7 @@ def process_rss_mb() -> float | None:
             pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return None
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 @dataclass
@@ -103,7 +103,9 @@ class ChunkResult:
     tag: object = None
     error: str | None = None
     buffer: int | None = None  # the pinned ring slot holding ``frames`` (returned at the next collect)
-    audio: torch.Tensor | None = None  # the chunk's audio window (``stream`` fills it in: the caller's samples)
+    audio: torch.Tensor | None = (
+        None  # the chunk's audio window (``stream`` fills it in: the caller's samples)
+    )
 
 
 @dataclass
@@ -131,8 +133,16 @@ class _Decoder:
     """A stream's decode stage: a thread (``threaded``) or inline in the caller's thread. Latents in
     (bounded queue), results out in order (a queue, or the ``deliver`` callback), errors captured."""
 
-    def __init__(self, session: Session, placement: Placement, cfg: PipelineConfig, buffers: list[torch.Tensor],
-                 deliver: Callable[[ChunkResult], None] | None, memory: Callable[[], dict], threaded: bool):
+    def __init__(
+        self,
+        session: Session,
+        placement: Placement,
+        cfg: PipelineConfig,
+        buffers: list[torch.Tensor],
+        deliver: Callable[[ChunkResult], None] | None,
+        memory: Callable[[], dict],
+        threaded: bool,
+    ):
         self.sess, self.placement, self.cfg = session, placement, cfg
         self.deliver_cb, self.memory, self.threaded = deliver, memory, threaded
         self.inq: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
@@ -156,7 +166,9 @@ class _Decoder:
             self.opened = torch.cuda.Event()
             self.opened.record(torch.cuda.current_stream(self.diff_dev))
         self.dec_stream = self.handoff = None
-        self.thread = threading.Thread(target=self._main, name="cadence-decode", daemon=True) if threaded else None
+        self.thread = (
+            threading.Thread(target=self._main, name="cadence-decode", daemon=True) if threaded else None
+        )
         if not threaded:
             self._setup()
 
@@ -237,7 +249,11 @@ class _Decoder:
             self.inq.put_nowait(_STOP)
         except queue.Full:
             pass
-        if self.thread is not None and self.thread.is_alive() and self.thread is not threading.current_thread():
+        if (
+            self.thread is not None
+            and self.thread.is_alive()
+            and self.thread is not threading.current_thread()
+        ):
             self.thread.join(timeout)
             if self.thread.is_alive():  # pragma: no cover - a decode call that never returns
                 raise RuntimeError(f"the decode thread did not stop within {timeout} s")
@@ -251,8 +267,9 @@ class _Decoder:
         if self.diff_cuda:
             # the stream on the diffusion device that waits for each step and issues the latent's hand-off
             # (the decode stream itself when decode shares that GPU)
-            self.handoff = (self.dec_stream if self.dec_dev == self.diff_dev
-                            else torch.cuda.Stream(device=self.diff_dev))
+            self.handoff = (
+                self.dec_stream if self.dec_dev == self.diff_dev else torch.cuda.Stream(device=self.diff_dev)
+            )
         if self.diff_cuda and self.dec_cuda:
             self.handoff.wait_event(self.opened)
             with torch.cuda.stream(self.handoff), torch.cuda.stream(self.dec_stream):
@@ -306,13 +323,27 @@ class _Decoder:
             if self.deliver_cb is None:
                 raise
             log.exception("decode of chunk %d failed", job.index)
-            return ChunkResult(job.index, None, job.latents, self._timings(job, 0.0, 0.0, time.monotonic()),
-                               job.tag, error=f"{type(e).__name__}: {e}")
+            return ChunkResult(
+                job.index,
+                None,
+                job.latents,
+                self._timings(job, 0.0, 0.0, time.monotonic()),
+                job.tag,
+                error=f"{type(e).__name__}: {e}",
+            )
 
     def _timings(self, job: _Job, decode_ms: float, copy_ms: float, t_done: float) -> ChunkTimings:
-        return ChunkTimings(diffusion_ms=job.diffusion_ms, decode_ms=decode_ms, host_copy_ms=copy_ms,
-                            work_ms=(t_done - job.t_recv) * 1e3, t_plan=job.t_plan, t_recv=job.t_recv,
-                            t_done=t_done, step=job.step, memory=self.memory())
+        return ChunkTimings(
+            diffusion_ms=job.diffusion_ms,
+            decode_ms=decode_ms,
+            host_copy_ms=copy_ms,
+            work_ms=(t_done - job.t_recv) * 1e3,
+            t_plan=job.t_plan,
+            t_recv=job.t_recv,
+            t_done=t_done,
+            step=job.step,
+            memory=self.memory(),
+        )
 
     def _decode_job(self, job: _Job) -> ChunkResult | None:
         lat = job.latents
@@ -357,8 +388,9 @@ class _Decoder:
             job.out.copy_(frames)
             frames = None
         t2 = time.monotonic()
-        return ChunkResult(job.index, frames, job.latents, self._timings(job, (t1 - t0) * 1e3, (t2 - t1) * 1e3, t2),
-                           job.tag)
+        return ChunkResult(
+            job.index, frames, job.latents, self._timings(job, (t1 - t0) * 1e3, (t2 - t1) * 1e3, t2), job.tag
+        )
 
 
 @dataclass
@@ -378,9 +410,16 @@ class Engine:
     one stream at a time: ``open`` / ``submit`` / ``collect`` / ``end_stream`` (or ``stream``), ``warm_up``,
     ``preopen``, ``close``. Build it with :func:`cadence.engine.build.build_engine`."""
 
-    def __init__(self, gen: StreamGenerator, cfg: PipelineConfig | None = None, placement: Placement | None = None,
-                 graph_capture=None, applied: dict | None = None, tp=None,
-                 on_chunk: Callable[[ChunkResult], None] | None = None):
+    def __init__(
+        self,
+        gen: StreamGenerator,
+        cfg: PipelineConfig | None = None,
+        placement: Placement | None = None,
+        graph_capture=None,
+        applied: dict | None = None,
+        tp=None,
+        on_chunk: Callable[[ChunkResult], None] | None = None,
+    ):
         """`placement` defaults to ``resolve_placement(cfg, torch.cuda.device_count())``; the generator's
         model must live on its diffusion device. `graph_capture` injects a capture function into the graph
         runner (tests; tensor-parallel groups agree on every capture). `applied` records the fast paths the
@@ -389,24 +428,35 @@ class Engine:
         self.cfg = cfg or PipelineConfig()
         if self.cfg.diffusion_devices == ("auto",):  # 'auto' diffuses where the built model lives
             mdev = gen.model.device
-            self.cfg = dataclasses.replace(self.cfg, diffusion_devices=(
-                "cpu" if mdev.type == "cpu" else f"cuda:{mdev.index if mdev.index is not None else 0}",))
+            self.cfg = dataclasses.replace(
+                self.cfg,
+                diffusion_devices=(
+                    "cpu" if mdev.type == "cpu" else f"cuda:{mdev.index if mdev.index is not None else 0}",
+                ),
+            )
         ndev = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.placement = placement or resolve_placement(self.cfg, ndev)
         mdev = gen.model.device
         want = torch.device(self.placement.diffusion_device)
         if mdev.type != want.type or (want.type == "cuda" and mdev.index != want.index):
-            raise InputError(f"the model is on {mdev} but the placement diffuses on {want}: build the generator "
-                             f"on {want} (or pick diffusion_devices=('{mdev}',))")
+            raise InputError(
+                f"the model is on {mdev} but the placement diffuses on {want}: build the generator "
+                f"on {want} (or pick diffusion_devices=('{mdev}',))"
+            )
         self.tp = tp
         self.applied = dict(applied or {})
         self.notes: list[str] = []
         self.on_chunk = on_chunk
         c = self.cfg
         extra = gen.cfg.stream.window_chunks if c.capture_filling else 0  # one graph per fill stage
-        self.runner = GraphRunner(enabled=c.graphs, max_graphs=c.max_graphs + extra, warmup=c.graph_warmup,
-                                  max_captures_per_key=c.max_captures_per_key, capture=graph_capture,
-                                  capture_filling=c.capture_filling)
+        self.runner = GraphRunner(
+            enabled=c.graphs,
+            max_graphs=c.max_graphs + extra,
+            warmup=c.graph_warmup,
+            max_captures_per_key=c.max_captures_per_key,
+            capture=graph_capture,
+            capture_filling=c.capture_filling,
+        )
         self.session: Session | None = None  # the kept session (reuse_session), or the running stream's
         self._buffers: list[torch.Tensor] = []  # the pinned ring (kept with reuse_session)
         self._dec: _Decoder | None = None
@@ -441,14 +491,19 @@ class Engine:
         (no sync: the caching allocator's counter). A stream that leaks shows as growth chunk after chunk."""
         mem = {"rss_mb": process_rss_mb()}
         if self.cuda:
-            mem["cuda_mb"] = torch.cuda.memory_allocated(self.placement.diffusion_device) / 2 ** 20
+            mem["cuda_mb"] = torch.cuda.memory_allocated(self.placement.diffusion_device) / 2**20
         return mem
 
     def describe(self) -> dict:
         """What this engine runs (the fast paths applied, placement, graphs, reuse)."""
-        return {**self.applied, "placement": self.placement.describe(), "graphs": self.cfg.graphs,
-                "overlap": self.cfg.overlap, "reuse": "session" if self.cfg.reuse_session else None,
-                "threads": torch.get_num_threads()}
+        return {
+            **self.applied,
+            "placement": self.placement.describe(),
+            "graphs": self.cfg.graphs,
+            "overlap": self.cfg.overlap,
+            "reuse": "session" if self.cfg.reuse_session else None,
+            "threads": torch.get_num_threads(),
+        }
 
     # ---- sessions -------------------------------------------------------------------------------------
     def _reset_or_new(self, image: torch.Tensor, prompt, seed: int) -> str:
@@ -483,7 +538,9 @@ class Engine:
         self._ready = (key, prompt)
         return (time.monotonic() - t) * 1e3
 
-    def open(self, image: torch.Tensor | None, prompt, seed: int = 0, key: object = None, decode: bool = True) -> str:
+    def open(
+        self, image: torch.Tensor | None, prompt, seed: int = 0, key: object = None, decode: bool = True
+    ) -> str:
         """Start a stream (ending the running one). ``key`` (with the prompt) names a stream ``preopen``
         made ready: then it is only re-seeded, and ``image`` may be None. ``decode=False``: no decoder
         (the follower ranks of a tensor-parallel group only step). Returns how: "preopened", "reused" (the
@@ -491,18 +548,31 @@ class Engine:
         t0 = time.monotonic()
         self.end_stream()
         ready, self._ready = self._ready, None
-        self.last_open_preopened = (key is not None and ready == (key, prompt) and self.session is not None
-                                    and self.session.index == 0)
+        self.last_open_preopened = (
+            key is not None
+            and ready == (key, prompt)
+            and self.session is not None
+            and self.session.index == 0
+        )
         if self.last_open_preopened:
             self.session.reseed(seed)
             how = "preopened"
         else:
             if image is None:
-                raise InputError("open() needs a reference image unless it opens the stream preopen() made ready")
+                raise InputError(
+                    "open() needs a reference image unless it opens the stream preopen() made ready"
+                )
             how = self._reset_or_new(image, prompt, seed)
         if decode:
-            self._dec = _Decoder(self.session, self.placement, self.cfg, self._pinned(), self.on_chunk, self.memory,
-                                 threaded=self.cfg.overlap)
+            self._dec = _Decoder(
+                self.session,
+                self.placement,
+                self.cfg,
+                self._pinned(),
+                self.on_chunk,
+                self.memory,
+                threaded=self.cfg.overlap,
+            )
             self._dec.start()
         self._in_flight = []
         self.state = StreamState(t_open=t0, open_ms=(time.monotonic() - t0) * 1e3, how=how)
@@ -512,13 +582,24 @@ class Engine:
         if torch.device(self.placement.decode_device).type != "cuda":
             return []
         if not self._buffers or tuple(self._buffers[0].shape) != self.frame_shape:
-            self._buffers = [torch.empty(self.frame_shape, dtype=torch.uint8, pin_memory=True)
-                             for _ in range(self.cfg.host_buffers)]
+            self._buffers = [
+                torch.empty(self.frame_shape, dtype=torch.uint8, pin_memory=True)
+                for _ in range(self.cfg.host_buffers)
+            ]
         return self._buffers
 
     # ---- the stream ---------------------------------------------------------------------------------------
-    def submit(self, index: int, audio, *, out: torch.Tensor | np.ndarray | None = None, tag: object = None,
-               prompt=None, t_plan: float | None = None, decode: bool = True) -> None:
+    def submit(
+        self,
+        index: int,
+        audio,
+        *,
+        out: torch.Tensor | np.ndarray | None = None,
+        tag: object = None,
+        prompt=None,
+        t_plan: float | None = None,
+        decode: bool = True,
+    ) -> None:
         """Run chunk ``index``'s diffusion now (this thread) from its audio window (float32
         [audio_samples_per_chunk], numpy or torch) and hand it to the decoder. ``out``: the caller's host
         buffer (uint8 [T, H, W, 3]) for its frames. ``prompt``: a new prompt (string or embedding [L,
@@ -526,8 +607,11 @@ class Engine:
         ``decode=False``: the step only (the follower ranks of a tensor-parallel group: rank 0 decodes)."""
         sess, dec, st = self.session, self._dec, self.state
         if st is None or sess is None or (decode and dec is None):
-            raise RuntimeError("submit() before open()" if st is None else "submit() with decode on a stream "
-                               "opened without a decoder")
+            raise RuntimeError(
+                "submit() before open()"
+                if st is None
+                else "submit() with decode on a stream opened without a decoder"
+            )
         spc = self.samples_per_chunk
         if tuple(audio.shape) != (spc,):
             raise InputError(f"a chunk's audio must be {spc} samples, got {list(audio.shape)}")
@@ -546,18 +630,33 @@ class Engine:
         t_recv = max(t_recv, time.monotonic()) if self.cuda else t_recv
         plan = t_recv if t_plan is None else t_plan
         if self.cuda:
-            d0, d1, ready = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-                             torch.cuda.Event())
+            d0, d1, ready = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(),
+            )
             d0.record()
             lat = sess.step(a, runner=self.runner)
             d1.record()
             ready.record()
             self._in_flight.append(ready)
-            job = _Job(index, lat, plan, t_recv, ready, (d0, d1), -1.0, self.runner.last or "eager", None, tag)
+            job = _Job(
+                index, lat, plan, t_recv, ready, (d0, d1), -1.0, self.runner.last or "eager", None, tag
+            )
         else:
             lat = sess.step(a, runner=self.runner)
-            job = _Job(index, lat, plan, t_recv, None, None, (time.monotonic() - t_recv) * 1e3,
-                       self.runner.last or "eager", None, tag)
+            job = _Job(
+                index,
+                lat,
+                plan,
+                t_recv,
+                None,
+                None,
+                (time.monotonic() - t_recv) * 1e3,
+                self.runner.last or "eager",
+                None,
+                tag,
+            )
         st.submitted += 1
         if not decode:
             if self.cuda:
@@ -566,8 +665,9 @@ class Engine:
         if out is not None:
             job.out = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
             if tuple(job.out.shape) != self.frame_shape or job.out.dtype != torch.uint8:
-                raise InputError(f"out must be uint8 {list(self.frame_shape)}, got {job.out.dtype} "
-                                 f"{list(job.out.shape)}")
+                raise InputError(
+                    f"out must be uint8 {list(self.frame_shape)}, got {job.out.dtype} {list(job.out.shape)}"
+                )
         dec.submit(job)
         # the first chunk decodes with the device to itself (time to first frame); later ones overlap the next
         # chunk's diffusion
@@ -646,8 +746,16 @@ class Engine:
         self.close()
 
     @torch.no_grad()
-    def stream(self, image: torch.Tensor, prompt, audio: torch.Tensor, num_chunks: int, seed: int = 0,
-               prompts: Mapping[int, object] | None = None, pace: bool = False) -> Iterator[ChunkResult]:
+    def stream(
+        self,
+        image: torch.Tensor,
+        prompt,
+        audio: torch.Tensor,
+        num_chunks: int,
+        seed: int = 0,
+        prompts: Mapping[int, object] | None = None,
+        pace: bool = False,
+    ) -> Iterator[ChunkResult]:
         """``num_chunks`` chunks from ``audio`` (float32 mono 48 kHz, >= num_chunks x audio_samples_per_chunk),
         as a generator: ``open``, then ``submit`` each chunk and yield what is finished, then the rest.
         ``prompts`` maps a chunk index to a new prompt from that chunk on. ``pace``: submit a chunk only once
@@ -663,8 +771,10 @@ class Engine:
             raise InputError(f"number of chunks must be positive, got {num_chunks}")
         spc = cfg.audio_samples_per_chunk
         if audio.ndim != 1 or audio.numel() < num_chunks * spc:
-            raise InputError(f"audio must be mono with >= {num_chunks * spc} samples for {num_chunks} chunks, "
-                             f"got shape {list(audio.shape)}")
+            raise InputError(
+                f"audio must be mono with >= {num_chunks * spc} samples for {num_chunks} chunks, "
+                f"got shape {list(audio.shape)}"
+            )
         if self._streaming:
             raise RuntimeError("this engine is already running a stream (one at a time)")
         self._streaming = True
@@ -673,8 +783,9 @@ class Engine:
         finally:
             self._streaming = False
 
-    def _stream(self, t0: float, image, prompt, audio: torch.Tensor, num_chunks: int, seed: int, prompts,
-                pace: bool) -> Iterator[ChunkResult]:
+    def _stream(
+        self, t0: float, image, prompt, audio: torch.Tensor, num_chunks: int, seed: int, prompts, pace: bool
+    ) -> Iterator[ChunkResult]:
         spc = self.samples_per_chunk
         graphs0 = len(self.runner)
         stats0 = dataclasses.replace(self.runner.stats, eager_reasons=dict(self.runner.stats.eager_reasons))
@@ -684,15 +795,22 @@ class Engine:
         finally:
             self.on_chunk = callback
         self.state.t_open = t0
-        self.last_run = {"placement": self.placement.describe(), "chunks": 0, "session": how,
-                         "open_ms": (time.monotonic() - t0) * 1e3, "graphs_at_start": graphs0,
-                         "warmed_up": self.warmup_report is not None}
+        self.last_run = {
+            "placement": self.placement.describe(),
+            "chunks": 0,
+            "session": how,
+            "open_ms": (time.monotonic() - t0) * 1e3,
+            "graphs_at_start": graphs0,
+            "warmed_up": self.warmup_report is not None,
+        }
         audio_dev = audio[: num_chunks * spc].float().to(self.gen.model.device)
         keep = False
         try:
             for i in range(num_chunks):
                 try:
-                    self.submit(i, audio_dev[i * spc:(i + 1) * spc], prompt=prompts.get(i) if prompts else None)
+                    self.submit(
+                        i, audio_dev[i * spc : (i + 1) * spc], prompt=prompts.get(i) if prompts else None
+                    )
                 except Exception:  # the decoder failed: what it finished before comes out first, in order
                     yield from self._yield(self._drain(), audio, spc)
                     raise
@@ -709,25 +827,39 @@ class Engine:
             raise
         finally:
             st = self.runner.stats
-            graphs = {"captures": st.captures - stats0.captures, "replays": st.replays - stats0.replays,
-                      "eager": st.eager - stats0.eager, "evictions": st.evictions - stats0.evictions,
-                      "capture_failures": st.capture_failures - stats0.capture_failures,
-                      "eager_reasons": {k: v - stats0.eager_reasons.get(k, 0) for k, v in st.eager_reasons.items()
-                                        if v != stats0.eager_reasons.get(k, 0)}, "kept": len(self.runner)}
-            self.last_run.update(graphs=graphs, wall_s=time.monotonic() - t0, chunks=self.state.emitted
-                                 if self.state else 0)
+            graphs = {
+                "captures": st.captures - stats0.captures,
+                "replays": st.replays - stats0.replays,
+                "eager": st.eager - stats0.eager,
+                "evictions": st.evictions - stats0.evictions,
+                "capture_failures": st.capture_failures - stats0.capture_failures,
+                "eager_reasons": {
+                    k: v - stats0.eager_reasons.get(k, 0)
+                    for k, v in st.eager_reasons.items()
+                    if v != stats0.eager_reasons.get(k, 0)
+                },
+                "kept": len(self.runner),
+            }
+            self.last_run.update(
+                graphs=graphs, wall_s=time.monotonic() - t0, chunks=self.state.emitted if self.state else 0
+            )
             self.end_stream()
-            if not (keep and self.cfg.reuse_session):  # an error (or reuse off): nothing of this session is kept
+            if not (
+                keep and self.cfg.reuse_session
+            ):  # an error (or reuse off): nothing of this session is kept
                 self._drop_session()
 
     def _yield(self, results: list[ChunkResult], audio: torch.Tensor, spc: int) -> Iterator[ChunkResult]:
         for r in results:
-            r.audio = audio[r.index * spc:(r.index + 1) * spc]
+            r.audio = audio[r.index * spc : (r.index + 1) * spc]
             if r.index == 0:
                 self.last_run["ttff_ms"] = self.state.ttff_ms
-                self.last_run["first_chunk"] = {"diffusion_ms": r.timings.diffusion_ms,
-                                                "decode_ms": r.timings.decode_ms,
-                                                "host_copy_ms": r.timings.host_copy_ms, "step": r.timings.step}
+                self.last_run["first_chunk"] = {
+                    "diffusion_ms": r.timings.diffusion_ms,
+                    "decode_ms": r.timings.decode_ms,
+                    "host_copy_ms": r.timings.host_copy_ms,
+                    "step": r.timings.step,
+                }
             self.last_run["chunks"] = self.state.emitted
             yield r
 
@@ -739,8 +871,9 @@ class Engine:
         return self.cfg.prewarm_chunks or self.gen.cfg.stream.window_chunks + self.cfg.graph_warmup + 1
 
     @torch.no_grad()
-    def warm_up(self, image: torch.Tensor | None = None, chunks: int = 0, decode: bool = True,
-                threads: int | None = 0) -> dict:
+    def warm_up(
+        self, image: torch.Tensor | None = None, chunks: int = 0, decode: bool = True, threads: int | None = 0
+    ) -> dict:
         """Throwaway streams before any user: every step shape (the sink pass, the first chunk, each
         ring-filling step, the steady step's warm-up, capture and replay) and the decoder run once, so
         Triton compiles and autotuning, cuDNN/cuBLAS plan selection, lazy library state and the graph
@@ -811,14 +944,20 @@ class Engine:
         out["threads"] = chosen
         # the sustained interval, as a user's stream will run: the thread trial's, the first stream's when it
         # ran nothing but user steps (the CPU: no captures), else one more stream
-        if steady is None and chosen == torch.get_num_threads() and len(per) >= 3 and not any(
-                t.step == "capture" or t.step.startswith("eager:warmup") for t in per):
+        if (
+            steady is None
+            and chosen == torch.get_num_threads()
+            and len(per) >= 3
+            and not any(t.step == "capture" or t.step.startswith("eager:warmup") for t in per)
+        ):
             steady = per
         if steady is None:
             steady = run(max(n, 4), pace=False)
         out["interval_ms"] = _r(_interval_ms(steady))
         first = 0 if ran > 1 else 1  # a lone stream's chunk 0 is the cold one
-        user = [(i, t) for i, t in enumerate(per) if i >= first and t.step != "capture"] or list(enumerate(per))
+        user = [(i, t) for i, t in enumerate(per) if i >= first and t.step != "capture"] or list(
+            enumerate(per)
+        )
         slow = [i for i, t in user if t.work_ms > media_ms]
         out["repeat_stream"] = False
         if ran == 1 and self._any_rank(bool(slow)):
@@ -828,9 +967,11 @@ class Engine:
             out["first_stream_chunk_ms"] = [round(t.work_ms, 1) for t in once]
             gone = [i for i in slow if per[i].work_ms <= media_ms]
             if gone:
-                self._note(f"warm-up: chunk(s) {gone} took up to {max(once[i].work_ms for i in gone):.0f} ms in "
-                           f"the first stream only (one-time work); {max(per[i].work_ms for i in gone):.0f} ms in "
-                           "the next")
+                self._note(
+                    f"warm-up: chunk(s) {gone} took up to {max(once[i].work_ms for i in gone):.0f} ms in "
+                    f"the first stream only (one-time work); {max(per[i].work_ms for i in gone):.0f} ms in "
+                    "the next"
+                )
             user = [(i, t) for i, t in enumerate(per) if t.step != "capture"] or list(enumerate(per))
         # the latency of one chunk when chunks come one at a time (the second of two paced chunks)
         paced = run(2, pace=True)
@@ -841,18 +982,27 @@ class Engine:
         late = [t for _, t in user if t.work_ms > media_ms]
         if late:
             filling = any(t.step == "eager:ring_filling" for t in late)
-            self._note(f"warm-up: {len(late)} chunk(s) of a stream take up to {slowest:.0f} ms, longer than a "
-                       f"chunk's {media_ms:.0f} ms of media: expect underruns there in every stream"
-                       + (" (eager ring-filling steps: --capture-filling captures them)" if filling else ""))
+            self._note(
+                f"warm-up: {len(late)} chunk(s) of a stream take up to {slowest:.0f} ms, longer than a "
+                f"chunk's {media_ms:.0f} ms of media: expect underruns there in every stream"
+                + (" (eager ring-filling steps: --capture-filling captures them)" if filling else "")
+            )
         if out["interval_ms"] is not None and out["interval_ms"] > media_ms:
-            self._note(f"warm-up: this {'GPU' if self.cuda else 'CPU'} sustains one chunk per "
-                       f"{out['interval_ms']:.0f} ms, slower than the {media_ms:.0f} ms of media each chunk "
-                       "holds: streams will show fewer fresh frames per second (audio stays whole)")
-        out.update(ms=_r((time.monotonic() - t_start) * 1e3), streams=runs[0],
-                   chunk_ms=[round(t.work_ms, 1) for t in per], steps=[t.step for t in per],
-                   diffusion_ms=_r(statistics.median(t.diffusion_ms for t in steady)),
-                   decode_ms=_r(statistics.median(t.decode_ms for t in steady)),
-                   graphs=dataclasses.asdict(self.runner.stats), notes=list(self.notes))
+            self._note(
+                f"warm-up: this {'GPU' if self.cuda else 'CPU'} sustains one chunk per "
+                f"{out['interval_ms']:.0f} ms, slower than the {media_ms:.0f} ms of media each chunk "
+                "holds: streams will show fewer fresh frames per second (audio stays whole)"
+            )
+        out.update(
+            ms=_r((time.monotonic() - t_start) * 1e3),
+            streams=runs[0],
+            chunk_ms=[round(t.work_ms, 1) for t in per],
+            steps=[t.step for t in per],
+            diffusion_ms=_r(statistics.median(t.diffusion_ms for t in steady)),
+            decode_ms=_r(statistics.median(t.decode_ms for t in steady)),
+            graphs=dataclasses.asdict(self.runner.stats),
+            notes=list(self.notes),
+        )
         self.warmup_report = out
         return out
 
@@ -878,10 +1028,17 @@ class Engine:
         try:
             for i in range(n):
                 t = time.monotonic()
-                self.submit(i, audio[i * spc:(i + 1) * spc], decode=False)
+                self.submit(i, audio[i * spc : (i + 1) * spc], decode=False)
                 done = time.monotonic()
-                out.append(ChunkTimings(work_ms=(done - t) * 1e3, t_plan=t, t_recv=t, t_done=done,
-                                        step=self.runner.last or "eager"))
+                out.append(
+                    ChunkTimings(
+                        work_ms=(done - t) * 1e3,
+                        t_plan=t,
+                        t_recv=t,
+                        t_done=done,
+                        step=self.runner.last or "eager",
+                    )
+                )
         finally:
             self.end_stream()
         return out

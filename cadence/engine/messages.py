@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 # ---- requests (web -> rank 0 -> followers) ---------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class OpenSession:
@@ -66,6 +66,7 @@ class Stop:
 
 
 # ---- replies (rank 0 -> web) -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ChunkTimings:

@@ -31,8 +31,8 @@ from cadence.model.text import make_text_encoder
 from cadence.model.vae import WanVAE, wan_vae_config
 from cadence.model.weights import build_model
 from cadence.runtime.chunk import denoise_chunk
-from cadence.runtime.step import StepInputs, StepKey, step_key
 from cadence.runtime.sampler import Schedule
+from cadence.runtime.step import StepInputs, StepKey, step_key
 
 
 def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
@@ -41,8 +41,13 @@ def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
     if s.cache == "naive":
         return NaiveCache.from_config(cfg, model)
     if s.cache == "ring":
-        return RingCache.from_config(cfg, model, dtype="fp8" if s.kv_fp8 else "bf16", sink_policy=s.sink_policy,
-                                     sink_distance=cfg.sink_distance)
+        return RingCache.from_config(
+            cfg,
+            model,
+            dtype="fp8" if s.kv_fp8 else "bf16",
+            sink_policy=s.sink_policy,
+            sink_distance=cfg.sink_distance,
+        )
     raise ValueError(f"unknown cache {s.cache!r}")
 
 
@@ -57,8 +62,14 @@ class Session:
     session (and its graphs) stream after stream instead of paying allocation and captures again.
     """
 
-    def __init__(self, gen: "StreamGenerator", image: torch.Tensor, prompt: str | torch.Tensor, seed: int,
-                 decode_device: str | torch.device | None = None):
+    def __init__(
+        self,
+        gen: StreamGenerator,
+        image: torch.Tensor,
+        prompt: str | torch.Tensor,
+        seed: int,
+        decode_device: str | torch.device | None = None,
+    ):
         cfg, model = gen.cfg, gen.model
         self.gen, self.cfg, self.model = gen, cfg, model
         dev = model.device
@@ -82,8 +93,9 @@ class Session:
         another thread decodes for this session (the pipeline calls it between streams)."""
         h, w = self.cfg.stream.height, self.cfg.stream.width
         if tuple(image.shape) != (3, h, w):
-            raise InputError(f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, "
-                             f"got {list(image.shape)}")
+            raise InputError(
+                f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, got {list(image.shape)}"
+            )
         emb = self._embed(prompt)  # validated before anything of the running stream is touched
         self.cache.reset()
         if self.decoder is not None:
@@ -102,8 +114,10 @@ class Session:
         cfg = self.cfg
         emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
         if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
-            raise InputError(f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
-                             f"got {list(emb.shape)}")
+            raise InputError(
+                f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
+                f"got {list(emb.shape)}"
+            )
         return emb
 
     def _start(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int) -> None:
@@ -124,7 +138,9 @@ class Session:
                 self._prime = lat[:, :1]
             silence = torch.zeros(gen.audio.samples_per_frame * sf, device=dev)
             self.cache.begin_chunk(0, sf, sink=True)
-            model.forward_chunk(lat, gen.timesteps[-1:], self.text, self._audio_feats(silence), self.cache, commit=True)
+            model.forward_chunk(
+                lat, gen.timesteps[-1:], self.text, self._audio_feats(silence), self.cache, commit=True
+            )
             self.next_frame = sf
         self.streams += 1
 
@@ -160,8 +176,10 @@ class Session:
         m = self.cfg.model
         emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
         if emb.ndim != 2 or emb.shape[1] != m.text_dim or not 1 <= emb.shape[0] <= m.text_len:
-            raise InputError(f"prompt embedding must be [L, {m.text_dim}] with 1 <= L <= {m.text_len}, "
-                             f"got {list(emb.shape)}")
+            raise InputError(
+                f"prompt embedding must be [L, {m.text_dim}] with 1 <= L <= {m.text_len}, "
+                f"got {list(emb.shape)}"
+            )
         self.text = self.model.prepare_text(emb[None].to(self.model.device))
 
     def prepare_step(self, audio: torch.Tensor) -> StepInputs:
@@ -172,28 +190,50 @@ class Session:
         noise = torch.randn(self.latent_shape, generator=self.noise_gen, device=self.model.device)
         renoise = None
         if sched.rule == "renoise" and sched.passes > 1:
-            renoise = torch.randn((sched.passes - 1, *self.latent_shape), generator=self.noise_gen,
-                                  device=self.model.device)
+            renoise = torch.randn(
+                (sched.passes - 1, *self.latent_shape), generator=self.noise_gen, device=self.model.device
+            )
         return StepInputs(noise, renoise, self._audio_feats(audio), self.text)
 
     def step_key(self, inp: StepInputs) -> StepKey:
         """The shape signature of the step ``prepare_step`` placed (which steps may share a CUDA graph)."""
         cfg = self.cfg
-        return step_key(inp, self.cache.step_shape(), dtype=self.model.dtype, tokens_per_chunk=cfg.tokens_per_chunk,
-                        window_chunks=cfg.stream.window_chunks, commit=cfg.stream.commit,
-                        passes=self.gen.schedule.passes, sampler=self.gen.schedule.rule, cache_id=id(self.cache))
+        return step_key(
+            inp,
+            self.cache.step_shape(),
+            dtype=self.model.dtype,
+            tokens_per_chunk=cfg.tokens_per_chunk,
+            window_chunks=cfg.stream.window_chunks,
+            commit=cfg.stream.commit,
+            passes=self.gen.schedule.passes,
+            sampler=self.gen.schedule.rule,
+            cache_id=id(self.cache),
+        )
 
     def denoise(self, inp: StepInputs) -> torch.Tensor:
         """The passes of the chunk ``prepare_step`` placed, from its inputs alone (what a CUDA graph captures)."""
-        return denoise_chunk(self.model, self.cache, self.gen.schedule, self.cfg.stream.commit, inp.noise, inp.text,
-                             inp.audio, self.gen.timesteps, inp.renoise)
+        return denoise_chunk(
+            self.model,
+            self.cache,
+            self.gen.schedule,
+            self.cfg.stream.commit,
+            inp.noise,
+            inp.text,
+            inp.audio,
+            self.gen.timesteps,
+            inp.renoise,
+        )
 
     def step(self, audio: torch.Tensor, runner=None) -> torch.Tensor:
         """Generate the next chunk from its audio samples [audio_samples_per_chunk] (on the device).
         Returns its clean latent [C, F, h, w] float32. `runner` (a ``cadence.runtime.graphs.GraphRunner``)
         runs the passes, replaying a CUDA graph where the step shape allows; None runs them eagerly."""
         inp = self.prepare_step(audio)
-        x = self.denoise(inp) if runner is None else runner.run(self.step_key(inp), self.denoise, inp, keep=self.cache)
+        x = (
+            self.denoise(inp)
+            if runner is None
+            else runner.run(self.step_key(inp), self.denoise, inp, keep=self.cache)
+        )
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
         return x
@@ -249,12 +289,18 @@ class StreamGenerator:
                 self._vaes[device] = self.vae.to_device(device)
         return self._vaes[device]
 
-    def session(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0,
-                decode_device: str | torch.device | None = None) -> Session:
+    def session(
+        self,
+        image: torch.Tensor,
+        prompt: str | torch.Tensor,
+        seed: int = 0,
+        decode_device: str | torch.device | None = None,
+    ) -> Session:
         h, w = self.cfg.stream.height, self.cfg.stream.width
         if tuple(image.shape) != (3, h, w):
-            raise InputError(f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, "
-                             f"got {list(image.shape)}")
+            raise InputError(
+                f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, got {list(image.shape)}"
+            )
         return Session(self, image, prompt, seed, decode_device=decode_device)
 
 
@@ -267,7 +313,6 @@ class WanVAEAdapter:
         from pathlib import Path
 
         from cadence.config import resolve_asset
-
         from cadence.model.taehv import tiny_decoder_from_config
         from cadence.model.vae import load_wan_vae
 
@@ -276,14 +321,16 @@ class WanVAEAdapter:
         # the tiny decoder: the published TAEHV file (vae.taehv_weights), or Cadence's own trained one beside
         # the VAE (taehv.safetensors), else random; the Wan VAE from a diffusers folder or Wan's .pth, else random
         taehv = tiny_decoder_from_config(cfg, device, dtype) if v.decoder == "taehv" else None
-        wan, rand_taehv = build_vae_modules(cfg, wan=path is None, taehv=v.decoder == "taehv" and taehv is None)
+        wan, rand_taehv = build_vae_modules(
+            cfg, wan=path is None, taehv=v.decoder == "taehv" and taehv is None
+        )
         taehv = taehv if taehv is not None else rand_taehv
         if path is not None:
             wan = load_wan_vae(path, device, dtype)
         self.wan = wan.to(device=device, dtype=dtype).eval()
         self.taehv = taehv.to(device=device, dtype=dtype).eval() if taehv is not None else None
 
-    def to_device(self, device) -> "WanVAEAdapter":
+    def to_device(self, device) -> WanVAEAdapter:
         """A copy with the same weights on `device` (for decoding on another GPU)."""
         import copy
 
@@ -333,14 +380,21 @@ def make_vae(cfg: CadenceConfig, device, dtype: torch.dtype):
     """The configured autoencoder: the stand-in, or the streaming Wan VAE / TAEHV decoder."""
     if cfg.vae.decoder == "standin":
         if cfg.vae.weights:
-            raise ConfigError(f"VAE weights {cfg.vae.weights} need the 'wan' or 'taehv' decoder; "
-                              "the stand-in decoder has no weights")
+            raise ConfigError(
+                f"VAE weights {cfg.vae.weights} need the 'wan' or 'taehv' decoder; "
+                "the stand-in decoder has no weights"
+            )
         return StandInVAE(cfg, device)
     return WanVAEAdapter(cfg, device, dtype)
 
 
-def build_generator(cfg: CadenceConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                    seed: int = 0, weights: str | None = None) -> StreamGenerator:
+def build_generator(
+    cfg: CadenceConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    weights: str | None = None,
+) -> StreamGenerator:
     """Model built on `device` (random weights from `seed`, or loaded from `weights`) + generator."""
     from cadence.config import resolve_asset
     from cadence.model.weights import load_weights

@@ -93,7 +93,9 @@ class FrameRing:
             self._closed = True
         try:
             self.shm.close()
-        except BufferError:  # pragma: no cover - a view still exported (a bug): keep the mapping, still unlink
+        except (
+            BufferError
+        ):  # pragma: no cover - a view still exported (a bug): keep the mapping, still unlink
             log.warning("frame ring %s: a view is still in use at close", self.name)
         if self.owner:
             try:

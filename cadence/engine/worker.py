@@ -59,7 +59,6 @@ log = logging.getLogger("cadence.serve")
 TP_TIMEOUT_S = 300.0
 
 
-
 class _Peers:
     """The control plane of a tensor-parallel worker group: rank 0 broadcasts every command it runs; each
     follower receives them in the same order."""
@@ -83,8 +82,13 @@ def _tp_join(rank: int, devices: list[str], port: int):  # pragma: no cover - ot
     from cadence.parallel import init_tp
 
     dev = devices[rank]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(len(devices)),
-                      LOCAL_RANK=str(int(dev.split(":")[1]) if dev.startswith("cuda:") else rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(len(devices)),
+        LOCAL_RANK=str(int(dev.split(":")[1]) if dev.startswith("cuda:") else rank),
+    )
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback
     return init_tp(backend="gloo" if dev == "cpu" else None, timeout_s=TP_TIMEOUT_S)
@@ -101,8 +105,9 @@ def _build(spec: WorkerSpec, rank: int, tp, on_chunk=None):
     return build_engine(cfg, dev, spec.fast, tp=tp, pipeline=pipeline, seed=spec.seed, on_chunk=on_chunk)
 
 
-def run_commands(eng, next_msg: Callable[[], object], reply: Callable[[object], None] | None, default_image,
-                 ring=None) -> None:
+def run_commands(
+    eng, next_msg: Callable[[], object], reply: Callable[[object], None] | None, default_image, ring=None
+) -> None:
     """The one command loop of a worker group, shared by rank 0 (``reply`` answers the web side; chunks
     decode) and the follower ranks (``reply`` None: they only step). Runs until ``Stop`` (or ``next_msg``
     raises EOFError / OSError: the other side is gone)."""
@@ -151,7 +156,9 @@ def run_commands(eng, next_msg: Callable[[], object], reply: Callable[[object], 
                     try:
                         eng.preopen(default_image, DEFAULT_PROMPT, "default")
                     except Exception as e:  # only a head start: the next open works as without it
-                        log.warning("worker: could not open the next session ahead (%s: %s)", type(e).__name__, e)
+                        log.warning(
+                            "worker: could not open the next session ahead (%s: %s)", type(e).__name__, e
+                        )
                 case _:
                     say(Error(None, f"unknown message {type(msg).__name__}"))
         except (EOFError, OSError, BrokenPipeError):
@@ -205,8 +212,11 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
     # cleanly (Stop, then terminate/kill if needed), and a parent that vanishes closes our pipe (EOF -> Stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s",
+    )
     if spec.fast.threads > 0:
         torch.set_num_threads(spec.fast.threads)
 
@@ -214,8 +224,11 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
 def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict | None, float]:
     """What every rank runs before serving, in the same order: the warm-up (when asked), then the next
     default session opened ahead. Returns (warm-up report or None, preopen ms)."""
-    warm = eng.warm_up(default_image, spec.warmup_chunks, decode=decode,
-                       threads=spec.fast.threads) if spec.warmup else None
+    warm = (
+        eng.warm_up(default_image, spec.warmup_chunks, decode=decode, threads=spec.fast.threads)
+        if spec.warmup
+        else None
+    )
     return warm, eng.preopen(default_image, DEFAULT_PROMPT, "default")
 
 
@@ -250,11 +263,24 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
     except Exception as e:
         pipe.send(Error(None, f"worker start failed: {type(e).__name__}: {e}"))
         raise
-    pipe.send(Ready(WorkerInfo(
-        preset=cfg.name, device=spec.device, tp=len(devices), build_ms=round(build_ms, 1),
-        threads=torch.get_num_threads(), fast_path=eng.describe(), notes=list(spec.notes) + eng.notes,
-        warmup=warm, preopen_ms=round(preopen_ms, 1), frame_transport="shm" if ring is not None else "pipe",
-        frames_per_chunk=cfg.video_frames_per_chunk, audio_samples_per_chunk=cfg.audio_samples_per_chunk)))
+    pipe.send(
+        Ready(
+            WorkerInfo(
+                preset=cfg.name,
+                device=spec.device,
+                tp=len(devices),
+                build_ms=round(build_ms, 1),
+                threads=torch.get_num_threads(),
+                fast_path=eng.describe(),
+                notes=list(spec.notes) + eng.notes,
+                warmup=warm,
+                preopen_ms=round(preopen_ms, 1),
+                frame_transport="shm" if ring is not None else "pipe",
+                frames_per_chunk=cfg.video_frames_per_chunk,
+                audio_samples_per_chunk=cfg.audio_samples_per_chunk,
+            )
+        )
+    )
     idle_preopen = [False]
 
     def next_msg():
@@ -268,8 +294,11 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
                 msg = Stop()
         if peers is not None:
             # the followers need the command, not the shared-memory slot rank 0 writes its frames to
-            peers.bcast(ChunkRequest(msg.sid, msg.index, msg.audio, msg.t_plan) if isinstance(msg, ChunkRequest)
-                        else msg)
+            peers.bcast(
+                ChunkRequest(msg.sid, msg.index, msg.audio, msg.t_plan)
+                if isinstance(msg, ChunkRequest)
+                else msg
+            )
         if isinstance(msg, CloseSession):
             idle_preopen[0] = True
         elif not isinstance(msg, Preopen):

@@ -82,11 +82,15 @@ DEFAULT_DRIFT_SECONDS = (1.0, 10.0, 60.0)
 REFERENCE = "reference"
 GROUND_TRUTH = "ground_truth"
 
-SPREAD_DEFINITION = ("rerun_spread = max_r(m_r) - min_r(m_r), m_r = mean over clips of rerun r "
-                     "(reruns differ only in the noise seed, noise_seed + r, the same in every configuration)")
-VERDICT_RULE = ("a configuration differs on a metric when |mean_config - mean_reference| > "
-                "max(rerun_spread_reference, rerun_spread_config); verdict 'within rerun spread' when no "
-                "metric differs, else 'DIFFERS (...)' naming each metric that does")
+SPREAD_DEFINITION = (
+    "rerun_spread = max_r(m_r) - min_r(m_r), m_r = mean over clips of rerun r "
+    "(reruns differ only in the noise seed, noise_seed + r, the same in every configuration)"
+)
+VERDICT_RULE = (
+    "a configuration differs on a metric when |mean_config - mean_reference| > "
+    "max(rerun_spread_reference, rerun_spread_config); verdict 'within rerun spread' when no "
+    "metric differs, else 'DIFFERS (...)' naming each metric that does"
+)
 
 
 @dataclass(frozen=True)
@@ -116,23 +120,45 @@ class Config:
 
     def build_settings(self) -> dict:
         """The build fields as recorded in the results."""
-        return {"cache": self.cache, "kv_fp8": self.kv_fp8, "fp8_linears": self.fp8_linears,
-                "graphs": self.graphs, "tp": self.tp, **({"comm": self.comm} if self.tp else {})}
+        return {
+            "cache": self.cache,
+            "kv_fp8": self.kv_fp8,
+            "fp8_linears": self.fp8_linears,
+            "graphs": self.graphs,
+            "tp": self.tp,
+            **({"comm": self.comm} if self.tp else {}),
+        }
 
 
 _FP8_RING = {"cache": "ring", "kv_fp8": True, "fp8_linears": True}
 
 #: The configurations ``cadence eval`` knows, in the order they run (the reference first).
-CONFIGS: dict[str, Config] = {c.name: c for c in (
-    Config(REFERENCE, "bf16 (float32 on CPU) + naive cache: the launch baseline"),
-    Config("fp8_ring", "FP8 block linears + ring cache with FP8 K/V", **_FP8_RING),
-    Config("fp8_ring_graphs", "fp8_ring + CUDA graphs for steady-state steps (GraphRunner)", graphs=True,
-           **_FP8_RING),
-    Config("fp8_ring_tp_fused", "fp8_ring + tensor parallel over the torchrun world, fused row-parallel comm",
-           tp=True, **_FP8_RING),
-    Config("fp8_ring_tp_fused_graphs", "fp8_ring_tp_fused + CUDA graphs (the full production stack)",
-           tp=True, graphs=True, **_FP8_RING),
-)}
+CONFIGS: dict[str, Config] = {
+    c.name: c
+    for c in (
+        Config(REFERENCE, "bf16 (float32 on CPU) + naive cache: the launch baseline"),
+        Config("fp8_ring", "FP8 block linears + ring cache with FP8 K/V", **_FP8_RING),
+        Config(
+            "fp8_ring_graphs",
+            "fp8_ring + CUDA graphs for steady-state steps (GraphRunner)",
+            graphs=True,
+            **_FP8_RING,
+        ),
+        Config(
+            "fp8_ring_tp_fused",
+            "fp8_ring + tensor parallel over the torchrun world, fused row-parallel comm",
+            tp=True,
+            **_FP8_RING,
+        ),
+        Config(
+            "fp8_ring_tp_fused_graphs",
+            "fp8_ring_tp_fused + CUDA graphs (the full production stack)",
+            tp=True,
+            graphs=True,
+            **_FP8_RING,
+        ),
+    )
+}
 
 
 def metric_names(drift_seconds: Sequence[float]) -> list[str]:
@@ -145,6 +171,7 @@ def drift_key(seconds: float) -> str:
 
 
 # ---- per-stream metrics -----------------------------------------------------------------------------
+
 
 class StreamMetrics:
     """Lip sync and identity drift of a stream fed chunk by chunk (frames are measured and dropped).
@@ -165,8 +192,13 @@ class StreamMetrics:
         self._dist.append(frame_distance(frames, self.reference, self.face_box))
         self.frames += len(self._mouth[-1])
 
-    def result(self, audio: np.ndarray, drift_seconds: Sequence[float], fps: int,
-               sample_rate: int = AUDIO_SAMPLE_RATE) -> dict[str, float]:
+    def result(
+        self,
+        audio: np.ndarray,
+        drift_seconds: Sequence[float],
+        fps: int,
+        sample_rate: int = AUDIO_SAMPLE_RATE,
+    ) -> dict[str, float]:
         """``{lipsync_corr, lipsync_offset_frames, identity_<s>s...}``; drift times past the end are left out."""
         mouth = np.concatenate(self._mouth) if self._mouth else np.zeros(0, np.float32)
         dist = np.concatenate(self._dist) if self._dist else np.zeros(0, np.float32)
@@ -187,6 +219,7 @@ class StreamMetrics:
 
 # ---- clips ------------------------------------------------------------------------------------------
 
+
 @dataclass
 class EvalClip:
     """What a stream needs from one held-out clip (its frames are measured once, then dropped)."""
@@ -200,9 +233,15 @@ class EvalClip:
     ground_truth: dict[str, float] = field(default_factory=dict)  # metrics on the clip's own frames
 
 
-def prepare_clips(cfg: CadenceConfig, n: int, seconds: float, drift_seconds: Sequence[float],
-                  speech: str = "synthetic", split_seed: int = 0,
-                  progress: Callable[[str], None] | None = None) -> list[EvalClip]:
+def prepare_clips(
+    cfg: CadenceConfig,
+    n: int,
+    seconds: float,
+    drift_seconds: Sequence[float],
+    speech: str = "synthetic",
+    split_seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[EvalClip]:
     """``n`` held-out test clips (``held_out_split(0, n, split_seed)``) at the preset's size and fps, with
     their ground-truth metrics (their own frames fed through :class:`StreamMetrics` chunk by chunk)."""
     from cadence.train.data import held_out_split
@@ -217,17 +256,29 @@ def prepare_clips(cfg: CadenceConfig, n: int, seconds: float, drift_seconds: Seq
         clip = spec.make(seconds, height=s.height, width=s.width, fps=s.fps, speech=speech)
         acc = StreamMetrics(clip.reference, clip.face_box)
         for j in range(0, clip.frames.shape[0], fpc):
-            acc.add(clip.frames[j:j + fpc])
+            acc.add(clip.frames[j : j + fpc])
         gt = acc.result(clip.audio, drift_seconds, s.fps, clip.sample_rate)
-        out.append(EvalClip(seed=spec.seed, reference=clip.reference.copy(), audio=clip.audio,
-                            face_box=clip.face_box, frames=clip.frames.shape[0], fps=s.fps, ground_truth=gt))
+        out.append(
+            EvalClip(
+                seed=spec.seed,
+                reference=clip.reference.copy(),
+                audio=clip.audio,
+                face_box=clip.face_box,
+                frames=clip.frames.shape[0],
+                fps=s.fps,
+                ground_truth=gt,
+            )
+        )
         if progress:
-            progress(f"clip {i + 1}/{n} (seed {spec.seed}, {clip.frames.shape[0]} frames): ground truth "
-                     f"{_brief(gt)} ({time.perf_counter() - t0:.1f} s)")
+            progress(
+                f"clip {i + 1}/{n} (seed {spec.seed}, {clip.frames.shape[0]} frames): ground truth "
+                f"{_brief(gt)} ({time.perf_counter() - t0:.1f} s)"
+            )
     return out
 
 
 # ---- aggregation and verdicts -----------------------------------------------------------------------
+
 
 def aggregate(values: Mapping[str, Sequence[Sequence[float]]]) -> dict[str, dict]:
     """Per metric, from ``values[metric][clip][rerun]``: ``{mean, rerun_spread, per_rerun}`` (module doc)."""
@@ -237,8 +288,11 @@ def aggregate(values: Mapping[str, Sequence[Sequence[float]]]) -> dict[str, dict
         if a.ndim != 2 or a.size == 0:
             raise ValueError(f"metric {m!r}: expected values [clips, reruns], got shape {a.shape}")
         per_rerun = a.mean(axis=0)
-        out[m] = {"mean": float(a.mean()), "rerun_spread": float(per_rerun.max() - per_rerun.min()),
-                  "per_rerun": [float(x) for x in per_rerun]}
+        out[m] = {
+            "mean": float(a.mean()),
+            "rerun_spread": float(per_rerun.max() - per_rerun.min()),
+            "per_rerun": [float(x) for x in per_rerun],
+        }
     return out
 
 
@@ -259,6 +313,7 @@ def compare(reference: Mapping[str, dict], other: Mapping[str, dict]) -> tuple[s
 
 # ---- running configurations -------------------------------------------------------------------------
 
+
 def world_size() -> int:
     """The torch.distributed world size (initialised group, else torchrun's WORLD_SIZE, else 1)."""
     import torch.distributed as dist
@@ -278,8 +333,10 @@ def skip_reason(config: Config, cfg: CadenceConfig, world: int | None = None) ->
 
         world = world_size() if world is None else world
         if world < 2:
-            return (f"tensor parallelism needs torchrun with >= 2 ranks (this process has world size {world}): "
-                    "torchrun --nproc_per_node 2 -m cadence eval ...")
+            return (
+                f"tensor parallelism needs torchrun with >= 2 ranks (this process has world size {world}): "
+                "torchrun --nproc_per_node 2 -m cadence eval ..."
+            )
         if not (dist.is_available() and dist.is_initialized()):
             return "tensor parallelism needs an initialised process group (cadence.parallel.init_tp)"
         from cadence.parallel.tp import check_tp_size
@@ -320,18 +377,36 @@ def build(config: Config, cfg: CadenceConfig, device, weights: str | None = None
 
         from cadence.parallel.mesh import TPInfo
 
-        tp = TPInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(),
-                    device=torch.device(device), backend=dist.get_backend(), group=dist.group.WORLD)
+        tp = TPInfo(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=dist.get_rank(),
+            device=torch.device(device),
+            backend=dist.get_backend(),
+            group=dist.group.WORLD,
+        )
         notes["tp_world"] = dist.get_world_size()
     dev = str(device)
     cuda = torch.device(device).type == "cuda"
     # the cache (naive / ring, FP8 K/V) is in run_cfg; FP8 linears run on the CPU too (dequantised matmul, the
     # same numerics), so they are applied here rather than through FastPath (which keeps them to CUDA)
-    fast = FastPath(dtype=str(model_dtype(config, device)).replace("torch.", ""), kv_fp8=False, fp8_linears=False,
-                    graphs=config.graphs and cuda, comm=config.comm, decoder=run_cfg.vae.decoder,
-                    threads=0 if cuda else torch.get_num_threads())
-    eng = build_engine(run_cfg, dev, fast, tp=tp, seed=weights_seed,
-                       pipeline=PipelineConfig(diffusion_devices=(dev,), decode_device="same", overlap=False))
+    fast = FastPath(
+        dtype=str(model_dtype(config, device)).replace("torch.", ""),
+        kv_fp8=False,
+        fp8_linears=False,
+        graphs=config.graphs and cuda,
+        comm=config.comm,
+        decoder=run_cfg.vae.decoder,
+        threads=0 if cuda else torch.get_num_threads(),
+    )
+    eng = build_engine(
+        run_cfg,
+        dev,
+        fast,
+        tp=tp,
+        seed=weights_seed,
+        pipeline=PipelineConfig(diffusion_devices=(dev,), decode_device="same", overlap=False),
+    )
     if config.fp8_linears:
         from cadence.quant import apply_fp8
 
@@ -339,7 +414,9 @@ def build(config: Config, cfg: CadenceConfig, device, weights: str | None = None
     return eng, notes
 
 
-def run_stream(eng, clip: EvalClip, seed: int, drift_seconds: Sequence[float], prompt: str = PROMPT) -> dict[str, float]:
+def run_stream(
+    eng, clip: EvalClip, seed: int, drift_seconds: Sequence[float], prompt: str = PROMPT
+) -> dict[str, float]:
     """Generate ``clip``'s stream (its reference image, its audio, chunks covering it) with noise ``seed``
     through the engine and return its metrics (:class:`StreamMetrics`)."""
     import torch
@@ -356,9 +433,16 @@ def run_stream(eng, clip: EvalClip, seed: int, drift_seconds: Sequence[float], p
     return acc.result(clip.audio, drift_seconds, cfg.stream.fps)
 
 
-def run_config(eng, config: Config, clips: Sequence[EvalClip], reruns: int, drift_seconds: Sequence[float],
-               noise_seed: int = 0, prompt: str = PROMPT,
-               progress: Callable[[str], None] | None = None) -> tuple[dict[str, list[list[float]]], dict]:
+def run_config(
+    eng,
+    config: Config,
+    clips: Sequence[EvalClip],
+    reruns: int,
+    drift_seconds: Sequence[float],
+    noise_seed: int = 0,
+    prompt: str = PROMPT,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict[str, list[list[float]]], dict]:
     """Every clip x rerun of one configuration: (``values[metric][clip][rerun]``, run info with
     ``effective``: how the steps actually ran)."""
     import dataclasses
@@ -377,14 +461,24 @@ def run_config(eng, config: Config, clips: Sequence[EvalClip], reruns: int, drif
             values.setdefault(m, []).append([p[m] for p in per])
         if progress:
             mean = {m: float(np.mean([p[m] for p in per])) for m in per[0]}
-            progress(f"{config.name}: clip {i + 1}/{len(clips)} (seed {clip.seed}, {reruns} reruns): "
-                     f"{_brief(mean)} ({time.perf_counter() - t0:.1f} s)")
+            progress(
+                f"{config.name}: clip {i + 1}/{len(clips)} (seed {clip.seed}, {reruns} reruns): "
+                f"{_brief(mean)} ({time.perf_counter() - t0:.1f} s)"
+            )
     wall = time.perf_counter() - t_start
     st = eng.runner.stats
-    stats = dataclasses.replace(st, captures=st.captures - s0.captures, replays=st.replays - s0.replays,
-                                eager=st.eager - s0.eager, capture_failures=st.capture_failures - s0.capture_failures,
-                                eager_reasons={k: v - s0.eager_reasons.get(k, 0) for k, v in st.eager_reasons.items()
-                                               if v != s0.eager_reasons.get(k, 0)})
+    stats = dataclasses.replace(
+        st,
+        captures=st.captures - s0.captures,
+        replays=st.replays - s0.replays,
+        eager=st.eager - s0.eager,
+        capture_failures=st.capture_failures - s0.capture_failures,
+        eager_reasons={
+            k: v - s0.eager_reasons.get(k, 0)
+            for k, v in st.eager_reasons.items()
+            if v != s0.eager_reasons.get(k, 0)
+        },
+    )
     dev = eng.gen.model.device
     info: dict = {"wall_s": wall, "streams": len(clips) * reruns}
     if not config.graphs:
@@ -392,14 +486,20 @@ def run_config(eng, config: Config, clips: Sequence[EvalClip], reruns: int, drif
     elif torch.device(dev).type != "cuda":
         info["effective"] = "eager (no CUDA)"
     elif stats.replays:
-        info["effective"] = (f"CUDA graphs: {stats.replays} steps replayed, {stats.captures} captures, "
-                             f"{stats.eager} eager steps")
+        info["effective"] = (
+            f"CUDA graphs: {stats.replays} steps replayed, {stats.captures} captures, "
+            f"{stats.eager} eager steps"
+        )
     else:
         info["effective"] = f"eager (no graph replayed: {dict(stats.eager_reasons)})"
     if config.graphs:
-        info["graph_stats"] = {"captures": stats.captures, "replays": stats.replays, "eager": stats.eager,
-                               "capture_failures": stats.capture_failures,
-                               "eager_reasons": dict(stats.eager_reasons)}
+        info["graph_stats"] = {
+            "captures": stats.captures,
+            "replays": stats.replays,
+            "eager": stats.eager,
+            "capture_failures": stats.capture_failures,
+            "eager_reasons": dict(stats.eager_reasons),
+        }
     if config.tp:  # which row-parallel modes actually ran (the chooser's decisions, fallbacks to NCCL)
         from cadence.parallel import fused
 
@@ -408,7 +508,8 @@ def run_config(eng, config: Config, clips: Sequence[EvalClip], reruns: int, drif
     fallbacks = {getattr(mod, "fallback_reason", None) for mod in eng.gen.model.modules()} - {None}
     if fallbacks:
         info["fp8_linears_effective"] = "dequantised matmul (FP8 numerics, no FP8 speed): " + "; ".join(
-            sorted(fallbacks))
+            sorted(fallbacks)
+        )
     return values, info
 
 
@@ -416,10 +517,19 @@ def _brief(m: Mapping[str, float]) -> str:
     return ", ".join(f"{k.replace('lipsync_', '').replace('_frames', '')} {v:.3f}" for k, v in m.items())
 
 
-def evaluate(cfg: CadenceConfig, configs: Sequence[str | Config], clips: Sequence[EvalClip], reruns: int,
-             device, drift_seconds: Sequence[float] = DEFAULT_DRIFT_SECONDS, weights: str | None = None,
-             weights_seed: int = 0, noise_seed: int = 0, prompt: str = PROMPT,
-             progress: Callable[[str], None] | None = None) -> dict:
+def evaluate(
+    cfg: CadenceConfig,
+    configs: Sequence[str | Config],
+    clips: Sequence[EvalClip],
+    reruns: int,
+    device,
+    drift_seconds: Sequence[float] = DEFAULT_DRIFT_SECONDS,
+    weights: str | None = None,
+    weights_seed: int = 0,
+    noise_seed: int = 0,
+    prompt: str = PROMPT,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """Run ``configs`` (names or :class:`Config`; the reference is added first when missing) over
     ``clips`` with ``reruns`` noise seeds each; return the ``results`` block of the ``eval`` bench
     (BENCHMARKS.md): ``configs`` (per configuration: each metric's ``{mean, rerun_spread, per_rerun}``,
@@ -439,9 +549,14 @@ def evaluate(cfg: CadenceConfig, configs: Sequence[str | Config], clips: Sequenc
         wanted.sort(key=lambda c: c.name != REFERENCE)
     names = metric_names(drift_seconds)
     gt = aggregate({m: [[c.ground_truth[m]] for c in clips] for m in names if m in clips[0].ground_truth})
-    out_configs: dict[str, dict] = {GROUND_TRUTH: {
-        **gt, "verdict": "ceiling: the clips' own frames (not a configuration; not compared)", "kind": "data",
-        "description": "metrics on the rendered synthetic clips themselves (deterministic: one run, spread 0)"}}
+    out_configs: dict[str, dict] = {
+        GROUND_TRUTH: {
+            **gt,
+            "verdict": "ceiling: the clips' own frames (not a configuration; not compared)",
+            "kind": "data",
+            "description": "metrics on the rendered synthetic clips themselves (deterministic: one run, spread 0)",
+        }
+    }
     ref_agg = None
     for config in wanted:
         why = skip_reason(config, cfg)

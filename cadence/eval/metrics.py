@@ -52,8 +52,9 @@ def _luma(frames: np.ndarray) -> np.ndarray:
     return frames.astype(np.float32) @ _LUMA
 
 
-def mouth_region(height: int, width: int,
-                 face_box: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+def mouth_region(
+    height: int, width: int, face_box: tuple[int, int, int, int] | None = None
+) -> tuple[int, int, int, int]:
     """(y0, y1, x0, x1) of the lower-middle face region where the mouth is looked for.
 
     With ``face_box`` (x0, y0, x1, y1 of the face): the middle 56% of its width and the band from
@@ -64,7 +65,12 @@ def mouth_region(height: int, width: int,
     if face_box is None:
         s = min(height, width)
         cx, cy = width / 2, height * 0.52
-        return (int(cy + 0.07 * s), int(np.ceil(cy + 0.28 * s)), int(cx - 0.14 * s), int(np.ceil(cx + 0.14 * s)))
+        return (
+            int(cy + 0.07 * s),
+            int(np.ceil(cy + 0.28 * s)),
+            int(cx - 0.14 * s),
+            int(np.ceil(cx + 0.14 * s)),
+        )
     x0, y0, x1, y1 = face_box
     fw, fh = x1 - x0, y1 - y0
     ry0, ry1 = int(y0 + 0.60 * fh), int(np.ceil(y0 + 0.92 * fh))
@@ -117,8 +123,14 @@ def lagged_corr(video_signal: np.ndarray, audio_signal: np.ndarray, lag: int) ->
     return _pearson(v, a) if len(v) >= 3 else 0.0
 
 
-def lipsync(frames, audio, max_offset_frames: int = 6, fps: int = 24, sample_rate: int = AUDIO_SAMPLE_RATE,
-            face_box: tuple[int, int, int, int] | None = None) -> dict:
+def lipsync(
+    frames,
+    audio,
+    max_offset_frames: int = 6,
+    fps: int = 24,
+    sample_rate: int = AUDIO_SAMPLE_RATE,
+    face_box: tuple[int, int, int, int] | None = None,
+) -> dict:
     """Lip sync of ``frames`` to ``audio``: ``{corr, offset_frames, corr_at_zero, corr_by_offset}``.
 
     ``corr`` is the largest Pearson correlation between ``mouth_opening(frames)`` and
@@ -135,8 +147,9 @@ def lipsync(frames, audio, max_offset_frames: int = 6, fps: int = 24, sample_rat
     return {"corr": by[best], "offset_frames": best, "corr_at_zero": by[0], "corr_by_offset": by}
 
 
-def frame_distance(frames, reference, face_box: tuple[int, int, int, int] | None = None,
-                   grid: int = 16) -> np.ndarray:
+def frame_distance(
+    frames, reference, face_box: tuple[int, int, int, int] | None = None, grid: int = 16
+) -> np.ndarray:
     """Per-frame distance (float32 [T], 0 = identical, 1 = black vs white) to ``reference``.
 
     What it measures: the mean absolute difference, in [0, 1] RGB, between the frame and the
@@ -166,8 +179,14 @@ def _pool(f: np.ndarray, grid: int) -> np.ndarray:
     return np.add.reduceat(rows, xs[:-1], axis=2) / np.diff(xs)[None, None, :, None]
 
 
-def identity_drift(frames, reference, at_seconds=(1, 10, 60), fps: int = 24,
-                   face_box: tuple[int, int, int, int] | None = None, window_seconds: float = 0.5) -> dict:
+def identity_drift(
+    frames,
+    reference,
+    at_seconds=(1, 10, 60),
+    fps: int = 24,
+    face_box: tuple[int, int, int, int] | None = None,
+    window_seconds: float = 0.5,
+) -> dict:
     """``{s: distance}``: ``frame_distance`` to ``reference`` around ``s`` seconds into the stream.
 
     The value at ``s`` is the mean ``frame_distance`` over the frames in ``[s - window, s)`` seconds

@@ -28,7 +28,9 @@ def _cast(x, dtype: tl.constexpr, ROUND: tl.constexpr):
     float32 -> bf16 cast truncates) rounds to the bf16 grid first (``quant_triton._round_grid``); the
     GPU's cast already rounds to nearest even, to the same bytes."""
     if ROUND:
-        x = _round_grid(x, 0.0078125, 9.183549615799121e-41)  # the bf16 grid: 2^-7 relative, 2^-133 subnormal step
+        x = _round_grid(
+            x, 0.0078125, 9.183549615799121e-41
+        )  # the bf16 grid: 2^-7 relative, 2^-133 subnormal step
     return x.to(dtype)
 
 
@@ -51,9 +53,28 @@ def _nth_tile(i, parity, T):
 
 
 @triton.jit
-def _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k_lo, k_hi, sam, sbn,
-         UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _mma(
+    acc,
+    a_ptr,
+    b_ptr,
+    a_desc,
+    b_desc,
+    tm,
+    tn,
+    M,
+    N,
+    K,
+    k_lo,
+    k_hi,
+    sam,
+    sbn,
+    UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """acc [BM, BN] += the tile's products over k in [k_lo, k_hi). TMA: blocks come through tensor
     descriptors (the Hopper tensor-memory accelerator, out-of-range rows and columns zero-filled);
     else masked pointer loads."""
@@ -100,17 +121,43 @@ def _raise(flag_peer, pend):
 
 
 @triton.jit
-def _tile_raising(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, tm, tn, M, N, K, sam, sbn, flag_peer, pend,
-                  FP8: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                  FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _tile_raising(
+    a_ptr,
+    b_ptr,
+    a_desc,
+    b_desc,
+    sa_ptr,
+    sb_ptr,
+    tm,
+    tn,
+    M,
+    N,
+    K,
+    sam,
+    sbn,
+    flag_peer,
+    pend,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
+    FLUSH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     """Tile (tm, tn) in float32 (rowwise FP8 scales applied), raising the peer's flag ``pend`` FLUSH
     eighths into its K loop (8: after it): late enough for the previous tile's remote stores to have
     landed, early enough not to hold the peer up a whole tile. Returns acc, rows, cols and their masks."""
     k1 = ((K // BK) * FLUSH // 8) * BK
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, 0, k1, sam, sbn, UPCAST, EVEN_K, TMA, BM, BN, BK)
+    acc = _mma(
+        acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, 0, k1, sam, sbn, UPCAST, EVEN_K, TMA, BM, BN, BK
+    )
     _raise(flag_peer, pend)
-    acc = _mma(acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k1, K, sam, sbn, UPCAST, EVEN_K, TMA, BM, BN, BK)
+    acc = _mma(
+        acc, a_ptr, b_ptr, a_desc, b_desc, tm, tn, M, N, K, k1, K, sam, sbn, UPCAST, EVEN_K, TMA, BM, BN, BK
+    )
     rm = tm * BM + tl.arange(0, BM)
     rn = tn * BN + tl.arange(0, BN)
     mm = rm < M
@@ -129,11 +176,36 @@ def _wait_and_consume(flag_ptr):
 
 
 @triton.jit
-def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
-                   part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter_ptr,
-                   M, N, K, rank, sam, sbn,
-                   FP8: tl.constexpr, UPCAST: tl.constexpr, PHASE: tl.constexpr, EVEN_K: tl.constexpr,
-                   TMA: tl.constexpr, FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def gemm_ar_kernel(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    out_ptr,
+    part_local,
+    part_peer,
+    fin_local,
+    fin_peer,
+    flag_local,
+    flag_peer,
+    counter_ptr,
+    M,
+    N,
+    K,
+    rank,
+    sam,
+    sbn,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PHASE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
+    FLUSH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles_m = tl.cdiv(M, BM)
@@ -166,9 +238,31 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
             else:
                 t = _nth_tile(pos - n_peer, rank, T)
             tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
-            acc, rm, rn, mm, nm = _tile_raising(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, tm, tn, M, N, K,
-                                                sam, sbn, flag_peer, pend, FP8, UPCAST, EVEN_K, TMA, FLUSH,
-                                                BM, BN, BK)
+            acc, rm, rn, mm, nm = _tile_raising(
+                a_ptr,
+                b_ptr,
+                a_desc,
+                b_desc,
+                sa_ptr,
+                sb_ptr,
+                tm,
+                tn,
+                M,
+                N,
+                K,
+                sam,
+                sbn,
+                flag_peer,
+                pend,
+                FP8,
+                UPCAST,
+                EVEN_K,
+                TMA,
+                FLUSH,
+                BM,
+                BN,
+                BK,
+            )
             offs = rm[:, None].to(tl.int64) * N + rn[None, :]
             msk = mm[:, None] & nm[None, :]
             pend = pend * 0 - 1
@@ -208,8 +302,20 @@ def gemm_ar_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
 
 
 @triton.jit
-def _sum_tile(t, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n,
-              UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+def _sum_tile(
+    t,
+    out_ptr,
+    part_local,
+    flag_local,
+    M,
+    N,
+    tiles_m,
+    tiles_n,
+    UPCAST: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """out[t] <- bf16(out[t] + part[t]): this rank's bf16 partial (stored in out) plus the peer's (in
     part, once its flag is up). Both ranks add the same two bf16 values in float32: the same bytes."""
     tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
@@ -226,11 +332,33 @@ def _sum_tile(t, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n,
 
 
 @triton.jit
-def gemm_ar_both_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, part_local, part_peer, flag_local, flag_peer,
-                        counter_ptr, M, N, K, sam, sbn,
-                        FP8: tl.constexpr, UPCAST: tl.constexpr, PHASE: tl.constexpr, EVEN_K: tl.constexpr,
-                        TMA: tl.constexpr, FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, GROUP_M: tl.constexpr):
+def gemm_ar_both_kernel(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    out_ptr,
+    part_local,
+    part_peer,
+    flag_local,
+    flag_peer,
+    counter_ptr,
+    M,
+    N,
+    K,
+    sam,
+    sbn,
+    FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PHASE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
+    FLUSH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """The 'both' protocol: both ranks compute every tile in the same order, send each bf16 partial to
     the peer's ``part`` (flag per tile), keep it in ``out``, and sum a tile one tile later (after the
     next tile's MMA, by when the peer's partial is normally there). No owner, no second hop, no copy
@@ -257,12 +385,36 @@ def gemm_ar_both_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, part_local, part_
         prev = t * 0 - 1  # tile whose sum is still to do (PHASE 0)
         while t < T:
             tm, tn = _tile_coords(t, tiles_m, tiles_n, GROUP_M)
-            acc, rm, rn, mm, nm = _tile_raising(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, tm, tn, M, N, K,
-                                                sam, sbn, flag_peer, pend, FP8, UPCAST, EVEN_K, TMA, FLUSH,
-                                                BM, BN, BK)
+            acc, rm, rn, mm, nm = _tile_raising(
+                a_ptr,
+                b_ptr,
+                a_desc,
+                b_desc,
+                sa_ptr,
+                sb_ptr,
+                tm,
+                tn,
+                M,
+                N,
+                K,
+                sam,
+                sbn,
+                flag_peer,
+                pend,
+                FP8,
+                UPCAST,
+                EVEN_K,
+                TMA,
+                FLUSH,
+                BM,
+                BN,
+                BK,
+            )
             pend = pend * 0 - 1
             if prev >= 0:  # after raising: a program that waits holds no unraised flag
-                _sum_tile(prev, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n, UPCAST, BM, BN, GROUP_M)
+                _sum_tile(
+                    prev, out_ptr, part_local, flag_local, M, N, tiles_m, tiles_n, UPCAST, BM, BN, GROUP_M
+                )
                 prev = prev * 0 - 1
             offs = rm[:, None].to(tl.int64) * N + rn[None, :]
             msk = mm[:, None] & nm[None, :]

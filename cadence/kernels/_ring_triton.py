@@ -8,8 +8,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_one(X, sxt, sxh, COS, SIN, OUT, soh, son, sod, SCALE, ssh, ssn, ROW0, T, pid, h,
-               D: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr, QUANT: tl.constexpr):
+def _write_one(
+    X,
+    sxt,
+    sxh,
+    COS,
+    SIN,
+    OUT,
+    soh,
+    son,
+    sod,
+    SCALE,
+    ssh,
+    ssn,
+    ROW0,
+    T,
+    pid,
+    h,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr,
+    QUANT: tl.constexpr,
+):
     """Rows [pid*BLOCK_T, ...) of head h of X [T, H, D] (last dim contiguous): rotate interleaved
     pairs, quantise per row (amax/448, clamp, cast) and store at rows ROW0 + t of OUT."""
     HALF: tl.constexpr = D // 2
@@ -31,43 +51,199 @@ def _write_one(X, sxt, sxh, COS, SIN, OUT, soh, son, sod, SCALE, ssh, ssn, ROW0,
         # divide (as the reference does) rather than multiply by 1/sc: the row's max lands on 448
         y = tl.minimum(tl.maximum(y / sc[:, None], -448.0), 448.0)
         tl.store(SCALE + h * ssh + row * ssn, sc, mask=tm)
-    tl.store(OUT + h * soh + row[:, None] * son + d[None, :] * sod, y.to(OUT.dtype.element_ty), mask=tm[:, None])
+    tl.store(
+        OUT + h * soh + row[:, None] * son + d[None, :] * sod, y.to(OUT.dtype.element_ty), mask=tm[:, None]
+    )
 
 
 @triton.jit
-def rope_quant_kernel(X, sxt, sxh, COS, SIN, OUT, soh, son, sod, SCALE, ssh, ssn, ROW0, T,
-                      D: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr, QUANT: tl.constexpr):
-    _write_one(X, sxt, sxh, COS, SIN, OUT, soh, son, sod, SCALE, ssh, ssn, ROW0, T, tl.program_id(0),
-               tl.program_id(1), D, BLOCK_T, ROTATE, QUANT)
+def rope_quant_kernel(
+    X,
+    sxt,
+    sxh,
+    COS,
+    SIN,
+    OUT,
+    soh,
+    son,
+    sod,
+    SCALE,
+    ssh,
+    ssn,
+    ROW0,
+    T,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    _write_one(
+        X,
+        sxt,
+        sxh,
+        COS,
+        SIN,
+        OUT,
+        soh,
+        son,
+        sod,
+        SCALE,
+        ssh,
+        ssn,
+        ROW0,
+        T,
+        tl.program_id(0),
+        tl.program_id(1),
+        D,
+        BLOCK_T,
+        ROTATE,
+        QUANT,
+    )
 
 
 @triton.jit
-def qkv_write_kernel(Q, sqt, sqh, K, skt, skh, V, svt, svh, COS, SIN,
-                     QO, sqoh, sqon, sqod, QS, sqsh, sqsn,
-                     KO, skoh, skon, skod, KS, sksh, sksn,
-                     VO, svoh, svon, svod, VS, svsh, svsn,
-                     ZERO, ROW0, T,
-                     D: tl.constexpr, BLOCK_T: tl.constexpr, QUANT: tl.constexpr):
+def qkv_write_kernel(
+    Q,
+    sqt,
+    sqh,
+    K,
+    skt,
+    skh,
+    V,
+    svt,
+    svh,
+    COS,
+    SIN,
+    QO,
+    sqoh,
+    sqon,
+    sqod,
+    QS,
+    sqsh,
+    sqsn,
+    KO,
+    skoh,
+    skon,
+    skod,
+    KS,
+    sksh,
+    sksn,
+    VO,
+    svoh,
+    svon,
+    svod,
+    VS,
+    svsh,
+    svsn,
+    ZERO,
+    ROW0,
+    T,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    QUANT: tl.constexpr,
+):
     """One launch for a pass's three writes: axis 2 picks q (rotated, into the query scratch at row 0),
     k (rotated, into the cache at ROW0) or v (into the cache at ROW0, no rotation)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     which = tl.program_id(2)
     if which == 0:
-        _write_one(Q, sqt, sqh, COS, SIN, QO, sqoh, sqon, sqod, QS, sqsh, sqsn, ZERO, T, pid, h,
-                   D, BLOCK_T, True, QUANT)
+        _write_one(
+            Q,
+            sqt,
+            sqh,
+            COS,
+            SIN,
+            QO,
+            sqoh,
+            sqon,
+            sqod,
+            QS,
+            sqsh,
+            sqsn,
+            ZERO,
+            T,
+            pid,
+            h,
+            D,
+            BLOCK_T,
+            True,
+            QUANT,
+        )
     elif which == 1:
-        _write_one(K, skt, skh, COS, SIN, KO, skoh, skon, skod, KS, sksh, sksn, ROW0, T, pid, h,
-                   D, BLOCK_T, True, QUANT)
+        _write_one(
+            K,
+            skt,
+            skh,
+            COS,
+            SIN,
+            KO,
+            skoh,
+            skon,
+            skod,
+            KS,
+            sksh,
+            sksn,
+            ROW0,
+            T,
+            pid,
+            h,
+            D,
+            BLOCK_T,
+            True,
+            QUANT,
+        )
     else:
-        _write_one(V, svt, svh, COS, SIN, VO, svoh, svon, svod, VS, svsh, svsn, ROW0, T, pid, h,
-                   D, BLOCK_T, False, QUANT)
+        _write_one(
+            V,
+            svt,
+            svh,
+            COS,
+            SIN,
+            VO,
+            svoh,
+            svon,
+            svod,
+            VS,
+            svsh,
+            svsn,
+            ROW0,
+            T,
+            pid,
+            h,
+            D,
+            BLOCK_T,
+            False,
+            QUANT,
+        )
 
 
 @triton.jit
-def attn_tile(q, row, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c_prev,
-              HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, DOT_F32: tl.constexpr,
-              MASK: tl.constexpr, PREC: tl.constexpr):
+def attn_tile(
+    q,
+    row,
+    k_desc,
+    v_desc,
+    KS,
+    VS,
+    sksh,
+    sksn,
+    svsh,
+    svsn,
+    h,
+    start,
+    n_hi,
+    m_i,
+    l_i,
+    acc,
+    c_prev,
+    HEAD_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    MASK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     k = k_desc.load([h, start, 0]).reshape(BLOCK_N, HEAD_D)
     vt = v_desc.load([h, 0, start]).reshape(HEAD_D, BLOCK_N)
     if DOT_F32:
@@ -111,13 +287,41 @@ def attn_tile(q, row, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h, start, 
             acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc * alpha[:, None], input_precision=PREC)
     return m_new, l_i, acc, c_prev
 
+
 @triton.jit
-def attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, O, LSE,
-                sqsh, sqsm, sksh, sksn, svsh, svsn,
-                sos, soh, som, sod, sls, slh, slm,
-                M, n_per_split, qk_scale,
-                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                QUANT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+def attn_kernel(
+    q_desc,
+    QS,
+    k_desc,
+    KS,
+    v_desc,
+    VS,
+    NVALID,
+    O,  # noqa: E741  (O: the output, as in the paper)
+    LSE,
+    sqsh,
+    sqsm,
+    sksh,
+    sksn,
+    svsh,
+    svsn,
+    sos,
+    soh,
+    som,
+    sod,
+    sls,
+    slh,
+    slm,
+    M,
+    n_per_split,
+    qk_scale,
+    HEAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -140,14 +344,63 @@ def attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, O, LSE,
     n_hi = tl.minimum(n_valid, n_lo + n_per_split)
     n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
     for start in range(n_lo, n_full, BLOCK_N):
-        m_i, l_i, acc, c_prev = attn_tile(q, row, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi,
-                                          m_i, l_i, acc, c_prev, HEAD_D, BLOCK_N, QUANT, DOT_F32, False, PREC)
+        m_i, l_i, acc, c_prev = attn_tile(
+            q,
+            row,
+            k_desc,
+            v_desc,
+            KS,
+            VS,
+            sksh,
+            sksn,
+            svsh,
+            svsn,
+            h,
+            start,
+            n_hi,
+            m_i,
+            l_i,
+            acc,
+            c_prev,
+            HEAD_D,
+            BLOCK_N,
+            QUANT,
+            DOT_F32,
+            False,
+            PREC,
+        )
     if n_full < n_hi:
-        m_i, l_i, acc, c_prev = attn_tile(q, row, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h, n_full,
-                                          n_hi, m_i, l_i, acc, c_prev, HEAD_D, BLOCK_N, QUANT, DOT_F32, True, PREC)
+        m_i, l_i, acc, c_prev = attn_tile(
+            q,
+            row,
+            k_desc,
+            v_desc,
+            KS,
+            VS,
+            sksh,
+            sksn,
+            svsh,
+            svsn,
+            h,
+            n_full,
+            n_hi,
+            m_i,
+            l_i,
+            acc,
+            c_prev,
+            HEAD_D,
+            BLOCK_N,
+            QUANT,
+            DOT_F32,
+            True,
+            PREC,
+        )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (c_prev / l_safe)[:, None]
-    tl.store(O + sp * sos + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-             out.to(O.dtype.element_ty), mask=mm[:, None])
+    tl.store(
+        O + sp * sos + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+        out.to(O.dtype.element_ty),
+        mask=mm[:, None],
+    )
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
     tl.store(LSE + sp * sls + h * slh + offs_m * slm, lse, mask=mm)

@@ -180,13 +180,32 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if not hasattr(tl, "make_tensor_descriptor"):
         return False
-    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (a, b))
+    return all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (a, b)
+    )
 
 
-def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
-           rank: int, phase: int = 0, config=None, programs: int | None = None, tma: bool | None = None,
-           proto: str | None = None) -> None:
+def launch(
+    a,
+    b,
+    sa,
+    sb,
+    out,
+    part_local,
+    part_peer,
+    fin_local,
+    fin_peer,
+    flag_local,
+    flag_peer,
+    counter,
+    rank: int,
+    phase: int = 0,
+    config=None,
+    programs: int | None = None,
+    tma: bool | None = None,
+    proto: str | None = None,
+) -> None:
     """One rank's kernel. a [M, K] (e4m3 or bf16/fp32), b [N, K] (same), sa [M] / sb [N] float32 scales
     (FP8) or None, out [M, N] (the result); part_* / fin_* [M, N] views of the symmetric buffers (this
     rank's and the peer's mapping of the peer's), flag_* int32 [>= 2 T] symmetric (zero between
@@ -197,7 +216,9 @@ def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_l
     n = b.shape[0]
     t = tiles(m, n, (bm, bn))
     if phase != 4 and min(flag_local.numel(), flag_peer.numel()) < 2 * t:
-        raise ValueError(f"flag buffers hold {flag_local.numel()} flags, {bm}x{bn} tiles of {m}x{n} need {2 * t}")
+        raise ValueError(
+            f"flag buffers hold {flag_local.numel()} flags, {bm}x{bn} tiles of {m}x{n} need {2 * t}"
+        )
     grid = (programs or num_programs(out.device, t),)
     dummy = out  # never read when not FP8
     if tma is None:  # CADENCE_TILES_TMA=1 on GPUs where usable; the interpreter's tests ask for it explicitly
@@ -205,15 +226,61 @@ def launch(a, b, sa, sb, out, part_local, part_peer, fin_local, fin_peer, flag_l
     if tma and out.device.type == "cuda":
         _set_allocator()
     proto = proto or protocol()
-    consts = dict(FP8=fp8, UPCAST=_interpreting(), PHASE=phase, EVEN_K=(k % bk == 0), TMA=bool(tma),
-                  FLUSH=flush_eighths(), BM=bm, BN=bn, BK=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+    consts = dict(
+        FP8=fp8,
+        UPCAST=_interpreting(),
+        PHASE=phase,
+        EVEN_K=(k % bk == 0),
+        TMA=bool(tma),
+        FLUSH=flush_eighths(),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_M=gm,
+        num_warps=warps,
+        num_stages=stages,
+    )
     if proto == "both" and phase != 4:  # phase 4 (the GEMM alone) is the owner kernel's
-        _kernel("both")[grid](a, b, sa if fp8 else dummy, sb if fp8 else dummy, out, part_local, part_peer,
-                              flag_local, flag_peer, counter, m, n, k, a.stride(0), b.stride(0), **consts)
+        _kernel("both")[grid](
+            a,
+            b,
+            sa if fp8 else dummy,
+            sb if fp8 else dummy,
+            out,
+            part_local,
+            part_peer,
+            flag_local,
+            flag_peer,
+            counter,
+            m,
+            n,
+            k,
+            a.stride(0),
+            b.stride(0),
+            **consts,
+        )
         return
-    _kernel()[grid](a, b, sa if fp8 else dummy, sb if fp8 else dummy, out,
-                    part_local, part_peer, fin_local, fin_peer, flag_local, flag_peer, counter,
-                    m, n, k, rank, a.stride(0), b.stride(0), **consts)
+    _kernel()[grid](
+        a,
+        b,
+        sa if fp8 else dummy,
+        sb if fp8 else dummy,
+        out,
+        part_local,
+        part_peer,
+        fin_local,
+        fin_peer,
+        flag_local,
+        flag_peer,
+        counter,
+        m,
+        n,
+        k,
+        rank,
+        a.stride(0),
+        b.stride(0),
+        **consts,
+    )
 
 
 def reference(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -228,8 +295,18 @@ def reference(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat
     return sum(parts).to(out_dtype)
 
 
-def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16, config=None,
-                       programs: int | None = None, calls: int = 1, tma: bool = False, proto: str = "owner") -> tuple[list[torch.Tensor], dict]:
+def simulate_two_ranks(
+    a_list,
+    b_list,
+    sa_list=None,
+    sb_list=None,
+    out_dtype=torch.bfloat16,
+    config=None,
+    programs: int | None = None,
+    calls: int = 1,
+    tma: bool = False,
+    proto: str = "owner",
+) -> tuple[list[torch.Tensor], dict]:
     """Both ranks in this process (CPU, interpreter): phase 1 on each, then 2, then 3, ``calls`` times
     on the same buffers (the flags and counters must be back at zero after each call). Returns the two
     outputs of the last call and the buffers' state."""
@@ -245,13 +322,29 @@ def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=tor
     outs = []
     for _ in range(calls):
         outs = [torch.empty(m, n, dtype=out_dtype, device=dev) for _ in range(2)]
-        for phase in ((1, 2) if proto == "both" else (1, 2, 3)):
+        for phase in (1, 2) if proto == "both" else (1, 2, 3):
             for r in range(2):
                 p = 1 - r
-                launch(a_list[r], b_list[r], None if sa_list is None else sa_list[r],
-                       None if sb_list is None else sb_list[r], outs[r],
-                       part[r], part[p], fin[r], fin[p], flags[r], flags[p], counters[r], rank=r, phase=phase,
-                       config=cfg, programs=programs, tma=tma, proto=proto)
+                launch(
+                    a_list[r],
+                    b_list[r],
+                    None if sa_list is None else sa_list[r],
+                    None if sb_list is None else sb_list[r],
+                    outs[r],
+                    part[r],
+                    part[p],
+                    fin[r],
+                    fin[p],
+                    flags[r],
+                    flags[p],
+                    counters[r],
+                    rank=r,
+                    phase=phase,
+                    config=cfg,
+                    programs=programs,
+                    tma=tma,
+                    proto=proto,
+                )
     state = {"flags": [f.clone() for f in flags], "counters": [c.clone() for c in counters]}
     return outs, state
 
@@ -259,7 +352,9 @@ def simulate_two_ranks(a_list, b_list, sa_list=None, sb_list=None, out_dtype=tor
 _scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def gemm_only(a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None, tma: bool | None = None) -> torch.Tensor:
+def gemm_only(
+    a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None, tma: bool | None = None
+) -> torch.Tensor:
     """The kernel's GEMM alone (phase 4: no exchange): for timing what the exchange hides under, and
     as the single-rank parity check of the GEMM part."""
     m, _ = a.shape
@@ -268,8 +363,10 @@ def gemm_only(a, b, sa=None, sb=None, out_dtype=torch.bfloat16, config=None, tma
     cfg = config or _default_config(sa is not None)
     key = str(a.device)
     if key not in _scratch:  # phase 4 leaves the counter at zero and never touches the flag
-        _scratch[key] = (torch.zeros(2, dtype=torch.int32, device=a.device),
-                         torch.zeros(1, dtype=torch.int32, device=a.device))
+        _scratch[key] = (
+            torch.zeros(2, dtype=torch.int32, device=a.device),
+            torch.zeros(1, dtype=torch.int32, device=a.device),
+        )
     counter, flag = _scratch[key]
     launch(a, b, sa, sb, out, out, out, out, out, flag, flag, counter, rank=0, phase=4, config=cfg, tma=tma)
     return out

@@ -88,7 +88,9 @@ def triton_usable(x: torch.Tensor, allow_interpreter: bool = False) -> tuple[boo
     if why:
         return False, why
     if x.device.type == "cuda":
-        why = _capability_reason(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        why = _capability_reason(
+            x.device.index if x.device.index is not None else torch.cuda.current_device()
+        )
         if why:
             return False, why
     elif not (allow_interpreter and interpreting()):
@@ -116,8 +118,14 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
-def modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, norm: str = "layer",
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def modulate_reference(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    norm: str = "layer",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``(norm(x) * (1 + scale) + shift).to(out_dtype)`` in float32, as ``Block.forward`` computes the
     input of qkv and fc1 (norm: ``LayerNorm32`` without affine, or an RMS norm without weight)."""
     if norm not in NORMS:
@@ -130,9 +138,14 @@ def modulate_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
     return (n * (1 + scale) + shift).to(out_dtype or x.dtype)
 
 
-def quantize_rows_modulated_reference(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
-                                      norm: str = "layer", out_dtype: torch.dtype | None = None
-                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_modulated_reference(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    norm: str = "layer",
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`modulate_reference` then :func:`quantize_rows_reference` over the rows
     ([..., K] -> [prod(...), K] e4m3 and [prod(...), 1] float32): the eager path it replaces."""
     h = modulate_reference(x, shift, scale, eps, norm, out_dtype)
@@ -151,8 +164,9 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def launch_config(k: int, interp: bool, block_m: int | None = None, num_warps: int | None = None,
-                  modulated: bool = False) -> tuple[int, int, int]:
+def launch_config(
+    k: int, interp: bool, block_m: int | None = None, num_warps: int | None = None, modulated: bool = False
+) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps) for rows of length k. Whole rows per program (BLOCK_K = next
     power of two >= k); small rows are packed several per program (~4096 elements a program), and
     the warps grow with the tile so each thread holds ~32 float32 values (64 at the largest rows;
@@ -166,8 +180,9 @@ def launch_config(k: int, interp: bool, block_m: int | None = None, num_warps: i
     return bm, bk, nw
 
 
-def quantize_rows_triton(x: torch.Tensor, *, block_m: int | None = None, num_warps: int | None = None,
-                         grid_round: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(
+    x: torch.Tensor, *, block_m: int | None = None, num_warps: int | None = None, grid_round: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) in one launch (see the module docstring).
     Caller checks :func:`triton_usable` first. `block_m` / `num_warps` override the defaults
     (tuning, the benchmark's sweep); ``grid_round=False`` leaves the rounding to the cast alone
@@ -181,9 +196,21 @@ def quantize_rows_triton(x: torch.Tensor, *, block_m: int | None = None, num_war
     interp = x.device.type != "cuda"
     bm, bk, nw = launch_config(k, interp, block_m, num_warps)
     extra = {} if interp else {"num_warps": nw}
-    _kernels()[0][(triton_cdiv(m, bm),)](x, x.stride(0), q, q.stride(0), s, m, k,
-                                         BLOCK_M=bm, BLOCK_K=bk, AMAX_MIN=AMAX_MIN, FP8_MAX=FP8_MAX,
-                                         GRID_ROUND=bool(grid_round), **extra)
+    _kernels()[0][(triton_cdiv(m, bm),)](
+        x,
+        x.stride(0),
+        q,
+        q.stride(0),
+        s,
+        m,
+        k,
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        AMAX_MIN=AMAX_MIN,
+        FP8_MAX=FP8_MAX,
+        GRID_ROUND=bool(grid_round),
+        **extra,
+    )
     return q, s
 
 
@@ -203,7 +230,9 @@ def _as_bnk(t: torch.Tensor, shape3: tuple[int, int, int], what: str) -> torch.T
             raise RuntimeError("more than 3 dims")
         e = t.reshape((1,) * (3 - t.dim()) + tuple(t.shape)).expand(shape3)
     except RuntimeError as err:
-        raise ValueError(f"{what} of shape {list(t.shape)} does not broadcast to {list(shape3)} ({err})") from None
+        raise ValueError(
+            f"{what} of shape {list(t.shape)} does not broadcast to {list(shape3)} ({err})"
+        ) from None
     if e.shape[-1] > 1 and e.stride(-1) != 1:
         e = e.contiguous()
     return e
@@ -221,10 +250,18 @@ def _sm_count(index: int) -> int:
 PROGRAMS_PER_SM = 2  # shared-modulation grid: programs per SM walking the rows (tuned by the bench sweep)
 
 
-def quantize_rows_modulated_triton(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, *,
-                                   norm: str = "layer", out_dtype: torch.dtype | None = None,
-                                   block_m: int | None = None, num_warps: int | None = None,
-                                   programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_modulated_triton(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    *,
+    norm: str = "layer",
+    out_dtype: torch.dtype | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+    programs_per_sm: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, N, K] or [M, K]; shift / scale broadcastable to x (float32 [B, 1, K] per sample or
     [B, N, K] per token, as ``Block`` has them) -> (e4m3 [B*N, K], float32 [B*N, 1]) in one launch.
     Caller checks :func:`triton_usable` first. When every row shares one modulation row (per
@@ -255,21 +292,53 @@ def quantize_rows_modulated_triton(x: torch.Tensor, shift: torch.Tensor, scale: 
     blocks = triton_cdiv(m, bm)
     if shared:
         per_sm = programs_per_sm or PROGRAMS_PER_SM
-        sms = 2 if interp else _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        sms = (
+            2
+            if interp
+            else _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        )
         grid = (max(1, min(blocks, sms * per_sm)),)
     else:
         grid = (blocks,)
     _kernels()[1][grid](
-        x, x.stride(0), x.stride(1), sh, sh.stride(0), sh.stride(1), sc, sc.stride(0), sc.stride(1),
-        q, q.stride(0), s, m, n, k, float(eps),
-        BLOCK_M=bm, BLOCK_K=bk, RMS=norm == "rms", ROUND=_round_code(out_dtype), SHARED=shared,
-        AMAX_MIN=AMAX_MIN, FP8_MAX=FP8_MAX, **extra)
+        x,
+        x.stride(0),
+        x.stride(1),
+        sh,
+        sh.stride(0),
+        sh.stride(1),
+        sc,
+        sc.stride(0),
+        sc.stride(1),
+        q,
+        q.stride(0),
+        s,
+        m,
+        n,
+        k,
+        float(eps),
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        RMS=norm == "rms",
+        ROUND=_round_code(out_dtype),
+        SHARED=shared,
+        AMAX_MIN=AMAX_MIN,
+        FP8_MAX=FP8_MAX,
+        **extra,
+    )
     return q, s
 
 
-def quantize_rows_modulated(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, *,
-                            norm: str = "layer", out_dtype: torch.dtype | None = None, backend: str = "auto"
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_modulated(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    *,
+    norm: str = "layer",
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm (or RMS norm) + adaLN modulation + rounding to `out_dtype` (default x's) + per-row
     FP8 quantisation: ``quantize_rows((norm(x) * (1 + scale) + shift).to(out_dtype))`` over the rows.
 
@@ -281,8 +350,12 @@ def quantize_rows_modulated(x: torch.Tensor, shift: torch.Tensor, scale: torch.T
     if not ok:
         if backend == "triton":
             raise RuntimeError(f"quantize_rows_modulated: Triton path unusable: {why}")
-        warn_once(f"mod:{why}", "fused norm+modulation+FP8 quantisation: PyTorch reference path (%s)", why,
-                  level=logging.INFO if x.device.type != "cuda" else logging.WARNING)
+        warn_once(
+            f"mod:{why}",
+            "fused norm+modulation+FP8 quantisation: PyTorch reference path (%s)",
+            why,
+            level=logging.INFO if x.device.type != "cuda" else logging.WARNING,
+        )
         return quantize_rows_modulated_reference(x, shift, scale, eps, norm, out_dtype)
     return quantize_rows_modulated_triton(x, shift, scale, eps, norm=norm, out_dtype=out_dtype)
 

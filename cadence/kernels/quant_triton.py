@@ -36,8 +36,19 @@ def _round_grid(y, REL: tl.constexpr, QMIN: tl.constexpr):
 
 
 @triton.jit
-def _quant_store(h, rows, cols, rmask, mask, Q, sqm, S, AMAX_MIN: tl.constexpr, FP8_MAX: tl.constexpr,
-                 GRID_ROUND: tl.constexpr):
+def _quant_store(
+    h,
+    rows,
+    cols,
+    rmask,
+    mask,
+    Q,
+    sqm,
+    S,
+    AMAX_MIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GRID_ROUND: tl.constexpr,
+):
     """h [BLOCK_M, BLOCK_K] float32 (masked lanes 0) -> e4m3 rows of Q and float32 scales S[rows].
 
     The reference's arithmetic exactly: amax (max |h|, exact), clamp_min, scale = amax / 448 and its
@@ -56,9 +67,20 @@ def _quant_store(h, rows, cols, rmask, mask, Q, sqm, S, AMAX_MIN: tl.constexpr, 
 
 
 @triton.jit
-def quant_rows_kernel(X, sxm, Q, sqm, S, M, K,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      AMAX_MIN: tl.constexpr, FP8_MAX: tl.constexpr, GRID_ROUND: tl.constexpr):
+def quant_rows_kernel(
+    X,
+    sxm,
+    Q,
+    sqm,
+    S,
+    M,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    AMAX_MIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GRID_ROUND: tl.constexpr,
+):
     """BLOCK_M whole rows of X [M, K] (last dim contiguous) per program, held in registers: one read
     of X, one write of Q [M, K] e4m3 and of S [M] float32."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,10 +117,31 @@ def _norm_modulate(x, mask, sh, sc1, kf, eps, RMS: tl.constexpr, ROUND: tl.const
 
 
 @triton.jit
-def quant_rows_modulated_kernel(X, sxb, sxn, SH, shb, shn, SC, scb, scn, Q, sqm, S, M, N, K, eps,
-                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RMS: tl.constexpr,
-                                ROUND: tl.constexpr, SHARED: tl.constexpr,
-                                AMAX_MIN: tl.constexpr, FP8_MAX: tl.constexpr):
+def quant_rows_modulated_kernel(
+    X,
+    sxb,
+    sxn,
+    SH,
+    shb,
+    shn,
+    SC,
+    scb,
+    scn,
+    Q,
+    sqm,
+    S,
+    M,
+    N,
+    K,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RMS: tl.constexpr,
+    ROUND: tl.constexpr,
+    SHARED: tl.constexpr,
+    AMAX_MIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
     """h = norm(x) * (1 + scale) + shift, rounded to the model dtype, then quantised per row like
     quant_rows_kernel, in one pass over x.
 
@@ -131,6 +174,8 @@ def quant_rows_modulated_kernel(X, sxb, sxn, SH, shb, shn, SC, scb, scn, Q, sqm,
         n = (rows % N).to(tl.int64)
         x = tl.load(X + (b * sxb + n * sxn)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sh = tl.load(SH + (b * shb + n * shn)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sc1 = 1.0 + tl.load(SC + (b * scb + n * scn)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sc1 = 1.0 + tl.load(SC + (b * scb + n * scn)[:, None] + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
         h = _norm_modulate(x, mask, sh, sc1, kf, eps, RMS, ROUND)
         _quant_store(h, rows, cols, rmask, mask, Q, sqm, S, AMAX_MIN, FP8_MAX, True)

@@ -69,8 +69,9 @@ def triton_usable(device: torch.device, head_dim: int, allow_interpreter: bool =
 
 
 # ---- references -----------------------------------------------------------------------------
-def rope_quant_reference(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, quant: bool,
-                         out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_quant_reference(
+    x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, quant: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (values [H, T, D] in out_dtype, scales [H, T] float32): rotate, then quantise
     per (token, head) when `quant` (scales 1 otherwise)."""
     xf = x.float()
@@ -85,8 +86,15 @@ def rope_quant_reference(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.T
     return q, scale
 
 
-def ring_attention_reference(q: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor,
-                             vs: torch.Tensor, n: int) -> torch.Tensor:
+def ring_attention_reference(
+    q: torch.Tensor,
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    ks: torch.Tensor,
+    vt: torch.Tensor,
+    vs: torch.Tensor,
+    n: int,
+) -> torch.Tensor:
     """Plain PyTorch: dequantise and attend over the first n keys. q [H, M, D], qs [H, M];
     k [H, N, D], ks [H, N]; vt [H, D, N], vs [H, N] -> out [M, H, D] float32."""
     qf = q.float() * qs[..., None]
@@ -118,8 +126,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rope_quant_write(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor,
-                     scale: torch.Tensor, row0: torch.Tensor, *, transpose_out: bool = False) -> None:
+def rope_quant_write(
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    out: torch.Tensor,
+    scale: torch.Tensor,
+    row0: torch.Tensor,
+    *,
+    transpose_out: bool = False,
+) -> None:
     """Fused RoPE + per-(token, head) FP8 quantisation + store (Triton).
 
     x [T, H, D] (channels contiguous); cos/sin [T, D/2] float32 or None (no rotation); out [H, N, D]
@@ -134,14 +150,44 @@ def rope_quant_write(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tenso
     s = sin if rotate else c
     soh, son, sod = _out_strides(out, transpose_out)
     bt = _block_t()
-    kern[(triton_cdiv(t, bt), h)](x, x.stride(0), x.stride(1), c, s, out, soh, son, sod, scale, scale.stride(0),
-                                  scale.stride(1), row0, t, D=d, BLOCK_T=bt, ROTATE=rotate, QUANT=out.dtype == FP8)
+    kern[(triton_cdiv(t, bt), h)](
+        x,
+        x.stride(0),
+        x.stride(1),
+        c,
+        s,
+        out,
+        soh,
+        son,
+        sod,
+        scale,
+        scale.stride(0),
+        scale.stride(1),
+        row0,
+        t,
+        D=d,
+        BLOCK_T=bt,
+        ROTATE=rotate,
+        QUANT=out.dtype == FP8,
+    )
 
 
-def qkv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              q_out: torch.Tensor, q_scale: torch.Tensor, k_out: torch.Tensor, k_scale: torch.Tensor,
-              v_out: torch.Tensor, v_scale: torch.Tensor, zero: torch.Tensor, row0: torch.Tensor,
-              v_transposed: bool) -> None:
+def qkv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_out: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_out: torch.Tensor,
+    v_scale: torch.Tensor,
+    zero: torch.Tensor,
+    row0: torch.Tensor,
+    v_transposed: bool,
+) -> None:
     """One launch: q rotated (and quantised) into q_out rows 0.., k rotated and v as is into the
     cache rows row0.. (v_out [H, D, N] when v_transposed). All outputs FP8 or all float."""
     kern = _kernels()[2]
@@ -149,21 +195,61 @@ def qkv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tens
     t, h, d = q.shape
     bt = _block_t()
     kern[(triton_cdiv(t, bt), h, 3)](
-        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), cos, sin,
-        q_out, *_out_strides(q_out, False), q_scale, q_scale.stride(0), q_scale.stride(1),
-        k_out, *_out_strides(k_out, False), k_scale, k_scale.stride(0), k_scale.stride(1),
-        v_out, *_out_strides(v_out, v_transposed), v_scale, v_scale.stride(0), v_scale.stride(1),
-        zero, row0, t, D=d, BLOCK_T=bt, QUANT=k_out.dtype == FP8)
+        q,
+        q.stride(0),
+        q.stride(1),
+        k,
+        k.stride(0),
+        k.stride(1),
+        v,
+        v.stride(0),
+        v.stride(1),
+        cos,
+        sin,
+        q_out,
+        *_out_strides(q_out, False),
+        q_scale,
+        q_scale.stride(0),
+        q_scale.stride(1),
+        k_out,
+        *_out_strides(k_out, False),
+        k_scale,
+        k_scale.stride(0),
+        k_scale.stride(1),
+        v_out,
+        *_out_strides(v_out, v_transposed),
+        v_scale,
+        v_scale.stride(0),
+        v_scale.stride(1),
+        zero,
+        row0,
+        t,
+        D=d,
+        BLOCK_T=bt,
+        QUANT=k_out.dtype == FP8,
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def ring_attention(q: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor,
-                   vs: torch.Tensor, n_valid: torch.Tensor, *, split: int = 1, block_m: int | None = None,
-                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    ks: torch.Tensor,
+    vt: torch.Tensor,
+    vs: torch.Tensor,
+    n_valid: torch.Tensor,
+    *,
+    split: int = 1,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """Flash attention (Triton) of q [H, M, D] over the first n_valid keys of the buffer k [H, N, D] /
     vt [H, D, N] with per-(token, head) scales; n_valid is an int32 device tensor [1] (no host sync).
     Returns [M, H, D] in out_dtype. N must be a multiple of 16 (TMA row alignment of vt)."""
@@ -190,12 +276,40 @@ def ring_attention(q: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, ks: torch
     extra = {}
     if not interp:
         extra = dict(num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 3)
-    kern[grid](q_desc, qs, k_desc, ks, v_desc, vs, n_valid, o, lse,
-               qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-               o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-               m, per, qk_scale,
-               HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, DOT_F32=interp,
-               PREC="ieee" if k.dtype == torch.float32 else "tf32", **extra)
+    kern[grid](
+        q_desc,
+        qs,
+        k_desc,
+        ks,
+        v_desc,
+        vs,
+        n_valid,
+        o,
+        lse,
+        qs.stride(0),
+        qs.stride(1),
+        ks.stride(0),
+        ks.stride(1),
+        vs.stride(0),
+        vs.stride(1),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        o.stride(3),
+        lse.stride(0),
+        lse.stride(1),
+        lse.stride(2),
+        m,
+        per,
+        qk_scale,
+        HEAD_D=d,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        QUANT=quant,
+        DOT_F32=interp,
+        PREC="ieee" if k.dtype == torch.float32 else "tf32",
+        **extra,
+    )
     if split == 1:
         return o[0].transpose(0, 1)
     w = torch.softmax(lse * math.log(2.0), dim=0)  # [split, H, M]; empty splits have lse -inf -> weight 0

@@ -15,5 +15,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'cadence.media' has no attribute {name!r}")
 
 
-__all__ = ["Mp4Writer", "default_reference_image", "fit_audio", "load_audio", "load_reference_image",
-           "synthetic_speech"]
+__all__ = [
+    "Mp4Writer",
+    "default_reference_image",
+    "fit_audio",
+    "load_audio",
+    "load_reference_image",
+    "synthetic_speech",
+]

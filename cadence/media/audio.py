@@ -16,8 +16,9 @@ from cadence.config import AUDIO_SAMPLE_RATE
 from cadence.errors import InputError
 
 
-def load_audio(path: str | os.PathLike, sample_rate: int = AUDIO_SAMPLE_RATE,
-               max_samples: int | None = None) -> torch.Tensor:
+def load_audio(
+    path: str | os.PathLike, sample_rate: int = AUDIO_SAMPLE_RATE, max_samples: int | None = None
+) -> torch.Tensor:
     """Decode the first audio stream of ``path`` to float32 mono [samples] in [-1, 1] at ``sample_rate``.
 
     Any container/codec FFmpeg reads (wav, flac, mp3, ogg, m4a, a video's soundtrack), any rate,
@@ -84,8 +85,9 @@ def fit_audio(audio: torch.Tensor, samples: int) -> torch.Tensor:
     return torch.cat([audio, audio.new_zeros(samples - n)])
 
 
-def synthetic_speech(seconds: float = 2.0, sample_rate: int = AUDIO_SAMPLE_RATE,
-                     seed: int = 0) -> torch.Tensor:
+def synthetic_speech(
+    seconds: float = 2.0, sample_rate: int = AUDIO_SAMPLE_RATE, seed: int = 0
+) -> torch.Tensor:
     """A deterministic speech-like float32 mono signal: voiced 'syllables' with pauses.
 
     Each syllable is a gliding pitch (95-180 Hz) with harmonics shaped by two vowel-like formants,
@@ -113,14 +115,14 @@ def synthetic_speech(seconds: float = 2.0, sample_rate: int = AUDIO_SAMPLE_RATE,
             hk = k * f0
             if hk[0] > sample_rate / 2 - 1000:
                 break
-            amp = np.exp(-((hk - f1) / 120.0) ** 2) + 0.6 * np.exp(-((hk - f2) / 180.0) ** 2) + 0.15 / k
+            amp = np.exp(-(((hk - f1) / 120.0) ** 2)) + 0.6 * np.exp(-(((hk - f2) / 180.0) ** 2)) + 0.15 / k
             sig += amp * np.sin(k * phase)
         onset = min(int(0.03 * sample_rate), length)
         sig[:onset] += 0.3 * rng.standard_normal(onset) * np.linspace(1, 0, onset)
         # clamp: sin(pi * 1.0) is a tiny negative number in floating point, and a fractional power
         # of a negative number is NaN
         env = np.clip(np.sin(np.pi * np.arange(length) / max(length - 1, 1)), 0.0, None) ** 0.6
-        out[t0:t0 + length] += sig * env * rng.uniform(0.6, 1.0)
+        out[t0 : t0 + length] += sig * env * rng.uniform(0.6, 1.0)
         t0 += length + int(rng.uniform(0.06, 0.25) * sample_rate)
     peak = np.abs(out).max()
     if peak > 0:

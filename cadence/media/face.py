@@ -40,16 +40,16 @@ class FaceParams:
     iris: tuple[int, int, int]
     shirt: tuple[int, int, int]
     hair_style: str
-    face_w: float        # face half-width / side
-    face_h: float        # face half-height / side
-    center_y: float      # face centre y / height
-    eye_dx: float        # eye distance from centre / face half-width
-    eye_y: float         # eye height above centre / face half-height
-    eye_size: float      # eye half-width / face half-width
-    mouth_w: float       # mouth half-width / face half-width
-    mouth_y: float       # mouth centre below face centre / face half-height
-    mouth_max: float     # largest mouth-interior full height / face half-height
-    motion_amp: float    # head translation amplitude / side
+    face_w: float  # face half-width / side
+    face_h: float  # face half-height / side
+    center_y: float  # face centre y / height
+    eye_dx: float  # eye distance from centre / face half-width
+    eye_y: float  # eye height above centre / face half-height
+    eye_size: float  # eye half-width / face half-width
+    mouth_w: float  # mouth half-width / face half-width
+    mouth_y: float  # mouth centre below face centre / face half-height
+    mouth_max: float  # largest mouth-interior full height / face half-height
+    motion_amp: float  # head translation amplitude / side
 
 
 def face_params(seed: int, split: str = "any") -> FaceParams:
@@ -96,9 +96,15 @@ def backdrop(p: FaceParams, height: int, width: int) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(np.broadcast_to(bg, (h, w, 3)).astype(np.uint8)), "RGB")
 
 
-def render_face(p: FaceParams, height: int, width: int, opening: float, eyes_shut: bool,
-                offset: tuple[float, float] | np.ndarray = (0.0, 0.0),
-                background: Image.Image | None = None) -> np.ndarray:
+def render_face(
+    p: FaceParams,
+    height: int,
+    width: int,
+    opening: float,
+    eyes_shut: bool,
+    offset: tuple[float, float] | np.ndarray = (0.0, 0.0),
+    background: Image.Image | None = None,
+) -> np.ndarray:
     """One frame (uint8 [H, W, 3]) of face ``p`` with the mouth ``opening`` (0..1) and head ``offset`` px."""
     ss = SUPERSAMPLE
     w, h = width * ss, height * ss
@@ -118,21 +124,27 @@ def render_face(p: FaceParams, height: int, width: int, opening: float, eyes_shu
     hair = p.hair
     if p.hair_style == "long":  # hair hanging beside the face, down to the shoulders
         d.rectangle((cx - fw * 1.15, cy - fh * 0.2, cx + fw * 1.15, cy + fh * 1.05), fill=hair)
-    ell(cx, cy + fh * 1.3, fw * 1.75, fh * 0.6, fill=p.shirt)                      # shoulders
+    ell(cx, cy + fh * 1.3, fw * 1.75, fh * 0.6, fill=p.shirt)  # shoulders
     d.rectangle((cx - fw * 0.35, cy + fh * 0.6, cx + fw * 0.35, cy + fh * 1.0), fill=shade(skin, 0.9))
     if p.hair_style != "crop":
-        ell(cx, cy - fh * 0.12, fw * 1.12, fh * 1.02, fill=hair)                   # hair behind
+        ell(cx, cy - fh * 0.12, fw * 1.12, fh * 1.02, fill=hair)  # hair behind
     if p.hair_style == "bun":
         ell(cx, cy - fh * 1.1, fw * 0.45, fh * 0.3, fill=hair)
-    ell(cx - fw, cy, fw * 0.16, fh * 0.2, fill=shade(skin, 0.96))                  # ears
+    ell(cx - fw, cy, fw * 0.16, fh * 0.2, fill=shade(skin, 0.96))  # ears
     ell(cx + fw, cy, fw * 0.16, fh * 0.2, fill=shade(skin, 0.96))
-    ell(cx, cy, fw, fh, fill=p.skin)                                               # face
+    ell(cx, cy, fw, fh, fill=p.skin)  # face
     if p.hair_style in ("fringe", "long", "bun"):
         d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.2), 180, 360, fill=hair)
     elif p.hair_style == "side_part":
         d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.35), 180, 360, fill=hair)
-        d.polygon([(cx - fw * 1.02, cy - fh * 0.5), (cx - fw * 0.1, cy - fh * 0.95),
-                   (cx - fw * 0.9, cy - fh * 0.05)], fill=hair)
+        d.polygon(
+            [
+                (cx - fw * 1.02, cy - fh * 0.5),
+                (cx - fw * 0.1, cy - fh * 0.95),
+                (cx - fw * 0.9, cy - fh * 0.05),
+            ],
+            fill=hair,
+        )
     else:  # crop: a thin cap
         d.chord((cx - fw * 1.0, cy - fh * 1.03, cx + fw * 1.0, cy - fh * 0.55), 180, 360, fill=hair)
     ey = cy - fh * p.eye_y
@@ -142,17 +154,24 @@ def render_face(p: FaceParams, height: int, width: int, opening: float, eyes_shu
         if eyes_shut:
             d.line((ex - er, ey, ex + er, ey), fill=shade(skin, 0.45), width=max(1, int(s * 0.012)))
         else:
-            ell(ex, ey, er, er * 0.5, fill=(250, 250, 250))                        # eye white
-            ell(ex, ey, er * 0.45, er * 0.45, fill=p.iris)                         # iris
-            ell(ex, ey, er * 0.22, er * 0.22, fill=(15, 15, 15))                   # pupil
+            ell(ex, ey, er, er * 0.5, fill=(250, 250, 250))  # eye white
+            ell(ex, ey, er * 0.45, er * 0.45, fill=p.iris)  # iris
+            ell(ex, ey, er * 0.22, er * 0.22, fill=(15, 15, 15))  # pupil
             ell(ex + er * 0.15, ey - er * 0.15, er * 0.1, er * 0.1, fill=(255, 255, 255))
-        d.line((ex - er, ey - fh * 0.13, ex + er, ey - fh * 0.15), fill=shade(np.array(hair, float), 0.8),
-               width=max(1, int(s * 0.012)))                                       # brow
-    d.line((cx, cy + fh * 0.02, cx - fw * 0.08, cy + fh * 0.26, cx + fw * 0.04, cy + fh * 0.28),
-           fill=shade(skin, 0.8), width=max(1, int(s * 0.008)))                    # nose
+        d.line(
+            (ex - er, ey - fh * 0.13, ex + er, ey - fh * 0.15),
+            fill=shade(np.array(hair, float), 0.8),
+            width=max(1, int(s * 0.012)),
+        )  # brow
+    d.line(
+        (cx, cy + fh * 0.02, cx - fw * 0.08, cy + fh * 0.26, cx + fw * 0.04, cy + fh * 0.28),
+        fill=shade(skin, 0.8),
+        width=max(1, int(s * 0.008)),
+    )  # nose
     for sx in (-1, 1):
-        ell(cx + sx * fw * 0.62, cy + fh * 0.3, fw * 0.16, fh * 0.08,
-            fill=shade(skin, (1.02, 0.9, 0.9)))                                    # cheeks
+        ell(
+            cx + sx * fw * 0.62, cy + fh * 0.3, fw * 0.16, fh * 0.08, fill=shade(skin, (1.02, 0.9, 0.9))
+        )  # cheeks
     # Mouth: lips around a dark interior whose height is linear in the opening.
     my, mw = cy + fh * p.mouth_y, fw * p.mouth_w
     lips = shade(skin, (0.72, 0.42, 0.45))

@@ -53,8 +53,10 @@ def load_reference_image(path: str | os.PathLike, height: int, width: int) -> to
     except InputError:
         raise
     except Image.DecompressionBombError:
-        raise InputError(f"reference image is too large (over {2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6:.0f} "
-                         f"megapixels, a decompression bomb?; limit {MAX_PIXELS // 10**6}): {p}") from None
+        raise InputError(
+            f"reference image is too large (over {2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6:.0f} "
+            f"megapixels, a decompression bomb?; limit {MAX_PIXELS // 10**6}): {p}"
+        ) from None
     except UnidentifiedImageError:
         raise InputError(f"not an image (unrecognised format): {p}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data
@@ -87,8 +89,10 @@ def _check_size(size: tuple[int, int], p: Path) -> None:
     if w <= 0 or h <= 0:
         raise InputError(f"reference image has zero size ({w}x{h}): {p}")
     if w * h > MAX_PIXELS:
-        raise InputError(f"reference image is too large ({w}x{h} = {w * h / 1e6:.0f} megapixels; limit "
-                         f"{MAX_PIXELS // 10**6}): {p}")
+        raise InputError(
+            f"reference image is too large ({w}x{h} = {w * h / 1e6:.0f} megapixels; limit "
+            f"{MAX_PIXELS // 10**6}): {p}"
+        )
 
 
 def _to_rgb(img: Image.Image, p: Path) -> Image.Image:
@@ -121,8 +125,9 @@ def _cover_crop(img: Image.Image, width: int, height: int) -> Image.Image:
     scale = max(width / w, height / h)
     cw, ch = width / scale, height / scale  # source region that maps onto the target
     left, top = (w - cw) / 2, (h - ch) / 2
-    return img.resize((width, height), Image.Resampling.LANCZOS, box=(left, top, left + cw, top + ch),
-                      reducing_gap=3.0)
+    return img.resize(
+        (width, height), Image.Resampling.LANCZOS, box=(left, top, left + cw, top + ch), reducing_gap=3.0
+    )
 
 
 def _one_line(e: BaseException) -> str:

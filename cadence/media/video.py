@@ -45,8 +45,17 @@ class Mp4Writer:
     encoders and finalises the file; it is idempotent.
     """
 
-    def __init__(self, path: str | os.PathLike, width: int, height: int, fps: int = 24,
-                 sample_rate: int = AUDIO_SAMPLE_RATE, *, crf: int = 20, preset: str = "veryfast") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        width: int,
+        height: int,
+        fps: int = 24,
+        sample_rate: int = AUDIO_SAMPLE_RATE,
+        *,
+        crf: int = 20,
+        preset: str = "veryfast",
+    ) -> None:
         if width <= 0 or height <= 0 or width % 2 or height % 2:
             raise ValueError(f"width and height must be positive and even for yuv420p, got {width}x{height}")
         if fps <= 0 or sample_rate <= 0:
@@ -104,14 +113,17 @@ class Mp4Writer:
     def write_audio(self, samples: torch.Tensor | np.ndarray) -> None:
         """Encode float32 mono samples in [-1, 1] (values outside are clipped)."""
         self._check_open()
-        arr = samples.detach().cpu().float().numpy() if isinstance(samples, torch.Tensor) else np.asarray(
-            samples, np.float32)
+        arr = (
+            samples.detach().cpu().float().numpy()
+            if isinstance(samples, torch.Tensor)
+            else np.asarray(samples, np.float32)
+        )
         if arr.ndim != 1:
             raise ValueError(f"audio must be mono [samples], got shape {tuple(arr.shape)}")
         buf = np.concatenate([self._pending, np.clip(arr.astype(np.float32, copy=False), -1.0, 1.0)])
         full = buf.shape[0] // AAC_FRAME * AAC_FRAME
         for start in range(0, full, AAC_FRAME):
-            self._encode_audio(buf[start:start + AAC_FRAME])
+            self._encode_audio(buf[start : start + AAC_FRAME])
         self._pending = buf[full:].copy()
 
     def close(self) -> None:
@@ -129,11 +141,12 @@ class Mp4Writer:
             self._container.close()
 
     # ---- context manager -----------------------------------------------------------------------
-    def __enter__(self) -> "Mp4Writer":
+    def __enter__(self) -> Mp4Writer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:  # finish the file if we can, but never mask the original error
@@ -149,8 +162,9 @@ class Mp4Writer:
         return self.frames_written / self.fps
 
     def _encode_audio(self, chunk: np.ndarray) -> None:
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk.reshape(1, -1)), format="fltp",
-                                           layout="mono")
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(chunk.reshape(1, -1)), format="fltp", layout="mono"
+        )
         frame.sample_rate = self.sample_rate
         frame.pts = self.samples_written
         frame.time_base = Fraction(1, self.sample_rate)

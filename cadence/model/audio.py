@@ -21,8 +21,11 @@ import torch
 from cadence.config import AUDIO_SAMPLE_RATE, CadenceConfig
 
 
-def mel_filterbank(n_mels: int, n_fft: int, sr: int, fmin: float = 40.0, fmax: float = 12_000.0) -> torch.Tensor:
+def mel_filterbank(
+    n_mels: int, n_fft: int, sr: int, fmin: float = 40.0, fmax: float = 12_000.0
+) -> torch.Tensor:
     """[n_mels, n_fft//2 + 1] triangular filters on the mel scale (HTK formula)."""
+
     def hz_to_mel(f):
         return 2595.0 * math.log10(1.0 + f / 700.0)
 
@@ -50,8 +53,10 @@ class AudioFeatures:
         self.dim = m.audio_dim
         self.samples_per_frame = cfg.audio_samples_per_chunk // cfg.stream.latent_frames_per_chunk
         if self.samples_per_frame % self.tokens:
-            raise ValueError(f"{self.samples_per_frame} samples per latent frame do not split into "
-                             f"{self.tokens} audio tokens")
+            raise ValueError(
+                f"{self.samples_per_frame} samples per latent frame do not split into "
+                f"{self.tokens} audio tokens"
+            )
         self.win = self.samples_per_frame // self.tokens
         self.n_fft = 1 << max(self.win - 1, 1).bit_length()
         self.window = torch.hann_window(self.win, periodic=True, device=device)
@@ -74,5 +79,7 @@ def make_audio_encoder(cfg: CadenceConfig, device: torch.device | str = "cpu") -
         if need:
             from cadence.errors import ConfigError
 
-            raise ConfigError(f"model family {fam!r} needs the {need} audio encoder, which Cadence does not load yet")
+            raise ConfigError(
+                f"model family {fam!r} needs the {need} audio encoder, which Cadence does not load yet"
+            )
     return AudioFeatures(cfg, device)

@@ -90,7 +90,9 @@ class CrossAttention(nn.Module):
         k, v = self.kv(ctx).chunk(2, dim=-1)
         return self.norm_k(k).unflatten(-1, (self.heads, -1)), v.unflatten(-1, (self.heads, -1))
 
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], groups: int = 1) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], groups: int = 1
+    ) -> torch.Tensor:
         """x [B, N, dim]; kv [B*groups, L, heads, head_dim]. With groups > 1 the tokens are split into
         `groups` equal consecutive runs (latent frames) and run g attends only to context g."""
         b, n, _ = x.shape
@@ -128,8 +130,11 @@ class Block(nn.Module):
         x = x + self.cross_attn(h, text_kv)
         if self.audio_attn is not None and audio_ctx is not None:
             na = self.norm_audio
-            x = x + self.audio_attn(ops.layer_norm_cast(x, na.weight, na.bias, eps),
-                                    self.audio_attn.context_kv(audio_ctx), groups=frames)
+            x = x + self.audio_attn(
+                ops.layer_norm_cast(x, na.weight, na.bias, eps),
+                self.audio_attn.context_kv(audio_ctx),
+                groups=frames,
+            )
         h = ops.norm_modulate(x, mod.ffn.shift, mod.ffn.scale, eps)
         return ops.gate_residual(x, self.ffn(h), mod.ffn.gate)
 
@@ -172,9 +177,12 @@ class WanDiT(nn.Module):
         self.time_embed = MLP2(m.freq_dim, d, d, "silu", device, torch.float32)
         self.time_proj = Linear(d, 6 * d, device=device, dtype=torch.float32)
         self.text_embed = MLP2(m.text_dim, d, d, "gelu", device, dtype)
-        self.audio_embed = (MLP2(m.audio_dim, d, d, "gelu", device, dtype) if m.audio_every > 0 else None)
-        self.audio_pos = (nn.Parameter(torch.zeros(m.audio_tokens_per_frame, d, device=device, dtype=dtype))
-                          if m.audio_every > 0 and m.audio_pos else None)
+        self.audio_embed = MLP2(m.audio_dim, d, d, "gelu", device, dtype) if m.audio_every > 0 else None
+        self.audio_pos = (
+            nn.Parameter(torch.zeros(m.audio_tokens_per_frame, d, device=device, dtype=dtype))
+            if m.audio_every > 0 and m.audio_pos
+            else None
+        )
         self.blocks = nn.ModuleList([Block(m, m.has_audio(i), device, dtype) for i in range(m.num_layers)])
         self.head = Head(m, device, dtype)
         rope_dev = "cpu" if device is None or torch.device(device).type == "meta" else device
@@ -232,8 +240,15 @@ class WanDiT(nn.Module):
         return x
 
     # ---- forwards ------------------------------------------------------------------------
-    def forward_chunk(self, x: torch.Tensor, t: torch.Tensor, text: TextContext, audio: torch.Tensor | None,
-                      cache, commit: bool) -> torch.Tensor:
+    def forward_chunk(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        text: TextContext,
+        audio: torch.Tensor | None,
+        cache,
+        commit: bool,
+    ) -> torch.Tensor:
         """One network pass over one chunk through the cache.
 
         x [C, F, h, w] latents of the chunk; t a 1-element tensor (0..1000); audio [F, A, audio_dim]
@@ -247,9 +262,16 @@ class WanDiT(nn.Module):
         tokens = self._blocks(tokens, temb6, cache, commit, text, audio_ctx, f // self.mcfg.patch[0])
         return self.unpatchify(self.head(tokens, temb), f, h, w)[0]
 
-    def forward_full(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, audio: torch.Tensor | None = None,
-                     mask: torch.Tensor | None = None, frame_offset: int = 0,
-                     frame_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_full(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        text: torch.Tensor,
+        audio: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        frame_offset: int = 0,
+        frame_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Reference forward over a whole latent sequence (no cache).
 
         x [B, C, F, H, W]; t [B] or [B, F] (one timestep per latent frame); text [B, L, text_dim];
@@ -265,8 +287,11 @@ class WanDiT(nn.Module):
         if t.ndim == 2:  # per latent frame -> per token
             t = t[:, ::pt].repeat_interleave((h // ph) * (w // pw), dim=1)
         temb, temb6 = self.time_embedding(t)
-        frames = (torch.arange(frame_offset, frame_offset + n_f, device=x.device) if frame_positions is None
-                  else frame_positions.to(x.device))
+        frames = (
+            torch.arange(frame_offset, frame_offset + n_f, device=x.device)
+            if frame_positions is None
+            else frame_positions.to(x.device)
+        )
         cos, sin = self.rope.cos_sin(frames, h // ph, w // pw)
         seq = FullSequence(cos, sin, mask)
         audio_ctx = self.embed_audio(audio)

@@ -109,51 +109,81 @@ class ModelFamily:
 # frames, 0.75 s) per block, no reference-image sink (text-to-video), no audio branch; the original
 # Wan code computes the timestep embedding in float64.
 _SF_MODEL = dict(audio_every=0, time_embed_fp64=True)
-_SF_STREAM = dict(height=480, width=832, fps=16, latent_frames_per_chunk=3, sink_frames=0, passes=4,
-                  timesteps=(1000.0, 750.0, 500.0, 250.0), shift=5.0, sampler="renoise", commit="clean_pass",
-                  warp_denoising_step=True, timestep_table=1000, context_noise=0.0, sink_policy="absolute",
-                  window_chunks=7, frame_sink_chunks=0)
-_SF_FORMAT = CheckpointFormat(kinds=(".pt",), state_keys=("generator", "model"), ema_key="generator_ema",
-                              prefixes=("model.", "_fsdp_wrapped_module."), names="wan")
+_SF_STREAM = dict(
+    height=480,
+    width=832,
+    fps=16,
+    latent_frames_per_chunk=3,
+    sink_frames=0,
+    passes=4,
+    timesteps=(1000.0, 750.0, 500.0, 250.0),
+    shift=5.0,
+    sampler="renoise",
+    commit="clean_pass",
+    warp_denoising_step=True,
+    timestep_table=1000,
+    context_noise=0.0,
+    sink_policy="absolute",
+    window_chunks=7,
+    frame_sink_chunks=0,
+)
+_SF_FORMAT = CheckpointFormat(
+    kinds=(".pt",),
+    state_keys=("generator", "model"),
+    ema_key="generator_ema",
+    prefixes=("model.", "_fsdp_wrapped_module."),
+    names="wan",
+)
 
 FAMILIES: dict[str, ModelFamily] = {
     "self-forcing": ModelFamily(
-        name="self-forcing", title="Self-Forcing (Wan2.1-T2V-1.3B, block-causal)",
+        name="self-forcing",
+        title="Self-Forcing (Wan2.1-T2V-1.3B, block-causal)",
         reference="guandeh17/Self-Forcing: pipeline/causal_inference.py, wan/modules/causal_model.py",
-        preset="w1.3", model=dict(_SF_MODEL), stream=dict(_SF_STREAM), checkpoint=_SF_FORMAT,
+        preset="w1.3",
+        model=dict(_SF_MODEL),
+        stream=dict(_SF_STREAM),
+        checkpoint=_SF_FORMAT,
         reference_window="local_attn_size=-1 (global; its cache holds 21 frames), sink_size=0",
     ),
     "causvid": ModelFamily(
-        name="causvid", title="CausVid (Wan2.1-T2V-1.3B, block-causal, DMD)",
+        name="causvid",
+        title="CausVid (Wan2.1-T2V-1.3B, block-causal, DMD)",
         reference="tianweiy/CausVid: causvid/models/wan/causal_inference.py",
-        preset="w1.3", model=dict(_SF_MODEL),
-        stream=dict(_SF_STREAM, passes=3, timesteps=(1000.0, 757.0, 522.0), shift=8.0, warp_denoising_step=False),
+        preset="w1.3",
+        model=dict(_SF_MODEL),
+        stream=dict(
+            _SF_STREAM, passes=3, timesteps=(1000.0, 757.0, 522.0), shift=8.0, warp_denoising_step=False
+        ),
         checkpoint=replace(_SF_FORMAT, ema_key=None),
         reference_window="global attention over 21 frames (configs/wan_causal_dmd.yaml)",
         status="config",
         notes="Shares Self-Forcing's model and sampler code paths (tested there); no CausVid fixture of its own.",
     ),
     "longlive": ModelFamily(
-        name="longlive", title="LongLive 1.0 (Wan2.1-T2V-1.3B, frame sink + short window, LoRA)",
+        name="longlive",
+        title="LongLive 1.0 (Wan2.1-T2V-1.3B, frame sink + short window, LoRA)",
         reference="NVlabs/LongLive (1.0): wan/modules/causal_model.py, pipeline/causal_inference.py",
-        preset="w1.3", model=dict(_SF_MODEL),
+        preset="w1.3",
+        model=dict(_SF_MODEL),
         stream=dict(_SF_STREAM, window_chunks=3, frame_sink_chunks=1),
         checkpoint=replace(_SF_FORMAT, lora_rank=256, lora_alpha=256.0, lora_keys=("generator_lora",)),
         reference_window="local_attn_size=12, sink_size=3 (configs/longlive_inference.yaml)",
         notes="The prompt-switch KV re-cache of its interactive mode is not wired yet.",
     ),
     "krea-14b": ModelFamily(
-        name="krea-14b", title="Krea Realtime 14B (Wan2.1-T2V-14B, block-causal)",
+        name="krea-14b",
+        title="Krea Realtime 14B (Wan2.1-T2V-14B, block-causal)",
         reference="krea-ai/realtime-video: release_server.py, configs/self_forcing_server_14b.yaml",
         preset="w1.3",
         model=dict(_SF_MODEL, dim=5120, num_heads=40, head_dim=128, ffn_dim=13824, num_layers=40),
         stream=dict(_SF_STREAM, passes=5, timesteps=(1000.0, 750.0, 500.0, 250.0, 0.0), window_chunks=2),
         checkpoint=CheckpointFormat(kinds=(".safetensors",), prefixes=("model.",), names="wan"),
         reference_window="kv_cache_num_frames=3: the cache is recomputed every block from the first frame "
-                         "and the last clean frames",
+        "and the last clean frames",
         status="config",
         notes="Krea recomputes the K/V of [first frame, last 2 clean frames] before every block; Cadence keeps "
-              "the committed K/V instead (window 2 blocks), so streams differ from Krea's after the first block.",
+        "the committed K/V instead (window 2 blocks), so streams differ from Krea's after the first block.",
     ),
 }
 
@@ -171,17 +201,23 @@ def get_family(name: str) -> ModelFamily:
         raise ConfigError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}") from None
 
 
-def family_config(name: str, weights: str | None = None, text_encoder: str | None = None,
-                  vae_weights: str | None = None, text_tokenizer: str | None = None, **sections: dict
-                  ) -> CadenceConfig:
+def family_config(
+    name: str,
+    weights: str | None = None,
+    text_encoder: str | None = None,
+    vae_weights: str | None = None,
+    text_tokenizer: str | None = None,
+    **sections: dict,
+) -> CadenceConfig:
     """The family's whole engine configuration: its preset with the family's overrides, the given files,
     then any further per-section overrides (``model={...}``, ``vae={...}``, ``stream={...}``; e.g. a
     smaller ``num_layers`` for a benchmark). With ``vae_weights`` the decoder is the Wan VAE ('wan')
     unless ``vae={'decoder': ...}`` says otherwise."""
     fam = get_family(name)
     base = get_preset(fam.preset)
-    model = dict(fam.model, family=fam.name, weights=weights, text_encoder=text_encoder,
-                 text_tokenizer=text_tokenizer)
+    model = dict(
+        fam.model, family=fam.name, weights=weights, text_encoder=text_encoder, text_tokenizer=text_tokenizer
+    )
     vae = dict(fam.vae, weights=vae_weights)
     if vae_weights:
         vae.setdefault("decoder", "wan")
@@ -190,8 +226,12 @@ def family_config(name: str, weights: str | None = None, text_encoder: str | Non
     stream = dict(fam.stream, **sections.pop("stream", {}))
     if sections:
         raise ConfigError(f"family_config takes model=, vae=, stream= overrides, got {', '.join(sections)}")
-    return CadenceConfig(name=fam.name, model=replace(base.model, **model), vae=replace(base.vae, **vae),
-                         stream=replace(base.stream, **stream))
+    return CadenceConfig(
+        name=fam.name,
+        model=replace(base.model, **model),
+        vae=replace(base.vae, **vae),
+        stream=replace(base.stream, **stream),
+    )
 
 
 def reference_attention(cfg: CadenceConfig) -> tuple[int, int]:

@@ -63,8 +63,9 @@ def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     return (h * (1 + scale) + shift).to(x.dtype)
 
 
-def layer_norm_cast(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                    eps: float) -> torch.Tensor:
+def layer_norm_cast(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """LayerNorm in float32 (optional affine), cast back to x's dtype."""
     return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps).to(x.dtype)
 
@@ -122,7 +123,9 @@ class MLP2(nn.Module):
         return self.fc2(h)
 
 
-def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10_000.0, fp64: bool = False) -> torch.Tensor:
+def timestep_embedding(
+    t: torch.Tensor, dim: int, max_period: float = 10_000.0, fp64: bool = False
+) -> torch.Tensor:
     """Sinusoidal embedding [..., dim] of (fractional) timesteps, cos first (Wan / diffusers order).
 
     float32 as diffusers computes it, or (``fp64``) in float64 as the original Wan code does

@@ -23,7 +23,7 @@ class Rope3D:
         self.split = split
         self.inv = [inv_freqs(d, theta).to(device) for d in split]
 
-    def to(self, device) -> "Rope3D":
+    def to(self, device) -> Rope3D:
         self.inv = [f.to(device) for f in self.inv]
         return self
 

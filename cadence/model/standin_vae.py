@@ -35,7 +35,7 @@ class StandInVAE:
         basis = torch.stack([torch.outer(d[u], d[v]).flatten() for u, v in freqs])  # [per, s*s]
         full = torch.zeros(self.z, 3, s * s)
         for c in range(3):
-            full[c * per:(c + 1) * per, c] = basis
+            full[c * per : (c + 1) * per, c] = basis
         self.basis = full.reshape(self.z, 3 * s * s).to(device)  # rows orthonormal
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:

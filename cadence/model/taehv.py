@@ -44,8 +44,9 @@ class MemBlock(nn.Module):
 
     def __init__(self, c: int):
         super().__init__()
-        self.conv = nn.Sequential(_conv(2 * c, c), nn.ReLU(inplace=True), _conv(c, c), nn.ReLU(inplace=True),
-                                  _conv(c, c))
+        self.conv = nn.Sequential(
+            _conv(2 * c, c), nn.ReLU(inplace=True), _conv(c, c), nn.ReLU(inplace=True), _conv(c, c)
+        )
         self.slot = -1
 
     def forward(self, x: torch.Tensor, b: int, mem: list) -> torch.Tensor:
@@ -77,22 +78,32 @@ class TAEHV(nn.Module):
     """Tiny decoder. ``stride`` = (4, s, s) of the VAE whose latents it reads; ``channels`` per stage
     (len = log2(s) + 1, from the latent resolution to the output resolution)."""
 
-    def __init__(self, z_dim: int = 16, stride: tuple[int, int, int] = (4, 8, 8),
-                 channels: tuple[int, ...] | None = None, blocks_per_stage: int = 1, shuffle: int = 1):
+    def __init__(
+        self,
+        z_dim: int = 16,
+        stride: tuple[int, int, int] = (4, 8, 8),
+        channels: tuple[int, ...] | None = None,
+        blocks_per_stage: int = 1,
+        shuffle: int = 1,
+    ):
         super().__init__()
         st, s, s2 = stride
         n_up = int(round(math.log2(s)))
         n_t = int(round(math.log2(st)))
         n_sh = int(round(math.log2(shuffle))) if shuffle >= 1 else -1
-        if s != s2 or 2 ** n_up != s or 2 ** n_t != st or n_t > n_up:
+        if s != s2 or 2**n_up != s or 2**n_t != st or n_t > n_up:
             raise ConfigError(f"TAEHV needs stride (2^a, 2^b, 2^b) with a <= b, got {stride}")
-        if n_sh < 0 or 2 ** n_sh != shuffle or n_sh > n_up:
-            raise ConfigError(f"TAEHV shuffle must be a power of two <= the spatial stride {s}, got {shuffle}")
+        if n_sh < 0 or 2**n_sh != shuffle or n_sh > n_up:
+            raise ConfigError(
+                f"TAEHV shuffle must be a power of two <= the spatial stride {s}, got {shuffle}"
+            )
         n_conv = n_up - n_sh  # spatial 2x steps done by upsample + conv; the rest by one pixel shuffle
         channels = tuple(channels) if channels else tuple(max(32, 256 >> i) for i in range(n_conv + 1))
         if len(channels) != n_conv + 1:
-            raise ConfigError(f"TAEHV channels needs {n_conv + 1} entries for stride {s} and shuffle {shuffle}, "
-                              f"got {len(channels)}")
+            raise ConfigError(
+                f"TAEHV channels needs {n_conv + 1} entries for stride {s} and shuffle {shuffle}, "
+                f"got {len(channels)}"
+            )
         self.z_dim, self.stride, self.channels, self.shuffle = z_dim, tuple(stride), channels, shuffle
         self.conv_in = _conv(z_dim, channels[0])
         # temporal 2x steps: one per stage from the first, any left over all in the first stage (cheap:
@@ -103,7 +114,10 @@ class TAEHV(nn.Module):
         for i in range(n_conv):
             layers: list[nn.Module] = [MemBlock(channels[i]) for _ in range(blocks_per_stage)]
             layers += [TGrow(channels[i]) for _ in range(grows[i])]
-            layers += [nn.Upsample(scale_factor=2.0, mode="nearest"), _conv(channels[i], channels[i + 1], bias=False)]
+            layers += [
+                nn.Upsample(scale_factor=2.0, mode="nearest"),
+                _conv(channels[i], channels[i + 1], bias=False),
+            ]
             stages.append(nn.ModuleList(layers))
         if n_conv == 0:
             stages.append(nn.ModuleList([TGrow(channels[0]) for _ in range(n_t)]))
@@ -130,7 +144,7 @@ class TAEHV(nn.Module):
         n, c, hh, ww = x.shape
         x = x.reshape(b, n // b, c, hh, ww).transpose(1, 2)
         if first:  # the stream's first latent frame keeps only its last frame (Wan's frame count)
-            x = x[:, :, self.stride[0] - 1:]
+            x = x[:, :, self.stride[0] - 1 :]
         return torch.tanh(x)
 
     @torch.no_grad()
@@ -140,11 +154,11 @@ class TAEHV(nn.Module):
         out = self._run(latent[None] if single else latent, [None] * self.n_slots, first=True)
         return out[0] if single else out
 
-    def stream(self) -> "TAEHVStream":
+    def stream(self) -> TAEHVStream:
         return TAEHVStream(self)
 
 
-def load_taehv(folder, device="cpu", dtype=torch.float32) -> "TAEHV":
+def load_taehv(folder, device="cpu", dtype=torch.float32) -> TAEHV:
     """``taehv.json`` (constructor arguments) + ``taehv.safetensors`` in `folder` -> a TAEHV in eval mode."""
     import json
     from pathlib import Path
@@ -153,8 +167,13 @@ def load_taehv(folder, device="cpu", dtype=torch.float32) -> "TAEHV":
 
     folder = Path(folder)
     kw = json.loads((folder / "taehv.json").read_text())
-    model = TAEHV(kw["z_dim"], tuple(kw["stride"]), tuple(kw["channels"]), kw.get("blocks_per_stage", 1),
-                  kw.get("shuffle", 1))
+    model = TAEHV(
+        kw["z_dim"],
+        tuple(kw["stride"]),
+        tuple(kw["channels"]),
+        kw.get("blocks_per_stage", 1),
+        kw.get("shuffle", 1),
+    )
     model.load_state_dict(load_file(str(folder / "taehv.safetensors")), strict=True)
     return model.to(device=device, dtype=dtype).eval()
 
@@ -179,15 +198,26 @@ class PublishedTAEHV(nn.Module):
     (denormalised) Wan latents, like diffusers' ``AutoencoderKLWan.decode``.
     """
 
-    def __init__(self, latent_channels: int = 16, patch_size: int = 1, channels=(256, 128, 64, 64),
-                 time_upscale=(False, True, True), space_upscale=(True, True, True)):
+    def __init__(
+        self,
+        latent_channels: int = 16,
+        patch_size: int = 1,
+        channels=(256, 128, 64, 64),
+        time_upscale=(False, True, True),
+        space_upscale=(True, True, True),
+    ):
         super().__init__()
         c = tuple(channels)
         layers: list[nn.Module] = [_Clamp(), _conv(latent_channels, c[0]), nn.ReLU(inplace=True)]
         for i in range(3):
-            layers += [MemBlock(c[i]), MemBlock(c[i]), MemBlock(c[i]),
-                       nn.Upsample(scale_factor=2 if space_upscale[i] else 1),
-                       TGrow(c[i], 2 if time_upscale[i] else 1), _conv(c[i], c[i + 1], bias=False)]
+            layers += [
+                MemBlock(c[i]),
+                MemBlock(c[i]),
+                MemBlock(c[i]),
+                nn.Upsample(scale_factor=2 if space_upscale[i] else 1),
+                TGrow(c[i], 2 if time_upscale[i] else 1),
+                _conv(c[i], c[i + 1], bias=False),
+            ]
         layers += [nn.ReLU(inplace=True), _conv(c[3], 3 * patch_size * patch_size)]
         self.decoder = nn.Sequential(*layers)
         self.latent_channels, self.patch_size, self.channels = latent_channels, patch_size, c
@@ -211,7 +241,7 @@ class PublishedTAEHV(nn.Module):
         n, c, hh, ww = x.shape
         x = x.reshape(b, n // b, c, hh, ww).transpose(1, 2).clamp(0, 1)
         if first:
-            x = x[:, :, self.stride[0] - 1:]
+            x = x[:, :, self.stride[0] - 1 :]
         return x * 2 - 1
 
     @torch.no_grad()
@@ -221,7 +251,7 @@ class PublishedTAEHV(nn.Module):
         out = self._run(latent[None] if single else latent, [None] * self.n_slots, first=True)
         return out[0] if single else out
 
-    def stream(self) -> "TAEHVStream":
+    def stream(self) -> TAEHVStream:
         return TAEHVStream(self)
 
 
@@ -246,27 +276,43 @@ def load_published_taehv(path, device="cpu", dtype=torch.float32) -> PublishedTA
             sd = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # not a torch / safetensors file
         raise WeightsError(f"cannot read TAEHV weights {path}: {e}") from None
-    dec = {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}
+    dec = {k[len("decoder.") :]: v for k, v in sd.items() if k.startswith("decoder.")}
     if not dec:
-        raise WeightsError(f"TAEHV weights {path}: no decoder.* entries (first keys: {', '.join(list(sd)[:4])})")
+        raise WeightsError(
+            f"TAEHV weights {path}: no decoder.* entries (first keys: {', '.join(list(sd)[:4])})"
+        )
     if "0.weight" in dec and dec["0.weight"].ndim == 4 and dec["0.weight"].shape[-1] == 1:
         raise WeightsError(f"TAEHV weights {path}: the 'super' decoder variant is not supported")
     try:
         z = dec["1.weight"].shape[1]
-        c = (dec["1.weight"].shape[0], dec["8.weight"].shape[0], dec["14.weight"].shape[0], dec["20.weight"].shape[0])
+        c = (
+            dec["1.weight"].shape[0],
+            dec["8.weight"].shape[0],
+            dec["14.weight"].shape[0],
+            dec["20.weight"].shape[0],
+        )
         p = int(round((dec["22.weight"].shape[0] // 3) ** 0.5))
-        grow = tuple(dec[f"{i}.conv.weight"].shape[0] // dec[f"{i}.conv.weight"].shape[1] == 2 for i in (7, 13, 19))
+        grow = tuple(
+            dec[f"{i}.conv.weight"].shape[0] // dec[f"{i}.conv.weight"].shape[1] == 2 for i in (7, 13, 19)
+        )
     except KeyError as e:
-        raise WeightsError(f"TAEHV weights {path}: not the published decoder layout (no decoder.{e.args[0]})") from None
+        raise WeightsError(
+            f"TAEHV weights {path}: not the published decoder layout (no decoder.{e.args[0]})"
+        ) from None
     model = PublishedTAEHV(z, p, c, grow)
     want = model.decoder.state_dict()
     missing = sorted(set(want) - set(dec))
     unexpected = sorted(set(dec) - set(want))
-    shapes = [f"{k}: {tuple(dec[k].shape)} vs {tuple(want[k].shape)}" for k in sorted(set(want) & set(dec))
-              if dec[k].shape != want[k].shape]
+    shapes = [
+        f"{k}: {tuple(dec[k].shape)} vs {tuple(want[k].shape)}"
+        for k in sorted(set(want) & set(dec))
+        if dec[k].shape != want[k].shape
+    ]
     if missing or unexpected or shapes:
-        raise WeightsError(f"TAEHV weights {path} do not fit the published decoder (z={z}, patch {p}, widths {c}): "
-                           f"missing {missing[:6]}, unexpected {unexpected[:6]}, mis-shaped {shapes[:4]}")
+        raise WeightsError(
+            f"TAEHV weights {path} do not fit the published decoder (z={z}, patch {p}, widths {c}): "
+            f"missing {missing[:6]}, unexpected {unexpected[:6]}, mis-shaped {shapes[:4]}"
+        )
     model.decoder.load_state_dict(dec)
     return model.to(device=device, dtype=dtype).eval()
 
@@ -306,8 +352,10 @@ def tiny_decoder_from_config(cfg, device="cpu", dtype=torch.float32):
     if v.taehv_weights:
         m = load_published_taehv(resolve_asset(v.taehv_weights), device, dtype)
         if (m.latent_channels, m.stride) != (v.latent_channels, tuple(v.stride)):
-            raise ConfigError(f"TAEHV weights {v.taehv_weights} decode z={m.latent_channels} latents at stride "
-                              f"{m.stride}; the VAE is z={v.latent_channels} at {tuple(v.stride)}")
+            raise ConfigError(
+                f"TAEHV weights {v.taehv_weights} decode z={m.latent_channels} latents at stride "
+                f"{m.stride}; the VAE is z={v.latent_channels} at {tuple(v.stride)}"
+            )
         return m
     if v.weights and (Path(resolve_asset(v.weights)) / "taehv.safetensors").is_file():
         return load_taehv(resolve_asset(v.weights), device, dtype)

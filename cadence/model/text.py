@@ -64,8 +64,10 @@ _WAN_T5 = [
     (r"token_embedding\.weight", "shared.weight"),
     (r"blocks\.(\d+)\.norm1\.weight", r"encoder.block.\1.layer.0.layer_norm.weight"),
     (r"blocks\.(\d+)\.attn\.(q|k|v|o)\.weight", r"encoder.block.\1.layer.0.SelfAttention.\2.weight"),
-    (r"blocks\.(\d+)\.pos_embedding\.embedding\.weight",
-     r"encoder.block.\1.layer.0.SelfAttention.relative_attention_bias.weight"),
+    (
+        r"blocks\.(\d+)\.pos_embedding\.embedding\.weight",
+        r"encoder.block.\1.layer.0.SelfAttention.relative_attention_bias.weight",
+    ),
     (r"blocks\.(\d+)\.norm2\.weight", r"encoder.block.\1.layer.1.layer_norm.weight"),
     (r"blocks\.(\d+)\.ffn\.gate\.0\.weight", r"encoder.block.\1.layer.1.DenseReluDense.wi_0.weight"),
     (r"blocks\.(\d+)\.ffn\.fc1\.weight", r"encoder.block.\1.layer.1.DenseReluDense.wi_1.weight"),
@@ -85,10 +87,22 @@ def wan_t5_config(sd: dict[str, torch.Tensor]) -> dict:
     except KeyError as e:
         raise WeightsError(f"not a Wan umT5 encoder state dict: no {e.args[0]}") from None
     layers = 1 + max(int(m.group(1)) for k in sd for m in [re.match(r"blocks\.(\d+)\.", k)] if m)
-    return dict(vocab_size=int(vocab), d_model=int(d_model), d_kv=int(inner // heads), d_ff=int(d_ff),
-                num_layers=int(layers), num_heads=int(heads), relative_attention_num_buckets=int(buckets),
-                relative_attention_max_distance=128, feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6,
-                dropout_rate=0.0, is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
+    return dict(
+        vocab_size=int(vocab),
+        d_model=int(d_model),
+        d_kv=int(inner // heads),
+        d_ff=int(d_ff),
+        num_layers=int(layers),
+        num_heads=int(heads),
+        relative_attention_num_buckets=int(buckets),
+        relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+        layer_norm_epsilon=1e-6,
+        dropout_rate=0.0,
+        is_encoder_decoder=False,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
 
 
 def wan_t5_to_hf(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
@@ -105,7 +119,9 @@ def wan_t5_to_hf(sd: dict[str, torch.Tensor], source: str = "state dict") -> dic
         else:
             bad.append(k)
     if bad:
-        raise WeightsError(f"{source}: {len(bad)} key(s) that are not Wan umT5 encoder weights: {', '.join(bad[:6])}")
+        raise WeightsError(
+            f"{source}: {len(bad)} key(s) that are not Wan umT5 encoder weights: {', '.join(bad[:6])}"
+        )
     if "shared.weight" in out:
         out["encoder.embed_tokens.weight"] = out["shared.weight"]
     return out
@@ -138,18 +154,29 @@ def clean_prompt(text: str) -> str:
 class UMT5TextEncoder:
     """umT5 encoder + tokenizer from local files, run as Wan runs it; embeddings cached per prompt."""
 
-    def __init__(self, weights: str | Path, tokenizer: str | Path | None = None, text_len: int = 512,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, cache_size: int = 16):
+    def __init__(
+        self,
+        weights: str | Path,
+        tokenizer: str | Path | None = None,
+        text_len: int = 512,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cache_size: int = 16,
+    ):
         try:
             from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
         except ImportError:
-            raise ConfigError("the umT5 text encoder needs the 'transformers' package (pip install transformers "
-                              "sentencepiece), or leave ModelConfig.text_encoder unset for the stand-in") from None
+            raise ConfigError(
+                "the umT5 text encoder needs the 'transformers' package (pip install transformers "
+                "sentencepiece), or leave ModelConfig.text_encoder unset for the stand-in"
+            ) from None
         weights = Path(weights)
         tok_dir = Path(tokenizer) if tokenizer is not None else (weights if weights.is_dir() else None)
         if tok_dir is None or not tok_dir.is_dir():
-            raise ConfigError(f"umT5 tokenizer folder not found: {tok_dir} (set ModelConfig.text_tokenizer: Wan "
-                              "ships it as google/umt5-xxl/)")
+            raise ConfigError(
+                f"umT5 tokenizer folder not found: {tok_dir} (set ModelConfig.text_tokenizer: Wan "
+                "ships it as google/umt5-xxl/)"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         if weights.is_dir():
             if not (weights / "config.json").is_file():
@@ -167,7 +194,9 @@ class UMT5TextEncoder:
             missing, unexpected = model.load_state_dict(hf, strict=False, assign=True)
             missing = [k for k in missing if k != "encoder.embed_tokens.weight"]
             if missing or unexpected:
-                raise WeightsError(f"umT5 encoder {weights}: missing {missing[:6]}, unexpected {unexpected[:6]}")
+                raise WeightsError(
+                    f"umT5 encoder {weights}: missing {missing[:6]}, unexpected {unexpected[:6]}"
+                )
             model.encoder.embed_tokens = model.shared
         else:
             raise WeightsError(f"umT5 encoder weights not found: {weights}")
@@ -180,8 +209,14 @@ class UMT5TextEncoder:
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, mask) [B, text_len] as Wan's HuggingfaceTokenizer(seq_len=text_len, clean='whitespace')."""
-        out = self.tokenizer([clean_prompt(p) for p in prompts], return_tensors="pt", padding="max_length",
-                             truncation=True, max_length=self.len, add_special_tokens=True)
+        out = self.tokenizer(
+            [clean_prompt(p) for p in prompts],
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+            max_length=self.len,
+            add_special_tokens=True,
+        )
         return out.input_ids, out.attention_mask
 
     @torch.no_grad()
@@ -206,19 +241,24 @@ class UMT5TextEncoder:
         return emb
 
 
-def make_text_encoder(cfg: CadenceConfig | ModelConfig, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32):
+def make_text_encoder(
+    cfg: CadenceConfig | ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+):
     """The configured prompt encoder: :class:`UMT5TextEncoder` when ``ModelConfig.text_encoder`` names
     weights, else the :class:`ByteTextEncoder` stand-in (the no-download default; for a model family this
     means random conditioning, so it is logged). Either returns [text_len, text_dim] per prompt."""
     m = cfg.model if isinstance(cfg, CadenceConfig) else cfg
     if not m.text_encoder:
         if m.family:
-            _warn_once(f"model family {m.family!r} without a text encoder: prompts go through the byte-level "
-                       "stand-in (set --text-encoder to the umT5 folder or Wan's .pth)")
+            _warn_once(
+                f"model family {m.family!r} without a text encoder: prompts go through the byte-level "
+                "stand-in (set --text-encoder to the umT5 folder or Wan's .pth)"
+            )
         return ByteTextEncoder(m)
     enc = UMT5TextEncoder(m.text_encoder, m.text_tokenizer, text_len=m.text_len, device=device, dtype=dtype)
     if enc.dim != m.text_dim:
-        raise ConfigError(f"text encoder {m.text_encoder} gives {enc.dim}-wide embeddings; the model takes "
-                          f"text_dim {m.text_dim}")
+        raise ConfigError(
+            f"text encoder {m.text_encoder} gives {enc.dim}-wide embeddings; the model takes "
+            f"text_dim {m.text_dim}"
+        )
     return enc

@@ -35,8 +35,8 @@ calls (tests/test_vae.py checks this against diffusers decoding the whole latent
 from __future__ import annotations
 
 import itertools
-import re
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -50,15 +50,61 @@ CACHE_T = 2
 
 # Wan 2.1's latent statistics (diffusers' defaults for AutoencoderKLWan). Wan 2.2's 48 values come
 # with the checkpoint's config.json; without one they default to mean 0 / std 1.
-_WAN21_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-               0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
-_WAN21_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-              3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+_WAN21_MEAN = [
+    -0.7571,
+    -0.7089,
+    -0.9113,
+    0.1075,
+    -0.1745,
+    0.9653,
+    -0.1517,
+    1.5508,
+    0.4134,
+    -0.0715,
+    0.5517,
+    -0.3632,
+    -0.1922,
+    -0.9497,
+    0.2503,
+    -0.2921,
+]
+_WAN21_STD = [
+    2.8184,
+    1.4541,
+    2.3275,
+    2.6558,
+    1.2196,
+    1.7708,
+    2.6052,
+    2.0743,
+    3.2687,
+    2.1526,
+    2.8652,
+    1.5579,
+    1.6382,
+    1.1253,
+    2.8251,
+    1.9160,
+]
 
-_DEFAULTS = dict(base_dim=96, decoder_base_dim=None, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                 attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0, latents_mean=None,
-                 latents_std=None, is_residual=False, in_channels=3, out_channels=3, patch_size=None,
-                 scale_factor_temporal=4, scale_factor_spatial=8)
+_DEFAULTS = dict(
+    base_dim=96,
+    decoder_base_dim=None,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    dropout=0.0,
+    latents_mean=None,
+    latents_std=None,
+    is_residual=False,
+    in_channels=3,
+    out_channels=3,
+    patch_size=None,
+    scale_factor_temporal=4,
+    scale_factor_spatial=8,
+)
 
 
 def wan_vae_config(variant: str = "2.1", **overrides) -> dict:
@@ -69,15 +115,27 @@ def wan_vae_config(variant: str = "2.1", **overrides) -> dict:
     if variant in ("2.1", "wan2.1", "21"):
         cfg = dict(_DEFAULTS, latents_mean=list(_WAN21_MEAN), latents_std=list(_WAN21_STD))
     elif variant in ("2.2", "wan2.2", "22"):
-        cfg = dict(_DEFAULTS, base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12,
-                   out_channels=12, patch_size=2, scale_factor_spatial=16)
+        cfg = dict(
+            _DEFAULTS,
+            base_dim=160,
+            decoder_base_dim=256,
+            z_dim=48,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+        )
     else:
-        raise ConfigError(f"unknown Wan VAE variant {variant!r}; use '2.1' (4x8x8, z=16) or '2.2' (4x16x16, z=48)")
+        raise ConfigError(
+            f"unknown Wan VAE variant {variant!r}; use '2.1' (4x8x8, z=16) or '2.2' (4x16x16, z=48)"
+        )
     cfg.update(overrides)
     return cfg
 
 
 # ---- building blocks ---------------------------------------------------------------------------------
+
 
 def _zeros_frames(x: torch.Tensor, n: int) -> torch.Tensor:
     """n zero frames shaped like x's frames, in x's memory format (channels_last_3d stays so)."""
@@ -92,7 +150,7 @@ def _tail(prev: torch.Tensor | None, x: torch.Tensor, n: int = CACHE_T) -> torch
     """The last n frames of [prev, x] along time, as a fresh tensor (never a view that pins x)."""
     if x.shape[2] >= n or prev is None or prev.shape[2] == 0:
         return x[:, :, -n:].clone()
-    return torch.cat([prev[:, :, -(n - x.shape[2]):], x], 2)
+    return torch.cat([prev[:, :, -(n - x.shape[2]) :], x], 2)
 
 
 def _per_frame(fn, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +176,8 @@ class CausalConv3d(nn.Conv3d):
         if self.tpad:
             have = 0 if prev is None else prev.shape[2]
             parts = ([_zeros_frames(x, self.tpad - have)] if have < self.tpad else []) + (
-                [prev.to(x.dtype)] if have else [])
+                [prev.to(x.dtype)] if have else []
+            )
             x = torch.cat(parts + [x], 2)
         return super().forward(x)
 
@@ -144,7 +203,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, images: bool = False):
         super().__init__()
-        self.scale = dim ** 0.5
+        self.scale = dim**0.5
         self.gamma = nn.Parameter(torch.ones(dim, 1, 1) if images else torch.ones(dim, 1, 1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,7 +290,11 @@ class Resample(nn.Module):
                 mem.slots[slot] = _tail(prev, x)
                 y = self.time_conv(x, prev)  # [B, 2C, T, H, W]: frame t -> (2t, 2t+1)
                 b, c2, t, h, w = y.shape
-                x = y.reshape(b, 2, c2 // 2, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c2 // 2, 2 * t, h, w)
+                x = (
+                    y.reshape(b, 2, c2 // 2, t, h, w)
+                    .permute(0, 2, 3, 1, 4, 5)
+                    .reshape(b, c2 // 2, 2 * t, h, w)
+                )
         x = _per_frame(self.resample, x)
         if self.mode == "downsample3d":
             slot = self.time_conv.slot
@@ -271,7 +334,7 @@ class DupUp3D(nn.Module):
         b, _, t, h, w = x.shape
         x = x.repeat_interleave(self.repeats, dim=1).reshape(b, self.cout, ft, fs, fs, t, h, w)
         x = x.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, self.cout, t * ft, h * fs, w * fs)
-        return x[:, :, ft - 1:] if first else x
+        return x[:, :, ft - 1 :] if first else x
 
 
 class MidBlock(nn.Module):
@@ -293,7 +356,9 @@ class ResidualDownBlock(nn.Module):
     def __init__(self, cin: int, cout: int, num_res_blocks: int, temporal: bool, down: bool):
         super().__init__()
         self.avg_shortcut = AvgDown3D(cin, cout, 2 if temporal else 1, 2 if down else 1)
-        self.resnets = nn.ModuleList([ResidualBlock(cin if i == 0 else cout, cout) for i in range(num_res_blocks)])
+        self.resnets = nn.ModuleList(
+            [ResidualBlock(cin if i == 0 else cout, cout) for i in range(num_res_blocks)]
+        )
         self.downsampler = Resample(cout, "downsample3d" if temporal else "downsample2d") if down else None
 
     def forward(self, x: torch.Tensor, mem: _Memory) -> torch.Tensor:
@@ -310,7 +375,9 @@ class UpBlock(nn.Module):
 
     def __init__(self, cin: int, cout: int, num_res_blocks: int, mode: str | None):
         super().__init__()
-        self.resnets = nn.ModuleList([ResidualBlock(cin if i == 0 else cout, cout) for i in range(num_res_blocks + 1)])
+        self.resnets = nn.ModuleList(
+            [ResidualBlock(cin if i == 0 else cout, cout) for i in range(num_res_blocks + 1)]
+        )
         self.upsamplers = nn.ModuleList([Resample(cout, mode)]) if mode else None
 
     def forward(self, x: torch.Tensor, mem: _Memory) -> torch.Tensor:
@@ -327,8 +394,12 @@ class ResidualUpBlock(nn.Module):
     def __init__(self, cin: int, cout: int, num_res_blocks: int, temporal: bool, up: bool):
         super().__init__()
         self.avg_shortcut = DupUp3D(cin, cout, 2 if temporal else 1, 2) if up else None
-        self.resnets = nn.ModuleList([ResidualBlock(cin if i == 0 else cout, cout) for i in range(num_res_blocks + 1)])
-        self.upsampler = Resample(cout, "upsample3d" if temporal else "upsample2d", out_dim=cout) if up else None
+        self.resnets = nn.ModuleList(
+            [ResidualBlock(cin if i == 0 else cout, cout) for i in range(num_res_blocks + 1)]
+        )
+        self.upsampler = (
+            Resample(cout, "upsample3d" if temporal else "upsample2d", out_dim=cout) if up else None
+        )
 
     def forward(self, x: torch.Tensor, mem: _Memory) -> torch.Tensor:
         skip = self.avg_shortcut(x, mem.first) if self.avg_shortcut is not None else None
@@ -340,8 +411,9 @@ class ResidualUpBlock(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, cin: int, dim: int, z2: int, dim_mult, num_res_blocks: int, attn_scales, tdown,
-                 residual: bool):
+    def __init__(
+        self, cin: int, dim: int, z2: int, dim_mult, num_res_blocks: int, attn_scales, tdown, residual: bool
+    ):
         super().__init__()
         dims = [dim * m for m in [1, *dim_mult]]
         last = len(dim_mult) - 1
@@ -350,8 +422,11 @@ class Encoder(nn.Module):
         scale = 1.0
         for i, (a, b) in enumerate(itertools.pairwise(dims)):
             if residual:
-                blocks.append(ResidualDownBlock(a, b, num_res_blocks, temporal=i != last and bool(tdown[i]),
-                                                down=i != last))
+                blocks.append(
+                    ResidualDownBlock(
+                        a, b, num_res_blocks, temporal=i != last and bool(tdown[i]), down=i != last
+                    )
+                )
                 continue
             for _ in range(num_res_blocks):
                 blocks.append(ResidualBlock(a, b))
@@ -431,6 +506,7 @@ def unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
 
 # ---- the model ---------------------------------------------------------------------------------------
 
+
 class WanVAE(nn.Module):
     """Wan video VAE (both variants) with a streaming decoder; see the module docstring.
 
@@ -447,19 +523,36 @@ class WanVAE(nn.Module):
         if len(c["temperal_downsample"]) < nd:
             raise ConfigError(f"temperal_downsample has {len(c['temperal_downsample'])} entries; need {nd}")
         self.patch = int(c["patch_size"] or 1)
-        if c["in_channels"] != 3 * self.patch ** 2 or c["out_channels"] != 3 * self.patch ** 2:
-            raise ConfigError(f"in/out_channels {c['in_channels']}/{c['out_channels']} must be 3 * patch_size^2 = "
-                              f"{3 * self.patch ** 2}")
+        if c["in_channels"] != 3 * self.patch**2 or c["out_channels"] != 3 * self.patch**2:
+            raise ConfigError(
+                f"in/out_channels {c['in_channels']}/{c['out_channels']} must be 3 * patch_size^2 = "
+                f"{3 * self.patch**2}"
+            )
         self.config = c
         self.z_dim = z
         tdown = list(c["temperal_downsample"])[:nd]
-        self.stride = (2 ** sum(bool(t) for t in tdown), 2 ** nd * self.patch, 2 ** nd * self.patch)
-        self.encoder = Encoder(c["in_channels"], c["base_dim"], 2 * z, c["dim_mult"], c["num_res_blocks"],
-                               c["attn_scales"], tdown, bool(c["is_residual"]))
+        self.stride = (2 ** sum(bool(t) for t in tdown), 2**nd * self.patch, 2**nd * self.patch)
+        self.encoder = Encoder(
+            c["in_channels"],
+            c["base_dim"],
+            2 * z,
+            c["dim_mult"],
+            c["num_res_blocks"],
+            c["attn_scales"],
+            tdown,
+            bool(c["is_residual"]),
+        )
         self.quant_conv = CausalConv3d(2 * z, 2 * z, 1)
         self.post_quant_conv = CausalConv3d(z, z, 1)
-        self.decoder = Decoder(c["decoder_base_dim"] or c["base_dim"], z, c["dim_mult"], c["num_res_blocks"],
-                               tdown[::-1], c["out_channels"], bool(c["is_residual"]))
+        self.decoder = Decoder(
+            c["decoder_base_dim"] or c["base_dim"],
+            z,
+            c["dim_mult"],
+            c["num_res_blocks"],
+            tdown[::-1],
+            c["out_channels"],
+            bool(c["is_residual"]),
+        )
         self.enc_slots = _assign_slots(self.encoder)
         self.dec_slots = _assign_slots(self.decoder)
         mean = c["latents_mean"] if c["latents_mean"] is not None else [0.0] * z
@@ -475,19 +568,26 @@ class WanVAE(nn.Module):
         own = self.state_dict()
         missing = sorted(set(own) - set(sd))
         unexpected = sorted(set(sd) - set(own))
-        shapes = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                  for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
+        shapes = [
+            f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+            for k in own
+            if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)
+        ]
         if missing or unexpected or shapes:
+
             def few(xs):
                 return ", ".join(xs[:5]) + (f" (+{len(xs) - 5} more)" if len(xs) > 5 else "")
-            parts = [f"missing {len(missing)}: {few(missing)}" if missing else "",
-                     f"unexpected {len(unexpected)}: {few(unexpected)}" if unexpected else "",
-                     f"shape mismatch {len(shapes)}: {few(shapes)}" if shapes else ""]
+
+            parts = [
+                f"missing {len(missing)}: {few(missing)}" if missing else "",
+                f"unexpected {len(unexpected)}: {few(unexpected)}" if unexpected else "",
+                f"shape mismatch {len(shapes)}: {few(shapes)}" if shapes else "",
+            ]
             raise WeightsError("Wan VAE checkpoint does not fit: " + "; ".join(p for p in parts if p))
         self.load_state_dict(sd, strict=True)
 
     @classmethod
-    def from_wan_pth(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "WanVAE":
+    def from_wan_pth(cls, path: str | Path, device="cpu", dtype=torch.float32) -> WanVAE:
         """Wan 2.1's original VAE file (``Wan2.1_VAE.pth``: Wan-Video's ``WanVAE_`` module names), mapped
         onto diffusers' names by :func:`wan21_vae_to_diffusers`; width and z read off the tensors, the
         latent statistics Wan 2.1's (the values its code hard-codes, as diffusers' config holds them)."""
@@ -499,25 +599,31 @@ class WanVAE(nn.Module):
         except Exception as e:  # not a torch file
             raise WeightsError(f"cannot read Wan VAE checkpoint {path}: {e}") from None
         if "encoder.conv1.weight" not in sd or "conv2.weight" not in sd:
-            raise WeightsError(f"Wan VAE checkpoint {path}: not Wan 2.1's VAE layout (no encoder.conv1 / conv2; "
-                               f"first keys: {', '.join(list(sd)[:4])})")
+            raise WeightsError(
+                f"Wan VAE checkpoint {path}: not Wan 2.1's VAE layout (no encoder.conv1 / conv2; "
+                f"first keys: {', '.join(list(sd)[:4])})"
+            )
         base, z = sd["encoder.conv1.weight"].shape[0], sd["conv2.weight"].shape[0]
         vae = cls(wan_vae_config("2.1", base_dim=int(base), z_dim=int(z)))
         try:
-            vae.load_diffusers_state_dict(wan21_vae_to_diffusers(sd, vae.config["num_res_blocks"], len(vae.config["dim_mult"])))
+            vae.load_diffusers_state_dict(
+                wan21_vae_to_diffusers(sd, vae.config["num_res_blocks"], len(vae.config["dim_mult"]))
+            )
         except WeightsError as e:
             raise WeightsError(f"{path}: {e}") from None
         return vae.to(device=device, dtype=dtype).eval()
 
     @classmethod
-    def from_diffusers_dir(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "WanVAE":
+    def from_diffusers_dir(cls, path: str | Path, device="cpu", dtype=torch.float32) -> WanVAE:
         """A diffusers ``vae/`` folder: config.json + diffusion_pytorch_model.safetensors."""
         from safetensors.torch import load_file
 
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
         # diffusers' name when present (the folder may also hold other models' files, e.g. taehv.safetensors)
-        files = sorted(path.glob("diffusion_pytorch_model*.safetensors")) or sorted(path.glob("*.safetensors"))
+        files = sorted(path.glob("diffusion_pytorch_model*.safetensors")) or sorted(
+            path.glob("*.safetensors")
+        )
         if not files:
             raise WeightsError(f"no .safetensors file in {path}")
         sd: dict[str, torch.Tensor] = {}
@@ -573,21 +679,31 @@ class WanVAE(nn.Module):
         return self.post_quant_conv.weight.dtype
 
     # ---- decoder ------------------------------------------------------------------------------------
-    def stream(self) -> "StreamingDecoder":
+    def stream(self) -> StreamingDecoder:
         """A fresh per-session decoder state."""
         return StreamingDecoder(self)
 
     def frames_for(self, latent_frames: int, first: bool = True) -> int:
         """Video frames decoded from `latent_frames` latent frames (a stream's first makes only one)."""
-        return (1 + self.stride[0] * (latent_frames - 1) if first else self.stride[0] * latent_frames) if latent_frames else 0
+        return (
+            (1 + self.stride[0] * (latent_frames - 1) if first else self.stride[0] * latent_frames)
+            if latent_frames
+            else 0
+        )
 
 
-_WAN21_RES = [(r"\.residual\.0\.", ".norm1."), (r"\.residual\.2\.", ".conv1."), (r"\.residual\.3\.", ".norm2."),
-              (r"\.residual\.6\.", ".conv2."), (r"\.shortcut\.", ".conv_shortcut.")]
+_WAN21_RES = [
+    (r"\.residual\.0\.", ".norm1."),
+    (r"\.residual\.2\.", ".conv1."),
+    (r"\.residual\.3\.", ".norm2."),
+    (r"\.residual\.6\.", ".conv2."),
+    (r"\.shortcut\.", ".conv_shortcut."),
+]
 
 
-def wan21_vae_to_diffusers(sd: dict[str, torch.Tensor], num_res_blocks: int = 2, stages: int = 4
-                           ) -> dict[str, torch.Tensor]:
+def wan21_vae_to_diffusers(
+    sd: dict[str, torch.Tensor], num_res_blocks: int = 2, stages: int = 4
+) -> dict[str, torch.Tensor]:
     """Wan 2.1's ``WanVAE_`` state dict -> ``AutoencoderKLWan`` names (what :class:`WanVAE` uses).
 
     conv1 / conv2 -> quant_conv / post_quant_conv; {en,de}coder.conv1 -> conv_in; middle.0/1/2 ->
@@ -601,9 +717,9 @@ def wan21_vae_to_diffusers(sd: dict[str, torch.Tensor], num_res_blocks: int = 2,
     for k, v in sd.items():
         n = k
         if re.match(r"conv1\.", n):
-            n = "quant_conv." + n[len("conv1."):]
+            n = "quant_conv." + n[len("conv1.") :]
         elif re.match(r"conv2\.", n):
-            n = "post_quant_conv." + n[len("conv2."):]
+            n = "post_quant_conv." + n[len("conv2.") :]
         n = re.sub(r"^(encoder|decoder)\.conv1\.", r"\1.conv_in.", n)
         n = re.sub(r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0.", n)
         n = re.sub(r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0.", n)
@@ -656,8 +772,10 @@ class StreamingDecoder:
         x = latent[None] if single else latent
         vae = self.vae
         x = vae.post_quant_conv(x.to(vae.param_dtype()))
-        if vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d) and \
-                not vae.decoder.conv_in.weight.is_contiguous():
+        if (
+            vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d)
+            and not vae.decoder.conv_in.weight.is_contiguous()
+        ):
             x = x.contiguous(memory_format=torch.channels_last_3d)
         outs = []
         mem = self._mem
@@ -682,4 +800,8 @@ def load_wan_vae(path: str | Path, device="cpu", dtype=torch.float32) -> WanVAE:
     """A Wan VAE from a diffusers ``vae/`` folder or Wan 2.1's original ``.pth`` file (what
     ``VAEConfig.weights`` may name)."""
     path = Path(path)
-    return WanVAE.from_diffusers_dir(path, device, dtype) if path.is_dir() else WanVAE.from_wan_pth(path, device, dtype)
+    return (
+        WanVAE.from_diffusers_dir(path, device, dtype)
+        if path.is_dir()
+        else WanVAE.from_wan_pth(path, device, dtype)
+    )

@@ -36,8 +36,12 @@ from cadence.model.dit import WanDiT
 log = logging.getLogger(__name__)
 
 
-def build_model(cfg: CadenceConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                seed: int | None = 0) -> WanDiT:
+def build_model(
+    cfg: CadenceConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int | None = 0,
+) -> WanDiT:
     """A WanDiT on `device` in `dtype`, randomly initialised there (seed None: left uninitialised,
     for loading a checkpoint next)."""
     device = torch.device(device)
@@ -129,13 +133,16 @@ def detect_format(keys) -> str:
     keys = set(keys)
     if any(k.startswith("condition_embedder.") or ".attn1." in k for k in keys):
         return "diffusers"
-    if any(k.startswith(("time_projection.", "text_embedding.", "head.head.", "patch_embedding.")) for k in keys):
+    if any(
+        k.startswith(("time_projection.", "text_embedding.", "head.head.", "patch_embedding.")) for k in keys
+    ):
         return "wan"
     return "cadence"
 
 
-def convert_state_dict(sd: Mapping[str, torch.Tensor], fmt: str | None = None
-                       ) -> tuple[dict[str, torch.Tensor], list[str]]:
+def convert_state_dict(
+    sd: Mapping[str, torch.Tensor], fmt: str | None = None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Source state dict -> (Cadence state dict, source keys no rule matched). Fused groups are
     concatenated in q, k, v order; a group with a missing part raises WeightsError."""
     fmt = fmt or detect_format(sd.keys())
@@ -182,8 +189,9 @@ def _summarise(keys: list[str], n: int = 8) -> str:
 
 
 @torch.no_grad()
-def load_state_dict_into(model: WanDiT, sd: Mapping[str, torch.Tensor], fmt: str | None = None,
-                         allow_missing_audio: bool = True) -> dict:
+def load_state_dict_into(
+    model: WanDiT, sd: Mapping[str, torch.Tensor], fmt: str | None = None, allow_missing_audio: bool = True
+) -> dict:
     """Load a (diffusers / Wan / Cadence) state dict into `model` in place, casting each tensor to
     the parameter's dtype and device. Returns a report {format, loaded, audio_zeroed}.
 
@@ -198,8 +206,11 @@ def load_state_dict_into(model: WanDiT, sd: Mapping[str, torch.Tensor], fmt: str
     audio_missing = [k for k in missing if _is_audio_key(k)] if allow_missing_audio else []
     missing = [k for k in missing if k not in set(audio_missing)]
     unexpected = sorted(set(conv) - expected) + unmatched
-    mismatched = [f"{k}: checkpoint {tuple(conv[k].shape)} vs model {tuple(params[k].shape)}"
-                  for k in sorted(expected & set(conv)) if tuple(conv[k].shape) != tuple(params[k].shape)]
+    mismatched = [
+        f"{k}: checkpoint {tuple(conv[k].shape)} vs model {tuple(params[k].shape)}"
+        for k in sorted(expected & set(conv))
+        if tuple(conv[k].shape) != tuple(params[k].shape)
+    ]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing key(s): {_summarise(missing)}")
@@ -222,11 +233,16 @@ def load_state_dict_into(model: WanDiT, sd: Mapping[str, torch.Tensor], fmt: str
                 blk.audio_attn.out.weight.zero_()
                 blk.audio_attn.out.bias.zero_()
         zeroed = True
-        log.info("checkpoint has no audio-branch weights (%d keys); audio attention output zeroed", len(audio_missing))
+        log.info(
+            "checkpoint has no audio-branch weights (%d keys); audio attention output zeroed",
+            len(audio_missing),
+        )
     return {"format": fmt, "loaded": len(conv), "audio_zeroed": zeroed}
 
 
-def load_weights(model: WanDiT, path: str | Path, fmt: str | None = None, allow_missing_audio: bool = True) -> dict:
+def load_weights(
+    model: WanDiT, path: str | Path, fmt: str | None = None, allow_missing_audio: bool = True
+) -> dict:
     """Load one safetensors file, or a directory of them (sharded checkpoints), into `model`. A model
     whose configuration names a family (``ModelConfig.family``) reads the family's own format
     (:func:`load_family_weights`)."""
@@ -289,7 +305,7 @@ def _strip(key: str, prefixes: tuple[str, ...]) -> str:
         if p.startswith("_fsdp"):  # FSDP's wrapper may sit at any depth
             key = key.replace(p, "")
         elif key.startswith(p):
-            key = key[len(p):]
+            key = key[len(p) :]
     return key
 
 
@@ -298,15 +314,22 @@ def describe_checkpoint(sd: Mapping[str, torch.Tensor]) -> dict:
     family detection): {names, dim, layers, in_channels, text_dim, ffn_dim}."""
     names = detect_format(sd.keys())
     out = {"names": names}
-    pe = {"wan": "patch_embedding.weight", "diffusers": "patch_embedding.weight", "cadence": "patch_embed.weight"}
+    pe = {
+        "wan": "patch_embedding.weight",
+        "diffusers": "patch_embedding.weight",
+        "cadence": "patch_embed.weight",
+    }
     w = sd.get(pe[names])
     if w is not None:
         out["dim"] = int(w.shape[0])
         out["in_channels"] = int(w.shape[1]) if w.ndim == 5 else None
     idx = [int(m.group(1)) for k in sd for m in [re.match(r"blocks\.(\d+)\.", k)] if m]
     out["layers"] = max(idx) + 1 if idx else 0
-    ffn = {"wan": "blocks.0.ffn.0.weight", "diffusers": "blocks.0.ffn.net.0.proj.weight",
-           "cadence": "blocks.0.ffn.fc1.weight"}.get(names)
+    ffn = {
+        "wan": "blocks.0.ffn.0.weight",
+        "diffusers": "blocks.0.ffn.net.0.proj.weight",
+        "cadence": "blocks.0.ffn.fc1.weight",
+    }.get(names)
     if ffn in sd:
         out["ffn_dim"] = int(sd[ffn].shape[0])
     return out
@@ -327,8 +350,11 @@ def guess_family(kind: str, top_keys, desc: dict) -> list[str]:
         ck = fam.checkpoint
         if kind not in ck.kinds or desc.get("names") != ck.names:
             continue
-        if kind == ".pt" and ck.state_keys and not set(top_keys) & set(ck.state_keys + ((ck.ema_key,) if ck.ema_key
-                                                                                       else ())):
+        if (
+            kind == ".pt"
+            and ck.state_keys
+            and not set(top_keys) & set(ck.state_keys + ((ck.ema_key,) if ck.ema_key else ()))
+        ):
             continue
         m = family_config(fam.name).model
         if desc.get("dim") == m.dim and desc.get("layers") == m.num_layers:
@@ -354,9 +380,12 @@ def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> 
     def _fail(what: str, sd_for_guess: Mapping | None = None) -> WeightsError:
         hint = ""
         if sd_for_guess is not None:
-            desc = describe_checkpoint({_strip(k, ck.prefixes): v for k, v in sd_for_guess.items()
-                                        if isinstance(v, torch.Tensor)})
-            guess = [g for g in guess_family(kind, obj.keys() if kind == ".pt" else (), desc) if g != fam.name]
+            desc = describe_checkpoint(
+                {_strip(k, ck.prefixes): v for k, v in sd_for_guess.items() if isinstance(v, torch.Tensor)}
+            )
+            guess = [
+                g for g in guess_family(kind, obj.keys() if kind == ".pt" else (), desc) if g != fam.name
+            ]
             hint = f"; it holds {desc['names']} names, {_geometry(desc)}"
             if guess:
                 hint += f": it looks like {' / '.join(guess)}"
@@ -365,17 +394,20 @@ def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> 
     if kind not in ck.kinds:
         inner = obj
         if kind == ".pt":
-            inner = next((obj[k] for k in ("generator", "generator_ema", "model") if isinstance(obj.get(k), dict)), obj)
+            inner = next(
+                (obj[k] for k in ("generator", "generator_ema", "model") if isinstance(obj.get(k), dict)), obj
+            )
         raise _fail(f"it is a {kind} file", inner)
     if kind == ".pt" and ck.state_keys:
-        keys = ((ck.ema_key,) if ema else ck.state_keys)
+        keys = (ck.ema_key,) if ema else ck.state_keys
         if ema and not ck.ema_key:
             raise WeightsError(f"{where}: family {fam.name!r} has no EMA weights entry")
         found = next((k for k in keys if isinstance(obj.get(k), dict)), None)
         if found is None:
             top = ", ".join(sorted(map(str, obj.keys()))[:8]) or "nothing"
-            lora_like = any(isinstance(v, dict) and any(".lora_" in kk for kk in v) for v in obj.values()) or any(
-                ".lora_" in str(k) for k in obj)
+            lora_like = any(
+                isinstance(v, dict) and any(".lora_" in kk for kk in v) for v in obj.values()
+            ) or any(".lora_" in str(k) for k in obj)
             extra = " (this is a LoRA file: pass it as the LoRA)" if lora_like else ""
             raise WeightsError(f"{where}: no {' / '.join(keys)} entry; its top-level keys are {top}{extra}")
         raw = obj[found]
@@ -387,7 +419,9 @@ def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> 
         raise WeightsError(f"{where}: entries that are not tensors: {_summarise(bad)}")
     names = detect_format(sd.keys())
     if names != ck.names:
-        raise _fail(f"its keys are {names} names, not {ck.names} names (first keys: {_summarise(list(sd), 4)})", raw)
+        raise _fail(
+            f"its keys are {names} names, not {ck.names} names (first keys: {_summarise(list(sd), 4)})", raw
+        )
     return sd
 
 
@@ -405,8 +439,10 @@ def read_lora(path: str | Path, family: str) -> dict[str, torch.Tensor]:
             obj = obj[k]
             break
     if not any(".lora_A" in str(k) for k in obj):
-        raise WeightsError(f"LoRA {path} (family {fam.name!r}): no lora_A / lora_B weights; its first keys are "
-                           f"{_summarise(list(map(str, obj)), 4)}")
+        raise WeightsError(
+            f"LoRA {path} (family {fam.name!r}): no lora_A / lora_B weights; its first keys are "
+            f"{_summarise(list(map(str, obj)), 4)}"
+        )
     return obj
 
 
@@ -414,8 +450,13 @@ _LORA_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(.+)\.lora_([AB])(?
 
 
 @torch.no_grad()
-def merge_lora(sd: dict[str, torch.Tensor], lora: Mapping[str, torch.Tensor], rank: int, alpha: float,
-               source: str = "LoRA") -> int:
+def merge_lora(
+    sd: dict[str, torch.Tensor],
+    lora: Mapping[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    source: str = "LoRA",
+) -> int:
     """Merge a peft-style LoRA (``<module>.lora_A.weight`` [r, in] and ``<module>.lora_B.weight`` [out, r],
     optionally under ``base_model.model.`` and with an adapter name) into the Wan-named weights `sd` in
     place: W += (alpha / rank) * B @ A, computed in float32. Returns how many matrices changed; raises
@@ -431,7 +472,9 @@ def merge_lora(sd: dict[str, torch.Tensor], lora: Mapping[str, torch.Tensor], ra
         pairs.setdefault(m.group(1), {})[m.group(2)] = t
     problems = []
     if unknown:
-        problems.append(f"{len(unknown)} key(s) that are not lora_A / lora_B weights: {_summarise(unknown, 4)}")
+        problems.append(
+            f"{len(unknown)} key(s) that are not lora_A / lora_B weights: {_summarise(unknown, 4)}"
+        )
     scale = alpha / rank
     todo = []
     for mod, ab in sorted(pairs.items()):
@@ -449,15 +492,19 @@ def merge_lora(sd: dict[str, torch.Tensor], lora: Mapping[str, torch.Tensor], ra
         else:
             todo.append((mod, w, a, b))
     if problems:
-        raise WeightsError(f"{source} does not fit the base weights: " + "; ".join(problems[:6]) +
-                           (f" ... and {len(problems) - 6} more" if len(problems) > 6 else ""))
+        raise WeightsError(
+            f"{source} does not fit the base weights: "
+            + "; ".join(problems[:6])
+            + (f" ... and {len(problems) - 6} more" if len(problems) > 6 else "")
+        )
     for mod, w, a, b in todo:
         sd[mod + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return len(todo)
 
 
-def load_family_weights(model: WanDiT, path: str | Path, family: str, ema: bool = False,
-                        lora: str | Path | None = None) -> dict:
+def load_family_weights(
+    model: WanDiT, path: str | Path, family: str, ema: bool = False, lora: str | Path | None = None
+) -> dict:
     """Load `family`'s own checkpoint at `path` (and its LoRA file, merged) into `model`. The model's
     geometry must match the file's (a Krea 14B file into a 1.3B model is refused with both geometries
     named). Returns the loader's report plus {family, file, ema, lora_merged}."""
@@ -471,8 +518,10 @@ def load_family_weights(model: WanDiT, path: str | Path, family: str, ema: bool 
         kind = _kind(Path(path))
         guess = guess_family(kind, ("generator",) if kind == ".pt" else (), desc)
         hint = f" (it looks like {' / '.join(guess)})" if guess and fam.name not in guess else ""
-        raise WeightsError(f"checkpoint {path} (family {fam.name!r}): {_geometry(desc)}{hint}; the model is "
-                           f"dim {m.dim}, {m.num_layers} layers, ffn {m.ffn_dim}")
+        raise WeightsError(
+            f"checkpoint {path} (family {fam.name!r}): {_geometry(desc)}{hint}; the model is "
+            f"dim {m.dim}, {m.num_layers} layers, ffn {m.ffn_dim}"
+        )
     merged = 0
     if lora is not None:
         ck = fam.checkpoint

@@ -136,8 +136,12 @@ def _symm():
             _symm_mod = sm
         except Exception as e:
             _symm_mod = False
-            warn_once("symm-import", "torch.distributed._symmetric_memory unavailable (%s): row-parallel "
-                      "layers use the nccl all-reduce", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            warn_once(
+                "symm-import",
+                "torch.distributed._symmetric_memory unavailable (%s): row-parallel "
+                "layers use the nccl all-reduce",
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
     return _symm_mod or None
 
 
@@ -242,14 +246,24 @@ class SymmBufferCache:
 
     def get(self, m: int, n: int, dtype: torch.dtype, device: torch.device, group) -> torch.Tensor:
         rows = bucket_rows(m)
-        key = (group_name(group) if group is not None or dist.is_initialized() else "", str(device), dtype, n, rows)
+        key = (
+            group_name(group) if group is not None or dist.is_initialized() else "",
+            str(device),
+            dtype,
+            n,
+            rows,
+        )
         ent = self._entries.get(key)
         if ent is None:
             while len(self._entries) >= self.max_entries:
                 old_key, _ = self._entries.popitem(last=False)  # drop the buffers: back to the pool
                 self.evictions += 1
                 log.debug("symm buffer cache: evicted %s", old_key)
-            ent = [self._alloc(rows * n, dtype, device, group), self._alloc(rows * n, dtype, device, group), 0]
+            ent = [
+                self._alloc(rows * n, dtype, device, group),
+                self._alloc(rows * n, dtype, device, group),
+                0,
+            ]
             self.allocations += 2
             self._entries[key] = ent
         else:
@@ -262,9 +276,15 @@ class SymmBufferCache:
     def info(self) -> dict:
         """entries (<= max_entries), bytes held, allocations / evictions / hits so far, keys."""
         nbytes = sum(b.numel() * b.element_size() for e in self._entries.values() for b in e[:2])
-        return {"entries": len(self._entries), "max_entries": self.max_entries, "bytes": nbytes,
-                "allocations": self.allocations, "evictions": self.evictions, "hits": self.hits,
-                "keys": [(k[3], k[4], str(k[2]).replace("torch.", "")) for k in self._entries]}
+        return {
+            "entries": len(self._entries),
+            "max_entries": self.max_entries,
+            "bytes": nbytes,
+            "allocations": self.allocations,
+            "evictions": self.evictions,
+            "hits": self.hits,
+            "keys": [(k[3], k[4], str(k[2]).replace("torch.", "")) for k in self._entries],
+        }
 
     def clear(self) -> None:
         self._entries.clear()
@@ -319,7 +339,10 @@ def table_path(world: int) -> Path | None:
         if torch.cuda.is_available():
             from cadence.telemetry.devices import device_kind
 
-            own = d / f"chooser-{device_kind(torch.device('cuda', torch.cuda.current_device()), world)}-tp{world}.json"
+            own = (
+                d
+                / f"chooser-{device_kind(torch.device('cuda', torch.cuda.current_device()), world)}-tp{world}.json"
+            )
             if own.is_file():
                 return own
     except Exception:
@@ -351,7 +374,9 @@ def _default_mode(m: int, device_type: str) -> tuple[str, str]:
     return "nccl", f"built-in default (no measured entry): nccl at M > {AUTO_TWO_SHOT_MAX_M}"
 
 
-def choose_mode(m: int, n: int, k: int, dtype: str | torch.dtype, world: int, device_type: str = "cuda") -> str:
+def choose_mode(
+    m: int, n: int, k: int, dtype: str | torch.dtype, world: int, device_type: str = "cuda"
+) -> str:
     """The comm mode for a row-parallel call [m, k] x [k, n] over `world` ranks (dtype: 'bf16',
     'fp8', ... or a torch dtype). From the measured table (same n, k, dtype, world; the nearest
     measured m within 2x), else the built-in default. Logs its pick and the reason once per shape."""
@@ -362,7 +387,10 @@ def choose_mode(m: int, n: int, k: int, dtype: str | torch.dtype, world: int, de
     if hit is not None:
         return hit[0]
     if device_type != "cuda" or world <= 1:
-        mode, why = "nccl", (f"{device_type}: no symmetric memory" if device_type != "cuda" else "world of one")
+        mode, why = (
+            "nccl",
+            (f"{device_type}: no symmetric memory" if device_type != "cuda" else "world of one"),
+        )
     else:
         best = None
         for e in load_table(world):
@@ -383,8 +411,10 @@ def choose_mode(m: int, n: int, k: int, dtype: str | torch.dtype, world: int, de
                 mode, why = _default_mode(m, device_type)
             else:
                 times = e.get("modes_us") or e.get("modes") or {}
-                why = (f"measured table {table_path(world)}: at m={e['m']} {mode} "
-                       f"{times.get(mode, '?')} us vs nccl {times.get('nccl', e.get('unfused_us', '?'))} us")
+                why = (
+                    f"measured table {table_path(world)}: at m={e['m']} {mode} "
+                    f"{times.get(mode, '?')} us vs nccl {times.get('nccl', e.get('unfused_us', '?'))} us"
+                )
         else:
             mode, why = _default_mode(m, device_type)
     _decisions[key] = (mode, why)
@@ -394,7 +424,9 @@ def choose_mode(m: int, n: int, k: int, dtype: str | torch.dtype, world: int, de
 
 def chooser_decisions() -> dict[str, dict]:
     """Every shape the chooser decided so far: 'm x k -> n dtype tpW' -> {mode, why}."""
-    return {f"{k[0]}x{k[2]}->{k[1]} {k[3]} tp{k[4]}": {"mode": v[0], "why": v[1]} for k, v in _decisions.items()}
+    return {
+        f"{k[0]}x{k[2]}->{k[1]} {k[3]} tp{k[4]}": {"mode": v[0], "why": v[1]} for k, v in _decisions.items()
+    }
 
 
 def reset_chooser() -> None:
@@ -417,7 +449,9 @@ def _fp8_fast(linear, x: torch.Tensor) -> bool:
     return isinstance(linear, FP8Linear) and linear._why_not_scaled_mm(x, torch.bfloat16) is None
 
 
-def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = None, timed: bool = True) -> None:
+def gemm_into(
+    linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = None, timed: bool = True
+) -> None:
     """out [M, n] <- x2 [M, K] @ W^T without bias (W: the layer's weight, or its output rows `rows`).
     Writes straight into `out` (cuBLAS epilogue); where that is not possible, computes and copies.
     Timed under the "linear" region unless `timed` is False (caller inside another region)."""
@@ -433,14 +467,30 @@ def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = 
                     w = linear.weight_fp8 if rows is None else linear.weight_fp8[rows]
                     ws = linear.weight_scale if rows is None else _scale_slice(linear, rows)
                     try:
-                        torch._scaled_mm(aligned16(xq), w.t(), scale_a=aligned16(xs), scale_b=ws, out_dtype=out.dtype,
-                                         use_fast_accum=True, out=out)
+                        torch._scaled_mm(
+                            aligned16(xq),
+                            w.t(),
+                            scale_a=aligned16(xs),
+                            scale_b=ws,
+                            out_dtype=out.dtype,
+                            use_fast_accum=True,
+                            out=out,
+                        )
                     except (RuntimeError, NotImplementedError) as e:
                         if rows is None:  # cuBLAS refused this whole-layer shape: remember it (the layer's
                             # own path then falls back without retrying; FP8Linear.fallback_calls counts it)
                             m = x2.shape[0]
-                            note_scaled_mm_failure((x2.device.type, torch.bfloat16, m, linear.in_features,
-                                                    linear.out_features, False), e)
+                            note_scaled_mm_failure(
+                                (
+                                    x2.device.type,
+                                    torch.bfloat16,
+                                    m,
+                                    linear.in_features,
+                                    linear.out_features,
+                                    False,
+                                ),
+                                e,
+                            )
                         raise
                     linear.scaled_mm_calls += 1
                 return
@@ -452,8 +502,11 @@ def gemm_into(linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = 
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, NotImplementedError, TypeError) as e:
-        warn_once("gemm-into", "GEMM straight into the symmetric buffer failed (%s): computing then copying",
-                  str(e).splitlines()[0] if str(e) else type(e).__name__)
+        warn_once(
+            "gemm-into",
+            "GEMM straight into the symmetric buffer failed (%s): computing then copying",
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
     y = _plain_gemm(linear, x2, rows)
     out.copy_(y)
 
@@ -514,8 +567,11 @@ def _two_shot_reduce(buf: torch.Tensor, gname: str) -> torch.Tensor:
             return out
         except (RuntimeError, NotImplementedError, TypeError) as e:  # argument checks: before any kernel
             _no_out_op.append(str(e))
-            warn_once("two-shot-out", "two_shot_all_reduce_out unusable (%s): in place + copy instead",
-                      str(e).splitlines()[0] if str(e) else type(e).__name__)
+            warn_once(
+                "two-shot-out",
+                "two_shot_all_reduce_out unusable (%s): in place + copy instead",
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
     _ops().two_shot_all_reduce_(buf, "sum", gname)
     return buf.clone()
 
@@ -553,13 +609,27 @@ def _rs_ag(linear, x2, group, m, n, world):
             odt = gemm_out_dtype(linear, x2)  # bf16 on CUDA
             op = _ops().fused_scaled_matmul_reduce_scatter
             try:  # torch >= 2.7 signature (orig / reshaped scatter dims, output_shape)
-                part = op(xq, linear.weight_fp8.t(), xs, linear.weight_scale, "sum", 0, 0, gname, [m, n],
-                          None, None, odt, True)
+                part = op(
+                    xq,
+                    linear.weight_fp8.t(),
+                    xs,
+                    linear.weight_scale,
+                    "sum",
+                    0,
+                    0,
+                    gname,
+                    [m, n],
+                    None,
+                    None,
+                    odt,
+                    True,
+                )
             except (TypeError, RuntimeError) as e:
                 if "argument" not in str(e) and "schema" not in str(e).lower():
                     raise
-                part = op(xq, linear.weight_fp8.t(), xs, linear.weight_scale, "sum", 0, gname,
-                          None, None, odt, True)  # older signature
+                part = op(
+                    xq, linear.weight_fp8.t(), xs, linear.weight_scale, "sum", 0, gname, None, None, odt, True
+                )  # older signature
             linear.scaled_mm_calls += 1
         else:
             if x2.dtype != linear.weight.dtype:
@@ -664,7 +734,13 @@ class TileStateCache:
 
     def get(self, group, device: torch.device, n: int, m: int, dtype: torch.dtype):
         rows = bucket_rows(m)
-        key = (group_name(group) if group is not None or dist.is_initialized() else "", str(device), n, rows, dtype)
+        key = (
+            group_name(group) if group is not None or dist.is_initialized() else "",
+            str(device),
+            n,
+            rows,
+            dtype,
+        )
         st = self._entries.get(key)
         if st is not None:
             self.hits += 1
@@ -678,10 +754,18 @@ class TileStateCache:
         return st
 
     def info(self) -> dict:
-        nbytes = sum(2 * s.part.numel() * s.part.element_size() + s.flags.numel() * 4 for s in self._entries.values())
-        return {"entries": len(self._entries), "max_entries": self.max_entries, "bytes": nbytes,
-                "allocations": self.allocations, "evictions": self.evictions, "hits": self.hits,
-                "keys": [(k[2], k[3]) for k in self._entries]}
+        nbytes = sum(
+            2 * s.part.numel() * s.part.element_size() + s.flags.numel() * 4 for s in self._entries.values()
+        )
+        return {
+            "entries": len(self._entries),
+            "max_entries": self.max_entries,
+            "bytes": nbytes,
+            "allocations": self.allocations,
+            "evictions": self.evictions,
+            "hits": self.hits,
+            "keys": [(k[2], k[3]) for k in self._entries],
+        }
 
 
 _TILE_CACHE = TileStateCache(int(os.environ.get("CADENCE_TILE_CACHE", "8")))
@@ -710,8 +794,21 @@ def _tiles(linear, x2, group, m, n, world):
             a, b, sa, sb = x2, linear.weight, None, None
         out = torch.empty(m, n, dtype=dt, device=x2.device)
         view = lambda flat: flat[: m * n].view(m, n)  # noqa: E731
-        gar.launch(a, b, sa, sb, out, view(st.part), view(st.part_peer), view(st.fin), view(st.fin_peer),
-                   st.flags, st.flags_peer, st.counter, rank=dist.get_rank(group))
+        gar.launch(
+            a,
+            b,
+            sa,
+            sb,
+            out,
+            view(st.part),
+            view(st.part_peer),
+            view(st.fin),
+            view(st.fin_peer),
+            st.flags,
+            st.flags_peer,
+            st.counter,
+            rank=dist.get_rank(group),
+        )
     return out
 
 
@@ -732,7 +829,9 @@ def _precheck(mode: str, chunks: int, m: int, n: int, dt: torch.dtype, world: in
     return None
 
 
-def row_parallel(linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode: str = "auto") -> torch.Tensor:
+def row_parallel(
+    linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode: str = "auto"
+) -> torch.Tensor:
     """all_reduce_sum(x @ W_local^T) + bias over `group` in the given comm mode ([..., K] -> [..., N]).
     The output is replicated on every rank and never aliases a symmetric buffer."""
     lead = x.shape[:-1]
@@ -769,8 +868,11 @@ def row_parallel(linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode
                     elif name == "tiles":
                         y = _tiles(linear, x2, group, m, n, world)
                     elif name == "chunked":
-                        y = _chunked(linear, x2, group, m, n, chunks) if chunks > 1 else _two_shot(
-                            linear, x2, group, m, n)
+                        y = (
+                            _chunked(linear, x2, group, m, n, chunks)
+                            if chunks > 1
+                            else _two_shot(linear, x2, group, m, n)
+                        )
                 except torch.OutOfMemoryError:
                     raise
                 except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError) as e:
@@ -778,8 +880,15 @@ def row_parallel(linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode
                     _unusable[ukey] = why
                     y = None
             if y is None:
-                warn_once(f"mode:{name}:{why[:60]}", "row-parallel comm %s for %dx%d->%d falls back to nccl: %s",
-                          name, m, k, n, why)
+                warn_once(
+                    f"mode:{name}:{why[:60]}",
+                    "row-parallel comm %s for %dx%d->%d falls back to nccl: %s",
+                    name,
+                    m,
+                    k,
+                    n,
+                    why,
+                )
     if y is None:
         y = _nccl(linear, x2, group)
     if bias is not None:

@@ -50,8 +50,9 @@ def all_ranks_ok(ok: bool, group=None) -> bool:
     return bool(int(t.item()))
 
 
-def agreeing_capture(group=None, capture: Callable | None = None,
-                     stream: torch.cuda.Stream | None = None) -> Callable[[Callable[[], torch.Tensor]], object]:
+def agreeing_capture(
+    group=None, capture: Callable | None = None, stream: torch.cuda.Stream | None = None
+) -> Callable[[Callable[[], torch.Tensor]], object]:
     """A capture function for ``GraphRunner(capture=...)`` that succeeds on every rank or on none.
 
     `capture(fn)` does the local capture (default: ``cuda_capture(fn, stream)`` with one side stream
@@ -81,8 +82,13 @@ def agreeing_capture(group=None, capture: Callable | None = None,
             if reset is not None:
                 reset()
         if err is not None:
-            raise CaptureDisagreement(f"graph capture failed on this rank ({type(err).__name__}: "
-                                      + (str(err).splitlines()[0] if str(err) else "") + ")") from err
-        raise CaptureDisagreement("graph capture failed on another rank of the group; dropping this rank's graph")
+            raise CaptureDisagreement(
+                f"graph capture failed on this rank ({type(err).__name__}: "
+                + (str(err).splitlines()[0] if str(err) else "")
+                + ")"
+            ) from err
+        raise CaptureDisagreement(
+            "graph capture failed on another rank of the group; dropping this rank's graph"
+        )
 
     return run

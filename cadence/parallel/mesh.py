@@ -77,8 +77,14 @@ def init_tp(backend: str | None = None, timeout_s: float | None = None) -> TPInf
 
             kw["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world, **kw)
-    return TPInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                  device=device, backend=dist.get_backend(), group=dist.group.WORLD)
+    return TPInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=dist.get_backend(),
+        group=dist.group.WORLD,
+    )
 
 
 def _default_store():
@@ -125,7 +131,9 @@ def destroy_tp(barrier_timeout_s: float = 10.0) -> None:
         if rank:
             store.set(f"cadence/destroyed/{rank}", "1")
         else:
-            store.wait([f"cadence/destroyed/{r}" for r in range(1, world)],
-                       datetime.timedelta(seconds=barrier_timeout_s))
+            store.wait(
+                [f"cadence/destroyed/{r}" for r in range(1, world)],
+                datetime.timedelta(seconds=barrier_timeout_s),
+            )
     except (RuntimeError, ValueError):  # rank 0 gone, or a rank that never came: nothing left to protect
         pass

@@ -59,12 +59,19 @@ class RowParallelLinear(nn.Module):
     Timing regions: the GEMM under "linear", the collective under "allreduce"; modes where the two
     are inseparable ("rs_ag", "chunked") under "linear_comm"."""
 
-    def __init__(self, linear: nn.Module, bias: torch.Tensor | None, group: dist.ProcessGroup | None,
-                 comm: str = "auto"):
+    def __init__(
+        self,
+        linear: nn.Module,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+        comm: str = "auto",
+    ):
         super().__init__()
         if getattr(linear, "bias", None) is not None:
-            raise ValueError("RowParallelLinear's inner linear must have no bias "
-                             "(the bias is added once, after the all-reduce)")
+            raise ValueError(
+                "RowParallelLinear's inner linear must have no bias "
+                "(the bias is added once, after the all-reduce)"
+            )
         self.linear = linear
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
         self.group = group
@@ -89,7 +96,9 @@ class RowParallelLinear(nn.Module):
         return row_parallel(self.linear, x, self.bias, self.group, self._comm)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features} (local), out_features={self.out_features}, comm={self._comm!r}"
+        return (
+            f"in_features={self.in_features} (local), out_features={self.out_features}, comm={self._comm!r}"
+        )
 
 
 class ShardedRMSNorm(nn.Module):
@@ -117,8 +126,12 @@ class ShardedRMSNorm(nn.Module):
 def _rows(parts: int, width: int, rank: int, world: int, device) -> torch.Tensor:
     """Indices of rank's share of each of `parts` consecutive blocks of `width` rows (q|k|v)."""
     per = width // world
-    return torch.cat([torch.arange(p * width + rank * per, p * width + (rank + 1) * per, device=device)
-                      for p in range(parts)])
+    return torch.cat(
+        [
+            torch.arange(p * width + rank * per, p * width + (rank + 1) * per, device=device)
+            for p in range(parts)
+        ]
+    )
 
 
 def _take_rows(lin: nn.Module, idx: torch.Tensor) -> nn.Module:
@@ -158,11 +171,12 @@ def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
 def _norm(norm: RMSNorm, rank: int, world: int, group) -> ShardedRMSNorm:
     full = norm.weight.numel()
     per = full // world
-    return ShardedRMSNorm(norm.weight[rank * per:(rank + 1) * per], full, norm.eps, group)
+    return ShardedRMSNorm(norm.weight[rank * per : (rank + 1) * per], full, norm.eps, group)
 
 
-def _shard_attention(attn: nn.Module, rank: int, world: int, group, dim: int, dev: torch.device,
-                     comm: str = "auto") -> None:
+def _shard_attention(
+    attn: nn.Module, rank: int, world: int, group, dim: int, dev: torch.device, comm: str = "auto"
+) -> None:
     if hasattr(attn, "qkv"):  # self-attention: fused [q; k; v]
         attn.qkv = _take_rows(attn.qkv, _rows(3, dim, rank, world, dev))
     else:  # cross / audio attention: q from the tokens, fused [k; v] from the context
@@ -177,8 +191,10 @@ def _shard_attention(attn: nn.Module, rank: int, world: int, group, dim: int, de
 def check_tp_size(mcfg, world: int) -> None:
     """Raise ValueError, naming the numbers, unless `world` divides the heads and the FFN width."""
     if world < 1 or mcfg.num_heads % world or mcfg.ffn_dim % world:
-        raise ValueError(f"tensor-parallel size {world} must divide num_heads ({mcfg.num_heads}) and "
-                         f"ffn_dim ({mcfg.ffn_dim})")
+        raise ValueError(
+            f"tensor-parallel size {world} must divide num_heads ({mcfg.num_heads}) and "
+            f"ffn_dim ({mcfg.ffn_dim})"
+        )
 
 
 @torch.no_grad()

@@ -10,5 +10,12 @@ from cadence.quant.fp8 import (
     set_quant_backend,
 )
 
-__all__ = ["FP8Linear", "QuantizedActivation", "apply_fp8", "fp8_report", "quantize_activations", "quantize_rows",
-           "set_quant_backend"]
+__all__ = [
+    "FP8Linear",
+    "QuantizedActivation",
+    "apply_fp8",
+    "fp8_report",
+    "quantize_activations",
+    "quantize_rows",
+    "set_quant_backend",
+]

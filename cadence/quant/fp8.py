@@ -92,9 +92,12 @@ def quant_backend() -> str:
 def _log_quant_path(reason: str, cuda: bool) -> None:
     if reason not in _quant_logged:
         _quant_logged.add(reason)
-        log.log(logging.WARNING if cuda else logging.INFO,
-                "FP8 activation quantisation: PyTorch reference path, not the one-launch Triton kernel (%s). "
-                "Logged once per process.", reason)
+        log.log(
+            logging.WARNING if cuda else logging.INFO,
+            "FP8 activation quantisation: PyTorch reference path, not the one-launch Triton kernel (%s). "
+            "Logged once per process.",
+            reason,
+        )
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +123,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001  (any failure of the kernel: fall back, once, loudly)
-                _quant_failed = why = ("Triton quantisation kernel failed: "
-                                       + (str(e).splitlines()[0] if str(e) else type(e).__name__))
+                _quant_failed = why = "Triton quantisation kernel failed: " + (
+                    str(e).splitlines()[0] if str(e) else type(e).__name__
+                )
         elif ok:
             why = f"wants x [M, K], got {x.dim()} dims"
     _log_quant_path(why, x.device.type == "cuda")
@@ -145,11 +149,18 @@ class QuantizedActivation:
         m = 1
         for d in self.shape[:-1]:
             m *= d
-        if (self.q.dtype != FP8_DTYPE or self.q.dim() != 2 or tuple(self.q.shape) != (m, self.shape[-1])
-                or tuple(self.scale.shape) != (m, 1) or self.scale.dtype != torch.float32):
-            raise ValueError(f"QuantizedActivation wants q [{m}, {self.shape[-1]}] e4m3 and scale [{m}, 1] float32 "
-                             f"for shape {list(self.shape)}, got {self.q.dtype} {list(self.q.shape)} and "
-                             f"{self.scale.dtype} {list(self.scale.shape)}")
+        if (
+            self.q.dtype != FP8_DTYPE
+            or self.q.dim() != 2
+            or tuple(self.q.shape) != (m, self.shape[-1])
+            or tuple(self.scale.shape) != (m, 1)
+            or self.scale.dtype != torch.float32
+        ):
+            raise ValueError(
+                f"QuantizedActivation wants q [{m}, {self.shape[-1]}] e4m3 and scale [{m}, 1] float32 "
+                f"for shape {list(self.shape)}, got {self.q.dtype} {list(self.q.shape)} and "
+                f"{self.scale.dtype} {list(self.scale.shape)}"
+            )
 
     @property
     def device(self) -> torch.device:
@@ -168,8 +179,9 @@ def note_scaled_mm_failure(key: tuple, e: BaseException) -> str:
     """Remember why ``torch._scaled_mm`` failed for the call `key` = (device type, out dtype, M, K, N,
     bias) and return the reason: NotImplementedError (the op missing for this device/dtype) for every
     call on that device/dtype; anything else (cuBLAS refusing one shape) for that shape only."""
-    why = (f"torch._scaled_mm failed on {key[0]} with {key[1]} at M={key[2]} K={key[3]} N={key[4]}: "
-           f"{e}").splitlines()[0]
+    why = (
+        f"torch._scaled_mm failed on {key[0]} with {key[1]} at M={key[2]} K={key[3]} N={key[4]}: {e}"
+    ).splitlines()[0]
     _op_unusable[(key[0], key[1]) if isinstance(e, NotImplementedError) else key] = why
     return why
 
@@ -202,8 +214,11 @@ def _warn_fallback(reason: str) -> None:
     global _warned
     if not _warned:
         _warned = True
-        log.warning("FP8 fast path inactive (%s): falling back to a dequantised matmul "
-                    "(FP8 numerics, no FP8 speed). Logged once per process.", reason)
+        log.warning(
+            "FP8 fast path inactive (%s): falling back to a dequantised matmul "
+            "(FP8 numerics, no FP8 speed). Logged once per process.",
+            reason,
+        )
 
 
 class FP8Linear(nn.Module):
@@ -217,8 +232,10 @@ class FP8Linear(nn.Module):
         super().__init__()
         out_f, in_f = weight_fp8.shape
         if weight_fp8.dtype != FP8_DTYPE or tuple(weight_scale.shape) != (1, out_f):
-            raise ValueError(f"FP8Linear wants an e4m3 [out, in] weight and a [1, out] scale, got "
-                             f"{weight_fp8.dtype} {list(weight_fp8.shape)} and {list(weight_scale.shape)}")
+            raise ValueError(
+                f"FP8Linear wants an e4m3 [out, in] weight and a [1, out] scale, got "
+                f"{weight_fp8.dtype} {list(weight_fp8.shape)} and {list(weight_scale.shape)}"
+            )
         self.in_features, self.out_features = in_f, out_f
         self.register_buffer("weight_fp8", weight_fp8.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().contiguous())  # [1, N], scale_b's layout
@@ -231,7 +248,7 @@ class FP8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, lin: nn.Linear) -> "FP8Linear":
+    def from_linear(cls, lin: nn.Linear) -> FP8Linear:
         """Quantise a (bf16 / fp32) linear: one scale per output channel, amax / 448."""
         w_fp8, w_scale = quantize_rows(lin.weight)
         return cls(w_fp8, w_scale.t(), lin.bias)
@@ -241,13 +258,17 @@ class FP8Linear(nn.Module):
         return self.weight_fp8.float() * self.weight_scale.t()
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, fp8=e4m3")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, fp8=e4m3"
+        )
 
     def _why_not_scaled_mm(self, x: torch.Tensor, out_dtype: torch.dtype) -> str | None:
         if x.device.type == "cuda" and (self.in_features % 16 or self.out_features % 16):
-            return (f"torch._scaled_mm on CUDA needs in/out features divisible by 16, "
-                    f"got {self.in_features}/{self.out_features}")
+            return (
+                f"torch._scaled_mm on CUDA needs in/out features divisible by 16, "
+                f"got {self.in_features}/{self.out_features}"
+            )
         return _op_unusable.get((x.device.type, out_dtype)) or _op_unusable.get(self._shape_key(x, out_dtype))
 
     def _shape_key(self, x, out_dtype: torch.dtype) -> tuple:
@@ -256,8 +277,15 @@ class FP8Linear(nn.Module):
         return (x.device.type, out_dtype, m, self.in_features, self.out_features, self.bias is not None)
 
     def _scaled_mm(self, xq, xs, bias, out_dtype):
-        return torch._scaled_mm(aligned16(xq), self.weight_fp8.t(), scale_a=aligned16(xs), scale_b=self.weight_scale,
-                                bias=bias, out_dtype=out_dtype, use_fast_accum=True)
+        return torch._scaled_mm(
+            aligned16(xq),
+            self.weight_fp8.t(),
+            scale_a=aligned16(xs),
+            scale_b=self.weight_scale,
+            bias=bias,
+            out_dtype=out_dtype,
+            use_fast_accum=True,
+        )
 
     def _dequant_mm(self, xq, xs, bias, out_dtype):
         y = (xq.float() * xs) @ self.dequantized_weight().t()
@@ -269,8 +297,10 @@ class FP8Linear(nn.Module):
         with region("linear"):
             if isinstance(x, QuantizedActivation):
                 if x.shape[-1] != self.in_features:
-                    raise ValueError(f"FP8Linear({self.in_features} -> {self.out_features}) got a quantised "
-                                     f"activation of shape {list(x.shape)}")
+                    raise ValueError(
+                        f"FP8Linear({self.in_features} -> {self.out_features}) got a quantised "
+                        f"activation of shape {list(x.shape)}"
+                    )
                 lead, xq, xs, x_dtype = x.shape[:-1], x.q, x.scale, x.dtype
             else:
                 lead, x_dtype = x.shape[:-1], x.dtype
@@ -314,8 +344,11 @@ def apply_fp8(model: nn.Module, *, min_features: int = 0) -> int:
 
     All or nothing: every replacement is built first, then they are swapped in (a swap cannot fail), so
     a conversion that fails part-way raises with the model unchanged, never half-converted."""
-    swaps = [(parent, name, FP8Linear.from_linear(lin)) for parent, name, lin in list(_block_linears(model))
-             if min(lin.in_features, lin.out_features) >= min_features]
+    swaps = [
+        (parent, name, FP8Linear.from_linear(lin))
+        for parent, name, lin in list(_block_linears(model))
+        if min(lin.in_features, lin.out_features) >= min_features
+    ]
     for parent, name, fp8 in swaps:
         setattr(parent, name, fp8)
     return len(swaps)

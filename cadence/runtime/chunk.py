@@ -12,9 +12,17 @@ from cadence.model.dit import TextContext, WanDiT
 from cadence.runtime.sampler import Schedule
 
 
-def denoise_chunk(model: WanDiT, cache, schedule: Schedule, commit: str, noise: torch.Tensor,
-                  text: TextContext, audio: torch.Tensor | None, timesteps: torch.Tensor,
-                  renoise: torch.Tensor | None = None) -> torch.Tensor:
+def denoise_chunk(
+    model: WanDiT,
+    cache,
+    schedule: Schedule,
+    commit: str,
+    noise: torch.Tensor,
+    text: TextContext,
+    audio: torch.Tensor | None,
+    timesteps: torch.Tensor,
+    renoise: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Run the passes of one chunk whose position the cache already knows (``begin_chunk``).
 
     noise [C, F, h, w] float32 is the starting latent; timesteps a device tensor of model timesteps:
@@ -27,9 +35,11 @@ def denoise_chunk(model: WanDiT, cache, schedule: Schedule, commit: str, noise: 
     x = noise
     last = schedule.passes - 1
     for i in range(schedule.passes):
-        v = model.forward_chunk(x, timesteps[i:i + 1], text, audio, cache, commit=(commit == "last_pass" and i == last))
+        v = model.forward_chunk(
+            x, timesteps[i : i + 1], text, audio, cache, commit=(commit == "last_pass" and i == last)
+        )
         x = schedule.step(x, v, i, renoise[i] if renoise is not None and i < last else None)
     if commit == "clean_pass":
         n = schedule.passes
-        model.forward_chunk(x, timesteps[n:n + 1], text, audio, cache, commit=True)
+        model.forward_chunk(x, timesteps[n : n + 1], text, audio, cache, commit=True)
     return x

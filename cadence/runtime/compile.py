@@ -82,8 +82,11 @@ class _FusedOp:
             out = self.compiled(*args)
         except Exception as e:  # compiler missing / a shape it rejects: plain from now on
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            log.warning("compiled %s failed (%s); using the plain PyTorch function from now on", self.name,
-                        self.failed)
+            log.warning(
+                "compiled %s failed (%s); using the plain PyTorch function from now on",
+                self.name,
+                self.failed,
+            )
             return self.plain(*args)
         self.calls += 1
         return out
@@ -97,8 +100,11 @@ class FusedOps(L.ElementwiseOps):
             setattr(self, name, _FusedOp(name, getattr(L, name), backend))
 
     def status(self) -> dict:
-        return {name: ("failed: " + op.failed) if op.failed else f"compiled ({op.calls} calls)"
-                for name in OPS for op in [getattr(self, name)]}
+        return {
+            name: ("failed: " + op.failed) if op.failed else f"compiled ({op.calls} calls)"
+            for name in OPS
+            for op in [getattr(self, name)]
+        }
 
 
 @dataclass

@@ -49,10 +49,10 @@ function computing the step from the static buffers and returns a handle with ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -134,12 +134,20 @@ class GraphRunner:
 
     MAX_LOGGED = 256  # distinct (reason, key) log lines before going quiet
 
-    def __init__(self, enabled: bool = True, max_graphs: int = 4, warmup: int = 1, max_captures_per_key: int = 8,
-                 capture: Callable[[Callable[[], torch.Tensor]], object] | None = None,
-                 capture_filling: bool = False):
+    def __init__(
+        self,
+        enabled: bool = True,
+        max_graphs: int = 4,
+        warmup: int = 1,
+        max_captures_per_key: int = 8,
+        capture: Callable[[Callable[[], torch.Tensor]], object] | None = None,
+        capture_filling: bool = False,
+    ):
         if max_graphs < 1 or warmup < 1 or max_captures_per_key < 1:
-            raise ValueError(f"need max_graphs >= 1 ({max_graphs}), warmup >= 1 ({warmup}), "
-                             f"max_captures_per_key >= 1 ({max_captures_per_key})")
+            raise ValueError(
+                f"need max_graphs >= 1 ({max_graphs}), warmup >= 1 ({warmup}), "
+                f"max_captures_per_key >= 1 ({max_captures_per_key})"
+            )
         self.enabled, self.max_graphs, self.warmup = enabled, max_graphs, warmup
         self.max_captures_per_key = max_captures_per_key
         self.capture_filling = capture_filling  # also capture the ring-filling steps (a graph per fill stage)
@@ -207,13 +215,15 @@ class GraphRunner:
             if lk in self._logged or len(self._logged) >= self.MAX_LOGGED:
                 return
             self._logged.add(lk)
-        msg = self._MESSAGES[reason].format(dev=key.device, cache=key.cache, window=key.window_chunks,
-                                            n=self._captured.get(key, 0))
+        msg = self._MESSAGES[reason].format(
+            dev=key.device, cache=key.cache, window=key.window_chunks, n=self._captured.get(key, 0)
+        )
         log.info("cuda graphs: %s [%s]", msg, key.short())
 
     # ---- running --------------------------------------------------------------------------------
-    def run(self, key: StepKey, step: Callable[[StepInputs], torch.Tensor], inp: StepInputs,
-            keep: object = None) -> torch.Tensor:
+    def run(
+        self, key: StepKey, step: Callable[[StepInputs], torch.Tensor], inp: StepInputs, keep: object = None
+    ) -> torch.Tensor:
         """``step(inp)``: replayed from a graph captured for ``key``, or run eagerly, same result.
 
         ``step`` computes the denoising passes from its inputs alone (everything else it reads, the
@@ -262,9 +272,11 @@ class GraphRunner:
 
     def _capture_entry(self, step, inp: StepInputs, key: StepKey, keep: object) -> _Entry | None:
         static = StepInputs(
-            noise=inp.noise.clone(), renoise=inp.renoise.clone() if inp.renoise is not None else None,
+            noise=inp.noise.clone(),
+            renoise=inp.renoise.clone() if inp.renoise is not None else None,
             audio=inp.audio.clone() if inp.audio is not None else None,
-            text=TextContext([(k.clone(), v.clone()) for k, v in inp.text.kv]))
+            text=TextContext([(k.clone(), v.clone()) for k, v in inp.text.kv]),
+        )
 
         def fn() -> torch.Tensor:
             return step(static)
@@ -279,14 +291,22 @@ class GraphRunner:
         except Exception as e:
             self._failed.add(key)
             self.stats.capture_failures += 1
-            log.warning("cuda graphs: capture failed (%s: %s); this shape runs eagerly [%s]",
-                        type(e).__name__, e, key.short())
+            log.warning(
+                "cuda graphs: capture failed (%s: %s); this shape runs eagerly [%s]",
+                type(e).__name__,
+                e,
+                key.short(),
+            )
             self._note("capture_failed", key)
             return None
         self._captured[key] = self._captured.get(key, 0) + 1
         self.stats.captures += 1
-        log.info("cuda graphs: captured step [%s] (%d kept, max %d)", key.short(), len(self._graphs) + 1,
-                 self.max_graphs)
+        log.info(
+            "cuda graphs: captured step [%s] (%d kept, max %d)",
+            key.short(),
+            len(self._graphs) + 1,
+            self.max_graphs,
+        )
         entry = _Entry(handle, static, inp.text, keep)
         self._graphs[key] = entry
         while len(self._graphs) > self.max_graphs:

@@ -88,7 +88,9 @@ class Schedule:
         ts = [self.timestep(i) for i in range(self.passes)] + [self.context_timestep, 0.0]
         return torch.tensor(ts, dtype=torch.float32).to(device)
 
-    def step(self, x: torch.Tensor, v: torch.Tensor, i: int, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self, x: torch.Tensor, v: torch.Tensor, i: int, noise: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Advance x from sigmas[i] to sigmas[i+1] given the predicted velocity v (float32 math)."""
         s, s_next = self.sigmas[i], self.sigmas[i + 1]
         xf, vf = x.float(), v.float()

@@ -46,18 +46,40 @@ class StepKey:
     cache_id: int  # a graph reads this cache object's buffers
 
     def short(self) -> str:
-        return (f"tokens={self.tokens_per_chunk} text_len={self.text_len} cache={self.cache} "
-                f"window={self.window_chunks} filled={self.filled} fill={self.fill} commit={self.commit} "
-                f"passes={self.passes}")
+        return (
+            f"tokens={self.tokens_per_chunk} text_len={self.text_len} cache={self.cache} "
+            f"window={self.window_chunks} filled={self.filled} fill={self.fill} commit={self.commit} "
+            f"passes={self.passes}"
+        )
 
 
-def step_key(inp: StepInputs, shape: CacheShape, *, dtype: torch.dtype, tokens_per_chunk: int,
-             window_chunks: int, commit: str, passes: int, sampler: str, cache_id: int) -> StepKey:
+def step_key(
+    inp: StepInputs,
+    shape: CacheShape,
+    *,
+    dtype: torch.dtype,
+    tokens_per_chunk: int,
+    window_chunks: int,
+    commit: str,
+    passes: int,
+    sampler: str,
+    cache_id: int,
+) -> StepKey:
     """The key of a step with inputs ``inp`` on a cache whose state is ``shape`` (``cache.step_shape()``)."""
     text_len = int(inp.text.kv[0][0].shape[1]) if inp.text.kv else 0
     return StepKey(
-        device=str(inp.noise.device), dtype=str(dtype).replace("torch.", ""), latent_shape=tuple(inp.noise.shape),
-        tokens_per_chunk=tokens_per_chunk, text_len=text_len,
-        audio_shape=tuple(inp.audio.shape) if inp.audio is not None else None, cache=shape.kind,
-        window_chunks=window_chunks, filled=shape.filled, fill=shape.fill, commit=commit, passes=passes,
-        sampler=sampler, cache_id=cache_id)
+        device=str(inp.noise.device),
+        dtype=str(dtype).replace("torch.", ""),
+        latent_shape=tuple(inp.noise.shape),
+        tokens_per_chunk=tokens_per_chunk,
+        text_len=text_len,
+        audio_shape=tuple(inp.audio.shape) if inp.audio is not None else None,
+        cache=shape.kind,
+        window_chunks=window_chunks,
+        filled=shape.filled,
+        fill=shape.fill,
+        commit=commit,
+        passes=passes,
+        sampler=sampler,
+        cache_id=cache_id,
+    )

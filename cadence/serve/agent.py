@@ -66,7 +66,7 @@ class SampleQueue:
         while pos < n:
             p = self._pieces[0]
             k = min(n - pos, p.size)
-            out[pos:pos + k] = p[:k]
+            out[pos : pos + k] = p[:k]
             if k == p.size:
                 self._pieces.popleft()
             else:
@@ -136,10 +136,10 @@ class Agent:
         """The next ``n`` samples the character says (silence-padded) and the segment starts inside them."""
         out = np.zeros(n, np.float32)
         a, marks = self.speech.take(n)
-        out[:a.size] = a
+        out[: a.size] = a
         if a.size < n:
             b, more = self._fill(n - a.size)
-            out[a.size:a.size + b.size] = b
+            out[a.size : a.size + b.size] = b
             marks += [SegmentMark(m.offset + a.size, m.t_agent) for m in more]
         self.speaking_samples += a.size
         return out, marks
@@ -224,6 +224,7 @@ def make_agent(name: str, chunk_seconds: float = 0.0) -> Agent:
 
 # ---- espeak-ng -----------------------------------------------------------------------------------
 
+
 def espeak_binary() -> str | None:
     """Path of espeak-ng (or espeak), None when not installed."""
     return shutil.which("espeak-ng") or shutil.which("espeak")
@@ -246,8 +247,10 @@ def synthesize(text: str, voice: str = "en", speed: int = 160, timeout: float = 
         raise InputError(f"text to say is too long ({len(text)} characters; limit {SayAgent.max_text})")
     exe = espeak_binary()
     if exe is None:
-        raise TTSUnavailable("the 'say' agent needs espeak-ng, which is not installed on the server "
-                             "(Debian: apt-get install espeak-ng)")
+        raise TTSUnavailable(
+            "the 'say' agent needs espeak-ng, which is not installed on the server "
+            "(Debian: apt-get install espeak-ng)"
+        )
     if "\0" in text:
         raise InputError("text to say contains a NUL character")
     try:
@@ -257,8 +260,13 @@ def synthesize(text: str, voice: str = "en", speed: int = 160, timeout: float = 
     try:
         # The text goes in on stdin, never on the command line: argv is espeak-ng's option space, and text
         # such as "-f/etc/shadow" there would be an option (read that file and say it).
-        out = subprocess.run([exe, "-v", voice, "-s", str(int(speed)), "--stdout", "--stdin"], input=data,
-                             capture_output=True, timeout=timeout, check=False)
+        out = subprocess.run(
+            [exe, "-v", voice, "-s", str(int(speed)), "--stdout", "--stdin"],
+            input=data,
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         raise TTSUnavailable(f"espeak-ng did not finish within {timeout:.0f} s") from None
     if out.returncode != 0 or not out.stdout:
@@ -295,7 +303,9 @@ def decode_audio_bytes(data: bytes, max_seconds: float = 60.0) -> np.ndarray:
     except InputError:
         raise
     except Exception as e:
-        raise InputError(f"could not decode audio ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        raise InputError(
+            f"could not decode audio ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
     samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
     if samples.size == 0:
         raise InputError("audio contains no samples")
@@ -314,4 +324,3 @@ def wav_bytes(samples: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
         w.setframerate(rate)
         w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
     return buf.getvalue()
-

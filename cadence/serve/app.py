@@ -40,7 +40,6 @@ give their memory back to the OS afterwards (glibc ``malloc_trim``). An offer th
 closed after ``connect_timeout_s`` (10 s). Admission: one session per worker group (``ServeConfig.groups``).
 """
 
-
 import asyncio
 import base64
 import binascii
@@ -65,6 +64,7 @@ from pathlib import Path
 import numpy as np
 from aiortc.exceptions import InvalidAccessError, OperationError
 
+from cadence.engine.messages import CloseSession, Died
 from cadence.errors import CadenceError, InputError
 from cadence.serve.agent import (
     AGENTS,
@@ -75,7 +75,6 @@ from cadence.serve.agent import (
     make_agent,
     synthesize,
 )
-from cadence.engine.messages import CloseSession, Died
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, worker_spec
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession
@@ -85,7 +84,7 @@ from cadence.telemetry.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 log = logging.getLogger("cadence.serve")
 STATIC = Path(__file__).parent / "static"
 MAX_PROMPT = 1000
-MAX_SEED = 2 ** 63 - 1
+MAX_SEED = 2**63 - 1
 #: Body limit of every route but POST /sessions and /audio (JSON with a line of text, or nothing).
 SMALL_BODY = 64 * 1024
 #: Formats a reference image may be in (Pillow plugin names); anything else is a 400 before any decoding.
@@ -111,7 +110,9 @@ class SessionManager:
         self.groups = []
         for i, dev in enumerate(cfg.groups):
             spec, shm = worker_spec(cfg, dev, frame_bytes)
-            self.groups.append(WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm))
+            self.groups.append(
+                WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm)
+            )
         self.sessions: dict[str, LiveSession] = {}
         self.reports: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._report_times: dict[str, float] = {}
@@ -121,10 +122,13 @@ class SessionManager:
         self.loop: asyncio.AbstractEventLoop | None = None
         # auth and admission bookkeeping, by session id (kept here, not in LiveSession):
         self.tokens: dict[str, bytes] = {}  # SHA-256 of each token, while the session or its report is kept
-        self.clients: dict[str, str] = {}  # the creator's address, while its slot is reserved or its session open
+        self.clients: dict[
+            str, str
+        ] = {}  # the creator's address, while its slot is reserved or its session open
         self._decode_sem = asyncio.Semaphore(cfg.decode_concurrency)
-        self._decode_pool = concurrent.futures.ThreadPoolExecutor(cfg.decode_concurrency,
-                                                                  thread_name_prefix="cadence-decode")
+        self._decode_pool = concurrent.futures.ThreadPoolExecutor(
+            cfg.decode_concurrency, thread_name_prefix="cadence-decode"
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,19 +136,28 @@ class SessionManager:
         self._decode_pool.submit(int).result()  # the decode thread exists from now on (a steady thread count)
         use_ice_host_addresses(self.cfg.ice_host_addresses)
         for g in self.groups:
-            g.on_message = (lambda msg, g=g: self._route(g, msg))
+            g.on_message = lambda msg, g=g: self._route(g, msg)
             g.start()
         deadline = self.loop.time() + self.cfg.worker_start_timeout_s
         while not all(g.ready.is_set() for g in self.groups):
             failed = [g for g in self.groups if g.start_error]
             if failed:
-                raise RuntimeError("; ".join(f"worker {g.index} ({g.device}): {g.start_error}" for g in failed))
+                raise RuntimeError(
+                    "; ".join(f"worker {g.index} ({g.device}): {g.start_error}" for g in failed)
+                )
             if self.loop.time() > deadline:
-                raise RuntimeError(f"worker processes not ready within {self.cfg.worker_start_timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"worker processes not ready within {self.cfg.worker_start_timeout_s:.0f} s"
+                )
             await asyncio.sleep(0.05)
         self.started = True
-        log.info("cadence serve: preset %s, %d group(s) %s, lead %s ms", self.cfg.preset, len(self.groups),
-                 list(self.cfg.groups), [round(self.lead_ms(g), 1) for g in self.groups])
+        log.info(
+            "cadence serve: preset %s, %d group(s) %s, lead %s ms",
+            self.cfg.preset,
+            len(self.groups),
+            list(self.cfg.groups),
+            [round(self.lead_ms(g), 1) for g in self.groups],
+        )
 
     def lead_ms(self, g: WorkerGroup) -> float:
         """How long before a chunk is due the scheduler hands it to group ``g``'s worker (at a session's
@@ -182,8 +195,12 @@ class SessionManager:
         while self.background:
             left = deadline - loop.time()
             if left <= 0:
-                log.warning("shutdown: %d task(s) still running after %.0f s, cancelled: %s", len(self.background),
-                            timeout, sorted(t.get_name() for t in self.background))
+                log.warning(
+                    "shutdown: %d task(s) still running after %.0f s, cancelled: %s",
+                    len(self.background),
+                    timeout,
+                    sorted(t.get_name() for t in self.background),
+                )
                 for t in list(self.background):
                     t.cancel()
                 await asyncio.wait(list(self.background), timeout=1.0)
@@ -200,7 +217,9 @@ class SessionManager:
             if self.stopping:  # the server is going down: nothing to restart
                 return
             log.error("worker %d died: %s", g.index, msg.reason)
-            if sess is None and g.start_error is None:  # a worker that cannot start is not restarted in a loop
+            if (
+                sess is None and g.start_error is None
+            ):  # a worker that cannot start is not restarted in a loop
                 self._bg(g.restart())
         if sess is None:
             return
@@ -257,7 +276,10 @@ class SessionManager:
         now = time.monotonic()
         while self.reports:
             sid, _ = next(iter(self.reports.items()))
-            if len(self.reports) > self.cfg.max_reports or now - self._report_times[sid] > self.cfg.report_ttl_s:
+            if (
+                len(self.reports) > self.cfg.max_reports
+                or now - self._report_times[sid] > self.cfg.report_ttl_s
+            ):
                 self.reports.popitem(last=False)
                 self._report_times.pop(sid, None)
                 if sid not in self.sessions:
@@ -288,8 +310,12 @@ class SessionManager:
         if sid not in self.sessions and sid not in self.reports:
             raise ApiError(404, f"unknown session {_short(sid)!r}")
         if credential is None:
-            raise ApiError(401, "this session's token is needed (Authorization: Bearer <token>, as returned "
-                                "by POST /sessions)", {"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "this session's token is needed (Authorization: Bearer <token>, as returned "
+                "by POST /sessions)",
+                {"WWW-Authenticate": "Bearer"},
+            )
         if self.is_operator(credential):
             return
         digest = self.tokens.get(sid)
@@ -298,11 +324,17 @@ class SessionManager:
 
     def require_operator(self, credential: str | None, what: str) -> None:
         if self.cfg.api_key is None:
-            raise ApiError(403, f"{what} needs the operator key, and this server has none (cadence serve "
-                                "--api-key-file PATH)")
+            raise ApiError(
+                403,
+                f"{what} needs the operator key, and this server has none (cadence serve "
+                "--api-key-file PATH)",
+            )
         if credential is None:
-            raise ApiError(401, f"{what} needs the operator key (Authorization: Bearer <key>)",
-                           {"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                f"{what} needs the operator key (Authorization: Bearer <key>)",
+                {"WWW-Authenticate": "Bearer"},
+            )
         if not self.is_operator(credential):
             raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
 
@@ -326,15 +358,21 @@ class SessionManager:
         pending = self.pending_offers(client)
         if pending >= cfg.max_pending_offers_per_client:
             self.metrics.refused.inc()
-            raise ApiError(429, f"too many sessions waiting to connect from {client} ({pending}; limit "
-                                f"{cfg.max_pending_offers_per_client}): connect them, DELETE them, or wait "
-                                f"{cfg.connect_timeout_s:.0f} s for them to time out",
-                           {"Retry-After": str(max(1, math.ceil(cfg.connect_timeout_s)))})
+            raise ApiError(
+                429,
+                f"too many sessions waiting to connect from {client} ({pending}; limit "
+                f"{cfg.max_pending_offers_per_client}): connect them, DELETE them, or wait "
+                f"{cfg.connect_timeout_s:.0f} s for them to time out",
+                {"Retry-After": str(max(1, math.ceil(cfg.connect_timeout_s)))},
+            )
         g = self.acquire()
         if g is None:
             self.metrics.refused.inc()
-            raise ApiError(503, f"no free session slot ({len(self.groups)} group(s), all busy); retry later",
-                           {"Retry-After": str(self.retry_after())})
+            raise ApiError(
+                503,
+                f"no free session slot ({len(self.groups)} group(s), all busy); retry later",
+                {"Retry-After": str(self.retry_after())},
+            )
         sid = uuid.uuid4().hex
         g.session_id = sid
         self.clients[sid] = client
@@ -350,12 +388,27 @@ class SessionManager:
         of that many threads (never the event loop's shared executor)."""
         async with self._decode_sem:
             return await asyncio.get_running_loop().run_in_executor(
-                self._decode_pool, _decode_image, data, self.engine_cfg, self.cfg.max_image_bytes,
-                self.cfg.max_image_pixels)
+                self._decode_pool,
+                _decode_image,
+                data,
+                self.engine_cfg,
+                self.cfg.max_image_bytes,
+                self.cfg.max_image_pixels,
+            )
 
     # ---- session creation -------------------------------------------------------------------------
-    async def create(self, *, sdp: str, sdp_type: str, image_bytes: bytes | None, prompt: str, agent: str,
-                     seed: int, t_request: float, client: str = "unknown") -> dict:
+    async def create(
+        self,
+        *,
+        sdp: str,
+        sdp_type: str,
+        image_bytes: bytes | None,
+        prompt: str,
+        agent: str,
+        seed: int,
+        t_request: float,
+        client: str = "unknown",
+    ) -> dict:
         """Check the request, admit it (429 / 503), decode its image, start the session. The answer carries
         the session's token, which only this answer ever shows."""
         cfg = self.cfg
@@ -364,8 +417,11 @@ class SessionManager:
         except InputError as e:
             raise ApiError(400, str(e)) from None
         if agent == "say" and espeak_binary() is None:
-            raise ApiError(503, "the 'say' agent needs espeak-ng, which is not installed on the server "
-                                "(Debian: apt-get install espeak-ng); use agent 'mirror'")
+            raise ApiError(
+                503,
+                "the 'say' agent needs espeak-ng, which is not installed on the server "
+                "(Debian: apt-get install espeak-ng); use agent 'mirror'",
+            )
         if len(prompt) > MAX_PROMPT:
             raise ApiError(400, f"prompt is too long ({len(prompt)} characters; limit {MAX_PROMPT})")
         _check_sdp(sdp, sdp_type, cfg.max_sdp_bytes)
@@ -390,15 +446,26 @@ class SessionManager:
             raise ApiError(400, f"malformed SDP offer: {e}") from None
         except (OperationError, InvalidAccessError) as e:  # a well-formed offer aiortc cannot answer
             await sess.close("bad_offer")
-            raise ApiError(400, f"cannot answer the SDP offer ({e}): the server sends {' or '.join(VIDEO_CODECS)} "
-                                "video and Opus audio") from None
+            raise ApiError(
+                400,
+                f"cannot answer the SDP offer ({e}): the server sends {' or '.join(VIDEO_CODECS)} "
+                "video and Opus audio",
+            ) from None
         except Exception as e:
             await sess.close("start_failed")
             log.exception("session %s failed to start", sid)
             raise ApiError(500, f"session failed to start: {type(e).__name__}: {e}") from None
-        return {"session_id": sid, "token": token, "sdp": answer.sdp, "type": answer.type, "agent": ag.name,
-                "preset": self.engine_cfg.name, "fps": self.engine_cfg.stream.fps,
-                "width": self.engine_cfg.stream.width, "height": self.engine_cfg.stream.height}
+        return {
+            "session_id": sid,
+            "token": token,
+            "sdp": answer.sdp,
+            "type": answer.type,
+            "agent": ag.name,
+            "preset": self.engine_cfg.name,
+            "fps": self.engine_cfg.stream.fps,
+            "width": self.engine_cfg.stream.width,
+            "height": self.engine_cfg.stream.height,
+        }
 
 
 def _check_sdp(sdp, sdp_type, limit: int) -> None:
@@ -413,7 +480,9 @@ def _check_sdp(sdp, sdp_type, limit: int) -> None:
     if not lines or lines[0] != "v=0":
         raise ApiError(400, "malformed SDP offer: it must start with 'v=0'")
     if not any(ln.startswith("m=video") for ln in lines):
-        raise ApiError(400, "malformed SDP offer: no video section (m=video); offer a recvonly video transceiver")
+        raise ApiError(
+            400, "malformed SDP offer: no video section (m=video); offer a recvonly video transceiver"
+        )
     if not any(ln.startswith("a=fingerprint:") for ln in lines):
         raise ApiError(400, "malformed SDP offer: no DTLS fingerprint (a=fingerprint)")
 
@@ -440,8 +509,15 @@ def _check_text(value: str, name: str) -> str:
 
 
 def _type_name(value) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _str_field(fields: dict, name: str, default: str | None, max_chars: int | None = None) -> str | None:
@@ -532,18 +608,23 @@ def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
             with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
                 w, h = im.size
     except Image.DecompressionBombError:
-        raise ApiError(413, f"reference image is too large (over {max_pixels / 1e6:.1f} megapixels)") \
-            from None
+        raise ApiError(
+            413, f"reference image is too large (over {max_pixels / 1e6:.1f} megapixels)"
+        ) from None
     except UnidentifiedImageError:
-        raise ApiError(400, "reference image is not an image in a format the server takes "
-                            f"({', '.join(IMAGE_FORMATS)})") from None
+        raise ApiError(
+            400, f"reference image is not an image in a format the server takes ({', '.join(IMAGE_FORMATS)})"
+        ) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise ApiError(400, f"could not read the reference image's header: {_short(str(e), 200)}") from None
     if w < 1 or h < 1:
         raise ApiError(400, f"reference image has no pixels ({w}x{h})")
     if w * h > max_pixels:
-        raise ApiError(413, f"reference image is {w}x{h} pixels ({w * h / 1e6:.1f} megapixels); the limit is "
-                            f"{max_pixels / 1e6:.1f} megapixels")
+        raise ApiError(
+            413,
+            f"reference image is {w}x{h} pixels ({w * h / 1e6:.1f} megapixels); the limit is "
+            f"{max_pixels / 1e6:.1f} megapixels",
+        )
     return w, h
 
 
@@ -599,8 +680,9 @@ class BodyLimit:
             except ValueError:
                 return await self._refuse(send, 400, "invalid Content-Length")
             if size > limit:
-                return await self._refuse(send, 413,
-                                          f"request body is too large ({size} bytes; limit {limit})")
+                return await self._refuse(
+                    send, 413, f"request body is too large ({size} bytes; limit {limit})"
+                )
         body_left = size > 0 or any(k == b"transfer-encoding" for k, _ in headers)
         seen = 0
         over = False
@@ -650,17 +732,38 @@ class BodyLimit:
 
 # ---- OpenAPI: what every route answers --------------------------------------------------------------
 
-_ERROR_SCHEMA = {"type": "object", "required": ["error"], "additionalProperties": False,
-                 "properties": {"error": {"type": "string", "description": "one line, for a person"}}}
-_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again", "required": True,
-                                "schema": {"type": "integer", "minimum": 1}}}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "additionalProperties": False,
+    "properties": {"error": {"type": "string", "description": "one line, for a person"}},
+}
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "seconds to wait before trying again",
+        "required": True,
+        "schema": {"type": "integer", "minimum": 1},
+    }
+}
 _ERRORS = {
-    400: (("Bad request: a field missing, of the wrong type, out of range, or text that is not valid Unicode "
-           "or carries NUL; not JSON; a malformed SDP offer; an image that is not one"), None),
-    401: ("No credential, or an invalid API key (Authorization: Bearer ...)",
-          {"WWW-Authenticate": {"description": "Bearer", "required": True, "schema": {"type": "string"}}}),
-    403: (("The credential does not open this resource (another session's token), or the route needs the "
-           "operator key and this server has none"), None),
+    400: (
+        (
+            "Bad request: a field missing, of the wrong type, out of range, or text that is not valid Unicode "
+            "or carries NUL; not JSON; a malformed SDP offer; an image that is not one"
+        ),
+        None,
+    ),
+    401: (
+        "No credential, or an invalid API key (Authorization: Bearer ...)",
+        {"WWW-Authenticate": {"description": "Bearer", "required": True, "schema": {"type": "string"}}},
+    ),
+    403: (
+        (
+            "The credential does not open this resource (another session's token), or the route needs the "
+            "operator key and this server has none"
+        ),
+        None,
+    ),
     404: ("No such session (or its report has expired), or no such route", None),
     409: ("The session is still open: its report is written when it closes", None),
     410: ("The session is closed (its state and report stay readable for a while)", None),
@@ -678,20 +781,28 @@ def _errors(*codes: int) -> dict:
         desc, headers = _ERRORS[c]
         if c == 503:
             headers = None  # a 503 for a missing espeak-ng carries no Retry-After; a full server's does
-        out[c] = {"description": desc, "content": {"application/json": {"schema": _ERROR_SCHEMA}},
-                  **({"headers": headers} if headers else {})}
+        out[c] = {
+            "description": desc,
+            "content": {"application/json": {"schema": _ERROR_SCHEMA}},
+            **({"headers": headers} if headers else {}),
+        }
     return out
 
 
 def _ok(description: str, schema: dict | None = None, status: int = 200) -> dict:
-    return {status: {"description": description,
-                     "content": {"application/json": {"schema": schema or {"type": "object"}}}}}
+    return {
+        status: {
+            "description": description,
+            "content": {"application/json": {"schema": schema or {"type": "object"}}},
+        }
+    }
 
 
 _SESSION_ROUTE = (400, 401, 403, 404, 413)
 
 
 # ---- the FastAPI app ------------------------------------------------------------------------------
+
 
 def create_app(cfg: ServeConfig | None = None):
     from fastapi import FastAPI, Request
@@ -703,8 +814,11 @@ def create_app(cfg: ServeConfig | None = None):
 
     cfg = cfg or ServeConfig()
     if not cfg.loopback and cfg.api_key is None:  # ServeConfig allows it only with insecure_no_auth
-        log.warning("WARNING: serving on %s (not loopback) WITHOUT an API key (--insecure-no-auth): anyone "
-                    "who reaches this address can start sessions; use --api-key-file PATH", cfg.host)
+        log.warning(
+            "WARNING: serving on %s (not loopback) WITHOUT an API key (--insecure-no-auth): anyone "
+            "who reaches this address can start sessions; use --api-key-file PATH",
+            cfg.host,
+        )
     mgr = SessionManager(cfg)
 
     @asynccontextmanager
@@ -715,11 +829,15 @@ def create_app(cfg: ServeConfig | None = None):
         finally:
             await mgr.stop()
 
-    app = FastAPI(title="cadence", version="0.1.0", lifespan=lifespan,
-                  description="Live talking characters over WebRTC: chunk-causal video diffusion. Each "
-                              "session's routes need the token POST /sessions returned (Authorization: Bearer "
-                              "<token>); with an operator key configured, creating sessions and listing them "
-                              "need it.")
+    app = FastAPI(
+        title="cadence",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Live talking characters over WebRTC: chunk-causal video diffusion. Each "
+        "session's routes need the token POST /sessions returned (Authorization: Bearer "
+        "<token>); with an operator key configured, creating sessions and listing them "
+        "need it.",
+    )
     app.state.manager = mgr
     session_body = math.ceil(cfg.max_image_bytes * 4 / 3) + cfg.max_sdp_bytes + SMALL_BODY  # (base64 image)
     audio_body = cfg.max_audio_bytes + SMALL_BODY
@@ -779,27 +897,59 @@ def create_app(cfg: ServeConfig | None = None):
 
     @app.get("/healthz", summary="Liveness", responses=_ok("Liveness and free slots"))
     async def healthz():
-        return {"ok": mgr.started, "groups": len(mgr.groups), "free": sum(g.free for g in mgr.groups),
-                "sessions": len(mgr.sessions)}
+        return {
+            "ok": mgr.started,
+            "groups": len(mgr.groups),
+            "free": sum(g.free for g in mgr.groups),
+            "sessions": len(mgr.sessions),
+        }
 
-    @app.get("/config", summary="What the page needs: geometry, agents, limits, whether an API key is needed",
-             responses=_ok("The server's configuration"))
+    @app.get(
+        "/config",
+        summary="What the page needs: geometry, agents, limits, whether an API key is needed",
+        responses=_ok("The server's configuration"),
+    )
     async def config():
         e = mgr.engine_cfg
-        return {"preset": e.name, "width": e.stream.width, "height": e.stream.height, "fps": e.stream.fps,
-                "sample_rate": 48000, "frames_per_chunk": e.video_frames_per_chunk,
-                "audio_samples_per_chunk": e.audio_samples_per_chunk, "chunk_ms": round(1e3 * e.chunk_seconds, 3),
-                "agents": ["mirror", "say"], "say_available": espeak_binary() is not None,
-                "api_key_required": cfg.api_key is not None,
-                "groups": len(mgr.groups), "max_image_bytes": cfg.max_image_bytes,
-                "max_image_pixels": cfg.max_image_pixels, "max_prompt_chars": MAX_PROMPT,
-                "max_audio_bytes": cfg.max_audio_bytes, "idle_timeout_s": cfg.idle_timeout_s,
-                "max_duration_s": cfg.max_duration_s, "connect_timeout_s": cfg.connect_timeout_s,
-                "model_family": e.model.family,
-                "weights": {"model": e.model.weights, "vae": e.vae.weights, "taehv": e.vae.taehv_weights,
-                            "text_encoder": e.model.text_encoder, "text_tokenizer": e.model.text_tokenizer},
-                "workers": [{"index": g.index, "device": g.device, "ready": g.ready.is_set(),
-                             "lead_ms": round(mgr.lead_ms(g), 1), **g.info_dict()} for g in mgr.groups]}
+        return {
+            "preset": e.name,
+            "width": e.stream.width,
+            "height": e.stream.height,
+            "fps": e.stream.fps,
+            "sample_rate": 48000,
+            "frames_per_chunk": e.video_frames_per_chunk,
+            "audio_samples_per_chunk": e.audio_samples_per_chunk,
+            "chunk_ms": round(1e3 * e.chunk_seconds, 3),
+            "agents": ["mirror", "say"],
+            "say_available": espeak_binary() is not None,
+            "api_key_required": cfg.api_key is not None,
+            "groups": len(mgr.groups),
+            "max_image_bytes": cfg.max_image_bytes,
+            "max_image_pixels": cfg.max_image_pixels,
+            "max_prompt_chars": MAX_PROMPT,
+            "max_audio_bytes": cfg.max_audio_bytes,
+            "idle_timeout_s": cfg.idle_timeout_s,
+            "max_duration_s": cfg.max_duration_s,
+            "connect_timeout_s": cfg.connect_timeout_s,
+            "model_family": e.model.family,
+            "weights": {
+                "model": e.model.weights,
+                "vae": e.vae.weights,
+                "taehv": e.vae.taehv_weights,
+                "text_encoder": e.model.text_encoder,
+                "text_tokenizer": e.model.text_tokenizer,
+            },
+            "workers": [
+                {
+                    "index": g.index,
+                    "device": g.device,
+                    "ready": g.ready.is_set(),
+                    "lead_ms": round(mgr.lead_ms(g), 1),
+                    **g.info_dict(),
+                }
+                for g in mgr.groups
+            ],
+        }
 
     # A server without an operator key has no credential to ask for on the operator routes (they are off,
     # 403), so its spec names none there; every session route takes the session's token (or the key).
@@ -808,43 +958,95 @@ def create_app(cfg: ServeConfig | None = None):
 
     text = {"type": "string", "pattern": "^[^\\u0000]*$"}
     session_fields = {
-        "sdp": {"type": "string", "minLength": 1, "description": "the client's SDP offer (a recvonly video "
-                "transceiver; audio sendrecv for the microphone)"},
+        "sdp": {
+            "type": "string",
+            "minLength": 1,
+            "description": "the client's SDP offer (a recvonly video "
+            "transceiver; audio sendrecv for the microphone)",
+        },
         "type": {"type": "string", "enum": ["offer"], "default": "offer"},
         "prompt": {**text, "maxLength": MAX_PROMPT, "description": f"default: {DEFAULT_PROMPT!r}"},
         "agent": {"type": "string", "enum": sorted(AGENTS), "default": "mirror"},
     }
-    created = {"type": "object", "required": ["session_id", "token", "sdp", "type"], "properties": {
-        "session_id": {"type": "string"},
-        "token": {"type": "string", "description": "this session's secret: send it as 'Authorization: Bearer "
-                                                   "<token>' on every /sessions/{id} route; shown only here"},
-        "sdp": {"type": "string"}, "type": {"type": "string", "enum": ["answer"]},
-        "agent": {"type": "string"},
-        "preset": {"type": "string"}, "fps": {"type": "integer"}, "width": {"type": "integer"},
-        "height": {"type": "integer"}}}
+    created = {
+        "type": "object",
+        "required": ["session_id", "token", "sdp", "type"],
+        "properties": {
+            "session_id": {"type": "string"},
+            "token": {
+                "type": "string",
+                "description": "this session's secret: send it as 'Authorization: Bearer "
+                "<token>' on every /sessions/{id} route; shown only here",
+            },
+            "sdp": {"type": "string"},
+            "type": {"type": "string", "enum": ["answer"]},
+            "agent": {"type": "string"},
+            "preset": {"type": "string"},
+            "fps": {"type": "integer"},
+            "width": {"type": "integer"},
+            "height": {"type": "integer"},
+        },
+    }
 
-    @app.post("/sessions", status_code=201, summary="Start a session: SDP offer in, SDP answer (+ token) out",
-              responses={**_ok("The SDP answer, the session id and its token", created, 201),
-                         **_errors(400, *((401,) if cfg.api_key else ()), 413, 415, 429, 500, 503)},
-              openapi_extra={"security": operator, "requestBody": {"required": True, "content": {
-                  "application/json": {"schema": {"type": "object", "required": ["sdp"], "properties": {
-                      **session_fields,
-                      "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "default": 0},
-                      "image_base64": {"type": "string", "contentEncoding": "base64",
-                                       "description": "the reference image (PNG, JPEG, WebP, ...), base64; "
-                                                      f"at most {cfg.max_image_bytes} bytes and "
-                                                      f"{cfg.max_image_pixels} pixels"}}}},
-                  "multipart/form-data": {"schema": {"type": "object", "required": ["sdp"], "properties": {
-                      **session_fields,
-                      "seed": {"type": "string", "pattern": "^[0-9]{0,19}$", "description": f"0..{MAX_SEED}"},
-                      "image": {"type": "string", "format": "binary"}}}}}}})
+    @app.post(
+        "/sessions",
+        status_code=201,
+        summary="Start a session: SDP offer in, SDP answer (+ token) out",
+        responses={
+            **_ok("The SDP answer, the session id and its token", created, 201),
+            **_errors(400, *((401,) if cfg.api_key else ()), 413, 415, 429, 500, 503),
+        },
+        openapi_extra={
+            "security": operator,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["sdp"],
+                            "properties": {
+                                **session_fields,
+                                "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "default": 0},
+                                "image_base64": {
+                                    "type": "string",
+                                    "contentEncoding": "base64",
+                                    "description": "the reference image (PNG, JPEG, WebP, ...), base64; "
+                                    f"at most {cfg.max_image_bytes} bytes and "
+                                    f"{cfg.max_image_pixels} pixels",
+                                },
+                            },
+                        }
+                    },
+                    "multipart/form-data": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["sdp"],
+                            "properties": {
+                                **session_fields,
+                                "seed": {
+                                    "type": "string",
+                                    "pattern": "^[0-9]{0,19}$",
+                                    "description": f"0..{MAX_SEED}",
+                                },
+                                "image": {"type": "string", "format": "binary"},
+                            },
+                        }
+                    },
+                },
+            },
+        },
+    )
     async def create_session(request: Request):
         t_request = time.monotonic()
         if cfg.api_key is not None:
             cred = _bearer(request)
             if cred is None:
-                raise ApiError(401, "creating a session needs the API key (Authorization: Bearer <key>)",
-                               {"WWW-Authenticate": "Bearer"})
+                raise ApiError(
+                    401,
+                    "creating a session needs the API key (Authorization: Bearer <key>)",
+                    {"WWW-Authenticate": "Bearer"},
+                )
             if not mgr.is_operator(cred):
                 raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
         ctype = request.headers.get("content-type", "")
@@ -879,29 +1081,47 @@ def create_app(cfg: ServeConfig | None = None):
                 if not image_bytes:
                     image_bytes = None if not up.filename else b""
         else:
-            raise ApiError(415, f"POST /sessions takes application/json or multipart/form-data, got "
-                                f"{_short(ctype) or 'none'!r}")
+            raise ApiError(
+                415,
+                f"POST /sessions takes application/json or multipart/form-data, got "
+                f"{_short(ctype) or 'none'!r}",
+            )
         sdp = _str_field(fields, "sdp", None)
         sdp_type = _str_field(fields, "type", "offer")
         prompt = _str_field(fields, "prompt", "", MAX_PROMPT) or DEFAULT_PROMPT
         agent = _str_field(fields, "agent", "") or "mirror"
         seed = _seed_field(fields, form)
         client = request.client.host if request.client else "unknown"
-        return JSONResponse(await mgr.create(
-            sdp=sdp, sdp_type=sdp_type, image_bytes=image_bytes, prompt=prompt, agent=agent, seed=seed,
-            t_request=t_request, client=client), status_code=201)
+        return JSONResponse(
+            await mgr.create(
+                sdp=sdp,
+                sdp_type=sdp_type,
+                image_bytes=image_bytes,
+                prompt=prompt,
+                agent=agent,
+                seed=seed,
+                t_request=t_request,
+                client=client,
+            ),
+            status_code=201,
+        )
 
-    @app.get("/sessions", summary="Open sessions (needs the operator key; off on a server without one)",
-             responses={**_ok("Every open session's state"),
-                        **_errors(*((401,) if cfg.api_key else ()), 403)},
-             openapi_extra={"security": operator})
+    @app.get(
+        "/sessions",
+        summary="Open sessions (needs the operator key; off on a server without one)",
+        responses={**_ok("Every open session's state"), **_errors(*((401,) if cfg.api_key else ()), 403)},
+        openapi_extra={"security": operator},
+    )
     async def list_sessions(request: Request):
         mgr.require_operator(_bearer(request), "the session list")
         return {"sessions": [s.status() for s in mgr.sessions.values()]}
 
-    @app.get("/sessions/{sid}", summary="A session's state (a closed one: its final state)",
-             responses={**_ok("The session's state"), **_errors(*_SESSION_ROUTE)},
-             openapi_extra={"security": per_session})
+    @app.get(
+        "/sessions/{sid}",
+        summary="A session's state (a closed one: its final state)",
+        responses={**_ok("The session's state"), **_errors(*_SESSION_ROUTE)},
+        openapi_extra={"security": per_session},
+    )
     async def get_session(sid: str, request: Request):
         mgr.authorize(sid, _bearer(request))
         s = mgr.sessions.get(sid)
@@ -910,33 +1130,53 @@ def create_app(cfg: ServeConfig | None = None):
             return s.status()
         return {k: v for k, v in mgr.reports[sid].items() if k != "report"}
 
-    @app.get("/sessions/{sid}/report", summary="A closed session's report",
-             responses={**_ok("The session's report"), **_errors(*_SESSION_ROUTE, 409)},
-             openapi_extra={"security": per_session})
+    @app.get(
+        "/sessions/{sid}/report",
+        summary="A closed session's report",
+        responses={**_ok("The session's report"), **_errors(*_SESSION_ROUTE, 409)},
+        openapi_extra={"security": per_session},
+    )
     async def get_report(sid: str, request: Request):
         mgr.authorize(sid, _bearer(request))
         if sid in mgr.reports:
             return mgr.reports[sid]
         raise ApiError(409, f"session {sid} is still open; its report is written when it closes")
 
-    @app.delete("/sessions/{sid}", summary="Close a session; its report",
-                responses={**_ok("The session's report"), **_errors(*_SESSION_ROUTE, 410)},
-                openapi_extra={"security": per_session})
+    @app.delete(
+        "/sessions/{sid}",
+        summary="Close a session; its report",
+        responses={**_ok("The session's report"), **_errors(*_SESSION_ROUTE, 410)},
+        openapi_extra={"security": per_session},
+    )
     async def delete_session(sid: str, request: Request):
         mgr.authorize(sid, _bearer(request))
         s = mgr.get_open(sid)
         return await s.close("client")
 
-    say_schema = {"type": "object", "required": ["text"], "properties": {
-        "text": {"type": "string", "minLength": 1, "maxLength": SayAgent.max_text,
-                 "pattern": "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$",
-                 "description": "what to say (not only whitespace, no NUL)"},
-        "interrupt": {"type": "boolean", "default": False, "description": "drop what is queued first"}}}
+    say_schema = {
+        "type": "object",
+        "required": ["text"],
+        "properties": {
+            "text": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": SayAgent.max_text,
+                "pattern": "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$",
+                "description": "what to say (not only whitespace, no NUL)",
+            },
+            "interrupt": {"type": "boolean", "default": False, "description": "drop what is queued first"},
+        },
+    }
 
-    @app.post("/sessions/{sid}/say", summary="The character says a line of text (espeak-ng)",
-              responses={**_ok("Seconds of speech queued"), **_errors(*_SESSION_ROUTE, 410, 503)},
-              openapi_extra={"security": per_session, "requestBody": {"required": True, "content": {
-                  "application/json": {"schema": say_schema}}}})
+    @app.post(
+        "/sessions/{sid}/say",
+        summary="The character says a line of text (espeak-ng)",
+        responses={**_ok("Seconds of speech queued"), **_errors(*_SESSION_ROUTE, 410, 503)},
+        openapi_extra={
+            "security": per_session,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": say_schema}}},
+        },
+    )
     async def say(sid: str, request: Request):
         mgr.authorize(sid, _bearer(request))
         body = _parse_json(await request.body(), 'request body (JSON: {"text": "..."})')
@@ -959,15 +1199,27 @@ def create_app(cfg: ServeConfig | None = None):
         if interrupt:
             s.agent.interrupt()
         s.agent.speak(audio, t_agent=time.monotonic())
-        return {"session_id": sid, "seconds": round(audio.size / 48000, 3),
-                "queued_s": round(s.agent.queued_samples / 48000, 3)}
+        return {
+            "session_id": sid,
+            "seconds": round(audio.size / 48000, 3),
+            "queued_s": round(s.agent.queued_samples / 48000, 3),
+        }
 
-    @app.post("/sessions/{sid}/audio",
-              summary="Queue speech audio (any format FFmpeg decodes) for the character",
-              responses={**_ok("Seconds of speech queued"), **_errors(*_SESSION_ROUTE, 410, 415)},
-              openapi_extra={"security": per_session, "requestBody": {"required": True, "content": {
-                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
-                  "audio/wav": {"schema": {"type": "string", "format": "binary"}}}}})
+    @app.post(
+        "/sessions/{sid}/audio",
+        summary="Queue speech audio (any format FFmpeg decodes) for the character",
+        responses={**_ok("Seconds of speech queued"), **_errors(*_SESSION_ROUTE, 410, 415)},
+        openapi_extra={
+            "security": per_session,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                    "audio/wav": {"schema": {"type": "string", "format": "binary"}},
+                },
+            },
+        },
+    )
     async def push_audio(sid: str, request: Request):
         mgr.authorize(sid, _bearer(request))
         s = mgr.get_open(sid)
@@ -981,12 +1233,18 @@ def create_app(cfg: ServeConfig | None = None):
             raise ApiError(415, f"unsupported audio: {e}") from None
         s = mgr.get_open(sid)
         s.agent.speak(audio, t_agent=time.monotonic())
-        return {"session_id": sid, "seconds": round(audio.size / 48000, 3),
-                "queued_s": round(s.agent.queued_samples / 48000, 3)}
+        return {
+            "session_id": sid,
+            "seconds": round(audio.size / 48000, 3),
+            "queued_s": round(s.agent.queued_samples / 48000, 3),
+        }
 
-    @app.post("/sessions/{sid}/interrupt", summary="Stop speaking",
-              responses={**_ok("Interrupted"), **_errors(*_SESSION_ROUTE, 410)},
-              openapi_extra={"security": per_session})
+    @app.post(
+        "/sessions/{sid}/interrupt",
+        summary="Stop speaking",
+        responses={**_ok("Interrupted"), **_errors(*_SESSION_ROUTE, 410)},
+        openapi_extra={"security": per_session},
+    )
     async def interrupt(sid: str, request: Request):
         mgr.authorize(sid, _bearer(request))
         s = mgr.get_open(sid)
@@ -994,11 +1252,18 @@ def create_app(cfg: ServeConfig | None = None):
         s.agent.interrupt()
         return {"session_id": sid, "interrupted": True}
 
-    @app.get("/metrics", summary="Prometheus text exposition (per-session series with the operator key)",
-             response_class=Response,
-             responses={200: {"description": "Prometheus text format",
-                              "content": {"text/plain": {"schema": {"type": "string"}}}}},
-             openapi_extra={"security": [{}, {"apiKey": []}] if cfg.api_key else []})
+    @app.get(
+        "/metrics",
+        summary="Prometheus text exposition (per-session series with the operator key)",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+        openapi_extra={"security": [{}, {"apiKey": []}] if cfg.api_key else []},
+    )
     async def metrics(request: Request):
         sessions = mgr.is_operator(_bearer(request))
         if sessions:
@@ -1008,8 +1273,9 @@ def create_app(cfg: ServeConfig | None = None):
 
     def openapi():
         if app.openapi_schema is None:
-            spec = get_openapi(title=app.title, version=app.version, description=app.description,
-                               routes=app.routes)
+            spec = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
             for ops in spec.get("paths", {}).values():
                 for op in ops.values():
                     op.get("responses", {}).pop("422", None)  # FastAPI's own; every refusal here is a 400
@@ -1020,12 +1286,18 @@ def create_app(cfg: ServeConfig | None = None):
             for name in ("HTTPValidationError", "ValidationError"):
                 comps.get("schemas", {}).pop(name, None)
             comps["securitySchemes"] = {
-                "sessionToken": {"type": "http", "scheme": "bearer",
-                                 "description": "the token POST /sessions returned for this session"}}
+                "sessionToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the token POST /sessions returned for this session",
+                }
+            }
             if cfg.api_key:
                 comps["securitySchemes"]["apiKey"] = {
-                    "type": "http", "scheme": "bearer",
-                    "description": "the operator key (cadence serve --api-key-file / --api-key)"}
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the operator key (cadence serve --api-key-file / --api-key)",
+                }
             app.openapi_schema = spec
         return app.openapi_schema
 

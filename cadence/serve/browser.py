@@ -22,12 +22,23 @@ import tempfile
 import time
 import urllib.request
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--allow-loopback-in-peer-connection", "--use-fake-ui-for-media-stream",
-                  "--use-fake-device-for-media-stream", "--disable-features=WebRtcHideLocalIpsWithMdns",
-                  "--autoplay-policy=no-user-gesture-required", "--remote-debugging-port=0",
-                  "--remote-allow-origins=*"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--allow-loopback-in-peer-connection",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
+    "--disable-features=WebRtcHideLocalIpsWithMdns",
+    "--autoplay-policy=no-user-gesture-required",
+    "--remote-debugging-port=0",
+    "--remote-allow-origins=*",
+]
 
 
 def chromium_path() -> str | None:
@@ -59,11 +70,18 @@ class CDP:
                 return msg.get("result", {})
 
     def eval(self, expr: str, timeout_s: float = 20.0):
-        r = self.call("Runtime.evaluate", expression=expr, awaitPromise=True, returnByValue=True,
-                      timeout=int(timeout_s * 1000))
+        r = self.call(
+            "Runtime.evaluate",
+            expression=expr,
+            awaitPromise=True,
+            returnByValue=True,
+            timeout=int(timeout_s * 1000),
+        )
         if "exceptionDetails" in r:
             d = r["exceptionDetails"]
-            raise RuntimeError(f"page exception: {d.get('exception', {}).get('description') or d.get('text')}")
+            raise RuntimeError(
+                f"page exception: {d.get('exception', {}).get('description') or d.get('text')}"
+            )
         return r["result"].get("value")
 
     def close(self) -> None:
@@ -78,8 +96,12 @@ def Chromium(exe: str | None = None, extra_flags: list[str] | None = None):
     if exe is None:
         raise RuntimeError("Chromium is not installed (Debian: apt-get install chromium)")
     profile = tempfile.mkdtemp(prefix="cadence-chromium-")
-    proc = subprocess.Popen([exe, *CHROMIUM_FLAGS, *(extra_flags or []), f"--user-data-dir={profile}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [exe, *CHROMIUM_FLAGS, *(extra_flags or []), f"--user-data-dir={profile}", "about:blank"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     cdp = None
     try:
         port_file = os.path.join(profile, "DevToolsActivePort")  # --remote-debugging-port=0: no port race

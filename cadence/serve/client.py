@@ -105,7 +105,7 @@ class ClientResult:
         lo_tail = min(offset[i] for i in tail)
         a = next(i for i in head if offset[i] <= lo_head + 1e-3)
         b = next(i for i in reversed(tail) if offset[i] <= lo_tail + 1e-3)
-        return win[a:b + 1] if b > a and win[b][0] > win[a][0] else []
+        return win[a : b + 1] if b > a and win[b][0] > win[a][0] else []
 
     def video_fps(self, skip_s: float = 0.5) -> float:
         """Frames per second received, after the first ``skip_s`` seconds of the stream (between the
@@ -152,11 +152,24 @@ class ClientResult:
         return sum(n / r for _, _, n, r in self.audio if r)
 
 
-async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=None, mic: np.ndarray | None = None,
-                     speak_wav: bytes | None = None, speak_after_s: float = 0.5, speak_every_s: float = 0.0,
-                     speak_jitter_s: float = 0.0, image: bytes | None = None, connect_timeout: float = 30.0,
-                     close: bool = True, video_codec: str | None = None, api_key: str | None = None,
-                     created: dict | None = None) -> ClientResult:
+async def run_client(
+    url: str,
+    seconds: float,
+    *,
+    agent: str = "mirror",
+    http=None,
+    mic: np.ndarray | None = None,
+    speak_wav: bytes | None = None,
+    speak_after_s: float = 0.5,
+    speak_every_s: float = 0.0,
+    speak_jitter_s: float = 0.0,
+    image: bytes | None = None,
+    connect_timeout: float = 30.0,
+    close: bool = True,
+    video_codec: str | None = None,
+    api_key: str | None = None,
+    created: dict | None = None,
+) -> ClientResult:
     """One session against ``url`` for ``seconds`` after its first frame. ``speak_wav`` is pushed
     ``speak_after_s`` after the first frame, and again every ``speak_every_s`` seconds (> 0) while the
     session runs (each push is one agent segment: one audio -> frame latency sample), plus a uniform
@@ -197,14 +210,19 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
 
     @pc.on("track")
     def on_track(track):
-        readers.append(asyncio.ensure_future(read_video(track) if track.kind == "video" else read_audio(track)))
+        readers.append(
+            asyncio.ensure_future(read_video(track) if track.kind == "video" else read_audio(track))
+        )
 
     mic_track = MicTrack(mic)
     try:
         video = pc.addTransceiver("video", direction="recvonly")
         if video_codec is not None:
-            caps = [c for c in RTCRtpReceiver.getCapabilities("video").codecs
-                    if c.mimeType.lower() in (f"video/{video_codec.lower()}", "video/rtx")]
+            caps = [
+                c
+                for c in RTCRtpReceiver.getCapabilities("video").codecs
+                if c.mimeType.lower() in (f"video/{video_codec.lower()}", "video/rtx")
+            ]
             if not any(c.mimeType.lower() != "video/rtx" for c in caps):
                 raise ValueError(f"this aiortc cannot receive {video_codec!r} video")
             video.setCodecPreferences(caps)
@@ -213,16 +231,25 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
         res.t_post = time.monotonic()
         key = {"authorization": f"Bearer {api_key}"} if api_key else {}
         if image is not None:
-            r = await http.post(f"{url}/sessions", data={"sdp": pc.localDescription.sdp, "type": "offer",
-                                                         "agent": agent},
-                                files={"image": ("face.png", image)}, headers=key)
+            r = await http.post(
+                f"{url}/sessions",
+                data={"sdp": pc.localDescription.sdp, "type": "offer", "agent": agent},
+                files={"image": ("face.png", image)},
+                headers=key,
+            )
         else:
-            r = await http.post(f"{url}/sessions", json={"sdp": pc.localDescription.sdp, "type": "offer",
-                                                         "agent": agent}, headers=key)
+            r = await http.post(
+                f"{url}/sessions",
+                json={"sdp": pc.localDescription.sdp, "type": "offer", "agent": agent},
+                headers=key,
+            )
         res.status_code = r.status_code
         if r.status_code != 201:
-            res.error = r.json().get("error", r.text) if r.headers.get("content-type", "").startswith(
-                "application/json") else r.text
+            res.error = (
+                r.json().get("error", r.text)
+                if r.headers.get("content-type", "").startswith("application/json")
+                else r.text
+            )
             return res
         body = r.json()
         res.session_id, res.token = body["session_id"], body["token"]
@@ -244,14 +271,24 @@ async def run_client(url: str, seconds: float, *, agent: str = "mirror", http=No
             await asyncio.sleep(speak_after_s)
             while res.error is None:
                 res.pushed_audio_at = time.monotonic()
-                r = await http.post(f"{url}/sessions/{res.session_id}/audio", content=speak_wav,
-                                    headers={"content-type": "audio/wav", **auth})
+                r = await http.post(
+                    f"{url}/sessions/{res.session_id}/audio",
+                    content=speak_wav,
+                    headers={"content-type": "audio/wav", **auth},
+                )
                 if r.status_code != 200:
                     res.error = f"POST audio: {r.status_code} {r.text}"
                 if speak_every_s <= 0 or time.monotonic() + speak_every_s > t_end - 0.5:
                     break
-                await asyncio.sleep(max(0.0, res.pushed_audio_at + speak_every_s + rng.uniform(0.0, speak_jitter_s)
-                                        - time.monotonic()))
+                await asyncio.sleep(
+                    max(
+                        0.0,
+                        res.pushed_audio_at
+                        + speak_every_s
+                        + rng.uniform(0.0, speak_jitter_s)
+                        - time.monotonic(),
+                    )
+                )
         await asyncio.sleep(max(0.0, t_end - time.monotonic()))
         r = await http.get(f"{url}/sessions/{res.session_id}", headers=auth)
         res.status = r.json()

@@ -148,15 +148,21 @@ class ServeConfig:
         for g in self.groups:
             parts = g.split("+")
             if len(parts) > 1:
-                kinds = {"cpu" if p == "cpu" else "cuda" if p.startswith("cuda:") and p[5:].isdigit() else "?"
-                         for p in parts}
+                kinds = {
+                    "cpu" if p == "cpu" else "cuda" if p.startswith("cuda:") and p[5:].isdigit() else "?"
+                    for p in parts
+                }
                 if kinds not in ({"cpu"}, {"cuda"}):
-                    raise ConfigError(f"a tensor-parallel group is 'cpu+cpu+...' or 'cuda:I+cuda:J+...', got {g!r}")
+                    raise ConfigError(
+                        f"a tensor-parallel group is 'cpu+cpu+...' or 'cuda:I+cuda:J+...', got {g!r}"
+                    )
                 if kinds == {"cuda"} and len(set(parts)) != len(parts):
                     raise ConfigError(f"a tensor-parallel group needs distinct GPUs, got {g!r}")
         if self.idle_timeout_s <= 0 or self.max_duration_s <= 0:
-            raise ConfigError(f"timeouts must be positive, got idle {self.idle_timeout_s} s, "
-                              f"max duration {self.max_duration_s} s")
+            raise ConfigError(
+                f"timeouts must be positive, got idle {self.idle_timeout_s} s, "
+                f"max duration {self.max_duration_s} s"
+            )
         if self.timeline_window_s <= 0:
             raise ConfigError(f"timeline_window_s must be positive, got {self.timeline_window_s}")
         if self.sync_marker_every < 0:
@@ -164,7 +170,9 @@ class ServeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0..65535, got {self.port}")
         if self.lead_ms < 0 or self.lead_margin < 0:
-            raise ConfigError(f"lead_ms and lead_margin must be >= 0, got {self.lead_ms} and {self.lead_margin}")
+            raise ConfigError(
+                f"lead_ms and lead_margin must be >= 0, got {self.lead_ms} and {self.lead_margin}"
+            )
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.decoder not in (None, "standin", "wan", "taehv"):
@@ -172,18 +180,24 @@ class ServeConfig:
         if self.warmup_chunks < 0:
             raise ConfigError(f"warmup_chunks must be >= 0, got {self.warmup_chunks}")
         if self.frame_transport not in ("auto", "pipe", "shm"):
-            raise ConfigError(f"frame_transport must be 'auto', 'pipe' or 'shm', got {self.frame_transport!r}")
+            raise ConfigError(
+                f"frame_transport must be 'auto', 'pipe' or 'shm', got {self.frame_transport!r}"
+            )
         if self.connect_timeout_s <= 0:
             raise ConfigError(f"connect_timeout_s must be positive, got {self.connect_timeout_s}")
         if self.max_image_pixels < 1 or self.decode_concurrency < 1 or self.max_pending_offers_per_client < 1:
-            raise ConfigError(f"max_image_pixels, decode_concurrency and max_pending_offers_per_client must "
-                              f"be >= 1, got {self.max_image_pixels}, {self.decode_concurrency}, "
-                              f"{self.max_pending_offers_per_client}")
+            raise ConfigError(
+                f"max_image_pixels, decode_concurrency and max_pending_offers_per_client must "
+                f"be >= 1, got {self.max_image_pixels}, {self.decode_concurrency}, "
+                f"{self.max_pending_offers_per_client}"
+            )
         if self.api_key is not None:
             check_api_key(self.api_key)
         if not self.loopback and self.api_key is None and not self.insecure_no_auth:
-            raise ConfigError(f"serving on {self.host} (not loopback) needs an API key: --api-key-file PATH, "
-                              "--api-key KEY or CADENCE_API_KEY (or --insecure-no-auth to serve without one)")
+            raise ConfigError(
+                f"serving on {self.host} (not loopback) needs an API key: --api-key-file PATH, "
+                "--api-key KEY or CADENCE_API_KEY (or --insecure-no-auth to serve without one)"
+            )
 
     @property
     def loopback(self) -> bool:
@@ -211,8 +225,10 @@ def check_api_key(key: str) -> str:
     if not all(33 <= ord(c) <= 126 for c in key):
         raise ConfigError("the API key must be printable ASCII without spaces (it is sent in an HTTP header)")
     if len(key) < MIN_API_KEY_CHARS:
-        raise ConfigError(f"the API key is too short ({len(key)} characters; at least {MIN_API_KEY_CHARS}); "
-                          "make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        raise ConfigError(
+            f"the API key is too short ({len(key)} characters; at least {MIN_API_KEY_CHARS}); "
+            "make one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
     return key
 
 
@@ -226,15 +242,29 @@ def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[Wo
     for the device (automatic options on for CUDA groups, off on the CPU), ``spec.notes`` one line per option
     asked for explicitly that cannot apply there; ``shm``: frames come back through shared memory
     (``frame_transport`` 'shm', or 'auto' and a chunk of >= 1 MiB). Pure: no torch, no processes."""
-    fast = FastPath(decoder=cfg.decoder, kv_fp8=cfg.kv_fp8, fp8_linears=cfg.fp8_linears, graphs=cfg.graphs,
-                    capture_filling=cfg.capture_filling, compile=cfg.compile, threads=cfg.worker_threads)
+    fast = FastPath(
+        decoder=cfg.decoder,
+        kv_fp8=cfg.kv_fp8,
+        fp8_linears=cfg.fp8_linears,
+        graphs=cfg.graphs,
+        capture_filling=cfg.capture_filling,
+        compile=cfg.compile,
+        threads=cfg.worker_threads,
+    )
     fast, notes = fast.resolve(device.split("+")[0])
     t = cfg.frame_transport
     shm = t == "shm" or (t == "auto" and frame_bytes >= SHM_MIN_BYTES)
-    spec = WorkerSpec(preset=cfg.preset, device=device, fast=fast, overrides=dict(cfg.overrides), family=cfg.model,
-                      seed=cfg.seed,
-                      warmup=True if cfg.warmup is None else bool(cfg.warmup), warmup_chunks=cfg.warmup_chunks,
-                      notes=tuple(notes))
+    spec = WorkerSpec(
+        preset=cfg.preset,
+        device=device,
+        fast=fast,
+        overrides=dict(cfg.overrides),
+        family=cfg.model,
+        seed=cfg.seed,
+        warmup=True if cfg.warmup is None else bool(cfg.warmup),
+        warmup_chunks=cfg.warmup_chunks,
+        notes=tuple(notes),
+    )
     return spec, shm
 
 
@@ -261,48 +291,94 @@ def add_engine_flags(parser) -> None:
     unset = automatic (on for CUDA groups, off on the CPU)."""
     import argparse
 
-    g = parser.add_argument_group("worker engine (default: the fast path on CUDA groups, the reference on CPU)")
-    g.add_argument("--decoder", default=None, choices=["standin", "wan", "taehv"],
-                   help="VAE decoder (default: taehv on CUDA, the preset's on the CPU)")
-    for name, what in (("kv-fp8", "ring cache with FP8 K/V"), ("fp8-linears", "FP8 linears (apply_fp8)"),
-                       ("graphs", "CUDA graphs for steady-state steps"),
-                       ("warmup", "a throwaway warm-up session before the worker reports ready")):
-        g.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"{what} (default: on for CUDA groups, off on the CPU)")
-    g.add_argument("--capture-filling", action="store_true",
-                   help="opt-in, with graphs and bf16 K/V: capture the ring-filling steps too (a second "
-                        "warm-up session; window_chunks more graphs); with FP8 K/V they replay the steady "
-                        "graph anyway")
-    g.add_argument("--compile", action="store_true",
-                   help="opt-in: torch.compile of the per-block elementwise math (compiles during the warm-up)")
+    g = parser.add_argument_group(
+        "worker engine (default: the fast path on CUDA groups, the reference on CPU)"
+    )
+    g.add_argument(
+        "--decoder",
+        default=None,
+        choices=["standin", "wan", "taehv"],
+        help="VAE decoder (default: taehv on CUDA, the preset's on the CPU)",
+    )
+    for name, what in (
+        ("kv-fp8", "ring cache with FP8 K/V"),
+        ("fp8-linears", "FP8 linears (apply_fp8)"),
+        ("graphs", "CUDA graphs for steady-state steps"),
+        ("warmup", "a throwaway warm-up session before the worker reports ready"),
+    ):
+        g.add_argument(
+            f"--{name}",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{what} (default: on for CUDA groups, off on the CPU)",
+        )
+    g.add_argument(
+        "--capture-filling",
+        action="store_true",
+        help="opt-in, with graphs and bf16 K/V: capture the ring-filling steps too (a second "
+        "warm-up session; window_chunks more graphs); with FP8 K/V they replay the steady "
+        "graph anyway",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="opt-in: torch.compile of the per-block elementwise math (compiles during the warm-up)",
+    )
     g.add_argument("--warmup-chunks", type=int, default=0, help="warm-up chunks (default 0 = window + 2)")
-    g.add_argument("--frame-transport", default="auto", choices=["auto", "pipe", "shm"],
-                   help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)")
+    g.add_argument(
+        "--frame-transport",
+        default="auto",
+        choices=["auto", "pipe", "shm"],
+        help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)",
+    )
 
 
 def add_weight_flags(parser) -> None:
     """The model and its checkpoints (``cadence serve``, ``cadence generate``, ``cadence bench serve|pipeline``)."""
-    g = parser.add_argument_group("model and weights (default: the preset's shipped weights; random weights for "
-                                  "presets without any)")
-    g.add_argument("--model", default=None, metavar="FAMILY",
-                   help="an open model family instead of --preset (see 'cadence models': self-forcing, causvid, "
-                        "longlive, krea-14b): its geometry, sampler, cache policy and checkpoint format")
-    g.add_argument("--weights", default=None,
-                   help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, original "
-                        "Wan or Cadence key names), or a model family's own file (e.g. Self-Forcing's .pt)")
-    g.add_argument("--vae-weights", default=None,
-                   help="the Wan VAE: a diffusers vae/ folder (config.json + safetensors, optionally with Cadence's "
-                        "taehv.safetensors for the tiny decoder) or Wan 2.1's original Wan2.1_VAE.pth")
-    g.add_argument("--taehv-weights", default=None,
-                   help="a published TAEHV decoder (taew2_1.pth / taew2_2.pth): the tiny streaming decoder")
-    g.add_argument("--text-encoder", default=None,
-                   help="umT5: a transformers UMT5EncoderModel folder or Wan's models_t5_umt5-xxl-enc-bf16.pth")
-    g.add_argument("--text-tokenizer", default=None,
-                   help="the umT5 tokenizer folder (Wan ships it as google/umt5-xxl/)")
+    g = parser.add_argument_group(
+        "model and weights (default: the preset's shipped weights; random weights for presets without any)"
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        metavar="FAMILY",
+        help="an open model family instead of --preset (see 'cadence models': self-forcing, causvid, "
+        "longlive, krea-14b): its geometry, sampler, cache policy and checkpoint format",
+    )
+    g.add_argument(
+        "--weights",
+        default=None,
+        help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, original "
+        "Wan or Cadence key names), or a model family's own file (e.g. Self-Forcing's .pt)",
+    )
+    g.add_argument(
+        "--vae-weights",
+        default=None,
+        help="the Wan VAE: a diffusers vae/ folder (config.json + safetensors, optionally with Cadence's "
+        "taehv.safetensors for the tiny decoder) or Wan 2.1's original Wan2.1_VAE.pth",
+    )
+    g.add_argument(
+        "--taehv-weights",
+        default=None,
+        help="a published TAEHV decoder (taew2_1.pth / taew2_2.pth): the tiny streaming decoder",
+    )
+    g.add_argument(
+        "--text-encoder",
+        default=None,
+        help="umT5: a transformers UMT5EncoderModel folder or Wan's models_t5_umt5-xxl-enc-bf16.pth",
+    )
+    g.add_argument(
+        "--text-tokenizer", default=None, help="the umT5 tokenizer folder (Wan ships it as google/umt5-xxl/)"
+    )
 
 
-def weight_overrides(weights: str | None, vae_weights: str | None, text_encoder: str | None = None,
-                     text_tokenizer: str | None = None, taehv_weights: str | None = None) -> dict:
+def weight_overrides(
+    weights: str | None,
+    vae_weights: str | None,
+    text_encoder: str | None = None,
+    text_tokenizer: str | None = None,
+    taehv_weights: str | None = None,
+) -> dict:
     """Engine-config overrides that load the given files; one clear error for a path that holds no checkpoint,
     before any worker starts."""
     from pathlib import Path
@@ -323,8 +399,10 @@ def weight_overrides(weights: str | None, vae_weights: str | None, text_encoder:
     if vae_weights is not None:
         p = Path(vae_weights)
         if not (p.is_dir() or (p.is_file() and p.suffix == ".pth")):
-            raise InputError(f"--vae-weights must be a folder (a diffusers vae/ folder) or Wan 2.1's .pth file, "
-                             f"got {vae_weights}")
+            raise InputError(
+                f"--vae-weights must be a folder (a diffusers vae/ folder) or Wan 2.1's .pth file, "
+                f"got {vae_weights}"
+            )
         out["vae"]["weights"] = str(p.resolve())
     if taehv_weights is not None:
         out["vae"]["taehv_weights"] = exists(taehv_weights, "--taehv-weights", folder_ok=False)
@@ -341,12 +419,24 @@ def model_kwargs(args) -> dict:
         from cadence.model.families import get_family
 
         get_family(args.model)  # a clear error for an unknown family, before anything starts
-    return {"model": args.model, "overrides": weight_overrides(args.weights, args.vae_weights, args.text_encoder,
-                                                              args.text_tokenizer, args.taehv_weights)}
+    return {
+        "model": args.model,
+        "overrides": weight_overrides(
+            args.weights, args.vae_weights, args.text_encoder, args.text_tokenizer, args.taehv_weights
+        ),
+    }
 
 
 def engine_kwargs(args) -> dict:
     """ServeConfig keyword arguments from the flags of :func:`add_engine_flags`."""
-    return {"decoder": args.decoder, "kv_fp8": args.kv_fp8, "fp8_linears": args.fp8_linears, "graphs": args.graphs,
-            "capture_filling": args.capture_filling, "compile": args.compile, "warmup": args.warmup,
-            "warmup_chunks": args.warmup_chunks, "frame_transport": args.frame_transport}
+    return {
+        "decoder": args.decoder,
+        "kv_fp8": args.kv_fp8,
+        "fp8_linears": args.fp8_linears,
+        "graphs": args.graphs,
+        "capture_filling": args.capture_filling,
+        "compile": args.compile,
+        "warmup": args.warmup,
+        "warmup_chunks": args.warmup_chunks,
+        "frame_transport": args.frame_transport,
+    }

@@ -47,14 +47,18 @@ class MediaTiming:
         if VIDEO_CLOCK_RATE % self.fps:
             raise ValueError(f"fps {self.fps} does not divide the 90 kHz video clock")
         if (self.frames_per_chunk * self.sample_rate) % self.fps:
-            raise ValueError(f"{self.frames_per_chunk} frames at {self.fps} fps is not a whole number of samples "
-                             f"at {self.sample_rate} Hz")
+            raise ValueError(
+                f"{self.frames_per_chunk} frames at {self.fps} fps is not a whole number of samples "
+                f"at {self.sample_rate} Hz"
+            )
 
     @classmethod
     def from_config(cls, cfg) -> MediaTiming:
         from cadence.config import AUDIO_SAMPLE_RATE
 
-        return cls(fps=cfg.stream.fps, frames_per_chunk=cfg.video_frames_per_chunk, sample_rate=AUDIO_SAMPLE_RATE)
+        return cls(
+            fps=cfg.stream.fps, frames_per_chunk=cfg.video_frames_per_chunk, sample_rate=AUDIO_SAMPLE_RATE
+        )
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
@@ -107,7 +111,9 @@ class MediaTiming:
         return sample // self.samples_per_frame
 
 
-def next_video_frame(k: int, now: float, t0: float, timing: MediaTiming, max_lag_frames: int = 2) -> tuple[int, float, int]:
+def next_video_frame(
+    k: int, now: float, t0: float, timing: MediaTiming, max_lag_frames: int = 2
+) -> tuple[int, float, int]:
     """The video pacer: which frame to send next and how long to wait for it.
 
     ``k`` is the next frame in order. If its due time is ahead, wait for it. If the sender fell
@@ -124,7 +130,9 @@ def next_video_frame(k: int, now: float, t0: float, timing: MediaTiming, max_lag
     return k, 0.0, 0
 
 
-def next_audio_frame(n: int, now: float, t0: float, timing: MediaTiming, max_lag_frames: int = 5) -> tuple[int, float, int]:
+def next_audio_frame(
+    n: int, now: float, t0: float, timing: MediaTiming, max_lag_frames: int = 5
+) -> tuple[int, float, int]:
     """The audio pacer, as ``next_video_frame`` for 20 ms frames (more slack: Opus frames are cheap)."""
     due = timing.audio_due(t0, n)
     if now <= due:
@@ -232,9 +240,9 @@ class ChunkPlanner:
         self.in_flight = max(0, self.in_flight - 1)
         if self.in_flight == 0:
             self.busy_until = min(self.busy_until, now)  # idle now, whatever was predicted
-        self._lat = (self._lat + [max(0.0, now - plan.start)])[-self.history:]
+        self._lat = (self._lat + [max(0.0, now - plan.start)])[-self.history :]
         if interval is not None:
-            self._int = (self._int + [interval])[-self.history:]
+            self._int = (self._int + [interval])[-self.history :]
         if len(self._lat) >= 3:
             self.latency = _median(self._lat)
             self.latency_tail = _quantile(self._lat, 0.9)
@@ -270,8 +278,13 @@ def sync_marker_frames(frames: np.ndarray) -> np.ndarray:
     return frames
 
 
-def sync_marker_audio(audio: np.ndarray, timing: MediaTiming, tone_seconds: float = SYNC_TONE_SECONDS,
-                      tone_hz: float = SYNC_TONE_HZ, amplitude: float = SYNC_TONE_AMPLITUDE) -> np.ndarray:
+def sync_marker_audio(
+    audio: np.ndarray,
+    timing: MediaTiming,
+    tone_seconds: float = SYNC_TONE_SECONDS,
+    tone_hz: float = SYNC_TONE_HZ,
+    amplitude: float = SYNC_TONE_AMPLITUDE,
+) -> np.ndarray:
     """The audio half: the chunk's first ``tone_seconds`` a ``tone_hz`` tone burst (a copy)."""
     audio = np.array(audio, dtype=np.float32, copy=True)
     n = min(audio.shape[0], round(tone_seconds * timing.sample_rate))
@@ -280,9 +293,14 @@ def sync_marker_audio(audio: np.ndarray, timing: MediaTiming, tone_seconds: floa
     return audio
 
 
-def apply_sync_marker(frames: np.ndarray, audio: np.ndarray, timing: MediaTiming,
-                      tone_seconds: float = SYNC_TONE_SECONDS, tone_hz: float = SYNC_TONE_HZ,
-                      amplitude: float = SYNC_TONE_AMPLITUDE) -> tuple[np.ndarray, np.ndarray]:
+def apply_sync_marker(
+    frames: np.ndarray,
+    audio: np.ndarray,
+    timing: MediaTiming,
+    tone_seconds: float = SYNC_TONE_SECONDS,
+    tone_hz: float = SYNC_TONE_HZ,
+    amplitude: float = SYNC_TONE_AMPLITUDE,
+) -> tuple[np.ndarray, np.ndarray]:
     """An A/V sync marker on one chunk, at the media layer (after the model): its first video frame
     becomes solid white and its first ``tone_seconds`` of audio a ``tone_hz`` tone burst. Both start at
     the chunk's first media instant (frame 0 and sample 0 of the chunk), so a receiver that sees the
@@ -305,7 +323,9 @@ class AVBuffer:
     audio: dict[int, np.ndarray] = field(default_factory=dict)
     video: dict[int, np.ndarray] = field(default_factory=dict)
     video_underruns: int = 0  # video frames held (their chunk's frames were not here)
-    audio_underruns: int = 0  # 20 ms audio frames (partly) replaced by silence (their chunk was never planned)
+    audio_underruns: int = (
+        0  # 20 ms audio frames (partly) replaced by silence (their chunk was never planned)
+    )
     video_fresh: int = 0  # video frames sent from a generated chunk
     late_chunks: int = 0  # generated chunks whose frames came back after all of them were due
     _last: np.ndarray | None = None
@@ -316,7 +336,9 @@ class AVBuffer:
     def put_audio(self, c: int, audio: np.ndarray) -> None:
         """Chunk ``c``'s audio window (at plan time)."""
         if audio.shape[0] != self.timing.samples_per_chunk:
-            raise ValueError(f"chunk {c}: expected {self.timing.samples_per_chunk} samples, got {audio.shape[0]}")
+            raise ValueError(
+                f"chunk {c}: expected {self.timing.samples_per_chunk} samples, got {audio.shape[0]}"
+            )
         audio = audio.astype(np.float32, copy=False)
         if self.sync_marker_every > 0 and c % self.sync_marker_every == 0:
             audio = sync_marker_audio(audio, self.timing)
@@ -339,8 +361,10 @@ class AVBuffer:
     def put_chunk(self, c: int, frames: np.ndarray, audio: np.ndarray) -> None:
         """Both halves of chunk ``c`` at once."""
         if frames.shape[0] != self.timing.frames_per_chunk or audio.shape[0] != self.timing.samples_per_chunk:
-            raise ValueError(f"chunk {c}: expected {self.timing.frames_per_chunk} frames and "
-                             f"{self.timing.samples_per_chunk} samples, got {frames.shape[0]} and {audio.shape[0]}")
+            raise ValueError(
+                f"chunk {c}: expected {self.timing.frames_per_chunk} frames and "
+                f"{self.timing.samples_per_chunk} samples, got {frames.shape[0]} and {audio.shape[0]}"
+            )
         if c < self._min_needed:  # entirely in the past: nothing of it can still be played
             self.late_chunks += 1
             return
@@ -385,7 +409,7 @@ class AVBuffer:
             if ch is None:
                 complete = False
             else:
-                out[pos - start:pos - start + take] = ch[off:off + take]
+                out[pos - start : pos - start + take] = ch[off : off + take]
             pos += take
         if not complete:
             self.audio_underruns += 1
@@ -401,7 +425,7 @@ class AVBuffer:
             for old in [k for k in store if k < self._min_needed]:
                 del store[old]
             if len(store) > self.keep_chunks:  # a runaway producer: keep the oldest needed ones
-                for old in sorted(store)[self.keep_chunks:]:
+                for old in sorted(store)[self.keep_chunks :]:
                     del store[old]
 
 

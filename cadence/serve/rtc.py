@@ -18,7 +18,14 @@ import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from cadence.serve.pacing import VIDEO_CLOCK_RATE, AVBuffer, MediaTiming, next_audio_frame, next_video_frame, to_s16
+from cadence.serve.pacing import (
+    VIDEO_CLOCK_RATE,
+    AVBuffer,
+    MediaTiming,
+    next_audio_frame,
+    next_video_frame,
+    to_s16,
+)
 
 
 class MediaClock:
@@ -125,8 +132,12 @@ class AudioOut(_PacedTrack):
         return out
 
 
-async def consume_microphone(track: MediaStreamTrack, on_samples: Callable[[np.ndarray], None],
-                             on_error: Callable[[str], None], sample_rate: int = 48_000) -> None:
+async def consume_microphone(
+    track: MediaStreamTrack,
+    on_samples: Callable[[np.ndarray], None],
+    on_error: Callable[[str], None],
+    sample_rate: int = 48_000,
+) -> None:
     """Read the browser's audio track: any rate/layout/format -> float32 mono ``sample_rate``."""
     resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
     errors = 0
@@ -183,8 +194,16 @@ def rtc_configuration():
     return RTCConfiguration(iceServers=[])
 
 
-__all__ = ["AudioOut", "MediaClock", "MediaFeed", "MediaTiming", "VideoOut", "consume_microphone", "rtc_configuration",
-           "use_ice_host_addresses"]
+__all__ = [
+    "AudioOut",
+    "MediaClock",
+    "MediaFeed",
+    "MediaTiming",
+    "VideoOut",
+    "consume_microphone",
+    "rtc_configuration",
+    "use_ice_host_addresses",
+]
 
 
 #: The video codecs the server can send (aiortc's encoders: libvpx VP8, libx264 H.264); the offer's
@@ -209,7 +228,7 @@ def negotiated_codecs(sdp: str) -> dict[str, str]:
             parts = line[2:].split()
             kind, first, names = parts[0], (parts[3] if len(parts) > 3 else None), {}
         elif line.startswith("a=rtpmap:") and kind is not None:
-            pt, _, enc = line[len("a=rtpmap:"):].partition(" ")
+            pt, _, enc = line[len("a=rtpmap:") :].partition(" ")
             names[pt] = enc.split("/")[0]
     flush()
     return out

@@ -43,8 +43,17 @@ async def wait_events(timeout: float, *events: asyncio.Event) -> None:
 
 
 class ChunkScheduler:
-    def __init__(self, sid: str, timing: MediaTiming, planner: ChunkPlanner, agent, buffer: AVBuffer,
-                 clock: MediaClock, send: Callable[[object], None], stats: SessionStats):
+    def __init__(
+        self,
+        sid: str,
+        timing: MediaTiming,
+        planner: ChunkPlanner,
+        agent,
+        buffer: AVBuffer,
+        clock: MediaClock,
+        send: Callable[[object], None],
+        stats: SessionStats,
+    ):
         self.sid, self.timing, self.planner, self.agent = sid, timing, planner, agent
         self.buffer, self.clock, self.send, self.stats = buffer, clock, send, stats
         self.plans: dict[int, tuple[Plan, float]] = {}  # generated chunks not back yet: (plan, t_plan)
@@ -66,8 +75,9 @@ class ChunkScheduler:
                 self.buffer.put_audio(c, window)  # the audio plays whether or not its frames are made
                 self.stats.chunks_planned += 1
                 for mark in marks:
-                    self.stats.mark_speech(c * timing.frames_per_chunk + timing.frame_of_sample(mark.offset),
-                                           mark.t_agent)
+                    self.stats.mark_speech(
+                        c * timing.frames_per_chunk + timing.frame_of_sample(mark.offset), mark.t_agent
+                    )
                 if plan.generate:
                     self.plans[c] = (plan, now)
                     self.send(ChunkRequest(self.sid, c, window, now))

@@ -13,8 +13,9 @@ from cadence.serve.config import ServeConfig
 def _missing_extra(e: ModuleNotFoundError):
     from cadence.errors import InputError
 
-    return InputError(f"'cadence serve' needs the serve extra ({e.name} is not installed): "
-                      "pip install 'cadence[serve]'")
+    return InputError(
+        f"'cadence serve' needs the serve extra ({e.name} is not installed): pip install 'cadence[serve]'"
+    )
 
 
 def run(cfg: ServeConfig, log_level: str = "info") -> None:
@@ -25,12 +26,21 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
         from cadence.serve.app import create_app
     except ModuleNotFoundError as e:
         raise _missing_extra(e) from None
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     app = create_app(cfg)
-    where = f"http://{cfg.host}:{cfg.port}/" if cfg.port else f"{cfg.host} on a free port (uvicorn prints it below)"
-    print(f"cadence serve: {where} (preset {cfg.preset}, {len(cfg.groups)} session slot(s); the workers warm up "
-          f"first; OpenAPI at /openapi.json)", flush=True)
+    where = (
+        f"http://{cfg.host}:{cfg.port}/"
+        if cfg.port
+        else f"{cfg.host} on a free port (uvicorn prints it below)"
+    )
+    print(
+        f"cadence serve: {where} (preset {cfg.preset}, {len(cfg.groups)} session slot(s); the workers warm up "
+        f"first; OpenAPI at /openapi.json)",
+        flush=True,
+    )
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=15)
 
 
@@ -51,8 +61,16 @@ class ServerThread:
             raise _missing_extra(e) from None
         self.cfg = cfg
         self.app = create_app(cfg)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level=log_level,
-                                                    lifespan="on", timeout_graceful_shutdown=15))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host=cfg.host,
+                port=cfg.port,
+                log_level=log_level,
+                lifespan="on",
+                timeout_graceful_shutdown=15,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, name="cadence-uvicorn", daemon=True)
         self.url = ""
 

@@ -61,8 +61,12 @@ class LiveSession:
         lead, latency, interval = server.worker_speed(group)
         self.first_chunk = asyncio.Event()  # set when the first chunk's frames are here (the clock may start)
         self.clock_start_timeout_s = max(2.0, 4 * self.timing.chunk_seconds)
-        self.buffer = AVBuffer(self.timing, engine_cfg.stream.height, engine_cfg.stream.width,
-                               sync_marker_every=self.cfg.sync_marker_every)
+        self.buffer = AVBuffer(
+            self.timing,
+            engine_cfg.stream.height,
+            engine_cfg.stream.width,
+            sync_marker_every=self.cfg.sync_marker_every,
+        )
         self.clock = MediaClock()
         self.state = "starting"
         self.close_reason: str | None = None
@@ -70,14 +74,29 @@ class LiveSession:
         self.wall_created = time.time()
         self.t_closed: float | None = None
         self.last_activity = self.t_created
-        self.stats = SessionStats(self.timing.fps, self.timing.frames_per_chunk, self.cfg.timeline_window_s,
-                                  server.metrics, sid, self.t_created)
-        self.planner = ChunkPlanner(self.timing, lead=lead, latency=latency, interval=interval,
-                                    max_in_flight=self.cfg.max_in_flight)
-        self.scheduler = ChunkScheduler(sid, self.timing, self.planner, agent, self.buffer, self.clock,
-                                        group.send, self.stats)
-        self.feed = MediaFeed(self.buffer, self.clock, self.timing, self.first_chunk, self.clock_start_timeout_s,
-                              self.on_video_frame, self.on_audio_frame)
+        self.stats = SessionStats(
+            self.timing.fps,
+            self.timing.frames_per_chunk,
+            self.cfg.timeline_window_s,
+            server.metrics,
+            sid,
+            self.t_created,
+        )
+        self.planner = ChunkPlanner(
+            self.timing, lead=lead, latency=latency, interval=interval, max_in_flight=self.cfg.max_in_flight
+        )
+        self.scheduler = ChunkScheduler(
+            sid, self.timing, self.planner, agent, self.buffer, self.clock, group.send, self.stats
+        )
+        self.feed = MediaFeed(
+            self.buffer,
+            self.clock,
+            self.timing,
+            self.first_chunk,
+            self.clock_start_timeout_s,
+            self.on_video_frame,
+            self.on_audio_frame,
+        )
         self.pc = None
         self.video: VideoOut | None = None
         self.audio: AudioOut | None = None
@@ -88,7 +107,9 @@ class LiveSession:
         self.final_report: dict | None = None
         self.worker_open_ms: float | None = None
         self.worker_preopened = False  # the worker had this session opened ahead (default face and prompt)
-        self.codecs: dict[str, str] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
+        self.codecs: dict[
+            str, str
+        ] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
         self._audio_only_seen = 0
         self._degraded_at: float | None = None
 
@@ -249,8 +270,12 @@ class LiveSession:
                 self.close_soon("max_duration")
             elif now - self.last_activity > cfg.idle_timeout_s:
                 self.close_soon("idle")
-            elif self.pc is not None and self.pc.connectionState != "connected" and self.ttff_ms is None \
-                    and now - self.t_created > cfg.connect_timeout_s:
+            elif (
+                self.pc is not None
+                and self.pc.connectionState != "connected"
+                and self.ttff_ms is None
+                and now - self.t_created > cfg.connect_timeout_s
+            ):
                 self.close_soon("connect_timeout")
             self.stats.timeline.tick(now, self._counts())
             self.update_metrics()
@@ -281,8 +306,12 @@ class LiveSession:
 
     def _counts(self) -> dict:
         """The cumulative counters the timeline cuts into windows."""
-        return {"video_fresh": self.buffer.video_fresh, "chunks_done": self.stats.chunks_done,
-                "underruns_video": self.buffer.video_underruns, "deadline_misses": self.stats.deadline_misses}
+        return {
+            "video_fresh": self.buffer.video_fresh,
+            "chunks_done": self.stats.chunks_done,
+            "underruns_video": self.buffer.video_underruns,
+            "deadline_misses": self.stats.deadline_misses,
+        }
 
     def update_metrics(self) -> None:
         m, s, st = self.server.metrics, self.sid, self.stats
@@ -305,30 +334,53 @@ class LiveSession:
         end = self.t_closed or now
         closed = self.state == "closed"
         p = self.planner
-        out = {"session_id": self.sid, "state": self.state, "agent": self.agent.name, "preset": self.engine_cfg.name,
-               "group": self.group.index, "close_reason": self.close_reason, "age_s": round(end - self.t_created, 3),
-               "lead_ms": _r(p.lead * 1e3)}
+        out = {
+            "session_id": self.sid,
+            "state": self.state,
+            "agent": self.agent.name,
+            "preset": self.engine_cfg.name,
+            "group": self.group.index,
+            "close_reason": self.close_reason,
+            "age_s": round(end - self.t_created, 3),
+            "lead_ms": _r(p.lead * 1e3),
+        }
         out.update(self.stats.status_fields(now, closed))
-        out.update({
-            "video_frames_fresh": self.buffer.video_fresh,
-            "underruns": {"video": self.buffer.video_underruns, "audio": self.buffer.audio_underruns},
-            "chunks": {"planned": self.stats.chunks_planned, "done": self.stats.chunks_done, "skipped": p.skipped,
-                       "audio_only": p.audio_only, "late_dropped": self.buffer.late_chunks, "in_flight": p.in_flight},
-            "degraded": self.degraded(now) if not closed else False,
-            "worker_estimate_ms": {"latency": _r(p.latency * 1e3), "interval": _r(p.interval * 1e3)},
-            "buffer_ms": _r(self.buffer_ms()) if not closed else 0.0,
-            "agent_queued_s": round(self.agent.queued_samples / self.timing.sample_rate, 3),
-            "agent_segments": self.agent.segments,
-            "connection": self.pc.connectionState if self.pc is not None else None,
-            "video_codec": self.codecs.get("video"), "audio_codec": self.codecs.get("audio"),
-        })
+        out.update(
+            {
+                "video_frames_fresh": self.buffer.video_fresh,
+                "underruns": {"video": self.buffer.video_underruns, "audio": self.buffer.audio_underruns},
+                "chunks": {
+                    "planned": self.stats.chunks_planned,
+                    "done": self.stats.chunks_done,
+                    "skipped": p.skipped,
+                    "audio_only": p.audio_only,
+                    "late_dropped": self.buffer.late_chunks,
+                    "in_flight": p.in_flight,
+                },
+                "degraded": self.degraded(now) if not closed else False,
+                "worker_estimate_ms": {"latency": _r(p.latency * 1e3), "interval": _r(p.interval * 1e3)},
+                "buffer_ms": _r(self.buffer_ms()) if not closed else 0.0,
+                "agent_queued_s": round(self.agent.queued_samples / self.timing.sample_rate, 3),
+                "agent_segments": self.agent.segments,
+                "connection": self.pc.connectionState if self.pc is not None else None,
+                "video_codec": self.codecs.get("video"),
+                "audio_codec": self.codecs.get("audio"),
+            }
+        )
         return out
 
     def report(self) -> dict:
         st = self.status()
         t_end = self.t_closed or time.monotonic()
-        st.update({"report": True, "started_at": self.wall_created, "duration_s": round(t_end - self.t_created, 3),
-                   "worker_open_ms": _r(self.worker_open_ms), "worker_preopened": self.worker_preopened})
+        st.update(
+            {
+                "report": True,
+                "started_at": self.wall_created,
+                "duration_s": round(t_end - self.t_created, 3),
+                "worker_open_ms": _r(self.worker_open_ms),
+                "worker_preopened": self.worker_preopened,
+            }
+        )
         st.update(self.stats.report_fields(t_end, self.clock.t0, self.buffer.video_fresh, self._counts()))
         return st
 
@@ -348,7 +400,8 @@ class LiveSession:
             self.state = "closing"
             self.close_reason = reason
             t = self._close_task = asyncio.get_running_loop().create_task(
-                self._teardown(), name=f"cadence-{self.sid[:8]}-close")
+                self._teardown(), name=f"cadence-{self.sid[:8]}-close"
+            )
             self.server.background.add(t)
             t.add_done_callback(self.server.background.discard)
         return self._close_task
@@ -366,7 +419,9 @@ class LiveSession:
     async def _teardown(self) -> None:
         try:
             if self._opened is not None and not self._opened.done():  # still starting: stop waiting
-                self._opened.set_exception(RuntimeError(f"the session was closed while starting ({self.close_reason})"))
+                self._opened.set_exception(
+                    RuntimeError(f"the session was closed while starting ({self.close_reason})")
+                )
                 self._opened.exception()  # retrieved: no "never retrieved" warning if start() is gone
             await self._stop_tasks(self.TASKS_TIMEOUT_S)
             for tr in (self.video, self.audio):
@@ -406,8 +461,13 @@ class LiveSession:
                 break
             _, pending = await asyncio.wait(pending, timeout=min(0.1, left))
         if pending:
-            log.warning("session %s: %d task(s) still running %.0f s after cancel: %s", self.sid, len(pending),
-                        timeout, sorted(t.get_name() for t in pending))
+            log.warning(
+                "session %s: %d task(s) still running %.0f s after cancel: %s",
+                self.sid,
+                len(pending),
+                timeout,
+                sorted(t.get_name() for t in pending),
+            )
             for t in pending:
                 self.server.background.add(t)
                 t.add_done_callback(self.server.background.discard)

@@ -34,8 +34,9 @@ def _r(x: float | None, nd: int = 1) -> float | None:
 
 
 class SessionStats:
-    def __init__(self, fps: int, frames_per_chunk: int, timeline_window_s: float, metrics, sid: str,
-                 t_created: float):
+    def __init__(
+        self, fps: int, frames_per_chunk: int, timeline_window_s: float, metrics, sid: str, t_created: float
+    ):
         self.fps_target, self.frames_per_chunk = fps, frames_per_chunk
         self.metrics, self.sid = metrics, sid
         self.t_created = t_created
@@ -67,16 +68,25 @@ class SessionStats:
         """An agent segment starts at video frame ``frame`` (its first audio was had at ``t_agent``)."""
         self._pending_marks.append((frame, t_agent))
 
-    def chunk(self, now: float, index: int, latency_ms: float, tm: ChunkTimings, late: bool,
-              counts: dict) -> None:
+    def chunk(
+        self, now: float, index: int, latency_ms: float, tm: ChunkTimings, late: bool, counts: dict
+    ) -> None:
         """Chunk ``index`` came back at ``now``, ``latency_ms`` after its plan; ``late``: after it was due;
         ``counts``: the session's cumulative counters just before it (the timeline's windows)."""
         self.chunks_done += 1
         self.chunk_latency_ms.append(latency_ms)
         self.diffusion_ms.append(tm.diffusion_ms)
         self.decode_ms.append(tm.decode_ms)
-        self.worker_chunks.append({"i": index, "diffusion_ms": _r(tm.diffusion_ms), "decode_ms": _r(tm.decode_ms),
-                                   "work_ms": _r(tm.work_ms), "latency_ms": _r(latency_ms), "step": tm.step})
+        self.worker_chunks.append(
+            {
+                "i": index,
+                "diffusion_ms": _r(tm.diffusion_ms),
+                "decode_ms": _r(tm.decode_ms),
+                "work_ms": _r(tm.work_ms),
+                "latency_ms": _r(latency_ms),
+                "step": tm.step,
+            }
+        )
         m = self.metrics
         m.chunk_latency.observe(latency_ms)
         if late:
@@ -138,9 +148,11 @@ class SessionStats:
             return {}
         d = [r["diffusion_ms"] or 0.0 for r in rows]
         e = [r["decode_ms"] or 0.0 for r in rows]
-        return {"work_ms_p50": _r(_p50(r["work_ms"] for r in rows)),
-                "serial_ms_p50": _r(_p50(a + b for a, b in zip(d, e))),
-                "overlapped_ms_p50": _r(_p50(max(a, b) for a, b in zip(d, e)))}
+        return {
+            "work_ms_p50": _r(_p50(r["work_ms"] for r in rows)),
+            "serial_ms_p50": _r(_p50(a + b for a, b in zip(d, e))),
+            "overlapped_ms_p50": _r(_p50(max(a, b) for a, b in zip(d, e))),
+        }
 
     def status_fields(self, now: float, closed: bool) -> dict:
         return {
@@ -150,7 +162,8 @@ class SessionStats:
             "ttff_ms": _r(self.ttff_ms),
             "chunk_latency_ms_p50": _r(_p50(self.chunk_latency_ms)),
             "chunk_latency_ms_last": _r(self.chunk_latency_ms[-1] if self.chunk_latency_ms else None),
-            "diffusion_ms_p50": _r(_p50(self.diffusion_ms)), "decode_ms_p50": _r(_p50(self.decode_ms)),
+            "diffusion_ms_p50": _r(_p50(self.diffusion_ms)),
+            "decode_ms_p50": _r(_p50(self.decode_ms)),
             "agent_audio_to_frame_ms_p50": _r(_p50(self.agent_latency_ms)),
             "agent_audio_to_frame_ms_last": _r(self.agent_latency_ms[-1] if self.agent_latency_ms else None),
             "av_offset_ms": _r(self.av_offset_ms()),
@@ -167,12 +180,15 @@ class SessionStats:
         tl = self.timeline
         return {
             "fps_mean": round(video_fresh / max(1e-9, t_end - (t0 or self.t_created)), 2) if t0 else 0.0,
-            "chunk_latency_ms_p99": _r(lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))] if lat else None),
+            "chunk_latency_ms_p99": _r(
+                lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))] if lat else None
+            ),
             # the p50/p99 (and diffusion/decode p50) cover the last this-many chunks (a bounded window:
             # 2,000 chunks = 5.6 min at 4 frames per chunk); the timeline has every window of the session
             "chunk_latency_samples": len(lat),
             "agent_audio_to_frame_ms": [round(x, 1) for x in self.agent_latency_ms[-100:]],
-            "video_frames_skipped": self.video_frames_skipped, "audio_frames_skipped": self.audio_frames_skipped,
+            "video_frames_skipped": self.video_frames_skipped,
+            "audio_frames_skipped": self.audio_frames_skipped,
             "worker": self.worker_figures(),
             "worker_chunks": list(self.worker_chunks),
             "worker_memory_first_mb": {k: _r(v) for k, v in tl.memory_first.items()},

@@ -13,6 +13,7 @@ class BackgroundClient:
 
         def main():
             from cadence.serve.client import run_client
+
             try:
                 self.result = asyncio.run(run_client(url, seconds, **kw))
             except BaseException as e:

@@ -50,7 +50,9 @@ class Timeline:
         while self._t_end <= now:  # the next ends on the grid (no drift); a long gap is one longer window
             self._t_end += self.window_s
 
-    def chunk(self, now: float, latency_ms: float, counts: dict[str, int], memory: dict | None = None) -> None:
+    def chunk(
+        self, now: float, latency_ms: float, counts: dict[str, int], memory: dict | None = None
+    ) -> None:
         """One chunk came back at ``now`` (monotonic seconds), ``latency_ms`` after its plan. ``counts``: the
         session's cumulative ``COUNTERS`` just before it; ``memory``: the worker's figures with it (MB, or
         None). The first chunk starts the timeline."""
@@ -71,13 +73,17 @@ class Timeline:
         secs = t_end - self._t_start
         d = {k: int(counts.get(k, 0)) - self._start.get(k, 0) for k in COUNTERS}
         lat = self._latency
-        row = {"t_s": round(self._t_start - self.t0, 3), "seconds": round(secs, 3),
-               "fps": round(d["video_fresh"] / secs, 2) if secs >= MIN_RATED_S else None,
-               "chunks": d["chunks_done"],
-               "chunk_latency_ms_p50": round(statistics.median(lat), 1) if lat else None,
-               "chunk_latency_ms_max": round(max(lat), 1) if lat else None,
-               "underruns_video": d["underruns_video"], "deadline_misses": d["deadline_misses"],
-               "video_fresh": d["video_fresh"]}
+        row = {
+            "t_s": round(self._t_start - self.t0, 3),
+            "seconds": round(secs, 3),
+            "fps": round(d["video_fresh"] / secs, 2) if secs >= MIN_RATED_S else None,
+            "chunks": d["chunks_done"],
+            "chunk_latency_ms_p50": round(statistics.median(lat), 1) if lat else None,
+            "chunk_latency_ms_max": round(max(lat), 1) if lat else None,
+            "underruns_video": d["underruns_video"],
+            "deadline_misses": d["deadline_misses"],
+            "video_fresh": d["video_fresh"],
+        }
         row.update({f"worker_{k}": round(v, 1) for k, v in self.memory_last.items()})
         if partial:
             row["partial"] = True

@@ -41,8 +41,14 @@ class WorkerGroup:
     reported as ``Died``. Sending never blocks the loop.
     """
 
-    def __init__(self, index: int, spec: WorkerSpec, frame_shape: tuple[int, ...] | None = None, slots: int = 3,
-                 shm: bool = False):
+    def __init__(
+        self,
+        index: int,
+        spec: WorkerSpec,
+        frame_shape: tuple[int, ...] | None = None,
+        slots: int = 3,
+        shm: bool = False,
+    ):
         """``spec``: what the worker builds (``cadence.engine.spec.WorkerSpec``); with ``shm`` and a
         ``frame_shape`` ([F, H, W, 3]) the frames come back through a :class:`FrameRing` of ``slots`` chunks,
         created here at every start."""
@@ -89,8 +95,9 @@ class WorkerGroup:
         self.start_error = None
         if self.shm and self.frame_shape is not None:
             self.ring = FrameRing.create(self.frame_shape, self.slots)
-            spec = dataclasses.replace(spec, shm={"name": self.ring.name, "shape": list(self.frame_shape),
-                                                  "slots": self.slots})
+            spec = dataclasses.replace(
+                spec, shm={"name": self.ring.name, "shape": list(self.frame_shape), "slots": self.slots}
+            )
         parent, child = ctx.Pipe(duplex=True)
         self.conn = parent
         self.ready.clear()
@@ -98,27 +105,49 @@ class WorkerGroup:
         devices = spec.devices
         if len(devices) > 1:
             spec = dataclasses.replace(spec, tp_port=free_port())
-        self.proc = ctx.Process(target=_spawned, args=("worker_main", child, spec), name=f"cadence-worker-{self.index}",
-                                daemon=True)
+        self.proc = ctx.Process(
+            target=_spawned,
+            args=("worker_main", child, spec),
+            name=f"cadence-worker-{self.index}",
+            daemon=True,
+        )
         self.proc.start()
         child.close()
         # a tensor-parallel group: the follower ranks, started by us (rank 0 is daemonic: no children)
         fspec = dataclasses.replace(spec, shm=None)
-        self.followers = [ctx.Process(target=_spawned, args=("follower_main", r, fspec),
-                                      name=f"cadence-worker-{self.index}-rank{r}", daemon=True)
-                          for r in range(1, len(devices))]
+        self.followers = [
+            ctx.Process(
+                target=_spawned,
+                args=("follower_main", r, fspec),
+                name=f"cadence-worker-{self.index}-rank{r}",
+                daemon=True,
+            )
+            for r in range(1, len(devices))
+        ]
         for p in self.followers:
             p.start()
         self._watch_stop = threading.Event()
         conn, outq = parent, self._outq
         self._threads = [
-            threading.Thread(target=self._reader, args=(conn,), name=f"cadence-worker-{self.index}-reader", daemon=True),
-            threading.Thread(target=self._writer, args=(conn, outq), name=f"cadence-worker-{self.index}-writer",
-                             daemon=True),
+            threading.Thread(
+                target=self._reader, args=(conn,), name=f"cadence-worker-{self.index}-reader", daemon=True
+            ),
+            threading.Thread(
+                target=self._writer,
+                args=(conn, outq),
+                name=f"cadence-worker-{self.index}-writer",
+                daemon=True,
+            ),
         ]
         if self.followers:
-            self._threads.append(threading.Thread(target=self._watch, args=(list(self.followers), self._watch_stop),
-                                                  name=f"cadence-worker-{self.index}-watch", daemon=True))
+            self._threads.append(
+                threading.Thread(
+                    target=self._watch,
+                    args=(list(self.followers), self._watch_stop),
+                    name=f"cadence-worker-{self.index}-watch",
+                    daemon=True,
+                )
+            )
         for t in self._threads:
             t.start()
 
@@ -214,7 +243,9 @@ class WorkerGroup:
             deadline = time.monotonic() + timeout
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if proc.is_alive():  # (the workers ignore SIGTERM: the server, not a signal, decides when they go)
+            if (
+                proc.is_alive()
+            ):  # (the workers ignore SIGTERM: the server, not a signal, decides when they go)
                 proc.kill()
             await asyncio.to_thread(proc.join, 3.0)
         for p in self.followers:  # rank 0 told them to stop; if it could not, they go now

@@ -34,50 +34,102 @@ class ServeMetrics:
     def __init__(self) -> None:
         r = self.session_registry = CollectorRegistry(auto_describe=True)
         s = ("session",)
-        self.fps = Gauge("cadence_session_fps", "Generated video frames delivered per second (last 2 s)", s, registry=r)
-        self.ttff = Gauge("cadence_session_ttff_ms", "Session start (request received) -> first generated frame sent",
-                          s, registry=r)
-        self.av_offset = Gauge("cadence_session_av_offset_ms",
-                               "Media time of the last video frame sent minus that of the audio sent (pacing skew)",
-                               s, registry=r)
-        self.agent_latency = Gauge("cadence_session_agent_audio_to_frame_ms",
-                                   "Agent first audio -> first speaking frame sent (last segment)", s, registry=r)
-        self.video_underruns = Gauge("cadence_session_video_underruns", "Video frames held (chunk late)", s,
-                                     registry=r)
-        self.audio_underruns = Gauge("cadence_session_audio_underruns", "20 ms audio frames with silence filled in",
-                                     s, registry=r)
-        self.deadline_misses = Gauge("cadence_session_deadline_misses", "Chunks back after their first frame was due",
-                                     s, registry=r)
-        self.in_flight = Gauge("cadence_session_chunks_in_flight", "Chunks planned and not back from the worker yet",
-                               s, registry=r)
-        self.buffer_ms = Gauge("cadence_session_buffer_ms",
-                               "Playout headroom: generated video not yet sent, in ms of media (falls toward 0 "
-                               "before an underrun)", s, registry=r)
+        self.fps = Gauge(
+            "cadence_session_fps", "Generated video frames delivered per second (last 2 s)", s, registry=r
+        )
+        self.ttff = Gauge(
+            "cadence_session_ttff_ms",
+            "Session start (request received) -> first generated frame sent",
+            s,
+            registry=r,
+        )
+        self.av_offset = Gauge(
+            "cadence_session_av_offset_ms",
+            "Media time of the last video frame sent minus that of the audio sent (pacing skew)",
+            s,
+            registry=r,
+        )
+        self.agent_latency = Gauge(
+            "cadence_session_agent_audio_to_frame_ms",
+            "Agent first audio -> first speaking frame sent (last segment)",
+            s,
+            registry=r,
+        )
+        self.video_underruns = Gauge(
+            "cadence_session_video_underruns", "Video frames held (chunk late)", s, registry=r
+        )
+        self.audio_underruns = Gauge(
+            "cadence_session_audio_underruns", "20 ms audio frames with silence filled in", s, registry=r
+        )
+        self.deadline_misses = Gauge(
+            "cadence_session_deadline_misses", "Chunks back after their first frame was due", s, registry=r
+        )
+        self.in_flight = Gauge(
+            "cadence_session_chunks_in_flight",
+            "Chunks planned and not back from the worker yet",
+            s,
+            registry=r,
+        )
+        self.buffer_ms = Gauge(
+            "cadence_session_buffer_ms",
+            "Playout headroom: generated video not yet sent, in ms of media (falls toward 0 "
+            "before an underrun)",
+            s,
+            registry=r,
+        )
         r = self.registry = CollectorRegistry(auto_describe=True)  # everything else: aggregates
-        self.chunk_latency = Histogram("cadence_chunk_latency_ms", "Chunk plan -> frames back in the web process",
-                                       buckets=_MS_BUCKETS, registry=r)
-        self.agent_latency_hist = Histogram("cadence_agent_audio_to_frame_ms",
-                                            "Agent first audio -> first speaking frame sent", buckets=_MS_BUCKETS,
-                                            registry=r)
-        self.ttff_hist = Histogram("cadence_ttff_ms", "Session start -> first generated frame sent",
-                                   buckets=_MS_BUCKETS, registry=r)
+        self.chunk_latency = Histogram(
+            "cadence_chunk_latency_ms",
+            "Chunk plan -> frames back in the web process",
+            buckets=_MS_BUCKETS,
+            registry=r,
+        )
+        self.agent_latency_hist = Histogram(
+            "cadence_agent_audio_to_frame_ms",
+            "Agent first audio -> first speaking frame sent",
+            buckets=_MS_BUCKETS,
+            registry=r,
+        )
+        self.ttff_hist = Histogram(
+            "cadence_ttff_ms", "Session start -> first generated frame sent", buckets=_MS_BUCKETS, registry=r
+        )
         self.active = Gauge("cadence_sessions_active", "Sessions open now", registry=r)
         self.groups = Gauge("cadence_groups", "Worker groups (GPU groups) configured", registry=r)
         self.sessions = Counter("cadence_sessions", "Sessions closed, by reason", ("reason",), registry=r)
-        self.refused = Counter("cadence_admissions_refused", "Session requests refused: no free group", registry=r)
-        self.underruns_total = Counter("cadence_underruns", "Underruns (video frames held + audio frames silenced)",
-                                       ("kind",), registry=r)
-        self.deadline_misses_total = Counter("cadence_deadline_misses", "Chunks back after their first frame was due",
-                                             registry=r)
-        self.worker_memory = Gauge("cadence_worker_memory_bytes",
-                                   "A worker group's rank-0 process memory with its last chunk: host RSS "
-                                   "('rss') and torch's allocation on its GPU ('cuda')", ("group", "kind"),
-                                   registry=r)
-        self.bad_requests = Counter("cadence_bad_requests", "Requests answered with a 4xx error", ("status",),
-                                    registry=r)
+        self.refused = Counter(
+            "cadence_admissions_refused", "Session requests refused: no free group", registry=r
+        )
+        self.underruns_total = Counter(
+            "cadence_underruns",
+            "Underruns (video frames held + audio frames silenced)",
+            ("kind",),
+            registry=r,
+        )
+        self.deadline_misses_total = Counter(
+            "cadence_deadline_misses", "Chunks back after their first frame was due", registry=r
+        )
+        self.worker_memory = Gauge(
+            "cadence_worker_memory_bytes",
+            "A worker group's rank-0 process memory with its last chunk: host RSS "
+            "('rss') and torch's allocation on its GPU ('cuda')",
+            ("group", "kind"),
+            registry=r,
+        )
+        self.bad_requests = Counter(
+            "cadence_bad_requests", "Requests answered with a 4xx error", ("status",), registry=r
+        )
 
-    _per_session = ("fps", "ttff", "av_offset", "agent_latency", "video_underruns", "audio_underruns", "deadline_misses",
-                    "in_flight", "buffer_ms")
+    _per_session = (
+        "fps",
+        "ttff",
+        "av_offset",
+        "agent_latency",
+        "video_underruns",
+        "audio_underruns",
+        "deadline_misses",
+        "in_flight",
+        "buffer_ms",
+    )
 
     def remove_session(self, sid: str) -> None:
         for name in self._per_session:
@@ -90,7 +142,7 @@ class ServeMetrics:
         """``mem``: MB by name as the worker reports it (``rss_mb``, ``cuda_mb``; None = not known)."""
         for name, mb in mem.items():
             if mb is not None:
-                self.worker_memory.labels(str(group), name.removesuffix("_mb")).set(mb * 2 ** 20)
+                self.worker_memory.labels(str(group), name.removesuffix("_mb")).set(mb * 2**20)
 
     def render(self, sessions: bool = False) -> bytes:
         """The Prometheus text exposition: the aggregates, and the per-session series when ``sessions``."""

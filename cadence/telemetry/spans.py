@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-_active: "SpanRecorder | None" = None
+_active: SpanRecorder | None = None
 
 
 class SpanRecorder:
@@ -26,7 +26,7 @@ class SpanRecorder:
         self._marks: list[tuple[str, object, object]] = []
         self._prev: SpanRecorder | None = None
 
-    def __enter__(self) -> "SpanRecorder":
+    def __enter__(self) -> SpanRecorder:
         global _active
         self._prev, _active = _active, self
         return self

@@ -49,8 +49,14 @@ import torch.nn.functional as F
 from cadence.config import AUDIO_SAMPLE_RATE, CadenceConfig, get_preset
 
 PROMPTS = (
-    "a person talking to the camera", "a cartoon character speaking", "a friendly face", "hello there",
-    "someone telling a story", "a talking head", "an animated portrait", "a character in a video call",
+    "a person talking to the camera",
+    "a cartoon character speaking",
+    "a friendly face",
+    "hello there",
+    "someone telling a story",
+    "a talking head",
+    "an animated portrait",
+    "a character in a video call",
 )
 
 
@@ -59,13 +65,13 @@ class TrainConfig:
     preset: str = "character"
     overrides: dict = field(default_factory=dict)  # CadenceConfig.with_overrides sections (toy sizes)
     clips: int = 1536
-    latents: int = 12                 # latent frames per clip after the reference: 1 + 4 * latents frames
+    latents: int = 12  # latent frames per clip after the reference: 1 + 4 * latents frames
     seed: int = 0
-    workers: int = 0                  # data processes (0: all CPUs)
+    workers: int = 0  # data processes (0: all CPUs)
     # VAE
     vae_steps: int = 4000
     vae_batch: int = 12
-    vae_segment: int = 3              # latent frames per training segment (after its first frame)
+    vae_segment: int = 3  # latent frames per training segment (after its first frame)
     vae_lr: float = 1e-3
     vae_minutes: float = 3.5
     latent_noise: float = 0.1
@@ -76,15 +82,16 @@ class TrainConfig:
     dit_lr: float = 4e-4
     dit_minutes: float = 6.0
     ema: float = 0.999
-    context_noise: float = 0.4        # per sample, noise of std U(0, this) on the clean context latents:
-                                      # the model learns to lean on the sink where its own past is off
-                                      # (exposure bias: a stream conditions on generated chunks)
-    init: str | None = None           # a previous run's folder: keep its VAE, start the DiT from its weights
-    window: int | None = None         # training window (chunks) if not the preset's stream.window_chunks
+    context_noise: float = 0.4  # per sample, noise of std U(0, this) on the clean context latents:
+    # the model learns to lean on the sink where its own past is off
+    # (exposure bias: a stream conditions on generated chunks)
+    init: str | None = None  # a previous run's folder: keep its VAE, start the DiT from its weights
+    window: int | None = None  # training window (chunks) if not the preset's stream.window_chunks
     log_every: int = 100
 
 
 # ---- data -------------------------------------------------------------------------------------------
+
 
 def _render(args):
     seed, n_frames, h, w = args
@@ -122,6 +129,7 @@ def to_video(frames_u8: torch.Tensor) -> torch.Tensor:
 
 # ---- phases -----------------------------------------------------------------------------------------
 
+
 class _Clock:
     def __init__(self, minutes: float):
         self.t0, self.limit = time.perf_counter(), 60.0 * minutes
@@ -135,8 +143,12 @@ class _Clock:
 
 
 def _progress(phase: str, step: int, total: int, loss: float, clock: _Clock) -> None:
-    print(f"\r{phase}: step {step}/{total} loss {loss:.4f} ({clock.elapsed:.0f}s)", end="", file=sys.stderr,
-          flush=True)
+    print(
+        f"\r{phase}: step {step}/{total} loss {loss:.4f} ({clock.elapsed:.0f}s)",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _lr(step: int, total: int, base: float, warmup: int = 200) -> float:
@@ -169,7 +181,7 @@ def train_vae(tc: TrainConfig, cfg: CadenceConfig, frames: torch.Tensor, device,
         idx = torch.randint(n, (tc.vae_batch,), generator=g)
         # segments start on a chunk boundary (frame 0 or 1 + 4j) so the causal start matches streaming
         starts = torch.randint(0, (t_all - seg) // st + 1, (tc.vae_batch,), generator=g) * st
-        clip = torch.stack([frames[i, s:s + seg] for i, s in zip(idx.tolist(), starts.tolist())])
+        clip = torch.stack([frames[i, s : s + seg] for i, s in zip(idx.tolist(), starts.tolist())])
         x = to_video(clip.to(device))
         for group in opt.param_groups:
             group["lr"] = _lr(step, tc.vae_steps, tc.vae_lr)
@@ -179,19 +191,29 @@ def train_vae(tc: TrainConfig, cfg: CadenceConfig, frames: torch.Tensor, device,
             rec_wan = wan.stream().decode_with_grad(noisy)
             rec_tae = taehv._run(noisy, [None] * taehv.n_slots, first=True)
         rec_wan, rec_tae = rec_wan.float(), rec_tae.float()
-        loss = (F.l1_loss(rec_wan, x) + F.mse_loss(rec_wan, x) + F.l1_loss(rec_tae, x) + F.mse_loss(rec_tae, x)
-                + tc.latent_l2 * mu.float().pow(2).mean())
+        loss = (
+            F.l1_loss(rec_wan, x)
+            + F.mse_loss(rec_wan, x)
+            + F.l1_loss(rec_tae, x)
+            + F.mse_loss(rec_tae, x)
+            + tc.latent_l2 * mu.float().pow(2).mean()
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
         if step % tc.log_every == 0:
-            _progress("vae", step, tc.vae_steps, float(np.mean(losses[-tc.log_every:])), clock)
+            _progress("vae", step, tc.vae_steps, float(np.mean(losses[-tc.log_every :])), clock)
     print(file=sys.stderr)
-    log["vae"] = {"steps": step + 1 if losses else 0, "seconds": clock.elapsed, "loss_first": losses[:5],
-                  "loss_last_100": float(np.mean(losses[-100:])) if losses else None,
-                  "segment_frames": seg, "batch": tc.vae_batch}
+    log["vae"] = {
+        "steps": step + 1 if losses else 0,
+        "seconds": clock.elapsed,
+        "loss_first": losses[:5],
+        "loss_last_100": float(np.mean(losses[-100:])) if losses else None,
+        "segment_frames": seg,
+        "batch": tc.vae_batch,
+    }
     return wan.eval(), taehv.eval()
 
 
@@ -201,7 +223,7 @@ def encode_all(wan, frames: torch.Tensor, device, batch: int = 32) -> torch.Tens
     out = []
     for i in range(0, frames.shape[0], batch):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out.append(wan.encode(to_video(frames[i:i + batch].to(device))).float())
+            out.append(wan.encode(to_video(frames[i : i + batch].to(device))).float())
     return torch.cat(out)
 
 
@@ -212,8 +234,9 @@ def vae_eval(wan, taehv, frames: torch.Tensor, device) -> dict:
     lat = wan.encode(x)
     res = {}
     for name, dec in (("wan", wan.stream()), ("taehv", taehv.stream())):
-        parts = [dec.decode_chunk(lat[:, :, :1])] + [dec.decode_chunk(lat[:, :, j:j + 1])
-                                                     for j in range(1, lat.shape[2])]
+        parts = [dec.decode_chunk(lat[:, :, :1])] + [
+            dec.decode_chunk(lat[:, :, j : j + 1]) for j in range(1, lat.shape[2])
+        ]
         rec = torch.cat(parts, 2).float().clamp(-1, 1)
         mse = F.mse_loss(rec, x).item()
         res[f"psnr_{name}_db"] = 10 * math.log10(4.0 / max(mse, 1e-12))
@@ -224,7 +247,7 @@ def chunk_audio(audio: torch.Tensor, n_latents: int, spf: int) -> torch.Tensor:
     """Per clip audio [N, samples] -> per latent frame j >= 1 the samples of its video frames
     4(j-1)+1 .. 4j: [N, n_latents, 4 * spf] (the reference frame 0 has no chunk)."""
     start = spf  # frame 1
-    a = audio[:, start:start + n_latents * 4 * spf]
+    a = audio[:, start : start + n_latents * 4 * spf]
     return a.reshape(audio.shape[0], n_latents, 4 * spf)
 
 
@@ -237,10 +260,10 @@ def sequence_layout(window: int, tokens_per_frame: int, device=None) -> tuple[to
     pos = torch.tensor([0] + list(range(1, W)) + list(range(1, W + 1)), device=device)
     fm = torch.zeros(nf, nf, dtype=torch.bool)
     fm[0, 0] = True
-    for j in range(1, W):               # clean c_j (frame j): sink + c_1..c_j
+    for j in range(1, W):  # clean c_j (frame j): sink + c_1..c_j
         fm[j, 0] = True
-        fm[j, 1:j + 1] = True
-    for i in range(1, W + 1):           # noisy n_i (frame W - 1 + i): sink + c_1..c_{i-1} + itself
+        fm[j, 1 : j + 1] = True
+    for i in range(1, W + 1):  # noisy n_i (frame W - 1 + i): sink + c_1..c_{i-1} + itself
         q = W - 1 + i
         fm[q, 0] = True
         fm[q, 1:i] = True
@@ -249,8 +272,9 @@ def sequence_layout(window: int, tokens_per_frame: int, device=None) -> tuple[to
     return pos, mask
 
 
-def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chunks: torch.Tensor, device,
-              log: dict):
+def train_dit(
+    tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chunks: torch.Tensor, device, log: dict
+):
     """Phase 3. lat normalised [N, z, 1 + L, h, w] on device; audio_chunks [N, L, 8000] on device."""
     from cadence.model.audio import AudioFeatures
     from cadence.model.text import ByteTextEncoder
@@ -293,11 +317,11 @@ def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chun
         idx = torch.randint(n, (B,), device=device, generator=g)
         off = torch.randint(0, L - W + 1, (B,), device=device, generator=g)  # window = latents off+1 .. off+W
         ar = torch.arange(W, device=device)
-        win_idx = off[:, None] + 1 + ar[None]                                 # [B, W] latent indices
-        x0 = lat[idx[:, None], :, win_idx].permute(0, 2, 1, 3, 4)          # [B, z, W, h, w]
-        sink = lat[idx, :, :1]                                                # [B, z, 1, h, w]
-        a = audio_chunks[idx[:, None], win_idx - 1]                           # [B, W, 8000]
-        af = feats(a.reshape(-1)).reshape(B, W, *silence.shape[1:])           # [B, W, A, D]
+        win_idx = off[:, None] + 1 + ar[None]  # [B, W] latent indices
+        x0 = lat[idx[:, None], :, win_idx].permute(0, 2, 1, 3, 4)  # [B, z, W, h, w]
+        sink = lat[idx, :, :1]  # [B, z, 1, h, w]
+        a = audio_chunks[idx[:, None], win_idx - 1]  # [B, W, 8000]
+        af = feats(a.reshape(-1)).reshape(B, W, *silence.shape[1:])  # [B, W, A, D]
         # noise levels: half the inference sigmas, half shifted-uniform
         pick = infer_sigmas[torch.randint(len(infer_sigmas), (B, W), device=device, generator=g)]
         u = torch.rand(B, W, device=device, generator=g)
@@ -330,11 +354,17 @@ def train_dit(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chun
                 pe.lerp_(pm.detach(), 1 - d)
         losses.append(loss.item())
         if step % tc.log_every == 0:
-            _progress("dit", step, tc.dit_steps, float(np.mean(losses[-tc.log_every:])), clock)
+            _progress("dit", step, tc.dit_steps, float(np.mean(losses[-tc.log_every :])), clock)
     print(file=sys.stderr)
-    log["dit"] = {"steps": step + 1 if losses else 0, "seconds": clock.elapsed, "loss_first": losses[:5],
-                  "loss_last_100": float(np.mean(losses[-100:])) if losses else None, "batch": B,
-                  "sequence_tokens": nf * tpf, "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    log["dit"] = {
+        "steps": step + 1 if losses else 0,
+        "seconds": clock.elapsed,
+        "loss_first": losses[:5],
+        "loss_last_100": float(np.mean(losses[-100:])) if losses else None,
+        "batch": B,
+        "sequence_tokens": nf * tpf,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
     return ema
 
 
@@ -344,24 +374,39 @@ def save(out: Path, cfg: CadenceConfig, wan, taehv, dit, lat_mean, lat_std, log:
     out.mkdir(parents=True, exist_ok=True)
     vdir = out / "vae"
     vdir.mkdir(exist_ok=True)
-    vcfg = dict(wan.config, latents_mean=[float(x) for x in lat_mean], latents_std=[float(x) for x in lat_std])
+    vcfg = dict(
+        wan.config, latents_mean=[float(x) for x in lat_mean], latents_std=[float(x) for x in lat_std]
+    )
     (vdir / "config.json").write_text(json.dumps(vcfg, indent=1) + "\n")
 
     def half(sd):
         return {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in sd.items()}
 
     save_file(half(wan.state_dict()), str(vdir / "diffusion_pytorch_model.safetensors"))
-    (vdir / "taehv.json").write_text(json.dumps({"z_dim": taehv.z_dim, "stride": list(taehv.stride),
-                                                 "channels": list(taehv.channels), "shuffle": taehv.shuffle}) + "\n")
+    (vdir / "taehv.json").write_text(
+        json.dumps(
+            {
+                "z_dim": taehv.z_dim,
+                "stride": list(taehv.stride),
+                "channels": list(taehv.channels),
+                "shuffle": taehv.shuffle,
+            }
+        )
+        + "\n"
+    )
     save_file(half(taehv.state_dict()), str(vdir / "taehv.safetensors"))
     save_file(half(dit.state_dict()), str(out / "dit.safetensors"))
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 
-def train(tc: TrainConfig, out: Path, device: str | torch.device = "cpu", minutes: float | None = None) -> dict:
+def train(
+    tc: TrainConfig, out: Path, device: str | torch.device = "cpu", minutes: float | None = None
+) -> dict:
     """All three phases; returns the log (also written to ``out/train_log.json``)."""
     device = torch.device(device)
-    if minutes is not None:  # split a total budget: data ~1 min, VAE 35%, DiT the rest (all of it with --init)
+    if (
+        minutes is not None
+    ):  # split a total budget: data ~1 min, VAE 35%, DiT the rest (all of it with --init)
         share = 0.0 if tc.init else 0.35
         tc.vae_minutes = share * max(minutes - 1.0, 0.1)
         tc.dit_minutes = (1 - share) * max(minutes - 1.0, 0.1) - 0.1
@@ -371,18 +416,31 @@ def train(tc: TrainConfig, out: Path, device: str | torch.device = "cpu", minute
         cfg = cfg.with_overrides(**tc.overrides)
     # random-weight sources only: the weights are what we are making
     cfg = cfg.with_overrides(model={"weights": None}, vae={"weights": None})
-    log: dict = {"train_config": asdict(tc), "preset": cfg.name, "device": str(device),
-                 "torch": torch.__version__}
+    log: dict = {
+        "train_config": asdict(tc),
+        "preset": cfg.name,
+        "device": str(device),
+        "torch": torch.__version__,
+    }
     t0 = time.perf_counter()
     if tc.latents < (tc.window or cfg.stream.window_chunks):
-        raise ValueError(f"clips of {tc.latents} latent frames after the reference are shorter than the "
-                         f"window ({tc.window or cfg.stream.window_chunks} chunks)")
+        raise ValueError(
+            f"clips of {tc.latents} latent frames after the reference are shorter than the "
+            f"window ({tc.window or cfg.stream.window_chunks} chunks)"
+        )
     st = cfg.vae.stride[0]
     n_frames = 1 + st * tc.latents
-    frames, audio, seeds = make_dataset(tc.clips, n_frames, cfg.stream.height, cfg.stream.width, tc.seed,
-                                        tc.workers)
-    log["data"] = {"clips": tc.clips, "frames_per_clip": n_frames, "seconds": time.perf_counter() - t0,
-                   "seed_first": seeds[:3], "split": "train", "speech": "synthetic"}
+    frames, audio, seeds = make_dataset(
+        tc.clips, n_frames, cfg.stream.height, cfg.stream.width, tc.seed, tc.workers
+    )
+    log["data"] = {
+        "clips": tc.clips,
+        "frames_per_clip": n_frames,
+        "seconds": time.perf_counter() - t0,
+        "seed_first": seeds[:3],
+        "split": "train",
+        "speech": "synthetic",
+    }
     print(f"data: {tc.clips} clips x {n_frames} frames in {log['data']['seconds']:.1f}s", file=sys.stderr)
     if device.type == "cuda":  # CUDA only after the data processes have forked
         log["device_name"] = torch.cuda.get_device_name(device)
@@ -411,34 +469,55 @@ def train(tc: TrainConfig, out: Path, device: str | torch.device = "cpu", minute
     dit = train_dit(tc, cfg, lat, audio_chunks, device, log)
     log["total_seconds"] = time.perf_counter() - t0
     save(out, cfg, wan, taehv, dit, lat_mean.cpu(), lat_std.cpu(), log)
-    print(f"wrote {out} in {log['total_seconds']:.0f}s: vae loss {log['vae']['loss_last_100']:.4f} "
-          f"(psnr wan {log['vae']['psnr_wan_db']:.1f} dB, taehv {log['vae']['psnr_taehv_db']:.1f} dB), "
-          f"dit loss {log['dit']['loss_last_100']:.4f}", file=sys.stderr)
+    print(
+        f"wrote {out} in {log['total_seconds']:.0f}s: vae loss {log['vae']['loss_last_100']:.4f} "
+        f"(psnr wan {log['vae']['psnr_wan_db']:.1f} dB, taehv {log['vae']['psnr_taehv_db']:.1f} dB), "
+        f"dit loss {log['dit']['loss_last_100']:.4f}",
+        file=sys.stderr,
+    )
     return log
 
 
 def toy_config() -> TrainConfig:
     """Seconds on a CPU: 64x64, a 2-layer 64-wide DiT, a handful of clips and steps (tests)."""
     return TrainConfig(
-        overrides={"model": {"dim": 64, "num_heads": 2, "head_dim": 32, "ffn_dim": 128, "num_layers": 2},
-                   "vae": {"base_dim": 8, "taehv_channels": (16, 16)},
-                   "stream": {"height": 64, "width": 64}},
-        clips=6, latents=5, vae_steps=6, vae_batch=2, vae_segment=1, dit_steps=8, dit_batch=4,
-        vae_minutes=2.0, dit_minutes=2.0, workers=1, log_every=2)
+        overrides={
+            "model": {"dim": 64, "num_heads": 2, "head_dim": 32, "ffn_dim": 128, "num_layers": 2},
+            "vae": {"base_dim": 8, "taehv_channels": (16, 16)},
+            "stream": {"height": 64, "width": 64},
+        },
+        clips=6,
+        latents=5,
+        vae_steps=6,
+        vae_batch=2,
+        vae_segment=1,
+        dit_steps=8,
+        dit_batch=4,
+        vae_minutes=2.0,
+        dit_minutes=2.0,
+        workers=1,
+        log_every=2,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cadence.errors import UsageParser  # usage errors on one line, exit status 2, like every Cadence command
+    from cadence.errors import (
+        UsageParser,  # usage errors on one line, exit status 2, like every Cadence command
+    )
 
     p = UsageParser(prog="cadence train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="output folder (weights, VAE folder, train_log.json)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="output folder (weights, VAE folder, train_log.json)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=None, help="total wall-time budget (splits VAE / DiT)")
     p.add_argument("--clips", type=int, default=None)
     p.add_argument("--toy", action="store_true", help="toy sizes (CPU, seconds): a smoke test, not a model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="a previous run's folder: reuse its VAE, continue its DiT")
-    p.add_argument("--window", type=int, default=None, help="training window in chunks (default: the preset's)")
+    p.add_argument(
+        "--window", type=int, default=None, help="training window in chunks (default: the preset's)"
+    )
     p.add_argument("--latents", type=int, default=None, help="latent frames per clip after the reference")
     p.add_argument("--dit-batch", type=int, default=None)
     p.add_argument("--dit-steps", type=int, default=None, help="DiT steps (the lr schedule's length)")

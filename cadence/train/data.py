@@ -31,9 +31,22 @@ import numpy as np
 from cadence.config import AUDIO_SAMPLE_RATE
 from cadence.media.face import HAIR_STYLES, HUE_RANGES, FaceParams, backdrop, face_params, render_face
 
-__all__ = ["HAIR_STYLES", "HUE_RANGES", "PITCH_RANGES", "TEST_SEED_BASE", "Clip", "ClipSpec",
-           "FaceParams", "backdrop", "espeak_speech", "face_params", "held_out_split", "make_clip",
-           "mouth_open_from_audio", "render_face"]
+__all__ = [
+    "HAIR_STYLES",
+    "HUE_RANGES",
+    "PITCH_RANGES",
+    "TEST_SEED_BASE",
+    "Clip",
+    "ClipSpec",
+    "FaceParams",
+    "backdrop",
+    "espeak_speech",
+    "face_params",
+    "held_out_split",
+    "make_clip",
+    "mouth_open_from_audio",
+    "render_face",
+]
 
 #: Seed ranges of the held-out split: train seeds are below ``TEST_SEED_BASE``, test seeds at or above.
 TEST_SEED_BASE = 2**30
@@ -57,12 +70,12 @@ _SENTENCES = (
 class Clip:
     """One generated clip. ``frames[0]`` is the reference image."""
 
-    frames: np.ndarray        # uint8 [T, H, W, 3]
-    audio: np.ndarray         # float32 [T * sample_rate / fps], in [-1, 1]
-    mouth_open: np.ndarray    # float32 [T], ground-truth opening in [0, 1]
+    frames: np.ndarray  # uint8 [T, H, W, 3]
+    audio: np.ndarray  # float32 [T * sample_rate / fps], in [-1, 1]
+    mouth_open: np.ndarray  # float32 [T], ground-truth opening in [0, 1]
     face_box: tuple[int, int, int, int]  # (x0, y0, x1, y1) of the face ellipse in frame 0, pixels
-    blink: np.ndarray         # bool [T], eyes shut
-    head_offset: np.ndarray   # float32 [T, 2], (dx, dy) head translation in pixels
+    blink: np.ndarray  # bool [T], eyes shut
+    head_offset: np.ndarray  # float32 [T, 2], (dx, dy) head translation in pixels
     params: FaceParams
     fps: int
     sample_rate: int
@@ -100,9 +113,17 @@ def held_out_split(n_train: int, n_test: int, seed: int = 0) -> tuple[list[ClipS
     return ([ClipSpec(int(s), "train") for s in train], [ClipSpec(int(s), "test") for s in test])
 
 
-def make_clip(seed: int, seconds: float, height: int = 128, width: int = 128, fps: int = 24,
-              sample_rate: int = AUDIO_SAMPLE_RATE, speech: str = "synthetic", text: str | None = None,
-              split: str = "any") -> Clip:
+def make_clip(
+    seed: int,
+    seconds: float,
+    height: int = 128,
+    width: int = 128,
+    fps: int = 24,
+    sample_rate: int = AUDIO_SAMPLE_RATE,
+    speech: str = "synthetic",
+    text: str | None = None,
+    split: str = "any",
+) -> Clip:
     """Generate clip ``seed``: ``round(seconds * fps)`` frames and their speech (see the module doc).
 
     ``speech='synthetic'`` uses ``cadence.media.audio.synthetic_speech`` (seeded from ``seed``);
@@ -112,8 +133,9 @@ def make_clip(seed: int, seconds: float, height: int = 128, width: int = 128, fp
     silence; longer is cut.
     """
     if seconds <= 0 or height <= 0 or width <= 0 or fps <= 0:
-        raise ValueError(f"seconds, height, width and fps must be positive, got {seconds}, {height}, "
-                         f"{width}, {fps}")
+        raise ValueError(
+            f"seconds, height, width and fps must be positive, got {seconds}, {height}, {width}, {fps}"
+        )
     if sample_rate % fps:
         raise ValueError(f"sample_rate ({sample_rate}) must be a multiple of fps ({fps})")
     spf = sample_rate // fps
@@ -133,8 +155,18 @@ def make_clip(seed: int, seconds: float, height: int = 128, width: int = 128, fp
     cx, cy = width / 2, height * params.center_y
     fw, fh = params.face_w * s, params.face_h * s
     box = (int(np.floor(cx - fw)), int(np.floor(cy - fh)), int(np.ceil(cx + fw)), int(np.ceil(cy + fh)))
-    return Clip(frames=frames, audio=audio, mouth_open=mouth, face_box=box, blink=blink,
-                head_offset=offset, params=params, fps=fps, sample_rate=sample_rate, seed=seed)
+    return Clip(
+        frames=frames,
+        audio=audio,
+        mouth_open=mouth,
+        face_box=box,
+        blink=blink,
+        head_offset=offset,
+        params=params,
+        fps=fps,
+        sample_rate=sample_rate,
+        seed=seed,
+    )
 
 
 def mouth_open_from_audio(audio: np.ndarray, samples_per_frame: int) -> np.ndarray:
@@ -151,13 +183,14 @@ def mouth_open_from_audio(audio: np.ndarray, samples_per_frame: int) -> np.ndarr
 
 # ---- helpers --------------------------------------------------------------------------------------
 
+
 def _blinks(rng: np.random.Generator, n: int, fps: int) -> np.ndarray:
     """Eyes shut for 3 frames (2-4) at intervals of 2-5 s; the first blink after 0.5-3 s (frame 0 open)."""
     out = np.zeros(n, bool)
     t = rng.uniform(0.5, 3.0) * fps
     while int(t) < n:
         length = int(rng.integers(2, 5))
-        out[int(t): int(t) + length] = True
+        out[int(t) : int(t) + length] = True
         t += rng.uniform(2.0, 5.0) * fps
     out[0] = False
     return out
@@ -177,8 +210,9 @@ def _head_motion(rng: np.random.Generator, n: int, fps: int, amp_px: float) -> n
     return out.astype(np.float32)
 
 
-def _speech(seed: int, n_samples: int, sample_rate: int, speech: str, text: str | None,
-            split: str) -> np.ndarray:
+def _speech(
+    seed: int, n_samples: int, sample_rate: int, speech: str, text: str | None, split: str
+) -> np.ndarray:
     if speech == "synthetic":
         from cadence.media.audio import synthetic_speech
 
@@ -197,8 +231,13 @@ def _speech(seed: int, n_samples: int, sample_rate: int, speech: str, text: str 
     return out
 
 
-def espeak_speech(seed: int, seconds: float, sample_rate: int = AUDIO_SAMPLE_RATE, text: str | None = None,
-                  split: str = "any") -> np.ndarray:
+def espeak_speech(
+    seed: int,
+    seconds: float,
+    sample_rate: int = AUDIO_SAMPLE_RATE,
+    text: str | None = None,
+    split: str = "any",
+) -> np.ndarray:
     """``text`` (default: sentences picked by ``seed`` until ``seconds`` are filled) spoken by espeak-ng.
 
     Voice (en-us / en-gb / en-gb-scotland), pitch (``PITCH_RANGES[split]``) and speed (140-185
@@ -207,8 +246,10 @@ def espeak_speech(seed: int, seconds: float, sample_rate: int = AUDIO_SAMPLE_RAT
     """
     exe = shutil.which("espeak-ng")
     if exe is None:
-        raise RuntimeError("speech='espeak' needs espeak-ng on PATH (apt-get install espeak-ng); "
-                           "use speech='synthetic' otherwise")
+        raise RuntimeError(
+            "speech='espeak' needs espeak-ng on PATH (apt-get install espeak-ng); "
+            "use speech='synthetic' otherwise"
+        )
     from cadence.media.audio import load_audio
 
     rng = np.random.default_rng([seed, 3])
@@ -223,8 +264,13 @@ def espeak_speech(seed: int, seconds: float, sample_rate: int = AUDIO_SAMPLE_RAT
         text = " ".join(parts)
     with tempfile.TemporaryDirectory() as tmp:
         wav = Path(tmp) / "speech.wav"
-        r = subprocess.run([exe, "-v", voice, "-p", str(pitch), "-s", str(speed), "-w", str(wav), text],
-                           check=False, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [exe, "-v", voice, "-p", str(pitch), "-s", str(speed), "-w", str(wav), text],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if r.returncode != 0 or not wav.exists():
             raise RuntimeError(f"espeak-ng failed (rc {r.returncode}): {' '.join(r.stderr.split())[:200]}")
         a = load_audio(wav, sample_rate).numpy()
