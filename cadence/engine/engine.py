@@ -890,10 +890,10 @@ class Engine:
         default.
 
         A chunk slower than its media makes a stream slower than real time there. When one stream has such
-        chunks, one more runs to tell one-time work (a kernel compiled on first use: W14 TP=2 on 2x H200 ran
-        its 21st chunk, a graph replay, in 671 ms once and ~130 ms after) from chunks that are slow in every
-        stream; only the latter are a note. Under tensor parallelism every rank runs the same streams
-        (``decode=False`` on followers) and agrees on the branches."""
+        chunks, one more runs to tell one-time work (a kernel compiled on first use: seen at W14 TP=2, one
+        replayed chunk of the first stream several times slower than the rest; docs/perf/serve/NOTES.md) from
+        chunks that are slow in every stream; only the latter are a note. Under tensor parallelism every rank
+        runs the same streams (``decode=False`` on followers) and agrees on the branches."""
         cfg = self.gen.cfg
         n = chunks or self.warm_chunks()
         if image is None:
@@ -935,7 +935,7 @@ class Engine:
             chosen = threads
         elif not self.cuda and (self.tp is not None or (os.cpu_count() or 1) <= 2):
             # TP ranks are processes sharing the cores; on two cores the diffusion and the decode thread take
-            # one each (2 intra-op threads each would oversubscribe: 60 vs 107 ms a chunk, docs/perf/serve)
+            # one each (2 intra-op threads each oversubscribe the cores: docs/perf/serve/NOTES.md, session 7)
             torch.set_num_threads(1)
             chosen = 1
         elif not self.cuda:

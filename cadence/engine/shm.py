@@ -1,14 +1,14 @@
 """Frames through shared memory: a ring of one-chunk slots both processes map.
 
-Pickled through the pipe, a chunk's frames cost, measured on a 2-core CPU (spawned process, one chunk each way),
-24-39 ms per W1.3 chunk (12 x 480 x 832 x 3 = 14.4 MB every 500 ms: on the critical path of every chunk, and the
-web side's reader thread competes with the event loop for the GIL while it rebuilds the array) against 2-4 ms
-through shared memory (the worker's write + the web side's copy out). So frames of 1 MiB and more go through a
-:class:`FrameRing`: the web side creates ``max_in_flight + 1`` slots of one chunk each in one
-``multiprocessing.shared_memory`` segment, lends a free slot with every chunk request, the worker writes the
-frames there (on CUDA the device-to-host copy lands in the slot directly) and answers with the slot; the web side
-copies the chunk out and frees the slot. A request without a free slot falls back to the pipe. The segment is
-unlinked when the group stops (and re-created on restart). Torch-free.
+Pickled through the pipe, a large chunk's frames (W1.3: 12 x 480 x 832 x 3 = 14.4 MB every 500 ms) sit on the
+critical path of every chunk, and the web side's reader thread competes with the event loop for the GIL while it
+rebuilds the array; through shared memory the cost is the worker's write and the web side's copy out (the
+measured figures: docs/perf/serve/NOTES.md). So frames of 1 MiB and more go through a :class:`FrameRing`: the
+web side creates ``max_in_flight + 1`` slots of one chunk each in one ``multiprocessing.shared_memory``
+segment, lends a free slot with every chunk request, the worker writes the frames there (on CUDA the
+device-to-host copy lands in the slot directly) and answers with the slot; the web side copies the chunk out
+and frees the slot. A request without a free slot falls back to the pipe. The segment is unlinked when the
+group stops (and re-created on restart). Torch-free.
 """
 
 from __future__ import annotations

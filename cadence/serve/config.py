@@ -118,8 +118,8 @@ class ServeConfig:
     (``GraphRunner(capture_filling=True)``), so a session's first ``window_chunks`` chunks replay graphs
     instead of running eagerly. The warm-up then runs a second throwaway session (each fill stage occurs
     once per session and is warmed eagerly before its capture); costs ``window_chunks`` more graphs of
-    memory. Eager filling steps are launch-bound at 748 tokens (W14 TP=2: 535-1067 ms against a
-    166.7 ms chunk) and were 300-580 ms at W1.3 (500 ms chunk): slower than real time means underruns in
+    memory. Eager filling steps are launch-bound at 748 tokens (slower than real time at W14 TP=2 and W1.3:
+    docs/perf/pipeline/NOTES.md), which means underruns in
     every session's first chunks whatever the lead. With FP8 K/V (``kv_fp8``, the CUDA default) the
     filling steps already replay the steady graph (``RingCache.length_on_device``) and this adds
     nothing; it matters for bf16 K/V. CUDA only; not measured on a GPU yet."""
@@ -138,8 +138,7 @@ class ServeConfig:
     frame_transport: str = "auto"
     """How frames come back from a worker: 'pipe' (pickled through the multiprocessing pipe), 'shm'
     (a ring of shared-memory slots; only the chunk index crosses the pipe) or 'auto' (shm when a
-    chunk's frames are >= 1 MiB: W1.3's 14.4 MB chunk costs 24-39 ms through the pipe on this CPU,
-    2-4 ms through shared memory; the tiny presets' 196 KB (0.4 ms) stay on the pipe)."""
+    chunk's frames are >= 1 MiB: a W1.3 chunk is 14.4 MB, a tiny preset's 196 KB; ``cadence.engine.shm``)."""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
