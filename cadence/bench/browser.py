@@ -17,7 +17,6 @@ so that a figure is read with the machine it came from. Loopback only.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import tempfile
 import time
 
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.telemetry.devices import cpu_info
 
 PRESENT_JS = r"""
 (() => {
@@ -57,28 +57,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not 5 <= a.seconds <= 3600:
         p.error(f"--seconds must be within 5..3600, got {a.seconds}")
     return a
-
-
-def cpu_info() -> dict:
-    """The CPU this ran on: model, logical cores, and the vector extensions that decide CPU speed here."""
-    info: dict = {"cores": os.cpu_count()}
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        if line.startswith("model name") and "model" not in info:
-            info["model"] = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and "flags" not in info:
-            flags = set(line.split(":", 1)[1].split())
-            info["flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    try:
-        import torch
-
-        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # noqa: BLE001  (informational only)
-        pass
-    return info
 
 
 def _wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from cadence.bench.results import RESULTS_DIR
-from cadence.telemetry.devices import device_kind
+from cadence.telemetry.devices import cpu_info, device_kind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,10 @@ def device_name(device: torch.device, world: int = 1) -> str:
         return f"{world}x {name}" if world > 1 else name
     import platform
 
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    cpu = cpu_info()
+    isa = cpu.get("torch_cpu_capability")
+    what = ", ".join(x for x in (platform.machine(), f"{os.cpu_count()} cores", isa) if x)
+    return f"{cpu.get('model', 'CPU')} ({what})"
 
 
 def command_line() -> str:
@@ -141,6 +144,7 @@ def record(
         "preset": preset,
         "tp": tp,
         "device": device_name(device, world),
+        "cpu": cpu_info(),
         "torch": torch.__version__,
         "git": git_commit(),
         "command": command or command_line(),

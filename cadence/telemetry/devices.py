@@ -6,6 +6,8 @@ the benchmark records (``cadence.bench.common``) are keyed by the same name, so 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -16,3 +18,23 @@ def device_kind(device: torch.device, world: int = 1) -> str:
     name = torch.cuda.get_device_name(device).lower().replace("nvidia ", "").replace(" ", "-")
     kind = f"nvidia-{name}"
     return f"{kind}-x{world}" if world > 1 else kind
+
+
+def cpu_info() -> dict:
+    """The CPU this ran on: model, logical cores, and the vector extensions that decide CPU speed here."""
+    info: dict = {"cores": os.cpu_count()}
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        if line.startswith("model name") and "model" not in info:
+            info["model"] = line.split(":", 1)[1].strip()
+        if line.startswith("flags") and "flags" not in info:
+            flags = set(line.split(":", 1)[1].split())
+            info["flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    try:
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001  (informational only)
+        pass
+    return info
