@@ -212,8 +212,11 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
     # cleanly (Stop, then terminate/kill if needed), and a parent that vanishes closes our pipe (EOF -> Stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=logging.WARNING,
+    level = logging.getLevelNamesMapping().get(
+        os.environ.get("CADENCE_WORKER_LOG", "").upper(), logging.WARNING
+    )
+    logging.basicConfig(  # CADENCE_WORKER_LOG=INFO shows the worker's start-up and teardown steps
+        level=level,
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s",
     )
@@ -309,13 +312,16 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
         with torch.no_grad():
             run_commands(eng, next_msg, pipe.send, default_image, ring)
     finally:
+        log.info("worker: stopping")
         eng.end_stream()
         if ring is not None:
             ring.close()
         if peers is not None:
             from cadence.parallel import destroy_tp
 
-            destroy_tp()
+            destroy_tp(exiting=True)
+    if peers is not None:  # leave as the followers do (destroy_tp(exiting=True) left the NCCL group as is)
+        _exit_now()
 
 
 def follower_main(rank: int, spec: WorkerSpec) -> None:  # pragma: no cover - other process
@@ -336,10 +342,15 @@ def follower_main(rank: int, spec: WorkerSpec) -> None:  # pragma: no cover - ot
             _start_up(eng, spec, default_image, decode=False)
             run_commands(eng, peers.bcast, None, default_image)
     finally:
-        destroy_tp()
-    # Leave at once: rank 0 serves the group's store and exits as soon as every follower has destroyed its
+        destroy_tp(exiting=True)
+    # Leave at once: rank 0 serves the group's store and exits as soon as every follower has left its
     # group (destroy_tp); a follower's interpreter teardown (~1 s) would leave its NCCL heartbeat thread
     # polling a store that is gone (a screen of "Broken pipe" traces at every stop of a GPU group).
+    _exit_now()
+
+
+def _exit_now() -> None:  # pragma: no cover - other process
+    """Flush the logs and leave without the interpreter's teardown (no NCCL destructors at exit)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

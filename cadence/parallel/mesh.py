@@ -14,11 +14,15 @@ out of service, and the collectives here (small all-reduces) gain nothing from i
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 #: Environment defaults applied before the process group is created.
 ENV_DEFAULTS = {
@@ -97,7 +101,7 @@ def _default_store():
         return None
 
 
-def destroy_tp(barrier_timeout_s: float = 10.0) -> None:
+def destroy_tp(barrier_timeout_s: float = 10.0, exiting: bool = False) -> None:
     """Tear the default process group down (safe to call when none exists).
 
     With gloo, every rank first waits (up to ``barrier_timeout_s``) until all ranks have reached their
@@ -110,7 +114,14 @@ def destroy_tp(barrier_timeout_s: float = 10.0) -> None:
     serve worker group: rank 0 is the master), its exit used to close the store under a follower whose
     NCCL heartbeat thread was still polling it: a screenful of "Broken pipe" C++ traces from the
     follower at every stop of a W14 TP=2 server on 2x H200. Under torchrun the agent serves the store
-    and the wait costs one round trip."""
+    and the wait costs one round trip.
+
+    ``exiting=True`` (a process that leaves with ``os._exit`` right after, as the serve worker ranks do)
+    skips ``destroy_process_group`` on NCCL: there it blocked both ranks of a serve worker group for more
+    than 10 s at every stop (CUDA graphs hold the communicators; 2x H200, torch 2.11, NCCL 2.28), until
+    the server killed them, rank 0 first, so the follower's heartbeat thread printed "Broken pipe"
+    traces against the vanished store. The store handshake still orders the exits; the driver frees the
+    communicators with the process."""
     if not dist.is_initialized():
         return
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -122,18 +133,34 @@ def destroy_tp(barrier_timeout_s: float = 10.0) -> None:
         except RuntimeError:  # a rank that never came: nothing left to protect
             pass
     store = _default_store() if world > 1 else None
-    dist.destroy_process_group()
-    if store is None:
-        return
-    import datetime
+    t0 = time.monotonic()
+    skip = exiting and dist.get_backend() == "nccl"
+    if not skip:
+        dist.destroy_process_group()
+    t1 = time.monotonic()
+    how = "no store" if store is None else ""
+    if store is not None:
+        import datetime
 
-    try:
-        if rank:
-            store.set(f"cadence/destroyed/{rank}", "1")
-        else:
-            store.wait(
-                [f"cadence/destroyed/{r}" for r in range(1, world)],
-                datetime.timedelta(seconds=barrier_timeout_s),
-            )
-    except (RuntimeError, ValueError):  # rank 0 gone, or a rank that never came: nothing left to protect
-        pass
+        try:
+            if rank:
+                store.set(f"cadence/destroyed/{rank}", "1")
+                how = "told rank 0"
+            else:
+                store.wait(
+                    [f"cadence/destroyed/{r}" for r in range(1, world)],
+                    datetime.timedelta(seconds=barrier_timeout_s),
+                )
+                how = "every rank done"
+        except (RuntimeError, ValueError) as e:  # rank 0 gone, or a rank that never came: nothing to protect
+            how = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+    if world > 1:
+        log.info(
+            "tp teardown, rank %d of %d: group %s in %.0f ms, store %s after %.0f ms",
+            rank,
+            world,
+            "left to the exit" if skip else "destroyed",
+            (t1 - t0) * 1e3,
+            how,
+            (time.monotonic() - t1) * 1e3,
+        )
