@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 PKG = Path(__file__).resolve().parents[1] / "cadence"
 
 LAYERS: list[set[str]] = [
@@ -149,3 +151,41 @@ def test_the_web_app_imports_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_an_uploaded_image_is_decoded_without_torch(tmp_path):
+    """The upload path too: the header check and the decode of an image (one under the pixel limit, one
+    over it) run in the web process, and a first upload used to import torch there (+180 MB of RSS for
+    the life of the server, measured on `cadence serve`). The array is what the worker gets: float32
+    [3, H, W] in [-1, 1], equal to what ``load_reference_image`` gives the CLI."""
+    from PIL import Image
+
+    png = tmp_path / "face.png"
+    Image.fromarray(
+        (np.arange(40 * 30 * 3, dtype=np.uint32).reshape(40, 30, 3) * 7 % 256).astype(np.uint8)
+    ).save(png)
+    code = (
+        "import sys, types, numpy as np\n"
+        "from cadence.serve.app import ApiError, _decode_image\n"
+        "cfg = types.SimpleNamespace(stream=types.SimpleNamespace(height=16, width=24))\n"
+        f"data = open({str(png)!r}, 'rb').read()\n"
+        "a = _decode_image(data, cfg, 10**6, 10**6)\n"
+        "assert a.shape == (3, 16, 24) and a.dtype == np.float32 and -1 <= a.min() < a.max() <= 1, a.shape\n"
+        "try:\n"
+        "    _decode_image(data, cfg, 10**6, 40 * 30 - 1)\n"
+        "except ApiError as e:\n"
+        "    assert e.status == 413, e.status\n"
+        "else:\n"
+        "    raise AssertionError('over the pixel limit and decoded')\n"
+        "np.save(sys.argv[1], a)\n"
+        "sys.exit(1 if 'torch' in sys.modules else 0)\n"
+    )
+    out_npy = tmp_path / "a.npy"
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(out_npy)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    from cadence.media.image import load_reference_image
+
+    ref = load_reference_image(png, 16, 24).numpy()
+    assert np.array_equal(np.load(out_npy), ref)  # what the web side sends is what the CLI loads

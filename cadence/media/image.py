@@ -1,5 +1,8 @@
 """The reference image: load any picture a user hands us as a [3, H, W] tensor in [-1, 1].
 
+NumPy and Pillow only at import: the live server's web process decodes uploads with
+``load_reference_array`` and imports no torch; the tensor-returning functions import it when called.
+
 Fit policy: **crop, not pad: a face fills the frame.** The image is scaled (aspect ratio kept,
 Lanczos) until it *covers* the target size, then the overflow is cut off evenly on both sides.
 """
@@ -9,12 +12,15 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from cadence.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Largest reference image accepted, in pixels (64 megapixels; a phone photo is 12-50).
 MAX_PIXELS = 64_000_000
@@ -24,7 +30,14 @@ ALPHA_BACKGROUND = (255, 255, 255)
 
 
 def load_reference_image(path: str | os.PathLike, height: int, width: int) -> torch.Tensor:
-    """Load ``path`` as float32 [3, height, width] in [-1, 1].
+    """Load ``path`` as a float32 tensor [3, height, width] in [-1, 1] (``load_reference_array``'s)."""
+    import torch
+
+    return torch.from_numpy(load_reference_array(path, height, width))
+
+
+def load_reference_array(path: str | os.PathLike, height: int, width: int) -> np.ndarray:
+    """Load ``path`` as float32 [3, height, width] in [-1, 1] (NumPy).
 
     Fit: scale (aspect kept, Lanczos) so the image covers ``height x width``, then center-crop:
     crop, not pad: a face fills the frame. EXIF orientation is applied first; any mode (RGBA,
@@ -62,7 +75,7 @@ def load_reference_image(path: str | os.PathLike, height: int, width: int) -> to
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data
         raise InputError(f"could not decode reference image {p}: {_one_line(e)}") from None
     arr = np.asarray(_cover_crop(rgb, width, height), dtype=np.float32)
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous().div_(127.5).sub_(1.0)
+    return np.ascontiguousarray(arr.transpose(2, 0, 1)) / np.float32(127.5) - np.float32(1.0)
 
 
 #: The built-in face: seed of the face renderer (cadence.media.face) in the train split, so the
@@ -78,6 +91,8 @@ def default_reference_image(height: int, width: int) -> torch.Tensor:
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"target size must be positive, got {height}x{width}")
+    import torch
+
     from cadence.media.face import face_params, render_face
 
     frame = render_face(face_params(DEFAULT_FACE_SEED, "train"), height, width, 0.0, False)

@@ -631,23 +631,23 @@ def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
 def _decode_image(data: bytes, engine_cfg, limit: int, max_pixels: int) -> np.ndarray:
     """Bytes -> the engine's reference image (HxWx3 float in [-1, 1], covered and cropped). The header first
     (size, format: :func:`image_size`), the pixels only then; the memory goes back to the OS afterwards."""
-    from cadence.media.image import load_reference_image
-
     if len(data) > limit:
         raise ApiError(413, f"reference image is too large ({len(data)} bytes; limit {limit})")
     if not data:
         raise ApiError(400, "reference image is empty (0 bytes)")
     image_size(data, max_pixels)
+    from cadence.media.image import load_reference_array  # (NumPy and Pillow: no torch in this process)
+
     fd, path = tempfile.mkstemp(prefix="cadence-upload-")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         try:
-            img = load_reference_image(path, engine_cfg.stream.height, engine_cfg.stream.width)
+            img = load_reference_array(path, engine_cfg.stream.height, engine_cfg.stream.width)
         except InputError as e:
             msg = str(e).replace(path, "upload").replace(": upload", "")
             raise ApiError(413 if "too large" in msg else 400, msg) from None
-        return img.numpy()
+        return img
     finally:
         os.unlink(path)
         trim_memory()
