@@ -382,12 +382,14 @@ def test_memory_preallocated_and_constant(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_triton_path_matches_reference_path(gen, monkeypatch, dtype):
+def test_triton_path_matches_reference_path(monkeypatch, dtype):
     """The same stream with the ring's Triton kernels (under TRITON_INTERPRET=1 on CPU) and with its
     PyTorch reference path. float32 storage ('bf16' mode with a float32 model): the fused write is the
     same float32 rotation and attention is SDPA in both -> equal to rounding (1e-5). FP8: the kernel
-    quantises P too and, under the interpreter, casts with truncation: latents within 2% over 5
-    chunks x 4 passes (one past the window of 4; measured ~0.3%)."""
+    quantises P too and, under the interpreter, casts with truncation: latents within 2% over 4
+    chunks x 4 passes (a window of 2: filling, then two chunks past the window; measured ~0.23%). The
+    window is 2 here (the rest of this file: 3) because the interpreter runs each kernel instance in
+    Python: the FP8 stream took 34 s of the suite at a window of 4 over 5 chunks."""
     from cadence.kernels.ring_attention import triton_usable
 
     if (
@@ -395,8 +397,10 @@ def test_triton_path_matches_reference_path(gen, monkeypatch, dtype):
         and not torch.cuda.is_available()
     ):
         pytest.skip("triton cannot run here")
-    ref = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=False), n=5)
-    got = stream(gen, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=True), n=5)
+    cfg = CFG.with_overrides(stream={"window_chunks": 2})
+    small = StreamGenerator(cfg, build_model(cfg, "cpu", torch.float32, seed=0))
+    ref = stream(small, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=False), n=4)
+    got = stream(small, monkeypatch, ring_factory(dtype=dtype, sink_policy="follow", use_triton=True), n=4)
     errs = [rel_err(a, b) for a, b in zip(got, ref)]
     print(f"\ntriton vs reference path ({dtype}) latents rel err:", " ".join(f"{e:.1e}" for e in errs))
     assert all(torch.isfinite(x).all() for x in got)
