@@ -17,7 +17,6 @@
   as the rejections they are.
 """
 
-import asyncio
 import dataclasses
 import os
 import re
@@ -35,6 +34,7 @@ import httpx
 from cadence.serve.app import create_app
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
+from cadence.serve.testing import offer_sdp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,23 +130,6 @@ def srv():
     s.stop()
 
 
-def _offer_sdp() -> str:
-    from aiortc import RTCPeerConnection
-
-    from cadence.serve.rtc import rtc_configuration
-
-    async def make():
-        pc = RTCPeerConnection(rtc_configuration())
-        pc.addTransceiver("video", direction="recvonly")
-        pc.addTransceiver("audio", direction="sendrecv")
-        await pc.setLocalDescription(await pc.createOffer())
-        sdp = pc.localDescription.sdp
-        await pc.close()
-        return sdp
-
-    return asyncio.run(make())
-
-
 CONFIG = """
 # The session the test created: its id for every {sid}, its token on every request.
 headers = { Authorization = "Bearer ${CADENCE_ST_TOKEN}" }
@@ -171,7 +154,7 @@ checks.positive_data_acceptance.enabled = false
 
 def test_schemathesis_finds_no_failure_against_the_live_server(srv, tmp_path):
     pytest.importorskip("schemathesis", reason="schemathesis is not installed (the test extra has it)")
-    r = httpx.post(f"{srv.url}/sessions", json={"sdp": _offer_sdp()}, timeout=30)
+    r = httpx.post(f"{srv.url}/sessions", json={"sdp": offer_sdp()}, timeout=30)
     assert r.status_code == 201, r.text
     sid, token = r.json()["session_id"], r.json()["token"]
     sess = srv.manager.sessions[sid]  # it never connects: keep it open for the run (the default is 10 s)

@@ -23,7 +23,7 @@ import httpx
 from cadence.serve.agent import espeak_binary, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import BackgroundClient
+from cadence.serve.testing import BackgroundClient, offer_sdp
 
 pytestmark = pytest.mark.timeout(180)
 MAX_IMAGE = 200_000
@@ -81,26 +81,6 @@ def _png(w=64, h=64) -> bytes:
     return buf.getvalue()
 
 
-def _offer_sdp() -> str:
-    """A real offer from aiortc (recvonly video + sendrecv audio)."""
-    import asyncio
-
-    from aiortc import RTCPeerConnection
-
-    from cadence.serve.rtc import rtc_configuration
-
-    async def make():
-        pc = RTCPeerConnection(rtc_configuration())
-        pc.addTransceiver("video", direction="recvonly")
-        pc.addTransceiver("audio", direction="sendrecv")
-        await pc.setLocalDescription(await pc.createOffer())
-        sdp = pc.localDescription.sdp
-        await pc.close()
-        return sdp
-
-    return asyncio.run(make())
-
-
 def test_page_openapi_config_health(http):
     r = http.get("/")
     assert r.status_code == 200 and "/static/app.js" in r.text and "RTCPeerConnection" not in r.text
@@ -120,7 +100,7 @@ def test_page_openapi_config_health(http):
 
 
 def test_bad_session_requests_are_4xx_json(http, srv, monkeypatch):
-    sdp = _offer_sdp()
+    sdp = offer_sdp()
     _err(http.post("/sessions", content=b"{not json", headers={"content-type": "application/json"}), 400)
     _err(http.post("/sessions", content=b"sdp", headers={"content-type": "text/plain"}), 415)
     _err(http.post("/sessions", json=[1, 2]), 400)
@@ -182,7 +162,7 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
     )
     sid, token = _wait_created(info, srv)
     auth = _tok(token)
-    sdp = _offer_sdp()
+    sdp = offer_sdp()
     hammer_until = time.monotonic() + 2.5
     rounds = 0
     headroom = []
@@ -308,7 +288,7 @@ def test_idle_and_max_duration_timeouts_close_sessions(http, srv):
     session) closes it; then a session past its maximum duration. Both free their group."""
     mgr = srv.manager
     for field, reason in (("idle_timeout_s", "idle"), ("max_duration_s", "max_duration")):
-        r = http.post("/sessions", json={"sdp": _offer_sdp()})
+        r = http.post("/sessions", json={"sdp": offer_sdp()})
         assert r.status_code == 201, r.text
         sid, auth = r.json()["session_id"], _tok(r.json()["token"])
         sess = mgr.sessions[sid]
@@ -349,7 +329,7 @@ def test_video_streams_in_vp8_and_h264(http, srv, codec):
 def test_an_offer_without_a_codec_the_server_sends_is_a_400(http, srv):
     import re
 
-    sdp = re.sub(r"(a=rtpmap:\d+ )(VP8|H264)/90000", r"\1AV1X/90000", _offer_sdp())
+    sdp = re.sub(r"(a=rtpmap:\d+ )(VP8|H264)/90000", r"\1AV1X/90000", offer_sdp())
     msg = _err(http.post("/sessions", json={"sdp": sdp}), 400)
     assert "VP8 or H264" in msg, msg
     assert srv.manager.sessions == {} and all(g.free for g in srv.manager.groups)

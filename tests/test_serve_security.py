@@ -19,7 +19,6 @@ the mechanism is the same). The probes:
 A ``cadence serve --host 0.0.0.0`` without a key exits with one ``error:`` line (status 2).
 """
 
-import asyncio
 import dataclasses
 import io
 import json
@@ -45,7 +44,7 @@ import httpx
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import BackgroundClient
+from cadence.serve.testing import BackgroundClient, offer_sdp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -113,27 +112,9 @@ def _bearer(secret: str) -> dict:
     return {"authorization": f"Bearer {secret}"}
 
 
-def _offer_sdp() -> str:
-    """A real offer from aiortc (recvonly video + sendrecv audio) whose peer is gone: it never connects."""
-    from aiortc import RTCPeerConnection
-
-    from cadence.serve.rtc import rtc_configuration
-
-    async def make():
-        pc = RTCPeerConnection(rtc_configuration())
-        pc.addTransceiver("video", direction="recvonly")
-        pc.addTransceiver("audio", direction="sendrecv")
-        await pc.setLocalDescription(await pc.createOffer())
-        sdp = pc.localDescription.sdp
-        await pc.close()
-        return sdp
-
-    return asyncio.run(make())
-
-
 @pytest.fixture(scope="module")
 def sdp():
-    return _offer_sdp()
+    return offer_sdp()
 
 
 def _png(w: int, h: int) -> bytes:

@@ -203,7 +203,6 @@ def summarize(samples: list[dict], report: dict, config: dict, first_frame_s: fl
             )
         },
         "worker": (config.get("workers") or [{}])[0].get("warmup"),
-        "cpu": cpu_info(),
     }
 
 
@@ -238,11 +237,9 @@ def main(argv: list[str]) -> int:
         ("server underruns", str(s.get("underruns"))),
         ("server chunks", str(s.get("chunks"))),
         ("chunk latency p50 / p99", f"{s.get('chunk_latency_ms_p50')} / {s.get('chunk_latency_ms_p99')} ms"),
-        (
-            "cpu",
-            f"{res['cpu'].get('model')} ({res['cpu'].get('cores')} cores, {res['cpu'].get('torch_cpu_capability')})",
-        ),
     ]
+    cpu = cpu_info()  # (record() writes it into the JSON too)
+    rows.append(("cpu", f"{cpu.get('model')} ({cpu.get('cores')} cores, {cpu.get('torch_cpu_capability')})"))
     print_table(rows, f"bench browser: {args.preset}, {args.seconds:.0f} s in headless Chromium")
     if args.no_record:
         return 0

@@ -653,6 +653,16 @@ def _decode_image(data: bytes, engine_cfg, limit: int, max_pixels: int) -> np.nd
         trim_memory()
 
 
+def _speak(s, sid: str, audio: np.ndarray) -> dict:
+    """Queue 48 kHz speech for session ``s``'s character; the answer of /say and /audio."""
+    s.agent.speak(audio, t_agent=time.monotonic())
+    return {
+        "session_id": sid,
+        "seconds": round(audio.size / 48000, 3),
+        "queued_s": round(s.agent.queued_samples / 48000, 3),
+    }
+
+
 class BodyLimit:
     """ASGI middleware: a request body may not exceed ``limit_for(method, path)`` bytes, however it is sent.
 
@@ -1198,12 +1208,7 @@ def create_app(cfg: ServeConfig | None = None):
         s = mgr.get_open(sid)
         if interrupt:
             s.agent.interrupt()
-        s.agent.speak(audio, t_agent=time.monotonic())
-        return {
-            "session_id": sid,
-            "seconds": round(audio.size / 48000, 3),
-            "queued_s": round(s.agent.queued_samples / 48000, 3),
-        }
+        return _speak(s, sid, audio)
 
     @app.post(
         "/sessions/{sid}/audio",
@@ -1232,12 +1237,7 @@ def create_app(cfg: ServeConfig | None = None):
         except InputError as e:
             raise ApiError(415, f"unsupported audio: {e}") from None
         s = mgr.get_open(sid)
-        s.agent.speak(audio, t_agent=time.monotonic())
-        return {
-            "session_id": sid,
-            "seconds": round(audio.size / 48000, 3),
-            "queued_s": round(s.agent.queued_samples / 48000, 3),
-        }
+        return _speak(s, sid, audio)
 
     @app.post(
         "/sessions/{sid}/interrupt",

@@ -34,3 +34,22 @@ def on_server_loop(srv, coro_fn, timeout: float = 30.0):
     """Run ``coro_fn()`` on the server's event loop and return its result."""
     fut = asyncio.run_coroutine_threadsafe(coro_fn(), srv.manager.loop)
     return fut.result(timeout)
+
+
+def offer_sdp() -> str:
+    """A real WebRTC offer from aiortc (recvonly video + sendrecv audio) whose peer is closed at once: the
+    server accepts it and answers, and the session waits to connect until its connect timeout."""
+    from aiortc import RTCPeerConnection
+
+    from cadence.serve.rtc import rtc_configuration
+
+    async def make():
+        pc = RTCPeerConnection(rtc_configuration())
+        pc.addTransceiver("video", direction="recvonly")
+        pc.addTransceiver("audio", direction="sendrecv")
+        await pc.setLocalDescription(await pc.createOffer())
+        sdp = pc.localDescription.sdp
+        await pc.close()
+        return sdp
+
+    return asyncio.run(make())
