@@ -59,10 +59,6 @@ class ChunkScheduler:
         self.plans: dict[int, tuple[Plan, float]] = {}  # generated chunks not back yet: (plan, t_plan)
         self.wake = asyncio.Event()
 
-    @property
-    def in_flight(self) -> int:
-        return self.planner.in_flight
-
     async def run(self) -> None:
         timing, spc = self.timing, self.timing.samples_per_chunk
         loop = asyncio.get_running_loop()

@@ -126,10 +126,6 @@ class LiveSession:
     def in_flight(self) -> int:
         return self.planner.in_flight
 
-    @property
-    def lead_s(self) -> float:
-        return self.planner.lead
-
     # ---- start ----------------------------------------------------------------------------------
     async def start(self, image: np.ndarray | None, offer_sdp: str, offer_type: str):
         """Open the session in the worker and answer the offer (concurrently). Returns the answer."""
