@@ -115,6 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a non-loopback --host without an API key (anyone who reaches it can start "
         "sessions; logged as a WARNING)",
     )
+    ag = s.add_argument_group("the 'talk' agent (talk to the character through an OpenAI-compatible API)")
+    ag.add_argument(
+        "--agent-url",
+        default=None,
+        metavar="URL",
+        help="OpenAI-compatible API base for the 'talk' agent's LLM, e.g. http://127.0.0.1:8080/v1 "
+        "(llama.cpp, vLLM, Ollama or a cloud API; key from $CADENCE_AGENT_API_KEY)",
+    )
+    ag.add_argument("--agent-model", default="default", metavar="NAME", help="LLM model name")
+    ag.add_argument(
+        "--agent-stt-model",
+        default=None,
+        metavar="NAME",
+        help="speech-to-text model at --agent-url (default: none; the LLM is told how long the user spoke)",
+    )
+    ag.add_argument(
+        "--agent-tts-model",
+        default=None,
+        metavar="NAME",
+        help="text-to-speech model at --agent-url (default: espeak-ng on the server)",
+    )
     s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
     s.add_argument(
         "--max-sessions",
@@ -383,6 +404,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lead_ms=args.lead_ms,
         api_key=api_key,
         insecure_no_auth=args.insecure_no_auth,
+        agent_url=args.agent_url,
+        agent_model=args.agent_model,
+        agent_stt_model=args.agent_stt_model,
+        agent_tts_model=args.agent_tts_model,
         **model_kwargs(args),
         **engine_kwargs(args),
     )

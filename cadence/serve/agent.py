@@ -17,17 +17,20 @@ Built-ins:
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from cadence.errors import InputError
 
 SAMPLE_RATE = 48_000
+log = logging.getLogger("cadence.serve")
 
 
 @dataclass
@@ -124,9 +127,25 @@ class Agent:
         self.segments += 1
         self.speech.push(samples, time.monotonic() if t_agent is None else t_agent)
 
+    #: Called after an interrupt (the session sets it: silence the audio of chunks planned, not yet played).
+    on_interrupt = None
+
     def interrupt(self) -> None:
-        """Stop speaking now: drop everything queued."""
+        """Stop speaking now: drop everything queued (and tell the session)."""
         self.speech.drop()
+        if self.on_interrupt is not None:
+            self.on_interrupt()
+
+    #: A coroutine function the session runs as the agent's task (None: the agent needs none).
+    run = None
+
+    def status_fields(self) -> dict:
+        """What the agent adds to the session's status (the page shows it)."""
+        return {}
+
+    def report_fields(self) -> dict:
+        """What the agent adds to the session's report."""
+        return {}
 
     @property
     def queued_samples(self) -> int:
@@ -193,8 +212,201 @@ class MirrorAgent(Agent):
             self.mic.drop()
 
 
-class SayAgent(Agent):
-    """Typed text -> speech through espeak-ng (a subprocess), resampled to 48 kHz."""
+# ---- turn-taking (VAD, end of turn, barge-in) -------------------------------------------------
+
+BLOCK = SAMPLE_RATE // 50  # 20 ms
+
+
+class VoiceActivity:
+    """Energy voice-activity detection with hysteresis, in 20 ms blocks of 48 kHz mono float32.
+
+    ``push(samples)`` returns the events the new audio completes: ``("start", t)`` once ``start_s`` of
+    consecutive voiced blocks (RMS > ``threshold``) are in, ``("stop", t)`` once ``stop_s`` of quiet
+    blocks follow; ``t`` is the stream time (seconds of audio pushed so far) at the first voiced block
+    of the run (start) or just after the last voiced block (stop: the user's end of speech)."""
+
+    def __init__(self, threshold: float = 0.01, start_s: float = 0.08, stop_s: float = 0.5):
+        if not (threshold > 0 and start_s > 0 and stop_s > 0):
+            raise ValueError("threshold, start_s and stop_s must be positive")
+        self.threshold, self.start_s, self.stop_s = threshold, start_s, stop_s
+        self.speaking = False
+        self._pending = np.zeros(0, np.float32)
+        self._t = 0.0  # seconds of audio consumed
+        self._run_start: float | None = None  # first voiced block of the current voiced run
+        self._voiced_s = 0.0
+        self._quiet_s = 0.0
+        self._last_voiced_end = 0.0
+
+    @property
+    def stream_s(self) -> float:
+        return self._t
+
+    def push(self, samples: np.ndarray) -> list[tuple[str, float]]:
+        x = np.concatenate([self._pending, np.asarray(samples, np.float32).reshape(-1)])
+        n = x.size // BLOCK
+        self._pending = x[n * BLOCK :]
+        events = []
+        dt = BLOCK / SAMPLE_RATE
+        for b in x[: n * BLOCK].reshape(n, BLOCK) if n else ():
+            voiced = float(np.sqrt(np.mean(b * b))) > self.threshold
+            if voiced:
+                if self._voiced_s == 0.0:
+                    self._run_start = self._t
+                self._voiced_s += dt
+                self._quiet_s = 0.0
+                self._last_voiced_end = self._t + dt
+                if not self.speaking and self._voiced_s >= self.start_s - 1e-9:
+                    self.speaking = True
+                    events.append(("start", self._run_start))
+            else:
+                self._quiet_s += dt
+                if self._quiet_s >= 0.1:  # a short dip does not restart the voiced run
+                    self._voiced_s = 0.0
+                if self.speaking and self._quiet_s >= self.stop_s - 1e-9:
+                    self.speaking = False
+                    events.append(("stop", self._last_voiced_end))
+            self._t += dt
+        return events
+
+
+@dataclass
+class Turn:
+    """One user turn and the character's answer, timed (ms) from the user's end of speech."""
+
+    index: int
+    user_s: float  # how long the user spoke
+    transcript: str | None = None
+    reply: str | None = None
+    stt_ms: float | None = None
+    llm_ms: float | None = None
+    tts_ms: float | None = None
+    first_audio_ms: float | None = None  # end of speech -> the agent's first audio of the answer
+    error: str | None = None
+    interrupted: bool = False
+    t_end: float = field(default=0.0, repr=False)  # host time of the user's end of speech
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("t_end")
+        return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+class TurnTakingAgent(Agent):
+    """An agent that listens: voice activity on the microphone, barge-in while the character speaks.
+
+    Subclasses answer a finished turn in ``answer(turn, audio)`` (a coroutine run by ``run()``, the
+    session's agent task). ``barge_in`` off: the user's voice never interrupts."""
+
+    barge_in = True
+    max_turn_s = 30.0
+
+    def __init__(self, vad: VoiceActivity | None = None) -> None:
+        super().__init__()
+        self.vad = vad or VoiceActivity()
+        self.turns: list[Turn] = []
+        self.barge_ins = 0
+        self.errors: list[str] = []
+        self.last_error: str | None = None
+        self._turn_audio: list[np.ndarray] = []
+        self._turn_start = 0.0  # stream time of the current turn's first voiced block
+        self._events: asyncio.Queue | None = None
+        self._answering: asyncio.Task | None = None
+        self._t_stream0: float | None = None  # host time of mic stream time 0
+        self._pushed = 0
+
+    # (called on the event loop by the session's microphone task)
+    def push_mic(self, samples: np.ndarray) -> None:
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        # Host time of mic stream time 0: arrival minus the audio pushed so far. Delivery only ever
+        # delays a frame, so the smallest estimate is the truest (stream times -> host times below).
+        self._pushed += samples.size
+        t0 = time.monotonic() - self._pushed / SAMPLE_RATE
+        self._t_stream0 = t0 if self._t_stream0 is None else min(self._t_stream0, t0)
+        if self.vad.speaking or self._turn_audio:
+            self._turn_audio.append(samples)
+        for kind, t in self.vad.push(samples):
+            host_t = self._t_stream0 + t
+            if kind == "start":
+                self._turn_audio = [samples]
+                self._turn_start = t
+                if self.barge_in and self.speaking():
+                    self.barge_ins += 1
+                    self.interrupt()
+            elif kind == "stop":
+                audio = np.concatenate(self._turn_audio) if self._turn_audio else np.zeros(0, np.float32)
+                self._turn_audio = []
+                if self._events is not None:
+                    spoke = t - self._turn_start  # the voiced span (the audio also has the quiet after it)
+                    self._events.put_nowait((host_t, spoke, audio[-int(self.max_turn_s * SAMPLE_RATE) :]))
+
+    def speaking(self) -> bool:
+        """Whether the character is (about to be) speaking: speech queued or an answer being made."""
+        return self.queued_samples > 0 or (self._answering is not None and not self._answering.done())
+
+    def interrupt(self) -> None:
+        if self._answering is not None and not self._answering.done():
+            self._answering.cancel()
+            if self.turns:
+                self.turns[-1].interrupted = True
+        super().interrupt()
+
+    async def run(self) -> None:
+        """The agent's task (the session runs it): answer each finished turn, one at a time."""
+        self._events = asyncio.Queue()
+        while True:
+            t_end, spoke, audio = await self._events.get()
+            turn = Turn(len(self.turns), round(spoke, 3), t_end=t_end)
+            self.turns.append(turn)
+            self._answering = asyncio.create_task(self._answer(turn, audio))
+            try:
+                await asyncio.wait({self._answering})
+            except asyncio.CancelledError:
+                self._answering.cancel()
+                raise
+
+    async def _answer(self, turn: Turn, audio: np.ndarray) -> None:
+        try:
+            await self.answer(turn, audio)
+        except asyncio.CancelledError:
+            turn.interrupted = True
+        except (InputError, RuntimeError) as e:  # an endpoint's error, TTS missing ...
+            self.fail(turn, str(e))
+
+    def fail(self, turn: Turn | None, message: str) -> None:
+        message = " ".join(message.split())
+        if turn is not None:
+            turn.error = message
+        self.last_error = message
+        self.errors.append(message)
+        del self.errors[:-20]
+        log.warning("agent %s: %s", self.name, message)
+
+    def say_now(self, turn: Turn, audio: np.ndarray) -> None:
+        """Queue the answer's audio; its first sample is the turn's first agent audio."""
+        now = time.monotonic()
+        turn.first_audio_ms = (now - turn.t_end) * 1e3
+        self.last_error = None
+        self.speak(audio, t_agent=now)
+
+    async def answer(self, turn: Turn, audio: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def status_fields(self) -> dict:
+        return {
+            "agent_error": self.last_error,
+            "turns": len(self.turns),
+            "barge_ins": self.barge_ins,
+            "user_speaking": self.vad.speaking,
+        }
+
+    def report_fields(self) -> dict:
+        return {"turns": [t.as_dict() for t in self.turns], "agent_errors": list(self.errors)}
+
+
+class SayAgent(TurnTakingAgent):
+    """Typed text -> speech through espeak-ng (a subprocess), resampled to 48 kHz. It listens too: the
+    user's voice on the microphone interrupts what it is saying (barge-in); turns are counted, not
+    answered."""
 
     name = "say"
     max_text = 1000
@@ -203,6 +415,9 @@ class SayAgent(Agent):
         super().__init__()
         self.voice, self.speed = voice, speed
 
+    async def answer(self, turn: Turn, audio: np.ndarray) -> None:
+        """A user turn is only counted (``say`` speaks what it is told, not answers)."""
+
     def say(self, text: str) -> float:
         """Synthesize ``text`` and queue it; returns the speech length in seconds."""
         audio = synthesize(text, self.voice, self.speed)
@@ -210,16 +425,21 @@ class SayAgent(Agent):
         return audio.size / SAMPLE_RATE
 
 
-AGENTS = {"mirror": MirrorAgent, "say": SayAgent}
+AGENTS = ("mirror", "say", "talk")
 
 
-def make_agent(name: str, chunk_seconds: float = 0.0) -> Agent:
-    """A new agent by name; ``chunk_seconds`` (the stream's chunk length) sizes the microphone backlog."""
-    try:
-        cls = AGENTS[name]
-    except KeyError:
-        raise InputError(f"unknown agent {name!r}; choose one of {', '.join(AGENTS)}") from None
-    return cls(chunk_seconds) if cls is MirrorAgent else cls()
+def make_agent(name: str, chunk_seconds: float = 0.0, endpoint=None) -> Agent:
+    """A new agent by name; ``chunk_seconds`` (the stream's chunk length) sizes the microphone backlog;
+    ``endpoint`` (a :class:`cadence.serve.converse.AgentEndpoint`) is where ``talk`` sends each turn."""
+    if name == "mirror":
+        return MirrorAgent(chunk_seconds)
+    if name == "say":
+        return SayAgent()
+    if name == "talk":
+        from cadence.serve.converse import TalkAgent
+
+        return TalkAgent(endpoint)
+    raise InputError(f"unknown agent {name!r}; choose one of {', '.join(AGENTS)}")
 
 
 # ---- espeak-ng -----------------------------------------------------------------------------------

@@ -71,6 +71,8 @@ class ClientResult:
     audio: list[tuple[float, int, int, int]] = field(default_factory=list)  # (arrival, pts, samples, rate)
     status: dict = field(default_factory=dict)  # GET /sessions/{id} just before closing
     report: dict = field(default_factory=dict)  # DELETE's answer
+    audio_rms: list[float] = field(default_factory=list)  # RMS (of [-1, 1]) of each received audio frame
+    mic_t0: float | None = None  # when the microphone's first frame was sent (its sample 0)
     pushed_audio_at: float | None = None
     codecs: dict = field(default_factory=dict)  # what the server's answer settled on, per media kind
 
@@ -207,6 +209,8 @@ async def run_client(
             except MediaStreamError:
                 return
             res.audio.append((time.monotonic(), int(f.pts or 0), f.samples, f.sample_rate))
+            pcm = f.to_ndarray().astype(np.float32) / 32768.0
+            res.audio_rms.append(float(np.sqrt(np.mean(pcm * pcm))) if pcm.size else 0.0)
 
     @pc.on("track")
     def on_track(track):
@@ -300,6 +304,7 @@ async def run_client(
         res.error = f"{type(e).__name__}: {e}"
         return res
     finally:
+        res.mic_t0 = mic_track.t0
         mic_track.stop()
         await pc.close()
         for t in readers:

@@ -371,6 +371,20 @@ class AVBuffer:
         self.put_audio(c, audio)
         self.put_video(c, frames)
 
+    def silence_from(self, sample: int) -> int:
+        """Silence every planned audio sample from stream sample ``sample`` on (an interrupted agent: the
+        speech already planned into chunks not yet played stops at once). Returns the samples silenced."""
+        spc = self.timing.samples_per_chunk
+        n = 0
+        for c, a in list(self.audio.items()):
+            start = max(0, sample - c * spc)
+            if start < spc:
+                a = a.copy()
+                n += spc - start
+                a[start:] = 0.0
+                self.audio[c] = a
+        return n
+
     def has_chunk(self, c: int) -> bool:
         return c in self.video
 

@@ -112,6 +112,8 @@ class LiveSession:
         ] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
         self._audio_only_seen = 0
         self._degraded_at: float | None = None
+        self.barge_in_times: list[float] = []  # host times the agent was interrupted (barge-in, /interrupt)
+        agent.on_interrupt = self._on_agent_interrupt
 
     # (the figures the timeline, the API and the tests read)
     @property
@@ -170,9 +172,36 @@ class LiveSession:
             raise RuntimeError(f"the session was closed while starting ({self.close_reason})")
         if self.state == "starting":
             self.state = "connecting"
+        self._start_tasks()
+        return pc.localDescription
+
+    async def start_local(self, image: np.ndarray | None) -> None:
+        """Open the session in the worker with no peer connection: the caller reads ``self.video`` and
+        ``self.audio`` (paced tracks on the session's media clock) in this process."""
+        self._opened = asyncio.get_running_loop().create_future()
+        self.group.send(OpenSession(self.sid, image, self.prompt, self.seed))
+        self.video, self.audio = VideoOut(self.feed), AudioOut(self.feed)
+        done, _ = await asyncio.wait({self._opened}, timeout=60.0)
+        if not done:
+            raise RuntimeError("the worker did not open the session within 60 s")
+        self.worker_open_ms = self._opened.result()
+        if self.state in ("closing", "closed"):
+            raise RuntimeError(f"the session was closed while starting ({self.close_reason})")
+        self.state = "streaming"
+        self._start_tasks()
+
+    def _start_tasks(self) -> None:
         self._spawn(self.scheduler.run(), "scheduler")
         self._spawn(self._watchdog(), "watchdog")
-        return pc.localDescription
+        if self.agent.run is not None:
+            self._spawn(self.agent.run(), "agent")
+
+    def _on_agent_interrupt(self) -> None:
+        """The agent stopped speaking (barge-in or /interrupt): silence the speech already planned into
+        chunks not yet played (their audio; their frames are made already), from the next audio frame."""
+        self.barge_in_times.append(time.monotonic())
+        nxt = self.audio.next_index if self.audio is not None else 0
+        self.buffer.silence_from(nxt * self.timing.audio_frame_samples)
 
     def _spawn(self, coro, name: str) -> asyncio.Task | None:
         if self.state in ("closing", "closed"):  # nothing new once the teardown has collected the tasks
@@ -363,6 +392,7 @@ class LiveSession:
                 "audio_codec": self.codecs.get("audio"),
             }
         )
+        out.update(self.agent.status_fields())
         return out
 
     def report(self) -> dict:
@@ -378,6 +408,7 @@ class LiveSession:
             }
         )
         st.update(self.stats.report_fields(t_end, self.clock.t0, self.buffer.video_fresh, self._counts()))
+        st.update(self.agent.report_fields())
         return st
 
     # ---- close ---------------------------------------------------------------------------------
