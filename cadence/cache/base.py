@@ -53,6 +53,20 @@ class SelfAttentionCache(ABC):
         """Forget everything (new session)."""
         raise NotImplementedError
 
+    # ---- the prompt-switch re-cache (``cadence.cache.recache``); optional ----------------------------
+    def kept_kv(self, layer: int, frame_sink: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a re-cache pass keeps seeing of the stored K/V at `layer`: the image sink and, with
+        `frame_sink`, the frame-sink chunks, as stored (keys rotated at their positions), as
+        ([1, n, heads, head_dim] keys, values) in the model dtype, or None when nothing is kept."""
+        raise NotImplementedError(f"{type(self).__name__} has no prompt-switch re-cache")
+
+    def rewrite(self, layer: int, sink: list[tuple], window: list[tuple]) -> None:
+        """Replace stored K/V at `layer` with recomputed ones, each entry ``(chunk_index, frame_start,
+        k, v)`` with raw (un-rotated) k, v [1, tokens, heads, head_dim]: `sink` (empty: kept) replaces
+        the frame-sink chunks in order, `window` holds the most recent chunks in stream order, the last
+        being the last chunk generated. Host bookkeeping (which chunk comes next) is unchanged."""
+        raise NotImplementedError(f"{type(self).__name__} has no prompt-switch re-cache")
+
     def step_shape(self) -> CacheShape:
         """The shape-relevant state of the chunk ``begin_chunk`` placed (see :class:`CacheShape`). The
         default: a cache whose shapes change from step to step in ways it does not describe (never

@@ -143,6 +143,42 @@ class NaiveCache(SelfAttentionCache):
                 self.past[layer].append((k, v, start, nf))
         return out
 
+    def kept_kv(self, layer: int, frame_sink: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image sink (at the position the last chunk saw it) and, with `frame_sink`, the frame-sink
+        chunks, rotated (and FP8 round-tripped with ``fp8``) as ``attend`` reads them."""
+        entries = []
+        if self.sink[layer] is not None:
+            k, v, s0, n = self.sink[layer]
+            if self.sink_policy == "follow" and self.cur is not None:
+                s0 = s0 + max(0, self.cur[0] - self.sink_distance - s0)
+            entries.append((k, v, s0, n))
+        if frame_sink:
+            entries.extend(self.frame_sink[layer])
+        if not entries:
+            return None
+        k_all = torch.cat([e[0] for e in entries], dim=1)
+        v_all = torch.cat([e[1] for e in entries], dim=1)
+        frames = torch.cat([torch.arange(s, s + n, device=self.device) for _, _, s, n in entries])
+        k_all = apply_rope(k_all, *self.rope.cos_sin(frames, *self.grid))
+        if self.fp8:
+            k_all, v_all = fake_fp8(k_all), fake_fp8(v_all)
+        return k_all, v_all
+
+    def rewrite(self, layer: int, sink: list[tuple], window: list[tuple]) -> None:
+        """Recomputed chunks replace the frame sink (when given) and the window (the last
+        ``window_chunks - 1`` of `window` are kept, as committing them in order would)."""
+        tpf = self.grid[0] * self.grid[1]
+
+        def entry(e):
+            _, start, k, v = e
+            return (k.contiguous(), v.contiguous(), start, k.shape[1] // tpf)
+
+        if sink:
+            self.frame_sink[layer] = [entry(e) for e in sink]
+        self.past[layer].clear()
+        if self.window_chunks > 1:
+            self.past[layer].extend(entry(e) for e in window)
+
     def step_shape(self) -> CacheShape:
         """Never steady: the visible K/V are re-concatenated every call (nothing to capture)."""
         return CacheShape("naive", False, 0)

@@ -410,6 +410,37 @@ class RingCache(SelfAttentionCache):
             )
             return o[0].transpose(0, 1).reshape(1, m, -1)
 
+    # ---- the prompt-switch re-cache (cadence.cache.recache) ---------------------------------------
+    def kept_kv(self, layer: int, frame_sink: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows [0, n) as stored: the image sink and, with `frame_sink`, the frame-sink slots written so
+        far; keys rotated (FP8 storage dequantised), [1, n, H, D] in the model dtype."""
+        n = self.sink_tokens + (
+            min(self._chunks, self.frame_sink_chunks) * self.tokens_per_chunk if frame_sink else 0
+        )
+        if n == 0:
+            return None
+        if self.storage == "fp8":
+            k = dequantize_fp8(self.k[layer, :, :n], self.k_scale[layer, :, :n])
+            v = dequantize_fp8(self.v[layer, :, :, :n].transpose(1, 2), self.v_scale[layer, :, :n])
+        else:
+            k, v = self.k[layer, :, :n], self.v[layer, :, :n]
+        return (k.transpose(0, 1)[None].to(self.model_dtype), v.transpose(0, 1)[None].to(self.model_dtype))
+
+    def rewrite(self, layer: int, sink: list[tuple], window: list[tuple]) -> None:
+        """Recomputed chunks, rotated at their positions (quantised for FP8), into their rows: frame-sink
+        entry i into frame-sink slot i, window chunk j into ring slot (j - k) mod W (where committing it
+        would have put it); the write slot and chunk count are unchanged."""
+        k_fs, T = self.frame_sink_chunks, self.tokens_per_chunk
+        rows = [(self.sink_tokens + i * T, e) for i, e in enumerate(sink)]
+        rows += [(self.sink_tokens + (k_fs + (e[0] - k_fs) % self.window_chunks) * T, e) for e in window]
+        tpf = self.grid[0] * self.grid[1]
+        for row, (_, start, k, v) in rows:
+            row0 = torch.full((1,), row, dtype=torch.int32, device=self.device)
+            frames = torch.arange(start, start + k.shape[1] // tpf, device=self.device)
+            cos, sin = self.rope.cos_sin(frames, *self.grid)
+            self._store_k(layer, k[0].contiguous(), cos, sin, row0)
+            self._store_v(layer, v[0].contiguous(), row0)
+
     def memory_bytes(self) -> int:
         """Bytes held on the device (allocated up front; constant)."""
         ts = [self.k, self.v, self.q_rot]

@@ -5,7 +5,7 @@ a ``multiprocessing`` pipe; rank 0 forwards every command to the follower ranks 
 group (``cadence.engine.worker``) and answers with replies. Each side dispatches in one place with
 ``match`` on the class. Torch-free (numpy arrays only), so the web process imports it without torch.
 
-    web -> rank 0          OpenSession   ChunkRequest   CloseSession   Stop
+    web -> rank 0          OpenSession   ChunkRequest   CloseSession   Stop   (SwitchPrompt: defined, not sent yet)
     rank 0 -> followers    the same, plus Preopen (rank 0 opens the next default session ahead when idle)
     rank 0 -> web          Ready   Opened   ChunkDone   Dropped   Closed   Error
     web side only          Died (the process or a follower rank exited)
@@ -48,6 +48,18 @@ class ChunkRequest:
     audio: np.ndarray
     t_plan: float
     slot: int | None = None
+
+
+@dataclass(frozen=True)
+class SwitchPrompt:
+    """Change session ``sid``'s prompt from chunk ``index`` on: for rank 0 and every follower, the engine's
+    ``submit(..., prompt=prompt)`` of that chunk (``Session.set_prompt``: a model family pads it to its fixed
+    text length, so the step keeps its shape, and re-caches the recent chunks' K/V where the family does,
+    LongLive). Not dispatched by the worker loop yet (it answers Error('unknown message'))."""
+
+    sid: str
+    index: int
+    prompt: str
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,18 @@ chunk after chunk (and overlaps the two) is :class:`cadence.engine.engine.Engine
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
 from cadence.cache.naive import NaiveCache
+from cadence.cache.recache import PastChunk, recache
 from cadence.cache.ring import RingCache
 from cadence.config import CadenceConfig
 from cadence.errors import ConfigError, InputError
 from cadence.model.audio import make_audio_encoder
 from cadence.model.dit import WanDiT
+from cadence.model.families import get_family
 from cadence.model.standin_vae import StandInVAE
 from cadence.model.text import make_text_encoder
 from cadence.model.vae import WanVAE, wan_vae_config
@@ -86,6 +88,14 @@ class Session:
         self._decode_vae = gen.vae_on(self.decode_device)
         self.decoder = self._decode_vae.stream() if hasattr(self._decode_vae, "stream") else None
         self.streams = 0  # streams started on this object (1 after __init__, +1 per reset)
+        # what a prompt change mid-stream does: the family's rule ('swap', or LongLive's 'recache', which
+        # needs the clean latents of the last frame-sink + window chunks: kept here, on the device)
+        fam = get_family(cfg.model.family) if cfg.model.family else None
+        self.prompt_switch = fam.prompt_switch if fam is not None else "swap"
+        self.recache_keeps_sink = fam.recache_keeps_sink if fam is not None else True
+        s = cfg.stream
+        keep = s.frame_sink_chunks + s.window_chunks if self.prompt_switch == "recache" else 0
+        self._past: deque[PastChunk] = deque(maxlen=keep)
         self._start(image, prompt, seed)
 
     def reset(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0) -> None:
@@ -113,6 +123,8 @@ class Session:
     def _embed(self, prompt: str | torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
+        if cfg.model.family and emb.ndim == 2 and 1 <= emb.shape[0] < cfg.model.text_len:
+            emb = self._padded(emb)  # a family's model pads its context with zeros (Wan)
         if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
             raise InputError(
                 f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
@@ -130,6 +142,7 @@ class Session:
         self._primed_from: torch.Tensor | None = None
         self.next_frame = 0
         self.index = 0
+        self._past.clear()
         # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
         sf = cfg.stream.sink_frames
         if sf:
@@ -169,10 +182,7 @@ class Session:
     def _audio_feats(self, samples: torch.Tensor) -> torch.Tensor | None:
         return self.gen.audio(samples) if self.model.audio_embed is not None else None
 
-    def set_prompt(self, prompt: str | torch.Tensor) -> None:
-        """Change the conditioning mid-stream: a prompt string, or an embedding [L, text_dim] with
-        1 <= L <= text_len (a prompt trimmed of its padding: a different cross-attention length, so a
-        different step shape). Takes effect from the next step."""
+    def _prompt_embedding(self, prompt: str | torch.Tensor) -> torch.Tensor:
         m = self.cfg.model
         emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
         if emb.ndim != 2 or emb.shape[1] != m.text_dim or not 1 <= emb.shape[0] <= m.text_len:
@@ -180,7 +190,55 @@ class Session:
                 f"prompt embedding must be [L, {m.text_dim}] with 1 <= L <= {m.text_len}, "
                 f"got {list(emb.shape)}"
             )
+        return emb
+
+    def _padded(self, emb: torch.Tensor) -> torch.Tensor:
+        m = self.cfg.model
+        if emb.shape[0] == m.text_len:
+            return emb
+        return torch.cat([emb, emb.new_zeros(m.text_len - emb.shape[0], emb.shape[1])])
+
+    def set_prompt(self, prompt: str | torch.Tensor) -> list[int]:
+        """Change the conditioning mid-stream: a prompt string, or an embedding [L, text_dim] with
+        1 <= L <= text_len. Takes effect from the next step. A model family's session switches as the
+        family does (:meth:`switch_prompt`: padded to text_len, re-cached where the family re-caches);
+        a preset's session (no family) uses the embedding as given (a prompt trimmed of its padding: a
+        different cross-attention length, so a different step shape). Returns the chunks re-cached."""
+        if self.cfg.model.family:
+            return self.switch_prompt(prompt)
+        emb = self._prompt_embedding(prompt)
         self.text = self.model.prepare_text(emb[None].to(self.model.device))
+        return []
+
+    def switch_prompt(self, prompt: str | torch.Tensor, recache_kv: bool | None = None) -> list[int]:
+        """Switch the prompt at the next chunk boundary without changing the step's shape: the embedding
+        (a string through the text encoder, or [L, text_dim] with L <= text_len) is padded with zeros to
+        text_len, as the Wan family's model pads its context, so the next step is the same shape (and the
+        same captured graph) fed the new cross-attention K/V. With the family's 'recache' rule (LongLive;
+        or ``recache_kv=True``), the cached K/V of the recent chunks are first recomputed under the new
+        prompt in one extra model pass (``cadence.cache.recache``). Returns the indices of the chunks
+        re-cached (empty when none)."""
+        emb = self._padded(self._prompt_embedding(prompt))
+        self.text = self.model.prepare_text(emb[None].to(self.model.device))
+        if not (self.prompt_switch == "recache" if recache_kv is None else recache_kv):
+            return []
+        if not self._past.maxlen:
+            raise RuntimeError(
+                f"this session keeps no past latents to re-cache (family rule {self.prompt_switch!r})"
+            )
+        if self.model.audio_embed is not None:
+            raise ConfigError("the prompt-switch re-cache has no audio path (no audio-driven family uses it)")
+        s, n = self.cfg.stream, self.gen.schedule.passes
+        return recache(
+            self.model,
+            self.cache,
+            list(self._past),
+            self.text,
+            self.gen.timesteps[n : n + 1],
+            s.frame_sink_chunks,
+            s.window_chunks,
+            self.recache_keeps_sink,
+        )
 
     def prepare_step(self, audio: torch.Tensor) -> StepInputs:
         """The host bookkeeping and small device work before the passes: place the chunk in the cache
@@ -234,6 +292,8 @@ class Session:
             if runner is None
             else runner.run(self.step_key(inp), self.denoise, inp, keep=self.cache)
         )
+        if self._past.maxlen:  # a copy: a replayed graph's output buffer is overwritten by the next replay
+            self._past.append(PastChunk(self.index, self.next_frame, x.detach().clone()))
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
         return x

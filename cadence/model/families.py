@@ -23,7 +23,9 @@ Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures
   warped, shift 8 (the released ``autoregressive_checkpoint``).
 * ``longlive`` (NVlabs/LongLive 1.0): Self-Forcing's model with a local window of 12 frames whose first
   block (3 frames) is a frame sink kept for the whole stream, and a LoRA (rank 256, alpha 256) over
-  every linear of the attention blocks, merged at load; base ``.pt`` as Self-Forcing (or ``model``).
+  every linear of the attention blocks, merged at load; base ``.pt`` as Self-Forcing (or ``model``). A
+  prompt switch re-computes the recent chunks' K/V under the new prompt (its interactive mode,
+  ``global_sink`` true: the frame sink kept).
 * ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
   Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
   Config, key mapping and detection only: its server rebuilds the cache every block from the last
@@ -98,6 +100,14 @@ class ModelFamily:
     reference_window: str = ""
     """The reference code's own attention settings, for the record (``local_attn_size`` / ``sink_size``
     in latent frames), from which ``stream``'s window and frame sink are derived."""
+    prompt_switch: str = "swap"
+    """What a prompt change mid-stream does (``Session.switch_prompt``): 'swap' (the new prompt's
+    cross-attention K/V from the next chunk on; the cached self-attention K/V stay as computed) or
+    'recache' (LongLive: the recent chunks' K/V are recomputed under the new prompt first,
+    ``cadence.cache.recache``)."""
+    recache_keeps_sink: bool = True
+    """With 'recache', whether the frame sink's K/V are kept once the window is full (LongLive's
+    ``global_sink``: true in its shipped configs) or recomputed (the sink then moves to recent chunks)."""
     status: str = "parity"
     """'parity': the model pass and the stream are tested equal to the reference code
     (tests/fixtures/<name>/); 'config': configuration, key mapping and detection only."""
@@ -169,7 +179,8 @@ FAMILIES: dict[str, ModelFamily] = {
         stream=dict(_SF_STREAM, window_chunks=3, frame_sink_chunks=1),
         checkpoint=replace(_SF_FORMAT, lora_rank=256, lora_alpha=256.0, lora_keys=("generator_lora",)),
         reference_window="local_attn_size=12, sink_size=3 (configs/longlive_inference.yaml)",
-        notes="The prompt-switch KV re-cache of its interactive mode is not wired yet.",
+        prompt_switch="recache",
+        recache_keeps_sink=True,
     ),
     "krea-14b": ModelFamily(
         name="krea-14b",
