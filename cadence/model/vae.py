@@ -48,8 +48,9 @@ from cadence.errors import ConfigError, WeightsError
 #: Frames of input each temporal causal conv remembers across calls (kernel 3 -> 2 past frames).
 CACHE_T = 2
 
-# Wan 2.1's latent statistics (diffusers' defaults for AutoencoderKLWan). Wan 2.2's 48 values come
-# with the checkpoint's config.json; without one they default to mean 0 / std 1.
+# Wan 2.1's latent statistics (diffusers' defaults for AutoencoderKLWan). Wan 2.2's 48 (_WAN22_MEAN /
+# _WAN22_STD, below) are the ones its own code normalises with (Wan-Video/Wan2.2 wan/modules/vae2_2.py
+# ``Wan2_2_VAE``; tests/test_wan_vae_pth.py checks them against it); a diffusers folder's config.json wins.
 _WAN21_MEAN = [
     -0.7571,
     -0.7089,
@@ -85,6 +86,107 @@ _WAN21_STD = [
     1.1253,
     2.8251,
     1.9160,
+]
+
+_WAN22_MEAN = [
+    -0.2289,
+    -0.0052,
+    -0.1323,
+    -0.2339,
+    -0.2799,
+    0.0174,
+    0.1838,
+    0.1557,
+    -0.1382,
+    0.0542,
+    0.2813,
+    0.0891,
+    0.157,
+    -0.0098,
+    0.0375,
+    -0.1825,
+    -0.2246,
+    -0.1207,
+    -0.0698,
+    0.5109,
+    0.2665,
+    -0.2108,
+    -0.2158,
+    0.2502,
+    -0.2055,
+    -0.0322,
+    0.1109,
+    0.1567,
+    -0.0729,
+    0.0899,
+    -0.2799,
+    -0.123,
+    -0.0313,
+    -0.1649,
+    0.0117,
+    0.0723,
+    -0.2839,
+    -0.2083,
+    -0.052,
+    0.3748,
+    0.0152,
+    0.1957,
+    0.1433,
+    -0.2944,
+    0.3573,
+    -0.0548,
+    -0.1681,
+    -0.0667,
+]
+_WAN22_STD = [
+    0.4765,
+    1.0364,
+    0.4514,
+    1.1677,
+    0.5313,
+    0.499,
+    0.4818,
+    0.5013,
+    0.8158,
+    1.0344,
+    0.5894,
+    1.0901,
+    0.6885,
+    0.6165,
+    0.8454,
+    0.4978,
+    0.5759,
+    0.3523,
+    0.7135,
+    0.6804,
+    0.5833,
+    1.4146,
+    0.8986,
+    0.5659,
+    0.7069,
+    0.5338,
+    0.4889,
+    0.4917,
+    0.4069,
+    0.4999,
+    0.6866,
+    0.4093,
+    0.5709,
+    0.6065,
+    0.6415,
+    0.4944,
+    0.5726,
+    1.2042,
+    0.5458,
+    1.6887,
+    0.3971,
+    1.06,
+    0.3943,
+    0.5537,
+    0.5444,
+    0.4089,
+    0.7468,
+    0.7744,
 ]
 
 _DEFAULTS = dict(
@@ -125,6 +227,8 @@ def wan_vae_config(variant: str = "2.1", **overrides) -> dict:
             out_channels=12,
             patch_size=2,
             scale_factor_spatial=16,
+            latents_mean=list(_WAN22_MEAN),
+            latents_std=list(_WAN22_STD),
         )
     else:
         raise ConfigError(
@@ -588,9 +692,12 @@ class WanVAE(nn.Module):
 
     @classmethod
     def from_wan_pth(cls, path: str | Path, device="cpu", dtype=torch.float32) -> WanVAE:
-        """Wan 2.1's original VAE file (``Wan2.1_VAE.pth``: Wan-Video's ``WanVAE_`` module names), mapped
-        onto diffusers' names by :func:`wan21_vae_to_diffusers`; width and z read off the tensors, the
-        latent statistics Wan 2.1's (the values its code hard-codes, as diffusers' config holds them)."""
+        """Wan's original VAE file: ``Wan2.1_VAE.pth`` (Wan-Video's ``WanVAE_`` module names, mapped onto
+        diffusers' names by :func:`wan21_vae_to_diffusers`) or ``Wan2.2_VAE.pth`` (``vae2_2.py``'s names,
+        :func:`wan22_vae_to_diffusers`; told apart by its nested ``downsamples.i.downsamples.j``). Widths,
+        z, residual blocks per stage and (2.2) the temporal down-sampling flags are read off the tensors;
+        the latent statistics are the variant's own (the values Wan's code hard-codes: 16 for 2.1, 48 for
+        2.2), never 0 / 1."""
         path = Path(path)
         if not path.is_file():
             raise WeightsError(f"Wan VAE checkpoint {path} does not exist")
@@ -600,15 +707,32 @@ class WanVAE(nn.Module):
             raise WeightsError(f"cannot read Wan VAE checkpoint {path}: {e}") from None
         if "encoder.conv1.weight" not in sd or "conv2.weight" not in sd:
             raise WeightsError(
-                f"Wan VAE checkpoint {path}: not Wan 2.1's VAE layout (no encoder.conv1 / conv2; "
+                f"Wan VAE checkpoint {path}: not Wan 2.1's or 2.2's VAE layout (no encoder.conv1 / conv2; "
                 f"first keys: {', '.join(list(sd)[:4])})"
             )
         base, z = sd["encoder.conv1.weight"].shape[0], sd["conv2.weight"].shape[0]
-        vae = cls(wan_vae_config("2.1", base_dim=int(base), z_dim=int(z)))
-        try:
-            vae.load_diffusers_state_dict(
-                wan21_vae_to_diffusers(sd, vae.config["num_res_blocks"], len(vae.config["dim_mult"]))
+        if "encoder.downsamples.0.downsamples.0.residual.0.gamma" in sd:  # Wan 2.2's nested stages
+            cfg = wan_vae_config("2.2", base_dim=int(base), z_dim=int(z))
+            nrb = 0
+            while f"encoder.downsamples.0.downsamples.{nrb}.residual.0.gamma" in sd:
+                nrb += 1
+            stages = len(cfg["dim_mult"])
+            cfg.update(
+                num_res_blocks=nrb,
+                decoder_base_dim=int(sd["decoder.head.0.gamma"].shape[0]) // cfg["dim_mult"][0]
+                if "decoder.head.0.gamma" in sd
+                else None,
+                temperal_downsample=[
+                    f"encoder.downsamples.{i}.downsamples.{nrb}.time_conv.weight" in sd
+                    for i in range(stages - 1)
+                ],
             )
+            vae, mapped = cls(cfg), wan22_vae_to_diffusers(sd, nrb)
+        else:
+            vae = cls(wan_vae_config("2.1", base_dim=int(base), z_dim=int(z)))
+            mapped = wan21_vae_to_diffusers(sd, vae.config["num_res_blocks"], len(vae.config["dim_mult"]))
+        try:
+            vae.load_diffusers_state_dict(mapped)
         except WeightsError as e:
             raise WeightsError(f"{path}: {e}") from None
         return vae.to(device=device, dtype=dtype).eval()
@@ -741,6 +865,45 @@ def wan21_vae_to_diffusers(
     return out
 
 
+def wan22_vae_to_diffusers(sd: dict[str, torch.Tensor], num_res_blocks: int = 2) -> dict[str, torch.Tensor]:
+    """Wan 2.2's ``WanVAE_`` (``vae2_2.py``) state dict -> ``AutoencoderKLWan`` names (is_residual=True).
+
+    conv1 / conv2 -> quant_conv / post_quant_conv; {en,de}coder.conv1 / head.0 / head.2 -> conv_in /
+    norm_out / conv_out; middle.0/1/2 -> mid_block.resnets.0 / attentions.0 / resnets.1;
+    encoder.downsamples.i.downsamples.j -> down_blocks.i.resnets.j (j < num_res_blocks) or
+    down_blocks.i.downsampler (j = num_res_blocks); decoder.upsamples.i.upsamples.j -> up_blocks.i.resnets.j
+    (j <= num_res_blocks) or up_blocks.i.upsampler (j = num_res_blocks + 1); residual.0/2/3/6 -> norm1 /
+    conv1 / norm2 / conv2, shortcut -> conv_shortcut. The AvgDown3D / DupUp3D shortcuts hold no weights.
+    Keys that fit none of these are kept as they are (the strict load then names them)."""
+    out = {}
+    for k, v in sd.items():
+        n = k
+        if re.match(r"conv1\.", n):
+            n = "quant_conv." + n[len("conv1.") :]
+        elif re.match(r"conv2\.", n):
+            n = "post_quant_conv." + n[len("conv2.") :]
+        n = re.sub(r"^(encoder|decoder)\.conv1\.", r"\1.conv_in.", n)
+        n = re.sub(r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0.", n)
+        n = re.sub(r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0.", n)
+        n = re.sub(r"^(encoder|decoder)\.middle\.2\.", r"\1.mid_block.resnets.1.", n)
+        n = re.sub(r"^(encoder|decoder)\.head\.0\.", r"\1.norm_out.", n)
+        n = re.sub(r"^(encoder|decoder)\.head\.2\.", r"\1.conv_out.", n)
+        m = re.match(r"encoder\.downsamples\.(\d+)\.downsamples\.(\d+)\.(.*)", n)
+        if m:
+            j = int(m.group(2))
+            where = "downsampler" if j == num_res_blocks else f"resnets.{j}"
+            n = f"encoder.down_blocks.{m.group(1)}.{where}.{m.group(3)}"
+        m = re.match(r"decoder\.upsamples\.(\d+)\.upsamples\.(\d+)\.(.*)", n)
+        if m:
+            j = int(m.group(2))
+            where = "upsampler" if j == num_res_blocks + 1 else f"resnets.{j}"
+            n = f"decoder.up_blocks.{m.group(1)}.{where}.{m.group(3)}"
+        for p, r in _WAN21_RES:
+            n = re.sub(p, r, n)
+        out[n] = v
+    return out
+
+
 class StreamingDecoder:
     """One session's decode state for a :class:`WanVAE`: feed latent chunks in stream order.
 
@@ -797,7 +960,7 @@ class StreamingDecoder:
 
 
 def load_wan_vae(path: str | Path, device="cpu", dtype=torch.float32) -> WanVAE:
-    """A Wan VAE from a diffusers ``vae/`` folder or Wan 2.1's original ``.pth`` file (what
+    """A Wan VAE from a diffusers ``vae/`` folder or Wan's original ``.pth`` file, 2.1 or 2.2 (what
     ``VAEConfig.weights`` may name)."""
     path = Path(path)
     return (
