@@ -25,6 +25,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``cadence`` parser (subcommands: generate, serve, bench, eval, train)."""
+    from cadence.fleet.cli import add_parser as add_fleet_parser  # (Ray is imported only when it runs)
+    from cadence.fleet.config import add_fleet_flags
     from cadence.serve.config import add_engine_flags, add_weight_flags  # torch-free, no serving packages
 
     parser = _Parser(
@@ -181,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
     add_weight_flags(s)
+    add_fleet_flags(s)
     s.set_defaults(func=cmd_serve)
+    add_fleet_parser(sub)  # cadence fleet status|drain|undrain|down
 
     b = sub.add_parser(
         "bench",
@@ -377,6 +381,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.config import get_preset
+    from cadence.fleet.config import fleet_from_args
     from cadence.serve.config import ServeConfig, engine_kwargs, model_kwargs, serve_groups
 
     get_preset(args.preset)  # a clear error for an unknown preset, before anything starts
@@ -384,14 +389,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
         raise InputError(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    fleet = fleet_from_args(args)  # --ray: the groups are a Ray fleet's, not this machine's (cadence.fleet)
     n = 0
-    if args.device == "cuda":
+    if args.device == "cuda" and fleet is None:
         import torch
 
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
             raise InputError("--device cuda requested but CUDA is not available")
-    groups = serve_groups(args.device, args.tp, args.max_sessions, n)
+    groups = serve_groups(args.device, args.tp, args.max_sessions, n) if fleet is None else (fleet.device,)
     api_key = _api_key(args)
     cfg = ServeConfig(
         preset=args.preset,
@@ -404,6 +410,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lead_ms=args.lead_ms,
         api_key=api_key,
         insecure_no_auth=args.insecure_no_auth,
+        fleet=fleet,
         agent_url=args.agent_url,
         agent_model=args.agent_model,
         agent_stt_model=args.agent_stt_model,

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"cache", "quant"},  # the K/V caches and FP8 linears, built on the kernels
     {"runtime"},  # the chunk step, sampler, graphs, compile
     {"engine", "parallel"},  # the one engine and tensor parallelism
-    {"serve"},  # the live server (web side and its session logic)
+    {"serve", "fleet"},  # the live server (web side and its session logic); its groups on a Ray fleet
     {"bench", "train", "eval"},  # benchmarks, training, the quality harness: drive everything below
     {"cli", "__main__"},  # the entry point dispatches to everything
 ]
@@ -144,7 +144,8 @@ def test_the_web_app_imports_no_torch():
     """One file per process side: the web process (the FastAPI app, the session logic, the worker-group
     proxy) never imports torch; the worker processes do (cadence.engine.worker)."""
     code = (
-        "import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config; "
+        "import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config, "
+        "cadence.fleet.frontend, cadence.fleet.state, cadence.fleet.group; "
         "print('torch' in sys.modules); sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     out = subprocess.run(

@@ -78,7 +78,7 @@ from cadence.serve.agent import (
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, worker_spec
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession
-from cadence.serve.workers import WorkerGroup
+from cadence.serve.workers import LocalGroups, WorkerGroup
 from cadence.telemetry.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 
 log = logging.getLogger("cadence.serve")
@@ -107,12 +107,19 @@ class SessionManager:
         self.metrics.groups.set(len(cfg.groups))
         frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
         frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
-        self.groups = []
-        for i, dev in enumerate(cfg.groups):
-            spec, shm = worker_spec(cfg, dev, frame_bytes)
-            self.groups.append(
-                WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm)
-            )
+        if cfg.fleet is not None:  # cadence serve --ray: the groups of a Ray fleet (cadence.fleet)
+            from cadence.fleet.frontend import FleetGroups
+
+            self.source = FleetGroups(cfg, self.metrics)
+        else:
+            groups = []
+            for i, dev in enumerate(cfg.groups):
+                spec, shm = worker_spec(cfg, dev, frame_bytes)
+                groups.append(
+                    WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm)
+                )
+            self.source = LocalGroups(groups)
+        self.groups = self.source.groups  # (a fleet's list is kept up to date in place)
         self.sessions: dict[str, LiveSession] = {}
         self.reports: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._report_times: dict[str, float] = {}
@@ -135,21 +142,7 @@ class SessionManager:
         self.loop = asyncio.get_running_loop()
         self._decode_pool.submit(int).result()  # the decode thread exists from now on (a steady thread count)
         use_ice_host_addresses(self.cfg.ice_host_addresses)
-        for g in self.groups:
-            g.on_message = lambda msg, g=g: self._route(g, msg)
-            g.start()
-        deadline = self.loop.time() + self.cfg.worker_start_timeout_s
-        while not all(g.ready.is_set() for g in self.groups):
-            failed = [g for g in self.groups if g.start_error]
-            if failed:
-                raise RuntimeError(
-                    "; ".join(f"worker {g.index} ({g.device}): {g.start_error}" for g in failed)
-                )
-            if self.loop.time() > deadline:
-                raise RuntimeError(
-                    f"worker processes not ready within {self.cfg.worker_start_timeout_s:.0f} s"
-                )
-            await asyncio.sleep(0.05)
+        await self.source.start(self._route, self.cfg.worker_start_timeout_s)
         self.started = True
         log.info(
             "cadence serve: preset %s, %d group(s) %s, lead %s ms",
@@ -206,7 +199,7 @@ class SessionManager:
                 await asyncio.wait(list(self.background), timeout=1.0)
                 break
             await asyncio.wait(list(self.background), timeout=left)
-        await asyncio.gather(*(g.stop() for g in self.groups), return_exceptions=True)
+        await self.source.stop()
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
         use_ice_host_addresses(None)
         self.started = False
@@ -235,13 +228,13 @@ class SessionManager:
 
     # ---- admission ------------------------------------------------------------------------------
     def acquire(self) -> WorkerGroup | None:
-        for g in self.groups:
-            if g.free:
-                return g
-        return None
+        return self.source.acquire()
 
     def retry_after(self) -> int:
         """Seconds until a group is likely free: the soonest max-duration end, 1..60."""
+        hint = self.source.retry_after()  # a fleet's: the registry's, over every front end's sessions
+        if hint is not None:
+            return hint
         now = time.monotonic()
         left = [self.cfg.max_duration_s - (now - s.t_created) for s in self.sessions.values()]
         return int(min(60, max(1, math.ceil(min(left)) if left else 5)))
@@ -259,7 +252,7 @@ class SessionManager:
         if not ok:
             log.warning("worker %d did not release session %s: restarting it", g.index, sess.sid)
             await g.restart()
-        g.session_id = None
+        self.source.release(g, sess.sid)
 
     def session_closed(self, sess: LiveSession, report: dict) -> None:
         self.sessions.pop(sess.sid, None)
@@ -379,8 +372,7 @@ class SessionManager:
         return g, sid
 
     def unreserve(self, g: WorkerGroup, sid: str) -> None:
-        if g.session_id == sid:
-            g.session_id = None
+        self.source.release(g, sid)
         self.clients.pop(sid, None)
 
     async def decode_image(self, data: bytes) -> np.ndarray:
@@ -425,7 +417,9 @@ class SessionManager:
         if len(prompt) > MAX_PROMPT:
             raise ApiError(400, f"prompt is too long ({len(prompt)} characters; limit {MAX_PROMPT})")
         _check_sdp(sdp, sdp_type, cfg.max_sdp_bytes)
-        g, sid = self.reserve(client)  # before the image is looked at: a full server decodes nothing
+        # a fleet: a group is claimed fleet-wide first (one machine: nothing to do)
+        async with self.source.admission():
+            g, sid = self.reserve(client)  # before the image is looked at: a full server decodes nothing
         image = None
         try:
             if image_bytes is not None:
@@ -849,6 +843,10 @@ def create_app(cfg: ServeConfig | None = None):
         "need it.",
     )
     app.state.manager = mgr
+    if cfg.fleet is not None:  # GET /fleet, POST|DELETE /fleet/groups/{name}/drain (cadence.fleet)
+        from cadence.fleet.routes import add_fleet_routes
+
+        add_fleet_routes(app, mgr, ApiError, _bearer)
     session_body = math.ceil(cfg.max_image_bytes * 4 / 3) + cfg.max_sdp_bytes + SMALL_BODY  # (base64 image)
     audio_body = cfg.max_audio_bytes + SMALL_BODY
 

@@ -7,11 +7,18 @@ does). Messages are the dataclasses of :mod:`cadence.engine.messages`: a writer 
 out of its shared-memory slot (``cadence.engine.shm.FrameRing``) and hands the reply to the event loop;
 a worker that dies is reported as :class:`~cadence.engine.messages.Died`. ``restart`` replaces a dead or
 stuck group; ``stop`` ends it, bounded.
+
+The session manager gets its groups from a *source*: :class:`LocalGroups` (this machine's groups: the
+default) or, with ``cadence serve --ray``, ``cadence.fleet.frontend.FleetGroups`` (groups of a Ray fleet,
+each seen through a ``RayGroup`` with this class's interface). A source has ``groups``, ``start(route,
+timeout_s)``, ``stop()``, ``admission()`` (an async context around the manager's ``reserve``), ``acquire()``,
+``release(group, sid)`` and ``retry_after()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -275,6 +282,54 @@ class WorkerGroup:
         self.session_id = None
         self.restarts += 1
         self.start()
+
+
+class LocalGroups:
+    """The single-machine group source: this machine's :class:`WorkerGroup` processes, one session each."""
+
+    fleet = False
+
+    def __init__(self, groups: list[WorkerGroup]):
+        self.groups = groups
+
+    async def start(self, route: Callable, timeout_s: float) -> None:
+        """Start every group; return when all are ready (RuntimeError: one failed, or the timeout)."""
+        loop = asyncio.get_running_loop()
+        for g in self.groups:
+            g.on_message = lambda msg, g=g: route(g, msg)
+            g.start()
+        deadline = loop.time() + timeout_s
+        while not all(g.ready.is_set() for g in self.groups):
+            failed = [g for g in self.groups if g.start_error]
+            if failed:
+                raise RuntimeError(
+                    "; ".join(f"worker {g.index} ({g.device}): {g.start_error}" for g in failed)
+                )
+            if loop.time() > deadline:
+                raise RuntimeError(f"worker processes not ready within {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(g.stop() for g in self.groups), return_exceptions=True)
+
+    @contextlib.asynccontextmanager
+    async def admission(self):
+        """Nothing to do ahead on one machine: ``acquire`` picks a free group synchronously."""
+        yield
+
+    def acquire(self) -> WorkerGroup | None:
+        for g in self.groups:
+            if g.free:
+                return g
+        return None
+
+    def release(self, g: WorkerGroup, sid: str) -> None:
+        if g.session_id == sid:
+            g.session_id = None
+
+    def retry_after(self) -> int | None:
+        """None: the manager estimates it from its own sessions (they are all the sessions there are)."""
+        return None
 
 
 def _call(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:

@@ -6,7 +6,9 @@ audio underruns, deadline misses, and the queue: chunks in flight at the worker 
 headroom (generated video not yet sent, ms). Server-wide: a chunk latency histogram (plan -> frames back in
 the web process), sessions by close reason, admissions refused, active sessions, totals of
 underruns and deadline misses (they survive the session's series). Per worker group (label
-``group``): the worker process's memory with its last chunk (host RSS, GPU allocation).
+``group``): the worker process's memory with its last chunk (host RSS, GPU allocation). A ``--ray`` front
+end also shows the whole fleet as its registry sees it (``cadence_fleet_*``: groups by state, sessions,
+free groups, restarts per group and in all); every front end shows the same fleet figures.
 
 The per-session series live on a registry of their own (``session_registry``): their labels are the
 session ids, which are operator information (with a session id and nothing else a client can do
@@ -114,6 +116,24 @@ class ServeMetrics:
             "('rss') and torch's allocation on its GPU ('cuda')",
             ("group", "kind"),
             registry=r,
+        )
+        self.fleet_groups = Gauge(
+            "cadence_fleet_groups",
+            "Fleet worker groups in the registry, by state (starting, up, draining, restarting, failed)",
+            ("state",),
+            registry=r,
+        )
+        self.fleet_sessions = Gauge(
+            "cadence_fleet_sessions", "Sessions open on the fleet (every front end's)", registry=r
+        )
+        self.fleet_free = Gauge(
+            "cadence_fleet_free_groups", "Fleet groups free for a new session", registry=r
+        )
+        self.fleet_restarts = Gauge(
+            "cadence_fleet_group_restarts", "Restarts of a fleet group's actor (Ray)", ("group",), registry=r
+        )
+        self.fleet_restarts_total = Gauge(
+            "cadence_fleet_restarts", "Restarts of the fleet's group actors, in all", registry=r
         )
         self.bad_requests = Counter(
             "cadence_bad_requests", "Requests answered with a 4xx error", ("status",), registry=r

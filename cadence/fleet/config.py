@@ -1,0 +1,126 @@
+"""What a front end needs to know about the fleet it joins (``cadence serve --ray ...``), as plain data.
+
+Torch-free and Ray-free: the CLI builds it before anything is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cadence.errors import ConfigError
+
+#: The Ray namespace every fleet actor lives in (named actors are looked up inside it).
+NAMESPACE = "cadence"
+#: The registry's actor name; the groups are ``<GROUP_PREFIX><index>``.
+REGISTRY_NAME = "cadence-registry"
+GROUP_PREFIX = "cadence-group-"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    address: str = "auto"
+    """Ray cluster: 'auto' (join the cluster this machine belongs to, else start a local one) or an address
+    ('10.0.0.5:6379', 'ray://head:10001')."""
+    groups: int = 0
+    """Worker groups the fleet should have (created if missing, each in its own STRICT_PACK placement
+    group; existing ones are reused, never rebuilt). 0 = join the groups that exist and create none."""
+    device: str = "cpu"
+    """Each group's device string inside its actor: 'cpu', 'cuda:0', or a tensor-parallel group
+    'cuda:0+cuda:1' (GPU indices relative to the GPUs Ray gives the actor: CUDA_VISIBLE_DEVICES)."""
+    cpus_per_group: float = 1.0
+    """CPUs reserved per group (its placement-group bundle); GPUs reserved = the devices in ``device``."""
+    max_restarts: int = 10
+    """How often Ray restarts a group actor that died (-1: always)."""
+    lease_s: float = 10.0
+    """A front end that has not been heard from for this long loses its claims (its sessions are closed on
+    their groups): a front end that crashed frees its groups for the others."""
+    heartbeat_s: float = 1.0
+    """How often a front end reports its sessions to the registry and reads the fleet's state back."""
+    ping_s: float = 1.0
+    """How often the registry checks each group and each node."""
+    namespace: str = NAMESPACE
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ConfigError("--ray needs 'auto' or a cluster address")
+        if self.groups < 0:
+            raise ConfigError(f"fleet groups must be >= 0, got {self.groups}")
+        if self.cpus_per_group <= 0:
+            raise ConfigError(f"cpus_per_group must be > 0, got {self.cpus_per_group}")
+        if self.max_restarts < -1:
+            raise ConfigError(f"max_restarts must be >= -1, got {self.max_restarts}")
+        if min(self.lease_s, self.heartbeat_s, self.ping_s) <= 0 or self.lease_s <= 2 * self.heartbeat_s:
+            raise ConfigError(
+                f"lease_s ({self.lease_s}) must exceed two heartbeats ({self.heartbeat_s} s), all positive"
+            )
+        parts = self.device.split("+")
+        if not (
+            parts == ["cpu"] * len(parts) or all(p.startswith("cuda:") and p[5:].isdigit() for p in parts)
+        ):
+            raise ConfigError(
+                f"a fleet group's device is 'cpu', 'cuda:N' or 'cuda:0+cuda:1...', got {self.device!r}"
+            )
+
+    @property
+    def gpus_per_group(self) -> int:
+        return 0 if self.device.startswith("cpu") else len(self.device.split("+"))
+
+    def bundle(self) -> dict:
+        """One group's placement-group bundle (one bundle: STRICT_PACK keeps it on one node)."""
+        out = {"CPU": float(self.cpus_per_group)}
+        if self.gpus_per_group:
+            out["GPU"] = float(self.gpus_per_group)
+        return out
+
+
+def fleet_device(device: str, tp: int) -> str:
+    """A fleet group's device string from ``cadence serve --device cpu|cuda --tp N`` (no local GPU count:
+    the front end's machine need not have any)."""
+    if device == "cuda":
+        return "+".join(f"cuda:{r}" for r in range(tp))
+    return "+".join(["cpu"] * tp)
+
+
+def add_fleet_flags(parser) -> None:
+    """``cadence serve``'s fleet flags (``--ray`` and its options)."""
+    g = parser.add_argument_group("fleet (Ray; pip install 'cadence[ray]'; docs/fleet.md)")
+    g.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|ADDRESS",
+        help="run the sessions on a Ray fleet's worker groups instead of this machine's: 'auto' joins this "
+        "machine's cluster (or starts one), or a cluster ADDRESS; this process is then a front end",
+    )
+    g.add_argument(
+        "--fleet-groups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --ray: groups the fleet should have (created if missing, one placement group each, "
+        "--device/--tp per group); default 0: join the groups that exist",
+    )
+    g.add_argument(
+        "--fleet-cpus-per-group",
+        type=float,
+        default=1.0,
+        help="with --ray: CPUs reserved per group (default 1)",
+    )
+    g.add_argument(
+        "--fleet-max-restarts",
+        type=int,
+        default=10,
+        help="with --ray: Ray restarts a group actor that died this many times (-1: always; default 10)",
+    )
+
+
+def fleet_from_args(args) -> FleetConfig | None:
+    """The :class:`FleetConfig` of ``cadence serve --ray ...`` (None without ``--ray``: one machine)."""
+    if getattr(args, "ray", None) is None:
+        return None
+    return FleetConfig(
+        address=args.ray,
+        groups=args.fleet_groups,
+        device=fleet_device(args.device, args.tp),
+        cpus_per_group=args.fleet_cpus_per_group,
+        max_restarts=args.fleet_max_restarts,
+    )

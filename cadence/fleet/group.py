@@ -1,0 +1,121 @@
+"""One worker group as a Ray actor (:class:`GroupActor`), placed by the registry in a STRICT_PACK placement
+group of its own (one bundle: all of the group's GPUs on one node).
+
+The actor does not run a second engine: it owns the same :class:`~cadence.serve.workers.WorkerGroup` the
+single-machine server owns, on the group's node, so the worker processes, the engine, its warm-up, the
+tensor-parallel followers and the shared-memory frame ring are exactly ``cadence serve``'s (the actor is a
+thin async relay between Ray calls and that group's pipe). Requests and replies are the dataclasses of
+:mod:`cadence.engine.messages`, passed through Ray as they are.
+
+    front end --send(msg)--> actor --pipe--> worker rank 0 (+ TP followers)
+    front end <--poll()----- actor <--pipe / shared memory-- worker
+
+``poll`` is a long poll: it returns every reply queued since the last one (waiting up to ``timeout`` for
+the first), so a chunk's frames cross Ray once per chunk, with the chunk's other replies. Only a session's
+replies are queued (the worker's ``Ready`` becomes the actor's ``ping`` state instead).
+
+Faults: a worker process that exits (``Died``) takes the actor down with it (``os._exit``) after its
+replies are queued for half a second, so there is one recovery path: Ray restarts the actor (its
+``max_restarts``) and the restarted actor builds and warms a fresh group; the registry counts the restart
+when a new incarnation answers ``ping``. The actor process being killed ends the worker processes too
+(their pipe closes: the worker's command loop reads EOF and stops).
+
+The worker starts on the first call (the registry's ``ping`` comes within a check interval), because Ray
+runs ``__init__`` outside the actor's event loop and the group needs that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+
+from cadence.engine.messages import Died, Ready
+from cadence.engine.spec import WorkerSpec
+
+log = logging.getLogger("cadence.fleet")
+
+#: How long a group actor whose worker died keeps serving polls (so its sessions get the error) before it exits.
+EXIT_AFTER_DIED_S = 0.5
+
+
+class GroupActor:
+    """Decorated with ``ray.remote`` by the registry (``cadence.fleet.registry``): this module imports no Ray."""
+
+    def __init__(self, name: str, index: int, spec: WorkerSpec, frame_shape, slots: int, shm: bool):
+        self.name, self.index = name, index
+        self.spec, self.frame_shape, self.slots, self.shm = spec, frame_shape, slots, shm
+        self.incarnation = uuid.uuid4().hex
+        self.t_created = time.time()
+        self.group = None
+        self.replies: list = []
+        self._wake: asyncio.Event | None = None
+        self._exiting = False
+
+    def _ensure(self) -> None:
+        if self.group is not None:
+            return
+        from cadence.serve.workers import WorkerGroup
+
+        self._wake = asyncio.Event()
+        self.group = WorkerGroup(
+            self.index, self.spec, frame_shape=self.frame_shape, slots=self.slots, shm=self.shm
+        )
+        self.group.on_message = self._on_message
+        self.group.start()
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, Ready):  # (WorkerGroup keeps Ready to itself; kept here in case)
+            return
+        self.replies.append(msg)
+        if self._wake is not None:
+            self._wake.set()
+        if isinstance(msg, Died) and not self._exiting:
+            self._exiting = True
+            log.error("group %s: %s; the actor exits so that Ray restarts it", self.name, msg.reason)
+            asyncio.get_running_loop().call_later(EXIT_AFTER_DIED_S, os._exit, 1)
+
+    async def ping(self) -> dict:
+        """The group's state (starts the worker on the first call)."""
+        import ray
+
+        self._ensure()
+        g = self.group
+        ctx = ray.get_runtime_context()
+        return {
+            "name": self.name,
+            "incarnation": self.incarnation,
+            "restarted": bool(ctx.was_current_actor_reconstructed),
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "worker_pid": g.pid,
+            "ready": g.ready.is_set() and not self._exiting,
+            "start_error": g.start_error,
+            "info": g.info_dict(),
+            "device": g.device,
+        }
+
+    async def send(self, msg) -> None:
+        """Queue a request for the worker (``WorkerGroup.send``: never blocks)."""
+        self._ensure()
+        self.group.send(msg)
+
+    async def poll(self, timeout: float = 0.5) -> list:
+        """Every reply since the last poll; waits up to ``timeout`` s for the first."""
+        self._ensure()
+        if not self.replies:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+        out, self.replies = self.replies, []
+        return out
+
+    async def stop(self) -> None:
+        """Stop the worker processes (before the actor is killed for good)."""
+        if self.group is not None:
+            self._exiting = True
+            await self.group.stop()

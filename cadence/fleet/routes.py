@@ -1,0 +1,36 @@
+"""A ``--ray`` front end's operator routes (the operator key, as ``GET /sessions``):
+
+    GET    /fleet                       the registry's view: groups (state, node, claim, restarts), free, sessions
+    POST   /fleet/groups/{name}/drain   drain a group: no new session on it; its live session finishes
+    DELETE /fleet/groups/{name}/drain   admit sessions on it again
+
+(No ``from __future__ import annotations`` here: FastAPI reads the ``Request`` annotation at runtime.)
+"""
+
+from fastapi import Request
+
+
+def add_fleet_routes(app, mgr, api_error, bearer) -> None:
+    """Add the routes to ``app`` (``mgr.source`` is a ``FleetGroups``). ``api_error`` / ``bearer``: the app's
+    error class and credential reader, passed in so that this module does not import the app."""
+    src = mgr.source
+
+    @app.get("/fleet", summary="The fleet: groups, their state, sessions, free capacity (operator key)")
+    async def fleet(request: Request):
+        mgr.require_operator(bearer(request), "the fleet's state")
+        return {"frontend": src.frontend_id, **src.snapshot}
+
+    async def _drain(name: str, request: Request, on: bool) -> dict:
+        mgr.require_operator(bearer(request), "draining a group")
+        if not await src.drain(name, on):
+            raise api_error(404, f"no group {name!r} in the fleet")
+        await src.sync()
+        return {"group": name, "draining": on}
+
+    @app.post("/fleet/groups/{name}/drain", summary="Drain a group: no new session; the live one finishes")
+    async def drain(name: str, request: Request):
+        return await _drain(name, request, True)
+
+    @app.delete("/fleet/groups/{name}/drain", summary="Admit sessions on a drained group again")
+    async def undrain(name: str, request: Request):
+        return await _drain(name, request, False)
