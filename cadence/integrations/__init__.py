@@ -1,0 +1,1 @@
+"""Cadence inside other frameworks (optional extras): ``cadence.integrations.pipecat``."""
