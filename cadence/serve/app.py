@@ -75,7 +75,7 @@ from cadence.serve.agent import (
     make_agent,
     synthesize,
 )
-from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, engine_config, worker_spec
+from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession
 from cadence.serve.workers import LocalGroups, WorkerGroup
@@ -85,6 +85,10 @@ log = logging.getLogger("cadence.serve")
 STATIC = Path(__file__).parent / "static"
 MAX_PROMPT = 1000
 MAX_SEED = 2**63 - 1
+#: The HTTP + WebRTC API's version (``/config``'s ``api_version``): routes, fields and media as this module
+#: documents them. Clients (``cadence.integrations.pipecat``'s remote mode) check it; it changes only when
+#: one of them changes incompatibly.
+API_VERSION = 1
 #: Body limit of every route but POST /sessions and /audio (JSON with a line of text, or nothing).
 SMALL_BODY = 64 * 1024
 #: Formats a reference image may be in (Pillow plugin names); anything else is a 400 before any decoding.
@@ -389,6 +393,45 @@ class SessionManager:
             )
 
     # ---- session creation -------------------------------------------------------------------------
+    def new_agent(self, agent: str):
+        """A new agent by name, or the request's refusal (400 unknown, 503 not available here)."""
+        try:
+            ag = make_agent(agent, self.engine_cfg.chunk_seconds, agent_endpoint(self.cfg))
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        if agent == "say" and espeak_binary() is None:
+            raise ApiError(
+                503,
+                "the 'say' agent needs espeak-ng, which is not installed on the server "
+                "(Debian: apt-get install espeak-ng); use agent 'mirror'",
+            )
+        if agent == "talk" and self.cfg.agent_url is None:
+            raise ApiError(
+                503,
+                "the 'talk' agent needs an OpenAI-compatible LLM endpoint, and this server has none "
+                "(cadence serve --agent-url URL); use agent 'mirror' or 'say'",
+            )
+        return ag
+
+    async def create_local(
+        self, agent, image: np.ndarray | None = None, prompt: str = DEFAULT_PROMPT, seed: int = 0
+    ):
+        """A session in this process with no WebRTC: the caller reads its paced tracks
+        (``sess.video.recv()``, ``sess.audio.recv()``) and drives its ``agent`` (an :class:`Agent` the
+        caller made). What ``cadence.integrations.pipecat`` runs in process. 503 (ApiError) when full."""
+        if not self.started:
+            raise RuntimeError("the session manager is not started")
+        g, sid = self.reserve("local")
+        sess = LiveSession(self, sid, g, agent, self.engine_cfg, prompt, seed)
+        self.sessions[sid] = sess
+        self.metrics.active.set(len(self.sessions))
+        try:
+            await sess.start_local(image)
+        except BaseException:
+            await sess.close("start_failed")
+            raise
+        return sess
+
     async def create(
         self,
         *,
@@ -404,16 +447,7 @@ class SessionManager:
         """Check the request, admit it (429 / 503), decode its image, start the session. The answer carries
         the session's token, which only this answer ever shows."""
         cfg = self.cfg
-        try:
-            ag = make_agent(agent, self.engine_cfg.chunk_seconds)
-        except InputError as e:
-            raise ApiError(400, str(e)) from None
-        if agent == "say" and espeak_binary() is None:
-            raise ApiError(
-                503,
-                "the 'say' agent needs espeak-ng, which is not installed on the server "
-                "(Debian: apt-get install espeak-ng); use agent 'mirror'",
-            )
+        ag = self.new_agent(agent)
         if len(prompt) > MAX_PROMPT:
             raise ApiError(400, f"prompt is too long ({len(prompt)} characters; limit {MAX_PROMPT})")
         _check_sdp(sdp, sdp_type, cfg.max_sdp_bytes)
@@ -928,8 +962,10 @@ def create_app(cfg: ServeConfig | None = None):
             "frames_per_chunk": e.video_frames_per_chunk,
             "audio_samples_per_chunk": e.audio_samples_per_chunk,
             "chunk_ms": round(1e3 * e.chunk_seconds, 3),
-            "agents": ["mirror", "say"],
+            "api_version": API_VERSION,
+            "agents": list(AGENTS),
             "say_available": espeak_binary() is not None,
+            "talk_available": cfg.agent_url is not None,
             "api_key_required": cfg.api_key is not None,
             "groups": len(mgr.groups),
             "max_image_bytes": cfg.max_image_bytes,

@@ -102,6 +102,19 @@ class ServeConfig:
     sync_marker_every: int = 0
     """Testing: every K-th chunk of every session carries an A/V sync marker (its first video frame
     solid white, its first 40 ms of audio a 1 kHz tone, at the same media time); 0 = off."""
+    agent_url: str | None = None
+    """The ``talk`` agent's OpenAI-compatible API base (``cadence serve --agent-url``), e.g.
+    ``http://127.0.0.1:8080/v1`` (llama.cpp), vLLM, Ollama or a cloud API; its key comes from the
+    environment variable ``CADENCE_AGENT_API_KEY``. None: the ``talk`` agent is not offered."""
+    agent_model: str = "default"
+    """The LLM model name sent to ``agent_url``."""
+    agent_stt_model: str | None = None
+    """Speech-to-text model at ``agent_url`` (``/audio/transcriptions``); None: the LLM hears only how
+    long the user spoke."""
+    agent_tts_model: str | None = None
+    """Text-to-speech model at ``agent_url`` (``/audio/speech``); None: espeak-ng on the server."""
+    agent_system_prompt: str | None = None
+    """The ``talk`` agent's system prompt (None: a short default)."""
     overrides: dict = field(default_factory=dict)
     """Engine config overrides applied to the preset by the server and every worker, as
     ``CadenceConfig.with_overrides`` takes them, e.g. ``{"stream": {"latent_frames_per_chunk": 3}}``
@@ -197,6 +210,8 @@ class ServeConfig:
                 f"be >= 1, got {self.max_image_pixels}, {self.decode_concurrency}, "
                 f"{self.max_pending_offers_per_client}"
             )
+        if self.agent_url is not None and not self.agent_url.startswith(("http://", "https://")):
+            raise ConfigError(f"agent_url must be an http(s) URL, got {self.agent_url!r}")
         if self.api_key is not None:
             check_api_key(self.api_key)
         if not self.loopback and self.api_key is None and not self.insecure_no_auth:
@@ -446,3 +461,19 @@ def engine_kwargs(args) -> dict:
         "warmup_chunks": args.warmup_chunks,
         "frame_transport": args.frame_transport,
     }
+
+
+def agent_endpoint(cfg: ServeConfig):
+    """The ``talk`` agent's endpoint from the config (None without ``agent_url``)."""
+    if cfg.agent_url is None:
+        return None
+    from cadence.serve.converse import AgentEndpoint
+
+    kw = {"system_prompt": cfg.agent_system_prompt} if cfg.agent_system_prompt else {}
+    return AgentEndpoint(
+        cfg.agent_url,
+        model=cfg.agent_model,
+        stt_model=cfg.agent_stt_model,
+        tts_model=cfg.agent_tts_model,
+        **kw,
+    )

@@ -116,6 +116,8 @@
       $("m-ttff").textContent = ms(s.ttff_ms);
       $("m-latency").textContent = ms(s.chunk_latency_ms_p50);
       $("m-agent").textContent = ms(s.agent_audio_to_frame_ms_last);
+      // the agent's endpoint failing (talk): one clear line; the stream keeps running
+      if (s.agent_error) setError(`agent: ${s.agent_error}`);
       $("m-av").textContent = s.av_offset_ms === null ? "-" : `${s.av_offset_ms.toFixed(1)} ms`;
       $("m-under").textContent = `${s.underruns.video} / ${s.underruns.audio}`;
       $("m-codecs").textContent = s.video_codec ? `${s.video_codec} / ${s.audio_codec}` : "-";
@@ -162,6 +164,7 @@
   fetch("/config").then((r) => r.json()).then((c) => {
     $("m-preset").textContent = `${c.preset} ${c.width}x${c.height} @ ${c.fps} fps`;
     if (!c.say_available) $("agent").querySelector("option[value=say]").textContent += " (espeak-ng not installed)";
+    if (!c.talk_available) $("agent").querySelector("option[value=talk]").textContent += " (no --agent-url on the server)";
     keyRequired = !!c.api_key_required;
     document.body.dataset.keyRequired = keyRequired ? "1" : "0";
     $("key-row").hidden = !keyRequired;
