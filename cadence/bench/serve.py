@@ -3,6 +3,7 @@
     cadence bench serve --sessions 1 --seconds 10                        # starts its own server (CPU)
     cadence bench serve --preset w1.3 --device cuda --sessions 1 --seconds 20 --speak-every 3   # one H200
     cadence bench serve --url http://127.0.0.1:8000 --sessions 4 --seconds 30   # a running server
+    cadence bench serve --ray local --sessions 2 --seconds 20   # the same through a Ray fleet (cadence.fleet)
 
 Each client offers what the page offers (recvonly video, sendrecv audio with a silent microphone),
 receives the character for ``--seconds`` after its first frame, pushes 1 s of synthetic speech after
@@ -18,6 +19,10 @@ time and the worker's steady chunk time are recorded under ``workers``). The str
 in ``shape`` (frames and audio samples per chunk, size, fps) is the server's, from ``GET /config``.
 Loopback only. Each client reads its own session with the token the server returned (the progress
 lines too); a ``--url`` server that needs its operator key gets it from ``CADENCE_API_KEY``.
+
+``--ray local|auto|ADDRESS``: the self-started server is a fleet front end (``cadence serve --ray``) with
+``--sessions`` groups; ``local`` starts a Ray head and ``--sessions - 1`` more Ray "nodes" on this machine
+(``ray start``, loopback, 1 CPU each: one group per node) and removes them afterwards.
 """
 
 from __future__ import annotations
@@ -68,6 +73,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="self-started server: least planning lead (default: the server's; raised to the "
         "worker's measured chunk time on CUDA)",
+    )
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="local|auto|ADDRESS",
+        help="the self-started server is a Ray fleet front end with --sessions groups ('local': a Ray head "
+        "and --sessions - 1 more nodes on this machine, 1 CPU each, removed afterwards)",
     )
     p.add_argument(
         "--start-timeout",
@@ -237,6 +249,40 @@ def _workers(cfg: dict) -> list[dict]:
     return [{k: w.get(k) for k in keep} for w in cfg.get("workers") or []]
 
 
+def _fleet(args):
+    """``--ray``: (FleetConfig, LocalCluster or None)."""
+    from cadence.fleet.config import FleetConfig, fleet_device
+
+    cluster = None
+    address = args.ray
+    if args.ray == "local":
+        from cadence.fleet.cluster import LocalCluster
+
+        cluster = LocalCluster(num_cpus=1).start()
+        try:
+            for _ in range(args.sessions - 1):
+                cluster.add_node(num_cpus=1)
+        except BaseException:
+            cluster.stop()
+            raise
+        address = cluster.address
+    return FleetConfig(
+        address=address, groups=args.sessions, device=fleet_device(args.device, args.tp)
+    ), cluster
+
+
+def _fleet_down(cluster) -> None:
+    """Remove the groups this benchmark's local cluster holds, then the cluster."""
+    import ray
+
+    try:
+        if ray.is_initialized():
+            ray.get(ray.get_actor("cadence-registry", namespace="cadence").remove_all.remote(), timeout=60)
+            ray.shutdown()
+    finally:
+        cluster.stop()
+
+
 def main(argv: list[str]) -> int:
     import logging
 
@@ -249,6 +295,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     args = parse(argv)
     srv = None
+    cluster = None
     url = args.url
     if url is None:
         from cadence.errors import CadenceError
@@ -262,6 +309,9 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
+        if args.ray:
+            fleet, cluster = _fleet(args)
+            extra["fleet"] = fleet
         start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
         srv = ServerThread(
             ServeConfig(
@@ -277,7 +327,12 @@ def main(argv: list[str]) -> int:
             )
         ).start(timeout=start_timeout + 60)
         url = srv.url
-        print(f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device})", file=sys.stderr)
+        print(
+            f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device}"
+            + (f", a Ray fleet at {extra['fleet'].address}" if args.ray else "")
+            + ")",
+            file=sys.stderr,
+        )
     try:
         cfg, results = asyncio.run(
             _drive(
@@ -294,6 +349,8 @@ def main(argv: list[str]) -> int:
     finally:
         if srv is not None:
             srv.stop()
+        if cluster is not None:
+            _fleet_down(cluster)
     errors = [r.error or f"HTTP {r.status_code}" for r in results if r.error or r.status_code != 201]
     ok = [r for r in results if not (r.error or r.status_code != 201)]
     fps = [r.report.get("fps_mean", 0.0) for r in ok] + [0.0] * (len(results) - len(ok))
@@ -339,6 +396,7 @@ def main(argv: list[str]) -> int:
         "errors": len(errors),
         "error_messages": errors[:10],
         "server": "self-started" if srv is not None else url,
+        "ray": args.ray,
     }
     print_table(
         [(k, str(v)) for k, v in res.items() if k != "error_messages"],
@@ -387,7 +445,8 @@ def main(argv: list[str]) -> int:
             variant=f"s{args.sessions}"
             + ("-compile" if getattr(args, "compile", False) else "")
             + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
-            + (f"-{args.video_codec.lower()}" if args.video_codec else ""),
+            + (f"-{args.video_codec.lower()}" if args.video_codec else "")
+            + ("-ray" if args.ray else ""),
             out_dir=results_dir(args),
             world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
             headline=headline,

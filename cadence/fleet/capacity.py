@@ -8,7 +8,8 @@ capped at ``max_duration_s`` as the server caps it). A group serves one session 
 client retrying on 503 + Retry-After can do; real retries add up to one Retry-After of slack) until a group
 frees; its *admission wait* is that time. Groups fail (``group_mtbf_s``, each independently; a node's
 failure, ``node_mtbf_s``, takes its ``groups_per_node`` groups at once): the session on a failed group ends
-(counted as ``dropped``), and the group is back after ``restart_s`` (Ray's restart + build + warm-up,
+(counted as ``dropped``; its user reconnects at once for the rest of it, a new admission), and the group
+is back after ``restart_s`` (Ray's restart + build + warm-up,
 measured per preset). ``gpus = groups x gpus_per_group``; groups come in whole nodes.
 
 :func:`gpus_needed` searches the fewest whole nodes whose p99 admission wait is within
@@ -78,7 +79,8 @@ def simulate(
     """Run ``sessions`` arrivals on ``groups`` groups; statistics over all but the first ``warmup`` share.
     Returns p_wait (share that waited at all), mean / p50 / p99 / max admission wait (s), utilization,
     dropped (sessions ended by a failure)."""
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # arrivals and lengths: the same with and without failures
+    frng = random.Random(seed + 1_000_003)  # failures: a stream of their own
     nodes = math.ceil(groups / m.groups_per_node)
     events: list = []  # (time, seq, kind, a, b)
     seq = 0
@@ -89,6 +91,9 @@ def simulate(
         heapq.heappush(events, (t, seq, kind, a, b))
 
     holder = [0] * groups  # 0 = free, -1 = down, else the session's id
+    ends: dict[int, float] = {}  # a running session's end
+    counted: set[int] = set()  # reconnects of counted sessions count too
+    next_id = sessions + 1
     free: list[int] = list(range(groups))  # a heap of free group indices (lowest first, as the registry)
     queue: deque = deque()  # (session id, arrival time)
     waits: list[float] = []
@@ -98,12 +103,15 @@ def simulate(
     counted_from = int(sessions * warmup)
     started: dict[int, float] = {}
 
+    lengths: dict[int, float] = {}
+
     def start(sid: int, t_arr: float, t: float, g: int) -> None:
         holder[g] = sid
         started[sid] = t
-        if sid > counted_from:
+        if sid > counted_from and (sid <= sessions or sid in counted):
             waits.append(t - t_arr)
-        push(t + _length(m, rng), "end", g, sid)
+        ends[sid] = t + lengths.pop(sid)
+        push(ends[sid], "end", g, sid)
 
     def take(t: float, g: int) -> None:
         if queue:
@@ -114,12 +122,18 @@ def simulate(
             heapq.heappush(free, g)
 
     def fail(t: float, g: int) -> None:
-        nonlocal busy_time, dropped
+        nonlocal busy_time, dropped, next_id
         if holder[g] == -1:
             return
-        if holder[g] > 0:
-            dropped += holder[g] > counted_from
-            busy_time += t - started.pop(holder[g])
+        if holder[g] > 0:  # the session ends with the error; its user reconnects at once for the rest
+            sid = holder[g]
+            if sid > counted_from and (sid <= sessions or sid in counted):
+                dropped += 1
+                counted.add(next_id)
+            busy_time += t - started.pop(sid)
+            lengths[next_id] = max(0.0, ends.pop(sid) - t)
+            push(t, "arrive", next_id)
+            next_id += 1
         else:
             free.remove(g)
             heapq.heapify(free)
@@ -129,16 +143,20 @@ def simulate(
     t = 0.0
     for sid in range(1, sessions + 1):
         t += rng.expovariate(m.arrival_per_s)
+        lengths[sid] = _length(m, rng)
         push(t, "arrive", sid)
     if m.group_mtbf_s > 0:
         for g in range(groups):
-            push(rng.expovariate(1.0 / m.group_mtbf_s), "gfail", g)
+            push(frng.expovariate(1.0 / m.group_mtbf_s), "gfail", g)
     if m.node_mtbf_s > 0:
         for n in range(nodes):
-            push(rng.expovariate(1.0 / m.node_mtbf_s), "nfail", n)
+            push(frng.expovariate(1.0 / m.node_mtbf_s), "nfail", n)
     t_last_arrival = t
+    t_end_busy = t  # the last session's end (utilization is over arrivals -> that)
     while events:
         t, _, kind, a, b = heapq.heappop(events)
+        if kind == "end" and holder[a] == b:
+            t_end_busy = max(t_end_busy, t)
         if kind == "arrive":
             if a == counted_from + 1:
                 t_first = t
@@ -149,20 +167,21 @@ def simulate(
         elif kind == "end":
             if holder[a] == b:  # (a failure may have ended this session already)
                 busy_time += t - started.pop(b)
+                ends.pop(b, None)
                 take(t, a)
         elif kind == "up":
             take(t, a)
         elif t <= t_last_arrival:  # failures only while sessions arrive
             if kind == "gfail":
                 fail(t, a)
-                push(t + m.restart_s + rng.expovariate(1.0 / m.group_mtbf_s), "gfail", a)
+                push(t + m.restart_s + frng.expovariate(1.0 / m.group_mtbf_s), "gfail", a)
             else:
                 for g in range(a * m.groups_per_node, min(groups, (a + 1) * m.groups_per_node)):
                     fail(t, g)
-                push(t + m.restart_s + rng.expovariate(1.0 / m.node_mtbf_s), "nfail", a)
+                push(t + m.restart_s + frng.expovariate(1.0 / m.node_mtbf_s), "nfail", a)
     waits.sort()
     n = len(waits)
-    span = max(1e-9, t - (t_first or 0.0))
+    span = max(1e-9, t_end_busy - (t_first or 0.0))
     return {
         "groups": groups,
         "gpus": groups * m.gpus_per_group,
