@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute dtype (default: float32 on cpu, bfloat16 on cuda)",
     )
     add_weight_flags(g)
+    _add_lora_flag(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser(
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
     add_weight_flags(s)
+    _add_lora_flag(s)
     add_fleet_flags(s)
     s.set_defaults(func=cmd_serve)
     add_fleet_parser(sub)  # cadence fleet status|drain|undrain|down
@@ -268,7 +270,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chunks is not None and args.chunks <= 0:
         raise InputError(f"--chunks must be a positive number of chunks, got {args.chunks}")
     out = _check_output(args.out)
-    model = model_kwargs(args)
+    model = _with_lora(model_kwargs(args), args)
     cfg = base_config(args.preset, model["model"], model["overrides"])
 
     # Inputs first: a bad file fails in milliseconds, before any model is built.
@@ -324,6 +326,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"(real time needs {need:.2f}); model build {build_s:.2f} s"
     )
     return 0
+
+
+def _add_lora_flag(parser) -> None:
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="a LoRA merged into --weights at load (peft lora_A/lora_B or kohya lora_down/lora_up names, Wan "
+        "or diffusers module names; SCALE multiplies alpha/rank, default 1); repeatable; a key that does "
+        "not fit fails the load with nothing merged",
+    )
+
+
+def _with_lora(model: dict, args: argparse.Namespace) -> dict:
+    """``model_kwargs`` plus the ``--lora`` files (checked to exist, paths made absolute for the workers)."""
+    if not args.lora:
+        return model
+    from cadence.model.lora import parse_lora_arg
+
+    specs = []
+    for arg in args.lora:
+        spec = parse_lora_arg(arg)
+        if not Path(spec.path).is_file():
+            raise InputError(f"--lora {arg}: no such file {spec.path}")
+        specs.append(f"{Path(spec.path).resolve()}:{spec.scale!r}")
+    over = dict(model["overrides"])
+    over["model"] = dict(over.get("model", {}), lora=tuple(specs))
+    return dict(model, overrides=over)
 
 
 def _check_device(device: str) -> str:
@@ -415,7 +446,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         agent_model=args.agent_model,
         agent_stt_model=args.agent_stt_model,
         agent_tts_model=args.agent_tts_model,
-        **model_kwargs(args),
+        **_with_lora(model_kwargs(args), args),
         **engine_kwargs(args),
     )
     from cadence.serve.server import run

@@ -76,6 +76,9 @@ class ModelConfig:
     ``build_generator``; ``package:<path>`` is relative to the installed ``cadence`` package. None =
     random weights (benchmarks). A model family's own file (a Self-Forcing ``.pt``, Krea's safetensors)
     loads through ``cadence.model.weights.load_family_weights`` (see ``family``)."""
+    lora: tuple[str, ...] = ()
+    """LoRA files merged into ``weights`` right after they load (``cadence.model.lora.merge_loras``), each
+    ``PATH[:SCALE]`` (``--lora``); every file is checked before any weight changes. Needs ``weights``."""
     family: str | None = None
     """The model family (``cadence.model.families``: 'self-forcing', 'causvid', 'longlive', 'krea-14b')
     this configuration was built for, or None for Cadence's own presets. Names the checkpoint format that
@@ -300,6 +303,10 @@ class CadenceConfig:
             name = ("height", "width")[axis]
             if px <= 0 or px % (st * pt):
                 errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
+        if m.lora and not m.weights:
+            errs.append(
+                "model.lora needs model.weights (a LoRA is merged into loaded weights, not random ones)"
+            )
         if v.decoder not in ("standin", "wan", "taehv"):
             errs.append(f"vae.decoder must be 'standin', 'wan' or 'taehv', got {v.decoder!r}")
         if v.taehv_shuffle < 1 or v.taehv_shuffle & (v.taehv_shuffle - 1) or v.taehv_shuffle > v.stride[1]:

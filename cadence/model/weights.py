@@ -245,12 +245,19 @@ def load_weights(
 ) -> dict:
     """Load one safetensors file, or a directory of them (sharded checkpoints), into `model`. A model
     whose configuration names a family (``ModelConfig.family``) reads the family's own format
-    (:func:`load_family_weights`)."""
+    (:func:`load_family_weights`). The configuration's LoRA files (``ModelConfig.lora``) are then merged
+    (``cadence.model.lora``)."""
     family = getattr(model.cfg.model, "family", None)
     if family and fmt is None:
-        return load_family_weights(model, path, family)
-    path = Path(path)
-    return load_state_dict_into(model, _read_safetensors(path), fmt, allow_missing_audio)
+        rep = load_family_weights(model, path, family)
+    else:
+        rep = load_state_dict_into(model, _read_safetensors(Path(path)), fmt, allow_missing_audio)
+    loras = getattr(model.cfg.model, "lora", ())
+    if loras:  # the LoRA files of the config (--lora), merged into the loaded weights, all or nothing
+        from cadence.model.lora import merge_loras
+
+        rep["lora"] = merge_loras(model, loras, family)
+    return rep
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
