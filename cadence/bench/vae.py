@@ -52,6 +52,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder (eager on failure)")
     p.add_argument(
+        "--fast",
+        choices=["off", "cl", "compile", "fold"],
+        default=None,
+        help="the Wan decoder's fast path as the pipeline applies it (cadence.model.vae_fast: cl = "
+        "channels-last, compile = cl + torch.compile, fold = compile + temporal convs as one conv2d); "
+        "replaces --channels-last/--compile for the wan decoder",
+    )
+    p.add_argument(
         "--compare-diffusers", action="store_true", help="also time diffusers' whole-latent decode"
     )
     p.add_argument(
@@ -137,7 +145,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.height % stride[1] or args.width % stride[2]:
         raise SystemExit(f"--height/--width must be multiples of {stride[1]} for variant {args.variant}")
     lh, lw = args.height // stride[1], args.width // stride[2]
-    if args.channels_last:
+    fast_rep = None
+    if args.fast is not None and args.decoder == "wan":
+        from cadence.model.vae_fast import accelerate_decoder
+
+        fast_rep = accelerate_decoder(model, args.fast)
+        args.channels_last = args.fast != "off"
+        args.compile = False
+    if args.channels_last and fast_rep is None:
         _channels_last(model)
     compiled = _compile_blocks(model, log) if args.compile else []
 
@@ -193,7 +208,8 @@ def run(args: argparse.Namespace) -> dict:
         "chunks": args.chunks,
         "channels_last": args.channels_last,
         "cudnn_benchmark": args.cudnn_benchmark,
-        "compiled": bool(compiled),
+        "compiled": bool(compiled) or (fast_rep is not None and "compile" in fast_rep.applied),
+        "fast": fast_rep.describe() if fast_rep is not None else None,
         "base_dim": args.base_dim or cfg["base_dim"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "chunk_ms": times,
@@ -218,13 +234,16 @@ def run(args: argparse.Namespace) -> dict:
     print_table(
         rows,
         f"bench vae: {args.decoder} {args.variant} {args.height}x{args.width} {results['dtype']}"
-        f"{' channels_last' if args.channels_last else ''}{' compiled' if compiled else ''}",
+        f"{' channels_last' if args.channels_last else ''}{' compiled' if compiled else ''}"
+        + (f" fast={fast_rep.describe()}" if fast_rep is not None else ""),
     )
     if not args.no_record:
         variant = "-".join(
             [args.variant, args.decoder, results["dtype"]]
             + (["cl"] if args.channels_last else [])
             + (["compile"] if compiled else [])
+            + ([f"fast{args.fast}"] if fast_rep is not None else [])
+            + ([f"lf{lf}"] if lf != 1 else [])
             + (["cudnnbench"] if args.cudnn_benchmark else [])
         )
         shape = {

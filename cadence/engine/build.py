@@ -19,6 +19,8 @@ else applied from outside):
 6. **Compile** (``apply_compile``: the per-block elementwise math, after the FP8 swap).
 7. **Cache and graphs**: the session's cache follows the config (step 1); the engine owns a graph runner
    (capturing only steady-state shapes, after warm-up; a tensor-parallel group agrees on every capture).
+8. **The Wan decoder's fast path** (``FastPath.decoder_fast``: channels-last, torch.compile, time-folded
+   convs; ``cadence.model.vae_fast``) on the decode device's copy of the VAE; it compiles in the warm-up.
 
 Any step that cannot apply falls back with one log line (``Engine.notes``, reported at ``/config``), never
 a crash; a converter that fails raises with the model unchanged (no half-converted model is ever served).
@@ -106,6 +108,25 @@ def build_model_for(
     return model, "full"
 
 
+def apply_decoder_fast(eng: Engine, mode: str | None, notes: list[str]) -> str:
+    """Step 8: the full Wan decoder's fast path (``cadence.model.vae_fast``) on the decode device's copy of
+    the VAE (built here, before any session, so the copy is made from plain modules). Returns what applied;
+    appends a note when something asked for could not (the stand-in / tiny decoders have no fast path)."""
+    mode = mode or "off"
+    if mode == "off":
+        return "off"
+    vae = eng.gen.vae_on(eng.placement.decode_device)
+    wan = getattr(vae, "wan", None)
+    if wan is None or getattr(vae, "taehv", None) is not None:
+        return f"off (decoder {eng.gen.cfg.vae.decoder} has none)"
+    if torch.device(eng.placement.decode_device).type != "cuda" and mode in ("compile", "fold"):
+        notes.append(f"decoder_fast: {mode} needs a CUDA decode device: channels-last only")
+        mode = "cl"
+    from cadence.model.vae_fast import accelerate_decoder
+
+    return accelerate_decoder(wan, mode).describe()
+
+
 def build_engine(
     cfg: CadenceConfig,
     device: str | torch.device = "cpu",
@@ -167,6 +188,7 @@ def build_engine(
     base = pipeline or PipelineConfig(diffusion_devices=(str(device),), decode_device="same")
     pcfg = dataclasses.replace(base, graphs=bool(fast.graphs), capture_filling=bool(fast.capture_filling))
     eng = Engine(gen, pcfg, graph_capture=graph_capture, applied=applied, tp=tp, on_chunk=on_chunk)
+    eng.applied["decoder_fast"] = apply_decoder_fast(eng, fast.decoder_fast, notes)
     for n in notes:
         eng._note(n)
     eng.build_ms = (time.monotonic() - t0) * 1e3

@@ -25,6 +25,8 @@ DEFAULT_PROMPT = "a person talking to the camera"
 #: Options that need a CUDA device (asked for on the CPU they are turned off with a note).
 CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
 DECODERS = ("standin", "wan", "taehv")
+#: The Wan decoder's fast paths (``cadence.model.vae_fast.MODES``; torch-free copy).
+DECODER_FAST = ("off", "cl", "compile", "fold")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -50,6 +52,11 @@ class FastPath:
     steps replay the steady graph already; this matters for bf16 K/V."""
     compile: bool = False
     """``torch.compile`` of the per-block elementwise math (``cadence.runtime.compile.apply_compile``)."""
+    decoder_fast: str | None = None
+    """The full Wan decoder's fast path on its decode device (``cadence.model.vae_fast``): 'off', 'cl'
+    (channels-last), 'compile' (cl + torch.compile of the decoder, compiled during the warm-up) or 'fold'
+    (compile + temporal convs as one conv2d). None: 'compile' on CUDA, 'off' on the CPU. Only the 'wan'
+    decoder has one; a compile that fails falls back to eager with one log line."""
     comm: str = "auto"
     """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""
     threads: int = 0
@@ -79,6 +86,7 @@ class FastPath:
             else:
                 kw["capture_filling"] = True
         kw["dtype"] = self.dtype or ("bfloat16" if cuda else "float32")
+        kw["decoder_fast"] = self.decoder_fast or ("compile" if cuda else "off")
         return dataclasses.replace(self, **kw), notes
 
     def __post_init__(self) -> None:
@@ -86,6 +94,10 @@ class FastPath:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise ConfigError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
+        if self.decoder_fast is not None and self.decoder_fast not in DECODER_FAST:
+            raise ConfigError(
+                f"decoder_fast must be one of {', '.join(DECODER_FAST)}, got {self.decoder_fast!r}"
+            )
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
 

@@ -275,6 +275,8 @@ class CausalConv3d(nn.Conv3d):
         super().__init__(cin, cout, k, stride=stride, padding=(0, p[1], p[2]))
         self.tpad = 2 * p[0]
         self.slot = -1  # index of this conv's memory in a session's slot list (set by the VAE)
+        #: the weight as a 2D conv over time folded into channels (``cadence.model.vae_fast``), or None
+        self.w2d: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
         if self.tpad:
@@ -283,7 +285,33 @@ class CausalConv3d(nn.Conv3d):
                 [prev.to(x.dtype)] if have else []
             )
             x = torch.cat(parts + [x], 2)
+        if self.w2d is not None:
+            return _conv_time_folded(x, self.w2d, self.bias, self.kernel_size[0], self.padding[1:])
         return super().forward(x)
+
+
+def fold_time_weight(w: torch.Tensor) -> torch.Tensor:
+    """A conv3d weight [O, I, kt, kh, kw] as a conv2d weight [O, kt * I, kh, kw] (channel = dt * I + i),
+    channels_last: what :func:`_conv_time_folded` convolves with."""
+    o, i, kt, kh, kw = w.shape
+    w2 = w.permute(0, 2, 1, 3, 4).reshape(o, kt * i, kh, kw)
+    return w2.contiguous(memory_format=torch.channels_last)
+
+
+def _conv_time_folded(x: torch.Tensor, w2d: torch.Tensor, bias, kt: int, pad) -> torch.Tensor:
+    """conv3d (temporal stride 1, no temporal padding: x is already causally padded) as ONE conv2d: each
+    output frame's kt input frames are stacked along channels ([B * T_out, H, W, kt * C], channels-last),
+    so cuDNN runs a 2D implicit GEMM with kt times the reduction depth. Output [B, O, T_out, H, W] in
+    channels_last_3d. Same math as the conv3d (only the summation order differs)."""
+    b, c, t, h, w = x.shape
+    to = t - kt + 1
+    if kt == 1:
+        xs = x.permute(0, 2, 3, 4, 1).reshape(b * t, h, w, c)  # a view when x is channels_last_3d
+    else:  # [B, C, To, H, W, kt] windows -> [B, To, H, W, kt, C]: one copy
+        xs = x.unfold(2, kt, 1).permute(0, 2, 3, 4, 5, 1).reshape(b * to, h, w, kt * c)
+    y = F.conv2d(xs.permute(0, 3, 1, 2), w2d, bias, padding=tuple(pad))  # NHWC in, NHWC out
+    o, ho, wo = y.shape[1], y.shape[2], y.shape[3]
+    return y.permute(0, 2, 3, 1).reshape(b, to, ho, wo, o).permute(0, 4, 1, 2, 3)
 
 
 class _Memory:
