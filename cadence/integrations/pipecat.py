@@ -118,32 +118,43 @@ class CadenceVideoService(FrameProcessor):
     Args:
         serve_config: in-process mode: the engine to run (``cadence.serve.config.ServeConfig``; default:
             the shipped ``character`` preset on the CPU, one worker group).
+        session_manager: in-process mode, shared: a started ``cadence.serve.app.SessionManager`` (warm
+            workers kept across conversations: an app serving many calls starts one at startup); the
+            service opens its session there and leaves the manager running.
         url: remote mode: a running ``cadence serve`` (``http://127.0.0.1:8000``) instead.
         image: the reference face (image file bytes); None: the preset's default face.
         prompt: the text prompt; None: the server's default.
         seed: the session's noise seed.
         api_key: remote mode: the server's operator key, if it has one.
+        sync_with_audio: mark every frame ``sync_with_audio`` (Pipecat's output transport then shows it
+            only once the audio before it has been sent: frames and voice leave the transport together,
+            whatever its audio buffering). Use with ``TransportParams(video_out_is_live=False)``, whose
+            video task sends the latest frame at ``video_out_framerate``. False: frames go to the
+            transport's live video queue as they come (``video_out_is_live=True``).
     """
 
     def __init__(
         self,
         *,
         serve_config=None,
+        session_manager=None,
         url: str | None = None,
         image: bytes | None = None,
         prompt: str | None = None,
         seed: int = 0,
         api_key: str | None = None,
+        sync_with_audio: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if serve_config is not None and url is not None:
-            raise ValueError("give serve_config (in process) or url (a running cadence serve), not both")
+        if sum(x is not None for x in (serve_config, session_manager, url)) > 1:
+            raise ValueError("give one of serve_config, session_manager (in process) or url (remote)")
         self._backend = (
             _Remote(url, image, prompt, seed, api_key)
             if url is not None
-            else _Local(serve_config, image, prompt, seed)
+            else _Local(serve_config, image, prompt, seed, session_manager)
         )
+        self.sync_with_audio = sync_with_audio
         self._resample = _Resampler()
         self._new_segment = True
         self._cut = False
@@ -152,6 +163,7 @@ class CadenceVideoService(FrameProcessor):
         self.audio_out_s = 0.0  # seconds of audio emitted (speech and the pauses inside it)
         self.voiced_out_s = 0.0  # of which voiced (RMS > SILENCE_RMS)
         self.interruptions = 0
+        self.segment_times: list[float] = []  # when each utterance's first TTS audio arrived (monotonic)
 
     @property
     def width(self) -> int | None:
@@ -179,6 +191,8 @@ class CadenceVideoService(FrameProcessor):
             return
         if isinstance(frame, TTSAudioRawFrame) and direction == FrameDirection.DOWNSTREAM:
             samples = self._resample(frame.audio, frame.sample_rate, frame.num_channels)
+            if self._new_segment:
+                self.segment_times.append(time.monotonic())
             self._backend.speak(samples, self._new_segment)
             self._new_segment = False
             return  # the character's own audio (in sync with its frames) goes out instead
@@ -206,7 +220,9 @@ class CadenceVideoService(FrameProcessor):
             if rgb is None:
                 return
             h, w = rgb.shape[:2]
-            await self.push_frame(OutputImageRawFrame(image=rgb.tobytes(), size=(w, h), format="RGB"))
+            out = OutputImageRawFrame(image=rgb.tobytes(), size=(w, h), format="RGB")
+            out.sync_with_audio = self.sync_with_audio
+            await self.push_frame(out)
             self.frames_out += 1
 
     async def _pump_audio(self) -> None:
@@ -236,12 +252,13 @@ class CadenceVideoService(FrameProcessor):
 
 
 class _Local:
-    def __init__(self, cfg, image: bytes | None, prompt: str | None, seed: int):
+    def __init__(self, cfg, image: bytes | None, prompt: str | None, seed: int, manager=None):
         from cadence.serve.config import DEFAULT_PROMPT, ServeConfig
 
-        self.cfg = cfg or ServeConfig()
+        self.cfg = manager.cfg if manager is not None else (cfg or ServeConfig())
         self.image, self.prompt, self.seed = image, prompt or DEFAULT_PROMPT, seed
-        self.mgr = None
+        self.mgr = manager
+        self.own_mgr = manager is None
         self.sess = None
         self.agent = SpeechAgent()
         self.width = self.height = None
@@ -250,8 +267,9 @@ class _Local:
     async def start(self) -> None:
         from cadence.serve.app import SessionManager
 
-        self.mgr = SessionManager(self.cfg)
-        await self.mgr.start()
+        if self.own_mgr:
+            self.mgr = SessionManager(self.cfg)
+            await self.mgr.start()
         image = await self.mgr.decode_image(self.image) if self.image is not None else None
         self.sess = await self.mgr.create_local(self.agent, image, self.prompt, self.seed)
         e = self.mgr.engine_cfg
@@ -289,7 +307,7 @@ class _Local:
         if self.sess is not None:
             self._final = await self.sess.close("pipeline_end")
             self.sess = None
-        if self.mgr is not None:
+        if self.mgr is not None and self.own_mgr:
             await self.mgr.stop()
             self.mgr = None
 
@@ -466,3 +484,31 @@ class _Remote:
 
     def report(self) -> dict | None:
         return self._final
+
+
+# ---- Pipecat's SmallWebRTC transport: video timestamps -----------------------------------------------------
+
+
+def use_wall_clock_video_timestamps() -> None:
+    """Stamp the frames Pipecat's SmallWebRTC transport sends with their send time (90 kHz), process-wide.
+
+    That transport's video track takes aiortc's ``VideoStreamTrack.next_timestamp``: 3000 ticks (1/30 s)
+    per frame and a sleep to hold 30 fps, whatever the frame rate. At 24 fps its timestamps fall behind
+    real time by a fifth (8 s of RTP time per 10 s), while its audio track is stamped by the wall clock,
+    so a browser cannot line the two up (measured here: the voice 7 frames, ~290 ms, behind the mouth).
+    Stamped with the send time, both streams share one clock and the browser's A/V sync holds. Idempotent.
+    """
+    from pipecat.transports.smallwebrtc import transport as t
+
+    cls = t.RawVideoTrack
+    if getattr(cls, "_cadence_wall_clock", False):
+        return
+
+    async def next_timestamp(self):
+        now = time.monotonic()
+        if getattr(self, "_cadence_t0", None) is None:
+            self._cadence_t0 = now
+        return int((now - self._cadence_t0) * 90_000), Fraction(1, 90_000)
+
+    cls.next_timestamp = next_timestamp
+    cls._cadence_wall_clock = True
