@@ -29,7 +29,8 @@ LAYERS: list[set[str]] = [
     {"runtime"},  # the chunk step, sampler, graphs, compile
     {"engine", "parallel"},  # the one engine and tensor parallelism
     {"serve", "fleet"},  # the live server (web side and its session logic); its groups on a Ray fleet
-    {"bench", "train", "eval"},  # benchmarks, training, the quality harness: drive everything below
+    {"bench", "train", "eval", "integrations"},  # benchmarks, training, the quality harness, Cadence inside
+    #                                                other frameworks (Pipecat): drive everything below
     {"cli", "__main__"},  # the entry point dispatches to everything
 ]
 

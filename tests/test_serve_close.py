@@ -22,7 +22,7 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
 from cadence.engine.messages import ChunkDone, ChunkTimings
-from cadence.serve.agent import make_agent
+from cadence.serve.agents import make_agent
 from cadence.serve.app import SessionManager
 from cadence.serve.config import ServeConfig
 from cadence.serve.session import LiveSession

@@ -98,7 +98,7 @@ def test_geometry_follows_the_preset_and_overrides():
     assert [int(buf.video_frame(k)[0][0, 0, 0]) for k in range(12)] == list(range(12))
     assert all(buf.audio_frame(n)[1] for n in range(25))  # 25 x 20 ms = the whole 500 ms chunk
     assert not buf.audio_frame(25)[1]
-    from cadence.serve.agent import make_agent
+    from cadence.serve.agents import make_agent
 
     assert make_agent("mirror").mic_backlog_s == 0.5  # the 166.7 ms chunks keep their backlog
     assert make_agent("mirror", 0.5).mic_backlog_s == pytest.approx(0.75)  # > one 500 ms chunk taken at once
@@ -418,7 +418,7 @@ def test_manager_lead_follows_the_measured_chunk_time():
 def test_speech_goes_into_the_earliest_chunk_not_yet_planned():
     for mod in ("fastapi", "aiortc", "prometheus_client"):
         pytest.importorskip(mod)
-    from cadence.serve.agent import make_agent
+    from cadence.serve.agents import make_agent
     from cadence.serve.app import SessionManager
     from cadence.serve.session import LiveSession
 

@@ -292,7 +292,8 @@ def test_buffer_rejects_wrong_shapes_and_forgets_played_chunks():
 
 
 def test_agents_queue_speech_and_mark_segment_starts():
-    from cadence.serve.agent import MirrorAgent, SayAgent, make_agent
+    from cadence.serve.agent import MirrorAgent, SayAgent
+    from cadence.serve.agents import make_agent
 
     a = SayAgent()
     a.speak(np.ones(3000, np.float32), t_agent=1.0)

@@ -67,14 +67,13 @@ from aiortc.exceptions import InvalidAccessError, OperationError
 from cadence.engine.messages import CloseSession, Died
 from cadence.errors import CadenceError, InputError
 from cadence.serve.agent import (
-    AGENTS,
     SayAgent,
     TTSUnavailable,
     decode_audio_bytes,
     espeak_binary,
-    make_agent,
     synthesize,
 )
+from cadence.serve.agents import AGENTS, make_agent
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession

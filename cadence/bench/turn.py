@@ -1,0 +1,229 @@
+"""`cadence bench turn`: the conversational turn, hop by hop: user end of speech -> first frame speaking.
+
+    cadence bench turn --turns 5                                   # CPU, the shipped character
+    cadence bench turn --preset w1.3 --device cuda --turns 5       # one GPU
+    cadence bench turn --agent-url http://127.0.0.1:8080/v1 ...    # a real LLM endpoint instead
+
+Starts ``cadence serve`` in this process with the ``talk`` agent (turn-taking: VAD end of turn, barge-in)
+pointed at an OpenAI-compatible endpoint. By default that endpoint is a **scripted stand-in** served here
+(it answers every turn at once with the next line of a script; TTS is espeak-ng on the server): the
+figures are then Cadence's share of a turn plus espeak-ng, not an LLM's. An aiortc client's microphone
+plays, ``--turns`` times, 1 s of quiet, ``--speak`` s of a voiced stand-in, then quiet while the
+character answers. Per turn, on one machine's monotonic clock (client and server share it):
+
+* ``end_of_turn_ms``: the user's end of speech -> the server's end-of-turn decision (the VAD's hangover);
+* ``agent_ms``: end of speech -> the agent's first audio (LLM + TTS, here the stand-in + espeak-ng);
+* ``audio_to_frame_sent_ms``: the agent's first audio -> the first frame with it leaving the server;
+* ``audio_to_heard_ms``: the agent's first audio -> its first sound arriving at the client (decoded),
+  Cadence's share of the turn (the published system: 0.49 s to the first frame + 0.19 s browser);
+* ``user_end_to_heard_ms``: the whole turn as the client hears it.
+
+Loopback only. Results per BENCHMARKS.md conventions (bench "turn"), with the machine's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+from cadence.bench.results import add_record_flags, results_dir
+from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
+
+SCRIPT = ("Hello there, nice to meet you.", "That sounds interesting, tell me more.", "I see. And then?")
+LOUD_RMS = 0.01  # a received 20 ms frame louder than this is the character speaking
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cadence bench turn", description=__doc__.split("\n\n")[0])
+    p.add_argument("--turns", type=int, default=5, help="user turns (one every --period seconds)")
+    p.add_argument("--speak", type=float, default=1.0, help="seconds of user speech per turn")
+    p.add_argument("--period", type=float, default=7.0, help="seconds between the user's turns")
+    p.add_argument("--preset", default="character", help="preset (default: the shipped character)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tp", type=int, default=1, help="GPUs per worker group")
+    p.add_argument(
+        "--agent-url", default=None, help="a real OpenAI-compatible endpoint (default: the scripted stand-in)"
+    )
+    p.add_argument("--agent-model", default="default")
+    p.add_argument("--start-timeout", type=float, default=None, help="worker start timeout (s)")
+    add_engine_flags(p)
+    add_weight_flags(p)
+    add_record_flags(p)
+    a = p.parse_args(argv)
+    if not 1 <= a.turns <= 100 or a.period < a.speak + 3:
+        p.error("--turns must be 1..100 and --period at least --speak + 3 s")
+    return a
+
+
+class ScriptedEndpoint:
+    """A scripted stand-in for an OpenAI-compatible LLM (``/v1/chat/completions`` only): every request gets
+    the next line of ``SCRIPT`` at once. Labelled as such in the results; it measures nothing of an LLM."""
+
+    def __init__(self):
+        import uvicorn
+        from fastapi import FastAPI
+
+        lines = itertools.cycle(SCRIPT)
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat():
+            return {"choices": [{"message": {"role": "assistant", "content": next(lines)}}]}
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the scripted endpoint did not start")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}/v1"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def voiced(seconds: float) -> np.ndarray:
+    """A voiced stand-in for the user's speech (harmonics of 140 Hz, a 4 Hz syllable envelope), 48 kHz."""
+    t = np.arange(int(seconds * 48_000)) / 48_000
+    x = sum(np.sin(2 * np.pi * 140 * k * t) / k for k in range(1, 6))
+    return (0.08 * x * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t) ** 2)).astype(np.float32)
+
+
+def measure(res, args) -> list[dict]:
+    """Per turn, from the client's received audio and the session's report (see the module doc)."""
+    rep = res.report
+    turns = rep.get("turns") or []
+    sent = rep.get("agent_audio_to_frame_ms") or []
+    times = np.array([a[0] for a in res.audio])
+    loud = np.array(res.audio_rms) > LOUD_RMS
+    out = []
+    for k, turn in enumerate(turns):
+        user_end = res.mic_t0 + 1.0 + args.speak + k * args.period
+        row = {
+            "turn": k,
+            "user_s": turn.get("user_s"),
+            "agent_ms": turn.get("first_audio_ms"),
+            "llm_ms": turn.get("llm_ms"),
+            "tts_ms": turn.get("tts_ms"),
+            "error": turn.get("error"),
+            "audio_to_frame_sent_ms": sent[k] if k < len(sent) else None,
+        }
+        heard = times[loud & (times > user_end)]
+        if heard.size and turn.get("first_audio_ms") is not None:
+            t_heard = float(heard[0])
+            row["user_end_to_heard_ms"] = round((t_heard - user_end) * 1e3, 1)
+            row["audio_to_heard_ms"] = round(row["user_end_to_heard_ms"] - turn["first_audio_ms"], 1)
+        out.append(row)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import contextlib
+    import logging
+
+    import torch
+
+    from cadence.bench.common import print_table, record
+    from cadence.errors import CadenceError
+    from cadence.serve.agent import VoiceActivity
+    from cadence.serve.client import run_client
+    from cadence.serve.config import ServeConfig, serve_groups
+    from cadence.serve.server import ServerThread
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+    args = parse(argv)
+    gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
+    try:
+        groups = serve_groups(args.device, args.tp, 1, gpus)
+        model = model_kwargs(args)
+    except CadenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
+    seconds = args.turns * args.period + 1.0
+    mic = np.concatenate(
+        [
+            np.zeros(48_000, np.float32),
+            voiced(args.speak),
+            np.zeros(int((args.period - 1.0 - args.speak) * 48_000), np.float32),
+        ]
+    )
+    stand_in = args.agent_url is None
+    with contextlib.ExitStack() as stack:
+        url = args.agent_url or stack.enter_context(ScriptedEndpoint())
+        srv = ServerThread(
+            ServeConfig(
+                preset=args.preset,
+                port=0,
+                groups=groups,
+                max_duration_s=seconds + 120,
+                worker_start_timeout_s=start_timeout,
+                agent_url=url,
+                agent_model=args.agent_model,
+                **model,
+                **engine_kwargs(args),
+            )
+        ).start(timeout=start_timeout + 60)
+        stack.callback(srv.stop)
+        print(f"server: {srv.url} ({args.preset} on {groups[0]}), agent endpoint {url}", file=sys.stderr)
+        res = asyncio.run(run_client(srv.url, seconds, agent="talk", mic=mic))
+    if res.error:
+        print(f"error: {res.error}", file=sys.stderr)
+        return 2
+    rows = measure(res, args)
+    stop_ms = VoiceActivity().stop_s * 1e3
+
+    def p50(key):
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        return round(statistics.median(xs), 1) if xs else None
+
+    out = {
+        "turns": len(rows),
+        "endpoint": "scripted stand-in (no LLM; TTS espeak-ng)" if stand_in else url,
+        "end_of_turn_ms": stop_ms,
+        "agent_ms_p50": p50("agent_ms"),
+        "audio_to_frame_sent_ms_p50": p50("audio_to_frame_sent_ms"),
+        "audio_to_heard_ms_p50": p50("audio_to_heard_ms"),
+        "audio_to_heard_ms_max": max(
+            (r["audio_to_heard_ms"] for r in rows if "audio_to_heard_ms" in r), default=None
+        ),
+        "user_end_to_heard_ms_p50": p50("user_end_to_heard_ms"),
+        "fps": res.report.get("fps_mean"),
+        "lead_ms": res.report.get("lead_ms"),
+        "underruns": res.report.get("underruns"),
+        "agent_errors": res.report.get("agent_errors"),
+        "per_turn": rows,
+    }
+    print_table(
+        [(k, str(v)) for k, v in out.items() if k != "per_turn"],
+        f"bench turn: {args.preset} on {args.device}, {len(rows)} turn(s)",
+    )
+    if args.no_record:
+        return 0
+    dev = torch.device("cuda" if args.device == "cuda" else "cpu")
+    path = record(
+        "turn",
+        args.preset,
+        args.tp,
+        dev,
+        {"turns": args.turns, "speak_s": args.speak, "period_s": args.period},
+        out,
+        out_dir=results_dir(args),
+        world=args.tp,
+        headline=f"agent audio -> heard {out['audio_to_heard_ms_p50']} ms p50; user end -> heard "
+        f"{out['user_end_to_heard_ms_p50']} ms p50",
+    )
+    print(f"wrote {path}")
+    return 0
