@@ -8,14 +8,15 @@
 # Usage (repo root):  CADENCE_GIT=<sha> bash scripts/device_vae.sh ; results in $OUT/vae.tgz + a table
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-520}; CHUNKS=${CHUNKS:-60}; MODES=${MODES:-"compile fold"}; PIPE_MODES=${PIPE_MODES:-fold}
+VAE_FLAGS=${VAE_FLAGS:-}  # e.g. --cudnn-benchmark
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.device_count(), "GPUs")'
-run 90 parity python3 scripts/device_vae_parity.py "$PERF/parity.json"
+run ${PARITY_S:-90} parity python3 scripts/device_vae_parity.py "$PERF/parity.json"
 V="python3 -m cadence bench vae --chunks 8 --warmup 3 --out-dir $PERF"
-for m in $MODES; do run 100 "vae2.2-$m" $V --variant 2.2 --height 704 --width 1088 --fast "$m"; done
-for m in $MODES; do run 100 "vae2.1-lf3-$m" $V --variant 2.1 --height 480 --width 832 --latent-frames 3 --fast "$m"; done
+for m in $MODES; do run 100 "vae2.2-$m" $V --variant 2.2 --height 704 --width 1088 --fast "$m" $VAE_FLAGS; done
+for m in $MODES; do run 100 "vae2.1-lf3-$m" $V --variant 2.1 --height 480 --width 832 --latent-frames 3 --fast "$m" $VAE_FLAGS; done
 P="python3 -m cadence bench pipeline --preset w1.3 --chunks $CHUNKS --device cuda:0 --decode-device same --decoder wan --kv-fp8 --fp8 --compile --shape-change-every 0 --out-dir $PERF"
 for m in $PIPE_MODES; do run 200 "pipe-w1.3-$m" $P --decoder-fast "$m"; done
 echo "=== done in ${SECONDS}s"
@@ -24,7 +25,7 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("vae/*.json")):
     r = json.loads(f.read_text())["results"]
     print(f"vae {r['variant']} {r['height']}x{r['width']} lf{r['latent_frames_per_chunk']} {r.get('fast')}: "
-          f"per chunk {r['per_chunk_ms']:.1f} ms p99 {r['per_chunk_p99_ms']:.1f} first {r['first_chunk_ms']:.1f}")
+          f"cudnn.benchmark {r['cudnn_benchmark']}: per chunk {r['per_chunk_ms']:.1f} ms p99 {r['per_chunk_p99_ms']:.1f} first {r['first_chunk_ms']:.1f}")
 for f in sorted(pathlib.Path(sys.argv[1]).glob("pipeline/*.json")):
     r = json.loads(f.read_text())["results"]
     print(f"pipe {f.stem}: {r['fps']:.1f} fps, latency p50/p99 {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} ms, "

@@ -4,6 +4,7 @@ the plain decoder in bf16 (what bf16 alone costs). Prints one line per (variant,
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -40,7 +41,7 @@ for variant, (h, w), lf in (("2.2", (176, 272), 1), ("2.1", (240, 416), 3)):
     plain16 = copy.deepcopy(ref32).to(torch.bfloat16)
     base = rel(run(plain16, z, sizes), want)
     rows.append(dict(variant=variant, mode="plain-bf16", rel_vs_fp32=base))
-    for mode in ("cl", "compile", "fold"):
+    for mode in os.environ.get("PARITY_MODES", "cl compile fold").split():
         fast = copy.deepcopy(plain16)
         rep = accelerate_decoder(fast, mode)
         got = run(fast, z, sizes)
