@@ -79,8 +79,8 @@ class ScriptedResponder(FrameProcessor):
     """OFFLINE STAND-IN for speech-to-text + LLM: every finished user turn (Silero VAD's stop) is answered
     with the next line of ``lines``; the user's voice while the bot speaks interrupts it (barge-in).
 
-    Timing (``turns``): the user's end of speech (the VAD's stop minus its ``stop_secs`` hangover) and
-    when the answer was handed to the TTS."""
+    Timing (``turns``, wall-clock seconds): the user's end of speech (the VAD's stop minus its
+    ``stop_secs`` hangover) and when the answer was handed to the TTS."""
 
     def __init__(self, lines=SCRIPT):
         super().__init__()
@@ -96,9 +96,11 @@ class ScriptedResponder(FrameProcessor):
                 self.barge_ins += 1
                 await self.broadcast_interruption()
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
-            now = time.monotonic()
+            now = time.time()  # wall clock: a client on this machine times its hops against it
             line = next(self.lines)
-            self.turns.append({"user_end": now - (frame.stop_secs or 0.0), "answered": now, "text": line})
+            self.turns.append(
+                {"user_end_at": now - (frame.stop_secs or 0.0), "answered_at": now, "text": line}
+            )
             await self.push_frame(frame, direction)
             await self.push_frame(TTSSpeakFrame(line))
             return
@@ -269,7 +271,7 @@ def create_app(cfg: ServeConfig | None = None, loopback: bool = True) -> FastAPI
             "interruptions": c.interruptions,
             "frames_out": c.frames_out,
             "voiced_out_s": round(c.voiced_out_s, 3),
-            "speech_in": c.segment_times,
+            "speech_in_at": [t + time.time() - time.monotonic() for t in c.segment_times],  # wall clock
             "session": c.report(),
         }
 

@@ -12,8 +12,9 @@ measure in the page, with the page's own clock:
   sees, in whole frames: |lag| <= 2 frames, 83 ms, is under the 120 ms target; in process, before any
   transport, the best lag is 0 or 1: tests/test_pipecat.py);
 * the turn: the user's end of speech (the VAD's stop minus its hangover, server clock) -> the answer
-  handed to the TTS -> its first sound and its first speaking frame at the page (page clock, mapped to
-  the server's: same machine, offset measured around a DevTools call, +-2 ms).
+  handed to the TTS -> its first TTS audio at the Cadence service -> its first sound and its first
+  speaking frame at the page, all on the wall clock (same machine: the server's ``time.time()``, the
+  page's ``performance.timeOrigin + now()``).
 
 Loopback only. Skips when Chromium, espeak-ng, websocket-client or Pipecat is missing (CI installs
 them), or with ``CADENCE_BROWSER_TESTS=0``.
@@ -34,7 +35,7 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "httpx", "onnxruntime"):
 
 from cadence.eval.metrics import lagged_corr, mouth_opening, mouth_region
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
-from cadence.serve.browser import Chromium, chromium_path
+from cadence.serve.browser import AV_TAP_JS, Chromium, chromium_path, read_av_tap
 from cadence.serve.config import ServeConfig
 
 pytestmark = pytest.mark.timeout(240)
@@ -87,61 +88,9 @@ class AppThread:
         self.thread.join(60)
 
 
-MEASURE_JS = r"""
-(async () => {
-  const video = document.getElementById("video");
-  const stream = video.srcObject;
-  if (!stream || !stream.getVideoTracks().length || !stream.getAudioTracks().length)
-    throw new Error("no received stream with video and audio");
-  const R = %s;  // mouth region [y0, y1, x0, x1] in the frame's pixels
-  const M = window.__m = { frames: [], audio: [] };
-  const c = document.createElement("canvas");
-  const g = c.getContext("2d", { willReadFrequently: true });
-  const onFrame = (now, md) => {
-    if (c.width !== md.width) { c.width = md.width; c.height = md.height; }
-    g.drawImage(video, 0, 0, md.width, md.height);
-    const px = g.getImageData(R[2], R[0], R[3] - R[2], R[1] - R[0]).data;
-    let s = "";
-    for (let i = 0; i < px.length; i += 4) s += String.fromCharCode(px[i], px[i + 1], px[i + 2]);
-    M.frames.push({ t: md.expectedDisplayTime, w: md.width, h: md.height, px: btoa(s) });
-    if (!M.stopped) video.requestVideoFrameCallback(onFrame);
-  };
-  video.requestVideoFrameCallback(onFrame);
-  const worklet = `
-    class Rms extends AudioWorkletProcessor {
-      process(inputs) {
-        const x = inputs[0] && inputs[0][0];
-        if (x) { let s = 0; for (let i = 0; i < x.length; i++) s += x[i] * x[i];
-                 this.port.postMessage({ t: currentTime, rms: Math.sqrt(s / x.length) }); }
-        return true;
-      }
-    }
-    registerProcessor("rms", Rms);`;
-  const ctx = M.ctx = new AudioContext({ sampleRate: 48000 });
-  await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([worklet], { type: "application/javascript" })));
-  const node = new AudioWorkletNode(ctx, "rms");
-  node.port.onmessage = (e) => {
-    const ts = ctx.getOutputTimestamp();
-    M.audio.push([ts.performanceTime + (e.data.t - ts.contextTime) * 1000, e.data.rms]);
-  };
-  ctx.createMediaStreamSource(stream).connect(node);
-  node.connect(ctx.destination);
-  await ctx.resume();
-  return ctx.state;
-})()
-"""
-
-
-def page_clock_offset(cdp) -> float:
-    """``time.monotonic()`` (s) minus the page's ``performance.now()`` (ms -> s), best of 5."""
-    best = None
-    for _ in range(5):
-        t0 = time.monotonic()
-        p = cdp.eval("performance.now()")
-        t1 = time.monotonic()
-        if best is None or t1 - t0 < best[0]:
-            best = (t1 - t0, (t0 + t1) / 2 - p / 1000)
-    return best[1]
+def _mean_in(audio: np.ndarray, t0: float, t1: float) -> float:
+    sel = (audio[:, 0] >= t0) & (audio[:, 0] < t1)
+    return float(audio[sel, 1].mean()) if sel.any() else 0.0
 
 
 def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_path):
@@ -175,61 +124,44 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
             assert time.monotonic() < deadline, "no video + audio tracks on the page"
             time.sleep(0.1)
         h, w = 128, 128
-        y0, y1, x0, x1 = mouth_region(h, w)
-        assert cdp.eval(MEASURE_JS % json.dumps([y0, y1, x0, x1])) == "running"
-        offset = page_clock_offset(cdp)
-        # the user speaks at 0.5 s of each 8 s loop; the answer (~3 s of espeak) follows the turn
+        region = mouth_region(h, w)
+        assert cdp.eval(AV_TAP_JS % json.dumps(list(region))) == "running"
+        # the user speaks at 0.5 s of each 7.5 s loop; the answer (~3 s of espeak) follows the turn
         time.sleep(14.0)
-        m = cdp.eval(
-            "(() => { const M = window.__m; M.stopped = true; return { frames: M.frames, audio: M.audio }; })()",
-            timeout_s=60,
-        )
+        ft, crops, audio = read_av_tap(cdp, region)
         stats = json.loads(urllib_get(app.url + "/api/stats"))
         cdp.eval("window.agent.stop().then(() => 'ok')")
 
-    frames = m["frames"]
-    assert len(frames) > 100, len(frames)
-    ft = np.array([f["t"] for f in frames])
+    assert len(ft) > 100, len(ft)
     fps = (len(ft) - 1) / ((ft[-1] - ft[0]) / 1000)
-    crops = np.stack([np.frombuffer(__import__("base64").b64decode(f["px"]), np.uint8) for f in frames])
-    full = np.zeros((len(frames), h, w, 3), np.uint8)
-    full[:, y0:y1, x0:x1] = crops.reshape(len(frames), y1 - y0, x1 - x0, 3)
+    y0, y1, x0, x1 = region
+    full = np.zeros((len(ft), h, w, 3), np.uint8)
+    full[:, y0:y1, x0:x1] = crops
     mouth = mouth_opening(full)
-    audio = np.array(m["audio"])  # (page ms, rms)
-    env = np.array(
-        [
-            audio[(audio[:, 0] >= t) & (audio[:, 0] < t + FRAME_MS), 1].mean()
-            if ((audio[:, 0] >= t) & (audio[:, 0] < t + FRAME_MS)).any()
-            else 0.0
-            for t in ft
-        ]
-    )
+    # (audio: [wall ms, rms] per 128-sample block played)
+    env = np.array([_mean_in(audio, t, t + FRAME_MS) for t in ft])
     corrs = {lag: lagged_corr(mouth, env, lag) for lag in range(-6, 7)}
     best = max(corrs, key=corrs.get)
     # the turn, timed: the server's clock for the VAD and the TTS hand-off, the page's for what it played
     turns = stats["turns"]
     assert turns, stats
-    t_user_end, t_answer = turns[0]["user_end"], turns[0]["answered"]
-    loud = audio[(audio[:, 1] > 0.02) & (audio[:, 0] / 1000 + offset > t_answer)]
-    t_sound = loud[0, 0] / 1000 + offset if loud.size else None
-    speak_level = np.percentile(mouth, 90)
-    idle_level = np.percentile(mouth, 10)
-    moving = [
-        t for t, mo in zip(ft, mouth) if t / 1000 + offset > t_answer and mo > (idle_level + speak_level) / 2
-    ]
-    t_frame = moving[0] / 1000 + offset if moving else None
+    t_user_end, t_answer = turns[0]["user_end_at"] * 1e3, turns[0]["answered_at"] * 1e3  # wall ms
+    t_speech_in = min(x * 1e3 for x in stats["speech_in_at"] if x * 1e3 >= t_answer)
+    loud = audio[(audio[:, 1] > 0.02) & (audio[:, 0] > t_answer)]
+    t_sound = loud[0, 0] if loud.size else None
+    speak_level, idle_level = np.percentile(mouth, 90), np.percentile(mouth, 10)
+    moving = [t for t, mo in zip(ft, mouth) if t > t_answer and mo > (idle_level + speak_level) / 2]
+    t_frame = moving[0] if moving else None
     summary = {
         "fps_presented": round(fps, 2),
         "lipsync_corr": {k: round(v, 3) for k, v in corrs.items()},
         "best_lag_frames": best,
         "turns": len(turns),
-        "user_end_to_tts_ms": round((t_answer - t_user_end) * 1e3, 1),
-        "tts_to_speech_at_cadence_ms": round(
-            (min(x for x in stats["speech_in"] if x >= t_answer) - t_answer) * 1e3, 1
-        ),
-        "tts_to_first_sound_ms": t_sound and round((t_sound - t_answer) * 1e3, 1),
-        "tts_to_first_speaking_frame_ms": t_frame and round((t_frame - t_answer) * 1e3, 1),
-        "user_end_to_first_speaking_frame_ms": t_frame and round((t_frame - t_user_end) * 1e3, 1),
+        "user_end_to_tts_ms": round(t_answer - t_user_end, 1),
+        "tts_to_speech_at_cadence_ms": round(t_speech_in - t_answer, 1),
+        "speech_at_cadence_to_first_sound_ms": t_sound and round(t_sound - t_speech_in, 1),
+        "speech_at_cadence_to_first_speaking_frame_ms": t_frame and round(t_frame - t_speech_in, 1),
+        "user_end_to_first_speaking_frame_ms": t_frame and round(t_frame - t_user_end, 1),
         "voiced_out_s": stats["voiced_out_s"],
         "session": {
             k: (stats["session"] or {}).get(k)

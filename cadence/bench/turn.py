@@ -6,8 +6,9 @@
 
 Starts ``cadence serve`` in this process with the ``talk`` agent (turn-taking: VAD end of turn, barge-in)
 pointed at an OpenAI-compatible endpoint. By default that endpoint is a **scripted stand-in** served here
-(it answers every turn at once with the next line of a script; TTS is espeak-ng on the server): the
-figures are then Cadence's share of a turn plus espeak-ng, not an LLM's. An aiortc client's microphone
+(it answers every turn at once with the next line of a script, and its "speech" is 1.5 s of a voiced
+stand-in signal): the figures are then Cadence's share of a turn (plus two loopback HTTP calls), not an
+LLM's or a TTS's. An aiortc client's microphone
 plays, ``--turns`` times, 1 s of quiet, ``--speak`` s of a voiced stand-in, then quiet while the
 character answers. Per turn, on one machine's monotonic clock (client and server share it):
 
@@ -52,6 +53,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--agent-url", default=None, help="a real OpenAI-compatible endpoint (default: the scripted stand-in)"
     )
     p.add_argument("--agent-model", default="default")
+    p.add_argument(
+        "--agent-tts-model", default=None, help="with --agent-url: its TTS model (default: espeak-ng here)"
+    )
     p.add_argument("--start-timeout", type=float, default=None, help="worker start timeout (s)")
     add_engine_flags(p)
     add_weight_flags(p)
@@ -63,8 +67,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 class ScriptedEndpoint:
-    """A scripted stand-in for an OpenAI-compatible LLM (``/v1/chat/completions`` only): every request gets
-    the next line of ``SCRIPT`` at once. Labelled as such in the results; it measures nothing of an LLM."""
+    """A scripted stand-in for an OpenAI-compatible API: ``/v1/chat/completions`` answers every request
+    with the next line of ``SCRIPT`` at once, ``/v1/audio/speech`` with 1.5 s of a voiced stand-in signal.
+    Labelled as such in the results; it measures nothing of an LLM or a TTS."""
 
     def __init__(self):
         import uvicorn
@@ -76,6 +81,16 @@ class ScriptedEndpoint:
         @app.post("/v1/chat/completions")
         async def chat():
             return {"choices": [{"message": {"role": "assistant", "content": next(lines)}}]}
+
+        from fastapi.responses import Response
+
+        from cadence.serve.agent import wav_bytes
+
+        speech = wav_bytes(voiced(1.5))
+
+        @app.post("/v1/audio/speech")
+        async def tts():  # a stand-in voice: 1.5 s of the voiced signal, whatever the text
+            return Response(speech, media_type="audio/wav")
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -172,6 +187,7 @@ def main(argv: list[str]) -> int:
                 worker_start_timeout_s=start_timeout,
                 agent_url=url,
                 agent_model=args.agent_model,
+                agent_tts_model="stand-in" if stand_in else args.agent_tts_model,
                 **model,
                 **engine_kwargs(args),
             )
@@ -191,7 +207,7 @@ def main(argv: list[str]) -> int:
 
     out = {
         "turns": len(rows),
-        "endpoint": "scripted stand-in (no LLM; TTS espeak-ng)" if stand_in else url,
+        "endpoint": "scripted stand-in (no LLM, no TTS: a fixed voiced signal)" if stand_in else url,
         "end_of_turn_ms": stop_ms,
         "agent_ms_p50": p50("agent_ms"),
         "audio_to_frame_sent_ms_p50": p50("audio_to_frame_sent_ms"),

@@ -284,11 +284,18 @@ class Turn:
     error: str | None = None
     interrupted: bool = False
     t_end: float = field(default=0.0, repr=False)  # host time of the user's end of speech
+    #: wall-clock times (Unix seconds) of the user's end of speech and of the answer's first audio: a client
+    #: on the same machine (a browser's ``performance.timeOrigin + now()``) times its own hops against them
+    user_end_at: float | None = None
+    first_audio_at: float | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d.pop("t_end")
-        return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in d.items()}
+        return {
+            k: (round(v, 3) if k.endswith("_at") and v else round(v, 1) if isinstance(v, float) else v)
+            for k, v in d.items()
+        }
 
 
 class TurnTakingAgent(Agent):
@@ -356,6 +363,7 @@ class TurnTakingAgent(Agent):
         while True:
             t_end, spoke, audio = await self._events.get()
             turn = Turn(len(self.turns), round(spoke, 3), t_end=t_end)
+            turn.user_end_at = time.time() - (time.monotonic() - t_end)
             self.turns.append(turn)
             self._answering = asyncio.create_task(self._answer(turn, audio))
             try:
@@ -385,6 +393,7 @@ class TurnTakingAgent(Agent):
         """Queue the answer's audio; its first sample is the turn's first agent audio."""
         now = time.monotonic()
         turn.first_audio_ms = (now - turn.t_end) * 1e3
+        turn.first_audio_at = time.time()
         self.last_error = None
         self.speak(audio, t_agent=now)
 

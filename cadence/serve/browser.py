@@ -172,3 +172,83 @@ def get_json(url: str, token: str | None = None) -> dict:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
+
+
+#: Injected into a page with a ``<video id="video">`` playing a received stream (video + audio): records every
+#: presented frame (its display time and the RGB pixels of one region, base64) and the RMS of every 128-sample
+#: block of the audio it plays (an AudioWorklet; time = the block's output time). Times are wall-clock ms
+#: (``performance.timeOrigin + performance.now()``), comparable with a server's ``time.time()`` on the same
+#: machine. ``%s``: the region ``[y0, y1, x0, x1]`` in the frame's pixels (JSON). Read with :func:`read_av_tap`.
+AV_TAP_JS = r"""
+(async () => {
+  const video = document.getElementById("video");
+  const stream = video.srcObject;
+  if (!stream || !stream.getVideoTracks().length || !stream.getAudioTracks().length)
+    throw new Error("no received stream with video and audio");
+  const R = %s;
+  const T0 = performance.timeOrigin;
+  const M = window.__avtap = { frames: [], audio: [] };
+  const c = document.createElement("canvas");
+  const g = c.getContext("2d", { willReadFrequently: true });
+  const onFrame = (now, md) => {
+    if (c.width !== md.width) { c.width = md.width; c.height = md.height; }
+    g.drawImage(video, 0, 0, md.width, md.height);
+    const px = g.getImageData(R[2], R[0], R[3] - R[2], R[1] - R[0]).data;
+    let s = "";
+    for (let i = 0; i < px.length; i += 4) s += String.fromCharCode(px[i], px[i + 1], px[i + 2]);
+    M.frames.push({ t: T0 + md.expectedDisplayTime, w: md.width, h: md.height, px: btoa(s) });
+    if (!M.stopped) video.requestVideoFrameCallback(onFrame);
+  };
+  video.requestVideoFrameCallback(onFrame);
+  const worklet = `
+    class Rms extends AudioWorkletProcessor {
+      process(inputs) {
+        const x = inputs[0] && inputs[0][0];
+        if (x) { let s = 0; for (let i = 0; i < x.length; i++) s += x[i] * x[i];
+                 this.port.postMessage({ t: currentTime, rms: Math.sqrt(s / x.length) }); }
+        return true;
+      }
+    }
+    registerProcessor("rms", Rms);`;
+  const ctx = M.ctx = new AudioContext({ sampleRate: 48000 });
+  await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([worklet], { type: "application/javascript" })));
+  const node = new AudioWorkletNode(ctx, "rms");
+  node.port.onmessage = (e) => {
+    const ts = ctx.getOutputTimestamp();
+    M.audio.push([T0 + ts.performanceTime + (e.data.t - ts.contextTime) * 1000, e.data.rms]);
+  };
+  ctx.createMediaStreamSource(stream).connect(node);
+  node.connect(ctx.destination);
+  await ctx.resume();
+  return ctx.state;
+})()
+"""
+
+
+def read_av_tap(cdp: CDP, region: tuple[int, int, int, int], stop: bool = True):
+    """What :data:`AV_TAP_JS` recorded: ``(times_ms, crops, audio)``: the presented frames' wall-clock display
+    times (ms), their region pixels (uint8 [N, y1 - y0, x1 - x0, 3]) and the played audio's
+    ``[wall ms, rms]`` rows (float64 [M, 2])."""
+    import base64
+
+    import numpy as np
+
+    m = cdp.eval(
+        "(() => { const M = window.__avtap; M.stopped = %s; return { frames: M.frames, audio: M.audio }; })()"
+        % ("true" if stop else "false"),
+        timeout_s=60,
+    )
+    y0, y1, x0, x1 = region
+    t = np.array([f["t"] for f in m["frames"]], np.float64)
+    crops = (
+        np.stack(
+            [
+                np.frombuffer(base64.b64decode(f["px"]), np.uint8).reshape(y1 - y0, x1 - x0, 3)
+                for f in m["frames"]
+            ]
+        )
+        if m["frames"]
+        else np.zeros((0, y1 - y0, x1 - x0, 3), np.uint8)
+    )
+    audio = np.array(m["audio"], np.float64).reshape(-1, 2)
+    return t, crops, audio
