@@ -107,7 +107,7 @@ def _strip(key: str) -> str:
 
 def _target(module: str, params: Mapping[str, torch.Tensor]) -> tuple[str, int, int] | None:
     """A Wan / diffusers module name -> (Cadence parameter, part index, parts) of its weight."""
-    from cadence.model.weights import _FUSED, KEY_MAPS
+    from cadence.model.keymaps import _FUSED, KEY_MAPS
 
     key = module + ".weight"
     for rules in (KEY_MAPS["wan"], KEY_MAPS["diffusers"]):
