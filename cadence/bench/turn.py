@@ -19,6 +19,11 @@ character answers. Per turn, on one machine's monotonic clock (client and server
   Cadence's share of the turn (the published system: 0.49 s to the first frame + 0.19 s browser);
 * ``user_end_to_heard_ms``: the whole turn as the client hears it.
 
+``--browser``: the client is the page in headless Chromium instead (its fake microphone plays the turns,
+a real voice from espeak-ng when installed); the page's own clock times the first sound it plays and the
+first frame it presents with the mouth open (``cadence.eval``'s mouth opening over half-way between the
+page's idle and speaking levels: ``audio_to_frame_shown_ms``), against the server's wall-clock stamps.
+
 Loopback only. Results per BENCHMARKS.md conventions (bench "turn"), with the machine's CPU.
 """
 
@@ -57,6 +62,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--agent-tts-model", default=None, help="with --agent-url: its TTS model (default: espeak-ng here)"
     )
     p.add_argument("--start-timeout", type=float, default=None, help="worker start timeout (s)")
+    p.add_argument(
+        "--browser",
+        action="store_true",
+        help="the client is the page in headless Chromium (fake microphone; times on the page's clock) "
+        "instead of an aiortc client",
+    )
     add_engine_flags(p)
     add_weight_flags(p)
     add_record_flags(p)
@@ -144,6 +155,81 @@ def measure(res, args) -> list[dict]:
     return out
 
 
+def run_browser(url: str, seconds: float, mic: np.ndarray) -> tuple[dict, list[dict]]:
+    """The page as the client: Chromium's fake microphone plays ``mic`` (looped), the page starts a ``talk``
+    session, and the page's own clock times what it presents and plays (``AV_TAP_JS``). Returns the
+    session's report and, per turn, the page's hops against the server's wall-clock stamps."""
+    import json
+    import os
+    import tempfile
+
+    from cadence.eval.metrics import mouth_opening, mouth_region
+    from cadence.serve.agent import wav_bytes
+    from cadence.serve.browser import AV_TAP_JS, Chromium, get_json, open_page, read_av_tap
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wav = os.path.join(tmp, "user.wav")
+        with open(wav, "wb") as f:
+            f.write(wav_bytes(mic))
+        with Chromium(extra_flags=[f"--use-file-for-fake-audio-capture={wav}"]) as cdp:
+            open_page(cdp, url)
+            cdp.eval("document.getElementById('use-mic').checked = true")
+            cdp.eval("document.getElementById('agent').value = 'talk'")
+            err = cdp.eval(
+                "window.cadence.start().then(() => document.getElementById('error').textContent || '')",
+                timeout_s=60,
+            )
+            if err:
+                raise RuntimeError(f"the page could not start a session: {err}")
+            sid, token = (
+                cdp.eval("window.cadence.state().sessionId"),
+                cdp.eval("window.cadence.state().token"),
+            )
+            deadline = time.monotonic() + 30
+            while cdp.eval("document.body.dataset.connection || ''") != "connected":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the page did not connect within 30 s")
+                time.sleep(0.1)
+            time.sleep(0.5)  # the received stream is on the <video> once the tracks arrive
+            conf = get_json(url + "/config")
+            h, w = conf["height"], conf["width"]
+            region = mouth_region(h, w)
+            cdp.eval(AV_TAP_JS % json.dumps(list(region)))
+            time.sleep(seconds)
+            ft, crops, audio = read_av_tap(cdp, region)
+            cdp.eval("window.cadence.stop().then(() => true)", timeout_s=30)
+        report = get_json(f"{url}/sessions/{sid}/report", token)
+    y0, y1, x0, x1 = region
+    full = np.zeros((len(ft), h, w, 3), np.uint8)
+    full[:, y0:y1, x0:x1] = crops
+    mouth = mouth_opening(full) if len(ft) else np.zeros(0)
+    hi, lo = (np.percentile(mouth, 90), np.percentile(mouth, 10)) if len(ft) else (0.0, 0.0)
+    rows = []
+    for k, turn in enumerate(report.get("turns") or []):
+        row = {
+            "turn": k,
+            "user_s": turn.get("user_s"),
+            "agent_ms": turn.get("first_audio_ms"),
+            "llm_ms": turn.get("llm_ms"),
+            "tts_ms": turn.get("tts_ms"),
+            "error": turn.get("error"),
+        }
+        at = turn.get("first_audio_at")
+        if at:
+            t = at * 1e3
+            loud = audio[(audio[:, 1] > LOUD_RMS) & (audio[:, 0] > t)]
+            if loud.size:
+                row["audio_to_heard_ms"] = round(float(loud[0, 0] - t), 1)
+                row["user_end_to_heard_ms"] = round(float(loud[0, 0] - turn["user_end_at"] * 1e3), 1)
+            moving = ft[(ft > t) & (mouth > (hi + lo) / 2)]
+            if moving.size:
+                row["audio_to_frame_shown_ms"] = round(float(moving[0] - t), 1)
+        rows.append(row)
+    fps = (len(ft) - 1) / ((ft[-1] - ft[0]) / 1e3) if len(ft) > 1 else 0.0
+    report["_page_fps"] = round(fps, 2)
+    return report, rows
+
+
 def main(argv: list[str]) -> int:
     import contextlib
     import logging
@@ -168,10 +254,16 @@ def main(argv: list[str]) -> int:
         return 2
     start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
     seconds = args.turns * args.period + 1.0
+    speech = voiced(args.speak)
+    if args.browser:  # the page's microphone runs noise suppression: a real voice (espeak-ng) if there is one
+        from cadence.serve.agent import espeak_binary, synthesize
+
+        if espeak_binary() is not None:
+            speech = synthesize("Hello there. Who are you?")[: int(args.speak * 48_000)]
     mic = np.concatenate(
         [
             np.zeros(48_000, np.float32),
-            voiced(args.speak),
+            speech,
             np.zeros(int((args.period - 1.0 - args.speak) * 48_000), np.float32),
         ]
     )
@@ -194,11 +286,18 @@ def main(argv: list[str]) -> int:
         ).start(timeout=start_timeout + 60)
         stack.callback(srv.stop)
         print(f"server: {srv.url} ({args.preset} on {groups[0]}), agent endpoint {url}", file=sys.stderr)
-        res = asyncio.run(run_client(srv.url, seconds, agent="talk", mic=mic))
-    if res.error:
-        print(f"error: {res.error}", file=sys.stderr)
-        return 2
-    rows = measure(res, args)
+        if args.browser:
+            try:
+                report, rows = run_browser(srv.url, seconds, mic)
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        else:
+            res = asyncio.run(run_client(srv.url, seconds, agent="talk", mic=mic))
+            if res.error:
+                print(f"error: {res.error}", file=sys.stderr)
+                return 2
+            report, rows = res.report, measure(res, args)
     stop_ms = VoiceActivity().stop_s * 1e3
 
     def p50(key):
@@ -216,10 +315,13 @@ def main(argv: list[str]) -> int:
             (r["audio_to_heard_ms"] for r in rows if "audio_to_heard_ms" in r), default=None
         ),
         "user_end_to_heard_ms_p50": p50("user_end_to_heard_ms"),
-        "fps": res.report.get("fps_mean"),
-        "lead_ms": res.report.get("lead_ms"),
-        "underruns": res.report.get("underruns"),
-        "agent_errors": res.report.get("agent_errors"),
+        "audio_to_frame_shown_ms_p50": p50("audio_to_frame_shown_ms"),
+        "client": "headless Chromium (page clock)" if args.browser else "aiortc (arrival of decoded audio)",
+        "page_fps": report.get("_page_fps"),
+        "fps": report.get("fps_mean"),
+        "lead_ms": report.get("lead_ms"),
+        "underruns": report.get("underruns"),
+        "agent_errors": report.get("agent_errors"),
         "per_turn": rows,
     }
     print_table(
@@ -236,6 +338,7 @@ def main(argv: list[str]) -> int:
         dev,
         {"turns": args.turns, "speak_s": args.speak, "period_s": args.period},
         out,
+        variant="browser" if args.browser else None,
         out_dir=results_dir(args),
         world=args.tp,
         headline=f"agent audio -> heard {out['audio_to_heard_ms_p50']} ms p50; user end -> heard "
