@@ -34,7 +34,7 @@ from cadence.fleet.state import FleetState
 log = logging.getLogger("cadence.fleet")
 
 #: A group that does not answer a check within this long counts as down (restarting).
-PING_TIMEOUT_S = 3.0
+PING_TIMEOUT_S = 5.0
 
 
 def group_index(name: str) -> int:

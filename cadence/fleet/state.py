@@ -2,16 +2,16 @@
 so every rule below is unit-tested with a fake time (``tests/test_fleet.py``).
 
 Groups. A group is in the registry while its actor answers: ``starting`` (alive, engine warming up) ->
-``up`` (ready); ``restarting`` when a check fails (the actor died; Ray restarts it and the next answer from
-a new incarnation counts one restart); ``failed`` when its worker could not start. A group whose node left
+``up`` (ready); ``restarting`` when a check fails (the actor died, or is too slow to answer; Ray restarts a dead one and the
+next answer from a new incarnation counts one restart); ``failed`` when its worker could not start. A group whose node left
 the cluster is dropped from the registry (``lost``: kept only in ``history`` for its restart count) until
 its actor answers again from a live node. ``draining``: no new session; the live one finishes.
 
 Claims. Admission is one claim per group: ``claim`` gives a free ``up`` group to a front end (None when the
 whole fleet is busy). A front end's heartbeat lists its claims: the registry re-learns them after its own
 restart, and a front end not heard from for ``lease_s`` loses them (returned to the caller, which tells the
-groups to close those sessions). A group that dies loses its claim at once (its session ends with the
-error on its front end, which releases it too; releasing twice is harmless).
+groups to close those sessions). A group that restarted (a new incarnation) holds no claim; one that only
+missed a check keeps it (its front end releases it when it sees the actor fail).
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ class FleetState:
     ):
         """One check of group ``name``: ``ping`` is what its actor answered (None: it did not answer)."""
         g = self.groups.get(name)
-        if ping is None:
-            if g is not None and g.state != "restarting":
+        if ping is None:  # no new session there; a claim stays until its front end releases it (it
+            # sees the actor fail first), a new incarnation answers, or the front end's lease expires: a
+            # check that is only slow (a loaded node) must not free a group that still holds a session
+            if g is not None:
                 g.state = "restarting"
-                g.claim = g.claim_sid = g.claimed_at = None
             return
         if alive_nodes is not None and ping.get("node_id") not in alive_nodes:
             return  # an answer from a node the cluster no longer lists: not back yet
