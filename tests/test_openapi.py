@@ -64,6 +64,7 @@ def test_every_status_code_and_content_type_is_documented():
         (SESSION + "/say", "post"),
         (SESSION + "/audio", "post"),
         (SESSION + "/interrupt", "post"),
+        (SESSION + "/prompt", "post"),
         ("/metrics", "get"),
     }
     session = {400, 401, 403, 404, 413}
@@ -75,6 +76,7 @@ def test_every_status_code_and_content_type_is_documented():
     assert _codes(spec, SESSION + "/say", "post") == {200, 410, 503} | session
     assert _codes(spec, SESSION + "/audio", "post") == {200, 410, 415} | session
     assert _codes(spec, SESSION + "/interrupt", "post") == {200, 410} | session
+    assert _codes(spec, SESSION + "/prompt", "post") == {200, 410} | session
     for path, item in spec["paths"].items():
         for method, op in item.items():
             for code, resp in op["responses"].items():

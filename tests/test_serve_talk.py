@@ -159,10 +159,10 @@ def test_a_failing_endpoint_is_one_clear_error_and_the_stream_keeps_running():
     assert res.report["close_reason"] == "client"
 
 
-def test_talk_without_an_endpoint_is_refused_with_503():
+def test_talk_without_an_endpoint_is_refused_with_400():
     with _serve() as srv:
         res = asyncio.run(run_client(srv.url, 0.5, agent="talk"))
-    assert res.status_code == 503 and "--agent-url" in res.error
+    assert res.status_code == 400 and "--agent-url" in res.error
 
 
 def test_barge_in_stops_the_character_within_one_chunk_and_100_ms():

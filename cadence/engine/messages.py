@@ -55,7 +55,7 @@ class SwitchPrompt:
     """Change session ``sid``'s prompt from chunk ``index`` on: for rank 0 and every follower, the engine's
     ``submit(..., prompt=prompt)`` of that chunk (``Session.set_prompt``: a model family pads it to its fixed
     text length, so the step keeps its shape, and re-caches the recent chunks' K/V where the family does,
-    LongLive). Not dispatched by the worker loop yet (it answers Error('unknown message'))."""
+    LongLive). The worker applies it to the first chunk request with an index >= ``index``."""
 
     sid: str
     index: int

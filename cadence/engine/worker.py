@@ -48,6 +48,7 @@ from cadence.engine.messages import (
     Preopen,
     Ready,
     Stop,
+    SwitchPrompt,
     WorkerInfo,
 )
 from cadence.engine.spec import DEFAULT_PROMPT, WorkerSpec
@@ -120,6 +121,7 @@ def run_commands(
             sid, index, slot = tag
             say(Dropped(sid, index, slot))
 
+    switch: tuple[int, str] | None = None  # a prompt switch waiting for its chunk: (index, prompt)
     while True:
         try:
             msg = next_msg()
@@ -135,7 +137,7 @@ def run_commands(
                     sid_open = None
                     img = default_image if image is None else torch.from_numpy(image)
                     eng.open(img, prompt, seed, key="default" if image is None else None, decode=rank0)
-                    sid_open = sid
+                    sid_open, switch = sid, None
                     say(Opened(sid, (time.monotonic() - t) * 1e3, eng.last_open_preopened))
                 case ChunkRequest(sid=sid, index=index, audio=audio, t_plan=t_plan, slot=slot):
                     if sid != sid_open:  # a chunk for a session already closed: drop it
@@ -145,8 +147,22 @@ def run_commands(
                     if out is None and slot is not None:  # no ring here: the slot is not used
                         say(Dropped(sid, index, slot))
                         slot = None
-                    eng.submit(index, audio, out=out, tag=(sid, index, slot), t_plan=t_plan, decode=rank0)
+                    prompt = None
+                    if switch is not None and index >= switch[0]:  # the new prompt from this chunk on
+                        prompt, switch = switch[1], None
+                    eng.submit(
+                        index,
+                        audio,
+                        out=out,
+                        tag=(sid, index, slot),
+                        t_plan=t_plan,
+                        decode=rank0,
+                        prompt=prompt,
+                    )
                     del out
+                case SwitchPrompt(sid=sid, index=index, prompt=prompt):
+                    if sid == sid_open:  # (every rank gets it: the followers switch with rank 0)
+                        switch = (index, prompt)
                 case CloseSession(sid=sid):
                     if sid == sid_open:
                         drop(eng.end_stream())

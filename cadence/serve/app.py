@@ -7,6 +7,7 @@
     POST   /sessions/{id}/say      {"text": "..."}: the character says it (espeak-ng)
     POST   /sessions/{id}/audio    any audio file (body): the character says it
     POST   /sessions/{id}/interrupt  stop speaking
+    POST   /sessions/{id}/prompt   {"prompt": "..."}: the new prompt from the next chunk on
     GET    /sessions/{id}/report   the JSON report (kept ``report_ttl_s`` after close)
     GET    /metrics                Prometheus text (per-session series with the operator key)
     GET    /config, /healthz       what the page needs; liveness
@@ -393,7 +394,8 @@ class SessionManager:
 
     # ---- session creation -------------------------------------------------------------------------
     def new_agent(self, agent: str):
-        """A new agent by name, or the request's refusal (400 unknown, 503 not available here)."""
+        """A new agent by name, or the request's refusal (400: unknown, or 'talk' on a server without an
+        endpoint; 503: 'say' without espeak-ng installed)."""
         try:
             ag = make_agent(agent, self.engine_cfg.chunk_seconds, agent_endpoint(self.cfg))
         except InputError as e:
@@ -404,9 +406,9 @@ class SessionManager:
                 "the 'say' agent needs espeak-ng, which is not installed on the server "
                 "(Debian: apt-get install espeak-ng); use agent 'mirror'",
             )
-        if agent == "talk" and self.cfg.agent_url is None:
+        if agent == "talk" and self.cfg.agent_url is None:  # not offered here (not in this server's schema)
             raise ApiError(
-                503,
+                400,
                 "the 'talk' agent needs an OpenAI-compatible LLM endpoint, and this server has none "
                 "(cadence serve --agent-url URL); use agent 'mirror' or 'say'",
             )
@@ -1009,7 +1011,11 @@ def create_app(cfg: ServeConfig | None = None):
         },
         "type": {"type": "string", "enum": ["offer"], "default": "offer"},
         "prompt": {**text, "maxLength": MAX_PROMPT, "description": f"default: {DEFAULT_PROMPT!r}"},
-        "agent": {"type": "string", "enum": sorted(AGENTS), "default": "mirror"},
+        "agent": {
+            "type": "string",
+            "enum": sorted(a for a in AGENTS if a != "talk" or cfg.agent_url is not None),
+            "default": "mirror",
+        },
     }
     created = {
         "type": "object",
@@ -1242,6 +1248,41 @@ def create_app(cfg: ServeConfig | None = None):
         if interrupt:
             s.agent.interrupt()
         return _speak(s, sid, audio)
+
+    prompt_schema = {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            "prompt": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_PROMPT,
+                "pattern": "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$",
+                "description": "the new prompt (not only whitespace, no NUL)",
+            }
+        },
+    }
+
+    @app.post(
+        "/sessions/{sid}/prompt",
+        summary="Change the prompt from the next chunk on (the stream goes on)",
+        responses={**_ok("The chunk the new prompt starts at"), **_errors(*_SESSION_ROUTE, 410)},
+        openapi_extra={
+            "security": per_session,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": prompt_schema}}},
+        },
+    )
+    async def set_prompt(sid: str, request: Request):
+        mgr.authorize(sid, _bearer(request))
+        body = _parse_json(await request.body(), 'request body (JSON: {"prompt": "..."})')
+        if not isinstance(body, dict):
+            raise ApiError(400, 'request body must be a JSON object: {"prompt": "..."}')
+        prompt = _str_field(body, "prompt", None, MAX_PROMPT)
+        if prompt is None or not prompt.strip():
+            raise ApiError(400, "missing 'prompt' (a non-empty string)")
+        s = mgr.get_open(sid)
+        s.touch()
+        return {"session_id": sid, "from_chunk": s.set_prompt(prompt)}
 
     @app.post(
         "/sessions/{sid}/audio",

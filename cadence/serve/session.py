@@ -26,7 +26,16 @@ import time
 
 import numpy as np
 
-from cadence.engine.messages import ChunkDone, ChunkTimings, Closed, Died, Error, Opened, OpenSession
+from cadence.engine.messages import (
+    ChunkDone,
+    ChunkTimings,
+    Closed,
+    Died,
+    Error,
+    Opened,
+    OpenSession,
+    SwitchPrompt,
+)
 from cadence.serve.agent import Agent
 from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming
 from cadence.serve.rtc import (
@@ -112,6 +121,7 @@ class LiveSession:
         ] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
         self._audio_only_seen = 0
         self._degraded_at: float | None = None
+        self.prompt_switches = 0
         self.barge_in_times: list[float] = []  # host times the agent was interrupted (barge-in, /interrupt)
         agent.on_interrupt = self._on_agent_interrupt
 
@@ -195,6 +205,16 @@ class LiveSession:
         self._spawn(self._watchdog(), "watchdog")
         if self.agent.run is not None:
             self._spawn(self.agent.run(), "agent")
+
+    def set_prompt(self, prompt: str) -> int:
+        """Change the prompt from the next chunk planned on (the worker re-encodes it, padded to the model's
+        fixed text length: the step keeps its shape; a LongLive family re-caches the recent chunks' K/V).
+        Returns that chunk's index."""
+        index = self.planner.next_chunk
+        self.prompt = prompt
+        self.prompt_switches += 1
+        self.group.send(SwitchPrompt(self.sid, index, prompt))
+        return index
 
     def _on_agent_interrupt(self) -> None:
         """The agent stopped speaking (barge-in or /interrupt): silence the speech already planned into
@@ -387,6 +407,7 @@ class LiveSession:
                 "buffer_ms": _r(self.buffer_ms()) if not closed else 0.0,
                 "agent_queued_s": round(self.agent.queued_samples / self.timing.sample_rate, 3),
                 "agent_segments": self.agent.segments,
+                "prompt_switches": self.prompt_switches,
                 "connection": self.pc.connectionState if self.pc is not None else None,
                 "video_codec": self.codecs.get("video"),
                 "audio_codec": self.codecs.get("audio"),
