@@ -65,6 +65,7 @@ class RayGroup:
         self._device = "?"
         self._pid: int | None = None
         self._poll: asyncio.Task | None = None
+        self.transport_s = source.fleet_cfg.hop_ms / 1e3  # (read by the manager's worker_speed)
 
     # ---- the WorkerGroup interface ----------------------------------------------------------------
     @property

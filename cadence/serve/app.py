@@ -173,7 +173,8 @@ class SessionManager:
         interval = warm.get("interval_ms")
         lead = self.cfg.lead_ms
         if latency:
-            latency = latency / 1e3 + 0.01  # the web side's view: + the pipe and the event loop
+            # the web side's view: + the pipe and the event loop (+ a fleet group's Ray hop: transport_s)
+            latency = latency / 1e3 + 0.01 + getattr(g, "transport_s", 0.0)
             if self.cfg.lead_auto:
                 lead = max(lead, (latency * (1 + self.cfg.lead_margin) + 0.02) * 1e3)
         else:
