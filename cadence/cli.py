@@ -428,7 +428,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
             raise InputError("--device cuda requested but CUDA is not available")
-    groups = serve_groups(args.device, args.tp, args.max_sessions, n) if fleet is None else (fleet.device,)
+    groups = (
+        serve_groups(args.device, args.tp, args.max_sessions, n, args.decode_gpu)
+        if fleet is None
+        else (fleet.device,)
+    )
     api_key = _api_key(args)
     cfg = ServeConfig(
         preset=args.preset,

@@ -491,7 +491,7 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
     rows = [
         ("placement", eng.placement.describe()),
         ("decoder", f"{decoder}, fast path {eng.applied.get('decoder_fast')}"),
-        ("throughput (sustained)", f"{res['fps']:.1f} fps"),
+        ("fps (sustained)", f"{res['fps']:.1f} (throughput)"),
         (
             "latency p50 / p99 / max",
             f"{res['latency_p50_ms']:.1f} / {res['latency_p99_ms']:.1f} / {res['latency_max_ms']:.1f} ms "

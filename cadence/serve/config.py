@@ -122,6 +122,15 @@ class ServeConfig:
     decoder: str | None = None
     """VAE decoder the workers use: None = 'taehv' (the tiny streaming decoder) on CUDA, the preset's
     own on the CPU; or 'standin' | 'wan' | 'taehv' everywhere."""
+    decode_gpu: int | None = None
+    """Decode on this GPU (``--decode-gpu K``): every single-GPU worker group diffuses on its own GPU and runs
+    the decoder on GPU K, the latent handed GPU to GPU without a host trip (``PipelineConfig.decode_device``;
+    the decode overlaps the next chunk's diffusion); :func:`serve_groups` leaves GPU K out of the session
+    groups. None: each group decodes on its own GPU, on a stream of its own. Tensor-parallel groups always
+    decode on their own GPUs (a note says so)."""
+    decoder_fast: str | None = None
+    """The full Wan decoder's fast path (``FastPath.decoder_fast``: 'off' | 'cl' | 'compile' | 'fold'); None =
+    'compile' on CUDA (compiled during the warm-up), 'off' on the CPU."""
     kv_fp8: bool | None = None
     """Ring cache with FP8 K/V (the FP8 attention kernel). None = on for CUDA groups. CUDA only."""
     fp8_linears: bool | None = None
@@ -177,6 +186,14 @@ class ServeConfig:
                     )
                 if kinds == {"cuda"} and len(set(parts)) != len(parts):
                     raise ConfigError(f"a tensor-parallel group needs distinct GPUs, got {g!r}")
+        if self.decode_gpu is not None:
+            if self.decode_gpu < 0:
+                raise ConfigError(f"decode_gpu must be >= 0, got {self.decode_gpu}")
+            if any(f"cuda:{self.decode_gpu}" in g.split("+") for g in self.groups):
+                raise ConfigError(
+                    f"decode GPU {self.decode_gpu} also runs a worker group ({', '.join(self.groups)}): "
+                    "leave it out of the groups (serve_groups(..., decode_gpu=K) does)"
+                )
         if self.idle_timeout_s <= 0 or self.max_duration_s <= 0:
             raise ConfigError(
                 f"timeouts must be positive, got idle {self.idle_timeout_s} s, "
@@ -271,8 +288,17 @@ def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[Wo
         capture_filling=cfg.capture_filling,
         compile=cfg.compile,
         threads=cfg.worker_threads,
+        decoder_fast=cfg.decoder_fast,
     )
     fast, notes = fast.resolve(device.split("+")[0])
+    decode = "same"
+    if cfg.decode_gpu is not None:
+        if "+" in device:
+            notes.append(f"decode_gpu {cfg.decode_gpu}: a tensor-parallel group decodes on its own GPUs")
+        elif device.startswith("cuda"):
+            decode = f"cuda:{cfg.decode_gpu}"
+        else:
+            notes.append(f"decode_gpu {cfg.decode_gpu}: this worker runs on {device}: decodes there")
     t = cfg.frame_transport
     shm = t == "shm" or (t == "auto" and frame_bytes >= SHM_MIN_BYTES)
     spec = WorkerSpec(
@@ -285,14 +311,18 @@ def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[Wo
         warmup=True if cfg.warmup is None else bool(cfg.warmup),
         warmup_chunks=cfg.warmup_chunks,
         notes=tuple(notes),
+        decode_device=decode,
     )
     return spec, shm
 
 
-def serve_groups(device: str, tp: int = 1, max_sessions: int | None = None, gpus: int = 0) -> tuple[str, ...]:
+def serve_groups(
+    device: str, tp: int = 1, max_sessions: int | None = None, gpus: int = 0, decode_gpu: int | None = None
+) -> tuple[str, ...]:
     """``cadence serve``'s worker groups: on CUDA, ``max_sessions`` groups (default: as many as fit) of
-    ``tp`` consecutive GPUs each ('cuda:0+cuda:1', 'cuda:2+cuda:3', ...); on the CPU, ``max_sessions``
-    (default 1) groups of ``tp`` gloo ranks. Raises InputError (one line) for what cannot be built."""
+    ``tp`` consecutive GPUs each ('cuda:0+cuda:1', 'cuda:2+cuda:3', ...), GPU ``decode_gpu`` left out (it
+    decodes for them); on the CPU, ``max_sessions`` (default 1) groups of ``tp`` gloo ranks. Raises
+    InputError (one line) for what cannot be built."""
     from cadence.errors import InputError
 
     if tp < 1:
@@ -300,10 +330,18 @@ def serve_groups(device: str, tp: int = 1, max_sessions: int | None = None, gpus
     if max_sessions is not None and max_sessions < 1:
         raise InputError(f"--max-sessions must be >= 1, got {max_sessions}")
     if device == "cuda":
-        count = max_sessions or max(1, gpus // tp)
-        if count * tp > gpus:
-            raise InputError(f"{count} worker group(s) of {tp} GPU(s) need {count * tp} GPUs; {gpus} visible")
-        return tuple("+".join(f"cuda:{g * tp + r}" for r in range(tp)) for g in range(count))
+        ids = list(range(gpus))
+        if decode_gpu is not None:
+            if not 0 <= decode_gpu < gpus:
+                raise InputError(f"--decode-gpu {decode_gpu}: {gpus} GPU(s) visible (0..{gpus - 1})")
+            ids.remove(decode_gpu)
+        count = max_sessions or max(1, len(ids) // tp)
+        if count * tp > len(ids):
+            extra = f" besides decode GPU {decode_gpu}" if decode_gpu is not None else ""
+            raise InputError(
+                f"{count} worker group(s) of {tp} GPU(s) need {count * tp} GPUs{extra}; {gpus} visible"
+            )
+        return tuple("+".join(f"cuda:{ids[g * tp + r]}" for r in range(tp)) for g in range(count))
     return ("+".join(["cpu"] * tp),) * (max_sessions or 1)
 
 
@@ -346,6 +384,19 @@ def add_engine_flags(parser) -> None:
         help="opt-in: torch.compile of the per-block elementwise math (compiles during the warm-up)",
     )
     g.add_argument("--warmup-chunks", type=int, default=0, help="warm-up chunks (default 0 = window + 2)")
+    g.add_argument(
+        "--decode-gpu",
+        type=int,
+        default=None,
+        metavar="K",
+        help="decode on GPU K for every single-GPU group (left out of the groups; latents go GPU to GPU)",
+    )
+    g.add_argument(
+        "--decoder-fast",
+        default=None,
+        choices=["off", "cl", "compile", "fold"],
+        help="the Wan decoder's fast path (default: compile on CUDA, off on the CPU)",
+    )
     g.add_argument(
         "--frame-transport",
         default="auto",
@@ -460,6 +511,8 @@ def engine_kwargs(args) -> dict:
         "warmup": args.warmup,
         "warmup_chunks": args.warmup_chunks,
         "frame_transport": args.frame_transport,
+        "decode_gpu": getattr(args, "decode_gpu", None),
+        "decoder_fast": getattr(args, "decoder_fast", None),
     }
 
 

@@ -1,0 +1,124 @@
+"""Issue 17 on the CPU: where the full decoder runs (serve's --decode-gpu, FastPath.decoder_fast, the
+builder's step that applies it) and how bench pipeline accounts latency and deadline misses."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cadence.bench.pipeline import latency_fields, playout_misses
+from cadence.engine.build import apply_decoder_fast
+from cadence.engine.messages import ChunkTimings
+from cadence.engine.spec import FastPath
+from cadence.errors import ConfigError, InputError
+from cadence.model.vae import WanVAE, wan_vae_config
+from cadence.serve.config import ServeConfig, serve_groups, worker_spec
+
+# ---- placement ------------------------------------------------------------------------------------
+
+
+def test_serve_groups_leave_the_decode_gpu_out():
+    assert serve_groups("cuda", 1, None, 2, decode_gpu=1) == ("cuda:0",)
+    assert serve_groups("cuda", 1, None, 2, decode_gpu=0) == ("cuda:1",)
+    assert serve_groups("cuda", 1, None, 4, decode_gpu=1) == ("cuda:0", "cuda:2", "cuda:3")
+    assert serve_groups("cuda", 2, None, 3, decode_gpu=2) == ("cuda:0+cuda:1",)
+    assert serve_groups("cuda", 1, None, 2) == ("cuda:0", "cuda:1")  # unchanged without it
+    with pytest.raises(InputError, match="decode-gpu 2"):
+        serve_groups("cuda", 1, None, 2, decode_gpu=2)
+    with pytest.raises(InputError, match="besides decode GPU 1"):
+        serve_groups("cuda", 1, 2, 2, decode_gpu=1)
+
+
+def test_worker_spec_decodes_on_the_decode_gpu():
+    cfg = ServeConfig(preset="w14", groups=("cuda:0",), decode_gpu=1, decoder="wan")
+    spec, _ = worker_spec(cfg, "cuda:0")
+    assert spec.decode_device == "cuda:1" and spec.fast.decoder_fast == "compile"
+    assert not spec.notes
+    # without it: the group's own GPU (its own stream)
+    spec, _ = worker_spec(ServeConfig(preset="w14", groups=("cuda:0",)), "cuda:0")
+    assert spec.decode_device == "same"
+    # a tensor-parallel group decodes on its own GPUs, with a note; the CPU likewise
+    tp = ServeConfig(preset="w14", groups=("cuda:0+cuda:1",), decode_gpu=2)
+    spec, _ = worker_spec(tp, "cuda:0+cuda:1")
+    assert spec.decode_device == "same" and any("tensor-parallel" in n for n in spec.notes)
+    spec, _ = worker_spec(ServeConfig(groups=("cpu",), decode_gpu=0), "cpu")
+    assert spec.decode_device == "same" and spec.fast.decoder_fast == "off" and spec.notes
+
+
+def test_serve_config_refuses_a_decode_gpu_that_is_also_a_group():
+    with pytest.raises(ConfigError, match="decode GPU 0"):
+        ServeConfig(groups=("cuda:0", "cuda:1"), decode_gpu=0)
+    with pytest.raises(ConfigError, match=">= 0"):
+        ServeConfig(groups=("cuda:0",), decode_gpu=-1)
+    with pytest.raises(ConfigError, match="decoder_fast"):
+        FastPath(decoder_fast="turbo")
+
+
+def test_fast_path_resolves_the_decoder_fast_path():
+    assert FastPath().resolve("cuda:0")[0].decoder_fast == "compile"
+    assert FastPath().resolve("cpu")[0].decoder_fast == "off"
+    assert FastPath(decoder_fast="fold").resolve("cpu")[0].decoder_fast == "fold"  # asked: kept
+
+
+def _fake_engine(decoder: str, decode_device: str = "cpu"):
+    wan = WanVAE(wan_vae_config("2.1", base_dim=8, num_res_blocks=1)).eval()
+    vae = types.SimpleNamespace(wan=wan, taehv=object() if decoder == "taehv" else None)
+    got = []
+
+    def vae_on(dev):
+        got.append(dev)
+        return vae
+
+    gen = types.SimpleNamespace(
+        vae_on=vae_on, cfg=types.SimpleNamespace(vae=types.SimpleNamespace(decoder=decoder))
+    )
+    return (
+        types.SimpleNamespace(gen=gen, placement=types.SimpleNamespace(decode_device=decode_device)),
+        wan,
+        got,
+    )
+
+
+def test_builder_applies_the_decoder_fast_path_on_the_decode_device():
+    eng, wan, got = _fake_engine("wan")
+    notes: list[str] = []
+    # compile asked with a CPU decode device: channels-last only, one note
+    assert apply_decoder_fast(eng, "compile", notes) == "channels_last"
+    assert got == ["cpu"] and len(notes) == 1 and "CUDA" in notes[0]
+    assert wan.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    eng, wan, _ = _fake_engine("taehv")
+    assert apply_decoder_fast(eng, "compile", []).startswith("off")  # the tiny decoder has none
+    assert wan.decoder.conv_in.weight.is_contiguous()
+    assert apply_decoder_fast(_fake_engine("wan")[0], "off", []) == "off"
+
+
+# ---- latency accounting ---------------------------------------------------------------------------
+
+
+def _t(plan: float, done: float) -> ChunkTimings:
+    return ChunkTimings(
+        diffusion_ms=1.0, decode_ms=1.0, host_copy_ms=0.0, work_ms=1.0, t_plan=plan, t_recv=plan, t_done=done
+    )
+
+
+def test_deadline_is_the_playout_time_at_the_lead_not_one_chunk_of_latency():
+    chunk = 500.0
+    # back to back at 2 chunks/s of work: every latency is 600 ms (above one chunk of media), but each
+    # chunk is ready before it plays at a 700 ms lead -> no miss
+    ts = [_t(0.4 * i, 0.4 * i + 0.6) for i in range(10)]
+    late = playout_misses(ts, chunk, 700.0)
+    assert all(x < 0 for x in late)
+    f = latency_fields(ts, chunk, 700.0, skip=2)
+    assert f["deadline_misses"] == 0 and f["latency_p50_ms"] == pytest.approx(600.0)
+    # at a 500 ms lead the first chunk (600 ms) is late by 100 ms; the rest catch up (0.4 s per 0.5 s chunk)
+    f = latency_fields(ts, chunk, 500.0, skip=2)
+    assert f["deadline_misses"] == 1 and f["first_miss"] == 0
+    assert f["worst_lateness_ms"] == pytest.approx(100.0)
+    # slower than real time (0.6 s per 0.5 s chunk): misses pile up whatever the latency
+    slow = [_t(0.6 * i, 0.6 * i + 0.3) for i in range(10)]
+    f = latency_fields(slow, chunk, 400.0, skip=0)
+    assert f["latency_p99_ms"] == pytest.approx(300.0)
+    assert f["first_miss"] == 2 and f["deadline_misses"] == 8
+    assert f["deadline_miss_rate"] == pytest.approx(0.8)
