@@ -122,3 +122,41 @@ def test_deadline_is_the_playout_time_at_the_lead_not_one_chunk_of_latency():
     assert f["latency_p99_ms"] == pytest.approx(300.0)
     assert f["first_miss"] == 2 and f["deadline_misses"] == 8
     assert f["deadline_miss_rate"] == pytest.approx(0.8)
+
+
+# ---- the engine end to end (CPU) ----------------------------------------------------------------------
+
+
+def _engine_frames(decoder_fast: str, overlap: bool):
+    from cadence.config import PipelineConfig, get_preset
+    from cadence.engine.build import build_engine
+
+    cfg = get_preset("tiny").with_overrides(
+        vae={"decoder": "wan", "base_dim": 8}, stream={"height": 64, "width": 64}
+    )
+    pcfg = PipelineConfig(diffusion_devices=("cpu",), decode_device="same", overlap=overlap)
+    torch.manual_seed(0)  # the random VAE weights come from the global generator
+    eng = build_engine(
+        cfg, "cpu", FastPath(threads=1, decoder="wan", decoder_fast=decoder_fast), pipeline=pcfg
+    )
+    spc = cfg.audio_samples_per_chunk
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(3, 64, 64, generator=g) * 2 - 1
+    audio = 0.1 * torch.randn(4 * spc, generator=g)
+    try:
+        outs = [(o.index, o.frames.clone()) for o in eng.stream(image, "a face", audio, 4, seed=0)]
+    finally:
+        eng.close()
+    return eng.applied["decoder_fast"], outs
+
+
+def test_engine_decodes_the_same_frames_in_order_with_the_fast_path():
+    """The builder's decoder fast path ('cl': channels-last weights, activations and causal memory) through
+    the whole engine, decode on its own thread: chunks come back in order with the plain path's frames
+    (uint8, at most one level apart: float summation order only)."""
+    plain_applied, plain = _engine_frames("off", overlap=False)
+    fast_applied, fast = _engine_frames("cl", overlap=True)
+    assert plain_applied == "off" and fast_applied == "channels_last"
+    assert [i for i, _ in fast] == [0, 1, 2, 3] == [i for i, _ in plain]
+    for (_, a), (_, b) in zip(fast, plain):
+        assert a.shape == b.shape and int((a.int() - b.int()).abs().max()) <= 1
