@@ -81,6 +81,9 @@ class LocalCluster:
         # a chunk's frames under 1 MiB come back inline in the poll's reply, not through the object store
         # (measured here, two character sessions: the raylets' CPU 6.0% -> 1.2% of a core; docs/fleet.md)
         self.env.setdefault("RAY_max_direct_call_object_size", str(INLINE_REPLY_BYTES))
+        # Ray starts its workers at nice 15 (worker_niceness): a group's engine would then lose the CPU to
+        # anything else on the node; a live stream's worker runs at normal priority, as on one machine
+        self.env.setdefault("RAY_worker_niceness", "0")
 
     def _ray_start(self, args: list[str], name: str) -> LocalNode:
         log_path = os.path.join(self.temp_dir, f"{name}.log")
