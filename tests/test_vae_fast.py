@@ -1,7 +1,7 @@
 """The Wan decoder's fast paths (cadence.model.vae_fast) against the plain streaming decoder.
 
 CPU, float32, small random Wan VAEs of both geometries. Tolerance: relative L2 <= 1e-5 and max abs <= 1e-4
-(``fold`` and ``cl`` change only the summation order / memory layout; measured well under both).
+(``cl``, ``fold`` and ``up`` change only the summation order / memory layout; well under both here).
 The ``compile`` mode itself is exercised on the GPU runs (tests here check its fallback: a compiled call
 that raises is re-run eagerly on the restored causal memory, and stays eager).
 """
@@ -16,7 +16,14 @@ import torch
 
 from cadence.errors import ConfigError
 from cadence.model import vae_fast
-from cadence.model.vae import WanVAE, _conv_time_folded, fold_time_weight, wan_vae_config
+from cadence.model.vae import (
+    WanVAE,
+    _conv_time_folded,
+    _up2_conv3x3,
+    fold_time_weight,
+    subpixel_weight,
+    wan_vae_config,
+)
 
 REL_TOL = 1e-5
 ABS_TOL = 1e-4
@@ -62,14 +69,28 @@ def test_folded_conv_is_conv3d(kt, pad, cl):
     assert _rel(got, ref) <= REL_TOL and float((got - ref).abs().max()) <= ABS_TOL
 
 
+@pytest.mark.parametrize("cl", [False, True])
+def test_subpixel_upsample_conv_is_nearest_then_conv(cl):
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 6, 7)
+    w, b = torch.randn(4, 5, 3, 3), torch.randn(4)
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    ref = torch.nn.functional.conv2d(torch.nn.functional.interpolate(x, scale_factor=2.0), w, b, padding=1)
+    got = _up2_conv3x3(x, subpixel_weight(w), b)
+    assert got.shape == ref.shape and got.is_contiguous(memory_format=torch.channels_last) == cl
+    assert _rel(got, ref) <= REL_TOL and float((got - ref).abs().max()) <= ABS_TOL
+
+
 @pytest.mark.parametrize("variant", ["2.1", "2.2"])
-@pytest.mark.parametrize("mode", ["cl", "fold"])
+@pytest.mark.parametrize("mode", ["cl", "fold", "up"])
 def test_fast_decoder_matches_plain(variant, mode):
     plain = _vae(variant)
     fast = copy.deepcopy(plain)
-    rep = vae_fast.accelerate_decoder(fast, mode if mode != "fold" else "fold")
-    if mode == "fold":
-        fast.decoder.forward = fast.decoder.forward.eager  # the folded convs, without compiling on the CPU
+    rep = vae_fast.accelerate_decoder(fast, mode)
+    if mode in ("fold", "up"):
+        fast.decoder.forward = fast.decoder.forward.eager  # the rewritten convs, without compiling on the CPU
+        assert any(a.startswith("fold:" if mode == "fold" else "subpixel:") for a in rep.applied)
     assert "channels_last" in rep.applied
     z = torch.randn(plain.z_dim, 5, 4, 6, generator=torch.Generator().manual_seed(2))
     for sizes in ([1, 1, 3], [1, 2, 2]):

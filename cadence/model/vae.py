@@ -411,6 +411,14 @@ class Resample(nn.Module):
                 self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1))
         else:
             raise ConfigError(f"unknown resample mode {mode!r}")
+        #: the 2D conv as four 2x2 sub-pixel convs at the low resolution (``cadence.model.vae_fast``), or None
+        self.w_subpixel: torch.Tensor | None = None
+
+    def _spatial(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_subpixel is not None:
+            conv = self.resample[1]
+            return _per_frame(lambda y: _up2_conv3x3(y, self.w_subpixel, conv.bias), x)
+        return _per_frame(self.resample, x)
 
     def forward(self, x: torch.Tensor, mem: _Memory) -> torch.Tensor:
         if self.mode == "upsample3d":
@@ -427,7 +435,7 @@ class Resample(nn.Module):
                     .permute(0, 2, 3, 1, 4, 5)
                     .reshape(b, c2 // 2, 2 * t, h, w)
                 )
-        x = _per_frame(self.resample, x)
+        x = self._spatial(x)
         if self.mode == "downsample3d":
             slot = self.time_conv.slot
             prev = mem.slots[slot]
@@ -435,6 +443,37 @@ class Resample(nn.Module):
             if prev is not None:  # later calls: stride-2 conv over [last previous frame, new frames]
                 x = self.time_conv(torch.cat([prev, x], 2))
         return x
+
+
+# rows (or columns) of a 3-tap kernel that each output phase of "nearest 2x, then 3x3 conv" reads, as two
+# taps on the low-resolution input: phase 0 reads inputs (i-1, i, i) -> taps (k0, k1 + k2); phase 1 reads
+# (i, i, i+1) -> taps (k0 + k1, k2)
+_SUBPIXEL_TAPS = (((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0)))
+
+
+def subpixel_weight(w: torch.Tensor) -> torch.Tensor:
+    """A 3x3 conv weight [O, C, 3, 3] applied after a nearest 2x upsample, as the 2x2 weights of its four
+    output phases on the low-resolution input: [4 O, C, 2, 2], phase p = 2 a + b (row parity a, column
+    parity b); channels_last. 2.25x fewer multiply-adds than the conv at the high resolution."""
+    r = torch.tensor(_SUBPIXEL_TAPS, dtype=torch.float64, device=w.device)  # [2 phases, 2 taps, 3]
+    w4 = torch.einsum("ark,bsl,ockl->abocrs", r, r, w.double())  # [2, 2, O, C, 2, 2]
+    o, c = w.shape[:2]
+    return w4.reshape(4 * o, c, 2, 2).to(w.dtype).contiguous(memory_format=torch.channels_last)
+
+
+def _up2_conv3x3(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``conv3x3(nearest2x(x), padding=1)`` for x [N, C, H, W] from :func:`subpixel_weight`'s w4: one 2x2
+    conv of the zero-padded low-resolution input to the four phases, then the phases interleaved."""
+    n, _, h, w = x.shape
+    o = w4.shape[0] // 4
+    y = F.conv2d(F.pad(x, (1, 1, 1, 1)), w4, None if bias is None else bias.repeat(4))  # [N, 4 O, H+1, W+1]
+    rows = [
+        torch.stack([y[:, (2 * a + b) * o : (2 * a + b + 1) * o, a : a + h, b : b + w] for b in (0, 1)], -1)
+        for a in (0, 1)
+    ]  # each [N, O, H, W, 2 (b)]
+    out = torch.stack(rows, 3).reshape(n, o, 2 * h, 2 * w)  # [N, O, H, 2 (a), W, 2 (b)] -> [N, O, 2H, 2W]
+    cl = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    return out.contiguous(memory_format=torch.channels_last) if cl else out
 
 
 class AvgDown3D(nn.Module):
