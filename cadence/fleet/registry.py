@@ -12,8 +12,9 @@ builds the worker groups and knows, for every front end, which group is free.
   front end whose lease expired are closed on their groups (``CloseSession``).
 * ``drain`` / ``undrain``: an operator's switch per group.
 
-If the registry itself dies, Ray restarts it: it finds the groups again by name (``ray.util.list_named_actors``)
-and the front ends' next heartbeats give it back their claims.
+The registry lives on the head node (it dies only with the cluster's head). If it dies anyway, Ray restarts
+it: it finds the groups again by name (``ray.util.list_named_actors``) and the front ends' next heartbeats
+give it back their claims (restart counts start again from each actor's own "restarted" flag).
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ def registry_handle(fleet: FleetConfig, max_duration_s: float = 600.0):
             max_restarts=-1,
             max_concurrency=256,
             num_cpus=0,
+            # on the head node: a node that leaves (with its groups) must not take the registry along
+            resources={"node:__internal_head__": 0.001},
         )
         .remote(fleet.lease_s, fleet.ping_s, max_duration_s)
     )

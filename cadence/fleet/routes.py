@@ -18,7 +18,10 @@ def add_fleet_routes(app, mgr, api_error, bearer) -> None:
     @app.get("/fleet", summary="The fleet: groups, their state, sessions, free capacity (operator key)")
     async def fleet(request: Request):
         mgr.require_operator(bearer(request), "the fleet's state")
-        await src.sync()  # (fresh: an operator's view, not the last heartbeat's)
+        try:
+            await src.sync()  # (fresh: an operator's view, not the last heartbeat's)
+        except Exception as e:  # the registry is restarting: the last heartbeat's view, marked stale
+            return {"frontend": src.frontend_id, "stale": f"{type(e).__name__}", **src.snapshot}
         return {"frontend": src.frontend_id, **src.snapshot}
 
     async def _drain(name: str, request: Request, on: bool) -> dict:
