@@ -14,6 +14,8 @@ import math
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -291,6 +293,21 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
         t_drop = time.monotonic() - t_stop
         h = httpx.get(f"{srv.url}/healthz", timeout=10).json()
         assert h["groups"] == 1 and h["free"] == 1, h
+
+        # the operator's command line reads and drains the same registry
+        def cli(*argv):
+            out = subprocess.run(
+                [sys.executable, "-m", "cadence", "fleet", *argv, "--ray", cluster.address],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=cluster.env,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            return out.stdout
+
+        assert "draining" in cli("drain", victim) and fleet_state()["groups"][0]["draining"] is True
+        assert fleet_state()["free"] == 0  # (one call of the CLI: each is a Ray driver, ~15 s here)
         print(
             f"\nfleet: cluster {t_cluster:.1f} s, front end + 2 groups up {t_up:.1f} s, killed group back "
             f"{t_restart:.1f} s, node loss -> registry {t_drop:.1f} s; the other session: fps per 2-s window "
