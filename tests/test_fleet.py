@@ -144,7 +144,7 @@ def test_capacity_simulation_against_erlang_c_and_its_monotonicity():
 
 KEY = "fleet-test-operator-key-0123456789"
 #: Below this many cores the fps check is an expected failure (with its figures): two character sessions on
-#: 2 cores run at 13-18 fps on the single-machine server already (docs/fleet.md, "Measured").
+#: 2 cores run at 13.4 to 22.9 fps on the single-machine server already (docs/fleet.md, "Measured").
 MIN_CORES_TWO_SESSIONS = 4
 AUTH = {"authorization": f"Bearer {KEY}"}
 
@@ -320,7 +320,7 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
             pytest.xfail(
                 f"the other session fell to {min(fps_windows)} fps on this {cores}-core machine: two "
                 f"character sessions need more than {cores} cores (the single-machine server, no Ray, "
-                "measured 13-18 fps with two sessions here: docs/fleet.md); strict from "
+                "measured 13.4 to 22.9 fps with two sessions here: docs/fleet.md); strict from "
                 f"{MIN_CORES_TWO_SESSIONS} cores"
             )
         assert min(fps_windows) >= 23.5, fps_windows
