@@ -117,7 +117,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--decoder-fast",
         default=None,
-        choices=["off", "cl", "compile", "fold", "up"],
+        choices=["off", "cl", "compile", "bench", "fold", "up"],
         help="the Wan decoder's fast path (cadence.model.vae_fast; default: compile on CUDA, off on the CPU)",
     )
     p.add_argument(

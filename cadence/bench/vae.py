@@ -53,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder (eager on failure)")
     p.add_argument(
         "--fast",
-        choices=["off", "cl", "compile", "fold", "up"],
+        choices=["off", "cl", "compile", "bench", "fold", "up"],
         default=None,
         help="the Wan decoder's fast path as the pipeline applies it (cadence.model.vae_fast: cl = "
         "channels-last, compile = cl + torch.compile, fold = compile + temporal convs as one conv2d); "

@@ -26,7 +26,7 @@ DEFAULT_PROMPT = "a person talking to the camera"
 CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
 DECODERS = ("standin", "wan", "taehv")
 #: The Wan decoder's fast paths (``cadence.model.vae_fast.MODES``; torch-free copy).
-DECODER_FAST = ("off", "cl", "compile", "fold", "up")
+DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -54,8 +54,8 @@ class FastPath:
     """``torch.compile`` of the per-block elementwise math (``cadence.runtime.compile.apply_compile``)."""
     decoder_fast: str | None = None
     """The full Wan decoder's fast path on its decode device (``cadence.model.vae_fast``): 'off', 'cl'
-    (channels-last), 'compile' (cl + torch.compile of the decoder + cudnn.benchmark, compiled during the
-    warm-up), 'fold' (compile + temporal convs as one conv2d: measured slower) or 'up' (compile + the spatial
+    (channels-last), 'compile' (cl + torch.compile of the decoder, compiled during the
+    warm-up), 'bench' (compile + cudnn.benchmark: faster steady chunks, a slow first chunk per stream), 'fold' (compile + temporal convs as one conv2d: measured slower) or 'up' (compile + the spatial
     upsamplers' convs at the low resolution, 2.25x fewer multiply-adds there: not measured yet). None: 'compile' on CUDA, 'off' on the CPU. Only the 'wan'
     decoder has one; a compile that fails falls back to eager with one log line."""
     comm: str = "auto"

@@ -12,10 +12,11 @@ Modes (:data:`MODES`), each adding to the one before:
   wants).
 * ``compile``: ``torch.compile`` of ``decoder.forward`` (``dynamic=False``: one graph per stream phase,
   i.e. first frame, second call, steady chunk): RMSNorm + SiLU + the causal ``cat`` fuse into one pass
-  per conv input; the convs stay cuDNN's, and on CUDA ``torch.backends.cudnn.benchmark`` is turned on
-  (process-wide; each conv shape is timed once, during the warm-up): measured 119.9 -> 97.6 ms per 12-frame
-  Wan 2.1 chunk at 480x832, 89.2 -> 87.9 ms per 4-frame Wan 2.2 chunk at 704x1088 (docs/perf/vae/NOTES.md).
-  Cadence's transformer has no convolutions, so the flag touches only the VAE / tiny decoder.
+  per conv input; the convs stay cuDNN's heuristic choices.
+* ``bench``: ``compile`` + ``torch.backends.cudnn.benchmark`` on CUDA (process-wide; each conv shape is
+  timed): faster steady chunks (119.9 -> 97.6 ms per 12-frame Wan 2.1 chunk at 480x832; W1.3 on one H200
+  with the full decoder 29.5 -> 30.7 fps), but in the pipeline the first chunk of EVERY stream then took
+  1.78 s (ttff 519 -> 1783 ms; docs/perf/vae/NOTES.md): a throughput mode, not the default.
 * ``fold``: every 3x3x3 / 3x1x1 / 1x1x1 temporal-stride-1 causal conv runs as ONE conv2d over
   ``[B * T_out, H, W, kt * C]`` (the kt input frames of each output frame stacked along channels): a 2D
   implicit GEMM with a kt-times deeper reduction instead of cuDNN's conv3d (same math, summation order
@@ -45,7 +46,7 @@ from cadence.model.vae import CausalConv3d, Resample, WanVAE, fold_time_weight, 
 
 log = logging.getLogger("cadence.vae")
 
-MODES = ("off", "cl", "compile", "fold", "up")
+MODES = ("off", "cl", "compile", "bench", "fold", "up")
 
 
 @dataclass
@@ -159,8 +160,8 @@ def accelerate_decoder(vae: WanVAE, mode: str = "compile") -> DecoderFastReport:
         rep.applied.append(f"fold:{n}")
     if mode == "up":
         rep.applied.append(f"subpixel:{subpixel_upsamplers(dec)}")
-    if mode in ("compile", "fold", "up"):
-        if dec.conv_in.weight.is_cuda and torch.backends.cudnn.is_available():
+    if mode in ("compile", "bench", "fold", "up"):
+        if mode == "bench" and dec.conv_in.weight.is_cuda and torch.backends.cudnn.is_available():
             torch.backends.cudnn.benchmark = True
             rep.applied.append("cudnn_benchmark")
         try:

@@ -129,7 +129,7 @@ class ServeConfig:
     groups. None: each group decodes on its own GPU, on a stream of its own. Tensor-parallel groups always
     decode on their own GPUs (a note says so)."""
     decoder_fast: str | None = None
-    """The full Wan decoder's fast path (``FastPath.decoder_fast``: 'off' | 'cl' | 'compile' | 'fold' | 'up'); None =
+    """The full Wan decoder's fast path (``FastPath.decoder_fast``: 'off' | 'cl' | 'compile' | 'bench' | 'fold' | 'up'); None =
     'compile' on CUDA (compiled during the warm-up), 'off' on the CPU."""
     kv_fp8: bool | None = None
     """Ring cache with FP8 K/V (the FP8 attention kernel). None = on for CUDA groups. CUDA only."""
@@ -394,7 +394,7 @@ def add_engine_flags(parser) -> None:
     g.add_argument(
         "--decoder-fast",
         default=None,
-        choices=["off", "cl", "compile", "fold", "up"],
+        choices=["off", "cl", "compile", "bench", "fold", "up"],
         help="the Wan decoder's fast path (default: compile on CUDA, off on the CPU)",
     )
     g.add_argument(
