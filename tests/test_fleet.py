@@ -6,7 +6,7 @@ The real test, in order: two sessions stream to aiortc clients through the front
 group per node); the actor of one group is killed (SIGKILL) mid-session -> that session ends with one clear
 error, Ray restarts the actor and the registry counts the restart, while the other session keeps >= 23.5 fps
 in every window (an expected failure, with its figures, below 4 cores: see ``MIN_CORES_TWO_SESSIONS``);
-a drained group takes no session (503 when the rest of the fleet is busy); a restarted
+draining both groups admits nobody (503) while the busy one's session streams to its end; a restarted
 front end finds the same groups (nothing rebuilt); the second node stops -> its group leaves the registry.
 """
 
@@ -239,18 +239,16 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
         t_restart = time.monotonic() - t_kill
         assert g_after["restarts"] == 1 and g_after["incarnation"] != incarnations[victim], g_after
 
-        # drain the restarted group: with the other group busy, the fleet admits nobody
-        r = httpx.post(f"{srv.url}/fleet/groups/{victim}/drain", headers=AUTH, timeout=10)
-        assert r.status_code == 200 and r.json()["draining"] is True, r.text
+        # drain both groups: the busy one keeps its live session (it streams to its end, below), the free
+        # one takes no new session: the fleet admits nobody
+        for name in (other, victim):
+            r = httpx.post(f"{srv.url}/fleet/groups/{name}/drain", headers=AUTH, timeout=10)
+            assert r.status_code == 200 and r.json()["draining"] is True, r.text
         assert httpx.post(f"{srv.url}/fleet/groups/nope/drain", headers=AUTH, timeout=10).status_code == 404
         r = httpx.post(
             f"{srv.url}/sessions", json={"sdp": offer_sdp(), "type": "offer"}, headers=AUTH, timeout=30
         )
         assert r.status_code == 503, r.text
-        assert (
-            httpx.delete(f"{srv.url}/fleet/groups/{victim}/drain", headers=AUTH, timeout=10).status_code
-            == 200
-        )
 
         res = {}
         for c in (a, b):
@@ -268,6 +266,14 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
         assert report["state"] == "closed" and report["close_reason"] == "client" and not report["errors"]
         windows = [w for w in report["timeline"] if not w.get("partial")]
         fps_windows = [w["fps"] for w in windows]
+        f = fleet_state()  # the drained group that finished its session is not free; undrained, both are
+        assert f["free"] == 0 and all(g["draining"] for g in f["groups"]), f
+        for name in (other, victim):
+            assert (
+                httpx.delete(f"{srv.url}/fleet/groups/{name}/drain", headers=AUTH, timeout=10).status_code
+                == 200
+            )
+        _wait(lambda: fleet_state()["free"] == 2, 10, "both groups free after undrain")
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert "cadence_fleet_restarts 1.0" in metrics and 'cadence_fleet_groups{state="up"} 2.0' in metrics
 
