@@ -10,6 +10,7 @@ draining both groups admits nobody (503) while the busy one's session streams to
 front end finds the same groups (nothing rebuilt); the second node stops -> its group leaves the registry.
 """
 
+import asyncio
 import math
 import os
 import shutil
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -96,6 +98,100 @@ def test_fleet_config_checks():
     ):
         with pytest.raises(ConfigError):
             FleetConfig(**bad)
+
+
+# ---- the front end's group source against a fake registry (no Ray) -------------------------------------
+
+
+class _Remote:
+    """A fake actor method: ``.remote(...)`` records the call and returns an awaitable of ``fn(...)``."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def remote(self, *args):
+        self.calls.append((self.fn.__name__, args))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.fn(*args))
+        return fut
+
+
+def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_use():
+    from cadence.engine.messages import Died
+    from cadence.fleet.frontend import FleetGroups
+    from cadence.serve.config import ServeConfig
+
+    state = FleetState()
+    calls: list = []
+
+    def heartbeat(fe, claims):
+        state.heartbeat(fe, claims, 0.0)
+        return state.snapshot(0.0)
+
+    def claim(fe, cid):
+        return {"group": state.claim(fe, cid, 0.0), "retry_after": state.retry_after(0.0)}
+
+    def release(fe, name, cid):
+        return state.release(fe, name, cid)
+
+    info = {
+        "preset": "character",
+        "device": "cpu",
+        "tp": 1,
+        "build_ms": 1.0,
+        "threads": 1,
+        "fast_path": {},
+        "notes": [],
+        "warmup": {"steady_chunk_ms": 50.0, "interval_ms": 50.0},
+        "preopen_ms": 1.0,
+        "frame_transport": "pipe",
+        "frames_per_chunk": 4,
+        "audio_samples_per_chunk": 8000,
+    }
+    for i in (0, 1):
+        state.observe(f"cadence-group-{i}", i, {**_ping(f"inc{i}", "n1"), "info": info}, 0.0)
+
+    async def run():
+        src = FleetGroups(ServeConfig(fleet=FleetConfig(address="unused")))
+        src.registry = types.SimpleNamespace(
+            heartbeat=_Remote(heartbeat, calls), claim=_Remote(claim, calls), release=_Remote(release, calls)
+        )
+        src._route = lambda g, msg: None
+        await src.sync()
+        assert [g.name for g in src.groups] == ["cadence-group-0", "cadence-group-1"]
+        assert all(g.free for g in src.groups) and src.groups[0].transport_s == 0.015
+        assert src.acquire() is None  # outside an admission: nothing (the fleet claims first)
+        # a request that is refused after its claim (429, a bad image) gives the group back
+        async with src.admission():
+            pass
+        assert state.groups["cadence-group-0"].free and calls[-1][0] == "release"
+        # a request that takes it: bound to the session, reported in the heartbeat, released at its end
+        async with src.admission():
+            g = src.acquire()
+            g.session_id = "sid-1"
+        assert g.name == "cadence-group-0" and not state.groups[g.name].free
+        src._poll = None
+        g._stop_poll()
+        await src.sync()
+        assert state.groups[g.name].claim_sid == "sid-1" and not g.free
+        async with src.admission():  # the next request gets the other group
+            g2 = src.acquire()
+            g2.session_id = "sid-2"
+        assert g2.name == "cadence-group-1"
+        async with src.admission():  # the fleet is full: no claim, 503 upstream
+            assert src.acquire() is None
+        # the group dies: not ready (its closing session never talks to the restarted actor) until released
+        g._dispatch(Died("gone"))
+        state.observe(g.name, 0, {**_ping("inc0-b", "n1"), "info": info}, 1.0)  # Ray restarted it
+        await src.sync()
+        assert not g.ready.is_set() and g.state == "up"
+        src.release(g, "sid-1")
+        await src.sync()
+        assert g.ready.is_set() and g.free and state.groups[g.name].restarts == 1
+        src.release(g2, "sid-2")
+        assert state.groups["cadence-group-1"].free
+
+    asyncio.run(run())
 
 
 # ---- the capacity model -----------------------------------------------------------------------------------
