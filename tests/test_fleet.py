@@ -157,6 +157,12 @@ def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_us
             heartbeat=_Remote(heartbeat, calls), claim=_Remote(claim, calls), release=_Remote(release, calls)
         )
         src._route = lambda g, msg: None
+
+        class Hang:  # a group actor whose poll never answers (no replies in this test)
+            def remote(self, *args):
+                return asyncio.get_running_loop().create_future()
+
+        src._actor = lambda name: types.SimpleNamespace(poll=Hang(), send=Hang())
         await src.sync()
         assert [g.name for g in src.groups] == ["cadence-group-0", "cadence-group-1"]
         assert all(g.free for g in src.groups) and src.groups[0].transport_s == 0.015
@@ -169,9 +175,7 @@ def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_us
         async with src.admission():
             g = src.acquire()
             g.session_id = "sid-1"
-        assert g.name == "cadence-group-0" and not state.groups[g.name].free
-        src._poll = None
-        g._stop_poll()
+        assert g.name == "cadence-group-0" and not state.groups[g.name].free and g._poll is not None
         await src.sync()
         assert state.groups[g.name].claim_sid == "sid-1" and not g.free
         async with src.admission():  # the next request gets the other group
@@ -192,6 +196,7 @@ def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_us
         assert state.groups["cadence-group-1"].free
 
     asyncio.run(run())
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()  # no Ray started by the fake
 
 
 # ---- the capacity model -----------------------------------------------------------------------------------

@@ -273,7 +273,6 @@ class FleetGroups:
 
     async def sync(self) -> None:
         """One heartbeat: our claims out, the fleet's state back (the groups, /metrics)."""
-        import ray
 
         snap = await self.registry.heartbeat.remote(self.frontend_id, self.claims())
         self.snapshot = snap
@@ -289,10 +288,7 @@ class FleetGroups:
                 self.groups.append(g)
                 self.groups.sort(key=lambda x: x.index)
             if g.handle is None:  # (the handle stays valid across the actor's restarts)
-                try:
-                    g.handle = ray.get_actor(name, namespace=self.fleet_cfg.namespace)
-                except ValueError:
-                    g.handle = None
+                g.handle = self._actor(name)
             g.incarnation = d["incarnation"]
             info = d.get("info") or {}
             if info and info.get("preset") != self.preset:
@@ -327,6 +323,15 @@ class FleetGroups:
             if g.session_id is None:
                 await g.stop()
         self._metrics(snap)
+
+    def _actor(self, name: str):
+        """The group actor's handle (None: no such actor now)."""
+        import ray
+
+        try:
+            return ray.get_actor(name, namespace=self.fleet_cfg.namespace)
+        except ValueError:
+            return None
 
     def _metrics(self, snap: dict) -> None:
         m = self.metrics
