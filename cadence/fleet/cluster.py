@@ -148,7 +148,11 @@ class LocalCluster:
         for node in reversed(self.nodes):
             node.stop()
         self.nodes = []
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        for _ in range(3):  # (a Ray process that is still exiting may write its session folder again)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            time.sleep(0.5)
+            if not os.path.exists(self.temp_dir):
+                break
 
     def __enter__(self) -> LocalCluster:
         return self.start()
