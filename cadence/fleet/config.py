@@ -40,10 +40,10 @@ class FleetConfig:
     """How often the registry checks each group and each node."""
     hop_ms: float = 15.0
     """What the Ray hop adds to a chunk's latency, added to each group's measured chunk time when the
-    planning lead is sized (``SessionManager.worker_speed``). Measured on one 2-core machine, one
-    character session, worker frames ready -> front end: p50 4.6 ms, p90 11.7 ms (the pipe of one
-    machine: 1.7 / 4.7 ms); another node adds its network round trip. The planner raises the lead further
-    if chunks come back later."""
+    planning lead is sized (``SessionManager.worker_speed``). Measured on one 2-core machine, one character
+    session, worker frames ready -> front end (``scripts/fleet_costs.py hop``): p50 4.07 ms, p90 6.05 ms
+    (one machine's pipe: 1.65 / 2.52 ms); 4.6 / 11.7 ms before the groups ran at normal priority. Another
+    node adds its network round trip. The planner raises the lead further if chunks come back later."""
     namespace: str = NAMESPACE
 
     def __post_init__(self) -> None:
