@@ -63,7 +63,9 @@ def _chunk_back(sess: LiveSession, c: int) -> None:
 def test_python_wait_for_swallows_a_cancel_that_races_an_event():
     """The mechanism itself (CPython < 3.12): a task cancelled right after the event it waits for
     with ``wait_for`` was set is not cancelled. If this ever stops holding, the tests below still
-    hold; the scheduler must not rely on ``wait_for`` either way."""
+    hold; the scheduler must not rely on ``wait_for`` either way. CPython's own ``asyncio.tasks.wait_for``:
+    importing Pipecat (tests/test_pipecat*.py, same process) replaces ``asyncio.wait_for`` process-wide
+    with the ``wait_for2`` package's, which does not swallow the cancel."""
 
     async def main():
         ev = asyncio.Event()
@@ -72,7 +74,7 @@ def test_python_wait_for_swallows_a_cancel_that_races_an_event():
             while True:
                 ev.clear()
                 try:
-                    await asyncio.wait_for(ev.wait(), timeout=1.0)
+                    await asyncio.tasks.wait_for(ev.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
 
