@@ -306,11 +306,13 @@ class TurnTakingAgent(Agent):
 
     barge_in = True
     max_turn_s = 30.0
+    keep_turns = 100  # turns kept (and reported) per session
 
     def __init__(self, vad: VoiceActivity | None = None) -> None:
         super().__init__()
         self.vad = vad or VoiceActivity()
         self.turns: list[Turn] = []
+        self.turn_count = 0
         self.barge_ins = 0
         self.errors: list[str] = []
         self.last_error: str | None = None
@@ -362,9 +364,11 @@ class TurnTakingAgent(Agent):
         self._events = asyncio.Queue()
         while True:
             t_end, spoke, audio = await self._events.get()
-            turn = Turn(len(self.turns), round(spoke, 3), t_end=t_end)
+            self.turn_count += 1
+            turn = Turn(self.turn_count - 1, round(spoke, 3), t_end=t_end)
             turn.user_end_at = time.time() - (time.monotonic() - t_end)
             self.turns.append(turn)
+            del self.turns[: -self.keep_turns]  # a long session keeps its last turns, not all of them
             self._answering = asyncio.create_task(self._answer(turn, audio))
             try:
                 await asyncio.wait({self._answering})
@@ -403,7 +407,7 @@ class TurnTakingAgent(Agent):
     def status_fields(self) -> dict:
         return {
             "agent_error": self.last_error,
-            "turns": len(self.turns),
+            "turns": self.turn_count,
             "barge_ins": self.barge_ins,
             "user_speaking": self.vad.speaking,
         }
