@@ -224,3 +224,36 @@ def test_remote_through_cadence_serve():
     # Opus is lossy and adds a few frames of ramp at the edges: the voiced time within 0.25 s
     assert svc.voiced_out_s == pytest.approx(voiced_seconds(speech, 16_000), abs=0.25)
     assert rep is not None and rep["agent"] == "mirror" and rep["close_reason"] == "client"
+
+
+def test_a_session_that_cannot_open_is_one_error_frame_upstream():
+    """Remote mode against a port nobody listens on: the pipeline gets one ErrorFrame saying why (Pipecat
+    then ends the pipeline), no hang, no traceback from the service."""
+    from pipecat.frames.frames import ErrorFrame
+
+    errors = []
+
+    class Head(FrameProcessor):
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            if isinstance(frame, ErrorFrame):
+                errors.append(frame.error)
+            await self.push_frame(frame, direction)
+
+    svc = CadenceVideoService(url="http://127.0.0.1:9")
+    sink = Collector()
+    worker = PipelineWorker(Pipeline([Head(), svc, sink]), cancel_on_idle_timeout=False)
+
+    async def go():
+        runner = WorkerRunner(handle_sigint=False)
+        await runner.add_workers(worker)
+        run = asyncio.ensure_future(runner.run())
+        deadline = time.monotonic() + 20
+        while not errors and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await worker.cancel()
+        await asyncio.wait({run}, timeout=10)
+
+    asyncio.run(go())
+    assert errors and "Cadence could not open a session" in errors[0], errors
+    assert not sink.video

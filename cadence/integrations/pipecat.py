@@ -178,7 +178,16 @@ class CadenceVideoService(FrameProcessor):
         if isinstance(frame, StartFrame):
             # the session first (the worker is warm and the session open when the pipeline has started),
             # then the StartFrame downstream, then the pumps (a processor drops frames before its start)
-            await self._backend.start()
+            try:
+                await self._backend.start()
+            except Exception as e:  # no engine, no session (a full server, a refused offer): one clear error
+                await self.push_frame(frame, direction)
+                await self.push_error(
+                    f"Cadence could not open a session: {type(e).__name__}: {e}",
+                    exception=e,
+                    force_treat_as_permanent=True,
+                )
+                return
             await self.push_frame(frame, direction)
             self._tasks = [
                 self.create_task(self._pump_video(), "cadence-video"),
