@@ -8,9 +8,9 @@ measure in the page, with the page's own clock:
 * the audio it plays (an AudioWorklet on the received stream): RMS per 128-sample block, stamped with
   ``AudioContext.getOutputTimestamp()`` in page time;
 * lip sync: the mouth opening against the envelope of the audio played while each frame was shown,
-  best Pearson correlation over lags of +-6 frames (>= 0.5), and that lag (the A/V offset the viewer
-  sees, in whole frames: |lag| <= 2 frames, 83 ms, is under the 120 ms target; in process, before any
-  transport, the best lag is 0 or 1: tests/test_pipecat.py);
+  best Pearson correlation over lags of +-6 frames (>= 0.5), and that lag, refined between frames by
+  the parabola through the peak (the A/V offset the viewer sees: under 120 ms; in process, before any
+  transport, the best lag is 0 or 1 frame: tests/test_pipecat.py);
 * the turn: the user's end of speech (the VAD's stop minus its hangover, server clock) -> the answer
   handed to the TTS -> its first TTS audio at the Cadence service -> its first sound and its first
   speaking frame at the page, all on the wall clock (same machine: the server's ``time.time()``, the
@@ -142,6 +142,14 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
     env = np.array([_mean_in(audio, t, t + FRAME_MS) for t in ft])
     corrs = {lag: lagged_corr(mouth, env, lag) for lag in range(-6, 7)}
     best = max(corrs, key=corrs.get)
+    # the offset between a sub-frame resolution: the vertex of the parabola through the peak and its two
+    # neighbours (whole frames are 41.7 ms: a true 105 ms offset would otherwise read 125 ms)
+    frac = 0.0
+    if -6 < best < 6:
+        a, b, c = corrs[best - 1], corrs[best], corrs[best + 1]
+        if a - 2 * b + c < 0:
+            frac = 0.5 * (a - c) / (a - 2 * b + c)
+    offset_ms = (best + frac) * FRAME_MS
     # the turn, timed: the server's clock for the VAD and the TTS hand-off, the page's for what it played
     turns = stats["turns"]
     assert turns, stats
@@ -156,6 +164,7 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
         "fps_presented": round(fps, 2),
         "lipsync_corr": {k: round(v, 3) for k, v in corrs.items()},
         "best_lag_frames": best,
+        "av_offset_ms": round(offset_ms, 1),  # < 0: the voice after the mouth
         "turns": len(turns),
         "user_end_to_tts_ms": round(t_answer - t_user_end, 1),
         "tts_to_speech_at_cadence_ms": round(t_speech_in - t_answer, 1),
@@ -173,10 +182,10 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
     if out:
         Path(out).write_text(json.dumps(summary, indent=1))
     # the engine shares two cores with Chromium, Pipecat, Silero and two VP8 encoders here: the page shows
-    # 21.8-23.4 fps (quiet machine, five runs); the 24 fps stream itself is held by tests/test_e2e_browser.py
+    # 21.8-23.4 fps (quiet machine, three runs); the 24 fps stream itself is held by tests/test_e2e_browser.py
     assert 20.0 <= fps <= 26.0, summary
     assert corrs[best] >= 0.5, summary
-    assert abs(best) <= 2, summary  # the A/V offset, in whole frames: <= 83 ms
+    assert abs(offset_ms) < 120.0, summary  # the A/V offset the viewer sees
     assert t_sound is not None and t_frame is not None, summary
 
 
