@@ -28,7 +28,8 @@ LAYERS: list[set[str]] = [
     {"cache", "quant"},  # the K/V caches and FP8 linears, built on the kernels
     {"runtime"},  # the chunk step, sampler, graphs, compile
     {"engine", "parallel"},  # the one engine and tensor parallelism
-    {"serve", "fleet"},  # the live server (web side and its session logic); its groups on a Ray fleet
+    {"serve"},  # the live server (web side and its session logic)
+    {"fleet"},  # its groups on a Ray fleet (serve holds a FleetConfig and calls it: no import upward)
     {"bench", "train", "eval", "integrations"},  # benchmarks, training, the quality harness, Cadence inside
     #                                                other frameworks (Pipecat): drive everything below
     {"cli", "__main__"},  # the entry point dispatches to everything

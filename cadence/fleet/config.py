@@ -8,12 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cadence.errors import ConfigError
-
-#: The Ray namespace every fleet actor lives in (named actors are looked up inside it).
-NAMESPACE = "cadence"
-#: The registry's actor name; the groups are ``<GROUP_PREFIX><index>``.
-REGISTRY_NAME = "cadence-registry"
-GROUP_PREFIX = "cadence-group-"
+from cadence.fleet.names import GROUP_PREFIX, NAMESPACE, REGISTRY_NAME  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -45,6 +40,20 @@ class FleetConfig:
     (one machine's pipe: 1.65 / 2.52 ms); 4.6 / 11.7 ms before the groups ran at normal priority. Another
     node adds its network round trip. The planner raises the lead further if chunks come back later."""
     namespace: str = NAMESPACE
+
+    # (what the serve layer calls: it holds a FleetConfig as ``ServeConfig.fleet`` and never imports
+    # cadence.fleet itself, which imports serve: the layers stay one-way)
+    def group_source(self, cfg, metrics):
+        """The session manager's group source for this fleet (``SessionManager``: ``cfg.fleet.group_source``)."""
+        from cadence.fleet.frontend import FleetGroups
+
+        return FleetGroups(cfg, metrics)
+
+    def add_routes(self, app, mgr, api_error, bearer) -> None:
+        """``GET /fleet``, ``POST|DELETE /fleet/groups/{name}/drain`` on the front end's app."""
+        from cadence.fleet.routes import add_fleet_routes
+
+        add_fleet_routes(app, mgr, api_error, bearer)
 
     def __post_init__(self) -> None:
         if not self.address:

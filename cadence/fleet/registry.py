@@ -28,8 +28,8 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cadence.engine.messages import CloseSession
-from cadence.fleet.config import GROUP_PREFIX, REGISTRY_NAME, FleetConfig
 from cadence.fleet.group import GroupActor
+from cadence.fleet.names import GROUP_PREFIX, REGISTRY_NAME
 from cadence.fleet.state import FleetState
 
 log = logging.getLogger("cadence.fleet")
@@ -179,8 +179,9 @@ class Registry:
         self.state.groups.clear()
 
 
-def registry_handle(fleet: FleetConfig, max_duration_s: float = 600.0):
-    """The fleet's registry actor (created if this is the first front end; ``ray.init`` first)."""
+def registry_handle(fleet, max_duration_s: float = 600.0):
+    """The fleet's registry actor (created if this is the first front end; ``ray.init`` first). ``fleet``: a
+    ``cadence.fleet.config.FleetConfig`` (not imported here: the config builds the front end, which reaches this)."""
     return (
         ray.remote(Registry)
         .options(

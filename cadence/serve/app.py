@@ -111,10 +111,8 @@ class SessionManager:
         self.metrics.groups.set(len(cfg.groups))
         frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
         frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
-        if cfg.fleet is not None:  # cadence serve --ray: the groups of a Ray fleet (cadence.fleet)
-            from cadence.fleet.frontend import FleetGroups
-
-            self.source = FleetGroups(cfg, self.metrics)
+        if cfg.fleet is not None:  # cadence serve --ray: the groups of a Ray fleet (FleetConfig.group_source)
+            self.source = cfg.fleet.group_source(cfg, self.metrics)
         else:
             groups = []
             for i, dev in enumerate(cfg.groups):
@@ -879,10 +877,8 @@ def create_app(cfg: ServeConfig | None = None):
         "need it.",
     )
     app.state.manager = mgr
-    if cfg.fleet is not None:  # GET /fleet, POST|DELETE /fleet/groups/{name}/drain (cadence.fleet)
-        from cadence.fleet.routes import add_fleet_routes
-
-        add_fleet_routes(app, mgr, ApiError, _bearer)
+    if cfg.fleet is not None:  # GET /fleet, POST|DELETE /fleet/groups/{name}/drain (FleetConfig.add_routes)
+        cfg.fleet.add_routes(app, mgr, ApiError, _bearer)
     session_body = math.ceil(cfg.max_image_bytes * 4 / 3) + cfg.max_sdp_bytes + SMALL_BODY  # (base64 image)
     audio_body = cfg.max_audio_bytes + SMALL_BODY
 
