@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_fixtures import frame_size, rel, tiny_model
 
 from cadence.engine.session import build_generator
 from cadence.model.families import family_config, get_family, reference_attention
@@ -38,21 +39,8 @@ META = json.loads((FIX / "fixture.json").read_text())
 DATA = torch.load(FIX / "data.pt", weights_only=True)
 C = META["config"]
 F = C["frames_per_block"]
-TINY_MODEL = dict(
-    dim=C["dim"],
-    num_heads=C["num_heads"],
-    head_dim=C["dim"] // C["num_heads"],
-    ffn_dim=C["ffn_dim"],
-    num_layers=C["num_layers"],
-    freq_dim=C["freq_dim"],
-    text_dim=C["text_dim"],
-    text_len=C["text_len"],
-)
-HW = dict(height=C["latent_hw"][0] * 8, width=C["latent_hw"][1] * 8)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+TINY_MODEL = tiny_model(C)
+HW = frame_size(C)
 
 
 def generator(cache: str, keeps_sink: bool, kv_fp8: bool = False):

@@ -1,0 +1,28 @@
+"""Shared by the model-family parity tests: a fixture's tiny reference configuration as Cadence's config
+overrides, and the relative error they compare with."""
+
+import torch
+
+
+def tiny_model(c: dict) -> dict:
+    """The ``model`` overrides of a fixture's ``config`` (the reference's tiny random Wan)."""
+    return dict(
+        dim=c["dim"],
+        num_heads=c["num_heads"],
+        head_dim=c["dim"] // c["num_heads"],
+        ffn_dim=c["ffn_dim"],
+        num_layers=c["num_layers"],
+        freq_dim=c["freq_dim"],
+        text_dim=c["text_dim"],
+        text_len=c["text_len"],
+    )
+
+
+def frame_size(c: dict) -> dict:
+    """The ``stream`` height and width of a fixture's latent size (the VAE's 8x)."""
+    return dict(height=c["latent_hw"][0] * 8, width=c["latent_hw"][1] * 8)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of ``a`` against ``b``, in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
