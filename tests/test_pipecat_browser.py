@@ -22,7 +22,6 @@ them), or with ``CADENCE_BROWSER_TESTS=0``.
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -35,8 +34,9 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "httpx", "onnxruntime"):
 
 from cadence.eval.metrics import lagged_corr, mouth_opening, mouth_region
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
-from cadence.serve.browser import AV_TAP_JS, Chromium, chromium_path, read_av_tap
+from cadence.serve.browser import AV_TAP_JS, Chromium, chromium_path, get_json, read_av_tap
 from cadence.serve.config import ServeConfig
+from cadence.serve.testing import AppThread
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -66,28 +66,6 @@ def load_example():
     return mod
 
 
-class AppThread:
-    def __init__(self, app):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 180
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the example app did not start"
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(60)
-
-
 def _mean_in(audio: np.ndarray, t0: float, t1: float) -> float:
     sel = (audio[:, 0] >= t0) & (audio[:, 0] < t1)
     return float(audio[sel, 1].mean()) if sel.any() else 0.0
@@ -101,10 +79,10 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
     wav.write_bytes(wav_bytes(mic))
     cfg = ServeConfig(preset="character", worker_threads=2)
     with (
-        AppThread(example.create_app(cfg)) as app,
+        AppThread(example.create_app(cfg), start_timeout=180) as url,
         Chromium(chromium, [f"--use-file-for-fake-audio-capture={wav}"]) as cdp,
     ):
-        cdp.call("Page.navigate", url=app.url + "/")
+        cdp.call("Page.navigate", url=url + "/")
         deadline = time.monotonic() + 20
         while cdp.eval("typeof window.agent === 'object'") is not True:
             assert time.monotonic() < deadline, "the example page did not load"
@@ -129,7 +107,7 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
         # the user speaks at 0.5 s of each 7.5 s loop; the answer (~3 s of espeak) follows the turn
         time.sleep(14.0)
         ft, crops, audio = read_av_tap(cdp, region)
-        stats = json.loads(urllib_get(app.url + "/api/stats"))
+        stats = get_json(url + "/api/stats")
         cdp.eval("window.agent.stop().then(() => 'ok')")
 
     assert len(ft) > 100, len(ft)
@@ -181,16 +159,10 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
     out = os.environ.get("CADENCE_PIPECAT_E2E_JSON")
     if out:
         Path(out).write_text(json.dumps(summary, indent=1))
-    # the engine shares two cores with Chromium, Pipecat, Silero and two VP8 encoders here: the page shows
-    # 21.8-23.4 fps (quiet machine, three runs); the 24 fps stream itself is held by tests/test_e2e_browser.py
-    assert 20.0 <= fps <= 26.0, summary
+    # a sanity floor: the video keeps flowing. The engine shares two cores with Chromium, Pipecat, Silero
+    # and two VP8 encoders, and Pipecat's video task resamples the frames on its own 24 fps timer: the page
+    # showed 20.1-23.4 fps in seven quiet runs here. The 24 fps stream itself: tests/test_e2e_browser.py
+    assert 18.0 <= fps <= 26.0, summary
     assert corrs[best] >= 0.5, summary
     assert abs(offset_ms) < 120.0, summary  # the A/V offset the viewer sees
     assert t_sound is not None and t_frame is not None, summary
-
-
-def urllib_get(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()

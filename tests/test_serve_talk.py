@@ -4,8 +4,6 @@ the agent uses and records what it was sent). Every session is a real one: the t
 on loopback, an aiortc client whose microphone plays the user's turn."""
 
 import asyncio
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,20 +11,14 @@ import pytest
 for _mod in ("fastapi", "uvicorn", "aiortc", "httpx"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
+from cadence.bench.turn import voiced  # the voiced stand-in for a user's (or a TTS's) speech
 from cadence.serve.agent import SAMPLE_RATE, VoiceActivity, wav_bytes
 from cadence.serve.client import run_client
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
+from cadence.serve.testing import AppThread
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def voiced(seconds: float, seed: int = 0) -> np.ndarray:
-    """A voiced stand-in (harmonics of 140 Hz with a syllable envelope), RMS ~0.1."""
-    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
-    x = sum(np.sin(2 * np.pi * 140 * k * t) / k for k in range(1, 6))
-    env = 0.6 + 0.4 * np.sin(2 * np.pi * 4 * t) ** 2
-    return (0.08 * x * env).astype(np.float32)
 
 
 def quiet(seconds: float) -> np.ndarray:
@@ -69,13 +61,12 @@ class FakeOpenAI:
     ``requests`` records (route, body) of every call."""
 
     def __init__(self, reply: str = "Hello there, nice to meet you.", speech_s: float = 1.2):
-        import uvicorn
         from fastapi import FastAPI, Request
         from fastapi.responses import Response
 
         self.requests: list[tuple[str, object]] = []
         app = FastAPI()
-        speech = wav_bytes(voiced(speech_s, seed=1))
+        speech = wav_bytes(voiced(speech_s))
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -96,22 +87,14 @@ class FakeOpenAI:
             self.requests.append(("tts", body))
             return Response(speech, media_type="audio/wav")
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.app = AppThread(app)
 
     def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the fake endpoint did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/v1"
+        self.url = self.app.__enter__() + "/v1"
         return self
 
     def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.app.__exit__(*exc)
 
 
 def _serve(**kw) -> ServerThread:

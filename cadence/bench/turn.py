@@ -34,7 +34,6 @@ import asyncio
 import itertools
 import statistics
 import sys
-import threading
 import time
 
 import numpy as np
@@ -83,8 +82,9 @@ class ScriptedEndpoint:
     Labelled as such in the results; it measures nothing of an LLM or a TTS."""
 
     def __init__(self):
-        import uvicorn
         from fastapi import FastAPI
+
+        from cadence.serve.testing import AppThread
 
         lines = itertools.cycle(SCRIPT)
         app = FastAPI()
@@ -103,21 +103,13 @@ class ScriptedEndpoint:
         async def tts():  # a stand-in voice: 1.5 s of the voiced signal, whatever the text
             return Response(speech, media_type="audio/wav")
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.app = AppThread(app)
 
     def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the scripted endpoint did not start")
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}/v1"
+        return self.app.__enter__() + "/v1"
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.app.__exit__(*exc)
 
 
 def voiced(seconds: float) -> np.ndarray:

@@ -53,3 +53,34 @@ def offer_sdp() -> str:
         return sdp
 
     return asyncio.run(make())
+
+
+class AppThread:
+    """Any ASGI app served by uvicorn on a loopback port in a background thread (a stand-in endpoint, an
+    example's app); ``with AppThread(app) as url:`` -> ``http://127.0.0.1:<port>``. For ``cadence serve``
+    itself use ``cadence.serve.server.ServerThread`` (it owns the session manager's start and stop)."""
+
+    def __init__(self, app, start_timeout: float = 30.0):
+        import time
+
+        import uvicorn
+
+        self._time = time
+        self.start_timeout = start_timeout
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="app-thread", daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = self._time.monotonic() + self.start_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or self._time.monotonic() > deadline:
+                raise RuntimeError(f"the app did not start within {self.start_timeout:.0f} s")
+            self._time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
