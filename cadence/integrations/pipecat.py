@@ -297,20 +297,20 @@ class _Local:
         from aiortc.mediastreams import MediaStreamError
 
         try:
-            f = await self.sess.video.recv()
+            _, frame = await self.sess.video.next_frame()
         except MediaStreamError:
             return None
         self.sess.touch()
-        return f.to_ndarray(format="rgb24")
+        return frame
 
     async def next_audio(self) -> np.ndarray | None:
         from aiortc.mediastreams import MediaStreamError
 
         try:
-            f = await self.sess.audio.recv()
+            _, samples = await self.sess.audio.next_samples()
         except MediaStreamError:
             return None
-        return f.to_ndarray().reshape(-1).astype(np.float32) / 32767.0
+        return samples
 
     async def stop(self) -> None:
         if self.sess is not None:

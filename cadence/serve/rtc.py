@@ -93,7 +93,9 @@ class VideoOut(_PacedTrack):
 
     kind = "video"
 
-    async def recv(self) -> av.VideoFrame:
+    async def next_frame(self) -> tuple[int, np.ndarray]:
+        """The next frame when it is due: ``(k, uint8 [H, W, 3])``. ``recv`` wraps it for WebRTC; an
+        in-process reader (``cadence.integrations.pipecat``) takes the array as it is."""
         if self.readyState != "live":
             raise MediaStreamError
         feed, clock, timing = self.feed, self.feed.clock, self.feed.timing
@@ -103,8 +105,12 @@ class VideoOut(_PacedTrack):
         frame, fresh = feed.buffer.video_frame(k)
         self.next_index = k + 1
         feed.on_video_frame(k, fresh, skipped, clock.now())
+        return k, frame
+
+    async def recv(self) -> av.VideoFrame:
+        k, frame = await self.next_frame()
         out = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-        out.pts = timing.video_pts(k)
+        out.pts = self.feed.timing.video_pts(k)
         out.time_base = Fraction(1, VIDEO_CLOCK_RATE)
         return out
 
@@ -114,7 +120,8 @@ class AudioOut(_PacedTrack):
 
     kind = "audio"
 
-    async def recv(self) -> av.AudioFrame:
+    async def next_samples(self) -> tuple[int, np.ndarray]:
+        """The next 20 ms when it is due: ``(n, float32 [960])`` (see ``VideoOut.next_frame``)."""
         if self.readyState != "live":
             raise MediaStreamError
         feed, clock, timing = self.feed, self.feed.clock, self.feed.timing
@@ -124,6 +131,11 @@ class AudioOut(_PacedTrack):
         samples, complete = feed.buffer.audio_frame(n)
         self.next_index = n + 1
         feed.on_audio_frame(n, complete, skipped, clock.now())
+        return n, samples
+
+    async def recv(self) -> av.AudioFrame:
+        n, samples = await self.next_samples()
+        timing = self.feed.timing
         pcm = to_s16(samples)
         out = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
         out.sample_rate = timing.sample_rate
