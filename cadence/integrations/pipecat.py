@@ -58,7 +58,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - the extra is missing
         f"cadence.integrations.pipecat needs Pipecat ({e.name} is missing): pip install 'cadence[pipecat]'"
     ) from e
 
-from cadence.serve.agent import SAMPLE_RATE, Agent
+from cadence.serve.agent import SAMPLE_RATE, Agent, SampleQueue
 
 log = logging.getLogger("cadence.pipecat")
 
@@ -327,50 +327,6 @@ class _Local:
 # ---- remote: a WebRTC client of cadence serve -------------------------------------------------------------
 
 
-class _SpeechTrack:
-    """The microphone track sent to ``cadence serve``: the TTS speech, paced in real time (20 ms frames of
-    48 kHz mono s16), silence when there is none. Built lazily (aiortc is imported on start)."""
-
-    @staticmethod
-    def create():
-        import av
-        from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-
-        from cadence.serve.agent import SampleQueue
-
-        class SpeechTrack(MediaStreamTrack):
-            kind = "audio"
-
-            def __init__(self):
-                super().__init__()
-                self.queue = SampleQueue(60.0)
-                self.n = 0
-                self.t0: float | None = None
-
-            async def recv(self):
-                if self.readyState != "live":
-                    raise MediaStreamError
-                size = SAMPLE_RATE // 50
-                if self.t0 is None:
-                    self.t0 = time.monotonic()
-                wait = self.t0 + self.n * 0.02 - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                out = np.zeros(size, np.float32)
-                got, _ = self.queue.take(size)
-                out[: got.size] = got
-                frame = av.AudioFrame.from_ndarray(
-                    np.frombuffer(_s16(out), np.int16).reshape(1, -1), format="s16", layout="mono"
-                )
-                frame.sample_rate = SAMPLE_RATE
-                frame.pts = self.n * size
-                frame.time_base = Fraction(1, SAMPLE_RATE)
-                self.n += 1
-                return frame
-
-        return SpeechTrack()
-
-
 class _Remote:
     def __init__(self, url: str, image: bytes | None, prompt: str | None, seed: int, api_key: str | None):
         self.url = url.rstrip("/")
@@ -380,6 +336,7 @@ class _Remote:
         self.pc = None
         self.sid = self.token = None
         self.mic = None
+        self.speech = SampleQueue(60.0)  # the TTS speech, sent as the microphone in real time
         self._video: asyncio.Queue = asyncio.Queue(maxsize=48)
         self._audio: asyncio.Queue = asyncio.Queue(maxsize=200)
         self._readers: list[asyncio.Task] = []
@@ -405,7 +362,9 @@ class _Remote:
             )
         self.width, self.height = conf["width"], conf["height"]
         pc = self.pc = RTCPeerConnection(rtc_configuration())
-        self.mic = _SpeechTrack.create()
+        from cadence.serve.client import MicTrack
+
+        self.mic = MicTrack(source=lambda n: self.speech.take(n)[0])
 
         @pc.on("track")
         def on_track(track):
@@ -453,12 +412,10 @@ class _Remote:
                     await self._audio.put(o.to_ndarray().reshape(-1).astype(np.float32))
 
     def speak(self, samples: np.ndarray, new_segment: bool) -> None:
-        if self.mic is not None:
-            self.mic.queue.push(samples)
+        self.speech.push(samples)
 
     async def interrupt(self) -> None:
-        if self.mic is not None:
-            self.mic.queue.drop()
+        self.speech.drop()
         if self.sid is not None:
             try:
                 await self.http.post(f"{self.url}/sessions/{self.sid}/interrupt", headers=self._auth())

@@ -25,13 +25,16 @@ from cadence.serve.rtc import negotiated_codecs, rtc_configuration
 
 
 class MicTrack(MediaStreamTrack):
-    """A microphone stand-in: 20 ms frames of 48 kHz mono s16 from ``samples`` (looped), else silence."""
+    """A microphone stand-in: 20 ms frames of 48 kHz mono s16, paced in real time, from ``samples``
+    (looped), or from ``source(n)`` (up to ``n`` samples; fewer are padded with silence: a live queue, as
+    ``cadence.integrations.pipecat`` sends its TTS speech), else silence."""
 
     kind = "audio"
 
-    def __init__(self, samples: np.ndarray | None = None, sample_rate: int = 48_000):
+    def __init__(self, samples: np.ndarray | None = None, sample_rate: int = 48_000, source=None):
         super().__init__()
         self.samples = None if samples is None else np.asarray(samples, np.float32)
+        self.source = source
         self.rate = sample_rate
         self.n = 0
         self.t0: float | None = None
@@ -45,7 +48,11 @@ class MicTrack(MediaStreamTrack):
         wait = self.t0 + self.n * 0.02 - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        if self.samples is None or self.samples.size == 0:
+        if self.source is not None:
+            chunk = np.zeros(size, np.float32)
+            got = self.source(size)
+            chunk[: got.size] = got
+        elif self.samples is None or self.samples.size == 0:
             chunk = np.zeros(size, np.float32)
         else:
             idx = (np.arange(size) + self.n * size) % self.samples.size
