@@ -72,17 +72,9 @@ PAUSE_S = 0.4
 
 
 class SpeechAgent(Agent):
-    """The session's agent in process: speech is what the Pipecat pipeline's TTS said (``push``)."""
+    """The session's agent in process: its speech is what the Pipecat pipeline's TTS said (``speak``)."""
 
     name = "pipecat"
-
-    def push(self, samples: np.ndarray, new_segment: bool) -> None:
-        """48 kHz mono float32 speech; ``new_segment``: its first sample starts an utterance (timed)."""
-        if samples.size == 0:
-            return
-        if new_segment:
-            self.segments += 1
-        self.speech.push(samples, time.monotonic() if new_segment else None)
 
 
 class _Resampler:
@@ -286,7 +278,7 @@ class _Local:
         log.info("cadence: in-process session %s (%s, %dx%d)", self.sess.sid, e.name, self.width, self.height)
 
     def speak(self, samples: np.ndarray, new_segment: bool) -> None:
-        self.agent.push(samples, new_segment)
+        self.agent.speak(samples, new_segment=new_segment)
         if self.sess is not None:
             self.sess.touch()
 

@@ -119,13 +119,16 @@ class Agent:
     def push_mic(self, samples: np.ndarray) -> None:
         """Microphone audio from the user (48 kHz mono float32). Ignored unless the agent uses it."""
 
-    def speak(self, samples: np.ndarray, t_agent: float | None = None) -> None:
-        """Queue one segment of speech (48 kHz mono float32); its first sample is marked with ``t_agent``
-        (default: now) for the audio -> frame latency."""
+    def speak(self, samples: np.ndarray, t_agent: float | None = None, new_segment: bool = True) -> None:
+        """Queue speech (48 kHz mono float32). ``new_segment``: it starts an utterance, whose first sample is
+        marked with ``t_agent`` (default: now) for the audio -> frame latency; False: it continues the last
+        one (a TTS streaming an utterance in pieces)."""
         if np.asarray(samples).size == 0:
             return
-        self.segments += 1
-        self.speech.push(samples, time.monotonic() if t_agent is None else t_agent)
+        if new_segment:
+            self.segments += 1
+        mark = (time.monotonic() if t_agent is None else t_agent) if new_segment else None
+        self.speech.push(samples, mark)
 
     #: Called after an interrupt (the session sets it: silence the audio of chunks planned, not yet played).
     on_interrupt = None
