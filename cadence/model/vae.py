@@ -892,6 +892,22 @@ _WAN21_RES = [
 ]
 
 
+def _wan_common_key(n: str) -> str:
+    """The renames Wan 2.1's and 2.2's original VAE keys share: conv1 / conv2 -> quant_conv /
+    post_quant_conv; {en,de}coder.conv1 / head.0 / head.2 -> conv_in / norm_out / conv_out; middle.0/1/2 ->
+    mid_block.resnets.0 / attentions.0 / resnets.1."""
+    if re.match(r"conv1\.", n):
+        n = "quant_conv." + n[len("conv1.") :]
+    elif re.match(r"conv2\.", n):
+        n = "post_quant_conv." + n[len("conv2.") :]
+    n = re.sub(r"^(encoder|decoder)\.conv1\.", r"\1.conv_in.", n)
+    n = re.sub(r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0.", n)
+    n = re.sub(r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0.", n)
+    n = re.sub(r"^(encoder|decoder)\.middle\.2\.", r"\1.mid_block.resnets.1.", n)
+    n = re.sub(r"^(encoder|decoder)\.head\.0\.", r"\1.norm_out.", n)
+    return re.sub(r"^(encoder|decoder)\.head\.2\.", r"\1.conv_out.", n)
+
+
 def wan21_vae_to_diffusers(
     sd: dict[str, torch.Tensor], num_res_blocks: int = 2, stages: int = 4
 ) -> dict[str, torch.Tensor]:
@@ -906,17 +922,7 @@ def wan21_vae_to_diffusers(
     per = num_res_blocks + 2  # resnets + upsampler of every stage but the last
     out = {}
     for k, v in sd.items():
-        n = k
-        if re.match(r"conv1\.", n):
-            n = "quant_conv." + n[len("conv1.") :]
-        elif re.match(r"conv2\.", n):
-            n = "post_quant_conv." + n[len("conv2.") :]
-        n = re.sub(r"^(encoder|decoder)\.conv1\.", r"\1.conv_in.", n)
-        n = re.sub(r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0.", n)
-        n = re.sub(r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0.", n)
-        n = re.sub(r"^(encoder|decoder)\.middle\.2\.", r"\1.mid_block.resnets.1.", n)
-        n = re.sub(r"^(encoder|decoder)\.head\.0\.", r"\1.norm_out.", n)
-        n = re.sub(r"^(encoder|decoder)\.head\.2\.", r"\1.conv_out.", n)
+        n = _wan_common_key(k)
         n = re.sub(r"^encoder\.downsamples\.", "encoder.down_blocks.", n)
         m = re.match(r"decoder\.upsamples\.(\d+)\.(.*)", n)
         if m:
@@ -944,17 +950,7 @@ def wan22_vae_to_diffusers(sd: dict[str, torch.Tensor], num_res_blocks: int = 2)
     Keys that fit none of these are kept as they are (the strict load then names them)."""
     out = {}
     for k, v in sd.items():
-        n = k
-        if re.match(r"conv1\.", n):
-            n = "quant_conv." + n[len("conv1.") :]
-        elif re.match(r"conv2\.", n):
-            n = "post_quant_conv." + n[len("conv2.") :]
-        n = re.sub(r"^(encoder|decoder)\.conv1\.", r"\1.conv_in.", n)
-        n = re.sub(r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0.", n)
-        n = re.sub(r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0.", n)
-        n = re.sub(r"^(encoder|decoder)\.middle\.2\.", r"\1.mid_block.resnets.1.", n)
-        n = re.sub(r"^(encoder|decoder)\.head\.0\.", r"\1.norm_out.", n)
-        n = re.sub(r"^(encoder|decoder)\.head\.2\.", r"\1.conv_out.", n)
+        n = _wan_common_key(k)
         m = re.match(r"encoder\.downsamples\.(\d+)\.downsamples\.(\d+)\.(.*)", n)
         if m:
             j = int(m.group(2))
