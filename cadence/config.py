@@ -96,6 +96,30 @@ class ModelConfig:
     """A local folder with the umT5 tokenizer (Wan ships it as ``google/umt5-xxl/``); None = the
     ``text_encoder`` folder itself."""
 
+    cond_channels: int = 0
+    """Channels concatenated to the latent before the patch embedding (image-to-video: a 4-channel mask of
+    the reference frames + their 16-channel VAE latent = 20, Wan2.1-I2V's ``in_dim`` 36); 0 = none."""
+    image_tokens: int = 0
+    """CLIP image tokens a cross-attention beside the text's reads (Wan2.1-I2V: 257, the penultimate layer of
+    CLIP ViT-H/14), projected by ``img_emb`` from ``image_dim``; 0 = none (text-to-video)."""
+    image_dim: int = 1280
+    """Width of one CLIP image token (ViT-H/14: 1280)."""
+    audio_arch: str = "cadence"
+    """The audio branch: 'cadence' (``audio_embed`` MLP per token, q/k-normed audio cross-attention) or
+    'multitalk' (InfiniteTalk / SoulX-FlashTalk: ``AudioProjModel`` from per-video-frame wav2vec2 windows to
+    ``audio_tokens_per_frame`` tokens of ``audio_context_dim`` per latent frame, read by a biased audio
+    cross-attention without q/k norms; ``cadence.model.multitalk``)."""
+    audio_window: int = 5
+    """'multitalk': wav2vec2 frames around each video frame (t-2 .. t+2)."""
+    audio_layers: int = 12
+    """'multitalk': wav2vec2 hidden states stacked per frame (every encoder layer: 12)."""
+    audio_hidden: int = 512
+    """'multitalk': width of the projection's hidden layers (``intermediate_dim``)."""
+    audio_context_dim: int = 768
+    """'multitalk': width of one projected audio token (``output_dim``), the audio cross-attention's K/V input."""
+    audio_norm_out: bool = True
+    """'multitalk': LayerNorm on the projected audio tokens (``norm_output_audio``)."""
+
     @property
     def rope_split(self) -> tuple[int, int, int]:
         """Channels of each head given to the (frame, height, width) rotary parts, as Wan splits them."""
@@ -287,6 +311,10 @@ class CadenceConfig:
                 errs.append(f"{what} must be positive, got {n}")
         if m.freq_dim % 2:
             errs.append(f"freq_dim ({m.freq_dim}) must be even")
+        if m.cond_channels < 0 or m.image_tokens < 0:
+            errs.append(f"cond_channels ({m.cond_channels}) and image_tokens ({m.image_tokens}) must be >= 0")
+        if m.audio_arch not in ("cadence", "multitalk"):
+            errs.append(f"audio_arch must be 'cadence' or 'multitalk', got {m.audio_arch!r}")
         if m.audio_every < 0:
             errs.append(f"audio_every must be >= 0, got {m.audio_every}")
         if m.audio_every and (m.audio_dim <= 0 or m.audio_tokens_per_frame <= 0):

@@ -26,6 +26,7 @@ from cadence.config import CadenceConfig, ModelConfig
 from cadence.model.attention import attention
 from cadence.model.full import FullSequence
 from cadence.model.layers import MLP2, PLAIN_OPS, LayerNorm32, Linear, RMSNorm, timestep_embedding
+from cadence.model.multitalk import AudioProjection, ImageProjection, latent_audio_windows
 from cadence.model.rope import Rope3D
 
 
@@ -73,33 +74,62 @@ class SelfAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Attention from the chunk's tokens to a context (text tokens, or audio tokens per frame)."""
+    """Attention from the chunk's tokens to a context (text tokens, or audio tokens per frame).
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    ``ctx_dim``: width of the context fed to ``kv`` (default ``dim``); ``qk_norm`` False: no RMS norms on q
+    and k (InfiniteTalk's audio attention); ``image``: a second context of image tokens (Wan I2V's CLIP
+    tokens) with its own K/V projection (``kv_img``) and k norm, attended by the same queries and summed
+    with the first before the output projection."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device=None,
+        dtype=None,
+        ctx_dim: int | None = None,
+        qk_norm: bool = True,
+        image: bool = False,
+    ):
         super().__init__()
         d = cfg.dim
         self.heads = cfg.num_heads
         self.q = Linear(d, d, device=device, dtype=dtype)
-        self.kv = Linear(d, 2 * d, device=device, dtype=dtype)
-        self.norm_q = RMSNorm(d, cfg.eps, device=device, dtype=dtype)
-        self.norm_k = RMSNorm(d, cfg.eps, device=device, dtype=dtype)
+        self.kv = Linear(ctx_dim or d, 2 * d, device=device, dtype=dtype)
+        self.norm_q = RMSNorm(d, cfg.eps, device=device, dtype=dtype) if qk_norm else None
+        self.norm_k = RMSNorm(d, cfg.eps, device=device, dtype=dtype) if qk_norm else None
         self.out = Linear(d, d, device=device, dtype=dtype)
+        if image:
+            self.kv_img = Linear(d, 2 * d, device=device, dtype=dtype)
+            self.norm_k_img = RMSNorm(d, cfg.eps, device=device, dtype=dtype)
+        else:
+            self.kv_img = self.norm_k_img = None
 
-    def context_kv(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ctx [B, L, dim] -> (k, v) [B, L, heads, head_dim]; for text this runs once per session."""
+    def context_kv(self, ctx: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """ctx [B, L, ctx_dim] -> (k, v) [B, L, heads, head_dim]; for text this runs once per session. With
+        image tokens [B, M, dim] (an ``image`` attention): (k, v, k_img, v_img)."""
         k, v = self.kv(ctx).chunk(2, dim=-1)
-        return self.norm_k(k).unflatten(-1, (self.heads, -1)), v.unflatten(-1, (self.heads, -1))
+        if self.norm_k is not None:
+            k = self.norm_k(k)
+        out = (k.unflatten(-1, (self.heads, -1)), v.unflatten(-1, (self.heads, -1)))
+        if image is not None:
+            ki, vi = self.kv_img(image).chunk(2, dim=-1)
+            out += (self.norm_k_img(ki).unflatten(-1, (self.heads, -1)), vi.unflatten(-1, (self.heads, -1)))
+        return out
 
-    def forward(
-        self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], groups: int = 1
-    ) -> torch.Tensor:
-        """x [B, N, dim]; kv [B*groups, L, heads, head_dim]. With groups > 1 the tokens are split into
-        `groups` equal consecutive runs (latent frames) and run g attends only to context g."""
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, ...], groups: int = 1) -> torch.Tensor:
+        """x [B, N, dim]; kv [B*groups, L, heads, head_dim] (k, v, and optionally image k, v). With groups > 1
+        the tokens are split into `groups` equal consecutive runs (latent frames) and run g attends only to
+        context g."""
         b, n, _ = x.shape
-        q = self.norm_q(self.q(x)).unflatten(-1, (self.heads, -1))
+        q = self.q(x)
+        if self.norm_q is not None:
+            q = self.norm_q(q)
+        q = q.unflatten(-1, (self.heads, -1))
         if groups > 1:
             q = q.reshape(b * groups, n // groups, self.heads, -1)
         o = attention(q, kv[0], kv[1])
+        if len(kv) == 4:
+            o = o + attention(q, kv[2], kv[3])
         return self.out(o.reshape(b, n, -1))
 
 
@@ -110,10 +140,15 @@ class Block(nn.Module):
         self.norm1 = LayerNorm32(d, cfg.eps, affine=False, device=device)
         self.self_attn = SelfAttention(cfg, device, dtype)
         self.norm2 = LayerNorm32(d, cfg.eps, affine=True, device=device) if cfg.cross_attn_norm else None
-        self.cross_attn = CrossAttention(cfg, device, dtype)
+        self.cross_attn = CrossAttention(cfg, device, dtype, image=cfg.image_tokens > 0)
         if audio:
             self.norm_audio = LayerNorm32(d, cfg.eps, affine=True, device=device)
-            self.audio_attn = CrossAttention(cfg, device, dtype)
+            if cfg.audio_arch == "multitalk":  # biased q / kv from the projected audio tokens, no q/k norms
+                self.audio_attn = CrossAttention(
+                    cfg, device, dtype, ctx_dim=cfg.audio_context_dim, qk_norm=False
+                )
+            else:
+                self.audio_attn = CrossAttention(cfg, device, dtype)
         else:
             self.norm_audio = self.audio_attn = None
         self.norm3 = LayerNorm32(d, cfg.eps, affine=False, device=device)
@@ -173,14 +208,21 @@ class WanDiT(nn.Module):
         m = cfg.model
         self.mcfg = m
         d = m.dim
-        self.patch_embed = Linear(m.in_channels * math.prod(m.patch), d, device=device, dtype=dtype)
+        self.patch_embed = Linear(
+            (m.in_channels + m.cond_channels) * math.prod(m.patch), d, device=device, dtype=dtype
+        )
         self.time_embed = MLP2(m.freq_dim, d, d, "silu", device, torch.float32)
         self.time_proj = Linear(d, 6 * d, device=device, dtype=torch.float32)
         self.text_embed = MLP2(m.text_dim, d, d, "gelu", device, dtype)
-        self.audio_embed = MLP2(m.audio_dim, d, d, "gelu", device, dtype) if m.audio_every > 0 else None
+        multitalk = m.audio_arch == "multitalk" and m.audio_every > 0
+        self.audio_embed = (
+            MLP2(m.audio_dim, d, d, "gelu", device, dtype) if m.audio_every > 0 and not multitalk else None
+        )
+        self.audio_proj = AudioProjection(m, device, dtype) if multitalk else None  # cadence.model.multitalk
+        self.img_emb = ImageProjection(m, device, dtype) if m.image_tokens > 0 else None
         self.audio_pos = (
             nn.Parameter(torch.zeros(m.audio_tokens_per_frame, d, device=device, dtype=dtype))
-            if m.audio_every > 0 and m.audio_pos
+            if m.audio_every > 0 and m.audio_pos and not multitalk
             else None
         )
         self.blocks = nn.ModuleList([Block(m, m.has_audio(i), device, dtype) for i in range(m.num_layers)])
@@ -219,13 +261,24 @@ class WanDiT(nn.Module):
         proj = self.time_proj(torch.nn.functional.silu(temb))
         return temb, proj.unflatten(-1, (6, -1))
 
-    def prepare_text(self, text: torch.Tensor) -> TextContext:
-        """Prompt embedding [B, L, text_dim] -> per-block cross-attention K/V (once per session)."""
+    def prepare_text(self, text: torch.Tensor, image: torch.Tensor | None = None) -> TextContext:
+        """Prompt embedding [B, L, text_dim] (and, for an image-conditioned model, CLIP image tokens
+        [B, image_tokens, image_dim]) -> per-block cross-attention K/V (once per session)."""
         ctx = self.text_embed(text.to(self.dtype))
-        return TextContext([blk.cross_attn.context_kv(ctx) for blk in self.blocks])
+        img = None
+        if self.img_emb is not None:
+            if image is None:
+                raise ValueError("this model reads CLIP image tokens (image_tokens > 0): pass image=")
+            img = self.img_emb(image.to(self.dtype))
+        return TextContext([blk.cross_attn.context_kv(ctx, img) for blk in self.blocks])
 
     def embed_audio(self, audio: torch.Tensor | None) -> torch.Tensor | None:
-        """Audio features [B, F, A, audio_dim] -> [B*F, A, dim] (one context per latent frame)."""
+        """Audio features [B, F, A, audio_dim] -> [B*F, A, dim] (one context per latent frame). With the
+        'multitalk' branch: per-video-frame windows [B, 1 + 4 (F-1), window, layers, audio_dim] ->
+        [B*F, audio_tokens_per_frame, audio_context_dim] (``cadence.model.multitalk``)."""
+        if audio is not None and self.audio_proj is not None:
+            tokens = self.audio_proj(*latent_audio_windows(audio.to(self.dtype)))
+            return tokens.flatten(0, 1)
         if audio is None or self.audio_embed is None:
             return None
         b, f, a, _ = audio.shape
@@ -271,6 +324,7 @@ class WanDiT(nn.Module):
         mask: torch.Tensor | None = None,
         frame_offset: int = 0,
         frame_positions: torch.Tensor | None = None,
+        image: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Reference forward over a whole latent sequence (no cache).
 
@@ -278,7 +332,10 @@ class WanDiT(nn.Module):
         audio [B, F, A, audio_dim] or None; mask [N, N] bool (True = attend) or None for
         bidirectional attention. Frame positions are frame_offset + 0..F-1, or `frame_positions` [F // pt]
         (integers; repeats allowed: training lays a noisy copy of a chunk at its clean copy's position).
-        Returns [B, C, F, H, W].
+        ``text`` may also be a prepared :class:`TextContext` (``prepare_text``: the K/V computed once for
+        many passes); ``image``: CLIP image tokens for an image-conditioned model. x carries
+        ``in_channels + cond_channels`` channels (an I2V model's mask and reference latent concatenated).
+        Returns [B, out_channels, F, H, W].
         """
         b, c, f, h, w = x.shape
         pt, ph, pw = self.mcfg.patch
@@ -295,5 +352,6 @@ class WanDiT(nn.Module):
         cos, sin = self.rope.cos_sin(frames, h // ph, w // pw)
         seq = FullSequence(cos, sin, mask)
         audio_ctx = self.embed_audio(audio)
-        tokens = self._blocks(tokens, temb6, seq, False, self.prepare_text(text), audio_ctx, n_f)
+        ctx = text if isinstance(text, TextContext) else self.prepare_text(text, image)
+        tokens = self._blocks(tokens, temb6, seq, False, ctx, audio_ctx, n_f)
         return self.unpatchify(self.head(tokens, temb), f, h, w)

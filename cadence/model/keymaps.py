@@ -6,7 +6,7 @@ Each rule: (regex on a source key, cadence key template, slot in a fused group o
 
 from __future__ import annotations
 
-_FUSED = {"qkv": ("q", "k", "v"), "kv": ("k", "v")}
+_FUSED = {"qkv": ("q", "k", "v"), "kv": ("k", "v"), "kv_img": ("k", "v")}
 
 _DIFFUSERS: list[tuple[str, str, str | None]] = [
     (r"patch_embedding\.(weight|bias)", r"patch_embed.\1", None),
@@ -55,6 +55,21 @@ _WAN: list[tuple[str, str, str | None]] = [
     (r"blocks\.(\d+)\.modulation", r"blocks.\1.modulation", None),
     (r"head\.head\.(\w+)", r"head.proj.\1", None),
     (r"head\.modulation", r"head.modulation", None),
+    # Wan2.1-I2V: CLIP image tokens (``img_emb``: LayerNorm, Linear, GELU, Linear, LayerNorm) and their K/V
+    # in every block's cross-attention
+    (r"img_emb\.proj\.0\.(weight|bias)", r"img_emb.norm_in.\1", None),
+    (r"img_emb\.proj\.1\.(weight|bias)", r"img_emb.fc1.\1", None),
+    (r"img_emb\.proj\.3\.(weight|bias)", r"img_emb.fc2.\1", None),
+    (r"img_emb\.proj\.4\.(weight|bias)", r"img_emb.norm_out.\1", None),
+    (r"blocks\.(\d+)\.cross_attn\.(k|v)_img\.(\w+)", r"blocks.\1.cross_attn.kv_img.\3", "\\2"),
+    (r"blocks\.(\d+)\.cross_attn\.norm_k_img\.weight", r"blocks.\1.cross_attn.norm_k_img.weight", None),
+    # InfiniteTalk / SoulX-FlashTalk (``cadence.model.multitalk``): the audio projection and every block's
+    # audio cross-attention (``kv_linear`` is already k then v) and its input norm
+    (r"audio_proj\.(proj1|proj1_vf|proj2|proj3|norm)\.(weight|bias)", r"audio_proj.\1.\2", None),
+    (r"blocks\.(\d+)\.audio_cross_attn\.q_linear\.(\w+)", r"blocks.\1.audio_attn.q.\2", None),
+    (r"blocks\.(\d+)\.audio_cross_attn\.kv_linear\.(\w+)", r"blocks.\1.audio_attn.kv.\2", None),
+    (r"blocks\.(\d+)\.audio_cross_attn\.proj\.(\w+)", r"blocks.\1.audio_attn.out.\2", None),
+    (r"blocks\.(\d+)\.norm_x\.(weight|bias)", r"blocks.\1.norm_audio.\2", None),
 ]
 
 KEY_MAPS: dict[str, list[tuple[str, str, str | None]]] = {"diffusers": _DIFFUSERS, "wan": _WAN}
