@@ -26,6 +26,11 @@ Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures
   every linear of the attention blocks, merged at load; base ``.pt`` as Self-Forcing (or ``model``). A
   prompt switch re-computes the recent chunks' K/V under the new prompt (its interactive mode,
   ``global_sink`` true: the frame sink kept).
+* ``flashtalk`` (Soul-AILab/SoulX-FlashTalk): InfiniteTalk's model (Wan2.1-I2V-14B: CLIP-H image tokens, the
+  reference latent + mask on the input channels, an audio cross-attention in every block fed by
+  ``AudioProjModel`` from wav2vec2 windows: ``cadence.model.multitalk``) distilled to 4 steps, streamed as
+  33-frame clips at 25 fps whose first 5 frames are the last clip's (``cadence.model.flashtalk``). A diffusers
+  folder (config.json + safetensors) with Wan's names. The engine does not stream it yet (status 'model').
 * ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
   Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
   Config, key mapping and detection only: its server rebuilds the cache every block from the last
@@ -110,7 +115,15 @@ class ModelFamily:
     ``global_sink``: true in its shipped configs) or recomputed (the sink then moves to recent chunks)."""
     status: str = "parity"
     """'parity': the model pass and the stream are tested equal to the reference code
-    (tests/fixtures/<name>/); 'config': configuration, key mapping and detection only."""
+    (tests/fixtures/<name>/); 'model': the model pass and the family's own sampler (outside the engine) are
+    tested equal, the engine does not stream it yet; 'config': configuration, key mapping and detection
+    only."""
+    clip_frames: int = 0
+    """Clip-based families (FlashTalk): video frames generated together per call (bidirectional; 0 = a
+    block-causal K/V stream)."""
+    motion_frames: int = 0
+    """Clip-based families: the last video frames of a clip carried into the next one as its first latents
+    (the clip's new video is ``clip_frames - motion_frames`` frames)."""
     notes: str = ""
     """What is not reproduced, if anything."""
 
@@ -197,6 +210,59 @@ FAMILIES: dict[str, ModelFamily] = {
         "the committed K/V instead (window 2 blocks), so streams differ from Krea's after the first block.",
     ),
 }
+
+
+FAMILIES["flashtalk"] = ModelFamily(
+    name="flashtalk",
+    title="SoulX-FlashTalk (Wan2.1-I2V-14B + InfiniteTalk audio; 4-step 33-frame clips, 5 motion frames)",
+    reference="Soul-AILab/SoulX-FlashTalk: flash_talk/src/pipeline/flash_talk_pipeline.py, "
+    "flash_talk/infinite_talk/modules/multitalk_model.py",
+    preset="w1.3",
+    model=dict(
+        _SF_MODEL,
+        dim=5120,
+        num_heads=40,
+        head_dim=128,
+        ffn_dim=13824,
+        num_layers=40,
+        cond_channels=20,
+        image_tokens=257,
+        image_dim=1280,
+        audio_every=1,
+        audio_arch="multitalk",
+        audio_dim=768,
+        audio_layers=12,
+        audio_window=5,
+        audio_hidden=512,
+        audio_context_dim=768,
+        audio_tokens_per_frame=32,
+        audio_norm_out=True,
+    ),
+    stream=dict(
+        height=768,
+        width=448,
+        fps=25,
+        latent_frames_per_chunk=7,  # the 28 new video frames of a 33-frame clip
+        sink_frames=0,
+        passes=4,
+        timesteps=(1000.0, 750.0, 500.0, 250.0),
+        shift=5.0,
+        sampler="renoise",
+        warp_denoising_step=True,
+        timestep_table=0,
+    ),
+    checkpoint=CheckpointFormat(kinds=(".safetensors",), names="wan"),
+    audio_encoder="wav2vec2 (chinese-wav2vec2-base, every layer's hidden state at 25 fps)",
+    vision_encoder="CLIP ViT-H/14 (Wan's open-clip xlm-roberta-large-vit-huge-14, penultimate layer)",
+    reference_window="bidirectional within a 33-frame clip (frame_num 33, motion_frames_num 5: "
+    "flash_talk/configs/infer_params.yaml)",
+    status="model",
+    clip_frames=33,
+    motion_frames=5,
+    notes="Model pass and one clip's sampler equal to FlashTalk's; not streamed by the engine (its clips are "
+    "bidirectional with motion frames re-encoded by the VAE), CLIP vision encoder, the VAE / colour-correction "
+    "step between clips and the wav2vec2 stream's context not wired.",
+)
 
 
 def list_families() -> list[ModelFamily]:
