@@ -167,3 +167,39 @@ def test_other_files_are_refused(tmp_path):
     save_file(t2v, str(tmp_path / "t2v.safetensors"))
     with pytest.raises(WeightsError, match="missing key.*audio_proj|missing key.*img_emb"):
         load_family_weights(m, tmp_path / "t2v.safetensors", "flashtalk")
+
+
+def test_stream_with_the_vae_between_clips(model):
+    """The stream as FlashTalk runs it, over its first two clips: each clip from the motion latents Cadence made
+    itself (the reference image encoded; then clip 0 decoded by the Wan VAE, colour-corrected towards the
+    reference at strength 1 and its last 5 frames encoded), the reference's noise draws. The VAE is the wan_vae
+    fixture's (the reference ran the same file in its own ``WanVAE_``; sha256 checked). Two clips, not three,
+    to keep the CPU test short (one VAE decode + encode: ~1.5 s on two cores); the third clip's motion latents
+    are the same step (checked above from the reference's own)."""
+    import hashlib
+
+    from cadence.model.flashtalk import next_clip_frames
+    from cadence.model.vae import load_wan_vae
+
+    pth = Path(__file__).parent / "fixtures" / "wan_vae" / "Wan2.1_VAE_tiny.pth"
+    assert hashlib.sha256(pth.read_bytes()).hexdigest() == C["vae_sha256"]
+    vae = load_wan_vae(pth)
+    s = DATA["stream"]
+    ref_image = s["cond_image"][0]  # [3, 1, H, W]
+    motion = vae.normalize_latents(vae.encode(ref_image))
+    assert rel(motion, s["motion"][0]) <= 1e-5, rel(motion, s["motion"][0])
+    ctx = model.prepare_text(text_of(DATA["prompt"]), DATA["clip"])
+    ts = shifted_timesteps((1000.0, 750.0, 500.0, 250.0), C["shift"])
+    enc, n = C["audio_encoded_frames"], C["frame_num"]
+    draws = s["noise"].unflatten(0, (3, C["steps"] + 1))
+    errs = []
+    for k in range(2):
+        audio = frame_windows(s["features"][k], enc - n, n, last=enc - 1)
+        latent = sample_clip(model, draws[k], motion, s["y"][0], ctx, audio, ts)
+        errs.append(rel(latent, s["latents"][k]))
+        if k == 0:
+            frames, motion = next_clip_frames(vae, latent, ref_image, C["motion_frames"], strength=1.0)
+            assert frames.shape[1] == n - C["motion_frames"]
+            assert rel(frames.norm(), s["video_norms"][k]) <= 1e-4
+            errs.append(rel(motion, s["motion"][k + 1]))
+    assert max(errs) <= 1e-4, errs

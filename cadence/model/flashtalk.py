@@ -17,9 +17,10 @@ FlashTalk streams a talking avatar as a run of short bidirectional clips, not a 
   pass; one generator draws the initial noise and every re-noising draw, in that order.
 
 :func:`sample_clip` is that loop on a :class:`cadence.model.dit.WanDiT` built with the family's
-configuration. Decoding the clip, FlashTalk's colour correction of the decoded frames towards the reference
-image (Lab mean / std transfer) and re-encoding the last 5 frames into the next motion latents are the
-caller's (not built here yet: docs/models.md).
+configuration. :func:`next_clip_frames` is what FlashTalk does between clips: the whole clip decoded by the Wan
+2.1 VAE (``cadence.model.vae.WanVAE``, clamped to [-1, 1]), every frame colour-corrected towards the reference
+image (:func:`match_colors`: per-frame CIELAB mean / std transfer, blended at ``strength``; FlashTalk ships 1.0),
+the new frames returned and the last ``motion_frames`` re-encoded into the next clip's motion latents.
 """
 
 from __future__ import annotations
@@ -29,6 +30,74 @@ from collections.abc import Sequence
 import torch
 
 from cadence.model.multitalk import reference_mask
+
+_RGB_TO_XYZ = torch.tensor(  # linear sRGB -> CIE XYZ, D65 (IEC 61966-2-1)
+    [[0.4124564, 0.3575761, 0.1804375], [0.2126729, 0.7151522, 0.0721750], [0.0193339, 0.1191920, 0.9503041]],
+    dtype=torch.float64,
+)
+_XYZ_TO_RGB = torch.tensor(  # its inverse as published (not inverted here: the published 7 digits)
+    [
+        [3.2404542, -1.5371385, -0.4985314],
+        [-0.9692660, 1.8760108, 0.0415560],
+        [0.0556434, -0.2040259, 1.0572252],
+    ],
+    dtype=torch.float64,
+)
+_D65 = (0.95047, 1.0, 1.08883)
+_LAB_EPS, _LAB_KAPPA = 0.008856, 903.3  # CIE's rounded constants
+
+
+def _to_lab(rgb: torch.Tensor) -> torch.Tensor:
+    """sRGB [..., 3] in [0, 1] -> CIELAB [..., 3] (D65; XYZ clamped to [1e-8, 1] before the cube root)."""
+    lin = torch.where(rgb > 0.04045, ((rgb + 0.055) / 1.055) ** 2.4, rgb / 12.92)
+    xyz = lin @ _RGB_TO_XYZ.to(rgb).T / torch.tensor(_D65).to(rgb)
+    xyz = xyz.clamp(1e-8, 1.0)
+    f = torch.where(xyz > _LAB_EPS, xyz ** (1 / 3), (_LAB_KAPPA * xyz + 16) / 116)
+    fx, fy, fz = f.unbind(-1)
+    return torch.stack([116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)], dim=-1)
+
+
+def _from_lab(lab: torch.Tensor) -> torch.Tensor:
+    """CIELAB [..., 3] -> sRGB [..., 3] clamped to [0, 1]."""
+    light, a, b = lab.unbind(-1)
+    fy = (light + 16) / 116
+    fx, fz = fy + a / 500, fy - b / 200
+    x = torch.where(fx**3 > _LAB_EPS, fx**3, (116 * fx - 16) / _LAB_KAPPA)
+    y = torch.where(light > _LAB_KAPPA * _LAB_EPS, fy**3, light / _LAB_KAPPA)
+    z = torch.where(fz**3 > _LAB_EPS, fz**3, (116 * fz - 16) / _LAB_KAPPA)
+    lin = (torch.stack([x, y, z], dim=-1) * torch.tensor(_D65).to(lab)) @ _XYZ_TO_RGB.to(lab).T
+    rgb = torch.where(lin > 0.0031308, 1.055 * lin ** (1 / 2.4) - 0.055, 12.92 * lin)
+    return rgb.clamp(0.0, 1.0)
+
+
+def match_colors(video: torch.Tensor, reference: torch.Tensor, strength: float) -> torch.Tensor:
+    """Frames [3, T, H, W] in [-1, 1] moved towards the reference image's colours [3, 1, H, W]: per frame and
+    CIELAB channel, (x - mean) * ref_std / std + ref_mean over the pixels (population std; a flat channel keeps
+    std 1), converted back and blended ``(1 - strength) * frame + strength * corrected``."""
+    if strength <= 0:
+        return video.clone()
+    src = ((video + 1) / 2).permute(1, 2, 3, 0)  # [T, H, W, 3] in [0, 1]
+    ref = _to_lab(((reference.to(video) + 1) / 2).permute(1, 2, 3, 0))
+    lab = _to_lab(src)
+    mean, std = lab.mean(dim=(1, 2), keepdim=True), lab.std(dim=(1, 2), keepdim=True, unbiased=False)
+    std = torch.where(std < 1e-8, torch.ones_like(std), std)
+    r_mean, r_std = ref.mean(dim=(1, 2), keepdim=True), ref.std(dim=(1, 2), keepdim=True, unbiased=False)
+    out = (1 - strength) * src + strength * _from_lab((lab - mean) * (r_std / std) + r_mean)
+    return (out * 2 - 1).permute(3, 0, 1, 2).contiguous()
+
+
+@torch.no_grad()
+def next_clip_frames(
+    vae, latent: torch.Tensor, reference: torch.Tensor, motion_frames: int = 5, strength: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A denoised clip [16, F, h, w] -> (its new frames [3, 1 + 4 (F - 1) - motion_frames, H, W] in [-1, 1],
+    the next clip's motion latents [16, 1 + (motion_frames - 1) // 4, h, w]): decoded whole (a fresh decoder
+    state per clip, as FlashTalk's ``WanVAE.decode``), colour-corrected towards ``reference`` [3, 1, H, W],
+    the last ``motion_frames`` encoded and normalised. ``vae``: a ``cadence.model.vae.WanVAE``."""
+    video = vae.stream().decode_chunk(vae.denormalize_latents(latent.to(vae.param_dtype())))
+    video = match_colors(video.float(), reference, strength)
+    motion = vae.normalize_latents(vae.encode(video[:, -motion_frames:]).float())
+    return video[:, motion_frames:], motion
 
 
 def shifted_timesteps(steps: Sequence[float], shift: float, num: int = 1000) -> torch.Tensor:
