@@ -259,9 +259,9 @@ FAMILIES["flashtalk"] = ModelFamily(
     status="model",
     clip_frames=33,
     motion_frames=5,
-    notes="Model pass and one clip's sampler equal to FlashTalk's; not streamed by the engine (its clips are "
-    "bidirectional with motion frames re-encoded by the VAE), CLIP vision encoder, the VAE / colour-correction "
-    "step between clips and the wav2vec2 stream's context not wired.",
+    notes="Model pass, clip sampler and the step between clips (VAE, colour match, motion latents) equal to "
+    "FlashTalk's (cadence.model.flashtalk); not streamed by the engine (its clips are bidirectional with the VAE "
+    "between them); the CLIP vision encoder and live wav2vec2 audio are not wired.",
 )
 
 
