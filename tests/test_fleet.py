@@ -269,6 +269,7 @@ def _wait(pred, timeout, what, every=0.25):
         time.sleep(every)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node():
     _needs_ray()

@@ -38,7 +38,7 @@ from cadence.serve.browser import AV_TAP_JS, Chromium, chromium_path, get_json, 
 from cadence.serve.config import ServeConfig
 from cadence.serve.testing import AppThread
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAME_MS = 1000 / 24

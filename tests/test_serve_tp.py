@@ -87,6 +87,7 @@ def test_tensor_parallel_group_names_are_checked(bad):
         ServeConfig(groups=(bad,))
 
 
+@pytest.mark.slow
 def test_a_follower_rank_that_dies_restarts_the_group():
     """Rank 0 would wait in a collective for a dead follower until TP_TIMEOUT_S; the group's watchdog
     reports it at once, the server restarts the whole group (new processes) and it serves again."""

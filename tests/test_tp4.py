@@ -49,9 +49,12 @@ TP_TOL = 1e-5
 RING_FP8_TOL = 1e-4
 FP8_BUDGET = 0.10
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
+    pytest.mark.slow,  # four ranks on a 2-core machine: ~20 s (tests/test_tp.py covers two ranks by default)
+]
 
 
 @pytest.fixture(scope="module")

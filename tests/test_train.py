@@ -76,6 +76,7 @@ def test_training_sequence_equals_cached_stream(window):
             assert _rel(out[:, i - 1 : i], ref) < 1e-5, (i, _rel(out[:, i - 1 : i], ref))
 
 
+@pytest.mark.slow
 def test_toy_training_writes_loadable_weights(tmp_path):
     tc = toy_config()
     tc.vae_steps = 12
