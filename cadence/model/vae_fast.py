@@ -25,6 +25,18 @@ Modes (:data:`MODES`), each adding to the one before:
   2x2 conv to the four output phases at the LOW resolution, then the phases interleaved: the same math
   with 2.25x fewer multiply-adds in those convs (Wan 2.2 at 704x1088: 7.7 -> 3.4 of 56.4 TFLOP per 4-frame
   chunk; Wan 2.1 at 480x832, 12 frames: 3.4 -> 1.5 of 40.7). Not measured on a GPU yet.
+* ``fp8`` (instead of ``fold`` / ``up``): ``compile`` + the up blocks' big convs in FP8 e4m3 with float32
+  accumulation (``cadence.kernels.conv_fp8``): every 3x3x3 stride-1 causal conv and every upsampler's 3x3
+  conv in ``decoder.up_blocks`` whose input channels are a multiple of 128 and output channels of 16 (the
+  residual blocks' convs and the 2D upsampler convs; not the 1x1 shortcuts or the 3x1x1 time convs). The
+  mid block (1% of the work, but on a random-weight decoder a fifth of FP8's image error), conv_in and
+  conv_out stay bf16. Weights get a
+  scale per output channel, taken now; each conv input one per tensor, on the device each call (fused by
+  torch.compile into the norm + SiLU before it). Backend: ``CADENCE_CONV_FP8`` = ``triton`` (default: the
+  implicit-GEMM kernel) | ``cudnn`` (cuDNN's FP8 conv fprop, when the ``cudnn`` frontend is installed). An
+  FP8 conv that cannot run (no CUDA, no Triton, sm < 8.9) leaves the convs in bf16 with one log line; one
+  that raises at a call falls back to the plain conv for good, one log line. Image error vs bf16 / fp32:
+  docs/perf/vae/NOTES.md.
 
 Fallbacks: a mode that cannot apply (no CUDA for ``compile``/``fold`` is fine; a torch.compile that fails at
 build or at its first call) logs one line and the decoder carries on with the modes below it. The first
@@ -37,16 +49,19 @@ Apply after loading weights (``fold`` keeps a folded copy of each conv weight, t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from cadence.errors import ConfigError
+from cadence.kernels import conv_fp8
 from cadence.model.vae import CausalConv3d, Resample, WanVAE, fold_time_weight, subpixel_weight
 
 log = logging.getLogger("cadence.vae")
 
-MODES = ("off", "cl", "compile", "bench", "fold", "up")
+MODES = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 
 
 @dataclass
@@ -98,6 +113,95 @@ def unfold_convs(module: torch.nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, CausalConv3d):
             m.w2d = None
+
+
+class _Fp8Conv:
+    """What the FP8 conv classes share: the quantised weight (buffers, not in the state dict), the backend,
+    and the fall back to the plain conv (for good, one log line) when the FP8 conv raises at an eager call.
+    Under torch.compile a raise reaches :class:`_GuardedForward`, whose eager re-run lands here."""
+
+    fp8_backend: str = "triton"
+    fp8_off: str = ""
+
+    def _fp8_setup(self, backend: str) -> None:
+        wq, sw = conv_fp8.quantize_weight(self.weight)
+        self.register_buffer("fp8_w", wq, persistent=False)
+        self.register_buffer("fp8_sw", sw, persistent=False)
+        b = None if self.bias is None else self.bias.detach().float()
+        self.register_buffer("fp8_bias", b, persistent=False)
+        self.fp8_backend = backend
+
+    def _fp8(self, x: torch.Tensor, kt: int, plain, post=None):
+        """The FP8 conv of ``x`` [B, C, T_out + kt - 1, H, W] (then ``post``), or ``plain()`` once it failed."""
+
+        def fp8():
+            y = conv_fp8.conv3x3_fp8(x, self.fp8_w, self.fp8_sw, self.fp8_bias, kt, self.fp8_backend)
+            return y if post is None else post(y)
+
+        if torch.compiler.is_compiling():
+            return fp8()
+        if self.fp8_off:
+            return plain()
+        try:
+            return fp8()
+        except Exception as e:
+            self.fp8_off = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            log.warning(
+                "FP8 conv (%s) failed at a call (%s): plain conv from now on", self.fp8_backend, self.fp8_off
+            )
+            return plain()
+
+
+class Fp8CausalConv3d(_Fp8Conv, CausalConv3d):
+    """A :class:`CausalConv3d` (3x3x3, stride 1) whose conv, after the causal frames are put in front, runs in
+    FP8 (``cadence.kernels.conv_fp8``). Made by :func:`fp8_convs` from a built conv (same parameters)."""
+
+    def _conv_forward(self, x, weight, bias):
+        return self._fp8(x, 3, lambda: F.conv3d(x, weight, bias, self.stride, self.padding))
+
+
+class Fp8Conv2d(_Fp8Conv, torch.nn.Conv2d):
+    """An upsampler's 3x3 conv (stride 1, padding 1) in FP8: the frames [N, C, H, W] as one clip of N frames
+    through the same kernel with a 1-frame temporal kernel."""
+
+    def _conv_forward(self, x, weight, bias):
+        return self._fp8(
+            x.transpose(0, 1).unsqueeze(0),  # [1, C, N, H, W]: a view of the NHWC frames
+            1,
+            lambda: F.conv2d(x, weight, bias, self.stride, self.padding),
+            post=lambda y: y[0].transpose(0, 1),  # [N, O, H, W] channels_last
+        )
+
+
+def _fp8_kind(m: torch.nn.Module, multiple: int) -> str:
+    """'3d' / '2d' when ``m`` is a conv the FP8 path takes, else ''."""
+    if isinstance(m, CausalConv3d):
+        ok = m.kernel_size == (3, 3, 3) and m.stride == (1, 1, 1) and m.padding == (0, 1, 1) and m.tpad == 2
+        kind = "3d"
+    elif type(m) is torch.nn.Conv2d:
+        ok = m.kernel_size == (3, 3) and m.stride == (1, 1) and m.padding == (1, 1)
+        kind = "2d"
+    else:
+        return ""
+    ok = ok and m.groups == 1 and all(d == 1 for d in m.dilation) and m.padding_mode == "zeros"
+    return kind if ok and m.in_channels % multiple == 0 and m.out_channels % 16 == 0 else ""
+
+
+def fp8_convs(module: torch.nn.Module, backend: str, multiple: int | None = None) -> int:
+    """Turn every conv under ``module`` the FP8 path takes into :class:`Fp8CausalConv3d` / :class:`Fp8Conv2d`
+    (in place: same parameters, quantised copies of the weights as buffers); returns how many. ``multiple``:
+    the input channels must be a multiple of it (default: 128 for the Triton kernel's BLOCK_K on GPUs, 16
+    under the interpreter and for cuDNN, 1 for the reference)."""
+    if multiple is None:
+        multiple = {"reference": 1, "cudnn": 16}.get(backend, 16 if conv_fp8.interpreting() else 128)
+    n = 0
+    for m in list(module.modules()):
+        kind = _fp8_kind(m, multiple)
+        if kind:
+            m.__class__ = Fp8CausalConv3d if kind == "3d" else Fp8Conv2d
+            m._fp8_setup(backend)
+            n += 1
+    return n
 
 
 class _GuardedForward:
@@ -160,7 +264,15 @@ def accelerate_decoder(vae: WanVAE, mode: str = "compile") -> DecoderFastReport:
         rep.applied.append(f"fold:{n}")
     if mode == "up":
         rep.applied.append(f"subpixel:{subpixel_upsamplers(dec)}")
-    if mode in ("compile", "bench", "fold", "up"):
+    if mode == "fp8":
+        backend = os.environ.get("CADENCE_CONV_FP8", "triton")
+        why = conv_fp8.why_not(dec.conv_in.weight.device, backend)
+        if why:
+            log.warning("Wan decoder FP8 convs unavailable (%s): bf16 convs", why)
+            rep.notes.append(f"fp8 unavailable ({why}): bf16 convs")
+        else:
+            rep.applied.append(f"fp8:{fp8_convs(dec.up_blocks, backend)}:{backend}")
+    if mode in ("compile", "bench", "fold", "up", "fp8"):
         if mode == "bench" and dec.conv_in.weight.is_cuda and torch.backends.cudnn.is_available():
             torch.backends.cudnn.benchmark = True
             rep.applied.append("cudnn_benchmark")

@@ -1,0 +1,100 @@
+"""Triton kernel of the FP8 implicit-GEMM 3D conv (imported lazily by ``cadence.kernels.conv_fp8``, which
+holds the host side, the reference and the layout contract).
+
+The input comes quantised AND zero-padded in space, channels last, flattened to rows of C bytes:
+``Q [B, TP, H + 2, W + 2, C]`` e4m3 (TP = T_out + KT - 1: the causal frames already in front). The output is
+computed on the padded grid: output row ``r = (t * HP + h) * WP + w`` of batch b reads, for tap (dt, dh, dw),
+the input row ``r + (dt * HP + dh) * WP + dw``. So each tap's A block is a contiguous run of BLOCK_M rows
+(a shifted plain GEMM operand, no per-element index math, no spatial masks), and the conv is KT * 9 shifted
+GEMMs summed into one accumulator. The grid's border rows (h >= H or w >= W) are computed and dropped at
+the store: +1.1% work at 352x544, +7.5% at 44x68.
+
+K order of the weight ``Wq [N, KT * 9 * C]``: ``((dt * 3 + dh) * 3 + dw) * C + c``, so iteration i of the
+K loop (BLOCK_K divides C) is tap ``i // (C / BLOCK_K)`` and weight column ``i * BLOCK_K``.
+
+Epilogue: ``acc * (x_scale * w_scale[n]) + bias[n]`` in float32, cast to the output dtype, stored into
+``Y [B, T_out, H, W, N]`` (channels last).
+"""
+
+import triton
+import triton.language as tl
+
+from cadence.kernels.quant_triton import _round_grid
+
+
+@triton.jit
+def conv3x3_fp8_kernel(
+    Q,
+    Wq,
+    SX,
+    SW,
+    BIAS,
+    Y,
+    T_out,
+    H,
+    W,
+    C,
+    N,
+    HAS_BIAS: tl.constexpr,
+    KT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # program ids: the N tiles of one M tile are neighbours (they share the A rows in L2)
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+
+    HP = H + 2
+    WP = W + 2
+    frame = HP * WP
+    rows_in = (T_out + KT - 1) * frame  # input rows of one batch
+    ktot = KT * 9 * C
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    nmask = rn < N
+
+    q_b = Q + b.to(tl.int64) * rows_in * C
+    a_base = q_b + rm[:, None].to(tl.int64) * C + rk[None, :]
+    w_base = Wq + rn[None, :].to(tl.int64) * ktot + rk[:, None]  # [BLOCK_K, BLOCK_N], K contiguous
+
+    nkc = C // BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(KT * 9 * nkc):
+        tap = i // nkc
+        c0 = (i - tap * nkc) * BLOCK_K
+        dt = tap // 9
+        dh = (tap // 3) % 3
+        dw = tap % 3
+        off = (dt * HP + dh) * WP + dw
+        amask = (rm + off) < rows_in
+        a = tl.load(a_base + (off * C + c0), mask=amask[:, None], other=0.0)
+        w = tl.load(w_base + i * BLOCK_K, mask=nmask[None, :], other=0.0)
+        if UPCAST:  # the interpreter has no fp8 dot: e4m3 values are exact in float32
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+
+    sx = tl.load(SX)
+    sw = tl.load(SW + rn, mask=nmask, other=0.0)
+    out = acc * (sx * sw)[None, :]
+    if HAS_BIAS:
+        out += tl.load(BIAS + rn, mask=nmask, other=0.0)[None, :]
+    if ROUND_BF16:  # the interpreter's float32 -> bf16 cast truncates: round to nearest even first
+        out = _round_grid(out, 0.0078125, 9.183549615799121e-41)
+
+    t = rm // frame
+    rem = rm - t * frame
+    h = rem // WP
+    w_ = rem - h * WP
+    keep = (t < T_out) & (h < H) & (w_ < W)
+    yrow = ((b * T_out + t).to(tl.int64) * H + h) * W + w_
+    y_ptr = Y + yrow[:, None] * N + rn[None, :]
+    tl.store(y_ptr, out.to(Y.dtype.element_ty), mask=keep[:, None] & nmask[None, :])
