@@ -45,6 +45,7 @@ import torch
 from cadence.bench.common import median, p99, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import PipelineConfig, get_preset
+from cadence.engine.spec import DECODER_FAST
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -117,7 +118,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--decoder-fast",
         default=None,
-        choices=["off", "cl", "compile", "bench", "fold", "up"],
+        choices=list(DECODER_FAST),
         help="the Wan decoder's fast path (cadence.model.vae_fast; default: compile on CUDA, off on the CPU)",
     )
     p.add_argument(

@@ -13,6 +13,7 @@ an H200; the deadline is 166.7 ms per 4-frame chunk at 24 fps.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
 import sys
@@ -21,6 +22,7 @@ import torch
 
 from cadence.bench.common import Timer, median, p99, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.engine.spec import DECODER_FAST
 
 DEADLINE_MS = 4 / 24 * 1e3
 
@@ -53,10 +55,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder (eager on failure)")
     p.add_argument(
         "--fast",
-        choices=["off", "cl", "compile", "bench", "fold", "up"],
+        choices=list(DECODER_FAST),
         default=None,
         help="the Wan decoder's fast path as the pipeline applies it (cadence.model.vae_fast: cl = "
-        "channels-last, compile = cl + torch.compile, fold = compile + temporal convs as one conv2d); "
+        "channels-last, compile = cl + torch.compile, fold = compile + temporal convs as one conv2d, fp8 = "
+        "compile + the up blocks' big convs in FP8, backend from CADENCE_CONV_FP8); "
         "replaces --channels-last/--compile for the wan decoder",
     )
     p.add_argument(
@@ -243,6 +246,11 @@ def run(args: argparse.Namespace) -> dict:
             + (["cl"] if args.channels_last else [])
             + (["compile"] if compiled else [])
             + ([f"fast{args.fast}"] if fast_rep is not None else [])
+            + (
+                [os.environ.get("CADENCE_CONV_FP8", "triton")]
+                if fast_rep is not None and args.fast == "fp8"
+                else []
+            )
             + ([f"lf{lf}"] if lf != 1 else [])
             + (["cudnnbench"] if args.cudnn_benchmark else [])
         )

@@ -119,7 +119,7 @@ def apply_decoder_fast(eng: Engine, mode: str | None, notes: list[str]) -> str:
     wan = getattr(vae, "wan", None)
     if wan is None or getattr(vae, "taehv", None) is not None:
         return f"off (decoder {eng.gen.cfg.vae.decoder} has none)"
-    if torch.device(eng.placement.decode_device).type != "cuda" and mode in ("compile", "fold", "up"):
+    if torch.device(eng.placement.decode_device).type != "cuda" and mode in ("compile", "fold", "up", "fp8"):
         notes.append(f"decoder_fast: {mode} needs a CUDA decode device: channels-last only")
         mode = "cl"
     from cadence.model.vae_fast import accelerate_decoder

@@ -26,7 +26,7 @@ DEFAULT_PROMPT = "a person talking to the camera"
 CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
 DECODERS = ("standin", "wan", "taehv")
 #: The Wan decoder's fast paths (``cadence.model.vae_fast.MODES``; torch-free copy).
-DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up")
+DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -56,7 +56,8 @@ class FastPath:
     """The full Wan decoder's fast path on its decode device (``cadence.model.vae_fast``): 'off', 'cl'
     (channels-last), 'compile' (cl + torch.compile of the decoder, compiled during the
     warm-up), 'bench' (compile + cudnn.benchmark: faster steady chunks, a slow first chunk per stream), 'fold' (compile + temporal convs as one conv2d: measured slower) or 'up' (compile + the spatial
-    upsamplers' convs at the low resolution, 2.25x fewer multiply-adds there: not measured yet). None: 'compile' on CUDA, 'off' on the CPU. Only the 'wan'
+    upsamplers' convs at the low resolution, 2.25x fewer multiply-adds there: not measured yet) or 'fp8' (compile + the up blocks' big convs in FP8:
+    faster, with a larger image error: docs/perf/vae/NOTES.md). None: 'compile' on CUDA, 'off' on the CPU. Only the 'wan'
     decoder has one; a compile that fails falls back to eager with one log line."""
     comm: str = "auto"
     """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""

@@ -15,7 +15,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from cadence.engine.shm import SHM_MIN_BYTES
-from cadence.engine.spec import DEFAULT_PROMPT, FastPath, WorkerSpec, base_config
+from cadence.engine.spec import DECODER_FAST, DEFAULT_PROMPT, FastPath, WorkerSpec, base_config
 from cadence.errors import ConfigError, InputError
 
 __all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "serve_groups", "worker_spec"]
@@ -125,7 +125,7 @@ class ServeConfig:
     groups. None: each group decodes on its own GPU, on a stream of its own. Tensor-parallel groups always
     decode on their own GPUs (a note says so)."""
     decoder_fast: str | None = None
-    """The full Wan decoder's fast path (``FastPath.decoder_fast``: 'off' | 'cl' | 'compile' | 'bench' | 'fold' | 'up'); None =
+    """The full Wan decoder's fast path (``FastPath.decoder_fast``: 'off' | 'cl' | 'compile' | 'bench' | 'fold' | 'up' | 'fp8'); None =
     'compile' on CUDA (compiled during the warm-up), 'off' on the CPU."""
     kv_fp8: bool | None = None
     """Ring cache with FP8 K/V (the FP8 attention kernel). None = on for CUDA groups. CUDA only."""
@@ -392,7 +392,7 @@ def add_engine_flags(parser) -> None:
     g.add_argument(
         "--decoder-fast",
         default=None,
-        choices=["off", "cl", "compile", "bench", "fold", "up"],
+        choices=list(DECODER_FAST),
         help="the Wan decoder's fast path (default: compile on CUDA, off on the CPU)",
     )
     g.add_argument(
