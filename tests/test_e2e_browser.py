@@ -25,7 +25,8 @@ and audio over WebRTC on loopback, and we measure, in the page:
   stay under 120 ms and none may be off by a whole chunk. One chunk is 166.7 ms (a server error of
   a chunk would settle at ~167 ms plus the bias), one video frame 41.7 ms; the browser's jitter
   buffers and our detection granularity (a 60 Hz compositor, 2.7 ms audio blocks, WebAudio's own
-  buffering) add some 20-40 ms (settled offsets measured here: 40-100 ms); broadcast lip-sync
+  buffering) add some 20-40 ms (settled offsets measured here: 40-100 ms; 55-80 ms in five runs on a 2-core
+  AMD EPYC, 2026-12-01); broadcast lip-sync
   tolerance (ITU-R BT.1359, EBU R37) is about -125/+45 ms. A server whose streams drift apart never
   settles and fails too.
 
@@ -60,7 +61,10 @@ SETTLE_MARKERS = 4  # the browser's A/V sync has settled when this many consecut
 SETTLE_SPREAD_MS = 18.0  # ... agree within this (settled, they stay put or jitter by one 60 Hz display
 #                          refresh, 16.7 ms; converging, they move by ~10-30 ms per marker)
 SETTLE_DEADLINE_S = 15.0  # seconds after the first frame
-SYNC_GRACE_S = 1.0  # markers count from this long after the browser's A/V sync has its sender reports
+SYNC_GRACE_S = 2.5  # markers count from this long after the browser's A/V sync has its sender reports
+#                     (1.0 s until 2026-12-01: Chrome moves the video delay in steps with plateaus between
+#                     them, and four markers on a plateau of its convergence read as settled: 124 ms once
+#                     on the 2-core AMD EPYC; the same run's offsets went 168 -> 111 -> 94 -> 77 ms)
 
 
 @pytest.fixture
