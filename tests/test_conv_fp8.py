@@ -146,3 +146,17 @@ def test_fp8_mode_without_a_backend_keeps_bf16_convs(monkeypatch, caplog):
     assert "compile" in rep.applied and any("fp8 unavailable" in n for n in rep.notes)
     assert sum("FP8 convs unavailable" in r.getMessage() for r in caplog.records) == 1
     assert conv_fp8.why_not(torch.device("cpu"), "nope").startswith("unknown")
+
+
+@needs_triton
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_triton_quantisation_gives_torch_bytes(channels_last):
+    """The opaque quantisation op (amax + one Triton pass) writes the same e4m3 bytes and scale as the torch
+    version that torch.compile fuses (the interpreter rounds to the e4m3 grid itself: see quant_triton)."""
+    x = torch.randn(2, 32, 4, 5, 7, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    q1, s1 = conv_fp8.quantize_input(x)
+    q2, s2 = conv_fp8.quantize_input_triton(x)
+    assert torch.equal(s1, s2) and q2.shape == q1.shape == (2, 4, 7, 9, 32)
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))

@@ -98,3 +98,58 @@ def conv3x3_fp8_kernel(
     yrow = ((b * T_out + t).to(tl.int64) * H + h) * W + w_
     y_ptr = Y + yrow[:, None] * N + rn[None, :]
     tl.store(y_ptr, out.to(Y.dtype.element_ty), mask=keep[:, None] & nmask[None, :])
+
+
+@triton.jit
+def quant_pad_kernel(
+    X,
+    Q,
+    SX,
+    R,
+    TP,
+    H,
+    W,
+    C,
+    sxb,
+    sxt,
+    sxh,
+    sxw,
+    GRID_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """``Q [B, TP, H + 2, W + 2, C]`` e4m3 = clamp(X / sx) with a zero border, X [B, C, TP, H, W] with unit
+    channel stride (channels last); BLOCK_R padded rows per program, the channels in BLOCK_C slices. The
+    division is IEEE (``div_rn``, as torch's); GRID_ROUND (the interpreter only) rounds to the e4m3 grid
+    before the cast (``quant_triton._round_grid``)."""
+    HP = H + 2
+    WP = W + 2
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    wp = r % WP
+    rest = r // WP
+    hp = rest % HP
+    rest = rest // HP
+    t = rest % TP
+    b = rest // TP
+    live = r < R
+    inside = live & (hp >= 1) & (hp <= H) & (wp >= 1) & (wp <= W)
+    src = (
+        b.to(tl.int64) * sxb
+        + t.to(tl.int64) * sxt
+        + (hp - 1).to(tl.int64) * sxh
+        + (wp - 1).to(tl.int64) * sxw
+    )
+    sx = tl.load(SX)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cm = cols < C
+        v = tl.load(X + src[:, None] + cols[None, :], mask=inside[:, None] & cm[None, :], other=0.0)
+        y = tl.math.div_rn(v.to(tl.float32), tl.full(v.shape, 1.0, tl.float32) * sx)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if GRID_ROUND:
+            y = _round_grid(y, 0.125, 0.001953125)
+        tl.store(
+            Q + r[:, None].to(tl.int64) * C + cols[None, :],
+            y.to(Q.dtype.element_ty),
+            mask=live[:, None] & cm[None, :],
+        )

@@ -73,6 +73,54 @@ def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8), sx
 
 
+def quantize_input_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_input` in two launches outside inductor: torch's one-pass inf-norm (amax) and one Triton
+    pass (scale, clamp, cast, zero border, channels last). Same bytes as the torch version."""
+    import triton
+
+    from cadence.kernels._conv_fp8_triton import quant_pad_kernel
+
+    if x.stride(1) != 1:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    b, c, tp, h, w = x.shape
+    amax = torch.linalg.vector_norm(x, float("inf")).float()
+    sx = (amax.clamp_min(AMAX_MIN) / FP8_MAX).reshape(1)
+    q = torch.empty(b, tp, h + 2, w + 2, c, device=x.device, dtype=FP8)
+    rows = b * tp * (h + 2) * (w + 2)
+    interp = interpreting()
+    br, bc = (16, 16) if interp else (32, min(256, triton.next_power_of_2(c)))
+    quant_pad_kernel[(triton.cdiv(rows, br),)](
+        x,
+        q,
+        sx,
+        rows,
+        tp,
+        h,
+        w,
+        c,
+        x.stride(0),
+        x.stride(2),
+        x.stride(3),
+        x.stride(4),
+        GRID_ROUND=interp,
+        BLOCK_R=br,
+        BLOCK_C=bc,
+        num_warps=4,
+    )
+    return q, sx
+
+
+@torch.library.custom_op("cadence::quant_pad_fp8", mutates_args=())
+def _quant_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_input_triton(x)
+
+
+@_quant_op.register_fake
+def _(x):
+    b, c, tp, h, w = x.shape
+    return x.new_empty((b, tp, h + 2, w + 2, c), dtype=FP8), x.new_empty((1,), dtype=torch.float32)
+
+
 # ---- the reference ---------------------------------------------------------------------------------------
 def conv3x3_fp8_reference(q, sx, wq, sw, bias, kt: int, out_dtype: torch.dtype) -> torch.Tensor:
     """The quantised conv in plain PyTorch: both operands dequantised to float32, a valid ``F.conv3d`` over
@@ -261,11 +309,13 @@ def conv3x3_fp8(
     bias: torch.Tensor | None,
     kt: int,
     backend: str = "triton",
+    quant: str = "torch",
 ) -> torch.Tensor:
     """``conv3d(x, w, bias, padding=(0, 1, 1))`` in FP8: x [B, C, T_out + kt - 1, H, W] (temporal padding
     already in front), (wq, sw) from :func:`quantize_weight`. Returns [B, N, T_out, H, W] in x's dtype,
-    channels_last_3d."""
-    q, sx = quantize_input(x)
+    channels_last_3d. ``quant``: 'torch' (:func:`quantize_input`, fused by torch.compile into the ops before
+    it) or 'triton' (:func:`quantize_input_triton`, an opaque op)."""
+    q, sx = _quant_op(x) if quant == "triton" else quantize_input(x)
     y = _conv_op(q, sx, wq, sw, bias, kt, x.dtype, backend)
     return y.permute(0, 4, 1, 2, 3)
 

@@ -121,6 +121,7 @@ class _Fp8Conv:
     Under torch.compile a raise reaches :class:`_GuardedForward`, whose eager re-run lands here."""
 
     fp8_backend: str = "triton"
+    fp8_quant: str = os.environ.get("CADENCE_CONV_FP8_QUANT", "torch")
     fp8_off: str = ""
 
     def _fp8_setup(self, backend: str) -> None:
@@ -135,7 +136,9 @@ class _Fp8Conv:
         """The FP8 conv of ``x`` [B, C, T_out + kt - 1, H, W] (then ``post``), or ``plain()`` once it failed."""
 
         def fp8():
-            y = conv_fp8.conv3x3_fp8(x, self.fp8_w, self.fp8_sw, self.fp8_bias, kt, self.fp8_backend)
+            y = conv_fp8.conv3x3_fp8(
+                x, self.fp8_w, self.fp8_sw, self.fp8_bias, kt, self.fp8_backend, self.fp8_quant
+            )
             return y if post is None else post(y)
 
         if torch.compiler.is_compiling():
