@@ -272,6 +272,7 @@ def create_app(cfg: ServeConfig | None = None, loopback: bool = True) -> FastAPI
             "frames_out": c.frames_out,
             "voiced_out_s": round(c.voiced_out_s, 3),
             "speech_in_at": [t + time.time() - time.monotonic() for t in c.segment_times],  # wall clock
+            "voice_out_at": [t + time.time() - time.monotonic() for t in c.voice_out_times],
             "session": c.report(),
         }
 

@@ -138,6 +138,14 @@ def test_in_process_the_mouth_moves_with_the_bot_voice_at_24_fps():
         f"in process: {len(times)} frames in {span:.2f} s = {fps:.2f} fps; speech out {svc.audio_out_s:.2f} s"
     )
     assert 23.0 <= fps <= 25.0, fps
+    # the bot's speech in -> its first voiced 20 ms out of the service (the session's lead plus the wait for
+    # the next chunk boundary: what the service adds before any transport)
+    t_in = svc.segment_times[0]
+    t_out = next(t for t, pcm in sink.audio if float(np.sqrt(np.mean(pcm * pcm))) > 0.01)
+    report_lead = report.get("lead_ms")
+    print(
+        f"in process: speech in -> first voiced audio out {1e3 * (t_out - t_in):.0f} ms (lead {report_lead} ms)"
+    )
     # idle: before any speech the frames still change (the model's motion, not one held frame); a frame
     # may repeat where the worker fell behind (a loaded 2-core machine), most do not
     t_speech = sink.audio[0][0]

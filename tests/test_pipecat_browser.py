@@ -44,6 +44,19 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAME_MS = 1000 / 24
 
 
+# the page's inbound streams: mean jitter-buffer delay per emitted frame / sample block (ms)
+JITTER_JS = r"""
+(async () => {
+  const out = {};
+  (await window.agent.pc().getStats()).forEach((r) => {
+    if (r.type === "inbound-rtp" && r.jitterBufferEmittedCount)
+      out[r.kind] = Math.round(1000 * r.jitterBufferDelay / r.jitterBufferEmittedCount * 10) / 10;
+  });
+  return out;
+})()
+"""
+
+
 @pytest.fixture
 def chromium() -> str:
     if os.environ.get("CADENCE_BROWSER_TESTS") == "0":
@@ -108,6 +121,7 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
         time.sleep(14.0)
         ft, crops, audio = read_av_tap(cdp, region)
         stats = get_json(url + "/api/stats")
+        jitter = cdp.eval(JITTER_JS)  # where the browser holds the media (diagnostics, in the summary)
         cdp.eval("window.agent.stop().then(() => 'ok')")
 
     assert len(ft) > 100, len(ft)
@@ -135,6 +149,7 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
     t_speech_in = min(x * 1e3 for x in stats["speech_in_at"] if x * 1e3 >= t_answer)
     loud = audio[(audio[:, 1] > 0.02) & (audio[:, 0] > t_answer)]
     t_sound = loud[0, 0] if loud.size else None
+    t_voice_out = min((x * 1e3 for x in stats["voice_out_at"] if x * 1e3 >= t_speech_in), default=None)
     speak_level, idle_level = np.percentile(mouth, 90), np.percentile(mouth, 10)
     moving = [t for t, mo in zip(ft, mouth) if t > t_answer and mo > (idle_level + speak_level) / 2]
     t_frame = moving[0] if moving else None
@@ -147,9 +162,14 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
         "user_end_to_tts_ms": round(t_answer - t_user_end, 1),
         "tts_to_speech_at_cadence_ms": round(t_speech_in - t_answer, 1),
         "speech_at_cadence_to_first_sound_ms": t_sound and round(t_sound - t_speech_in, 1),
+        # of which: inside Cadence (the session's lead + the wait for a chunk boundary), then Pipecat's output
+        # transport, WebRTC and the browser (its audio jitter buffer: browser_jitter_buffer_ms)
+        "speech_at_cadence_to_voice_out_ms": t_voice_out and round(t_voice_out - t_speech_in, 1),
+        "voice_out_to_first_sound_ms": t_voice_out and t_sound and round(t_sound - t_voice_out, 1),
         "speech_at_cadence_to_first_speaking_frame_ms": t_frame and round(t_frame - t_speech_in, 1),
         "user_end_to_first_speaking_frame_ms": t_frame and round(t_frame - t_user_end, 1),
         "voiced_out_s": stats["voiced_out_s"],
+        "browser_jitter_buffer_ms": jitter,
         "session": {
             k: (stats["session"] or {}).get(k)
             for k in ("lead_ms", "fps", "agent_audio_to_frame_ms_p50", "underruns")

@@ -156,6 +156,9 @@ class CadenceVideoService(FrameProcessor):
         self.voiced_out_s = 0.0  # of which voiced (RMS > SILENCE_RMS)
         self.interruptions = 0
         self.segment_times: list[float] = []  # when each utterance's first TTS audio arrived (monotonic)
+        self.voice_out_times: list[
+            float
+        ] = []  # when each stretch of speech's first voiced 20 ms left (monotonic)
 
     @property
     def width(self) -> int | None:
@@ -235,6 +238,8 @@ class CadenceVideoService(FrameProcessor):
             voiced = float(np.sqrt(np.mean(pcm * pcm))) > SILENCE_RMS
             if self._cut:  # interrupted: no trailing pause
                 self._cut, quiet_for = False, float("inf")
+            if voiced and quiet_for > PAUSE_S:
+                self.voice_out_times.append(time.monotonic())
             quiet_for = 0.0 if voiced else quiet_for + pcm.size / SAMPLE_RATE
             if quiet_for <= PAUSE_S:  # speech, and the pauses inside it (not the silence between turns)
                 await self.push_frame(
