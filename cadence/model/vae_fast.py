@@ -30,13 +30,14 @@ Modes (:data:`MODES`), each adding to the one before:
   conv in ``decoder.up_blocks`` whose input channels are a multiple of 128 and output channels of 16 (the
   residual blocks' convs and the 2D upsampler convs; not the 1x1 shortcuts or the 3x1x1 time convs). The
   mid block (1% of the work, but on a random-weight decoder a fifth of FP8's image error), conv_in and
-  conv_out stay bf16. Weights get a
-  scale per output channel, taken now; each conv input one per tensor, on the device each call (fused by
-  torch.compile into the norm + SiLU before it). Backend: ``CADENCE_CONV_FP8`` = ``triton`` (default: the
-  implicit-GEMM kernel) | ``cudnn`` (cuDNN's FP8 conv fprop, when the ``cudnn`` frontend is installed). An
-  FP8 conv that cannot run (no CUDA, no Triton, sm < 8.9) leaves the convs in bf16 with one log line; one
-  that raises at a call falls back to the plain conv for good, one log line. Image error vs bf16 / fp32:
-  docs/perf/vae/NOTES.md.
+  conv_out stay bf16. Weights get a scale per output channel, taken now; each conv input one per tensor,
+  on the device each call, quantised by an opaque op after the norm + SiLU + causal cat that torch.compile
+  fuses (``CADENCE_CONV_FP8_QUANT=triton``, the default; ``torch`` lets inductor fuse the quantisation too:
+  measured 16 ms slower per chunk). Backend: ``CADENCE_CONV_FP8`` = ``triton`` (default: the implicit-GEMM
+  kernel) | ``cudnn`` (cuDNN's FP8 conv fprop, when the ``cudnn`` frontend is installed: measured ~300
+  TFLOP/s, 2.5x slower than bf16). An FP8 conv that cannot run (no CUDA, no Triton, sm < 8.9) leaves the
+  convs in bf16 with one log line; one that raises at a call falls back to the plain conv for good, one log
+  line. Image error vs bf16 / fp32: docs/perf/vae/NOTES.md.
 
 Fallbacks: a mode that cannot apply (no CUDA for ``compile``/``fold`` is fine; a torch.compile that fails at
 build or at its first call) logs one line and the decoder carries on with the modes below it. The first
@@ -121,7 +122,7 @@ class _Fp8Conv:
     Under torch.compile a raise reaches :class:`_GuardedForward`, whose eager re-run lands here."""
 
     fp8_backend: str = "triton"
-    fp8_quant: str = os.environ.get("CADENCE_CONV_FP8_QUANT", "torch")
+    fp8_quant: str | None = os.environ.get("CADENCE_CONV_FP8_QUANT") or None  # None: conv3x3_fp8's default
     fp8_off: str = ""
 
     def _fp8_setup(self, backend: str) -> None:
