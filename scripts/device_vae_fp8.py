@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from cadence.bench.common import Timer, median
 from cadence.kernels import conv_fp8 as cf
-from cadence.model import vae_fast
 from cadence.model.vae import WanVAE, wan_vae_config
+from cadence.runtime import vae_fast
 
 out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 parts = os.environ.get("CADENCE_FP8_PARTS", "layers,stream").split(",")

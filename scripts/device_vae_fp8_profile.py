@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cadence.bench.common import Timer, median
 from cadence.model.vae import WanVAE, wan_vae_config
-from cadence.model.vae_fast import accelerate_decoder
+from cadence.runtime.vae_fast import accelerate_decoder
 
 mode = sys.argv[1]
 torch.backends.cudnn.benchmark = True

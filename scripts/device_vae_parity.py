@@ -10,7 +10,7 @@ import sys
 import torch
 
 from cadence.model.vae import WanVAE, wan_vae_config
-from cadence.model.vae_fast import accelerate_decoder
+from cadence.runtime.vae_fast import accelerate_decoder
 
 
 def run(vae, z, sizes):

@@ -1,4 +1,4 @@
-"""The FP8 decoder convs (cadence.kernels.conv_fp8, the ``fp8`` mode of cadence.model.vae_fast) on the CPU.
+"""The FP8 decoder convs (cadence.kernels.conv_fp8, the ``fp8`` mode of cadence.runtime.vae_fast) on the CPU.
 
 Tolerances, and why:
 * Triton kernel vs the plain-PyTorch reference (under TRITON_INTERPRET=1, set by conftest.py): both see the
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from cadence.kernels import conv_fp8
-from cadence.model import vae_fast
 from cadence.model.vae import WanVAE, wan_vae_config
+from cadence.runtime import vae_fast
 
 
 def _rel(a, b):

@@ -1,4 +1,4 @@
-"""The Wan decoder's fast paths (cadence.model.vae_fast) against the plain streaming decoder.
+"""The Wan decoder's fast paths (cadence.runtime.vae_fast) against the plain streaming decoder.
 
 CPU, float32, small random Wan VAEs of both geometries. Tolerance: relative L2 <= 1e-5 and max abs <= 1e-4
 (``cl``, ``fold`` and ``up`` change only the summation order / memory layout; well under both here).
@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from cadence.errors import ConfigError
-from cadence.model import vae_fast
 from cadence.model.vae import (
     WanVAE,
     _conv_time_folded,
@@ -24,6 +23,7 @@ from cadence.model.vae import (
     subpixel_weight,
     wan_vae_config,
 )
+from cadence.runtime import vae_fast
 
 REL_TOL = 1e-5
 ABS_TOL = 1e-4

@@ -119,7 +119,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--decoder-fast",
         default=None,
         choices=list(DECODER_FAST),
-        help="the Wan decoder's fast path (cadence.model.vae_fast; default: compile on CUDA, off on the CPU)",
+        help="the Wan decoder's fast path (cadence.runtime.vae_fast; default: compile on CUDA, off on the CPU)",
     )
     p.add_argument(
         "--lead-ms",

@@ -57,7 +57,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--fast",
         choices=list(DECODER_FAST),
         default=None,
-        help="the Wan decoder's fast path as the pipeline applies it (cadence.model.vae_fast: cl = "
+        help="the Wan decoder's fast path as the pipeline applies it (cadence.runtime.vae_fast: cl = "
         "channels-last, compile = cl + torch.compile, fold = compile + temporal convs as one conv2d, fp8 = "
         "compile + the up blocks' big convs in FP8, backend from CADENCE_CONV_FP8); "
         "replaces --channels-last/--compile for the wan decoder",
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     lh, lw = args.height // stride[1], args.width // stride[2]
     fast_rep = None
     if args.fast is not None and args.decoder == "wan":
-        from cadence.model.vae_fast import accelerate_decoder
+        from cadence.runtime.vae_fast import accelerate_decoder
 
         fast_rep = accelerate_decoder(model, args.fast)
         args.channels_last = args.fast != "off"

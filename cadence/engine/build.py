@@ -20,7 +20,7 @@ else applied from outside):
 7. **Cache and graphs**: the session's cache follows the config (step 1); the engine owns a graph runner
    (capturing only steady-state shapes, after warm-up; a tensor-parallel group agrees on every capture).
 8. **The Wan decoder's fast path** (``FastPath.decoder_fast``: channels-last, torch.compile, time-folded
-   convs; ``cadence.model.vae_fast``) on the decode device's copy of the VAE; it compiles in the warm-up.
+   convs; ``cadence.runtime.vae_fast``) on the decode device's copy of the VAE; it compiles in the warm-up.
 
 Any step that cannot apply falls back with one log line (``Engine.notes``, reported at ``/config``), never
 a crash; a converter that fails raises with the model unchanged (no half-converted model is ever served).
@@ -109,7 +109,7 @@ def build_model_for(
 
 
 def apply_decoder_fast(eng: Engine, mode: str | None, notes: list[str]) -> str:
-    """Step 8: the full Wan decoder's fast path (``cadence.model.vae_fast``) on the decode device's copy of
+    """Step 8: the full Wan decoder's fast path (``cadence.runtime.vae_fast``) on the decode device's copy of
     the VAE (built here, before any session, so the copy is made from plain modules). Returns what applied;
     appends a note when something asked for could not (the stand-in / tiny decoders have no fast path)."""
     mode = mode or "off"
@@ -122,7 +122,7 @@ def apply_decoder_fast(eng: Engine, mode: str | None, notes: list[str]) -> str:
     if torch.device(eng.placement.decode_device).type != "cuda" and mode in ("compile", "fold", "up", "fp8"):
         notes.append(f"decoder_fast: {mode} needs a CUDA decode device: channels-last only")
         mode = "cl"
-    from cadence.model.vae_fast import accelerate_decoder
+    from cadence.runtime.vae_fast import accelerate_decoder
 
     return accelerate_decoder(wan, mode).describe()
 

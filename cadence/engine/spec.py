@@ -25,7 +25,7 @@ DEFAULT_PROMPT = "a person talking to the camera"
 #: Options that need a CUDA device (asked for on the CPU they are turned off with a note).
 CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
 DECODERS = ("standin", "wan", "taehv")
-#: The Wan decoder's fast paths (``cadence.model.vae_fast.MODES``; torch-free copy).
+#: The Wan decoder's fast paths (``cadence.runtime.vae_fast.MODES``; torch-free copy).
 DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -53,7 +53,7 @@ class FastPath:
     compile: bool = False
     """``torch.compile`` of the per-block elementwise math (``cadence.runtime.compile.apply_compile``)."""
     decoder_fast: str | None = None
-    """The full Wan decoder's fast path on its decode device (``cadence.model.vae_fast``): 'off', 'cl'
+    """The full Wan decoder's fast path on its decode device (``cadence.runtime.vae_fast``): 'off', 'cl'
     (channels-last), 'compile' (cl + torch.compile of the decoder, compiled during the
     warm-up), 'bench' (compile + cudnn.benchmark: faster steady chunks, a slow first chunk per stream), 'fold' (compile + temporal convs as one conv2d: measured slower) or 'up' (compile + the spatial
     upsamplers' convs at the low resolution, 2.25x fewer multiply-adds there: not measured yet) or 'fp8' (compile + the up blocks' big convs in FP8:

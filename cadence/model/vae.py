@@ -275,7 +275,7 @@ class CausalConv3d(nn.Conv3d):
         super().__init__(cin, cout, k, stride=stride, padding=(0, p[1], p[2]))
         self.tpad = 2 * p[0]
         self.slot = -1  # index of this conv's memory in a session's slot list (set by the VAE)
-        #: the weight as a 2D conv over time folded into channels (``cadence.model.vae_fast``), or None
+        #: the weight as a 2D conv over time folded into channels (``cadence.runtime.vae_fast``), or None
         self.w2d: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
@@ -411,7 +411,7 @@ class Resample(nn.Module):
                 self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1))
         else:
             raise ConfigError(f"unknown resample mode {mode!r}")
-        #: the 2D conv as four 2x2 sub-pixel convs at the low resolution (``cadence.model.vae_fast``), or None
+        #: the 2D conv as four 2x2 sub-pixel convs at the low resolution (``cadence.runtime.vae_fast``), or None
         self.w_subpixel: torch.Tensor | None = None
 
     def _spatial(self, x: torch.Tensor) -> torch.Tensor:
