@@ -60,7 +60,7 @@ def bench_layer(name, c, n, t, h, w, kt):
     ref = F.conv3d(x, wt, bias, padding=(0, 1, 1))
     r["bf16_ms"] = t_ms(lambda: F.conv3d(x, wt, bias, padding=(0, 1, 1)))
     wq, sw = cf.quantize_weight(wt)
-    q, sx = cf.quantize_input(x)
+    q, sx, _ = cf.quantize_input(x)
     r["quant_eager_ms"] = t_ms(lambda: cf.quantize_input(x))
     qc = torch.compile(cf.quantize_input, dynamic=False)
     try:

@@ -105,6 +105,9 @@ def quant_pad_kernel(
     X,
     Q,
     SX,
+    AMAX_PREV,
+    AMAX_OUT,
+    HEADROOM,
     R,
     TP,
     H,
@@ -114,14 +117,20 @@ def quant_pad_kernel(
     sxt,
     sxh,
     sxw,
+    DELAYED: tl.constexpr,
     GRID_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """``Q [B, TP, H + 2, W + 2, C]`` e4m3 = clamp(X / sx) with a zero border, X [B, C, TP, H, W] with unit
-    channel stride (channels last); BLOCK_R padded rows per program, the channels in BLOCK_C slices. The
-    division is IEEE (``div_rn``, as torch's); GRID_ROUND (the interpreter only) rounds to the e4m3 grid
-    before the cast (``quant_triton._round_grid``)."""
+    """``Q [B, TP, H + 2, W + 2, C]`` e4m3 = clamp(X / sx, +-448) with a zero border, X [B, C, TP, H, W] with
+    unit channel stride (channels last); BLOCK_R padded rows per program, the channels in BLOCK_C slices.
+    The division is IEEE (``div_rn``, as torch's); GRID_ROUND (the interpreter only) rounds to the e4m3 grid
+    before the cast (``quant_triton._round_grid``).
+
+    Scale: ``SX[0]`` as given, or (DELAYED) ``max(AMAX_PREV[0], 1e-12) * HEADROOM / 448`` (the amax of this
+    conv's previous input in the stream, with headroom), which program 0 also writes to ``SX`` for the conv's epilogue. DELAYED
+    also records this input's amax: each program's max |x| into ``AMAX_OUT[0]`` (zeroed by the caller) by an
+    atomic max, so the next call's scale needs no pass of its own and no host sync."""
     HP = H + 2
     WP = W + 2
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -139,11 +148,19 @@ def quant_pad_kernel(
         + (hp - 1).to(tl.int64) * sxh
         + (wp - 1).to(tl.int64) * sxw
     )
-    sx = tl.load(SX)
+    if DELAYED:
+        sx = tl.math.div_rn(tl.maximum(tl.load(AMAX_PREV), 1e-12) * HEADROOM, 448.0)
+        if tl.program_id(0) == 0:
+            tl.store(SX, sx)
+    else:
+        sx = tl.load(SX)
+    m = tl.zeros([BLOCK_R], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cm = cols < C
         v = tl.load(X + src[:, None] + cols[None, :], mask=inside[:, None] & cm[None, :], other=0.0)
+        if DELAYED:
+            m = tl.maximum(m, tl.max(tl.abs(v.to(tl.float32)), 1))
         y = tl.math.div_rn(v.to(tl.float32), tl.full(v.shape, 1.0, tl.float32) * sx)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if GRID_ROUND:
@@ -153,3 +170,5 @@ def quant_pad_kernel(
             y.to(Q.dtype.element_ty),
             mask=live[:, None] & cm[None, :],
         )
+    if DELAYED:
+        tl.atomic_max(AMAX_OUT, tl.max(m, 0))

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 AMAX_MIN = 1e-12
+#: delayed scaling maps HEADROOM x the previous call's amax to 448: an input up to that much larger than the
+#: last is not clamped; e4m3 is a float format, so this costs one binade at the small end only
+DELAYED_HEADROOM = 2.0
 BACKENDS = ("triton", "cudnn", "reference")
 #: channel counts the Triton kernel takes (BLOCK_K divides C; the GPU configs use BLOCK_K 64 / 128)
 MIN_CHANNELS = 64
@@ -65,18 +68,30 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return wq, sw
 
 
-def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_input(
+    x: torch.Tensor, amax_prev: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, C, TP, H, W] (any memory format) -> (q [B, TP, H + 2, W + 2, C] e4m3, contiguous, zero border;
-    sx [1] float32), with x ~= q * sx. One scale for the tensor: amax / 448."""
+    sx [1] float32; amax [1] float32, x's own max |x|), with x ~= q * sx. One scale for the tensor:
+    amax / 448 (per-call scaling), or ``amax_prev`` / 448 (delayed scaling: the amax of this conv's previous
+    input, so no pass over x comes before the quantisation; what exceeds 448 * sx is clamped to +-448)."""
     xf = x.float()
-    sx = (xf.abs().amax().clamp_min(AMAX_MIN) / FP8_MAX).reshape(1)
+    amax = xf.abs().amax().reshape(1)
+    if amax_prev is None:
+        sx = amax.clamp_min(AMAX_MIN) / FP8_MAX
+    else:
+        sx = amax_prev.float().reshape(1).clamp_min(AMAX_MIN) * DELAYED_HEADROOM / FP8_MAX
     y = F.pad((xf / sx).permute(0, 2, 3, 4, 1), (0, 0, 1, 1, 1, 1))
-    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8), sx
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8), sx, amax
 
 
-def quantize_input_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_input` in two launches outside inductor: torch's one-pass inf-norm (amax) and one Triton
-    pass (scale, clamp, cast, zero border, channels last). Same bytes as the torch version."""
+def quantize_input_triton(
+    x: torch.Tensor, amax_prev: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_input` outside inductor. Per-call scaling: torch's one-pass inf-norm (amax), then one
+    Triton pass (scale, clamp, cast, zero border, channels last). Delayed (``amax_prev`` given): the Triton
+    pass alone, which takes its scale from ``amax_prev`` and records x's amax by an atomic max (no host
+    sync). Same bytes as the torch version either way."""
     import triton
 
     from cadence.kernels._conv_fp8_triton import quant_pad_kernel
@@ -84,8 +99,15 @@ def quantize_input_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(1) != 1:
         x = x.contiguous(memory_format=torch.channels_last_3d)
     b, c, tp, h, w = x.shape
-    amax = torch.linalg.vector_norm(x, float("inf")).float()
-    sx = (amax.clamp_min(AMAX_MIN) / FP8_MAX).reshape(1)
+    delayed = amax_prev is not None
+    if delayed:
+        amax = torch.zeros(1, device=x.device, dtype=torch.float32)
+        sx = torch.empty(1, device=x.device, dtype=torch.float32)
+        prev = amax_prev.float().reshape(1)
+    else:
+        amax = torch.linalg.vector_norm(x, float("inf")).float().reshape(1)
+        sx = amax.clamp_min(AMAX_MIN) / FP8_MAX
+        prev = amax
     q = torch.empty(b, tp, h + 2, w + 2, c, device=x.device, dtype=FP8)
     rows = b * tp * (h + 2) * (w + 2)
     interp = interpreting()
@@ -94,6 +116,9 @@ def quantize_input_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x,
         q,
         sx,
+        prev,
+        amax,
+        DELAYED_HEADROOM,
         rows,
         tp,
         h,
@@ -103,23 +128,27 @@ def quantize_input_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x.stride(2),
         x.stride(3),
         x.stride(4),
+        DELAYED=delayed,
         GRID_ROUND=interp,
         BLOCK_R=br,
         BLOCK_C=bc,
         num_warps=4,
     )
-    return q, sx
+    return q, sx, amax
 
 
 @torch.library.custom_op("cadence::quant_pad_fp8", mutates_args=())
-def _quant_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_input_triton(x)
+def _quant_op(
+    x: torch.Tensor, amax_prev: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_input_triton(x, amax_prev)
 
 
 @_quant_op.register_fake
-def _(x):
+def _(x, amax_prev):
     b, c, tp, h, w = x.shape
-    return x.new_empty((b, tp, h + 2, w + 2, c), dtype=FP8), x.new_empty((1,), dtype=torch.float32)
+    one = x.new_empty((1,), dtype=torch.float32)
+    return x.new_empty((b, tp, h + 2, w + 2, c), dtype=FP8), one, x.new_empty((1,), dtype=torch.float32)
 
 
 # ---- the reference ---------------------------------------------------------------------------------------
@@ -311,14 +340,23 @@ def conv3x3_fp8(
     kt: int,
     backend: str = "triton",
     quant: str | None = None,
+    amax: torch.Tensor | None = None,
+    delayed: bool = False,
 ) -> torch.Tensor:
     """``conv3d(x, w, bias, padding=(0, 1, 1))`` in FP8: x [B, C, T_out + kt - 1, H, W] (temporal padding
     already in front), (wq, sw) from :func:`quantize_weight`. Returns [B, N, T_out, H, W] in x's dtype,
     channels_last_3d. ``quant``: 'triton' (:func:`quantize_input_triton`, an opaque op: measured faster) or
     'torch' (:func:`quantize_input`, which torch.compile fuses into the ops before it); None: 'torch' for
-    the reference backend (the CPU tests), else 'triton'."""
+    the reference backend (the CPU tests), else 'triton'.
+
+    ``amax`` ([1] float32 on x's device, or None): the conv's scaling state. Given, x's amax is written into
+    it (``copy_``, on the device); with ``delayed`` the activation scale is taken from the amax it held
+    (the previous call's) instead of a pass over x first. None: per-call scaling, nothing recorded."""
     quant = quant or ("torch" if backend == "reference" else "triton")
-    q, sx = _quant_op(x) if quant == "triton" else quantize_input(x)
+    prev = amax if (delayed and amax is not None) else None
+    q, sx, amax_x = _quant_op(x, prev) if quant == "triton" else quantize_input(x, prev)
+    if amax is not None:
+        amax.copy_(amax_x)
     y = _conv_op(q, sx, wq, sw, bias, kt, x.dtype, backend)
     return y.permute(0, 4, 1, 2, 3)
 

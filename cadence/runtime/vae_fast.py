@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -116,29 +117,79 @@ def unfold_convs(module: torch.nn.Module) -> None:
             m.w2d = None
 
 
+SCALINGS = ("delayed", "call")
+
+
+class Fp8Streams:
+    """Which stream the delayed activation scales of a decoder's FP8 convs belong to (one per decoder, shared
+    by its convs; a forward pre-hook on the decoder, outside torch.compile). ``warm`` is False on a stream's
+    first decoder call (``mem.first``: the convs then compute their scales from their inputs, per call) and
+    True after, when each conv scales by the amax its previous call in the stream recorded. Streams sharing
+    the decoder: on a switch the amax buffers are saved on the old stream's memory and the new stream's
+    restored (device copies, no host sync); a stream with none saved scales per call once."""
+
+    def __init__(self, convs: list):
+        self.convs = convs
+        self.warm = False
+        self._owner = None  # weakref to the _Memory whose amax values the buffers hold (not kept alive)
+
+    def __call__(self, _module, args):
+        mem = args[1] if len(args) > 1 else None
+        owner = None if self._owner is None else self._owner()
+        first = mem is None or getattr(mem, "first", True)
+        warm = not first and mem is owner
+        if mem is not owner:
+            bufs = [c.fp8_amax for c in self.convs]
+            if owner is not None:
+                owner.fp8_amax = [b.clone() for b in bufs]
+            saved = None if first else getattr(mem, "fp8_amax", None)
+            if saved is not None:
+                torch._foreach_copy_(bufs, saved)
+                warm = True
+            self._owner = None if mem is None else weakref.ref(mem)
+        self.warm = warm
+
+
 class _Fp8Conv:
     """What the FP8 conv classes share: the quantised weight (buffers, not in the state dict), the backend,
-    and the fall back to the plain conv (for good, one log line) when the FP8 conv raises at an eager call.
-    Under torch.compile a raise reaches :class:`_GuardedForward`, whose eager re-run lands here."""
+    the activation scaling (``fp8_scaling``: 'delayed', the default, or 'call'; ``CADENCE_CONV_FP8_SCALE``)
+    with its state (``fp8_amax``, the amax of the last input) and the fall back to the plain conv (for good,
+    one log line) when the FP8 conv raises at an eager call. Under torch.compile a raise reaches
+    :class:`_GuardedForward`, whose eager re-run lands here."""
 
     fp8_backend: str = "triton"
     fp8_quant: str | None = os.environ.get("CADENCE_CONV_FP8_QUANT") or None  # None: conv3x3_fp8's default
+    fp8_scaling: str = "delayed"
+    fp8_streams: Fp8Streams | None = None
     fp8_off: str = ""
 
-    def _fp8_setup(self, backend: str) -> None:
+    def _fp8_setup(self, backend: str, scaling: str) -> None:
         wq, sw = conv_fp8.quantize_weight(self.weight)
         self.register_buffer("fp8_w", wq, persistent=False)
         self.register_buffer("fp8_sw", sw, persistent=False)
         b = None if self.bias is None else self.bias.detach().float()
         self.register_buffer("fp8_bias", b, persistent=False)
+        amax = torch.zeros(1, device=self.weight.device, dtype=torch.float32)
+        self.register_buffer("fp8_amax", amax, persistent=False)
         self.fp8_backend = backend
+        self.fp8_scaling = scaling
 
     def _fp8(self, x: torch.Tensor, kt: int, plain, post=None):
         """The FP8 conv of ``x`` [B, C, T_out + kt - 1, H, W] (then ``post``), or ``plain()`` once it failed."""
+        streams = self.fp8_streams
+        delayed = self.fp8_scaling == "delayed" and streams is not None
 
         def fp8():
             y = conv_fp8.conv3x3_fp8(
-                x, self.fp8_w, self.fp8_sw, self.fp8_bias, kt, self.fp8_backend, self.fp8_quant
+                x,
+                self.fp8_w,
+                self.fp8_sw,
+                self.fp8_bias,
+                kt,
+                self.fp8_backend,
+                self.fp8_quant,
+                amax=self.fp8_amax if delayed else None,
+                delayed=delayed and streams.warm,
             )
             return y if post is None else post(y)
 
@@ -191,21 +242,39 @@ def _fp8_kind(m: torch.nn.Module, multiple: int) -> str:
     return kind if ok and m.in_channels % multiple == 0 and m.out_channels % 16 == 0 else ""
 
 
-def fp8_convs(module: torch.nn.Module, backend: str, multiple: int | None = None) -> int:
+def fp8_convs(
+    module: torch.nn.Module,
+    backend: str,
+    multiple: int | None = None,
+    scaling: str | None = None,
+    decoder: torch.nn.Module | None = None,
+) -> int:
     """Turn every conv under ``module`` the FP8 path takes into :class:`Fp8CausalConv3d` / :class:`Fp8Conv2d`
     (in place: same parameters, quantised copies of the weights as buffers); returns how many. ``multiple``:
     the input channels must be a multiple of it (default: 128 for the Triton kernel's BLOCK_K on GPUs, 16
-    under the interpreter and for cuDNN, 1 for the reference)."""
+    under the interpreter and for cuDNN, 1 for the reference). ``scaling``: 'delayed' or 'call' (default:
+    ``CADENCE_CONV_FP8_SCALE``, else 'delayed'). Delayed scaling needs the streams of the decoder the convs
+    sit in: ``decoder`` (default ``module``) gets an :class:`Fp8Streams` pre-hook; the convs of a decoder
+    without one scale per call."""
     if multiple is None:
         multiple = {"reference": 1, "cudnn": 16}.get(backend, 16 if conv_fp8.interpreting() else 128)
-    n = 0
+    scaling = scaling or os.environ.get("CADENCE_CONV_FP8_SCALE") or "delayed"
+    if scaling not in SCALINGS:
+        raise ConfigError(f"FP8 activation scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+    convs = []
     for m in list(module.modules()):
         kind = _fp8_kind(m, multiple)
         if kind:
             m.__class__ = Fp8CausalConv3d if kind == "3d" else Fp8Conv2d
-            m._fp8_setup(backend)
-            n += 1
-    return n
+            m._fp8_setup(backend, scaling)
+            convs.append(m)
+    if scaling == "delayed" and convs:
+        root = module if decoder is None else decoder
+        streams = Fp8Streams(convs)
+        root.register_forward_pre_hook(streams)
+        for m in convs:
+            m.fp8_streams = streams
+    return len(convs)
 
 
 class _GuardedForward:
@@ -275,7 +344,9 @@ def accelerate_decoder(vae: WanVAE, mode: str = "compile") -> DecoderFastReport:
             log.warning("Wan decoder FP8 convs unavailable (%s): bf16 convs", why)
             rep.notes.append(f"fp8 unavailable ({why}): bf16 convs")
         else:
-            rep.applied.append(f"fp8:{fp8_convs(dec.up_blocks, backend)}:{backend}")
+            scaling = os.environ.get("CADENCE_CONV_FP8_SCALE") or "delayed"
+            n = fp8_convs(dec.up_blocks, backend, scaling=scaling, decoder=dec)
+            rep.applied.append(f"fp8:{n}:{backend}:{scaling}")
     if mode in ("compile", "bench", "fold", "up", "fp8"):
         if mode == "bench" and dec.conv_in.weight.is_cuda and torch.backends.cudnn.is_available():
             torch.backends.cudnn.benchmark = True
