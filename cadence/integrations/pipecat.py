@@ -156,9 +156,8 @@ class CadenceVideoService(FrameProcessor):
         self.voiced_out_s = 0.0  # of which voiced (RMS > SILENCE_RMS)
         self.interruptions = 0
         self.segment_times: list[float] = []  # when each utterance's first TTS audio arrived (monotonic)
-        self.voice_out_times: list[
-            float
-        ] = []  # when each stretch of speech's first voiced 20 ms left (monotonic)
+        # when each stretch of speech's first voiced 20 ms left the service (monotonic)
+        self.voice_out_times: list[float] = []
 
     @property
     def width(self) -> int | None:
