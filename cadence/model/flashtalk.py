@@ -100,6 +100,28 @@ def next_clip_frames(
     return video[:, motion_frames:], motion
 
 
+def reference_image(image, size: tuple[int, int]) -> torch.Tensor:
+    """The reference image as FlashTalk prepares it (``prepare_params`` + ``resize_and_centercrop``): a PIL image
+    (or an [H, W, 3] uint8 array) scaled by ``max(th / h, tw / w)`` to ``ceil`` of each side with PIL's bilinear
+    filter, centre-cropped to ``size`` (th, tw) (the offsets Python-``round``ed, as torchvision's
+    ``center_crop``), then x / 255 -> [-1, 1]: [3, 1, th, tw] float32."""
+    import math
+
+    import numpy as np
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(np.asarray(image, dtype=np.uint8))
+    image = image.convert("RGB")
+    th, tw = size
+    scale = max(th / image.height, tw / image.width)
+    fh, fw = math.ceil(scale * image.height), math.ceil(scale * image.width)
+    pixels = torch.from_numpy(np.array(image.resize((fw, fh), resample=Image.BILINEAR)))  # [fh, fw, 3] uint8
+    top, left = int(round((fh - th) / 2.0)), int(round((fw - tw) / 2.0))
+    crop = pixels[top : top + th, left : left + tw].permute(2, 0, 1)[:, None]
+    return (crop.float() / 255 - 0.5) * 2
+
+
 def shifted_timesteps(steps: Sequence[float], shift: float, num: int = 1000) -> torch.Tensor:
     """The passes' timesteps then 0, each shifted (``t' = shift t / (1 + (shift - 1) t)`` on t / num), float32:
     [len(steps) + 1]."""
@@ -152,3 +174,69 @@ def sample_clip(
         latent = (1 - t_next) * x0 + t_next * draw(i + 1)
         latent[:, :m] = motion
     return latent
+
+
+class FlashTalkAudio:
+    """Live audio -> each clip's audio windows, as FlashTalk's streaming mode makes them (``generate_video.py``
+    ``--audio_encode_mode stream`` + ``inference.get_audio_embedding``).
+
+    Audio arrives at ``rate_in`` (Cadence's media clock: 48 kHz) in pieces of any length and is resampled to the
+    encoder's 16 kHz (:class:`cadence.model.wav2vec2.Resampler`: ``librosa.load``'s soxr HQ, the same samples);
+    every ``clip_frames - motion_frames`` (28) frames of it (17920 samples, 1.12 s) make one clip: they are
+    appended to a rolling window of the last ``cached_seconds`` (8 s; zeros before the stream starts), the whole
+    window is loudness-normalised to ``lufs`` (:func:`cadence.model.wav2vec2.loudness_normalize`, FlashTalk's
+    pyloudnorm call), encoded by wav2vec2 (``Wav2Vec2Features.encode``: 200 frames at 25 fps) and the windows of
+    its last ``clip_frames`` (33) frames taken, clamped at the window's end (no look-ahead): one
+    [33, 5, layers, dim] tensor per clip, what :func:`sample_clip` reads as ``audio``. A clip is emitted once
+    its last sample has left the resampler (soxr holds ~6 ms back); a piece shorter than a clip at the end is
+    dropped, as the reference drops it.
+    """
+
+    def __init__(
+        self,
+        features,
+        rate_in: int = 48000,
+        clip_frames: int = 33,
+        motion_frames: int = 5,
+        cached_seconds: int = 8,
+        lufs: float = -23.0,
+    ):
+        from cadence.model.wav2vec2 import Resampler
+
+        self.f, self.lufs, self.n = features, lufs, clip_frames
+        self.rate = features.sample_rate
+        self.slice = (clip_frames - motion_frames) * self.rate // features.fps
+        self.window_frames = cached_seconds * features.fps
+        self.window = torch.zeros(cached_seconds * self.rate, dtype=torch.float64)
+        self.resampler = Resampler(rate_in, self.rate)
+        self.pending = torch.zeros(0, dtype=torch.float32)
+        self.loudness: list[float] = []  # each clip's window, LUFS (before normalisation)
+
+    def push(self, samples) -> list[torch.Tensor]:
+        """Samples at ``rate_in`` -> the clips they completed (maybe none)."""
+        self.pending = torch.cat([self.pending, self.resampler.push(samples)])
+        return self._take()
+
+    def flush(self) -> list[torch.Tensor]:
+        """The end of the stream: the resampler's tail, and the clips it completes."""
+        self.pending = torch.cat([self.pending, self.resampler.flush()])
+        return self._take()
+
+    def _take(self) -> list[torch.Tensor]:
+        out = []
+        while self.pending.numel() >= self.slice:
+            piece, self.pending = self.pending[: self.slice], self.pending[self.slice :]
+            self.window = torch.cat([self.window[self.slice :], piece.double()])
+            out.append(self.clip_windows())
+        return out
+
+    def clip_windows(self) -> torch.Tensor:
+        """The current window's clip: [clip_frames, 5, layers, dim]."""
+        from cadence.model.wav2vec2 import frame_windows, integrated_loudness, loudness_normalize
+
+        self.loudness.append(integrated_loudness(self.window, self.rate))
+        audio = loudness_normalize(self.window, self.rate, self.lufs, self.loudness[-1])
+        audio = audio.float()  # the feature extractor's float32
+        emb = self.f.encode(audio, self.window_frames)
+        end = self.window_frames
+        return frame_windows(emb, end - self.n, self.n, last=end - 1)

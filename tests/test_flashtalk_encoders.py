@@ -1,0 +1,120 @@
+"""SoulX-FlashTalk's encoders against its own code (fixture: tests/fixtures/flashtalk/encoders, made by
+scripts/fixtures/make_flashtalk_encoders.py, which runs the reference's ``generate_video.generate`` in its
+``stream`` audio mode at a tiny random configuration; reference commit and library versions in fixture.json).
+
+Error measure: ||cadence - reference|| / ||reference||, float32 on the CPU (the loudness: LUFS, float64).
+
+* CLIP: Wan's ``.pth`` (whole ``XLMRobertaCLIP``: vision and text tower) through ``load_clip_vision`` into a
+  ``transformers`` ``CLIPVisionModel``; the reference image from the PNG (``reference_image``: PIL bilinear
+  resize, centre crop) and ``CLIPModel.visual``'s preprocessing are exact (0.0); the 257 tokens measured 0.0
+  (tolerance 1e-5: the same float32 operations, only SDPA's / the linears' summation order could differ).
+* audio: the 48 kHz clip fed in pieces through ``Resampler`` = ``librosa.load(sr=16000)`` exactly (the same soxr
+  HQ resampler, streamed); ``integrated_loudness`` = pyloudnorm's number for each clip's 8 s window (1e-9 LUFS
+  bound, measured equal); ``FlashTalkAudio``'s per-clip windows = what the reference fed ``generate``
+  (tolerance 1e-5, ~3e-7 measured: the float32 order of the feature extractor's normalisation and of
+  transformers 5 vs 4.49 attention).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadence.errors import WeightsError
+
+FIX = Path(__file__).parent / "fixtures" / "flashtalk" / "encoders"
+META = json.loads((FIX / "fixture.json").read_text())
+DATA = torch.load(FIX / "data.pt", weights_only=True)
+AUDIO = torch.load(FIX / "audio.pt", weights_only=True)
+PIECES = (1000, 4801, 17, 30000, 960, 10**6)  # 48 kHz pieces of any length
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_reference_image_is_flashtalks():
+    from PIL import Image
+
+    from cadence.model.flashtalk import reference_image
+
+    img = reference_image(Image.open(FIX / "image.png"), tuple(META["config"]["target_hw"]))
+    assert img.shape == (3, 1, 32, 32) and torch.equal(img, DATA["image"][0])
+
+
+def test_clip_tokens_match_flashtalk():
+    pytest.importorskip("transformers")
+    from cadence.model.clip_vision import load_clip_vision
+
+    clip = load_clip_vision(FIX / "clip_tiny.pth", heads=META["config"]["clip"]["vision_heads"])
+    assert clip.model.config.num_hidden_layers == META["config"]["clip"]["vision_layers"] - 1
+    x = clip.preprocess(DATA["image"][0].transpose(0, 1))
+    assert x.shape == (1, 3, 224, 224)
+    assert torch.equal(x[..., ::8, ::8], DATA["clip_input_every8"])
+    tokens = clip.encode(DATA["image"][0])
+    assert tokens.shape == DATA["clip_tokens"].shape == (1, 257, META["config"]["clip"]["vision_dim"])
+    err = rel(tokens, DATA["clip_tokens"])
+    assert err <= 1e-5, err
+
+
+def test_clip_file_errors(tmp_path):
+    pytest.importorskip("transformers")
+    from cadence.model.clip_vision import load_clip_vision
+
+    sd = torch.load(FIX / "clip_tiny.pth", weights_only=True)
+    bad = {k: v for k, v in sd.items() if k != "visual.pos_embedding"}
+    torch.save(bad, tmp_path / "a.pth")
+    with pytest.raises(WeightsError, match=r"a\.pth.*missing key.*visual\.pos_embedding"):
+        load_clip_vision(tmp_path / "a.pth", heads=2)
+    torch.save(dict(sd, **{"visual.transformer.0.attn.extra": torch.zeros(1)}), tmp_path / "b.pth")
+    with pytest.raises(WeightsError, match=r"b\.pth.*unexpected.*attn\.extra"):
+        load_clip_vision(tmp_path / "b.pth", heads=2)
+    with pytest.raises(WeightsError, match="pass heads="):
+        load_clip_vision(FIX / "clip_tiny.pth")  # 24 wide: not ViT-H's 80-wide heads
+    sf = Path(__file__).parent / "fixtures" / "self_forcing" / "self_forcing_tiny.pt"
+    with pytest.raises(WeightsError, match="not a Wan CLIP checkpoint"):
+        load_clip_vision(sf, heads=2)
+
+
+def test_resampler_is_librosas():
+    pytest.importorskip("soxr")
+    from cadence.model.wav2vec2 import Resampler
+
+    pcm = AUDIO["pcm48"].float() / 32768  # what soundfile reads from the int16 wav
+    r, parts, i = Resampler(48000, 16000), [], 0
+    for n in PIECES:
+        parts.append(r.push(pcm[i : i + n]))
+        i += n
+    parts.append(r.flush())
+    assert torch.equal(torch.cat(parts), AUDIO["resampled16"])
+
+
+def test_live_audio_windows_match_flashtalks_stream():
+    pytest.importorskip("soxr")
+    from cadence.model.flashtalk import FlashTalkAudio
+    from cadence.model.wav2vec2 import Wav2Vec2Features
+
+    audio = FlashTalkAudio(Wav2Vec2Features(FIX / "wav2vec2_tiny"))
+    pcm, clips, i = AUDIO["pcm48"].float() / 32768, [], 0
+    for n in PIECES:
+        clips += audio.push(pcm[i : i + n])
+        i += n
+    clips += audio.flush()  # the 0.06 s after the last whole clip: dropped, as the reference drops it
+    assert len(clips) == len(AUDIO["windows"]) == META["config"]["clips"] == 2
+    assert audio.loudness == pytest.approx(AUDIO["loudness"].tolist(), abs=1e-9)
+    for k, c in enumerate(clips):
+        err = rel(c, AUDIO["windows"][k])
+        assert c.shape == AUDIO["windows"][k].shape and err <= 1e-5, (k, err)
+
+
+def test_loudness_edge_cases():
+    from cadence.model.wav2vec2 import integrated_loudness, loudness_normalize
+
+    silence = torch.zeros(16000)
+    assert integrated_loudness(silence, 16000) == float("-inf")
+    assert torch.equal(loudness_normalize(silence, 16000), silence.double())  # |L| > 100: unchanged
+    tone = 0.1 * torch.sin(torch.arange(32000) * 2 * torch.pi * 1000 / 16000)
+    assert integrated_loudness(loudness_normalize(tone, 16000), 16000) == pytest.approx(-23.0, abs=1e-9)
