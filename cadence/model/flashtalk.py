@@ -240,3 +240,46 @@ class FlashTalkAudio:
         emb = self.f.encode(audio, self.window_frames)
         end = self.window_frames
         return frame_windows(emb, end - self.n, self.n, last=end - 1)
+
+
+@torch.no_grad()
+def generate_offline(
+    model,
+    vae,
+    clip,
+    audio: FlashTalkAudio,
+    image,
+    samples,
+    text: torch.Tensor,
+    size: tuple[int, int],
+    seed: int,
+    steps: Sequence[float] = (1000.0, 750.0, 500.0, 250.0),
+    shift: float = 5.0,
+    color_strength: float = 1.0,
+) -> list[torch.Tensor]:
+    """FlashTalk's whole streaming run, offline: (reference image, audio) -> each clip's new frames
+    [clip_frames - motion_frames, H, W, 3] in 0..255 (float32, as its ``run_pipeline`` returns them).
+
+    model: the family's ``WanDiT``; vae: ``cadence.model.vae.WanVAE``; clip: ``cadence.model.clip_vision.ClipVision``;
+    audio: a fresh :class:`FlashTalkAudio` (its wav2vec2 and input rate); image: a PIL image or [H, W, 3] uint8;
+    samples: the audio at ``audio``'s input rate; text: the prompt embedding [1, text_len, text_dim] (padded);
+    size: (H, W). As ``prepare_params`` then ``generate`` per clip: the I2V condition from [image, 32 black
+    frames] encoded, the CLIP tokens of the image, one generator seeded ``seed`` for every noise draw, the image's
+    latent as the first motion latents, then per clip :func:`sample_clip` and :func:`next_clip_frames`."""
+    ref = reference_image(image, size)
+    clip_frames = audio.n
+    tokens = clip.encode(ref).to(text)
+    video = torch.cat([ref, ref.new_zeros(3, clip_frames - 1, *size)], dim=1)
+    cond = i2v_condition(vae.normalize_latents(vae.encode(video).float()))
+    motion = vae.normalize_latents(vae.encode(ref).float())
+    context = model.prepare_text(text, tokens)
+    ts = shifted_timesteps(steps, shift)
+    gen = torch.Generator(device=cond.device).manual_seed(seed)
+    out = []
+    windows = audio.push(samples) + audio.flush()
+    motion_frames = clip_frames - audio.slice * audio.f.fps // audio.rate
+    for w in windows:
+        latent = sample_clip(model, gen, motion, cond, context, w.to(cond), ts)
+        frames, motion = next_clip_frames(vae, latent, ref, motion_frames, strength=color_strength)
+        out.append((((frames + 1) / 2).permute(1, 2, 3, 0).clip(0, 1) * 255).contiguous())
+    return out
