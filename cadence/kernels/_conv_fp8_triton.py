@@ -107,7 +107,7 @@ def quant_pad_kernel(
     SX,
     AMAX_PREV,
     AMAX_OUT,
-    HEADROOM,
+    PREV_TO_SCALE,
     R,
     TP,
     H,
@@ -127,8 +127,8 @@ def quant_pad_kernel(
     The division is IEEE (``div_rn``, as torch's); GRID_ROUND (the interpreter only) rounds to the e4m3 grid
     before the cast (``quant_triton._round_grid``).
 
-    Scale: ``SX[0]`` as given, or (DELAYED) ``max(AMAX_PREV[0], 1e-12) * HEADROOM / 448`` (the amax of this
-    conv's previous input in the stream, with headroom), which program 0 also writes to ``SX`` for the conv's epilogue. DELAYED
+    Scale: ``SX[0]`` as given, or (DELAYED) ``max(AMAX_PREV[0], 1e-12) * PREV_TO_SCALE`` (headroom / 448: one
+    float32 multiply, as the torch version, whose CUDA division by a scalar is a multiply by its reciprocal), which program 0 also writes to ``SX`` for the conv's epilogue. DELAYED
     also records this input's amax: each program's max |x| into ``AMAX_OUT[0]`` (zeroed by the caller) by an
     atomic max, so the next call's scale needs no pass of its own and no host sync."""
     HP = H + 2
@@ -149,7 +149,7 @@ def quant_pad_kernel(
         + (wp - 1).to(tl.int64) * sxw
     )
     if DELAYED:
-        sx = tl.math.div_rn(tl.maximum(tl.load(AMAX_PREV), 1e-12) * HEADROOM, 448.0)
+        sx = tl.maximum(tl.load(AMAX_PREV), 1e-12) * PREV_TO_SCALE
         if tl.program_id(0) == 0:
             tl.store(SX, sx)
     else:

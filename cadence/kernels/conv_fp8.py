@@ -73,14 +73,15 @@ def quantize_input(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, C, TP, H, W] (any memory format) -> (q [B, TP, H + 2, W + 2, C] e4m3, contiguous, zero border;
     sx [1] float32; amax [1] float32, x's own max |x|), with x ~= q * sx. One scale for the tensor:
-    amax / 448 (per-call scaling), or ``amax_prev`` / 448 (delayed scaling: the amax of this conv's previous
-    input, so no pass over x comes before the quantisation; what exceeds 448 * sx is clamped to +-448)."""
+    amax / 448 (per-call scaling), or ``amax_prev * (DELAYED_HEADROOM / 448)`` (delayed scaling: the amax
+    of this conv's previous input, so no pass over x comes before the quantisation; what exceeds 448 * sx
+    is clamped to +-448)."""
     xf = x.float()
     amax = xf.abs().amax().reshape(1)
     if amax_prev is None:
         sx = amax.clamp_min(AMAX_MIN) / FP8_MAX
     else:
-        sx = amax_prev.float().reshape(1).clamp_min(AMAX_MIN) * DELAYED_HEADROOM / FP8_MAX
+        sx = amax_prev.float().reshape(1).clamp_min(AMAX_MIN) * (DELAYED_HEADROOM / FP8_MAX)
     y = F.pad((xf / sx).permute(0, 2, 3, 4, 1), (0, 0, 1, 1, 1, 1))
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8), sx, amax
 
@@ -118,7 +119,7 @@ def quantize_input_triton(
         sx,
         prev,
         amax,
-        DELAYED_HEADROOM,
+        DELAYED_HEADROOM / FP8_MAX,
         rows,
         tp,
         h,

@@ -30,8 +30,10 @@ Modes (:data:`MODES`), each adding to the one before:
   conv in ``decoder.up_blocks`` whose input channels are a multiple of 128 and output channels of 16 (the
   residual blocks' convs and the 2D upsampler convs; not the 1x1 shortcuts or the 3x1x1 time convs). The
   mid block (1% of the work, but on a random-weight decoder a fifth of FP8's image error), conv_in and
-  conv_out stay bf16. Weights get a scale per output channel, taken now; each conv input one per tensor,
-  on the device each call, quantised by an opaque op after the norm + SiLU + causal cat that torch.compile
+  conv_out stay bf16. Weights get a scale per output channel, taken now; each conv input one per tensor:
+  delayed (default, ``CADENCE_CONV_FP8_SCALE=delayed``: 2x the amax the conv's previous call in the stream
+  recorded, clamped to +-448; a stream's first call scales per call; :class:`Fp8Streams`) or per call
+  (``call``: an amax pass on the device first), quantised by an opaque op after the norm + SiLU + causal cat that torch.compile
   fuses (``CADENCE_CONV_FP8_QUANT=triton``, the default; ``torch`` lets inductor fuse the quantisation too:
   measured 16 ms slower per chunk). Backend: ``CADENCE_CONV_FP8`` = ``triton`` (default: the implicit-GEMM
   kernel) | ``cudnn`` (cuDNN's FP8 conv fprop, when the ``cudnn`` frontend is installed: measured ~300
