@@ -215,6 +215,13 @@ class StreamConfig:
     """The first k generated chunks stay in the cache for the whole stream at their own positions, next
     to the last ``window_chunks`` chunks (LongLive's frame sink: ``sink_size`` = k x frames per chunk,
     ``local_attn_size`` = (k + window_chunks) x frames per chunk). 0 = none."""
+    kv_rebuild: int = 0
+    """Krea Realtime's K/V rebuild (its ``kv_cache_num_frames``; ``cadence.cache.rebuild``): n > 0 clears the
+    cache before every chunk after the first and refills it in one clean pass (timestep 0, block-causal in
+    chunks, positions 0..) over the stream's first latent frame and the last n - 1 clean latent frames;
+    the chunk then runs right after them and writes nothing that outlives it (Krea's
+    ``keep_first_frame=True`` rule). Naive cache only, no image or frame sink, n a multiple of the frames per
+    chunk, ``window_chunks`` >= 1 + n / frames per chunk. 0 = off (the committed K/V are kept)."""
 
 
 @dataclass(frozen=True)
@@ -392,6 +399,28 @@ class CadenceConfig:
             errs.append(f"context_noise must be in [0, 1000], got {s.context_noise}")
         if s.frame_sink_chunks < 0:
             errs.append(f"frame_sink_chunks must be >= 0, got {s.frame_sink_chunks}")
+        if s.kv_rebuild < 0:
+            errs.append(f"kv_rebuild must be >= 0, got {s.kv_rebuild}")
+        elif s.kv_rebuild:
+            need = 1 + -(-s.kv_rebuild // max(s.latent_frames_per_chunk, 1))
+            if s.cache != "naive":
+                errs.append(
+                    f"kv_rebuild (Krea's per-chunk K/V rebuild) runs on the naive cache only, got cache "
+                    f"{s.cache!r}: the ring keeps fixed chunk slots at growing positions, the rebuild "
+                    "re-fills the cache at positions 0.. every chunk"
+                )
+            if s.sink_frames or s.frame_sink_chunks:
+                errs.append(
+                    "kv_rebuild takes no image sink or frame sink (sink_frames, frame_sink_chunks = 0)"
+                )
+            if s.kv_rebuild % max(s.latent_frames_per_chunk, 1):
+                errs.append(
+                    f"kv_rebuild {s.kv_rebuild} must be a multiple of latent_frames_per_chunk "
+                    f"({s.latent_frames_per_chunk}): Krea's rebuild mask lets a partial last block see "
+                    "flex-attention's zero padding keys, which Cadence does not reproduce"
+                )
+            if s.window_chunks < need:
+                errs.append(f"kv_rebuild {s.kv_rebuild} needs window_chunks >= {need}, got {s.window_chunks}")
         if s.shift <= 0:
             errs.append(f"shift must be positive, got {s.shift}")
         if s.sampler not in ("euler", "renoise"):
