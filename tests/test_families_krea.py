@@ -101,3 +101,10 @@ def test_kv_rebuild_refuses_what_it_cannot_do():
         family_config("krea-14b", model=TINY_MODEL, stream=dict(HW, kv_rebuild=4, window_chunks=3))
     with pytest.raises(ConfigError, match="no image sink"):
         family_config("krea-14b", model=TINY_MODEL, stream=dict(HW, kv_rebuild=3, sink_frames=1))
+
+
+def test_family_settings_are_krea_s():
+    cfg = family_config("krea-14b", model=TINY_MODEL, stream=HW)
+    s = cfg.stream
+    assert (s.kv_rebuild, s.window_chunks, s.commit, s.cache) == (3, 2, "last_pass", "naive")
+    assert s.latent_frames_per_chunk == F and list(s.timesteps) == [1000.0, 750.0, 500.0, 250.0, 0.0]

@@ -33,9 +33,9 @@ Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures
   folder (config.json + safetensors) with Wan's names. The engine does not stream it yet (status 'model').
 * ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
   Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
-  Config, key mapping and detection only: its server rebuilds the cache every block from the last
-  clean frames (``kv_cache_num_frames`` = 3 with the first frame re-encoded), a cache policy Cadence
-  does not have yet, so a Krea stream is not claimed to equal Krea's.
+  Before every block its server rebuilds the cache from the first latent frame and the last 2 clean
+  frames (``kv_cache_num_frames`` = 3): ``stream.kv_rebuild`` (``cadence.cache.rebuild``), equal to Krea's
+  own code with ``keep_first_frame=True``; its default re-encoded first frame is not reproduced.
 
 ``get_family(name)``, ``list_families()`` and ``family_config(...)`` are what ``--model NAME`` and
 ``cadence models`` call. Pure configuration: no torch here.
@@ -201,13 +201,20 @@ FAMILIES: dict[str, ModelFamily] = {
         reference="krea-ai/realtime-video: release_server.py, configs/self_forcing_server_14b.yaml",
         preset="w1.3",
         model=dict(_SF_MODEL, dim=5120, num_heads=40, head_dim=128, ffn_dim=13824, num_layers=40),
-        stream=dict(_SF_STREAM, passes=5, timesteps=(1000.0, 750.0, 500.0, 250.0, 0.0), window_chunks=2),
+        stream=dict(
+            _SF_STREAM,
+            passes=5,
+            timesteps=(1000.0, 750.0, 500.0, 250.0, 0.0),
+            window_chunks=2,
+            kv_rebuild=3,  # kv_cache_num_frames: the cache rebuilt before every block (cadence.cache.rebuild)
+            commit="last_pass",  # no clean pass: the next rebuild replaces whatever the block wrote
+        ),
         checkpoint=CheckpointFormat(kinds=(".safetensors",), prefixes=("model.",), names="wan"),
         reference_window="kv_cache_num_frames=3: the cache is recomputed every block from the first frame "
         "and the last clean frames",
-        status="config",
-        notes="Krea recomputes the K/V of [first frame, last 2 clean frames] before every block; Cadence keeps "
-        "the committed K/V instead (window 2 blocks), so streams differ from Krea's after the first block.",
+        notes="The per-block K/V rebuild is Krea's keep_first_frame=True rule (the stream's first latent "
+        "frame); Krea's default re-encodes that frame through the VAE from a decoded pixel frame once the "
+        "stream is long enough, which Cadence does not do. Naive cache only (the ring is refused).",
     ),
 }
 
