@@ -169,3 +169,69 @@ def test_cuda_bf16_ops_and_graph_capture():
     torch.cuda.synchronize()
     ref = L.norm_modulate(y, shift, scale, 1e-6)
     assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-3).all()
+
+
+def test_a_compile_on_one_thread_never_meets_a_compiled_call_on_another():
+    """The engine's diffusion and decode threads both run compiled code; while one compiles, torch's
+    process-wide tracing state makes a compiled call on the other raise (seen on an H200: the norm regions
+    fell back to plain PyTorch for a whole W14 run). Simulated here: a fake compile (the first call at a
+    signature) holds a process-wide flag for 50 ms, and a compiled function called while it is up raises,
+    as torch's does. Through the gate no call ever sees it, and neither op falls back; without the gate the
+    same schedule raises (checked first, so this test can fail)."""
+    import threading
+    import time
+
+    from cadence.runtime.compile import COMPILE_GATE, _FusedOp
+
+    tracing = {"on": False}
+
+    def fake_compiled(seen_shapes: set):
+        def fn(x):
+            if tracing["on"] and threading.get_ident() != tracing.get("by"):
+                raise RuntimeError(
+                    "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+                )
+            if tuple(x.shape) not in seen_shapes:  # a compile: the flag is up meanwhile
+                tracing.update(on=True, by=threading.get_ident())
+                time.sleep(0.05)
+                seen_shapes.add(tuple(x.shape))
+                tracing["on"] = False
+            return x * 2
+
+        return fn
+
+    def schedule(call_a, call_b) -> list[str]:
+        errors: list[str] = []
+        call_b(torch.ones(3))  # b is compiled for its shape before a starts
+
+        def runner():
+            try:
+                for _ in range(200):
+                    call_b(torch.ones(3))
+                    time.sleep(0.001)
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        t = threading.Thread(target=runner)
+        t.start()
+        for n in range(4, 8):  # a compiles four shapes while b runs
+            call_a(torch.ones(n))
+        t.join()
+        return errors
+
+    # without the gate: the compiled function called bare
+    assert schedule(fake_compiled(set()), fake_compiled(set())), (
+        "the simulation should raise without the gate"
+    )
+
+    a = _FusedOp("rms_norm", lambda x: x * 2, "aot_eager")
+    b = _FusedOp("sum_squares", lambda x: x * 2, "aot_eager")
+    a.compiled, b.compiled = fake_compiled(set()), fake_compiled(set())
+    assert schedule(a, b) == []
+    assert a.failed is None and b.failed is None
+    assert a.calls == 4 and b.calls == 201
+    assert len(a.seen) == 4 and len(b.seen) == 1
+    # the gate is reentrant on one thread and free again afterwards
+    with COMPILE_GATE.running(), COMPILE_GATE.compiling(), COMPILE_GATE.running():
+        pass
+    assert COMPILE_GATE._writer is None and not COMPILE_GATE._readers

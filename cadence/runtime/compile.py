@@ -26,13 +26,23 @@ tensors, or the compiler raises on a shape), that op falls back to the plain fun
 line; the stream never fails because of this module. ``CADENCE_COMPILE=0`` turns it off.
 
 Reference: the plain functions in ``cadence.model.layers``; tests/test_compile.py checks parity.
+
+Threads (:data:`COMPILE_GATE`): the engine diffuses on one thread and decodes on another, and both may run
+compiled code (these ops; the Wan decoder's ``cadence.runtime.vae_fast``). While one thread compiles, torch
+sets process-wide tracing state, and a compiled function called from the other thread then raises
+("Detected that you are using FX to symbolically trace a dynamo-optimized function"): on an H200 (torch
+2.11) a W14 pipeline's norm regions fell back to plain PyTorch for the whole run that way while the decoder
+compiled (docs/perf/pipeline/NOTES.md). So a call that may compile (the first at its input signature) holds
+the gate alone, and calls of what is compiled share it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +76,84 @@ def _compiler_problem(device: torch.device) -> str | None:
     return f"no inductor backend for device type {device.type!r}"
 
 
+class CompileGate:
+    """A readers-writer gate for compiled callables shared by threads: ``compiling()`` (a call that may
+    compile) waits until no other thread is inside the gate and keeps it alone; ``running()`` (a call of
+    already compiled code) waits while another thread compiles, and runs alongside other runners. Reentrant
+    per thread (a runner may compile; a compiler may run)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writer: int | None = None  # thread compiling
+        self._depth = 0  # its nesting
+        self._readers: dict[int, int] = {}  # thread -> nesting of running() calls
+
+    @contextlib.contextmanager
+    def compiling(self):
+        me = threading.get_ident()
+        with self._cond:
+            while (self._writer not in (None, me)) or any(t != me for t in self._readers):
+                self._cond.wait()
+            self._writer, self._depth = me, self._depth + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._writer = None
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def running(self):
+        me = threading.get_ident()
+        with self._cond:
+            while self._writer not in (None, me):
+                self._cond.wait()
+            self._readers[me] = self._readers.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                n = self._readers.pop(me) - 1
+                if n:
+                    self._readers[me] = n
+                self._cond.notify_all()
+
+    def call(self, seen: set, key, fn, *args):
+        """``fn(*args)`` alone when ``key`` (the input signature) is new to ``seen`` (it may compile), else
+        alongside other runners."""
+        if key in seen:
+            with self.running():
+                return fn(*args)
+        with self.compiling():
+            out = fn(*args)
+        seen.add(key)
+        return out
+
+
+#: The process's one gate (every compiled callable of the engine's threads goes through it).
+COMPILE_GATE = CompileGate()
+
+
+def input_signature(*args) -> tuple:
+    """What a static-shape compile keys on, roughly: each tensor's shape, dtype and device, other values as
+    they are (a new signature is a call that may compile)."""
+    return tuple(_signature_of(a) for a in args)
+
+
+def _signature_of(a):
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.dtype, a.device.type)
+    if isinstance(a, (list, tuple)):
+        return tuple(_signature_of(x) for x in a)
+    try:
+        hash(a)
+    except TypeError:
+        return type(a).__name__
+    return a
+
+
 class _FusedOp:
     """A compiled op with its plain reference; the first failure logs one line and switches to plain."""
 
@@ -74,12 +162,13 @@ class _FusedOp:
         self.compiled = torch.compile(plain, backend=backend, dynamic=False, fullgraph=True)
         self.failed: str | None = None
         self.calls = 0
+        self.seen: set = set()  # input signatures compiled (COMPILE_GATE)
 
     def __call__(self, *args):
         if self.failed is not None:
             return self.plain(*args)
         try:
-            out = self.compiled(*args)
+            out = COMPILE_GATE.call(self.seen, input_signature(*args), self.compiled, *args)
         except Exception as e:  # compiler missing / a shape it rejects: plain from now on
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             log.warning(

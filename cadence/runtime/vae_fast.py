@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from cadence.errors import ConfigError
 from cadence.kernels import conv_fp8
 from cadence.model.vae import CausalConv3d, Resample, WanVAE, fold_time_weight, subpixel_weight
+from cadence.runtime.compile import COMPILE_GATE, input_signature
 
 log = logging.getLogger("cadence.vae")
 
@@ -289,13 +290,16 @@ class _GuardedForward:
         self.report = report
         self.failed = False
         self.decoder = decoder
+        self.seen: set = set()  # input signatures compiled (cadence.runtime.compile.COMPILE_GATE)
 
     def __call__(self, x, mem):
         if self.failed:
             return self.eager(x, mem)
         slots, first = list(mem.slots), mem.first
+        # the input signature: the latent and the causal memory's state (the compile's guards, roughly)
+        key = (input_signature(x), first, input_signature(*slots))
         try:
-            return self.compiled(x, mem)
+            return COMPILE_GATE.call(self.seen, key, self.compiled, x, mem)
         except Exception as e:  # a compile error at this shape: eager from now on
             self.failed = True
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
