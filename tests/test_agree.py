@@ -17,6 +17,7 @@ import tp_worker
 pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    pytest.mark.slow,  # two gloo ranks through two warm-ups and a teardown
 ]
 
 

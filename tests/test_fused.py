@@ -42,6 +42,7 @@ def results(tmp_path_factory):
     return [torch.load(out / f"fused_rank{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_mode_equals_nccl_reference(results):
     for r in range(WORLD):
@@ -53,6 +54,7 @@ def test_every_mode_equals_nccl_reference(results):
     assert torch.equal(results[0]["nccl"], results[1]["nccl"])
 
 
+@pytest.mark.slow
 def test_cpu_fallback_warns_exactly_once(results):
     for r in range(WORLD):
         w = results[r]["warnings_after_modes"]
@@ -63,6 +65,7 @@ def test_cpu_fallback_warns_exactly_once(results):
         assert results[r]["warnings_total"] == w  # comm="auto" on CPU picks nccl: no further warning
 
 
+@pytest.mark.slow
 def test_token_count_sequence_matches_tp1_and_cache_bounded(results):
     grids = results[0]["grids"]
     assert [g["tokens"] for g in grids] == [64, 128, 80, 37, 512, 64]

@@ -209,6 +209,7 @@ def test_in_process_barge_in_stops_the_voice_at_once_and_the_mouth_within_the_ch
     assert mouth_after.mean() < (mouth_idle.mean() + mouth_talk.mean()) / 2
 
 
+@pytest.mark.slow  # a server, an aiortc client and a Pipecat pipeline in one test (~9 s on 2 cores)
 def test_remote_through_cadence_serve():
     """The same service as a WebRTC client of a running ``cadence serve`` (tiny preset): frames at 24 fps,
     the voice back (same length), interrupt through the API."""

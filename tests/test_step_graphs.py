@@ -197,6 +197,7 @@ def _agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
         destroy_tp()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 def test_capture_is_agreed_across_tp_ranks(tmp_path):
