@@ -21,14 +21,11 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from family_fixtures import rel
 
 from cadence.kernels import conv_fp8
 from cadence.model.vae import WanVAE, wan_vae_config
 from cadence.runtime import vae_fast
-
-
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def _operands(kt, b=2, c=32, n=24, t=2, h=4, w=5, dtype=torch.float32, bias=True):
@@ -63,7 +60,7 @@ def test_triton_kernel_matches_reference(kt, bias, dtype):
     ref = conv_fp8.conv3x3_fp8_reference(q, sx, wq, sw, b, kt, dtype)
     got = conv_fp8.conv3x3_fp8_triton(q, sx, wq, sw, b, kt, dtype)
     assert got.shape == ref.shape == (2, 2, 4, 5, 24) and got.dtype == dtype
-    assert _rel(got, ref) <= (4e-3 if dtype == torch.bfloat16 else 1e-5)
+    assert rel(got, ref) <= (4e-3 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("kt", [3, 1])
@@ -75,7 +72,7 @@ def test_fp8_conv_close_to_the_float_conv(kt):
     y = conv_fp8.conv3x3_fp8(x, wq, sw, b, kt, backend="reference")
     want = F.conv3d(x, w, b, padding=(0, 1, 1))
     assert y.shape == want.shape and y.is_contiguous(memory_format=torch.channels_last_3d)
-    err = _rel(y, want)
+    err = rel(y, want)
     assert 0.005 < err <= 0.06, err  # quantised for real (not a silent float path), within e4m3's error
 
 
@@ -111,7 +108,7 @@ def test_fp8_decoder_stream_close_to_float(variant, scaling):
     ref = _decode(plain, z, [1, 1, 2])
     got = _decode(fast, z, [1, 1, 2])
     assert got.shape == ref.shape
-    assert 0.005 < _rel(got, ref) <= 0.25
+    assert 0.005 < rel(got, ref) <= 0.25
     recorded = [float(m.fp8_amax) for m in convs]
     assert all(a > 0 for a in recorded) if scaling == "delayed" else not any(recorded)
     if scaling == "delayed":  # the stream's later calls scaled by the amax its calls before recorded
@@ -170,7 +167,7 @@ def test_fp8_conv_that_raises_falls_back_to_the_plain_conv_once(monkeypatch, cap
         got = _decode(fast, z, [1, 2])
     n_fp8 = sum(1 for m in fast.modules() if isinstance(m, vae_fast._Fp8Conv))
     assert calls["n"] == n_fp8  # each conv tried once, then plain for good
-    assert _rel(got, _decode(plain, z, [1, 2])) <= 1e-5
+    assert rel(got, _decode(plain, z, [1, 2])) <= 1e-5
     lines = [r for r in caplog.records if "FP8 conv" in r.getMessage()]
     assert len(lines) == n_fp8 and "second line" not in lines[0].getMessage()
 

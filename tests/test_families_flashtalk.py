@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_fixtures import rel
+from family_fixtures import rel, tiny_model
 
 from cadence.errors import ConfigError, WeightsError
 from cadence.model.families import family_config, get_family
@@ -34,14 +34,7 @@ META = json.loads((FIX / "fixture.json").read_text())
 DATA = torch.load(FIX / "data.pt", weights_only=True)
 C = META["config"]
 TINY = dict(
-    dim=C["dim"],
-    num_heads=C["num_heads"],
-    head_dim=C["dim"] // C["num_heads"],
-    ffn_dim=C["ffn_dim"],
-    num_layers=C["num_layers"],
-    freq_dim=C["freq_dim"],
-    text_dim=C["text_dim"],
-    text_len=C["text_len"],
+    tiny_model(C),
     image_tokens=C["clip_tokens"],
     image_dim=C["clip_dim"],
     audio_dim=C["audio_channels"],

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_fixtures import rel
 
 from cadence.errors import WeightsError
 
@@ -30,10 +31,6 @@ META = json.loads((FIX / "fixture.json").read_text())
 DATA = torch.load(FIX / "data.pt", weights_only=True)
 AUDIO = torch.load(FIX / "audio.pt", weights_only=True)
 PIECES = (1000, 4801, 17, 30000, 960, 10**6)  # 48 kHz pieces of any length
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def test_reference_image_is_flashtalks():
