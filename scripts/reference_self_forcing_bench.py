@@ -66,7 +66,9 @@ def import_reference(ref: Path):
         from utils.scheduler import FlowMatchScheduler
         from wan.modules.causal_model import CausalWanModel
 
-        spec = importlib.util.spec_from_file_location("sf_causal_inference", ref / "pipeline/causal_inference.py")
+        spec = importlib.util.spec_from_file_location(
+            "sf_causal_inference", ref / "pipeline/causal_inference.py"
+        )
         ci = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(ci)
     if wattn.FLASH_ATTN_3_AVAILABLE:
@@ -97,7 +99,13 @@ def build(ref, dev: str, dtype, small: bool):
     with torch.device(dev):
         torch.manual_seed(0)
         model = ref.CausalWanModel(
-            model_type="t2v", patch_size=(1, 2, 2), in_dim=16, out_dim=16, local_attn_size=-1, sink_size=0, **geo
+            model_type="t2v",
+            patch_size=(1, 2, 2),
+            in_dim=16,
+            out_dim=16,
+            local_attn_size=-1,
+            sink_size=0,
+            **geo,
         ).eval()
     wrapper = wan_wrapper(ref.ww, model, ref.FlowMatchScheduler, 5.0).to(dev, dtype).requires_grad_(False)
     vae = ref.VAEDecoderWrapper().eval().to(dev, dtype).requires_grad_(False)
@@ -243,7 +251,9 @@ def main() -> None:
     ap.add_argument("--ref", required=True, type=Path, help="checkout of guandeh17/Self-Forcing")
     ap.add_argument("--commit", default="", help="the checkout's commit (when it is not a git checkout)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile", action="store_true", help="the demo's torch.compile (max-autotune-no-cudagraphs)")
+    ap.add_argument(
+        "--compile", action="store_true", help="the demo's torch.compile (max-autotune-no-cudagraphs)"
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="CPU smoke test: one layer, 8x16 latents")
     ap.add_argument("--out", type=Path)
