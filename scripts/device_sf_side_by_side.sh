@@ -4,7 +4,7 @@
 # frames per block, 1000/750/500/250 warped, 16 fps).
 #   PART=ref      R1 the reference's demo loop, eager fp16; R2 the same with the demo's torch.compile
 #                 (scripts/reference_self_forcing_bench.py; needs .ref/Self-Forcing and .whl_ref/diffusers*.whl
-#                 carried: the reference imports diffusers' ModelMixin, absent on the GPU machine)
+#                 carried: the reference imports diffusers and ftfy, absent on the GPU machine)
 #   PART=cadence  C1 `cadence bench pipeline --model self-forcing --decoder wan` (compiled decoder) with a
 #                 second run whose prompt changes every 10 chunks; C2 the same with the FP8 decoder;
 #                 W the W1.3 preset with the FP8 decoder, 200 chunks (issue 17: >= 30 fps on one GPU)
@@ -16,7 +16,7 @@ source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 REF_COMMIT=${REF_COMMIT:-33593df3e81fa3ec10239271dd2c100facac6de1}
 if [[ $PART == ref ]]; then
-  python3 -m pip install --no-deps --quiet --target /tmp/refpy .whl_ref/diffusers-*.whl 2>&1 | tail -2
+  python3 -m pip install --no-deps --quiet --target /tmp/refpy .whl_ref/*.whl 2>&1 | tail -2
   R="env PYTHONPATH=/tmp/refpy:. python3 scripts/reference_self_forcing_bench.py --ref .ref/Self-Forcing --commit $REF_COMMIT"
   run 150 R1-ref-eager $R --repeats 2 --out "$PERF/reference/self-forcing-eager.json"
   run 400 R2-ref-compile $R --repeats 3 --compile --out "$PERF/reference/self-forcing-compile.json"
