@@ -8,7 +8,8 @@
 #   PART=cadence  C1 `cadence bench pipeline --model self-forcing --decoder wan` (compiled decoder) with a
 #                 second run whose prompt changes every 10 chunks; C2 the same with the FP8 decoder;
 #                 W the W1.3 preset with the FP8 decoder, 200 chunks (issue 17: >= 30 fps on one GPU)
-# Usage (repo root):  CADENCE_GIT=<sha> PART=ref|cadence bash scripts/device_sf_side_by_side.sh
+#   PART=both     R3 the reference compiled in torch.compile's default mode, then C1 and C2
+# Usage (repo root):  CADENCE_GIT=<sha> PART=ref|cadence|both bash scripts/device_sf_side_by_side.sh
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-560}; PART=${PART:-ref}
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
@@ -20,6 +21,15 @@ if [[ $PART == ref ]]; then
   R="env PYTHONPATH=/tmp/refpy:. python3 scripts/reference_self_forcing_bench.py --ref .ref/Self-Forcing --commit $REF_COMMIT"
   run 150 R1-ref-eager $R --repeats 2 --out "$PERF/reference/self-forcing-eager.json"
   run 400 R2-ref-compile $R --repeats 3 --compile --out "$PERF/reference/self-forcing-compile.json"
+elif [[ $PART == both ]]; then
+  # the compiled reference in torch.compile's default mode (the demo's max-autotune did not finish its
+  # autotuning in 400 s), then the two Cadence variants, in one call on one GPU
+  python3 -m pip install --no-deps --quiet --target /tmp/refpy .whl_ref/*.whl 2>&1 | tail -2
+  R="env PYTHONPATH=/tmp/refpy:. python3 scripts/reference_self_forcing_bench.py --ref .ref/Self-Forcing --commit $REF_COMMIT"
+  run 200 R3-ref-compile-default $R --repeats 3 --compile --compile-mode default --out "$PERF/reference/self-forcing-compile-default.json"
+  P="python3 -m cadence bench pipeline --device cuda:0 --decode-device same --decoder wan --kv-fp8 --fp8 --compile --out-dir $PERF"
+  run 180 C1-sf-deccompile $P --model self-forcing --chunks 60 --shape-change-every 10 --decoder-fast compile
+  run 180 C2-sf-decfp8 $P --model self-forcing --chunks 60 --shape-change-every 10 --decoder-fast fp8
 else
   P="python3 -m cadence bench pipeline --device cuda:0 --decode-device same --decoder wan --kv-fp8 --fp8 --compile --out-dir $PERF"
   run 190 C1-sf-deccompile $P --model self-forcing --chunks 60 --shape-change-every 10 --decoder-fast compile
