@@ -218,10 +218,17 @@ class StreamConfig:
     kv_rebuild: int = 0
     """Krea Realtime's K/V rebuild (its ``kv_cache_num_frames``; ``cadence.cache.rebuild``): n > 0 clears the
     cache before every chunk after the first and refills it in one clean pass (timestep 0, block-causal in
-    chunks, positions 0..) over the stream's first latent frame and the last n - 1 clean latent frames;
-    the chunk then runs right after them and writes nothing that outlives it (Krea's
-    ``keep_first_frame=True`` rule). Naive cache only, no image or frame sink, n a multiple of the frames per
-    chunk, ``window_chunks`` >= 1 + n / frames per chunk. 0 = off (the committed K/V are kept)."""
+    chunks, positions 0..) over a first frame (``keep_first_frame``) and the last n - 1 clean latent frames;
+    the chunk then runs right after them and writes nothing that outlives it. Naive cache only, no image or
+    frame sink, n a multiple of the frames per chunk, ``window_chunks`` >= 1 + n / frames per chunk. 0 = off
+    (the committed K/V are kept)."""
+    keep_first_frame: bool = False
+    """With ``kv_rebuild``: the first frame of the rebuilt context (Krea's
+    ``GenerateParams.keep_first_frame``). False (Krea's default): the stream's first latent frame while
+    ``frames made - latent_frames_per_chunk < kv_rebuild``, then the Wan VAE's re-encoding of the last decoded
+    pixel frame of latent frame ``frames made - kv_rebuild`` (decoded as Krea decodes; the session decodes
+    every chunk for it, on the step's thread, and needs the Wan VAE: ``vae.decoder`` 'wan' or 'taehv'). True:
+    always the stream's first latent frame (no decode). Unused without ``kv_rebuild``."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 import torch
 
 from cadence.cache.naive import NaiveCache
-from cadence.cache.rebuild import context_frames, rebuild
+from cadence.cache.rebuild import RebuildContext, rebuild
 from cadence.cache.recache import PastChunk, recache
 from cadence.cache.ring import RingCache
 from cadence.config import CadenceConfig
@@ -97,11 +97,15 @@ class Session:
         s = cfg.stream
         keep = s.frame_sink_chunks + s.window_chunks if self.prompt_switch == "recache" else 0
         self._past: deque[PastChunk] = deque(maxlen=keep)
-        # Krea's per-chunk K/V rebuild (``cadence.cache.rebuild``): the stream's first clean latent frame and
-        # the last kv_rebuild - 1 clean frames after it, kept here on the device
+        # Krea's per-chunk K/V rebuild (``cadence.cache.rebuild``): the clean context it re-runs (the first
+        # latent frame or, keep_first_frame off, an older decoded pixel frame re-encoded) kept on the device
         self.kv_rebuild = s.kv_rebuild
-        if self.kv_rebuild and model.audio_embed is not None:
-            raise ConfigError("kv_rebuild has no audio path (no audio-driven family uses it)")
+        self._rebuild: RebuildContext | None = None
+        if self.kv_rebuild:
+            if model.audio_embed is not None:
+                raise ConfigError("kv_rebuild has no audio path (no audio-driven family uses it)")
+            vae = None if s.keep_first_frame else gen.vae
+            self._rebuild = RebuildContext(self.kv_rebuild, s.latent_frames_per_chunk, vae)
         self._start(image, prompt, seed)
 
     def reset(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0) -> None:
@@ -149,8 +153,8 @@ class Session:
         self.next_frame = 0
         self.index = 0
         self._past.clear()
-        self._first_frame: torch.Tensor | None = None
-        self._recent: torch.Tensor | None = None
+        if self._rebuild is not None:
+            self._rebuild.reset()
         # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
         sf = cfg.stream.sink_frames
         if sf:
@@ -253,8 +257,8 @@ class Session:
         (``begin_chunk``), draw its noise, turn its audio into feature tokens."""
         sched = self.gen.schedule
         F = self.cfg.stream.latent_frames_per_chunk
-        if self.kv_rebuild and self._first_frame is not None:  # Krea: refill the cache, run right after it
-            ctx = context_frames(self._first_frame, self._recent, self.kv_rebuild)
+        ctx = self._rebuild.context() if self._rebuild is not None else None
+        if ctx is not None:  # Krea: refill the cache, run right after it
             pos = rebuild(self.model, self.cache, ctx, self.text, self.gen.timesteps[-1:], F)
             self.cache.begin_chunk(pos, F)
         else:
@@ -308,20 +312,11 @@ class Session:
         )
         if self._past.maxlen:  # a copy: a replayed graph's output buffer is overwritten by the next replay
             self._past.append(PastChunk(self.index, self.next_frame, x.detach().clone()))
-        if self.kv_rebuild:
-            self._keep_context(x.detach())
+        if self._rebuild is not None:
+            self._rebuild.push(x.detach())
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
         return x
-
-    def _keep_context(self, x: torch.Tensor) -> None:
-        """Keep what the next K/V rebuild reads: the stream's first latent frame and the last
-        ``kv_rebuild - 1`` frames after it (copies: a replayed graph's output buffer is reused)."""
-        if self._first_frame is None:
-            self._first_frame, x = x[:, :1].clone(), x[:, 1:]
-        keep = self.kv_rebuild - 1
-        recent = x if self._recent is None else torch.cat([self._recent, x], dim=1)
-        self._recent = recent[:, max(0, recent.shape[1] - keep) :].clone() if keep else None
 
 
 class StreamGenerator:

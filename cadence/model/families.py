@@ -33,9 +33,10 @@ Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures
   folder (config.json + safetensors) with Wan's names. The engine does not stream it yet (status 'model').
 * ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
   Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
-  Before every block its server rebuilds the cache from the first latent frame and the last 2 clean
-  frames (``kv_cache_num_frames`` = 3): ``stream.kv_rebuild`` (``cadence.cache.rebuild``), equal to Krea's
-  own code with ``keep_first_frame=True``; its default re-encoded first frame is not reproduced.
+  Before every block its server rebuilds the cache from a first frame and the last 2 clean frames
+  (``kv_cache_num_frames`` = 3): ``stream.kv_rebuild`` (``cadence.cache.rebuild``). The first frame is Krea's
+  default (``stream.keep_first_frame`` False: from the third block on, an older decoded pixel frame
+  re-encoded by the Wan VAE) or the stream's first latent frame (True); both equal to Krea's own code.
 
 ``get_family(name)``, ``list_families()`` and ``family_config(...)`` are what ``--model NAME`` and
 ``cadence models`` call. Pure configuration: no torch here.
@@ -207,14 +208,17 @@ FAMILIES: dict[str, ModelFamily] = {
             timesteps=(1000.0, 750.0, 500.0, 250.0, 0.0),
             window_chunks=2,
             kv_rebuild=3,  # kv_cache_num_frames: the cache rebuilt before every block (cadence.cache.rebuild)
+            keep_first_frame=False,  # Krea's default: from the third block on, an older frame re-encoded
             commit="last_pass",  # no clean pass: the next rebuild replaces whatever the block wrote
         ),
         checkpoint=CheckpointFormat(kinds=(".safetensors",), prefixes=("model.",), names="wan"),
         reference_window="kv_cache_num_frames=3: the cache is recomputed every block from the first frame "
         "and the last clean frames",
-        notes="The per-block K/V rebuild is Krea's keep_first_frame=True rule (the stream's first latent "
-        "frame); Krea's default re-encodes that frame through the VAE from a decoded pixel frame once the "
-        "stream is long enough, which Cadence does not do. Naive cache only (the ring is refused).",
+        notes="The per-block K/V rebuild with Krea's default first context frame (keep_first_frame=False: "
+        "from the third block on, the Wan VAE re-encoding of an older pixel frame decoded as Krea's "
+        "VAEDecoderWrapper decodes; needs the Wan VAE) or, with stream.keep_first_frame=True, the stream's "
+        "first latent frame. Krea runs its VAE in float16 and the re-encode only at 480x832 (hard-coded); "
+        "the frames Cadence shows are its own decoder's, not Krea's. Naive cache only (the ring is refused).",
     ),
 }
 
