@@ -39,6 +39,15 @@ class FleetConfig:
     session, worker frames ready -> front end (``scripts/fleet_costs.py hop``): p50 4.07 ms, p90 6.05 ms
     (one machine's pipe: 1.65 / 2.52 ms); 4.6 / 11.7 ms before the groups ran at normal priority. Another
     node adds its network round trip. The planner raises the lead further if chunks come back later."""
+    media: str = "frontend"
+    """Where a session's WebRTC ends: 'frontend' (this process: the frames come to it through Ray) or 'group'
+    (the group actor, on the group's node: the front end hands it the SDP offer and returns its answer; frames
+    and audio never reach the front end; ``cadence.fleet.media``). Sessions a program opens in process
+    (``SessionManager.create_local``: Pipecat in process) read the frames here in either mode."""
+    media_ice: str = "node"
+    """With ``media='group'``: the host addresses the group's ICE agent offers to browsers: 'node' (the group
+    node's Ray address), 'auto' (every interface of the node but loopback) or 'ADDR[,ADDR...]'. A browser
+    must reach them by UDP (docs/fleet.md)."""
     namespace: str = NAMESPACE
 
     # (what the serve layer calls: it holds a FleetConfig as ``ServeConfig.fleet`` and never imports
@@ -67,6 +76,12 @@ class FleetConfig:
         if min(self.lease_s, self.heartbeat_s, self.ping_s) <= 0 or self.lease_s <= 2 * self.heartbeat_s:
             raise ConfigError(
                 f"lease_s ({self.lease_s}) must exceed two heartbeats ({self.heartbeat_s} s), all positive"
+            )
+        if self.media not in ("frontend", "group"):
+            raise ConfigError(f"fleet media is 'frontend' or 'group', got {self.media!r}")
+        if not self.media_ice.strip() or any(not a.strip() for a in self.media_ice.split(",")):
+            raise ConfigError(
+                f"fleet media ICE addresses: 'node', 'auto' or 'ADDR[,ADDR...]', got {self.media_ice!r}"
             )
         parts = self.device.split("+")
         if not (
@@ -121,6 +136,21 @@ def add_fleet_flags(parser) -> None:
         help="with --ray: CPUs reserved per group (default 1)",
     )
     g.add_argument(
+        "--fleet-media",
+        choices=["frontend", "group"],
+        default="frontend",
+        help="with --ray: where a session's WebRTC ends: 'frontend' (this process; frames come here through "
+        "Ray; default) or 'group' (the group's own node: this process hands it the SDP offer; frames and audio "
+        "never pass here; the browser must reach the group's node by UDP)",
+    )
+    g.add_argument(
+        "--fleet-media-address",
+        default="node",
+        metavar="node|auto|ADDR[,ADDR]",
+        help="with --fleet-media group: the addresses the group offers as ICE candidates ('node': the group "
+        "node's Ray address, default; 'auto': its interfaces; or a list, e.g. its public address)",
+    )
+    g.add_argument(
         "--fleet-max-restarts",
         type=int,
         default=10,
@@ -138,4 +168,6 @@ def fleet_from_args(args) -> FleetConfig | None:
         device=fleet_device(args.device, args.tp),
         cpus_per_group=args.fleet_cpus_per_group,
         max_restarts=args.fleet_max_restarts,
+        media=args.fleet_media,
+        media_ice=args.fleet_media_address,
     )

@@ -18,6 +18,11 @@ back in one ``poll`` answer (character: 4 x 128 x 128 x 3 = 196 KB; W1.3 12 x 48
 which goes through Ray's object store: a node-to-node copy when the group is on another machine). Costs
 measured here: docs/fleet.md.
 
+With ``--fleet-media group`` the browser's WebRTC ends on the group's node instead: a new session is a
+``cadence.fleet.remote.GroupMediaSession`` (``RayGroup.session_factory``), whose offer goes to the actor
+(``open_media``) and whose frames and audio never come here; the poll then carries the session's status
+updates and its end (``cadence.fleet.messages``).
+
 Faults seen from here: a poll that fails (the actor died, its node left) is reported once as ``Died``;
 the session on it ends with that error (``worker_error``) and its claim is released; Ray restarts the
 actor and the registry puts it back when it is ready. Nothing here restarts a group: ``restart`` only
@@ -65,7 +70,9 @@ class RayGroup:
         self._device = "?"
         self._pid: int | None = None
         self._poll: asyncio.Task | None = None
-        self.transport_s = source.fleet_cfg.hop_ms / 1e3  # (read by the manager's worker_speed)
+        # (read by the manager's worker_speed; with the media on the group the actor plans without the Ray hop)
+        self.transport_s = 0.0 if source.media_on_group else source.fleet_cfg.hop_ms / 1e3
+        self.media_prepared: str | None = None  # the incarnation asked to prepare its media (group mode)
 
     # ---- the WorkerGroup interface ----------------------------------------------------------------
     @property
@@ -85,6 +92,16 @@ class RayGroup:
             and not self.claimed_elsewhere
             and not self.draining
         )
+
+    @property
+    def session_factory(self):
+        """What the session manager builds for a new session on this group: None (a ``LiveSession`` here, the
+        frames through Ray) or, with the media on the group, a ``GroupMediaSession``."""
+        if not self.source.media_on_group:
+            return None
+        from cadence.fleet.remote import GroupMediaSession
+
+        return GroupMediaSession
 
     def info_dict(self) -> dict:
         out = dataclasses.asdict(self.info) if self.info is not None else {}
@@ -173,6 +190,12 @@ class FleetGroups:
         frame_bytes = self.frame_shape[0] * self.frame_shape[1] * self.frame_shape[2] * 3
         self.spec, self.shm = worker_spec(cfg, self.fleet_cfg.device, frame_bytes)
         self.preset = e.name
+        self.media_on_group = self.fleet_cfg.media == "group"
+        self.media_settings = None
+        if self.media_on_group:
+            from cadence.fleet.messages import MediaSettings
+
+            self.media_settings = MediaSettings.from_serve(cfg, self.fleet_cfg.media_ice)
         self.frontend_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.groups: list[RayGroup] = []  # the manager's ``groups`` (the same list, updated in place)
         self.by_name: dict[str, RayGroup] = {}
@@ -313,6 +336,9 @@ class FleetGroups:
             # (a group holding a session changes only through the session: a Died clears it, the release
             # sets it again; so a session closing after its group died never talks to the restarted one)
             up = d["state"] == "up" and g.info is not None and g.incarnation != g.died_incarnation
+            if up and self.media_on_group and g.handle is not None and g.media_prepared != g.incarnation:
+                g.media_prepared = g.incarnation  # (aiortc imported on the group before its first session)
+                g.handle.prepare_media.remote()
             if not up:
                 g.ready.clear()
             elif g.session_id is None:

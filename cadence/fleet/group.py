@@ -14,6 +14,12 @@ thin async relay between Ray calls and that group's pipe). Requests and replies 
 the first), so a chunk's frames cross Ray once per chunk, with the chunk's other replies. Only a session's
 replies are queued (the worker's ``Ready`` becomes the actor's ``ping`` state instead).
 
+With ``--fleet-media group`` the session's WebRTC ends here instead (``open_media``, ``media_request``):
+the actor's :class:`~cadence.fleet.media.MediaHost` runs the session (aiortc, scheduler, tracks, agent) on a
+loop of its own, the worker's replies of that session go to it and not to ``poll``, and ``poll`` carries the
+session's status updates and its end (``cadence.fleet.messages``). Imported only then: the actor of a
+``frontend``-mode fleet never imports aiortc.
+
 Faults: a worker process that exits (``Died``) takes the actor down with it (``os._exit``) after its
 replies are queued for half a second, so there is one recovery path: Ray restarts the actor (its
 ``max_restarts``) and the restarted actor builds and warms a fresh group; the registry counts the restart
@@ -34,7 +40,7 @@ import os
 import time
 import uuid
 
-from cadence.engine.messages import Died, Ready
+from cadence.engine.messages import CloseSession, Died, Ready
 from cadence.engine.spec import WorkerSpec
 
 log = logging.getLogger("cadence.fleet")
@@ -69,6 +75,7 @@ class GroupActor:
         self.incarnation = uuid.uuid4().hex
         self.t_created = time.time()
         self.group = None
+        self.media = None  # the MediaHost, from the first session whose WebRTC ends here
         self.replies: list = []
         self._wake: asyncio.Event | None = None
         self._exiting = False
@@ -89,13 +96,27 @@ class GroupActor:
     def _on_message(self, msg) -> None:
         if isinstance(msg, Ready):  # (WorkerGroup keeps Ready to itself; kept here in case)
             return
-        self.replies.append(msg)
-        if self._wake is not None:
-            self._wake.set()
+        if self.media is not None and self.media.owns(getattr(msg, "sid", None)):
+            self.media.deliver(msg)  # a reply of a session whose WebRTC ends here: to its loop, not to poll
+            return
+        self._push(msg)
         if isinstance(msg, Died) and not self._exiting:
             self._exiting = True
             log.error("group %s: %s; the actor exits so that Ray restarts it", self.name, msg.reason)
             asyncio.get_running_loop().call_later(EXIT_AFTER_DIED_S, os._exit, 1)
+
+    def _push(self, msg) -> None:
+        """Queue a message for the front end's next ``poll`` (on the actor's loop)."""
+        self.replies.append(msg)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _media(self):
+        if self.media is None:
+            from cadence.fleet.media import MediaHost  # (aiortc, PyAV: only in this mode)
+
+            self.media = MediaHost(self.group, self.spec.config(), asyncio.get_running_loop(), self._push)
+        return self.media
 
     async def ping(self) -> dict:
         """The group's state (starts the worker on the first call)."""
@@ -118,9 +139,34 @@ class GroupActor:
         }
 
     async def send(self, msg) -> None:
-        """Queue a request for the worker (``WorkerGroup.send``: never blocks)."""
+        """Queue a request for the worker (``WorkerGroup.send``: never blocks). A ``CloseSession`` of a session
+        whose WebRTC ends here (the registry's, for a front end whose lease expired) closes that session."""
         self._ensure()
+        if isinstance(msg, CloseSession) and self.media is not None and self.media.owns(msg.sid):
+            self.media.close_soon(msg.sid, "frontend_lost")
+            return
         self.group.send(msg)
+
+    async def open_media(self, req):
+        """Open a session whose WebRTC ends on this node (``cadence.fleet.messages.OpenMedia``): its SDP
+        answer (``MediaAnswer``)."""
+        self._ensure()
+        host = self._media()
+        return await host.call(host.open(req))
+
+    async def prepare_media(self) -> bool:
+        """Import and start what a session whose WebRTC ends here needs, ahead of the first one (a front end in
+        that mode calls it once per incarnation: the first session does not wait for aiortc's import)."""
+        self._ensure()
+        self._media()
+        return True
+
+    async def media_request(self, sid: str, req):
+        """A front end's request on a session held here (``MediaSpeak``, ``MediaPrompt``, ``MediaClose``, ...)."""
+        self._ensure()
+        if self.media is None:
+            return None
+        return await self.media.call(self.media.request(sid, req))
 
     async def poll(self, timeout: float = 0.5) -> list:
         """Every reply since the last poll; waits up to ``timeout`` s for the first."""
@@ -135,7 +181,10 @@ class GroupActor:
         return out
 
     async def stop(self) -> None:
-        """Stop the worker processes (before the actor is killed for good)."""
+        """Close the sessions held here, stop the worker processes (before the actor is killed for good)."""
+        if self.media is not None:
+            await self.media.call(self.media.stop())
+            self.media.loop.call_soon_threadsafe(self.media.loop.stop)
         if self.group is not None:
             self._exiting = True
             await self.group.stop()

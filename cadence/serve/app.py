@@ -50,6 +50,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import hmac
+import inspect
 import io
 import json
 import logging
@@ -463,7 +464,10 @@ class SessionManager:
             raise
         token = secrets.token_urlsafe(32)
         self.tokens[sid] = hashlib.sha256(token.encode()).digest()
-        sess = LiveSession(self, sid, g, ag, self.engine_cfg, prompt, seed)
+        # (a fleet group whose own node terminates WebRTC gives its own session class: cadence.fleet.remote)
+        sess = (getattr(g, "session_factory", None) or LiveSession)(
+            self, sid, g, ag, self.engine_cfg, prompt, seed
+        )
         sess.t_created = t_request
         self.sessions[sid] = sess
         self.metrics.active.set(len(self.sessions))
@@ -1279,7 +1283,10 @@ def create_app(cfg: ServeConfig | None = None):
             raise ApiError(400, "missing 'prompt' (a non-empty string)")
         s = mgr.get_open(sid)
         s.touch()
-        return {"session_id": sid, "from_chunk": s.set_prompt(prompt)}
+        from_chunk = s.set_prompt(prompt)
+        if inspect.isawaitable(from_chunk):  # (a session whose media runs on its fleet group: asked there)
+            from_chunk = await from_chunk
+        return {"session_id": sid, "from_chunk": from_chunk}
 
     @app.post(
         "/sessions/{sid}/audio",
