@@ -8,8 +8,9 @@
 #   PART=cadence  C1 `cadence bench pipeline --model self-forcing --decoder wan` (compiled decoder) with a
 #                 second run whose prompt changes every 10 chunks; C2 the same with the FP8 decoder;
 #                 W the W1.3 preset with the FP8 decoder, 200 chunks (issue 17: >= 30 fps on one GPU)
+#   PART=more     C3 the family with bf16 K/V (cuDNN SDPA), W (as in cadence)
 #   PART=both     R3 the reference compiled in torch.compile's default mode, then C1 and C2
-# Usage (repo root):  CADENCE_GIT=<sha> PART=ref|cadence|both bash scripts/device_sf_side_by_side.sh
+# Usage (repo root):  CADENCE_GIT=<sha> PART=ref|cadence|both|more bash scripts/device_sf_side_by_side.sh
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-560}; PART=${PART:-ref}
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
@@ -30,6 +31,11 @@ elif [[ $PART == both ]]; then
   P="python3 -m cadence bench pipeline --device cuda:0 --decode-device same --decoder wan --kv-fp8 --fp8 --compile --out-dir $PERF"
   run 180 C1-sf-deccompile $P --model self-forcing --chunks 60 --shape-change-every 10 --decoder-fast compile
   run 180 C2-sf-decfp8 $P --model self-forcing --chunks 60 --shape-change-every 10 --decoder-fast fp8
+elif [[ $PART == more ]]; then
+  # the family with bf16 K/V (torch SDPA: cuDNN attention) instead of the FP8 ring kernel, and W
+  P="python3 -m cadence bench pipeline --device cuda:0 --decode-device same --decoder wan --fp8 --compile --out-dir $PERF"
+  run 170 C3-sf-bf16kv $P --model self-forcing --chunks 60 --shape-change-every 0 --decoder-fast compile
+  run 200 W-w1.3-decfp8 $P --kv-fp8 --preset w1.3 --chunks 200 --shape-change-every 0 --decoder-fast fp8
 else
   P="python3 -m cadence bench pipeline --device cuda:0 --decode-device same --decoder wan --kv-fp8 --fp8 --compile --out-dir $PERF"
   run 190 C1-sf-deccompile $P --model self-forcing --chunks 60 --shape-change-every 10 --decoder-fast compile
