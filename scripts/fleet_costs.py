@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (this checkout's cadence, installed or not)
+
 from cadence.fleet.cluster import LocalCluster
 from cadence.fleet.config import FleetConfig
 from cadence.serve.config import ServeConfig
