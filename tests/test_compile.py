@@ -235,3 +235,41 @@ def test_a_compile_on_one_thread_never_meets_a_compiled_call_on_another():
     with COMPILE_GATE.running(), COMPILE_GATE.compiling(), COMPILE_GATE.running():
         pass
     assert COMPILE_GATE._writer is None and not COMPILE_GATE._readers
+
+
+def test_gate_reruns_a_call_that_met_a_compile_its_signature_missed():
+    """The gate's signature is a guess at the compiler's guards; when it misses one, a call taken as
+    compiled compiles on one thread while another runs, and the other meets torch's tracing error. That
+    call is run again alone (after ``restore``), the op stays compiled, and the collision is counted; any
+    other error still propagates (a real failure: the op falls back)."""
+    from cadence.runtime.compile import COMPILE_GATE, _FusedOp, traced_elsewhere
+
+    msg = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+    assert traced_elsewhere(RuntimeError(msg)) and not traced_elsewhere(RuntimeError("shape mismatch"))
+    state = {"raise": 0, "restored": 0, "alone": []}
+
+    def compiled(x):
+        state["alone"].append(COMPILE_GATE._writer is not None)
+        if state["raise"]:
+            state["raise"] -= 1
+            raise RuntimeError(msg)
+        return x + 1
+
+    op = _FusedOp("rms_norm", lambda x: x + 1, "aot_eager")
+    op.compiled = compiled
+    before = COMPILE_GATE.collisions
+    x = torch.zeros(2)
+    assert torch.equal(op(x), x + 1)  # first call: a new signature, alone
+    state["raise"] = 1
+    assert torch.equal(op(x), x + 1)  # seen: runs shared, meets the error, reruns alone
+    assert op.failed is None and op.calls == 2
+    assert COMPILE_GATE.collisions == before + 1
+    assert state["alone"] == [True, False, True]
+    # restore runs before the rerun
+    seen = {("k",)}
+    state["raise"] = 1
+    out = COMPILE_GATE.call(seen, ("k",), compiled, x, restore=lambda: state.update(restored=1))
+    assert torch.equal(out, x + 1) and state["restored"] == 1
+    # a different error is the op's own failure: plain from now on
+    op.compiled = lambda x: (_ for _ in ()).throw(RuntimeError("inductor: unsupported"))
+    assert torch.equal(op(x), x + 1) and op.failed is not None

@@ -33,7 +33,12 @@ sets process-wide tracing state, and a compiled function called from the other t
 ("Detected that you are using FX to symbolically trace a dynamo-optimized function"): on an H200 (torch
 2.11) a W14 pipeline's norm regions fell back to plain PyTorch for the whole run that way while the decoder
 compiled (docs/perf/pipeline/NOTES.md). So a call that may compile (the first at its input signature) holds
-the gate alone, and calls of what is compiled share it.
+the gate alone, and calls of what is compiled share it. The signature is a guess at the compiler's guards
+(shapes, strides, dtypes, devices, plain values): when it misses one, a call taken as already compiled
+compiles while others run, and a call on another thread meets the tracing state anyway (an H200 W1.3-size
+stream with bf16 K/V, session 10). That error is recognised as another thread's compile, not a failure of
+the op: the call is run again alone (:meth:`CompileGate.call`, ``restore`` puts back what the failed
+attempt may have changed), and the op stays compiled.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class CompileGate:
         self._writer: int | None = None  # thread compiling
         self._depth = 0  # its nesting
         self._readers: dict[int, int] = {}  # thread -> nesting of running() calls
+        self.collisions = 0  # runners that met another thread's compile and ran again alone
 
     @contextlib.contextmanager
     def compiling(self):
@@ -120,12 +126,23 @@ class CompileGate:
                     self._readers[me] = n
                 self._cond.notify_all()
 
-    def call(self, seen: set, key, fn, *args):
+    def call(self, seen: set, key, fn, *args, restore=None):
         """``fn(*args)`` alone when ``key`` (the input signature) is new to ``seen`` (it may compile), else
-        alongside other runners."""
+        alongside other runners. A runner that meets another thread's compile (:func:`traced_elsewhere`)
+        is run again alone, after ``restore()`` when given."""
         if key in seen:
-            with self.running():
-                return fn(*args)
+            try:
+                with self.running():
+                    return fn(*args)
+            except RuntimeError as e:
+                if not traced_elsewhere(e):
+                    raise
+                self.collisions += 1
+                log.info(
+                    "compiled call met another thread's compile (a guard the signature misses): rerun alone"
+                )
+                if restore is not None:
+                    restore()
         with self.compiling():
             out = fn(*args)
         seen.add(key)
@@ -136,15 +153,21 @@ class CompileGate:
 COMPILE_GATE = CompileGate()
 
 
+def traced_elsewhere(e: BaseException) -> bool:
+    """True for the error torch raises when a compiled function is called while a compile (on any thread:
+    the FX tracing flag is process-wide) is under way."""
+    return isinstance(e, RuntimeError) and "symbolically trace a dynamo-optimized function" in str(e)
+
+
 def input_signature(*args) -> tuple:
-    """What a static-shape compile keys on, roughly: each tensor's shape, dtype and device, other values as
-    they are (a new signature is a call that may compile)."""
+    """What a static-shape compile keys on, roughly: each tensor's shape, strides, dtype and device, other
+    values as they are (a new signature is a call that may compile)."""
     return tuple(_signature_of(a) for a in args)
 
 
 def _signature_of(a):
     if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), a.dtype, a.device.type)
+        return (tuple(a.shape), a.stride(), a.dtype, a.device.type)
     if isinstance(a, (list, tuple)):
         return tuple(_signature_of(x) for x in a)
     try:

@@ -298,8 +298,12 @@ class _GuardedForward:
         slots, first = list(mem.slots), mem.first
         # the input signature: the latent and the causal memory's state (the compile's guards, roughly)
         key = (input_signature(x), first, input_signature(*slots))
+
+        def restore():  # a rerun after meeting another thread's compile starts from the same memory
+            mem.slots[:], mem.first = slots, first
+
         try:
-            return COMPILE_GATE.call(self.seen, key, self.compiled, x, mem)
+            return COMPILE_GATE.call(self.seen, key, self.compiled, x, mem, restore=restore)
         except Exception as e:  # a compile error at this shape: eager from now on
             self.failed = True
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
