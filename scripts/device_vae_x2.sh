@@ -5,6 +5,8 @@
 #   A  W14 at 704x1088, 200 chunks   (targets: >= 24 fps, latency p99 <= 250 ms)
 #   B  W1.3, 200 chunks              (targets: >= 40 fps, latency p99 <= 450 ms)
 #   C  cadence bench serve, W14, --decode-gpu 1, 20 s   (target: >= 23.5 fps)
+#   D  issue 15: the Self-Forcing family with its decode on GPU 1, 60 chunks (target: >= 2x Self-Forcing's own
+#      compiled code on one GPU: 19.4 fps steady measured in session 10 -> >= 38.8 fps)
 # Usage (repo root):  CADENCE_GIT=<sha> bash scripts/device_vae_x2.sh
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-540}; CHUNKS=${CHUNKS:-200}
@@ -16,6 +18,7 @@ run 170 A-w14-dec1 $P --preset w14
 run 170 B-w1.3-dec1 $P --preset w1.3
 run 200 C-serve-w14-dec1 python3 -m cadence bench serve --device cuda --sessions 1 --speak-every 2 --preset w14 \
   --decoder wan --decode-gpu 1 --compile --seconds 20 --window-s 5 --out-dir "$PERF"
+run 170 D-sf-dec1 $P --model self-forcing --chunks 60
 echo "=== done in ${SECONDS}s"
 python3 - "$PERF" <<'PY'
 import json, pathlib, sys
