@@ -66,7 +66,12 @@ def text_of(prompt: torch.Tensor) -> torch.Tensor:
 
 def test_family_entry():
     fam = get_family("flashtalk")
-    assert (fam.clip_frames, fam.motion_frames, fam.status) == (C["frame_num"], C["motion_frames"], "model")
+    assert (fam.clip_frames, fam.motion_frames, fam.status, fam.stream_kind) == (
+        C["frame_num"],
+        C["motion_frames"],
+        "parity",
+        "clip",
+    )
     cfg = family_config("flashtalk")
     m, s = cfg.model, cfg.stream
     assert (m.dim, m.num_layers, m.num_heads, m.ffn_dim) == (5120, 40, 40, 13824)  # Wan2.1-I2V-14B
@@ -81,7 +86,7 @@ def test_family_entry():
     assert (s.height, s.width, s.fps, s.passes, s.shift) == (768, 448, 25, C["steps"], C["shift"])
     assert cfg.video_frames_per_chunk == fam.clip_frames - fam.motion_frames  # 28 new frames per clip
     torch.testing.assert_close(shifted_timesteps(s.timesteps, s.shift), DATA["stream"]["timesteps"])
-    # the engine's audio front end refuses it (wav2vec2 windows are not wired into the engine)
+    # the per-chunk log-mel front end refuses it: the engine hears it through its wav2vec2 (cadence.engine.clip)
     from cadence.model.audio import make_audio_encoder
 
     with pytest.raises(ConfigError, match="flashtalk.*wav2vec2"):

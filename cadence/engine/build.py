@@ -75,6 +75,30 @@ def engine_config(cfg: CadenceConfig, fast: FastPath, device: torch.device | Non
     return cfg
 
 
+def clip_fast_path(cfg: CadenceConfig, fast: FastPath, notes: list[str]) -> FastPath:
+    """A clip-based family (``cadence.engine.clip``: FlashTalk) has no K/V stream and decodes inside its step with
+    the Wan VAE: the ring cache, FP8 K/V, CUDA graphs and another decoder do not apply (one note for those
+    asked for or on by default; the model's own fast paths, FP8 linears and compile, still do). ``fast``
+    unchanged for every other configuration."""
+    from cadence.engine.clip import is_clip_family
+
+    if not is_clip_family(cfg):
+        return fast
+    off = [n for n in ("graphs", "kv_fp8", "capture_filling") if getattr(fast, n)]
+    if fast.decoder not in (None, "wan"):
+        off.append(f"decoder {fast.decoder}")
+    if fast.decoder_fast not in (None, "off"):
+        off.append(f"decoder_fast {fast.decoder_fast}")
+    if off:
+        notes.append(
+            f"{cfg.model.family}: {', '.join(off)} off (clips are bidirectional, no K/V cache; each clip is "
+            "decoded and re-encoded by the Wan VAE inside its step)"
+        )
+    return dataclasses.replace(
+        fast, graphs=False, kv_fp8=False, capture_filling=False, decoder="wan", decoder_fast="off"
+    )
+
+
 def build_model_for(
     cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, seed: int, tp=None, comm: str = "auto"
 ):
@@ -148,6 +172,7 @@ def build_engine(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     fast, notes = (fast or FastPath()).resolve(str(device))
+    fast = clip_fast_path(cfg, fast, notes)
     cfg = engine_config(cfg, fast, device)
     dtype = getattr(torch, fast.dtype)
     if device.type == "cpu" and fast.threads:

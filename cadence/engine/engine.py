@@ -120,6 +120,7 @@ class _Job:
     step: str
     out: torch.Tensor | None  # the caller's host buffer for the frames, or None
     tag: object
+    pixels: torch.Tensor | None = None  # the step's own frames (a session that ``yields_pixels``): no decode
 
 
 class _Stop:
@@ -346,7 +347,9 @@ class _Decoder:
         )
 
     def _decode_job(self, job: _Job) -> ChunkResult | None:
-        lat = job.latents
+        # a session whose step yields pixels (a clip-based family) hands over finished frames: they are only
+        # moved to the decode device and copied to the host here (``decode`` is the identity then)
+        lat = job.latents if job.pixels is None else job.pixels
         if self.diff_cuda and self.dec_cuda:
             self.handoff.wait_event(job.ready_event)
             lat.record_stream(self.handoff)  # the caller drops it: keep the allocator off it until used
@@ -355,7 +358,7 @@ class _Decoder:
                 lat = lat.to(self.dec_dev, non_blocking=True)
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                 ev[0].record(self.dec_stream)
-                frames = self.sess.decode(lat)
+                frames = lat if job.pixels is not None else self.sess.decode(lat)
                 ev[1].record(self.dec_stream)
                 if job.out is not None:  # the caller's (pageable) buffer: a synchronous copy
                     job.out.copy_(frames)
@@ -380,7 +383,7 @@ class _Decoder:
             job.diffusion_ms = d0.elapsed_time(d1)
             lat = lat.to("cpu")
         t0 = time.monotonic()
-        frames = self.sess.decode(lat)
+        frames = lat if job.pixels is not None else self.sess.decode(lat)
         t1 = time.monotonic()
         if frames.device.type != "cpu":  # pragma: no cover - a decoder that answers on a device
             frames = frames.cpu()
@@ -657,6 +660,9 @@ class Engine:
                 None,
                 tag,
             )
+        if sess.yields_pixels:  # the step made the frames itself; the latent rides along for the caller
+            job.pixels, job.latents = job.latents, sess.last_latent
+            job.step = "clip"
         st.submitted += 1
         if not decode:
             if self.cuda:
@@ -868,6 +874,8 @@ class Engine:
         """Chunks that run every step shape of a stream once: W - 1 while the ring fills, the first steady
         step's ``graph_warmup`` eager run(s), the capture, one replay (also the first chunk whose sink moves
         under the 'follow' policy)."""
+        if self.gen.clip_based:  # no ring, no graphs: the first clip (motion = the image) and one more
+            return self.cfg.prewarm_chunks or 2
         return self.cfg.prewarm_chunks or self.gen.cfg.stream.window_chunks + self.cfg.graph_warmup + 1
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ from cadence.cache.rebuild import RebuildContext, rebuild
 from cadence.cache.recache import PastChunk, recache
 from cadence.cache.ring import RingCache
 from cadence.config import CadenceConfig
+from cadence.engine.clip import ClipReferences, ClipSession, is_clip_family, make_clip_encoders
 from cadence.errors import ConfigError, InputError
 from cadence.model.audio import make_audio_encoder
 from cadence.model.dit import WanDiT
@@ -64,6 +65,10 @@ class Session:
     (``cadence.runtime.graphs``) stays valid for it: the one-session-per-GPU-group server reuses one
     session (and its graphs) stream after stream instead of paying allocation and captures again.
     """
+
+    yields_pixels = False
+    """Whether ``step`` returns finished frames (a clip-based family's ``ClipSession``: the engine's decode
+    stage then only copies them to the host) rather than a latent for ``decode``."""
 
     def __init__(
         self,
@@ -330,7 +335,20 @@ class StreamGenerator:
         # the family's real encoders (umT5 through transformers, ...) or the byte / log-mel stand-ins of the
         # no-download presets; a prompt's embedding is padded to the model's fixed text length (one step shape)
         self.text_encoder = make_text_encoder(cfg, dev, model.dtype)
-        self.audio = make_audio_encoder(cfg, dev)
+        # a clip-based family (FlashTalk: ``cadence.engine.clip``) hears through its own wav2vec2 and sees the
+        # reference through CLIP; the block-causal ones through the per-chunk audio front end
+        self.clip_based = is_clip_family(cfg)
+        if self.clip_based:
+            if not isinstance(self.vae, WanVAEAdapter):
+                raise ConfigError(
+                    f"model family {cfg.model.family!r} decodes and re-encodes every clip with the Wan VAE: "
+                    f"vae.decoder must be 'wan', got {cfg.vae.decoder!r}"
+                )
+            self.audio = None
+            self.clip_vision, self.audio_features = make_clip_encoders(cfg, dev, model.dtype)
+            self.clip_reference = ClipReferences(self)
+        else:
+            self.audio = make_audio_encoder(cfg, dev)
         self.schedule = Schedule.from_config(cfg.stream)
         # Model timesteps of every pass, the clean commit pass's (the family's context noise, else 0) and 0
         # (the sink pass, last), built once, on the device.
@@ -375,12 +393,14 @@ class StreamGenerator:
         prompt: str | torch.Tensor,
         seed: int = 0,
         decode_device: str | torch.device | None = None,
-    ) -> Session:
+    ) -> Session | ClipSession:
         h, w = self.cfg.stream.height, self.cfg.stream.width
         if tuple(image.shape) != (3, h, w):
             raise InputError(
                 f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, got {list(image.shape)}"
             )
+        if self.clip_based:
+            return ClipSession(self, image, prompt, seed, decode_device=decode_device)
         return Session(self, image, prompt, seed, decode_device=decode_device)
 
 

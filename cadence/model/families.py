@@ -30,7 +30,9 @@ Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures
   reference latent + mask on the input channels, an audio cross-attention in every block fed by
   ``AudioProjModel`` from wav2vec2 windows: ``cadence.model.multitalk``) distilled to 4 steps, streamed as
   33-frame clips at 25 fps whose first 5 frames are the last clip's (``cadence.model.flashtalk``). A diffusers
-  folder (config.json + safetensors) with Wan's names. The engine does not stream it yet (status 'model').
+  folder (config.json + safetensors) with Wan's names, Wan's CLIP ``.pth`` beside it and a wav2vec2 folder.
+  Streamed clip by clip (``stream_kind`` 'clip': ``cadence.engine.clip``), each clip decoded and re-encoded
+  by the Wan VAE before the next.
 * ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
   Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
   Before every block its server rebuilds the cache from a first frame and the last 2 clean frames
@@ -115,10 +117,15 @@ class ModelFamily:
     """With 'recache', whether the frame sink's K/V are kept once the window is full (LongLive's
     ``global_sink``: true in its shipped configs) or recomputed (the sink then moves to recent chunks)."""
     status: str = "parity"
-    """'parity': the model pass and the stream are tested equal to the reference code
+    """'parity': the model pass and the stream the engine runs are tested equal to the reference code
     (tests/fixtures/<name>/); 'model': the model pass and the family's own sampler (outside the engine) are
     tested equal, the engine does not stream it yet; 'config': configuration, key mapping and detection
     only."""
+    stream_kind: str = "kv"
+    """How the engine streams it: 'kv' (block-causal chunks over a K/V cache: ``cadence.engine.session.Session``,
+    the engine's decode stage decodes each chunk's latent) or 'clip' (bidirectional clips, each decoded and
+    re-encoded before the next starts: ``cadence.engine.clip.ClipSession``, whose step yields the frames; no
+    K/V cache, so no ring cache and no CUDA graphs)."""
     clip_frames: int = 0
     """Clip-based families (FlashTalk): video frames generated together per call (bidirectional; 0 = a
     block-causal K/V stream)."""
@@ -262,17 +269,24 @@ FAMILIES["flashtalk"] = ModelFamily(
         warp_denoising_step=True,
         timestep_table=0,
     ),
+    vae=dict(decoder="wan"),  # every clip is decoded and its last frames re-encoded by the Wan 2.1 VAE
     checkpoint=CheckpointFormat(kinds=(".safetensors",), names="wan"),
     audio_encoder="wav2vec2 (chinese-wav2vec2-base, every layer's hidden state at 25 fps)",
     vision_encoder="CLIP ViT-H/14 (Wan's open-clip xlm-roberta-large-vit-huge-14, penultimate layer)",
     reference_window="bidirectional within a 33-frame clip (frame_num 33, motion_frames_num 5: "
     "flash_talk/configs/infer_params.yaml)",
-    status="model",
+    status="parity",
+    stream_kind="clip",
     clip_frames=33,
     motion_frames=5,
-    notes="Model pass, clip sampler and the step between clips (VAE, colour match, motion latents) equal to "
-    "FlashTalk's (cadence.model.flashtalk); not streamed by the engine (its clips are bidirectional with the VAE "
-    "between them); the CLIP vision encoder and live wav2vec2 audio are not wired.",
+    notes="Streamed by the engine as clips (cadence.engine.clip.ClipSession): per chunk its wav2vec2 audio "
+    "windows, the 4-pass clip, the whole-clip Wan VAE decode, colour match and re-encode of the motion frames; "
+    "tested equal to FlashTalk's offline stream (generate_offline, itself tested against the reference's "
+    "generate_video) on the audio delayed by one frame (40 ms: the live resampler's look-ahead), so the mouth "
+    "trails the voice by 40 ms. No K/V cache: no ring cache, no CUDA graphs. The encoders come from the "
+    "weights folder (models_clip_*.pth; a *wav2vec2* folder in or beside it), random without weights. A 14B "
+    "bidirectional clip model is not real time on one GPU: the engine streams it as fast as the hardware "
+    "allows. One speaker only (InfiniteTalk's multi-speaker RoPE placement is not reproduced).",
 )
 
 
