@@ -157,7 +157,9 @@ def make_clip_encoders(cfg: CadenceConfig, device, dtype):
     ``model.weights``, else random ones (logged). wav2vec2 runs in float32 (its features feed a loudness-
     normalised window; small next to the model)."""
     from cadence.config import resolve_asset
+    from cadence.model.wav2vec2 import Resampler
 
+    Resampler(AUDIO_SAMPLE_RATE, 16000)  # needs soxr: one clear ImportError at build, not at the first open
     m = cfg.model
     if m.weights:
         from cadence.model.clip_vision import load_clip_vision

@@ -11,6 +11,10 @@ written once at t=0), the prompt's cross-attention K/V (computed once), a seeded
 the position of the next chunk and its streaming decoder's state. ``Session.step`` is the chunk step:
 device work only, no host syncs; the same seed gives the same output. The loop that steps and decodes
 chunk after chunk (and overlaps the two) is :class:`cadence.engine.engine.Engine`, the only one.
+
+A clip-based family (``ModelFamily.stream_kind`` 'clip': SoulX-FlashTalk) gets a
+:class:`cadence.engine.clip.ClipSession` from the same generator instead: no cache, its step makes a whole clip
+and its frames (``yields_pixels``), and ``decode`` is the identity.
 """
 
 from __future__ import annotations

@@ -413,7 +413,7 @@ def add_weight_flags(parser) -> None:
         default=None,
         metavar="FAMILY",
         help="an open model family instead of --preset (see 'cadence models': self-forcing, causvid, "
-        "longlive, krea-14b): its geometry, sampler, cache policy and checkpoint format",
+        "longlive, krea-14b, flashtalk): its geometry, sampler, cache policy and checkpoint format",
     )
     g.add_argument(
         "--weights",
