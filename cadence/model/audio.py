@@ -7,9 +7,10 @@ mel filters between 40 Hz and 12 kHz). A stand-in for wav2vec2-style features (w
 not available here) with the same contract: [frames, tokens, audio_dim] per chunk, computed on the
 device from the chunk's samples only (no look-ahead).
 
-:func:`make_audio_encoder` is the factory the engine calls: today it returns this stand-in for every
-configuration (no family registered in ``cadence.model.families`` is audio-driven yet); a family that
-needs a real audio encoder is refused with its name rather than silently fed log-mel tokens.
+:func:`make_audio_encoder` is the per-chunk front end of the block-causal (K/V stream) sessions: it returns
+this stand-in. The one audio-driven family, ``flashtalk``, streams by clips and takes its audio through its
+own wav2vec2 path (``cadence.engine.clip``, ``cadence.model.wav2vec2``); a family that needs a real audio
+encoder is refused here with its name rather than silently fed log-mel tokens.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def make_audio_encoder(cfg: CadenceConfig, device: torch.device | str = "cpu") -
             from cadence.errors import ConfigError
 
             raise ConfigError(
-                f"model family {fam!r} needs the {need} audio encoder, which Cadence does not load yet"
+                f"model family {fam!r} needs the {need} audio encoder: its clip session "
+                "(cadence.engine.clip) runs it; the per-chunk log-mel stand-in does not apply"
             )
     return AudioFeatures(cfg, device)
