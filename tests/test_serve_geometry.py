@@ -292,7 +292,9 @@ def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
     first = _rows([5000.0] + [400.0] * (w - 1) + [900.0, 60.0], fill + ["capture", "replay"])
     steady = _rows([60.0] * n, ["replay"] * n)
     again = _rows([100.0] + [400.0] * (w - 1) + [60.0, 60.0], fill + ["replay"] * 2)
-    paced = _rows([60.0] * 2, ["replay"] * 2)
+    # the paced stream runs until the window is full (w - 1 filling chunks) and its last two count: a
+    # query's attention grows while the window fills, so earlier paced chunks are faster than the steady one
+    paced = _rows([20.0] * (w - 1) + [60.0] * 2, fill[: w - 1] + ["replay"] * 2)
     _fake_streams(eng, monkeypatch, [first, steady, again, paced])
     warm = eng.warm_up(default_reference_image(128, 128), decode=False, threads=1)
     assert warm["repeat_stream"] and warm["streams"] == 4
@@ -322,7 +324,7 @@ def test_engine_warm_up_tells_one_time_work_from_slow_chunks(monkeypatch):
     first = _rows([5000.0, 900.0] + [100.0] * (w - 2) + [671.0, 130.0], steps)
     steady = _rows([130.0] * n, ["replay"] * n)
     again = _rows([100.0] * w + [120.0, 130.0], ["replay"] * n)
-    paced = _rows([130.0] * 2, ["replay"] * 2)
+    paced = _rows([90.0] * (w - 1) + [130.0, 130.0], ["replay"] * (w + 1))
     _fake_streams(eng, monkeypatch, [first, steady, again, paced])
     warm = eng.warm_up(default_reference_image(128, 128), decode=False, threads=1)
     assert warm["repeat_stream"] and warm["slowest_chunk_ms"] == 130.0 and warm["steady_chunk_ms"] == 130.0
