@@ -172,3 +172,22 @@ def test_family_settings_are_krea_s():
     assert (s.kv_rebuild, s.window_chunks, s.commit, s.cache) == (3, 2, "last_pass", "naive")
     assert s.keep_first_frame is False  # Krea's GenerateParams default
     assert s.latent_frames_per_chunk == F and list(s.timesteps) == [1000.0, 750.0, 500.0, 250.0, 0.0]
+
+
+def test_krea_default_with_trained_weights_and_a_random_vae_says_so(caplog):
+    """Trained weights with a random Wan VAE: the re-encoded first frame would be noise; one warning says so
+    (the decoder 'wan' without --vae-weights); with the VAE's weights nothing is said."""
+    import logging
+
+    from cadence.engine import session as session_mod
+
+    session_mod._said.discard("rebuild-vae")
+    st = dict(HW, kv_rebuild=3, window_chunks=2)
+    img = torch.zeros(3, HW["height"], HW["width"])
+    with caplog.at_level(logging.WARNING, logger="cadence.engine"):
+        cfg = family_config("krea-14b", weights=str(CKPT), vae_weights=str(VAE), model=TINY_MODEL, stream=st)
+        build_generator(cfg, "cpu", torch.float32).session(img, DATA["prompt_embeds"], seed=0)
+        assert "random weights" not in caplog.text
+        cfg = family_config("krea-14b", weights=str(CKPT), model=TINY_MODEL, stream=st, vae={"decoder": "wan"})
+        build_generator(cfg, "cpu", torch.float32).session(img, DATA["prompt_embeds"], seed=0)
+    assert caplog.text.count("re-encoded by a Wan VAE with random weights") == 1

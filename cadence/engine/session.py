@@ -20,6 +20,7 @@ and its frames (``yields_pixels``), and ``decode`` is the identity.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict, deque
 
 import torch
@@ -41,6 +42,9 @@ from cadence.model.weights import build_model
 from cadence.runtime.chunk import denoise_chunk
 from cadence.runtime.sampler import Schedule
 from cadence.runtime.step import StepInputs, StepKey, step_key
+
+log = logging.getLogger("cadence.engine")
+_said: set[str] = set()
 
 
 def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
@@ -114,6 +118,12 @@ class Session:
             if model.audio_embed is not None:
                 raise ConfigError("kv_rebuild has no audio path (no audio-driven family uses it)")
             vae = None if s.keep_first_frame else gen.vae
+            if vae is not None and cfg.model.weights and not cfg.vae.weights and "rebuild-vae" not in _said:
+                _said.add("rebuild-vae")  # trained weights, a random VAE: the re-encoded frame is noise
+                log.warning(
+                    "the K/V rebuild's first frame is re-encoded by a Wan VAE with random weights (no "
+                    "--vae-weights): give the family's VAE, or stream.keep_first_frame=True"
+                )
             self._rebuild = RebuildContext(self.kv_rebuild, s.latent_frames_per_chunk, vae)
         self._start(image, prompt, seed)
 
