@@ -188,6 +188,8 @@ def test_krea_default_with_trained_weights_and_a_random_vae_says_so(caplog):
         cfg = family_config("krea-14b", weights=str(CKPT), vae_weights=str(VAE), model=TINY_MODEL, stream=st)
         build_generator(cfg, "cpu", torch.float32).session(img, DATA["prompt_embeds"], seed=0)
         assert "random weights" not in caplog.text
-        cfg = family_config("krea-14b", weights=str(CKPT), model=TINY_MODEL, stream=st, vae={"decoder": "wan"})
+        cfg = family_config(
+            "krea-14b", weights=str(CKPT), model=TINY_MODEL, stream=st, vae={"decoder": "wan"}
+        )
         build_generator(cfg, "cpu", torch.float32).session(img, DATA["prompt_embeds"], seed=0)
     assert caplog.text.count("re-encoded by a Wan VAE with random weights") == 1
