@@ -63,6 +63,12 @@ def generator(kv: int, **stream):
 def run(run_name: str, kv_rebuild: bool = True, blocks: int | None = None, **stream) -> torch.Tensor:
     """Cadence's stream on the run's noise and draws; the first-frame rule is the family's default
     (keep_first_frame False) unless the run (or `stream`) says otherwise."""
+    return run_frames(run_name, kv_rebuild, blocks, **stream)[0]
+
+
+def run_frames(run_name: str, kv_rebuild: bool = True, blocks: int | None = None, **stream):
+    """``run``'s latents [C, N, h, w], and with Krea's default first frame the session's step output (uint8
+    frames [N, H, W, 3]) and each chunk's decoded pixels [3, T, H, W] (else None, None)."""
     r, meta = DATA["runs"][run_name], META["runs"][run_name]
     kv = meta["kv_cache_num_frames"]
     if meta["keep_first_frame"]:
@@ -84,9 +90,18 @@ def run(run_name: str, kv_rebuild: bool = True, blocks: int | None = None, **str
 
     sess.prepare_step = prepare
     audio = torch.zeros(cfg.audio_samples_per_chunk)
+    lats, frames, pixels = [], [], []
     with torch.no_grad():
-        out = [sess.step(audio) for _ in range(blocks or meta["blocks"])]
-    return torch.cat(out, dim=1)
+        for _ in range(blocks or meta["blocks"]):
+            out = sess.step(audio)
+            if sess.yields_pixels:
+                frames.append(out)
+                pixels.append(sess._rebuild.chunk_pixels)
+                out = sess.last_latent
+            lats.append(out)
+    if not frames:
+        return torch.cat(lats, dim=1), None, None
+    return torch.cat(lats, dim=1), torch.cat(frames), pixels
 
 
 @pytest.mark.parametrize("run_name", ["kv3", "kv6", "kv3_reencode", "kv6_reencode"])
@@ -193,3 +208,31 @@ def test_krea_default_with_trained_weights_and_a_random_vae_says_so(caplog):
         )
         build_generator(cfg, "cpu", torch.float32).session(img, DATA["prompt_embeds"], seed=0)
     assert caplog.text.count("re-encoded by a Wan VAE with random weights") == 1
+
+
+def test_the_frames_shown_are_krea_s():
+    """With Krea's default first frame the session decodes every chunk as Krea's server does and its step
+    yields those frames (no second decode): from the first frame Krea shows on, every frame equals the one
+    Krea's own server sent (its frame callback, recorded by the fixture: 6 frames for block 0, which drops
+    its first 3, then 12 a block); the first chunk holds Krea's first shown frame for the 6 frames it lacks.
+    Checked against the reference's float frames (<= 1e-5) and their uint8 rounding; Wan's own streaming
+    decode of the same latents (what the engine's decoder would show) differs (the check can fail)."""
+    r = DATA["runs"]["kv3_reencode"]
+    ref = r["shown"]  # [54, 3, H, W] in [-1, 1]
+    assert r["shown_per_block"] == [6, 12, 12, 12, 12]
+    lat, frames, pixels = run_frames("kv3_reencode")
+    assert frames is not None and frames.shape == (5 * 12, HW["height"], HW["width"], 3)
+    assert frames.dtype == torch.uint8
+    got = torch.cat([pixels[0][:, 3:]] + pixels[1:], dim=1).permute(1, 0, 2, 3)  # Krea's shown frames
+    assert rel(got, ref) <= 1e-5, rel(got, ref)
+    want = ((ref.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    assert (frames[6:].int() - want.int()).abs().max() <= 1  # a rounding edge at most
+    assert torch.equal(frames[:6], frames[6:7].expand(6, -1, -1, -1))  # the first shown frame, held
+    # Wan's own streaming decoder on the same latents, a primed zero latent first (the engine's decode)
+    vae = load_wan_vae(str(VAE)).float()
+    dec = vae.stream()
+    dec.decode_chunk(torch.zeros(1, 16, 1, *lat.shape[-2:]))
+    wan = torch.cat(
+        [dec.decode_chunk(vae.denormalize_latents(lat[:, i : i + 3][None])) for i in range(0, 15, 3)], 2
+    )[0].clamp(-1, 1)
+    assert rel(wan.permute(1, 0, 2, 3)[6:], ref) > 1e-2

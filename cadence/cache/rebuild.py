@@ -130,14 +130,18 @@ class RebuildContext:
         self.recent: torch.Tensor | None = None
         self.made = 0  # latent frames made so far
         self.pixels: deque[torch.Tensor] = deque(maxlen=self.kv)
+        self.chunk_pixels: torch.Tensor | None = None
         if self.decoder is not None:
             self.decoder.reset()
 
     def push(self, x: torch.Tensor) -> None:
         """The chunk just made, clean latent [C, F, h, w] (copied: a replayed graph's output is reused)."""
         if self.decoder is not None:
-            for i in range(x.shape[1]):
-                self.pixels.append(self.decoder.decode_frame(x[:, i : i + 1])[:, -1])
+            outs = [self.decoder.decode_frame(x[:, i : i + 1]) for i in range(x.shape[1])]
+            self.pixels.extend(o[:, -1] for o in outs)
+            # the whole chunk as Krea decodes it [3, T, H, W] (T = 1 + 4 (F - 1) for the stream's first chunk,
+            # else 4F): the frames Krea shows, and the session's
+            self.chunk_pixels = torch.cat(outs, dim=1)
         self.made += x.shape[1]
         if self.first is None:
             self.first, x = x[:, :1].clone(), x[:, 1:]

@@ -663,7 +663,8 @@ class Engine:
             )
         if sess.yields_pixels:  # the step made the frames itself; the latent rides along for the caller
             job.pixels, job.latents = job.latents, sess.last_latent
-            job.step = "clip"
+            if is_clip_family(self.gen.cfg):
+                job.step = "clip"
         st.submitted += 1
         if not decode:
             if self.cuda:

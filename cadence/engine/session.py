@@ -75,8 +75,9 @@ class Session:
     """
 
     yields_pixels = False
-    """Whether ``step`` returns finished frames (a clip-based family's ``ClipSession``: the engine's decode
-    stage then only copies them to the host) rather than a latent for ``decode``."""
+    """Whether ``step`` returns finished frames (a clip-based family's ``ClipSession``, or Krea's default
+    first frame, which decodes every chunk itself: the engine's decode stage then only copies them to the
+    host) rather than a latent for ``decode``; the latent is then in ``last_latent``."""
 
     def __init__(
         self,
@@ -125,6 +126,11 @@ class Session:
                     "--vae-weights): give the family's VAE, or stream.keep_first_frame=True"
                 )
             self._rebuild = RebuildContext(self.kv_rebuild, s.latent_frames_per_chunk, vae)
+        # Krea's default first frame decodes every chunk as Krea decodes it (one latent frame per call, its
+        # upsampler memory rule): those are the frames Krea shows, so the step yields them (``yields_pixels``)
+        # and the engine's own decoder is not used (no second decode)
+        self.yields_pixels = self._rebuild is not None and self._rebuild.decoder is not None
+        self.last_latent: torch.Tensor | None = None
         self._start(image, prompt, seed)
 
     def reset(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0) -> None:
@@ -193,7 +199,7 @@ class Session:
         ``decode`` would do first. The pipeline's decode thread calls it as soon as the stream opens, so
         that it overlaps the first chunk's diffusion instead of delaying the first frames. Returns
         whether it primed now. Same caller rule as ``decode`` (whoever decodes)."""
-        if self.decoder is None or self._prime is None:
+        if self.decoder is None or self._prime is None or self.yields_pixels:
             return False
         # keep the source alive on the session: on CUDA the copy may still read it from another stream
         self._primed_from, self._prime = self._prime, None
@@ -333,9 +339,23 @@ class Session:
             self._past.append(PastChunk(self.index, self.next_frame, x.detach().clone()))
         if self._rebuild is not None:
             self._rebuild.push(x.detach())
+        if self.yields_pixels:
+            self.last_latent = x
+            x = self._shown_frames(self._rebuild.chunk_pixels)
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
         return x
+
+    def _shown_frames(self, pix: torch.Tensor) -> torch.Tensor:
+        """Krea's decoded chunk [3, T, H, W] in [-1, 1] -> the chunk's uint8 frames [4F, H, W, 3]. Krea drops
+        the first 3 frames of its first block (it shows 6 of 1 + 4 (F - 1) = 9); a chunk here is 4F frames,
+        so the first one starts with its first shown frame held for the missing 4F - 6: every frame after
+        that is the one Krea shows."""
+        if self.index == 0:
+            pix = pix[:, 3:]
+            pad = 4 * self.cfg.stream.latent_frames_per_chunk - pix.shape[1]
+            pix = torch.cat([pix[:, :1].expand(-1, pad, -1, -1), pix], 1)
+        return ((pix.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
 
 
 class StreamGenerator:

@@ -225,7 +225,8 @@ FAMILIES: dict[str, ModelFamily] = {
         "from the third block on, the Wan VAE re-encoding of an older pixel frame decoded as Krea's "
         "VAEDecoderWrapper decodes; needs the Wan VAE) or, with stream.keep_first_frame=True, the stream's "
         "first latent frame. Krea runs its VAE in float16 and the re-encode only at 480x832 (hard-coded); "
-        "the frames Cadence shows are its own decoder's, not Krea's. Naive cache only (the ring is refused).",
+        "with the default, the frames shown are Krea's decode (the first chunk holds the first of the 6 frames "
+        "Krea's first block shows). Naive cache only (the ring is refused).",
     ),
 }
 
