@@ -13,7 +13,6 @@ front end finds the same groups (nothing rebuilt); the second node stops -> its 
 import asyncio
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import time
 import types
 
 import pytest
+from fleet_support import needs_ray, wait_for
 
 from cadence.errors import ConfigError
 from cadence.fleet.capacity import CapacityModel, gpus_needed, simulate
@@ -250,29 +250,10 @@ MIN_CORES_TWO_SESSIONS = 4
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def _needs_ray():
-    pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'cadence[ray]')")
-    for mod in ("fastapi", "uvicorn", "aiortc", "httpx"):
-        pytest.importorskip(mod, reason=f"the serve extra is not installed ({mod})")
-    if shutil.which("ray") is None:
-        pytest.skip("the 'ray' command is not on PATH")
-
-
-def _wait(pred, timeout, what, every=0.25):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node():
-    _needs_ray()
+    needs_ray()
     import httpx
     import ray
 
@@ -318,7 +299,7 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
                 ss if len(ss) == 2 and all(s["state"] == "streaming" and s["fps"] > 0 for s in ss) else None
             )
 
-        sessions = _wait(streaming, 60, "two streaming sessions")
+        sessions = wait_for(streaming, 60, "two streaming sessions")
         by_group = {f"cadence-group-{s['group']}": s["session_id"] for s in sessions}
         assert sorted(by_group) == sorted(groups), sessions
         assert fleet_state()["sessions"] == 2 and fleet_state()["free"] == 0
@@ -337,7 +318,7 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
             g = {x["name"]: x for x in fleet_state()["groups"]}.get(victim)
             return g if g and g["restarts"] >= 1 and g["state"] == "up" else None
 
-        g_after = _wait(restarted, 120, "the killed group back up after one restart")
+        g_after = wait_for(restarted, 120, "the killed group back up after one restart")
         t_restart = time.monotonic() - t_kill
         assert g_after["restarts"] == 1 and g_after["incarnation"] != incarnations[victim], g_after
 
@@ -375,7 +356,7 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
                 httpx.delete(f"{srv.url}/fleet/groups/{name}/drain", headers=AUTH, timeout=10).status_code
                 == 200
             )
-        _wait(lambda: fleet_state()["free"] == 2, 10, "both groups free after undrain")
+        wait_for(lambda: fleet_state()["free"] == 2, 10, "both groups free after undrain")
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert "cadence_fleet_restarts 1.0" in metrics and 'cadence_fleet_groups{state="up"} 2.0' in metrics
 
@@ -397,7 +378,7 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
             s = fleet_state()
             return s if [g["name"] for g in s["groups"]] == [victim] and s["lost"] == [other] else None
 
-        f = _wait(dropped, 60, "the stopped node's group to leave the registry")
+        f = wait_for(dropped, 60, "the stopped node's group to leave the registry")
         t_drop = time.monotonic() - t_stop
         h = httpx.get(f"{srv.url}/healthz", timeout=10).json()
         assert h["groups"] == 1 and h["free"] == 1, h

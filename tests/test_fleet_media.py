@@ -18,13 +18,13 @@ import asyncio
 import collections
 import os
 import pickle
-import shutil
 import signal
 import time
 import types
 
 import numpy as np
 import pytest
+from fleet_support import needs_ray, wait_for
 
 from cadence.errors import ConfigError
 from cadence.fleet.config import FleetConfig, add_fleet_flags, fleet_from_args
@@ -198,29 +198,10 @@ KEY = "fleet-media-test-operator-key-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def _needs_ray():
-    pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'cadence[ray]')")
-    for mod in ("fastapi", "uvicorn", "aiortc", "httpx"):
-        pytest.importorskip(mod, reason=f"the serve extra is not installed ({mod})")
-    if shutil.which("ray") is None:
-        pytest.skip("the 'ray' command is not on PATH")
-
-
-def _wait(pred, timeout, what, every=0.25):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
-
-
 @pytest.fixture(scope="module")
 def group_media_fleet():
     """A Ray head (1 CPU) with one character group, a front end with ``media='group'`` (in this process)."""
-    _needs_ray()
+    needs_ray()
     import ray
 
     from cadence.fleet.cluster import LocalCluster
@@ -361,7 +342,7 @@ def test_group_media_streams_from_the_group_actor_not_the_front_end(group_media_
         ).json()
         return st if st["state"] == "streaming" and st["fps"] > 0 else None
 
-    st = _wait(streaming, 60, "the session streaming")
+    st = wait_for(streaming, 60, "the session streaming")
     sid, auth = created["session_id"], {"authorization": f"Bearer {created['token']}"}
     assert st["group"] == 0 and st["preset"] == "character" and st["errors"] == [], st
 
@@ -385,7 +366,7 @@ def test_group_media_streams_from_the_group_actor_not_the_front_end(group_media_
         text = httpx.get(f"{srv.url}/metrics", headers=AUTH, timeout=10).text
         return text if f'cadence_session_fps{{session="{sid}"}}' in text else None
 
-    metrics = _wait(series, 5, "the session's series on /metrics")
+    metrics = wait_for(series, 5, "the session's series on /metrics")
     assert (
         "cadence_chunk_latency_ms_count 0.0" not in metrics
         and 'cadence_worker_memory_bytes{group="0"' in metrics
@@ -421,7 +402,7 @@ def test_group_media_streams_from_the_group_actor_not_the_front_end(group_media_
     # the media did not cross the front end: its tracks sent nothing, no chunk of frames reached it
     assert seen["VideoOut"] == 0 and seen["AudioOut"] == 0 and seen["ChunkDone"] == 0, seen
     assert seen["MediaUpdate"] >= seconds and seen["MediaClosed"] <= 1, seen
-    _wait(lambda: _fleet(srv)["free"] == 1, 10, "the group free again")
+    wait_for(lambda: _fleet(srv)["free"] == 1, 10, "the group free again")
 
 
 @pytest.mark.slow
@@ -432,7 +413,7 @@ def test_group_media_session_ends_with_one_error_when_its_group_dies(group_media
     from cadence.serve.testing import BackgroundClient
 
     srv = group_media_fleet
-    (g,) = _wait(lambda: [x for x in _fleet(srv)["groups"] if x["free"]], 60, "the group up and free")
+    (g,) = wait_for(lambda: [x for x in _fleet(srv)["groups"] if x["free"]], 60, "the group up and free")
     restarts = g["restarts"]
     created: dict = {}
     c = BackgroundClient(srv.url, 10.0, api_key=KEY, connect_timeout=60.0, created=created)
@@ -441,7 +422,7 @@ def test_group_media_session_ends_with_one_error_when_its_group_dies(group_media
         ss = httpx.get(f"{srv.url}/sessions", headers=AUTH, timeout=10).json()["sessions"]
         return ss if ss and ss[0]["state"] == "streaming" and ss[0]["fps"] > 0 else None
 
-    _wait(streaming, 60, "the session streaming")
+    wait_for(streaming, 60, "the session streaming")
     time.sleep(1.0)
     t_kill = time.monotonic()
     os.kill(g["pid"], signal.SIGKILL)  # the group actor: it terminates the session's WebRTC
@@ -451,7 +432,7 @@ def test_group_media_session_ends_with_one_error_when_its_group_dies(group_media
         st = httpx.get(f"{srv.url}/sessions/{sid}", headers=auth, timeout=10).json()
         return st if st["state"] == "closed" else None
 
-    st = _wait(ended, 15, "the session closed after its group died")
+    st = wait_for(ended, 15, "the session closed after its group died")
     t_end = time.monotonic() - t_kill
     assert st["close_reason"] == "worker_error", st
     assert len(st["errors"]) == 1 and st["errors"][0].startswith(
@@ -459,13 +440,13 @@ def test_group_media_session_ends_with_one_error_when_its_group_dies(group_media
     ), st["errors"]
     assert st["errors"][0].endswith("Ray restarts it"), st["errors"]
     # the claim is back in the registry, and Ray restarts the actor: a fresh group, up again
-    _wait(lambda: _fleet(srv)["groups"][0]["claim"] is None, 10, "the claim released")
+    wait_for(lambda: _fleet(srv)["groups"][0]["claim"] is None, 10, "the claim released")
 
     def back():
         x = _fleet(srv)["groups"][0]
         return x if x["restarts"] == restarts + 1 and x["state"] == "up" else None
 
-    g2 = _wait(back, 120, "the group restarted")
+    g2 = wait_for(back, 120, "the group restarted")
     t_back = time.monotonic() - t_kill
     assert g2["pid"] != g["pid"] and g2["incarnation"] != g["incarnation"], g2
     res = c.join(timeout=60)  # (its client saw the stream stop; its DELETE finds the session closed)

@@ -37,6 +37,7 @@ from cadence.fleet.messages import (
     OpenMedia,
     apply_metric_events,
 )
+from cadence.serve.session import ClosesInBackground
 
 log = logging.getLogger("cadence.fleet")
 
@@ -103,7 +104,7 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:120]}" if text else type(e).__name__
 
 
-class GroupMediaSession:
+class GroupMediaSession(ClosesInBackground):
     """One session of this front end whose media runs on its group (the ``LiveSession`` interface the
     session manager and the routes use)."""
 
@@ -261,20 +262,6 @@ class GroupMediaSession:
         return out
 
     # ---- close ------------------------------------------------------------------------------------------
-    def close_soon(self, reason: str) -> None:
-        self._begin_close(reason)
-
-    def _begin_close(self, reason: str) -> asyncio.Task:
-        if self._close_task is None:
-            self.state = "closing"
-            self.close_reason = reason
-            t = self._close_task = asyncio.get_running_loop().create_task(
-                self._teardown(), name=f"cadence-{self.sid[:8]}-close"
-            )
-            self.server.background.add(t)
-            t.add_done_callback(self.server.background.discard)
-        return self._close_task
-
     async def close(self, reason: str) -> dict:
         """Close the session on its group (if it is still open there), give the claim back, keep the report.
         Idempotent; the first reason wins; a cancelled caller does not stop it (as ``LiveSession.close``)."""

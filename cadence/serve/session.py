@@ -60,7 +60,30 @@ def _r(x: float | None, nd: int = 1) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
-class LiveSession:
+class ClosesInBackground:
+    """The close protocol of a server's sessions (this module's ``LiveSession``, and a fleet session whose media
+    runs on its group: ``cadence.fleet.remote.GroupMediaSession``): the first close starts ``_teardown`` as a
+    task of its own (the first reason wins; a cancelled caller does not stop it) that the server keeps in
+    ``background`` to await at shutdown. Needs ``sid``, ``server``, ``state``, ``close_reason``, ``_close_task``
+    (None until the first close) and ``async _teardown()``."""
+
+    def close_soon(self, reason: str) -> None:
+        """Start closing from a callback (not awaited); the server keeps the task to await at shutdown."""
+        self._begin_close(reason)
+
+    def _begin_close(self, reason: str) -> asyncio.Task:
+        if self._close_task is None:
+            self.state = "closing"
+            self.close_reason = reason
+            t = self._close_task = asyncio.get_running_loop().create_task(
+                self._teardown(), name=f"cadence-{self.sid[:8]}-close"
+            )
+            self.server.background.add(t)
+            t.add_done_callback(self.server.background.discard)
+        return self._close_task
+
+
+class LiveSession(ClosesInBackground):
     def __init__(self, server, sid: str, group, agent: Agent, engine_cfg, prompt: str, seed: int):
         self.server, self.sid, self.group, self.agent = server, sid, group, agent
         self.cfg = server.cfg
@@ -438,21 +461,6 @@ class LiveSession:
     # logged and handed to the server (``background``), whose shutdown waits for it, bounded too.
     TASKS_TIMEOUT_S = 5.0
     PC_CLOSE_TIMEOUT_S = 10.0
-
-    def close_soon(self, reason: str) -> None:
-        """Start closing from a callback (not awaited); the server keeps the task to await at shutdown."""
-        self._begin_close(reason)
-
-    def _begin_close(self, reason: str) -> asyncio.Task:
-        if self._close_task is None:
-            self.state = "closing"
-            self.close_reason = reason
-            t = self._close_task = asyncio.get_running_loop().create_task(
-                self._teardown(), name=f"cadence-{self.sid[:8]}-close"
-            )
-            self.server.background.add(t)
-            t.add_done_callback(self.server.background.discard)
-        return self._close_task
 
     async def close(self, reason: str) -> dict:
         """Stop everything this session started; release its group; store the report. Idempotent.
