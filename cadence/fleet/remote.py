@@ -262,12 +262,6 @@ class GroupMediaSession(ClosesInBackground):
         return out
 
     # ---- close ------------------------------------------------------------------------------------------
-    async def close(self, reason: str) -> dict:
-        """Close the session on its group (if it is still open there), give the claim back, keep the report.
-        Idempotent; the first reason wins; a cancelled caller does not stop it (as ``LiveSession.close``)."""
-        await asyncio.shield(self._begin_close(reason))
-        return self.final_report or {}
-
     async def _teardown(self) -> None:
         try:
             if self._remote and not self._dead:
@@ -281,17 +275,9 @@ class GroupMediaSession(ClosesInBackground):
                 elif call.exception() is not None:
                     self.errors.append(f"close: {_why(call.exception())}")
         finally:
-            self.t_closed = time.monotonic()
             self._remote = False
-            try:
-                self.server.source.release(self.group, self.sid)  # the claim back to the registry
-            except Exception as e:
-                log.exception("session %s: releasing its group", self.sid)
-                self.errors.append(f"release: {type(e).__name__}: {e}")
-            finally:
-                self.state = "closed"
-                self.final_report = self.report()
-                self.server.session_closed(self, self.final_report)
+            # the claim back to the registry
+            await self._finish_close(lambda: self.server.source.release(self.group, self.sid), "group")
 
     async def _close_remote(self) -> None:
         msg = await self.group.handle.media_request.remote(

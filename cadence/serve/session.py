@@ -21,6 +21,7 @@ and the report say so (``degraded``, ``chunks.audio_only``, the fresh fps), and 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 
@@ -64,8 +65,9 @@ class ClosesInBackground:
     """The close protocol of a server's sessions (this module's ``LiveSession``, and a fleet session whose media
     runs on its group: ``cadence.fleet.remote.GroupMediaSession``): the first close starts ``_teardown`` as a
     task of its own (the first reason wins; a cancelled caller does not stop it) that the server keeps in
-    ``background`` to await at shutdown. Needs ``sid``, ``server``, ``state``, ``close_reason``, ``_close_task``
-    (None until the first close) and ``async _teardown()``."""
+    ``background`` to await at shutdown; every teardown ends in ``_finish_close`` (the group given back, the
+    report stored). Needs ``sid``, ``server``, ``state``, ``close_reason``, ``errors``, ``report()``,
+    ``_close_task`` (None until the first close) and ``async _teardown()``."""
 
     def close_soon(self, reason: str) -> None:
         """Start closing from a callback (not awaited); the server keeps the task to await at shutdown."""
@@ -81,6 +83,31 @@ class ClosesInBackground:
             self.server.background.add(t)
             t.add_done_callback(self.server.background.discard)
         return self._close_task
+
+    async def close(self, reason: str) -> dict:
+        """Close the session, release its group, store and return the report. Idempotent: the teardown runs
+        as its own task (the first close's reason wins); callers wait for it shielded, so a cancelled caller
+        (a client that drops the DELETE, requests at shutdown) cannot stop it half-way, which would leave the
+        session 'closing' for ever and every later close (the server's shutdown) waiting on it."""
+        await asyncio.shield(self._begin_close(reason))
+        return self.final_report or {}
+
+    async def _finish_close(self, release, what: str) -> None:
+        """The end of every teardown: the group given back (``release()``, awaited if it returns an
+        awaitable; a failure is logged and kept as an error), then closed, the report stored and handed
+        to the server, whatever happened."""
+        self.t_closed = time.monotonic()
+        try:
+            done = release()
+            if inspect.isawaitable(done):
+                await done
+        except Exception as e:
+            log.exception("session %s: releasing its %s", self.sid, what)
+            self.errors.append(f"release: {type(e).__name__}: {e}")
+        finally:
+            self.state = "closed"
+            self.final_report = self.report()
+            self.server.session_closed(self, self.final_report)
 
 
 class LiveSession(ClosesInBackground):
@@ -462,16 +489,6 @@ class LiveSession(ClosesInBackground):
     TASKS_TIMEOUT_S = 5.0
     PC_CLOSE_TIMEOUT_S = 10.0
 
-    async def close(self, reason: str) -> dict:
-        """Stop everything this session started; release its group; store the report. Idempotent.
-
-        The teardown runs as its own task (the first close's reason wins); callers wait for it
-        shielded, so a caller that is cancelled (a client hanging up on DELETE, uvicorn cancelling
-        requests at shutdown) cannot stop it half-way, which would leave the session 'closing' for
-        ever and every later close (the server's shutdown) waiting on it."""
-        await asyncio.shield(self._begin_close(reason))
-        return self.final_report or {}
-
     async def _teardown(self) -> None:
         try:
             if self._opened is not None and not self._opened.done():  # still starting: stop waiting
@@ -489,16 +506,7 @@ class LiveSession(ClosesInBackground):
             log.exception("session %s: error while closing", self.sid)
             self.errors.append(f"close: {type(e).__name__}: {e}")
         finally:
-            self.t_closed = time.monotonic()
-            try:
-                await self.server.release_group(self)
-            except Exception as e:
-                log.exception("session %s: releasing its worker group", self.sid)
-                self.errors.append(f"release: {type(e).__name__}: {e}")
-            finally:
-                self.state = "closed"
-                self.final_report = self.report()
-                self.server.session_closed(self, self.final_report)
+            await self._finish_close(lambda: self.server.release_group(self), "worker group")
 
     async def _stop_tasks(self, timeout: float) -> None:
         """Cancel this session's tasks and wait for them (``asyncio.wait``: never ``gather`` or
