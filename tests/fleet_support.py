@@ -1,7 +1,9 @@
-"""What the fleet's Ray tests share (tests/test_fleet.py, tests/test_fleet_media.py)."""
+"""What the fleet's tests share (tests/test_fleet.py, tests/test_fleet_media.py): the Ray skip, a poll, a
+stand-in actor method."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 
@@ -28,3 +30,17 @@ def wait_for(pred, timeout: float, what: str, every: float = 0.25):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(every)
+
+
+class FakeRemote:
+    """A stand-in actor method (no Ray): ``.remote(...)`` records the call in ``calls`` and returns an
+    awaitable of ``fn(...)``."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def remote(self, *args):
+        self.calls.append((self.fn.__name__, args))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.fn(*args))
+        return fut

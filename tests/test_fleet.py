@@ -20,7 +20,7 @@ import time
 import types
 
 import pytest
-from fleet_support import needs_ray, wait_for
+from fleet_support import FakeRemote, needs_ray, wait_for
 
 from cadence.errors import ConfigError
 from cadence.fleet.capacity import CapacityModel, gpus_needed, simulate
@@ -103,19 +103,6 @@ def test_fleet_config_checks():
 # ---- the front end's group source against a fake registry (no Ray) -------------------------------------
 
 
-class _Remote:
-    """A fake actor method: ``.remote(...)`` records the call and returns an awaitable of ``fn(...)``."""
-
-    def __init__(self, fn, calls):
-        self.fn, self.calls = fn, calls
-
-    def remote(self, *args):
-        self.calls.append((self.fn.__name__, args))
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(self.fn(*args))
-        return fut
-
-
 def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_use():
     from cadence.engine.messages import Died
     from cadence.fleet.frontend import FleetGroups
@@ -154,7 +141,9 @@ def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_us
     async def run():
         src = FleetGroups(ServeConfig(fleet=FleetConfig(address="unused")))
         src.registry = types.SimpleNamespace(
-            heartbeat=_Remote(heartbeat, calls), claim=_Remote(claim, calls), release=_Remote(release, calls)
+            heartbeat=FakeRemote(heartbeat, calls),
+            claim=FakeRemote(claim, calls),
+            release=FakeRemote(release, calls),
         )
         src._route = lambda g, msg: None
 

@@ -24,7 +24,7 @@ import types
 
 import numpy as np
 import pytest
-from fleet_support import needs_ray, wait_for
+from fleet_support import FakeRemote, needs_ray, wait_for
 
 from cadence.errors import ConfigError
 from cadence.fleet.config import FleetConfig, add_fleet_flags, fleet_from_args
@@ -93,19 +93,6 @@ def test_metric_events_recorded_in_the_actor_apply_to_the_front_ends_metrics():
     assert "cadence_bad_requests_total{" not in text  # (a series the actor may not touch)
 
 
-class _Call:
-    """A stand-in actor method: ``.remote(...)`` records the call, returns an awaitable of ``fn(...)``."""
-
-    def __init__(self, fn, calls):
-        self.fn, self.calls = fn, calls
-
-    def remote(self, *args):
-        self.calls.append((self.fn.__name__, args))
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(self.fn(*args))
-        return fut
-
-
 def test_front_end_session_bookkeeping_against_a_stand_in_group():
     """The front end's ``GroupMediaSession``: the offer goes to the group with the session's settings, the
     status is the group's, requests are forwarded in order, the group's report comes back at DELETE; and a
@@ -138,7 +125,7 @@ def test_front_end_session_bookkeeping_against_a_stand_in_group():
         index=0,
         source=source,
         handle=types.SimpleNamespace(
-            open_media=_Call(open_media, calls), media_request=_Call(media_request, calls)
+            open_media=FakeRemote(open_media, calls), media_request=FakeRemote(media_request, calls)
         ),
     )
 
