@@ -26,3 +26,22 @@ def frame_size(c: dict) -> dict:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative L2 error of ``a`` against ``b``, in float64."""
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def feed_reference_noise(sess, noise: torch.Tensor, draws: torch.Tensor, frames_per_block: int) -> None:
+    """Make ``sess`` step on a reference run's random numbers: its ``prepare_step`` keeps the session's own
+    bookkeeping (cache placement, rebuild, audio, text) and swaps in block b's initial noise (``noise``:
+    [frames, C, h, w]) and re-noising draws (``draws``: [blocks * (passes - 1), frames_per_block, C, h, w])."""
+    from cadence.runtime.step import StepInputs
+
+    F, p = frames_per_block, sess.gen.schedule.passes
+    real_prepare = sess.prepare_step
+
+    def prepare(audio):
+        inp = real_prepare(audio)
+        b = sess.index
+        x0 = noise[b * F : (b + 1) * F].permute(1, 0, 2, 3).contiguous()
+        ren = draws[b * (p - 1) : (b + 1) * (p - 1)].permute(0, 2, 1, 3, 4).contiguous()
+        return StepInputs(x0, ren, inp.audio, inp.text)
+
+    sess.prepare_step = prepare

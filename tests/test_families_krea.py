@@ -31,14 +31,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_fixtures import frame_size, rel, tiny_model
+from family_fixtures import feed_reference_noise, frame_size, rel, tiny_model
 
 from cadence.cache.rebuild import KreaFrameDecoder
 from cadence.engine.session import build_generator
 from cadence.errors import ConfigError
 from cadence.model.families import family_config
 from cadence.model.vae import load_wan_vae
-from cadence.runtime.step import StepInputs
 
 FIX = Path(__file__).parent / "fixtures" / "krea"
 CKPT = FIX / "krea_tiny.safetensors"
@@ -78,17 +77,7 @@ def run_frames(run_name: str, kv_rebuild: bool = True, blocks: int | None = None
         round(t, 3) for t in C["denoising_step_list"]
     ]
     sess = gen.session(torch.zeros(3, HW["height"], HW["width"]), DATA["prompt_embeds"], seed=0)
-    noise, draws, p = r["noise"], r["renoise"].float(), gen.schedule.passes
-    real_prepare = sess.prepare_step
-
-    def prepare(audio):  # the session's own bookkeeping (and rebuild); the reference's noise and draws
-        inp = real_prepare(audio)
-        b = sess.index
-        x0 = noise[b * F : (b + 1) * F].permute(1, 0, 2, 3).contiguous()
-        ren = draws[b * (p - 1) : (b + 1) * (p - 1)].permute(0, 2, 1, 3, 4).contiguous()
-        return StepInputs(x0, ren, inp.audio, inp.text)
-
-    sess.prepare_step = prepare
+    feed_reference_noise(sess, r["noise"], r["renoise"].float(), F)  # (the session's rebuild still runs)
     audio = torch.zeros(cfg.audio_samples_per_chunk)
     lats, frames, pixels = [], [], []
     with torch.no_grad():

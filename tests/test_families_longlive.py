@@ -27,11 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_fixtures import frame_size, rel, tiny_model
+from family_fixtures import feed_reference_noise, frame_size, rel, tiny_model
 
 from cadence.engine.session import build_generator
 from cadence.model.families import family_config, get_family, reference_attention
-from cadence.runtime.step import StepInputs
 
 FIX = Path(__file__).parent / "fixtures" / "longlive_switch"
 CKPT = Path(__file__).parent / "fixtures" / "self_forcing" / "self_forcing_tiny.pt"
@@ -61,17 +60,7 @@ def run(
     sess.recache_keeps_sink = meta["global_sink"] if keeps_sink is None else keeps_sink
     if not recache:
         sess.prompt_switch = "swap"
-    noise, draws, p = r["noise"], r["renoise"], gen.schedule.passes
-    real_prepare = sess.prepare_step
-
-    def prepare(audio):  # the session's own bookkeeping, the reference's noise and re-noising draws
-        inp = real_prepare(audio)
-        b = sess.index
-        x0 = noise[b * F : (b + 1) * F].permute(1, 0, 2, 3).contiguous()
-        ren = draws[b * (p - 1) : (b + 1) * (p - 1)].permute(0, 2, 1, 3, 4).contiguous()
-        return StepInputs(x0, ren, inp.audio, inp.text)
-
-    sess.prepare_step = prepare
+    feed_reference_noise(sess, r["noise"], r["renoise"], F)
     switches = dict(zip(meta["switch_frame_indices"], DATA["prompts"][1:]))
     audio = torch.zeros(cfg.audio_samples_per_chunk)
     out, recached = [], []
