@@ -7,18 +7,29 @@
 #   C  cadence bench serve, W14, --decode-gpu 1, 20 s   (target: >= 23.5 fps)
 #   D  issue 15: the Self-Forcing family with its decode on GPU 1, 60 chunks (target: >= 2x Self-Forcing's own
 #      compiled code on one GPU: 19.4 fps steady measured in session 10 -> >= 38.8 fps)
-# Usage (repo root):  CADENCE_GIT=<sha> bash scripts/device_vae_x2.sh
+#   A8 as A with --decoder-fast fp8 (the FP8 convs: ~76 ms vs ~80-90 ms per chunk alone)
+#   E  issue 18: `cadence bench turn` at W14 TP=2 (needs .whl carried, as C)
+# Usage (repo root):  CADENCE_GIT=<sha> PARTS="A A8 B" bash scripts/device_vae_x2.sh   (one call <= 10 min:
+# A, A8, B, D ~2-3 min each with the compile warm-up; C and E start a server)
 set -uo pipefail
-BUDGET_S=${BUDGET_S:-540}; CHUNKS=${CHUNKS:-200}
+BUDGET_S=${BUDGET_S:-540}; CHUNKS=${CHUNKS:-200}; PARTS=${PARTS:-A A8 B}
+if [[ " $PARTS " == *" C "* || " $PARTS " == *" E "* ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
 source "$(dirname "$0")/device_lib.sh"  # run LIMIT_S NAME CMD...
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 P="python3 -m cadence bench pipeline --chunks $CHUNKS --device cuda:0 --decode-gpu 1 --decoder wan --kv-fp8 --fp8 --compile --shape-change-every 0 --out-dir $PERF"
-run 170 A-w14-dec1 $P --preset w14
-run 170 B-w1.3-dec1 $P --preset w1.3
-run 200 C-serve-w14-dec1 python3 -m cadence bench serve --device cuda --sessions 1 --speak-every 2 --preset w14 \
-  --decoder wan --decode-gpu 1 --compile --seconds 20 --window-s 5 --out-dir "$PERF"
-run 170 D-sf-dec1 $P --model self-forcing --chunks 60
+want A && run 170 A-w14-dec1 $P --preset w14
+want A8 && run 170 A8-w14-dec1-fp8 $P --preset w14 --decoder-fast fp8
+want B && run 170 B-w1.3-dec1 $P --preset w1.3
+want C && run 200 C-serve-w14-dec1 python3 -m cadence bench serve --device cuda --sessions 1 --speak-every 2 \
+  --preset w14 --decoder wan --decode-gpu 1 --compile --seconds 20 --window-s 5 --out-dir "$PERF"
+want D && run 170 D-sf-dec1 $P --model self-forcing --chunks 60
+want E && run 240 E-turn-w14-tp2 python3 -m cadence bench turn --device cuda --preset w14 --tp 2 --turns 6 \
+  --compile --out-dir "$PERF"
 echo "=== done in ${SECONDS}s"
 python3 - "$PERF" <<'PY'
 import json, pathlib, sys
