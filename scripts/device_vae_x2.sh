@@ -27,9 +27,9 @@ want A8 && run 170 A8-w14-dec1-fp8 $P --preset w14 --decoder-fast fp8
 want B && run 170 B-w1.3-dec1 $P --preset w1.3
 want C && run 200 C-serve-w14-dec1 python3 -m cadence bench serve --device cuda --sessions 1 --speak-every 2 \
   --preset w14 --decoder wan --decode-gpu 1 --compile --seconds 20 --window-s 5 --out-dir "$PERF"
-want D && run 170 D-sf-dec1 $P --model self-forcing --chunks 60
 want E && run 240 E-turn-w14-tp2 python3 -m cadence bench turn --device cuda --preset w14 --tp 2 --turns 6 \
   --compile --out-dir "$PERF"
+want D && run 170 D-sf-dec1 $P --model self-forcing --chunks 60
 echo "=== done in ${SECONDS}s"
 python3 - "$PERF" <<'PY'
 import json, pathlib, sys
