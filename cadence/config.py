@@ -521,6 +521,14 @@ class PipelineConfig:
     plans the next chunk (CUDA). 1: chunk k+1 is planned when chunk k's step is done, so a chunk's
     latency (plan -> frames ready) is its own work, not time queued behind earlier launches; 2 lets
     the host launch one step ahead (hides eager launch overhead, adds up to a step of queueing)."""
+    gil_switch_ms: float = 0.5
+    """Python's thread switch interval (``sys.setswitchinterval``, process-wide) while a CUDA stream's
+    decode runs in its own thread: the interval is lowered to this (never raised). The decode thread
+    launches hundreds of kernels behind a stream wait; once the device's launch queue is full a launch
+    blocks holding the GIL, and the diffusion thread, waking at the end of its step to launch the next,
+    waits up to the interval (5 ms by default) for it: W14 with the Wan decoder on a second GPU measured
+    a step of 168.1 ms against 165.1 ms with the light TAEHV decoder (docs/perf/pipeline/NOTES.md).
+    0: leave the interval alone."""
     host_buffers: int = 4
     """Pinned host frame buffers in the ring the decoder writes uint8 frames into (CUDA decode only).
     A yielded chunk's frames stay valid until the consumer asks for the next chunk."""
@@ -580,6 +588,8 @@ class PipelineConfig:
         ):
             if n < lo:
                 errs.append(f"{what} must be >= {lo}, got {n}")
+        if not 0 <= self.gil_switch_ms <= 100:
+            errs.append(f"gil_switch_ms must be in [0, 100], got {self.gil_switch_ms}")
         if errs:
             raise ConfigError("invalid pipeline configuration: " + "; ".join(errs))
 

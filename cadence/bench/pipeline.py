@@ -116,6 +116,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)"
     )
     p.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=PipelineConfig.gil_switch_ms,
+        help="Python's thread switch interval while a CUDA decode thread runs (PipelineConfig.gil_switch_ms; "
+        "0: leave Python's 5 ms)",
+    )
+    p.add_argument(
         "--decoder-fast",
         default=None,
         choices=list(DECODER_FAST),
@@ -362,6 +369,7 @@ def _main(args, info) -> int:
         queue_depth=args.queue_depth,
         steps_in_flight=args.steps_in_flight,
         overlap=not args.no_overlap,
+        gil_switch_ms=args.gil_switch_ms,
     )
     fast = FastPath(
         dtype=str(dtype).replace("torch.", ""),
@@ -436,6 +444,7 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
         chunk_paced_ms=warm["steady_chunk_ms"] if warm else None,
         threads=torch.get_num_threads(),
         overlap=not args.no_overlap,
+        switch_interval_ms=round(sys.getswitchinterval() * 1e3, 3),
     )
     # the same reference image again (a returning character: its latent is remembered, no VAE encode)
     run_once(eng, cfg, image, audio, 1, seed=0)

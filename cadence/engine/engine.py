@@ -56,6 +56,7 @@ import dataclasses
 import logging
 import queue
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -131,6 +132,24 @@ class _Stop:
 _STOP = _Stop()
 
 
+def shorten_switch_interval(ms: float) -> bool:
+    """Lower Python's thread switch interval to ``ms`` (``PipelineConfig.gil_switch_ms``; never raise it,
+    0: leave it) with one log line the first time. Process-wide and kept: a CUDA stream's decode thread
+    can hold the GIL in a launch that waits for room in the device's queue, and the diffusion thread then
+    waits up to the interval to launch its next step. Returns whether it changed the interval."""
+    if ms <= 0 or sys.getswitchinterval() <= ms / 1e3:
+        return False
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(ms / 1e3)
+    log.info(
+        "engine: thread switch interval %.2f -> %.2f ms (the diffusion thread's launches wait at most this "
+        "for a decode thread holding the GIL)",
+        old * 1e3,
+        ms,
+    )
+    return True
+
+
 class _Decoder:
     """A stream's decode stage: a thread (``threaded``) or inline in the caller's thread. Latents in
     (bounded queue), results out in order (a queue, or the ``deliver`` callback), errors captured."""
@@ -177,6 +196,8 @@ class _Decoder:
     # ---- caller side ----------------------------------------------------------------------------
     def start(self) -> None:
         if self.thread is not None:
+            if self.diff_cuda:
+                shorten_switch_interval(self.cfg.gil_switch_ms)
             self.thread.start()
 
     def raise_if_failed(self) -> None:
