@@ -526,9 +526,9 @@ class PipelineConfig:
     decode runs in its own thread: the interval is lowered to this (never raised). The decode thread
     launches hundreds of kernels behind a stream wait; once the device's launch queue is full a launch
     blocks holding the GIL, and the diffusion thread, waking at the end of its step to launch the next,
-    waits up to the interval (5 ms by default) for it: W14 with the Wan decoder on a second GPU measured
-    a step of 168.1 ms against 165.1 ms with the light TAEHV decoder (docs/perf/pipeline/NOTES.md).
-    0: leave the interval alone."""
+    waits for it, up to the interval (5 ms by default). Measured with ``scripts/probe_gil_launch.py`` (one
+    H200): a step's host launch p50 1.49 ms beside a blocked decode thread at 5 ms, 1.05 ms at 0.5 ms,
+    0.70-0.90 ms alone; no change in W1.3's one-GPU pipeline (29.45 vs 29.48 fps). 0: leave it alone."""
     host_buffers: int = 4
     """Pinned host frame buffers in the ring the decoder writes uint8 frames into (CUDA decode only).
     A yielded chunk's frames stay valid until the consumer asks for the next chunk."""

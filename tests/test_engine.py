@@ -561,3 +561,25 @@ def test_a_model_family_builds_and_streams_through_the_one_engine():
     spc = cfg.audio_samples_per_chunk
     outs = list(eng.stream(image()[:, :64, :64], "a dog", torch.zeros(2 * spc), 2))
     assert [tuple(o.frames.shape) for o in outs] == [(12, 64, 64, 3)] * 2
+
+
+def test_shorten_switch_interval_lowers_never_raises_and_zero_leaves_it():
+    import sys
+
+    from cadence.engine.engine import shorten_switch_interval
+    from cadence.errors import ConfigError
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert shorten_switch_interval(0.5) is True
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert shorten_switch_interval(2.0) is False  # never raised
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(0.005)
+        assert shorten_switch_interval(0) is False  # 0: left alone
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ConfigError, match="gil_switch_ms"):
+        PipelineConfig(gil_switch_ms=-1)

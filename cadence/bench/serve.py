@@ -457,9 +457,14 @@ def main(argv: list[str]) -> int:
             + ("-compile" if getattr(args, "compile", False) else "")
             + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
             + (f"-{args.video_codec.lower()}" if args.video_codec else "")
-            + ("-ray" if args.ray else ""),
+            + ("-ray" if args.ray else "")
+            + (f"-{args.decoder}" if args.decoder else "")
+            + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else ""),
             out_dir=results_dir(args),
-            world=max(1, args.sessions) * args.tp if args.device == "cuda" else 1,
+            # the decode GPU (shared by every single-GPU group) counts in the machine's size
+            world=(max(1, args.sessions) * args.tp + (args.decode_gpu is not None))
+            if args.device == "cuda"
+            else 1,
             headline=headline,
             extra={
                 "workers": _workers(cfg),
