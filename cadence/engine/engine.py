@@ -59,6 +59,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -150,9 +151,47 @@ def shorten_switch_interval(ms: float) -> bool:
     return True
 
 
+class DecodeWorker:
+    """The engine's decode thread, kept across its streams: each stream's decode stage
+    (``_Decoder._main``) runs on it in turn. One thread per engine, not one per stream, because state
+    PyTorch keeps per thread is worth keeping: cuDNN's execution plans (a thread-local cache; with
+    ``cudnn.benchmark`` a new thread timed every conv shape again: 1.8 s at the start of every stream,
+    docs/perf/vae/NOTES.md) and the thread's CUDA device. The thread holds no reference to the engine;
+    ``Engine.close`` (or the engine's garbage collection) ends it."""
+
+    def __init__(self, name: str = "cadence-decode"):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=DecodeWorker._loop, args=(self._calls,), name=name, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _loop(calls: queue.SimpleQueue) -> None:
+        while True:
+            fn = calls.get()
+            if fn is None:
+                return
+            fn()  # _Decoder._main: captures its own errors
+            del fn  # drop the stream's decoder (and its session) while idle
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if not self.thread.is_alive():
+            raise RuntimeError("the decode worker is closed")
+        self._calls.put(fn)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the thread once the call running now returns (the stream's decoder must be stopped first)."""
+        self._calls.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+
 class _Decoder:
-    """A stream's decode stage: a thread (``threaded``) or inline in the caller's thread. Latents in
-    (bounded queue), results out in order (a queue, or the ``deliver`` callback), errors captured."""
+    """A stream's decode stage: on the engine's decode thread (``worker``) or inline in the caller's
+    thread (None). Latents in (bounded queue), results out in order (a queue, or the ``deliver``
+    callback), errors captured."""
 
     def __init__(
         self,
@@ -162,10 +201,11 @@ class _Decoder:
         buffers: list[torch.Tensor],
         deliver: Callable[[ChunkResult], None] | None,
         memory: Callable[[], dict],
-        threaded: bool,
+        worker: DecodeWorker | None,
     ):
         self.sess, self.placement, self.cfg = session, placement, cfg
-        self.deliver_cb, self.memory, self.threaded = deliver, memory, threaded
+        self.deliver_cb, self.memory, self.worker = deliver, memory, worker
+        self.done = threading.Event()  # set when this stream's decode stage has returned on the worker
         self.inq: queue.Queue = queue.Queue(maxsize=cfg.queue_depth)
         self.outq: queue.Queue = queue.Queue()
         self.stop = threading.Event()
@@ -187,18 +227,19 @@ class _Decoder:
             self.opened = torch.cuda.Event()
             self.opened.record(torch.cuda.current_stream(self.diff_dev))
         self.dec_stream = self.handoff = None
-        self.thread = (
-            threading.Thread(target=self._main, name="cadence-decode", daemon=True) if threaded else None
-        )
-        if not threaded:
+        if worker is None:
             self._setup()
 
     # ---- caller side ----------------------------------------------------------------------------
     def start(self) -> None:
-        if self.thread is not None:
+        if self.worker is not None:
             if self.diff_cuda:
                 shorten_switch_interval(self.cfg.gil_switch_ms)
-            self.thread.start()
+            self.worker.submit(self._main)
+
+    def running(self) -> bool:
+        """Whether this stream's decode stage is still on its thread (queued or running)."""
+        return not self.done.is_set() and self.worker.alive()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -207,12 +248,12 @@ class _Decoder:
     def submit(self, job: _Job) -> None:
         """Hand a latent to the decoder; blocks while ``queue_depth`` chunks are in flight (threaded), or
         decodes it now (inline)."""
-        if self.thread is None:
+        if self.worker is None:
             self._emit(self._decode(job))
             return
         while True:
             self.raise_if_failed()
-            if not self.thread.is_alive():
+            if not self.running():
                 raise RuntimeError("the decode thread stopped unexpectedly")
             try:
                 self.inq.put(job, timeout=_POLL_S)
@@ -236,7 +277,7 @@ class _Decoder:
             except queue.Empty:
                 if not block:
                     return None
-                if self.thread is None or (not self.thread.is_alive() and self.outq.empty()):
+                if self.worker is None or (not self.running() and self.outq.empty()):
                     self.raise_if_failed()
                     return None
                 continue
@@ -252,7 +293,7 @@ class _Decoder:
         """Block until the first chunk is delivered (or the decoder failed / stopped)."""
         while not self.first.wait(_POLL_S):
             self.raise_if_failed()
-            if self.thread is not None and not self.thread.is_alive():
+            if self.worker is not None and not self.running():
                 self.raise_if_failed()
                 return
 
@@ -272,13 +313,8 @@ class _Decoder:
             self.inq.put_nowait(_STOP)
         except queue.Full:
             pass
-        if (
-            self.thread is not None
-            and self.thread.is_alive()
-            and self.thread is not threading.current_thread()
-        ):
-            self.thread.join(timeout)
-            if self.thread.is_alive():  # pragma: no cover - a decode call that never returns
+        if self.worker is not None and self.worker.thread is not threading.current_thread():
+            if not self.done.wait(timeout) and self.worker.alive():  # pragma: no cover - a hung decode call
                 raise RuntimeError(f"the decode thread did not stop within {timeout} s")
         return dropped
 
@@ -319,6 +355,7 @@ class _Decoder:
             self.first.set()
         finally:
             self.outq.put(_STOP)
+            self.done.set()
 
     def _take(self, q: queue.Queue):
         while not self.stop.is_set():
@@ -485,6 +522,7 @@ class Engine:
         self.session: Session | None = None  # the kept session (reuse_session), or the running stream's
         self._buffers: list[torch.Tensor] = []  # the pinned ring (kept with reuse_session)
         self._dec: _Decoder | None = None
+        self._worker: DecodeWorker | None = None  # the decode thread, kept across streams (overlap)
         self._lent: list[int] = []  # pinned slots the consumer holds until its next collect
         self._in_flight: list = []  # ready events of launched steps (CUDA), oldest first
         self._ready: tuple | None = None  # (key, prompt) of the session opened ahead by preopen
@@ -596,12 +634,20 @@ class Engine:
                 self._pinned(),
                 self.on_chunk,
                 self.memory,
-                threaded=self.cfg.overlap,
+                worker=self._decode_worker() if self.cfg.overlap else None,
             )
             self._dec.start()
         self._in_flight = []
         self.state = StreamState(t_open=t0, open_ms=(time.monotonic() - t0) * 1e3, how=how)
         return how
+
+    def _decode_worker(self) -> DecodeWorker:
+        """The engine's decode thread (started with its first stream; ended by ``close`` or when the engine
+        is collected)."""
+        if self._worker is None or not self._worker.alive():
+            self._worker = DecodeWorker()
+            weakref.finalize(self, self._worker.close, 5.0)
+        return self._worker
 
     def _pinned(self) -> list[torch.Tensor]:
         if torch.device(self.placement.decode_device).type != "cuda":
@@ -767,6 +813,9 @@ class Engine:
         self._drop_session()
         self._buffers = []
         self.state = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def __enter__(self) -> Engine:
         return self
