@@ -4,6 +4,7 @@ clean shutdown (early stop, errors on either side). CUDA-only checks skip."""
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
@@ -36,6 +37,15 @@ def decode_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "cadence-decode" and t.is_alive()]
 
 
+def engines_gone() -> list[threading.Thread]:
+    """The decode threads left once unreferenced engines are collected (an engine's thread ends with it)."""
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while decode_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return decode_threads()
+
+
 @pytest.fixture(scope="module")
 def gen():
     return build_generator(TINY, seed=0)
@@ -43,9 +53,9 @@ def gen():
 
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
-    assert decode_threads() == []
+    assert engines_gone() == []
     yield
-    assert decode_threads() == [], "a decode thread outlived its stream"
+    assert engines_gone() == [], "a decode thread outlived its engine"
 
 
 # ---- placement ---------------------------------------------------------------------------------------
@@ -272,6 +282,8 @@ def test_on_chunk_delivers_on_the_decode_thread_and_end_stream_reports_dropped_w
     assert delivered[0] == 0 and delivered == sorted(delivered)
     # every chunk was either delivered or reported dropped, never both, never lost
     assert sorted(delivered[1:] + [t[1] for t in dropped]) == [1, 2, 3], (delivered, dropped)
+    assert len(decode_threads()) == 1  # the engine's decode thread, idle, kept for its next stream
+    eng.close()
     assert decode_threads() == []
 
 
@@ -331,7 +343,10 @@ def test_warm_up_measures_latency_and_interval_and_picks_threads(gen):
     else:  # two cores: the diffusion thread and the decode thread take one each
         assert rep["threads"] == 1 and "thread_trials" not in rep
     assert rep["streams"] >= 2 and len(rep["chunk_ms"]) == eng.warm_chunks()
-    assert eng.warmup_report is rep and decode_threads() == []
+    # the decode thread the warm-up ran on (its cuDNN plans, its CUDA device) stays for the engine's streams
+    assert eng.warmup_report is rep and len(decode_threads()) == 1
+    eng.close()
+    assert decode_threads() == []
 
 
 # ---- shutdown ------------------------------------------------------------------------------------------
@@ -344,7 +359,7 @@ def test_consumer_stops_early(gen):
     assert (first.index, second.index) == (0, 1)
     assert len(decode_threads()) == 1  # running while the stream is open
     it.close()
-    assert decode_threads() == []
+    assert engines_gone() == []  # the stream's end dropped the last reference to its engine
 
 
 def test_consumer_breaks_out_of_loop(gen):
@@ -355,7 +370,7 @@ def test_consumer_breaks_out_of_loop(gen):
             break
     assert seen == [0, 1, 2]
     # the abandoned generator is finalised when its last reference goes (CPython refcounting)
-    assert decode_threads() == []
+    assert engines_gone() == []
 
 
 class DecodeBoom(RuntimeError):
@@ -378,7 +393,7 @@ def test_exception_in_decode_propagates_and_stops(gen, monkeypatch):
         for out in Engine(gen).stream(image(), "p", speech(), N):
             got.append(out.index)
     assert got == [0, 1]  # the chunks before the failure still came out, in order
-    assert decode_threads() == []
+    assert engines_gone() == []
 
 
 def test_exception_in_diffusion_propagates_and_stops(gen, monkeypatch):
@@ -395,7 +410,7 @@ def test_exception_in_diffusion_propagates_and_stops(gen, monkeypatch):
         for out in Engine(gen).stream(image(), "p", speech(), N):
             got.append(out.index)
     assert got == sorted(got) and len(got) <= 3
-    assert decode_threads() == []
+    assert engines_gone() == []
 
 
 def test_bad_input_fails_before_any_thread(gen):
@@ -583,3 +598,31 @@ def test_shorten_switch_interval_lowers_never_raises_and_zero_leaves_it():
         sys.setswitchinterval(before)
     with pytest.raises(ConfigError, match="gil_switch_ms"):
         PipelineConfig(gil_switch_ms=-1)
+
+
+def test_one_decode_thread_per_engine_across_streams_ended_by_close_or_collection(gen):
+    """Each stream's decode stage runs on the engine's one decode thread (per-thread caches such as cuDNN's
+    execution plans survive from stream to stream); close() ends it, and so does dropping the engine."""
+    names = []
+    eng = Engine(
+        gen,
+        PipelineConfig(first_chunk_alone=False),
+        on_chunk=lambda r: names.append(threading.current_thread()),
+    )
+    for seed in (1, 2):
+        eng.open(image(), "p", seed=seed)
+        for i in range(2):
+            eng.submit(i, speech(1))
+        deadline = time.monotonic() + 30
+        while len(names) < 2 * seed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng.end_stream()
+    assert len(names) == 4 and len({id(t) for t in names}) == 1, names  # both streams, one thread
+    (th,) = decode_threads()
+    eng.close()
+    assert not th.is_alive() and decode_threads() == []
+    eng = Engine(gen)
+    list(eng.stream(image(), "p", speech(), 2))
+    assert len(decode_threads()) == 1
+    del eng
+    assert engines_gone() == []
