@@ -16,7 +16,10 @@ Modes (:data:`MODES`), each adding to the one before:
 * ``bench``: ``compile`` + ``torch.backends.cudnn.benchmark`` on CUDA (process-wide; each conv shape is
   timed): faster steady chunks (119.9 -> 97.6 ms per 12-frame Wan 2.1 chunk at 480x832; W1.3 on one H200
   with the full decoder 29.5 -> 30.7 fps), but in the pipeline the first chunk of EVERY stream then took
-  1.78 s (ttff 519 -> 1783 ms; docs/perf/vae/NOTES.md): a throughput mode, not the default.
+  1.78 s (ttff 519 -> 1783 ms; docs/perf/vae/NOTES.md). Cause: PyTorch caches cuDNN's plans and timings
+  per thread, and the engine made a decode thread per stream; it now keeps one per engine
+  (``cadence.engine.engine.DecodeWorker``; in one thread the timings hold from stream to stream,
+  docs/perf/pipeline/NOTES.md). Opt-in until the pipeline is measured again.
 * ``fold``: every 3x3x3 / 3x1x1 / 1x1x1 temporal-stride-1 causal conv runs as ONE conv2d over
   ``[B * T_out, H, W, kt * C]`` (the kt input frames of each output frame stacked along channels): a 2D
   implicit GEMM with a kt-times deeper reduction instead of cuDNN's conv3d (same math, summation order
