@@ -156,7 +156,7 @@ class DecodeWorker:
     (``_Decoder._main``) runs on it in turn. One thread per engine, not one per stream, because state
     PyTorch keeps per thread is worth keeping: cuDNN's execution plans (a thread-local cache; with
     ``cudnn.benchmark`` a new thread timed every conv shape again: 1.8 s at the start of every stream,
-    docs/perf/vae/NOTES.md) and the thread's CUDA device. The thread holds no reference to the engine;
+    docs/perf/pipeline/NOTES.md) and the thread's CUDA device. The thread holds no reference to the engine;
     ``Engine.close`` (or the engine's garbage collection) ends it."""
 
     def __init__(self, name: str = "cadence-decode"):
@@ -646,7 +646,8 @@ class Engine:
         is collected)."""
         if self._worker is None or not self._worker.alive():
             self._worker = DecodeWorker()
-            weakref.finalize(self, self._worker.close, 5.0)
+            # a daemon thread: nothing to join at interpreter exit
+            weakref.finalize(self, self._worker.close, 5.0).atexit = False
         return self._worker
 
     def _pinned(self) -> list[torch.Tensor]:
