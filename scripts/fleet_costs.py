@@ -170,17 +170,7 @@ def media(argv: list[str]) -> None:
                     agg[kind(cmd, pid, proc.pid)] += c - before[pid][0]
             cpu = {k: round(100 * v / window, 1) for k, v in agg.most_common()}
     finally:
-        import ray
-
-        if ray.is_initialized():
-            try:
-                ray.get(
-                    ray.get_actor("cadence-registry", namespace="cadence").remove_all.remote(), timeout=60
-                )
-            except Exception:
-                pass
-            ray.shutdown()
-        cluster.stop()
+        cluster.shutdown()
     serving = {k: v for k, v in cpu.items() if not k.startswith("aiortc clients")}
     res = {
         "media": a.mode,

@@ -406,11 +406,4 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
     finally:
         if srv is not None:
             srv.stop()
-        if ray.is_initialized():
-            try:
-                reg = ray.get_actor("cadence-registry", namespace="cadence")
-                ray.get(reg.remove_all.remote(), timeout=60)
-            except Exception:
-                pass
-            ray.shutdown()
-        cluster.stop()
+        cluster.shutdown()

@@ -189,7 +189,6 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 def group_media_fleet():
     """A Ray head (1 CPU) with one character group, a front end with ``media='group'`` (in this process)."""
     needs_ray()
-    import ray
 
     from cadence.fleet.cluster import LocalCluster
     from cadence.serve.config import ServeConfig
@@ -210,15 +209,7 @@ def group_media_fleet():
     finally:
         if srv is not None:
             srv.stop()
-        if ray.is_initialized():
-            try:
-                ray.get(
-                    ray.get_actor("cadence-registry", namespace="cadence").remove_all.remote(), timeout=60
-                )
-            except Exception:
-                pass
-            ray.shutdown()
-        cluster.stop()
+        cluster.shutdown()
 
 
 def _fleet(srv) -> dict:

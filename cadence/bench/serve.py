@@ -271,18 +271,6 @@ def _fleet(args):
     ), cluster
 
 
-def _fleet_down(cluster) -> None:
-    """Remove the groups this benchmark's local cluster holds, then the cluster."""
-    import ray
-
-    try:
-        if ray.is_initialized():
-            ray.get(ray.get_actor("cadence-registry", namespace="cadence").remove_all.remote(), timeout=60)
-            ray.shutdown()
-    finally:
-        cluster.stop()
-
-
 def main(argv: list[str]) -> int:
     import logging
 
@@ -350,7 +338,7 @@ def main(argv: list[str]) -> int:
         if srv is not None:
             srv.stop()
         if cluster is not None:
-            _fleet_down(cluster)
+            cluster.shutdown()  # its fleet's groups removed, then the cluster
     errors = [r.error or f"HTTP {r.status_code}" for r in results if r.error or r.status_code != 201]
     ok = [r for r in results if not (r.error or r.status_code != 201)]
     fps = [r.report.get("fps_mean", 0.0) for r in ok] + [0.0] * (len(results) - len(ok))

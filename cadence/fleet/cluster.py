@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 
+from cadence.fleet.names import NAMESPACE, REGISTRY_NAME
 from cadence.net import free_port
 
 #: ``RAY_max_direct_call_object_size`` for the nodes started here (Ray's default is 100 KiB).
@@ -153,6 +154,24 @@ class LocalCluster:
             time.sleep(0.5)
             if not os.path.exists(self.temp_dir):
                 break
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """The end of a test's or a benchmark's fleet: the fleet's groups removed through its registry (when
+        this process is connected to Ray and a registry exists), Ray disconnected, then the nodes stopped."""
+        try:
+            import ray
+        except ModuleNotFoundError:  # pragma: no cover - the cluster itself needs ray
+            ray = None
+        try:
+            if ray is not None and ray.is_initialized():
+                try:
+                    reg = ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
+                    ray.get(reg.remove_all.remote(), timeout=timeout_s)
+                except Exception:  # no registry (never made, or gone with its node): no group left to remove
+                    pass
+                ray.shutdown()
+        finally:
+            self.stop()
 
     def __enter__(self) -> LocalCluster:
         return self.start()
