@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import json
 import statistics
@@ -47,7 +46,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from _reference import PromptStub, cuda_device_zero, open_checkout, sdpa_attention, wan_wrapper  # noqa: E402
+from _reference import (  # noqa: E402
+    PromptStub,
+    cuda_device_zero,
+    import_self_forcing,
+    open_checkout,
+    sdpa_attention,
+    wan_wrapper,
+)
 
 WAN13 = dict(dim=1536, num_heads=12, ffn_dim=8960, num_layers=30, freq_dim=256, text_dim=4096, text_len=512)
 STEPS = [1000, 750, 500, 250]
@@ -56,21 +62,11 @@ BLOCKS = 7
 
 
 def import_reference(ref: Path):
+    m = import_self_forcing(ref)
     with cuda_device_zero():
-        import utils.wan_wrapper as ww
         import wan.modules.attention as wattn
-        import wan.modules.causal_model as cm
-        import wan.modules.model as wm
         from demo_utils.constant import ZERO_VAE_CACHE
         from demo_utils.vae_block3 import VAEDecoderWrapper
-        from utils.scheduler import FlowMatchScheduler
-        from wan.modules.causal_model import CausalWanModel
-
-        spec = importlib.util.spec_from_file_location(
-            "sf_causal_inference", ref / "pipeline/causal_inference.py"
-        )
-        ci = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ci)
     if wattn.FLASH_ATTN_3_AVAILABLE:
         attention = "flash-attn 3"
     elif wattn.FLASH_ATTN_2_AVAILABLE:
@@ -78,17 +74,11 @@ def import_reference(ref: Path):
     else:
         # without flash-attn the reference's cross-attention asserts and its SDPA fallback returns bf16 into
         # fp16 linears: torch SDPA in the inputs' dtype, as flash-attn would be called
-        wm.flash_attention = sdpa_attention
-        cm.attention = sdpa_attention
+        m.wm.flash_attention = sdpa_attention
+        m.cm.attention = sdpa_attention
         attention = "torch SDPA in the inputs' dtype (flash-attn not installed)"
     return types.SimpleNamespace(
-        ww=ww,
-        FlowMatchScheduler=FlowMatchScheduler,
-        CausalWanModel=CausalWanModel,
-        ci=ci,
-        VAEDecoderWrapper=VAEDecoderWrapper,
-        zero_cache=ZERO_VAE_CACHE,
-        attention=attention,
+        **vars(m), VAEDecoderWrapper=VAEDecoderWrapper, zero_cache=ZERO_VAE_CACHE, attention=attention
     )
 
 
