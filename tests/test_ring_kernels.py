@@ -158,3 +158,119 @@ def test_qkv_write_one_launch_matches_reference(fp8):
         assert torch.allclose(sa, sb, rtol=1e-6)
         diff = (a.float() - b.float()).abs() / 448.0
         assert (diff <= 2**-4).float().mean() > 0.98 and diff.max() <= 2**-2
+
+
+# ---- the kernel's variants (cadence bench attention measures each on the GPU) ---------------------------
+
+
+def _head_buffers(q, k, v, headroom=ra.HEAD_HEADROOM):
+    """FP8 buffers with per-token q scales and per-head k/v scales (the 'triton_head' layout): the head
+    scales from the inputs' own amax with the ring's headroom."""
+    h = q.shape[1]
+    n_alloc = -(-k.shape[0] // 128) * 128
+    Q = torch.zeros(h, q.shape[0], q.shape[2], dtype=ra.FP8, device=DEV)
+    QS = torch.ones(h, q.shape[0], device=DEV)
+    K = torch.zeros(h, n_alloc, k.shape[2], dtype=ra.FP8, device=DEV)
+    VT = torch.zeros(h, k.shape[2], n_alloc, dtype=ra.FP8, device=DEV)
+    KS = ra.head_amax_bound(k, rotate=False) * headroom / ra.FP8_MAX
+    VS = ra.head_amax_bound(v, rotate=False) * headroom / ra.FP8_MAX
+    z = torch.zeros(1, dtype=torch.int32, device=DEV)
+    ra.rope_quant_write(q, None, None, Q, QS, z)
+    ra.rope_quant_write(k, None, None, K, KS, z)
+    ra.rope_quant_write(v, None, None, VT, VS, z, transpose_out=True)
+    return Q, QS, K, KS, VT, VS
+
+
+def test_rope_quant_write_head_scale_matches_reference():
+    """Quantising by a given per-head scale (mode 2): the scale is read, never written, and values beyond
+    448 x scale clamp (finite). Same e4m3 cast budget as test_rope_quant_write_fp8."""
+    g = torch.Generator().manual_seed(5)
+    t, h, d, n = 40, 2, 32, 64
+    x = torch.randn(t, h, d, generator=g).to(DEV)
+    x[2, 0] *= 1e4  # beyond the headroom: clamps
+    cos, sin = angles(t, d, g)
+    hs = torch.tensor([0.01, 0.02], device=DEV)
+    out = torch.zeros(h, n, d, dtype=ra.FP8, device=DEV)
+    row0 = torch.tensor([8], dtype=torch.int32).to(DEV)
+    ra.rope_quant_write(x, cos, sin, out, hs, row0)
+    ref, rs = ra.rope_quant_reference(x, cos, sin, True, ra.FP8, head_scale=hs)
+    assert torch.equal(hs, torch.tensor([0.01, 0.02], device=DEV))
+    assert torch.equal(rs[:, 0], hs)
+    got = out[:, 8:48]
+    assert torch.isfinite(got.float()).all() and got.float().abs().max() == 448.0
+    diff = (got.float() - ref.float()).abs() / 448.0
+    assert (diff <= 2**-4).float().mean() > 0.98 and diff.max() <= 2**-2
+
+
+@pytest.mark.parametrize("n_valid", [130, 77])
+def test_ring_attention_bf16_layout_v_not_transposed(n_valid):
+    """Float storage with V [H, N, D] (the ring's bf16 layout, which torch SDPA and FlashAttention-3 read
+    too): exact flash attention, equal to the reference up to float32 summation order."""
+    g = torch.Generator().manual_seed(6)
+    m, n, h, d = 50, 130, 2, 32
+    q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
+    Q, K, V = q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    qs, ones = torch.ones(h, m, device=DEV), torch.ones(h, n, device=DEV)
+    nv = torch.tensor([n_valid], dtype=torch.int32).to(DEV)
+    for split in (1, 3):
+        out = ra.ring_attention(
+            Q, qs, K, ones, V, ones, nv, v_transposed=False, split=split, out_dtype=torch.float32
+        )
+        ref = ra.ring_attention_reference(Q, qs, K, ones, V, ones, n_valid, v_transposed=False)
+        assert out.shape == (m, h, d) and out.is_contiguous()
+        assert rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [dict(), dict(split=4), dict(dual=True), dict(dual=True, split=2), dict(pv_bf16=True)],
+    ids=["plain", "split4", "dual", "dual-split2", "pv-bf16"],
+)
+def test_ring_attention_variants_float32_exact(variant):
+    """Every variant on float32 storage is exact attention (the dual blocks, the split combine): 1e-5."""
+    g = torch.Generator().manual_seed(7)
+    m, n, h, d = 70, 200, 2, 32
+    q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
+    bufs = _buffers(q, k, v, torch.float32)
+    nv = torch.tensor([190], dtype=torch.int32).to(DEV)
+    out = ra.ring_attention(*bufs, nv, out_dtype=torch.float32, **variant)
+    assert rel(out, ra.ring_attention_reference(*bufs, 190)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "variant", [dict(), dict(split=3), dict(dual=True), dict(pv_bf16=True)], ids=["plain", "split3", "dual", "pv-bf16"]
+)
+def test_ring_attention_head_scales_within_budget(variant):
+    """Per-head K/V scales (headroom 16, per-token q): against the float32 attention of the unquantised
+    inputs and against the reference on the same quantised buffers (which differs only by P's
+    rounding, FP8 or bf16). Budgets as test_ring_attention_fp8_within_budget's."""
+    g = torch.Generator().manual_seed(8)
+    m, n, h, d = 64, 200, 2, 32
+    q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
+    bufs = _head_buffers(q, k, v)
+    nv = torch.tensor([n], dtype=torch.int32).to(DEV)
+    out = ra.ring_attention(*bufs, nv, out_dtype=torch.float32, **variant)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    ).transpose(0, 1)
+    same_quant = ra.ring_attention_reference(*bufs, n)
+    interp = ra.interpreting()
+    assert torch.isfinite(out).all()
+    assert rel(out, exact) < (0.15 if interp else 0.08)
+    assert rel(out, same_quant) < (0.12 if interp else 0.04)
+    assert rel(out, exact) > 1e-3
+
+
+def test_split_combine_with_empty_splits_and_out_buffer():
+    """More splits than the visible keys fill: the empty splits weigh 0 in the combine; the result is
+    written into the given output buffer (a view of a larger one, as the engine may pass)."""
+    g = torch.Generator().manual_seed(9)
+    m, n, h, d = 40, 256, 2, 32
+    q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
+    bufs = _buffers(q, k, v, torch.float32)
+    nv = torch.tensor([45], dtype=torch.int32).to(DEV)  # splits of 64 keys: 1 partial, 3 empty
+    big = torch.full((m + 5, h, d), float("nan"), device=DEV)
+    out = ra.ring_attention(*bufs, nv, split=4, out=big[:m], out_dtype=torch.float32)
+    assert out.data_ptr() == big.data_ptr()
+    assert rel(out, ra.ring_attention_reference(*bufs, 45)) < 1e-5
+    assert torch.isnan(big[m:]).all()  # nothing written past the rows asked for

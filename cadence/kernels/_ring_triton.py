@@ -1,6 +1,9 @@
 """Triton kernels of the ring cache (imported lazily by ``ring_attention``; see that module's docs).
 
-Module-level so that Triton can resolve the helper ``attn_tile`` from the kernels' globals.
+Module-level so that Triton can resolve the helpers (``_write_one``, ``attn_tile``) from the kernels'
+globals. Scale modes (``SCALE`` / ``SCALES`` constexprs): 0 = stored as is (float storage), 1 = one scale
+per (token, head), computed by the write and stored beside the values, 2 = one given scale per head
+(``SCALE[h]``: the ring's per-(layer, head) scales, or a query scale computed for the pass).
 """
 
 import triton
@@ -28,10 +31,11 @@ def _write_one(
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr,
-    QUANT: tl.constexpr,
+    MODE: tl.constexpr,
 ):
     """Rows [pid*BLOCK_T, ...) of head h of X [T, H, D] (last dim contiguous): rotate interleaved
-    pairs, quantise per row (amax/448, clamp, cast) and store at rows ROW0 + t of OUT."""
+    pairs, quantise (MODE 1: per row, amax/448, scale stored; MODE 2: by the head's given scale), clamp
+    to +-448, cast and store at rows ROW0 + t of OUT (MODE 0: store as is)."""
     HALF: tl.constexpr = D // 2
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
@@ -46,11 +50,14 @@ def _write_one(
     else:
         y = x
     row = tl.load(ROW0) + t
-    if QUANT:
+    if MODE == 1:
         sc = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / 448.0
         # divide (as the reference does) rather than multiply by 1/sc: the row's max lands on 448
         y = tl.minimum(tl.maximum(y / sc[:, None], -448.0), 448.0)
         tl.store(SCALE + h * ssh + row * ssn, sc, mask=tm)
+    elif MODE == 2:
+        sc = tl.maximum(tl.load(SCALE + h * ssh), 1e-30)
+        y = tl.minimum(tl.maximum(y / sc, -448.0), 448.0)
     tl.store(
         OUT + h * soh + row[:, None] * son + d[None, :] * sod, y.to(OUT.dtype.element_ty), mask=tm[:, None]
     )
@@ -75,7 +82,7 @@ def rope_quant_kernel(
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr,
-    QUANT: tl.constexpr,
+    MODE: tl.constexpr,
 ):
     _write_one(
         X,
@@ -97,7 +104,7 @@ def rope_quant_kernel(
         D,
         BLOCK_T,
         ROTATE,
-        QUANT,
+        MODE,
     )
 
 
@@ -140,7 +147,8 @@ def qkv_write_kernel(
     T,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    QUANT: tl.constexpr,
+    Q_MODE: tl.constexpr,
+    KV_MODE: tl.constexpr,
 ):
     """One launch for a pass's three writes: axis 2 picks q (rotated, into the query scratch at row 0),
     k (rotated, into the cache at ROW0) or v (into the cache at ROW0, no rotation)."""
@@ -168,7 +176,7 @@ def qkv_write_kernel(
             D,
             BLOCK_T,
             True,
-            QUANT,
+            Q_MODE,
         )
     elif which == 1:
         _write_one(
@@ -191,7 +199,7 @@ def qkv_write_kernel(
             D,
             BLOCK_T,
             True,
-            QUANT,
+            KV_MODE,
         )
     else:
         _write_one(
@@ -214,16 +222,16 @@ def qkv_write_kernel(
             D,
             BLOCK_T,
             False,
-            QUANT,
+            KV_MODE,
         )
 
 
 @triton.jit
 def attn_tile(
     q,
-    row,
-    k_desc,
-    v_desc,
+    r,
+    k,
+    v,
     KS,
     VS,
     sksh,
@@ -237,36 +245,38 @@ def attn_tile(
     l_i,
     acc,
     c_prev,
-    HEAD_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr,
+    SCALES: tl.constexpr,
+    PV_BF16: tl.constexpr,
     DOT_F32: tl.constexpr,
     MASK: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    k = k_desc.load([h, start, 0]).reshape(BLOCK_N, HEAD_D)
-    vt = v_desc.load([h, 0, start]).reshape(HEAD_D, BLOCK_N)
-    if DOT_F32:
-        k = k.to(tl.float32)
-        vt = vt.to(tl.float32)
+    """One key tile for one block of query rows. k [BLOCK_N, D]; v [BLOCK_N, D] (a transposed view of
+    the V^T tile for FP8). Logits in base 2 are t = (q . k) * r_i (* k_scale_j with per-token scales);
+    the running max is kept in those units, so the exponent is one multiply-add per element."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     offs_n = start + tl.arange(0, BLOCK_N)
     valid = offs_n < n_hi
-    if QUANT:
+    if SCALES == 1:
         if MASK:
             ks = tl.load(KS + h * sksh + offs_n * sksn, mask=valid, other=0.0)
         else:
             ks = tl.load(KS + h * sksh + offs_n * sksn)
-        s = s * row[:, None] * ks[None, :]
-    else:
-        s = s * row[:, None]
+        s = s * ks[None, :]
     if MASK:
         s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * r)  # r > 0: max(s * r) = max(s) * r
+    if SCALES == 2:
+        # 256 * exp2(t - m): P in FP8's normal range (<= 256 < 448), the factor folded into the exponent
+        # (it cancels in acc / l: l sums the same scaled numerators)
+        p = tl.math.exp2(s * r[:, None] - (m_new - 8.0)[:, None])
+    else:
+        p = tl.math.exp2(s * r[:, None] - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if QUANT:
+    if SCALES == 1:
         # P (<= 1) times v_scale_j / max_tile(v_scale) * 256 stays in FP8's normal range; the
         # accumulator is kept in units of this tile's max_tile(v_scale) / 256 (c), so moving
         # from the previous tile's unit to this one folds into the usual alpha rescale.
@@ -275,17 +285,112 @@ def attn_tile(
         else:
             vs = tl.load(VS + h * svsh + offs_n * svsn)
         c = tl.maximum(tl.max(vs, axis=0), 1e-30) / 256.0
-        p8 = (p * (vs / c)[None, :]).to(tl.float8e4nv)
-        if DOT_F32:
-            p8 = p8.to(tl.float32)
-        acc = tl.dot(p8, tl.trans(vt), acc * (alpha * (c_prev / c))[:, None])
+        p = p * (vs / c)[None, :]
+        alpha = alpha * (c_prev / c)
         c_prev = c
-    else:
-        if DOT_F32:
-            acc = tl.dot(p, tl.trans(vt), acc * alpha[:, None], input_precision=PREC)
+    if QUANT:
+        if PV_BF16:
+            pv = p.to(tl.bfloat16)
+            vv = v.to(tl.bfloat16)
         else:
-            acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc * alpha[:, None], input_precision=PREC)
+            pv = p.to(tl.float8e4nv)
+            vv = v
+    else:
+        pv = p.to(v.dtype)
+        vv = v
+    if DOT_F32:
+        pv = pv.to(tl.float32)
+        vv = vv.to(tl.float32)
+    acc = tl.dot(pv, vv, acc * alpha[:, None], input_precision=PREC)
     return m_new, l_i, acc, c_prev
+
+
+@triton.jit
+def _load_kv(
+    k_desc,
+    v_desc,
+    h,
+    start,
+    HEAD_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    V_TRANS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    k = k_desc.load([h, start, 0]).reshape(BLOCK_N, HEAD_D)
+    if V_TRANS:
+        v = tl.trans(v_desc.load([h, 0, start]).reshape(HEAD_D, BLOCK_N))
+    else:
+        v = v_desc.load([h, start, 0]).reshape(BLOCK_N, HEAD_D)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _finish(
+    m_i,
+    l_i,
+    acc,
+    c_prev,
+    offs_m,
+    mm,
+    VS,
+    svsh,
+    OB,
+    LSE,
+    sp,
+    h,
+    sos,
+    soh,
+    som,
+    sod,
+    sls,
+    slh,
+    slm,
+    HEAD_D: tl.constexpr,
+    SCALES: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_D)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if SCALES == 1:
+        out = acc * (c_prev / l_safe)[:, None]
+    elif SCALES == 2:
+        out = acc * (tl.load(VS + h * svsh) / l_safe)[:, None]
+    else:
+        out = acc / l_safe[:, None]
+    tl.store(
+        OB + sp * sos + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+        out.to(OB.dtype.element_ty),
+        mask=mm[:, None],
+    )
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(LSE + sp * sls + h * slh + offs_m * slm, lse, mask=mm)
+
+
+@triton.jit
+def _row_factor(
+    QS,
+    sqsh,
+    sqsm,
+    KS,
+    sksh,
+    h,
+    offs_m,
+    mm,
+    qk_scale,
+    QUANT: tl.constexpr,
+    SCALES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Per query row: qk_scale (base 2) x q_scale_i (x the head's k scale with per-head scales)."""
+    if QUANT:
+        r = tl.load(QS + h * sqsh + offs_m * sqsm, mask=mm, other=1.0) * qk_scale
+        if SCALES == 2:
+            r = r * tl.load(KS + h * sksh)
+    else:
+        r = tl.zeros([BLOCK], dtype=tl.float32) + qk_scale
+    return r
 
 
 @triton.jit
@@ -319,36 +424,53 @@ def attn_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr,
+    SCALES: tl.constexpr,
+    V_TRANS: tl.constexpr,
+    PV_BF16: tl.constexpr,
+    DUAL: tl.constexpr,
+    WS: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """Program (row block, head, key split). A block is BLOCK_M query rows, or with DUAL two blocks of
+    BLOCK_M rows that share every K/V tile loaded (two independent softmax chains per tile: one block's
+    MMA can run under the other's exponentials). The visible length is read on the device (NVALID)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_D)
-    mm = offs_m < M
-    q = q_desc.load([h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_D)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    if QUANT:
-        row = tl.load(QS + h * sqsh + offs_m * sqsm, mask=mm, other=0.0) * qk_scale
-    else:
-        row = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
-    c_prev = 1.0
     n_valid = tl.load(NVALID)
     n_lo = sp * n_per_split
     n_hi = tl.minimum(n_valid, n_lo + n_per_split)
     n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(n_lo, n_full, BLOCK_N):
-        m_i, l_i, acc, c_prev = attn_tile(
-            q,
-            row,
-            k_desc,
-            v_desc,
+    row_a = pid_m * BLOCK_M * (1 + DUAL)
+    offs_a = row_a + tl.arange(0, BLOCK_M)
+    ma = offs_a < M
+    qa = q_desc.load([h, row_a, 0]).reshape(BLOCK_M, HEAD_D)
+    if DOT_F32:
+        qa = qa.to(tl.float32)
+    ra = _row_factor(QS, sqsh, sqsm, KS, sksh, h, offs_a, ma, qk_scale, QUANT, SCALES, BLOCK_M)
+    ma_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    la_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    ca = 1.0
+    if DUAL:
+        offs_b = offs_a + BLOCK_M
+        mb = offs_b < M
+        qb = q_desc.load([h, row_a + BLOCK_M, 0]).reshape(BLOCK_M, HEAD_D)
+        if DOT_F32:
+            qb = qb.to(tl.float32)
+        rb = _row_factor(QS, sqsh, sqsm, KS, sksh, h, offs_b, mb, qk_scale, QUANT, SCALES, BLOCK_M)
+        mb_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        lb_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+        cb = 1.0
+    for start in tl.range(n_lo, n_full, BLOCK_N, warp_specialize=WS):
+        k, v = _load_kv(k_desc, v_desc, h, start, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
+        ma_i, la_i, acc_a, ca = attn_tile(
+            qa,
+            ra,
+            k,
+            v,
             KS,
             VS,
             sksh,
@@ -358,23 +480,52 @@ def attn_kernel(
             h,
             start,
             n_hi,
-            m_i,
-            l_i,
-            acc,
-            c_prev,
-            HEAD_D,
+            ma_i,
+            la_i,
+            acc_a,
+            ca,
             BLOCK_N,
             QUANT,
+            SCALES,
+            PV_BF16,
             DOT_F32,
             False,
             PREC,
         )
-    if n_full < n_hi:
-        m_i, l_i, acc, c_prev = attn_tile(
-            q,
-            row,
-            k_desc,
-            v_desc,
+        if DUAL:
+            mb_i, lb_i, acc_b, cb = attn_tile(
+                qb,
+                rb,
+                k,
+                v,
+                KS,
+                VS,
+                sksh,
+                sksn,
+                svsh,
+                svsn,
+                h,
+                start,
+                n_hi,
+                mb_i,
+                lb_i,
+                acc_b,
+                cb,
+                BLOCK_N,
+                QUANT,
+                SCALES,
+                PV_BF16,
+                DOT_F32,
+                False,
+                PREC,
+            )
+    if n_full < n_hi:  # the one masked tile: the visible length ends inside it
+        k, v = _load_kv(k_desc, v_desc, h, n_full, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
+        ma_i, la_i, acc_a, ca = attn_tile(
+            qa,
+            ra,
+            k,
+            v,
             KS,
             VS,
             sksh,
@@ -384,23 +535,139 @@ def attn_kernel(
             h,
             n_full,
             n_hi,
-            m_i,
-            l_i,
-            acc,
-            c_prev,
-            HEAD_D,
+            ma_i,
+            la_i,
+            acc_a,
+            ca,
             BLOCK_N,
             QUANT,
+            SCALES,
+            PV_BF16,
             DOT_F32,
             True,
             PREC,
         )
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc * (c_prev / l_safe)[:, None]
+        if DUAL:
+            mb_i, lb_i, acc_b, cb = attn_tile(
+                qb,
+                rb,
+                k,
+                v,
+                KS,
+                VS,
+                sksh,
+                sksn,
+                svsh,
+                svsn,
+                h,
+                n_full,
+                n_hi,
+                mb_i,
+                lb_i,
+                acc_b,
+                cb,
+                BLOCK_N,
+                QUANT,
+                SCALES,
+                PV_BF16,
+                DOT_F32,
+                True,
+                PREC,
+            )
+    _finish(
+        ma_i,
+        la_i,
+        acc_a,
+        ca,
+        offs_a,
+        ma,
+        VS,
+        svsh,
+        O,
+        LSE,
+        sp,
+        h,
+        sos,
+        soh,
+        som,
+        sod,
+        sls,
+        slh,
+        slm,
+        HEAD_D,
+        SCALES,
+    )
+    if DUAL:
+        _finish(
+            mb_i,
+            lb_i,
+            acc_b,
+            cb,
+            offs_b,
+            mb,
+            VS,
+            svsh,
+            O,
+            LSE,
+            sp,
+            h,
+            sos,
+            soh,
+            som,
+            sod,
+            sls,
+            slh,
+            slm,
+            HEAD_D,
+            SCALES,
+        )
+
+
+@triton.jit
+def combine_kernel(
+    PART,
+    LSE,
+    OUT,
+    sos,
+    soh,
+    som,
+    sod,
+    sls,
+    slh,
+    slm,
+    sotm,
+    soth,
+    sotd,
+    M,
+    NSPLIT,
+    HEAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Merge the key splits of one (row block, head): out = sum_s w_s o_s with w = softmax over the splits'
+    base-2 log-sum-exps (an empty split has lse -inf, weight 0); written once, in the output layout."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mm = offs_m < M
+    offs_d = tl.arange(0, HEAD_D)
+    mx = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    for s in range(NSPLIT):
+        lse = tl.load(LSE + s * sls + h * slh + offs_m * slm, mask=mm, other=float("-inf"))
+        mx = tl.maximum(mx, lse)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    for s in range(NSPLIT):
+        lse = tl.load(LSE + s * sls + h * slh + offs_m * slm, mask=mm, other=float("-inf"))
+        w = tl.math.exp2(lse - mx)
+        den += w
+        o = tl.load(
+            PART + s * sos + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=mm[:, None], other=0.0
+        )
+        acc += o * w[:, None]
+    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
     tl.store(
-        O + sp * sos + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-        out.to(O.dtype.element_ty),
+        OUT + offs_m[:, None] * sotm + h * soth + offs_d[None, :] * sotd,
+        out.to(OUT.dtype.element_ty),
         mask=mm[:, None],
     )
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    tl.store(LSE + sp * sls + h * slh + offs_m * slm, lse, mask=mm)

@@ -3,25 +3,35 @@
 Storage (per layer, H heads of D channels, N = sink + ring tokens):
 
 * keys   ``K  [H, N, D]``  FP8 e4m3 (or the model dtype), **already rotated** at their positions;
-* values ``VT [H, D, N]``  FP8 e4m3 (or the model dtype), stored transposed so that the token axis,
-  the contraction axis of P @ V, is contiguous (Hopper's FP8 MMA wants both operands K-major);
-* scales ``KS, VS [H, N]`` float32, one per (token, head): value = stored * scale;
+* values ``VT [H, D, N]``  FP8 e4m3, stored transposed so that the token axis, the contraction axis of
+  P @ V, is contiguous (Hopper's FP8 MMA wants both operands K-major); ``V [H, N, D]`` in the model
+  dtype, or in FP8 for a library backend that reads it so (FlashAttention-3: see
+  ``cadence.kernels.attention_backends``);
+* scales, FP8 only: ``"token"``: ``KS, VS [H, N]`` float32, one per (token, head), value = stored * scale;
+  ``"head"``: ``KS, VS [H]``, one per (layer, head), fixed for a stream (set from the first write with
+  headroom, ``HEAD_HEADROOM``; values beyond it clamp);
 * ``n_valid`` int32 device tensor [1]: keys [0, n_valid) are attended. The ring fills its slots in
   order, and the current chunk is written into its slot before attention, so the visible keys are
   always a prefix: a length, not a mask, and only while the ring is still filling. Read on the
   device: no host syncs.
 
-``rope_quant_write`` (one fused kernel): RoPE (optional), amax per (token, head), scale, clamp to
+``rope_quant_write`` (one fused kernel): RoPE (optional), then per (token, head) amax, scale, clamp to
 +-448 (torch 2.11 turns overflow into NaN), cast, store at rows ``row0 + t`` of the buffer, where
-``row0`` is a device int tensor. Also used for queries (into a scratch buffer).
+``row0`` is a device int tensor; or quantise by a given per-head scale. Also used for queries (into a
+scratch buffer). ``qkv_write``: the same for a pass's q, k and v in one launch.
 
 ``ring_attention``: flash attention of FP8 (or bf16) queries over the buffer as it is (TMA tensor
-descriptors, unmasked main loop, one masked tail tile), with per-token scales:
-S = (Q8 K8^T) * q_scale_i * k_scale_j; P is multiplied per tile by v_scale_j * 256 / max_tile(v_scale)
+descriptors, unmasked main loop, one masked tail tile), written straight into the ``[M, H, D]`` layout
+the output projection reads. Logits are kept in base 2 and in units of the row factor r_i = q_scale_i *
+qk_scale (* the head's k scale), so each element costs one multiply-add before its exp2. Per-token
+scales: S = (Q8 K8^T) * r_i * k_scale_j; P is multiplied per tile by v_scale_j * 256 / max_tile(v_scale)
 before its FP8 cast (P <= 1, so the largest value is 256 < 448 and small probabilities stay out of
-FP8's subnormal range) and the accumulator is kept in units of max_tile(v_scale) / 256, a change
-of unit folded into the usual alpha rescale. Optional split over keys (``split``) for occupancy at
-few query tiles, combined by log-sum-exp.
+FP8's subnormal range) and the accumulator is kept in units of max_tile(v_scale) / 256, a change of
+unit folded into the usual alpha rescale. Per-head scales: no per-key multiply at all; the 256 is
+folded into the exponent and the head's v scale into the epilogue. Variants (all measured by
+``cadence bench attention``): a split over keys (``split``) for occupancy at few query tiles, merged by
+one combine kernel; two query blocks sharing each K/V tile (``dual``); P @ V in bf16 (``pv_bf16``);
+Triton's loop warp specialisation (``ws``, where the compiler supports it).
 
 When Triton cannot run (no CUDA and no ``TRITON_INTERPRET=1``, a head_dim that is not a power of
 two, no triton installed) the callers use the references below, logging once.
@@ -68,12 +78,35 @@ def triton_usable(device: torch.device, head_dim: int, allow_interpreter: bool =
     return True, ""
 
 
+#: Per-head FP8 scales ("head") are set from the first write of a stream (the image sink, or the first
+#: chunk without one) as HEAD_HEADROOM x its amax / 448: later tokens up to 16x larger stay exact to e4m3's
+#: 3 mantissa bits (a float format: the headroom costs no relative precision, only 4 of its ~15 binades of
+#: range, all below 1/1000 of the amax), larger ones clamp. The attention error this costs against per-token
+#: scales is measured in tests/test_attention_backends.py (test_head_scale_granularity).
+HEAD_HEADROOM = 16.0
+SCALES = ("token", "head")
+
+
 # ---- references -----------------------------------------------------------------------------
+def head_amax_bound(x: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """x [T, H, D] -> [H] float32: an upper bound of |x| per head after RoPE (rotate: the largest norm of
+    a rotated channel pair, which no angle can exceed) or the plain amax. One reduction, no host sync."""
+    if rotate:
+        return x.float().unflatten(-1, (-1, 2)).norm(dim=-1).amax(dim=(0, 2))
+    return torch.linalg.vector_norm(x, float("inf"), dim=(0, 2), dtype=torch.float32)
+
+
 def rope_quant_reference(
-    x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, quant: bool, out_dtype: torch.dtype
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    quant: bool,
+    out_dtype: torch.dtype,
+    head_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (values [H, T, D] in out_dtype, scales [H, T] float32): rotate, then quantise
-    per (token, head) when `quant` (scales 1 otherwise)."""
+    per (token, head) when `quant` (by the given per-head scales [H] with `head_scale`; scales 1 when not
+    quantising)."""
     xf = x.float()
     if cos is not None:
         xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
@@ -81,9 +114,17 @@ def rope_quant_reference(
     xf = xf.transpose(0, 1)  # [H, T, D]
     if not quant:
         return xf.to(out_dtype), torch.ones(xf.shape[:2], device=x.device)
-    scale = xf.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    if head_scale is not None:
+        scale = head_scale.float().clamp_min(1e-30)[:, None].expand(xf.shape[:2])
+    else:
+        scale = xf.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
+
+
+def _per_key(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """[H, N] per-token scales -> [H, n, 1]; [H] per-head scales -> [H, 1, 1]."""
+    return scale[:, :n, None] if scale.dim() == 2 else scale[:, None, None]
 
 
 def ring_attention_reference(
@@ -94,12 +135,16 @@ def ring_attention_reference(
     vt: torch.Tensor,
     vs: torch.Tensor,
     n: int,
+    *,
+    v_transposed: bool = True,
 ) -> torch.Tensor:
-    """Plain PyTorch: dequantise and attend over the first n keys. q [H, M, D], qs [H, M];
-    k [H, N, D], ks [H, N]; vt [H, D, N], vs [H, N] -> out [M, H, D] float32."""
-    qf = q.float() * qs[..., None]
-    kf = k[:, :n].float() * ks[:, :n, None]
-    vf = vt[:, :, :n].float().transpose(1, 2) * vs[:, :n, None]
+    """Plain PyTorch: dequantise and attend over the first n keys. q [H, M, D], qs [H, M] (or [H]);
+    k [H, N, D]; vt [H, D, N] (v [H, N, D] when not v_transposed); ks, vs [H, N] per token or [H] per
+    head -> out [M, H, D] float32."""
+    qf = q.float() * (qs[..., None] if qs.dim() == 2 else qs[:, None, None])
+    kf = k[:, :n].float() * _per_key(ks, n)
+    vv = vt[:, :, :n].transpose(1, 2) if v_transposed else vt[:, :n]
+    vf = vv.float() * _per_key(vs, n)
     s = qf @ kf.transpose(1, 2) / math.sqrt(q.shape[-1])
     return (torch.softmax(s, dim=-1) @ vf).transpose(0, 1)
 
@@ -108,7 +153,7 @@ def ring_attention_reference(
 def _kernels():
     from cadence.kernels import _ring_triton as k
 
-    return k.rope_quant_kernel, k.attn_kernel, k.qkv_write_kernel
+    return k
 
 
 def _block_t() -> int:
@@ -126,6 +171,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _mode(out: torch.Tensor, scale: torch.Tensor) -> int:
+    """Write mode: 0 store as is (float storage), 1 per-(token, head) scales [H, N], 2 per-head scales [H]."""
+    if out.dtype != FP8:
+        return 0
+    return 2 if scale.dim() == 1 else 1
+
+
+def _scale_strides(scale: torch.Tensor) -> tuple[int, int]:
+    return (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (scale.stride(0), 0)
+
+
 def rope_quant_write(
     x: torch.Tensor,
     cos: torch.Tensor | None,
@@ -136,13 +192,14 @@ def rope_quant_write(
     *,
     transpose_out: bool = False,
 ) -> None:
-    """Fused RoPE + per-(token, head) FP8 quantisation + store (Triton).
+    """Fused RoPE + FP8 quantisation + store (Triton).
 
     x [T, H, D] (channels contiguous); cos/sin [T, D/2] float32 or None (no rotation); out [H, N, D]
     (or [H, D, N] with transpose_out) of FP8 (quantise) or a float dtype (store as is); scale [H, N]
-    float32; row0 int32 device tensor [1]: buffer row of token 0.
+    float32 (per (token, head), written) or [H] (per head, read: quantise by it); row0 int32 device
+    tensor [1]: buffer row of token 0.
     """
-    kern = _kernels()[0]
+    kern = _kernels().rope_quant_kernel
     x = _rows(x)
     t, h, d = x.shape
     rotate = cos is not None
@@ -161,14 +218,13 @@ def rope_quant_write(
         son,
         sod,
         scale,
-        scale.stride(0),
-        scale.stride(1),
+        *_scale_strides(scale),
         row0,
         t,
         D=d,
         BLOCK_T=bt,
         ROTATE=rotate,
-        QUANT=out.dtype == FP8,
+        MODE=_mode(out, scale),
     )
 
 
@@ -189,8 +245,9 @@ def qkv_write(
     v_transposed: bool,
 ) -> None:
     """One launch: q rotated (and quantised) into q_out rows 0.., k rotated and v as is into the
-    cache rows row0.. (v_out [H, D, N] when v_transposed). All outputs FP8 or all float."""
-    kern = _kernels()[2]
+    cache rows row0.. (v_out [H, D, N] when v_transposed). All outputs FP8 or all float; each scale
+    [H, N] (per token, written) or [H] (per head, read), as in ``rope_quant_write``; k and v share a mode."""
+    kern = _kernels().qkv_write_kernel
     q, k, v = _rows(q), _rows(k), _rows(v)
     t, h, d = q.shape
     bt = _block_t()
@@ -209,29 +266,34 @@ def qkv_write(
         q_out,
         *_out_strides(q_out, False),
         q_scale,
-        q_scale.stride(0),
-        q_scale.stride(1),
+        *_scale_strides(q_scale),
         k_out,
         *_out_strides(k_out, False),
         k_scale,
-        k_scale.stride(0),
-        k_scale.stride(1),
+        *_scale_strides(k_scale),
         v_out,
         *_out_strides(v_out, v_transposed),
         v_scale,
-        v_scale.stride(0),
-        v_scale.stride(1),
+        *_scale_strides(v_scale),
         zero,
         row0,
         t,
         D=d,
         BLOCK_T=bt,
-        QUANT=k_out.dtype == FP8,
+        Q_MODE=_mode(q_out, q_scale),
+        KV_MODE=_mode(k_out, k_scale),
     )
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def split_rows(n: int, split: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, splits that hold any key) for `split` requested over n buffer rows: every split
+    but the last is a whole number of key tiles."""
+    per = triton_cdiv(triton_cdiv(n, max(1, int(split))), block_n) * block_n
+    return per, triton_cdiv(n, per)
 
 
 def ring_attention(
@@ -243,40 +305,54 @@ def ring_attention(
     vs: torch.Tensor,
     n_valid: torch.Tensor,
     *,
+    v_transposed: bool = True,
     split: int = 1,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    dual: bool = False,
+    pv_bf16: bool = False,
+    ws: bool = False,
+    out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Flash attention (Triton) of q [H, M, D] over the first n_valid keys of the buffer k [H, N, D] /
-    vt [H, D, N] with per-(token, head) scales; n_valid is an int32 device tensor [1] (no host sync).
-    Returns [M, H, D] in out_dtype. N must be a multiple of 16 (TMA row alignment of vt)."""
+    vt [H, D, N] (v [H, N, D] with v_transposed=False: float storage only), n_valid an int32 device
+    tensor [1] (no host sync). FP8 scales: ks, vs [H, N] per token or [H] per head; qs [H, M] per token.
+    Returns [M, H, D] (contiguous, or `out`) in out_dtype. With V^T, N must be a multiple of 16 (TMA row
+    alignment). Variants and block shapes: the module docstring; defaults: docs/perf/cache/NOTES.md."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    kern = _kernels()[1]
+    kern = _kernels()
     h, m, d = q.shape
     n = k.shape[1]
     quant = k.dtype == FP8
+    if quant and not v_transposed:
+        raise ValueError("FP8 values must be stored transposed ([H, D, N]) for the Triton kernel")
+    scales = 0 if not quant else (2 if ks.dim() == 1 else 1)
     interp = interpreting()
-    # defaults: the fastest shapes of the sweep on an H200 at W57 (docs/perf/cache/NOTES.md)
     bm = block_m or (32 if interp else (64 if quant else 128))
     bn = block_n or (32 if interp else 128)
-    split = max(1, int(split))
-    per = triton_cdiv(triton_cdiv(n, split), bn) * bn
-    split = triton_cdiv(n, per)
-    o = torch.empty((split, h, m, d), device=q.device, dtype=torch.float32 if split > 1 else out_dtype)
+    per, split = split_rows(n, split, bn)
+    rows = bm * (2 if dual else 1)
+    if out is None:
+        out = torch.empty((m, h, d), device=q.device, dtype=out_dtype)
+    if split == 1:  # written straight into [M, H, D]: strides of (split, head, row, channel)
+        o, o_strides = out, (0, out.stride(1), out.stride(0), out.stride(2))
+    else:
+        o = torch.empty((split, h, m, d), device=q.device, dtype=torch.float32)
+        o_strides = o.stride()
     lse = torch.empty((split, h, m), device=q.device, dtype=torch.float32)
     qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634  # softmax in base 2
     q_desc = TensorDescriptor.from_tensor(q, [1, bm, d])
     k_desc = TensorDescriptor.from_tensor(k, [1, bn, d])
-    v_desc = TensorDescriptor.from_tensor(vt, [1, d, bn])
-    grid = (triton_cdiv(m, bm), h, split)
+    v_desc = TensorDescriptor.from_tensor(vt, [1, d, bn] if v_transposed else [1, bn, d])
     extra = {}
     if not interp:
         extra = dict(num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 3)
-    kern[grid](
+    qs_s = (qs.stride(0), qs.stride(1)) if qs.dim() == 2 else (qs.stride(0), 0)
+    kern.attn_kernel[(triton_cdiv(m, rows), h, split)](
         q_desc,
         qs,
         k_desc,
@@ -286,19 +362,11 @@ def ring_attention(
         n_valid,
         o,
         lse,
-        qs.stride(0),
-        qs.stride(1),
-        ks.stride(0),
-        ks.stride(1),
-        vs.stride(0),
-        vs.stride(1),
-        o.stride(0),
-        o.stride(1),
-        o.stride(2),
-        o.stride(3),
-        lse.stride(0),
-        lse.stride(1),
-        lse.stride(2),
+        *qs_s,
+        *_scale_strides(ks),
+        *_scale_strides(vs),
+        *o_strides,
+        *lse.stride(),
         m,
         per,
         qk_scale,
@@ -306,11 +374,29 @@ def ring_attention(
         BLOCK_M=bm,
         BLOCK_N=bn,
         QUANT=quant,
+        SCALES=scales,
+        V_TRANS=v_transposed,
+        PV_BF16=bool(pv_bf16 and quant),
+        DUAL=bool(dual),
+        WS=bool(ws),
         DOT_F32=interp,
         PREC="ieee" if k.dtype == torch.float32 else "tf32",
         **extra,
     )
-    if split == 1:
-        return o[0].transpose(0, 1)
-    w = torch.softmax(lse * math.log(2.0), dim=0)  # [split, H, M]; empty splits have lse -inf -> weight 0
-    return (o * w[..., None]).sum(0).transpose(0, 1).to(out_dtype)
+    if split > 1:
+        cb = 32 if interp else 64
+        kern.combine_kernel[(triton_cdiv(m, cb), h)](
+            o,
+            lse,
+            out,
+            *o.stride(),
+            *lse.stride(),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            m,
+            split,
+            HEAD_D=d,
+            BLOCK_M=cb,
+        )
+    return out
