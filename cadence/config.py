@@ -191,6 +191,9 @@ class StreamConfig:
     kv_fp8: bool = False
     """Keep K/V in FP8 e4m3 (per token and head scales) and attend with the FP8 kernel (ring), or
     re-quantise the window every call (naive, to measure that cost)."""
+    attention: str = "auto"
+    """Ring cache: the kernel that reads it (``cadence.kernels.attention_backends``; set from
+    ``FastPath.attention``)."""
     sink_policy: str = "follow"
     """Where the sink sits as positions grow: 'follow' (kept `sink_distance` frames before the current
     chunk once the stream is long enough) or 'absolute' (at its own frames forever)."""

@@ -3,10 +3,12 @@
 Storage, per layer (one allocation per tensor for all layers, made once)::
 
     K       [L, H, N, D]     keys, already rotated at their positions
-    V       [L, H, N, D]     values (bf16 storage: the layout torch SDPA reads)
-    VT      [L, H, D, N]     values transposed (FP8 storage: the token axis is the contraction axis of
-                             P @ V, and Hopper's FP8 MMA wants it contiguous)
-    scales  [L, H, N]        float32, FP8 storage only: one per (token, head), value = stored * scale
+    V       [L, H, N, D]     values (bf16 storage; FP8 read by FlashAttention-3, which has no V^T)
+    VT      [L, H, D, N]     values transposed (FP8 read by the Triton kernel: the token axis is the
+                             contraction axis of P @ V, and Hopper's FP8 MMA wants it contiguous)
+    scales  [L, H, N]        float32, FP8 storage: one per (token, head), value = stored * scale
+            [L, H]           or one per (layer, head) for the backends that take no per-token scale
+                             (FA3's descales; 'triton_head'), set from the stream's first write
     rows    [0, S)           the sink (reference image); then k frame-sink slots (LongLive's frame
                              sink: the stream's first k chunks, written once, kept); then ring slot s
                              at S + (k+s)*T ... S + (k+s+1)*T; N = S + (k+W)*T rounded up to 128
@@ -16,6 +18,12 @@ Storage, per layer (one allocation per tensor for all layers, made once)::
   prefix *view* of the buffer; ``dtype="fp8"`` stores e4m3 with per-(token, head) scales (amax/448,
   clamped to +-448 before the cast: torch 2.11 turns overflow into NaN) and attends with the Triton
   FP8 flash-attention kernel (`cadence.kernels.ring_attention`), or its PyTorch reference on CPU.
+  **Which kernel reads the ring** is ``attention`` (``FastPath.attention``), resolved once at
+  construction (``cadence.kernels.attention_backends.plan``: the measured per-shape table for 'auto', one
+  log line for any fallback); the layout above follows it (V^T or V, per-token or per-head scales).
+  Per-head scales are HEAD_HEADROOM x the amax of the stream's first write (the image sink's pass; with
+  no sink, each layer's first committed chunk, decided on the device so a captured graph replays it
+  right) over 448: fixed while the stream lives, so every token in the buffer shares them.
   Per-(token, head) rather than per-(chunk, head): measured in ``tests/test_ring.py`` on RMS-normed
   keys with non-uniform channel gains and values with 1% x30 outlier tokens, the attention error is
   3.9% (keys) / 4.6% (K and V) per token against 9.8% / 10.3% per chunk, for 4 bytes per 128-byte
@@ -57,12 +65,15 @@ drifts ever further from the newest chunk, a geometry the model never saw in tra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.nn.functional as F
 
 from cadence.cache.base import CacheShape, SelfAttentionCache
+from cadence.kernels import attention_backends as ab
+from cadence.kernels import fa3_adapter
 from cadence.kernels import ring_attention as ra
 from cadence.model.rope import Rope3D
 from cadence.telemetry.spans import region
@@ -98,6 +109,15 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[..., None]
 
 
+def _sdpa_backend(backend: str):
+    """torch SDPA pinned to cuDNN for the 'cudnn' backend; the default dispatch otherwise."""
+    if backend != "cudnn":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+
 class RingCache(SelfAttentionCache):
     """[sink | ring of W chunk slots] K/V per layer; RoPE (and FP8) once at write; read in place."""
 
@@ -118,6 +138,7 @@ class RingCache(SelfAttentionCache):
         sink_distance: int | None = None,
         use_triton: bool | None = None,
         frame_sink_chunks: int = 0,
+        attention: str = "auto",
     ):
         if dtype not in STORAGE:
             raise ValueError(f"dtype must be one of {STORAGE}, got {dtype!r}")
@@ -149,7 +170,7 @@ class RingCache(SelfAttentionCache):
         N = (self.rows + ALIGN - 1) // ALIGN * ALIGN if fp8 else self.rows
         dev, L, H, D = self.device, num_layers, heads, head_dim
         store = FP8_DTYPE if fp8 else model_dtype
-        # Triton kernels when they can run here (CUDA, or the interpreter when forced)
+        # Triton write kernels when they can run here (CUDA, or the interpreter when forced)
         ok, why = ra.triton_usable(self.device, head_dim, allow_interpreter=bool(use_triton))
         self.use_triton = ok if use_triton is None else (use_triton and ok)
         if not self.use_triton:  # expected on the CPU (INFO); on CUDA a missing fast path is a WARNING
@@ -158,15 +179,15 @@ class RingCache(SelfAttentionCache):
                 f"ring cache: using the PyTorch reference path ({why or 'requested'})",
                 logging.WARNING if self.device.type == "cuda" else logging.INFO,
             )
+        self.plan = self._plan(attention, use_triton, model_dtype)
+        v_t, head = self.plan.v_transposed, self.plan.scales == "head"
         # ---- the store, allocated once, zeroed (unused rows must hold finite values) ----
         self.k = torch.zeros(L, H, N, D, dtype=store, device=dev)
-        self.v = (
-            torch.zeros(L, H, D, N, dtype=store, device=dev)
-            if fp8
-            else torch.zeros(L, H, N, D, dtype=store, device=dev)
-        )
-        self.k_scale = torch.ones(L, H, N, dtype=torch.float32, device=dev)
-        self.v_scale = torch.ones(L, H, N, dtype=torch.float32, device=dev)
+        self.v = torch.zeros((L, H, D, N) if v_t else (L, H, N, D), dtype=store, device=dev)
+        self.k_scale = torch.ones((L, H) if head else (L, H, N), dtype=torch.float32, device=dev)
+        self.v_scale = torch.ones((L, H) if head else (L, H, N), dtype=torch.float32, device=dev)
+        # per-head scales without an image sink: set by each layer's first committed chunk (device flag)
+        self.scales_frozen = torch.zeros(L, dtype=torch.bool, device=dev)
         self.sink_raw = (
             torch.zeros(L, S, H, D, dtype=model_dtype, device=dev) if sink_policy == "follow" and S else None
         )
@@ -183,10 +204,30 @@ class RingCache(SelfAttentionCache):
         self.sin = torch.zeros(m, half, device=dev)
         self.sink_cos = torch.zeros(max(S, 1), half, device=dev)
         self.sink_sin = torch.zeros(max(S, 1), half, device=dev)
-        # scratch for the rotated (FP8) queries of the Triton path
+        # scratch for the rotated (FP8) queries of the Triton path; FA3 takes one query scale per head
         self.q_rot = torch.zeros(H, m, D, dtype=store, device=dev)
         self.q_scale = torch.ones(H, m, dtype=torch.float32, device=dev)
+        self.q_head_scale = torch.ones(H, dtype=torch.float32, device=dev)
         self.reset()
+
+    def _plan(self, attention: str, use_triton: bool | None, model_dtype: torch.dtype):
+        """The attention backend and the layout it reads (``use_triton=False``: the reference path)."""
+        fp8 = self.storage == "fp8"
+        if use_triton is False:
+            backend = "reference" if fp8 else "sdpa"
+            v_t, scales, _ = ab.layout(backend, self.storage)
+            return ab.AttentionPlan(backend, self.storage, v_t, scales, False, {}, "use_triton=False")
+        return ab.plan(
+            attention,
+            self.device,
+            heads=self.heads,
+            q_tokens=self.tokens_per_chunk,
+            kv_tokens=self.rows,
+            head_dim=self.head_dim,
+            fp8=fp8,
+            interpreter=bool(use_triton),
+            float_dtype=model_dtype,
+        )
 
     @classmethod
     def from_config(
@@ -197,7 +238,9 @@ class RingCache(SelfAttentionCache):
         sink_policy: str = "follow",
         sink_distance: int | None = None,
         use_triton: bool | None = None,
+        attention: str | None = None,
     ) -> RingCache:
+        """The ring for ``cfg`` and this (rank's) model; ``attention`` defaults to ``cfg.stream.attention``."""
         m, s = cfg.model, cfg.stream
         heads = model.blocks[0].self_attn.heads  # heads of this rank under tensor parallelism
         return cls(
@@ -216,6 +259,7 @@ class RingCache(SelfAttentionCache):
             sink_distance=sink_distance,
             use_triton=use_triton,
             frame_sink_chunks=getattr(s, "frame_sink_chunks", 0),
+            attention=attention or getattr(s, "attention", "auto"),
         )
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -229,16 +273,17 @@ class RingCache(SelfAttentionCache):
         self._sink_start = 0
         self._sink_pos: int | None = None  # where the sink's stored keys are rotated now
         self._has_sink = False
+        self.scales_frozen.zero_()  # per-head scales (no sink): the new stream's first chunk sets them
 
     @property
     def length_on_device(self) -> bool:
-        """True when a chunk step's launches do not depend on how full the ring is: the FP8 Triton
-        path reads the visible length from ``n_valid`` (device) inside the attention kernel, and every
+        """True when a chunk step's launches do not depend on how full the ring is: the Triton and FA3
+        backends read the visible length from ``n_valid`` (device) inside the attention kernel, and every
         other per-chunk quantity (write rows, RoPE tables, sink rotation) is a device buffer updated in
         ``begin_chunk``, outside the step. Then one captured graph serves the ring-filling chunks as
-        well as the steady ones (``cadence.runtime.graphs.step_key``). The bf16 path slices its SDPA
-        prefix with a host int (``_n_visible``): each fill stage is its own shape there."""
-        return self.storage == "fp8" and self.use_triton
+        well as the steady ones (``cadence.runtime.graphs.step_key``). Torch SDPA (and the reference)
+        slice a prefix with a host int (``_n_visible``): each fill stage is its own shape there."""
+        return self.plan.length_on_device
 
     def step_shape(self) -> CacheShape:
         """The current chunk's shape state (after ``begin_chunk``): with the length read on the device
@@ -310,26 +355,48 @@ class RingCache(SelfAttentionCache):
             self._store_k(layer, self.sink_raw[layer], self.sink_cos, self.sink_sin, self.zero)
 
     # ---- writes ---------------------------------------------------------------------------------
+    @property
+    def _head_scales(self) -> bool:
+        return self.plan.scales == "head"
+
     def _store_k(self, layer: int, k: torch.Tensor, cos, sin, row0) -> None:
         """k [n, H, D] un-rotated -> rotated (quantised) into rows row0.. of layer's K."""
         if self.use_triton:
             ra.rope_quant_write(k, cos, sin, self.k[layer], self.k_scale[layer], row0)
             return
-        vals, scale = ra.rope_quant_reference(k, cos, sin, self.storage == "fp8", self.k.dtype)
+        hs = self.k_scale[layer] if self._head_scales else None
+        vals, scale = ra.rope_quant_reference(k, cos, sin, self.storage == "fp8", self.k.dtype, hs)
         self._index_copy(self.k[layer], 1, row0, vals, k.shape[0])
-        self._index_copy(self.k_scale[layer], 1, row0, scale, k.shape[0])
+        if hs is None:
+            self._index_copy(self.k_scale[layer], 1, row0, scale, k.shape[0])
 
     def _store_v(self, layer: int, v: torch.Tensor, row0) -> None:
-        fp8 = self.storage == "fp8"
+        fp8, v_t = self.storage == "fp8", self.plan.v_transposed
         if self.use_triton:
-            ra.rope_quant_write(v, None, None, self.v[layer], self.v_scale[layer], row0, transpose_out=fp8)
+            ra.rope_quant_write(v, None, None, self.v[layer], self.v_scale[layer], row0, transpose_out=v_t)
             return
-        vals, scale = ra.rope_quant_reference(v, None, None, fp8, self.v.dtype)
-        if fp8:
+        hs = self.v_scale[layer] if self._head_scales else None
+        vals, scale = ra.rope_quant_reference(v, None, None, fp8, self.v.dtype, hs)
+        if v_t:
             self._index_copy(self.v[layer], 2, row0, vals.transpose(1, 2), v.shape[0])
         else:
             self._index_copy(self.v[layer], 1, row0, vals, v.shape[0])
-        self._index_copy(self.v_scale[layer], 1, row0, scale, v.shape[0])
+        if hs is None:
+            self._index_copy(self.v_scale[layer], 1, row0, scale, v.shape[0])
+
+    def _set_head_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor, is_sink: bool) -> None:
+        """Per-head K/V scales from this write: always at the image sink; without a sink, only while the
+        layer's flag says no chunk has committed yet (a device-side choice, so a graph captured at any
+        chunk replays it right)."""
+        f = ra.HEAD_HEADROOM / ra.FP8_MAX
+        ks = ra.head_amax_bound(k, rotate=True).clamp_min_(1e-12).mul_(f)
+        vs = ra.head_amax_bound(v, rotate=False).clamp_min_(1e-12).mul_(f)
+        if not is_sink:
+            frozen = self.scales_frozen[layer]
+            ks = torch.where(frozen, self.k_scale[layer], ks)
+            vs = torch.where(frozen, self.v_scale[layer], vs)
+        self.k_scale[layer].copy_(ks)
+        self.v_scale[layer].copy_(vs)
 
     def _index_copy(self, dst: torch.Tensor, dim: int, row0: torch.Tensor, src: torch.Tensor, n: int) -> None:
         rows = (
@@ -351,64 +418,73 @@ class RingCache(SelfAttentionCache):
         its slot (the sink rows for the sink) first, then attends over the visible prefix."""
         is_sink = self.cur[2]
         m = q.shape[1]
-        cos, sin = self.cos[:m], self.sin[:m]
-        row0 = self.zero if is_sink else self.row0
-        fp8 = self.storage == "fp8"
         with region("cache"):
             if is_sink and self.sink_raw is not None and commit:
                 self.sink_raw[layer].copy_(k[0])
                 self._has_sink = True
-            if self.use_triton:  # one fused launch: q rotated (+quantised) to scratch, k and v into the ring
-                ra.qkv_write(
-                    q[0],
-                    k[0],
-                    v[0],
-                    cos,
-                    sin,
-                    self.q_rot,
-                    self.q_scale,
-                    self.k[layer],
-                    self.k_scale[layer],
-                    self.v[layer],
-                    self.v_scale[layer],
-                    self.zero,
-                    row0,
-                    fp8,
-                )
-                qr, qs = self.q_rot[:, :m], self.q_scale[:, :m]
-            else:
-                self._store_k(layer, k[0], cos, sin, row0)
-                self._store_v(layer, v[0], row0)
-                qr, qs = ra.rope_quant_reference(q[0], cos, sin, fp8, self.q_rot.dtype)
+            qr, qs = self._write(layer, q[0], k[0], v[0], is_sink, commit)
         with region("attention"):
-            if fp8:
-                if self.use_triton:
-                    out = ra.ring_attention(
-                        qr,
-                        qs,
-                        self.k[layer],
-                        self.k_scale[layer],
-                        self.v[layer],
-                        self.v_scale[layer],
-                        self.n_valid,
-                        out_dtype=q.dtype,
-                    )
-                else:
-                    out = ra.ring_attention_reference(
-                        qr,
-                        qs,
-                        self.k[layer],
-                        self.k_scale[layer],
-                        self.v[layer],
-                        self.v_scale[layer],
-                        self._n_visible(),
-                    ).to(q.dtype)
-                return out.reshape(1, m, -1)
-            n = self._n_visible()
-            o = F.scaled_dot_product_attention(
-                qr[None], self.k[layer, :, :n][None], self.v[layer, :, :n][None]
+            return self._attention(layer, qr, qs, m, q.dtype).reshape(1, m, -1)
+
+    def _write(self, layer: int, q, k, v, is_sink: bool, commit: bool):
+        """The pass's writes: q rotated (quantised) into the scratch, k and v into the ring rows (one
+        fused launch on the Triton path). Returns the attention's (queries, query scales)."""
+        m = q.shape[0]
+        cos, sin = self.cos[:m], self.sin[:m]
+        row0 = self.zero if is_sink else self.row0
+        fp8 = self.storage == "fp8"
+        head = self._head_scales
+        if head and (is_sink or not self.sink_tokens):
+            self._set_head_scales(layer, k, v, is_sink)
+        fa3_q = fp8 and self.plan.backend == "fa3"  # FA3: one query descale per head, this pass's
+        if fa3_q:
+            bound = ra.head_amax_bound(q, rotate=True)
+            torch.mul(bound.clamp_min_(1e-12), 1.0 / ra.FP8_MAX, out=self.q_head_scale)
+        q_scale = self.q_head_scale if fa3_q else self.q_scale
+        if self.use_triton:
+            ra.qkv_write(
+                q, k, v, cos, sin, self.q_rot, q_scale, self.k[layer], self.k_scale[layer],
+                self.v[layer], self.v_scale[layer], self.zero, row0, self.plan.v_transposed,
+            )  # fmt: skip
+            qr, qs = self.q_rot[:, :m], (self.q_head_scale if fa3_q else self.q_scale[:, :m])
+        else:
+            self._store_k(layer, k, cos, sin, row0)
+            self._store_v(layer, v, row0)
+            qr, qs = ra.rope_quant_reference(q, cos, sin, fp8, self.q_rot.dtype, q_scale if fa3_q else None)
+            if fa3_q:
+                qs = self.q_head_scale
+        if head and commit and not self.sink_tokens:
+            self.scales_frozen[layer].fill_(True)
+        return qr, qs
+
+    def _attention(self, layer: int, qr, qs, m: int, dtype: torch.dtype) -> torch.Tensor:
+        """[M, H, D] (or [1, M, H, D]) in ``dtype`` from the plan's backend over the visible keys."""
+        p, k, v = self.plan, self.k[layer], self.v[layer]
+        if p.backend in ("triton", "triton_head"):
+            ks, vs = self.k_scale[layer], self.v_scale[layer]
+            return ra.ring_attention(
+                qr, qs, k, ks, v, vs, self.n_valid, v_transposed=p.v_transposed, out_dtype=dtype, **p.config
             )
-            return o[0].transpose(0, 1).reshape(1, m, -1)
+        if p.backend == "fa3":
+            fp8 = self.storage == "fp8"
+            out = fa3_adapter.attend(
+                qr,
+                k,
+                v,
+                self.n_valid,
+                q_descale=qs if fp8 else None,
+                k_descale=self.k_scale[layer] if fp8 else None,
+                v_descale=self.v_scale[layer] if fp8 else None,
+                num_splits=p.config.get("num_splits", 0),
+            )
+            return out if out.dtype == dtype else out.to(dtype)
+        n = self._n_visible()
+        if p.backend == "reference":
+            ks, vs = self.k_scale[layer], self.v_scale[layer]
+            return ra.ring_attention_reference(qr, qs, k, ks, v, vs, n, v_transposed=p.v_transposed).to(dtype)
+        with _sdpa_backend(p.backend):
+            o = F.scaled_dot_product_attention(qr[None], k[:, :n][None], v[:, :n][None])
+        return o[0].transpose(0, 1)
 
     # ---- the prompt-switch re-cache (cadence.cache.recache) ---------------------------------------
     def kept_kv(self, layer: int, frame_sink: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -419,11 +495,15 @@ class RingCache(SelfAttentionCache):
         )
         if n == 0:
             return None
+        vv = self.v[layer, :, :, :n].transpose(1, 2) if self.plan.v_transposed else self.v[layer, :, :n]
         if self.storage == "fp8":
-            k = dequantize_fp8(self.k[layer, :, :n], self.k_scale[layer, :, :n])
-            v = dequantize_fp8(self.v[layer, :, :, :n].transpose(1, 2), self.v_scale[layer, :, :n])
+            ks, vs = self.k_scale[layer], self.v_scale[layer]
+            k = dequantize_fp8(
+                self.k[layer, :, :n], ks[:, None].expand(-1, n) if ks.dim() == 1 else ks[:, :n]
+            )
+            v = dequantize_fp8(vv, vs[:, None].expand(-1, n) if vs.dim() == 1 else vs[:, :n])
         else:
-            k, v = self.k[layer, :, :n], self.v[layer, :, :n]
+            k, v = self.k[layer, :, :n], vv
         return (k.transpose(0, 1)[None].to(self.model_dtype), v.transpose(0, 1)[None].to(self.model_dtype))
 
     def rewrite(self, layer: int, sink: list[tuple], window: list[tuple]) -> None:
@@ -446,6 +526,8 @@ class RingCache(SelfAttentionCache):
         ts = [self.k, self.v, self.q_rot]
         if self.storage == "fp8":
             ts += [self.k_scale, self.v_scale, self.q_scale]
+            if self.plan.backend == "fa3":
+                ts.append(self.q_head_scale)
         if self.sink_raw is not None:
             ts.append(self.sink_raw)
         return sum(t.numel() * t.element_size() for t in ts)

@@ -67,6 +67,8 @@ def engine_config(cfg: CadenceConfig, fast: FastPath, device: torch.device | Non
         stream.update(cache="ring", kv_fp8=True)
     if fast.graphs and cfg.stream.cache != "ring":
         stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
+    if fast.attention != "auto":
+        stream["attention"] = fast.attention  # the ring's kernel (cadence.kernels.attention_backends)
     if stream:
         cfg = cfg.with_overrides(stream=stream)
     decoder = fast.decoder or choose_decoder(cfg, device or torch.device("cpu"))

@@ -28,6 +28,8 @@ DECODERS = ("standin", "wan", "taehv")
 #: The Wan decoder's fast paths (``cadence.runtime.vae_fast.MODES``; torch-free copy).
 DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
+#: The ring cache's attention backends (``cadence.kernels.attention_backends.BACKENDS``; torch-free copy).
+ATTENTION = ("auto", "sdpa", "cudnn", "triton", "triton_head", "fa3")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,12 @@ class FastPath:
     decoder has one; a compile that fails falls back to eager with one log line."""
     comm: str = "auto"
     """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""
+    attention: str = "auto"
+    """The kernel that reads the ring cache ('auto' = the fastest measured at the shape that runs here,
+    ``cadence/kernels/attention_table.json``): 'sdpa' (torch SDPA, bf16 K/V), 'cudnn' (torch SDPA's cuDNN
+    backend), 'triton' (Cadence's kernel: bf16, or FP8 with per-token scales), 'triton_head' (the same, FP8
+    with per-head scales), 'fa3' (FlashAttention-3 from the optional fa3-fwd wheel, ``cadence[fa3]``; FP8
+    with per-head scales). One that cannot run falls back with one log line. CUDA only except 'sdpa'."""
     threads: int = 0
     """CPU: torch intra-op threads for the diffusion and decode threads. 0 = chosen at warm-up (the
     engine times 1 and 2 threads and keeps the faster sustained rate; ``Engine.warm_up``)."""
@@ -87,6 +95,9 @@ class FastPath:
                 notes.append(f"capture_filling: needs CUDA graphs ({why}): off")
             else:
                 kw["capture_filling"] = True
+        if self.attention not in ("auto", "sdpa") and not cuda:
+            notes.append(f"attention: {self.attention} needs a CUDA worker (this one runs on {device}): auto")
+            kw["attention"] = "auto"
         kw["dtype"] = self.dtype or ("bfloat16" if cuda else "float32")
         kw["decoder_fast"] = self.decoder_fast or ("compile" if cuda else "off")
         return dataclasses.replace(self, **kw), notes
@@ -102,6 +113,8 @@ class FastPath:
             )
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)

@@ -662,7 +662,9 @@ def combine_kernel(
         w = tl.math.exp2(lse - mx)
         den += w
         o = tl.load(
-            PART + s * sos + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=mm[:, None], other=0.0
+            PART + s * sos + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
+            mask=mm[:, None],
+            other=0.0,
         )
         acc += o * w[:, None]
     out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
