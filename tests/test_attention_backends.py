@@ -133,7 +133,12 @@ SHAPE = dict(heads=HEADS, q_tokens=6, kv_tokens=24, head_dim=HEAD_DIM)
 
 def test_cpu_defaults_and_unknown_name():
     p8 = ab.plan("auto", CPU, fp8=True, **SHAPE)
-    assert (p8.backend, p8.v_transposed, p8.scales, p8.length_on_device) == ("reference", True, "token", False)
+    assert (p8.backend, p8.v_transposed, p8.scales, p8.length_on_device) == (
+        "reference",
+        True,
+        "token",
+        False,
+    )
     p16 = ab.plan("auto", CPU, fp8=False, **SHAPE)
     assert (p16.backend, p16.v_transposed, p16.length_on_device) == ("sdpa", False, False)
     with pytest.raises(ValueError, match="attention must be one of"):
@@ -295,7 +300,9 @@ def test_head_scale_granularity():
             ref = att(q, k, v)
             res[(data, "token")] += rel(att(tok(q), tok(k), tok(v)), ref) / 3
             res[(data, "head")] += rel(att(tok(q), head(k, k[:T]), head(v, v[:T])), ref) / 3
-    print("\nFP8 attention rel err, per-token / per-head K/V scales:", {k: round(v, 4) for k, v in res.items()})
+    print(
+        "\nFP8 attention rel err, per-token / per-head K/V scales:", {k: round(v, 4) for k, v in res.items()}
+    )
     assert res[("normal", "head")] < 1.2 * res[("normal", "token")] < 0.06
     assert res[("gains", "token")] < 0.06 and res[("gains", "head")] < 0.25
     assert res[("gains", "head")] > 2 * res[("gains", "token")]  # the measured cost, stated above

@@ -238,7 +238,9 @@ def test_ring_attention_variants_float32_exact(variant):
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(), dict(split=3), dict(dual=True), dict(pv_bf16=True)], ids=["plain", "split3", "dual", "pv-bf16"]
+    "variant",
+    [dict(), dict(split=3), dict(dual=True), dict(pv_bf16=True)],
+    ids=["plain", "split3", "dual", "pv-bf16"],
 )
 def test_ring_attention_head_scales_within_budget(variant):
     """Per-head K/V scales (headroom 16, per-token q): against the float32 attention of the unquantised
