@@ -1,217 +1,621 @@
-"""Attention at the serving shapes: torch SDPA backends (bf16) vs Cadence's ring kernel (FP8 / bf16).
+"""`cadence bench attention`: every attention kernel at a serving shape, in one process, on the same inputs.
 
-One query chunk (tokens_per_chunk queries) over the full window (kv_tokens keys), heads/tp heads,
-head_dim 128 at the real presets. Every variant sees the same random q/k/v; errors are relative L2
-against a float32 reference computed from the unquantised inputs. Used by `cadence bench cache`.
+    cadence bench attention --preset w57 --tp 4            # one shape, each backend's default config
+    cadence bench attention --preset w1.3 --sweep          # + the Triton config space and FA3's num_splits
+    cadence bench attention --all-shapes --sweep --check --ring-check --table-out T.json   # the device plan
+    cadence bench attention --table-from A.json B.json --table-out cadence/kernels/attention_table.json
+
+Shape: one chunk of queries (``tokens_per_chunk``) over the full window (``kv_tokens``), heads / tp, the
+preset's head dim. Inputs: q, k, v ~ N(0, 1), one seed; the reference is float64 attention of those
+unquantised inputs, and every variant's relative L2 error is against it. Each variant reads its inputs in
+the layout the ring stores for its backend (``cadence.kernels.attention_backends``), written by the ring's
+own write kernel:
+
+* ``sdpa_cudnn_bf16`` (the bar: every speedup is against it, same run), ``sdpa_flash_bf16``, ``sdpa_default_bf16``;
+* ``triton_fp8`` (per-token scales, V^T), ``triton_head_fp8`` (per-head scales), ``triton_bf16`` (V [H, N, D]):
+  default config, or with ``--sweep`` block shapes x warps x stages x key splits and the dual / pv_bf16 / ws
+  variants (``cadence.kernels.ring_attention``);
+* ``fa3_fp8`` (per-head descales, V [H, N, D], the length on the device) x num_splits, ``fa3_bf16``, and
+  ``fa3_fp8_fixed`` (no seqused_k: what reading the length costs), when fa3-fwd imports;
+* ``cudnn_fp8``: cuDNN's own FP8 SDPA (cudnn frontend; per-tensor scales, FP8 output on Hopper, dequantised
+  for the error), when the frontend imports. Not a ring backend: measured for comparison.
+
+Each row: median ms (CUDA events), TFLOP/s (4 M N D H / t), speedup vs cuDNN bf16, relative error. A variant
+that fails to compile or run is reported and skipped. ``--check``: every variant within its budget
+(:data:`BUDGET`) or exit 1. ``--ring-check``: a RingCache per backend (1 layer, window 3, the shape's heads
+and tokens) against the naive float32 cache, end to end. JSON (BENCHMARKS.md) under <out>/attention/.
 """
 
 from __future__ import annotations
 
-import functools
+import argparse
+import json
+import math
+import shlex
 import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from cadence.bench.common import Timer, median
+from cadence.bench.common import Timer, git_commit, median, print_table, record
+from cadence.bench.results import add_record_flags, results_dir
+from cadence.kernels import attention_backends as ab
+from cadence.kernels import fa3_adapter
 from cadence.kernels import ring_attention as ra
+
+#: The serving shapes of the device plan: (preset, tp).
+SHAPES = (("w1.3", 1), ("w57", 4), ("w14", 2), ("w57", 2), ("w57", 1), ("w14", 1))
+#: Relative-error budget per storage against the float64 reference on N(0, 1) inputs: bf16 rounding
+#: (measured 0.37% for cuDNN), e4m3 on q, k, v and P (measured ~5.3%), cuDNN FP8 (+ its FP8 output, ~7%).
+#: Under TRITON_INTERPRET=1 (CPU smoke runs) the kernel's FP8 casts truncate: ~11-14% at the tiny preset.
+BUDGET = {"bf16": 0.01, "fp8": 0.2 if ra.interpreting() else 0.08, "cudnn_fp8": 0.15}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def sdpa_backends():
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # pragma: no cover
-        return {}
-    return {
-        "cudnn": (sdpa_kernel, SDPBackend.CUDNN_ATTENTION),
-        "flash": (sdpa_kernel, SDPBackend.FLASH_ATTENTION),
-        "efficient": (sdpa_kernel, SDPBackend.EFFICIENT_ATTENTION),
-    }
+@dataclass
+class Inputs:
+    q: torch.Tensor  # [M, H, D] float32
+    k: torch.Tensor  # [N, H, D]
+    v: torch.Tensor
+    ref: torch.Tensor  # [M, H, D] float32 (computed in float64)
+    flops: float
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        m, h, d = self.q.shape
+        return h, m, self.k.shape[0], d
 
 
-def kernel_configs(device: torch.device, mode: str) -> list[dict]:
-    """Block shapes to try (chosen from a first sweep on an H200; docs/perf/cache/NOTES.md)."""
-    if device.type != "cuda":
-        return [dict(block_m=32, block_n=32, num_warps=None, num_stages=None)]
-    shapes = (
-        [
-            (64, 128, 4, 3),
-            (64, 128, 4, 2),
-            (128, 128, 8, 3),
-            (128, 64, 4, 3),
-            (64, 256, 4, 2),
-            (128, 256, 8, 2),
-        ]
-        if mode == "fp8"
-        else [(128, 128, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3)]
-    )
-    return [dict(block_m=a, block_n=b, num_warps=w, num_stages=st) for a, b, w, st in shapes]
-
-
-@torch.no_grad()
-def attention_bench(
-    heads: int,
-    m: int,
-    n: int,
-    d: int,
-    device: torch.device,
-    iters: int = 30,
-    splits=(1, 2),
-    seed: int = 0,
-    log=print,
-) -> dict:
-    """Time each variant; returns {variant: {ms, tflops, rel_err}} plus best picks."""
+def make_inputs(heads: int, m: int, n: int, d: int, device: torch.device, seed: int = 0) -> Inputs:
     g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(m, heads, d, generator=g, device=device)
-    k = torch.randn(n, heads, d, generator=g, device=device)
-    v = torch.randn(n, heads, d, generator=g, device=device)
-    flops = 4.0 * m * n * d * heads
-    timer = Timer(device)
-    res: dict[str, dict] = {}
-
-    # float32 reference from unquantised inputs (chunked over heads to bound memory)
+    q, k, v = (torch.randn(s, heads, d, generator=g, device=device) for s in (m, n, n))
     ref = torch.empty(m, heads, d, device=device)
-    for h0 in range(0, heads, 8):
-        sl = slice(h0, h0 + 8)
-        ref[:, sl] = (
-            F.scaled_dot_product_attention(
-                q[:, sl].transpose(0, 1)[None].double(),
-                k[:, sl].transpose(0, 1)[None].double(),
-                v[:, sl].transpose(0, 1)[None].double(),
-            )[0]
-            .transpose(0, 1)
-            .float()
+    step = 4 if device.type == "cuda" else heads  # bounds the float64 score matrix
+    for h0 in range(0, heads, step):
+        sl = slice(h0, h0 + step)
+        qs, ks, vs = (x[:, sl].transpose(0, 1).double() for x in (q, k, v))
+        ref[:, sl] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1).float()
+    return Inputs(q, k, v, ref, 4.0 * m * n * d * heads)
+
+
+def ring_buffers(
+    inp: Inputs, storage: str, v_transposed: bool, scales: str, q_per_head: bool = False
+) -> dict:
+    """The buffers a ring of this layout holds for these inputs, written by the ring's write kernel (the
+    PyTorch reference where Triton cannot run): Q [H, M, D] + scales, K [H, N_alloc, D], V^T or V."""
+    h, m, n, d = inp.shape
+    dev = inp.q.device
+    fp8 = storage == "fp8"
+    dt = ra.FP8 if fp8 else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    n_alloc = (n + 127) // 128 * 128 if fp8 else n
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    Q = torch.zeros(h, m, d, device=dev, dtype=dt)
+    K = torch.zeros(h, n_alloc, d, device=dev, dtype=dt)
+    V = torch.zeros((h, d, n_alloc) if v_transposed else (h, n_alloc, d), device=dev, dtype=dt)
+    f = ra.HEAD_HEADROOM / ra.FP8_MAX
+    QS = (ra.head_amax_bound(inp.q, False) / ra.FP8_MAX) if q_per_head else torch.ones(h, m, device=dev)
+    KS = ra.head_amax_bound(inp.k, False) * f if scales == "head" else torch.ones(h, n_alloc, device=dev)
+    VS = ra.head_amax_bound(inp.v, False) * f if scales == "head" else torch.ones(h, n_alloc, device=dev)
+    for x, out, s, tr in ((inp.q, Q, QS, False), (inp.k, K, KS, False), (inp.v, V, VS, v_transposed)):
+        if ra.triton_usable(dev, d, allow_interpreter=True)[0]:
+            ra.rope_quant_write(x, None, None, out, s, zero, transpose_out=tr)
+            continue
+        vals, sc = ra.rope_quant_reference(x, None, None, fp8, dt, s if s.dim() == 1 else None)
+        (out.transpose(1, 2) if tr else out)[:, : x.shape[0]] = vals
+        if s.dim() == 2:
+            s[:, : x.shape[0]] = sc
+    nv = torch.tensor([n], dtype=torch.int32, device=dev)
+    return dict(q=Q, qs=QS, k=K, ks=KS, v=V, vs=VS, n_valid=nv, n=n)
+
+
+@dataclass
+class Variant:
+    name: str  # unique row name
+    family: str  # sdpa_cudnn_bf16, triton_fp8, fa3_fp8, ... (best-of group)
+    storage: str  # budget key
+    fn: Callable[[], torch.Tensor]  # returns [M, H, D] (or [1, M, H, D]) comparable to the reference
+    config: dict
+
+
+# ---- the variants -----------------------------------------------------------------------------------------
+def sdpa_variants(inp: Inputs, device: torch.device) -> Iterator[Variant]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    qb, kb, vb = (x.transpose(0, 1)[None].to(dt).contiguous() for x in (inp.q, inp.k, inp.v))
+
+    def call(backend=None):
+        if backend is None:
+            return F.scaled_dot_product_attention(qb, kb, vb)[0].transpose(0, 1)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qb, kb, vb)[0].transpose(0, 1)
+
+    if device.type == "cuda":
+        yield Variant(
+            "sdpa_cudnn_bf16", "sdpa_cudnn_bf16", "bf16", lambda: call(SDPBackend.CUDNN_ATTENTION), {}
+        )
+        yield Variant(
+            "sdpa_flash_bf16", "sdpa_flash_bf16", "bf16", lambda: call(SDPBackend.FLASH_ATTENTION), {}
+        )
+    yield Variant("sdpa_default_bf16", "sdpa_default_bf16", "bf16", call, {})
+
+
+def triton_configs(device: torch.device, family: str, ctas: int, sweep: bool) -> list[dict]:
+    """The Triton config space (block_m, block_n, warps, stages) x splits x variants; one config off the GPU."""
+    if device.type != "cuda":
+        return [dict(split=1), dict(split=2), dict(dual=True)] if sweep else [dict()]
+    if family == "triton_bf16":
+        base = [(128, 128, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3)]
+    elif family == "triton_head_fp8":
+        base = [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)]
+    else:
+        base = [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)]
+    if not sweep:
+        base = base[:1]
+    # key splits only where the grid leaves SMs idle (~132 SMs x 2-3 resident programs on an H200)
+    splits = (1, 2, 3, 4, 6) if sweep and ctas < 3 * 132 else ((1, 2) if sweep else (1,))
+    out = [
+        dict(block_m=a, block_n=b, num_warps=w, num_stages=s, split=x) for a, b, w, s in base for x in splits
+    ]
+    if sweep and family != "triton_bf16":
+        out += [
+            dict(block_m=64, block_n=b, num_warps=4, num_stages=2, dual=True, split=x)
+            for b in (64, 128)
+            for x in (1, 2, 4)
+        ]
+        out += [
+            dict(block_m=64, block_n=128, num_warps=4, num_stages=3, split=x, **v)
+            for v in (dict(pv_bf16=True), dict(ws=True))
+            for x in (1, 2)
+        ]
+    return out
+
+
+def config_name(cfg: dict) -> str:
+    """m64n128w4s3x2 (+dual, pvbf16, ws): block_m, block_n, warps, stages, key splits, variants."""
+    keys = (("block_m", "m"), ("block_n", "n"), ("num_warps", "w"), ("num_stages", "s"), ("split", "x"))
+    name = "".join(f"{t}{cfg[k]}" for k, t in keys if cfg.get(k) is not None) or "default"
+    return name + "".join(f"-{k.replace('_', '')}" for k in ("dual", "pv_bf16", "ws") if cfg.get(k))
+
+
+def triton_variants(inp: Inputs, device: torch.device, sweep: bool) -> Iterator[Variant]:
+    h, m, n, d = inp.shape
+    if not ra.triton_usable(device, d, allow_interpreter=True)[0]:
+        return
+    layouts = (("triton_fp8", "fp8", True, "token"), ("triton_head_fp8", "fp8", True, "head"))
+    layouts += (("triton_bf16", "bf16", False, "none"),)
+    out_dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for family, storage, v_t, scales in layouts:
+        b = ring_buffers(inp, storage, v_t, scales)
+        for cfg in triton_configs(device, family, -(-m // 64) * h, sweep):
+            name = family + "_" + config_name(cfg)
+
+            def fn(b=b, cfg=cfg, v_t=v_t):
+                return ra.ring_attention(
+                    b["q"],
+                    b["qs"],
+                    b["k"],
+                    b["ks"],
+                    b["v"],
+                    b["vs"],
+                    b["n_valid"],
+                    v_transposed=v_t,
+                    out_dtype=out_dt,
+                    **cfg,
+                )
+
+            yield Variant(name, family, storage, fn, cfg)
+
+
+def fa3_variants(inp: Inputs, device: torch.device, sweep: bool, log) -> Iterator[Variant]:
+    h, m, n, d = inp.shape
+    why = fa3_adapter.why_not(device, d, True)
+    if why:
+        log(f"  fa3: skipped ({why})")
+        return
+    mod = fa3_adapter.load()
+    b8 = ring_buffers(inp, "fp8", False, "head", q_per_head=True)
+    ds = dict(q_descale=b8["qs"], k_descale=b8["ks"], v_descale=b8["vs"])
+    for s in (0, 1, 2, 3, 4, 6) if sweep else (0,):
+        yield Variant(
+            f"fa3_fp8_s{s}",
+            "fa3_fp8",
+            "fp8",
+            lambda s=s: fa3_adapter.attend(b8["q"], b8["k"], b8["v"], b8["n_valid"], num_splits=s, **ds),
+            {"num_splits": s},
+        )
+    views = [fa3_adapter._view(x[:, :n]) for x in (b8["q"], b8["k"], b8["v"])]
+    d1 = {k: v.unsqueeze(0) for k, v in ds.items()}
+    yield Variant("fa3_fp8_fixed_s1", "fa3_fp8_fixed", "fp8", lambda: mod.flash_attn_func(*views, **d1), {})
+    b16 = ring_buffers(inp, "bf16", False, "none")
+    for s in (0, 1, 2) if sweep else (0,):
+        yield Variant(
+            f"fa3_bf16_s{s}",
+            "fa3_bf16",
+            "bf16",
+            lambda s=s: fa3_adapter.attend(b16["q"], b16["k"], b16["v"], b16["n_valid"], num_splits=s),
+            {"num_splits": s},
         )
 
-    qb, kb, vb = (x.transpose(0, 1)[None].to(torch.bfloat16).contiguous() for x in (q, k, v))
-    for name, (ctx, backend) in sdpa_backends().items():
-        if device.type != "cuda":
-            break
-        try:
-            with ctx(backend):
-                out = F.scaled_dot_product_attention(qb, kb, vb)
-                ts = timer.run(lambda: F.scaled_dot_product_attention(qb, kb, vb), 3, iters)
-        except RuntimeError as e:
-            log(f"  sdpa {name}: not available ({str(e).splitlines()[0][:80]})")
-            continue
-        res[f"sdpa_{name}_bf16"] = {
-            "ms": median(ts),
-            "tflops": flops / median(ts) / 1e9,
-            "rel_err": _rel(out[0].transpose(0, 1), ref),
-        }
-    # the call the model makes today (naive cache): [1, N, H, D] views, default backend
-    qv, kv_, vv = (x[None].to(torch.bfloat16) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(qv.transpose(1, 2), kv_.transpose(1, 2), vv.transpose(1, 2))
-    ts = timer.run(
-        lambda: F.scaled_dot_product_attention(qv.transpose(1, 2), kv_.transpose(1, 2), vv.transpose(1, 2)),
-        3,
-        iters,
-    )
-    res["sdpa_model_call_bf16"] = {
-        "ms": median(ts),
-        "tflops": flops / median(ts) / 1e9,
-        "rel_err": _rel(out[0].transpose(0, 1), ref),
-    }
 
-    ok, why = ra.triton_usable(device, d, allow_interpreter=True)
-    if not ok:
-        log(f"  ring kernel: skipped ({why})")
-        return res
-    n_valid = torch.tensor([n], dtype=torch.int32).to(device)
-    n_alloc = (n + 127) // 128 * 128  # the ring pads its buffers: TMA rows of vt must be 16-byte aligned
-    zero = torch.zeros(1, dtype=torch.int32, device=device)
-    for mode, dt in (("fp8", ra.FP8), ("bf16", torch.bfloat16)):
-        Q = torch.empty(heads, m, d, device=device, dtype=dt)
-        QS = torch.ones(heads, m, device=device)
-        K = torch.zeros(heads, n_alloc, d, device=device, dtype=dt)
-        KS = torch.ones(heads, n_alloc, device=device)
-        VT = torch.zeros(heads, d, n_alloc, device=device, dtype=dt)
-        VS = torch.ones(heads, n_alloc, device=device)
-        ra.rope_quant_write(q, None, None, Q, QS, zero)
-        ra.rope_quant_write(k, None, None, K, KS, zero)
-        ra.rope_quant_write(v, None, None, VT, VS, zero, transpose_out=True)
-        best = None
-        for cfg in kernel_configs(device, mode):
-            for split in splits:
-                key = f"ring_{mode}_m{cfg['block_m']}_n{cfg['block_n']}_w{cfg['num_warps']}_s{cfg['num_stages']}_x{split}"
-                try:
-                    call = functools.partial(
-                        ra.ring_attention, Q, QS, K, KS, VT, VS, n_valid, split=split, **cfg
-                    )
-                    out = call()
-                    ts = timer.run(call, 2, iters)
-                except Exception as e:  # a config the compiler rejects (e.g. shared memory) is skipped
-                    log(f"  {key}: failed ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
-                    continue
-                r = {
-                    "ms": median(ts),
-                    "tflops": flops / median(ts) / 1e9,
-                    "rel_err": _rel(out, ref),
-                    **cfg,
-                    "split": split,
-                }
-                res[key] = r
-                if best is None or r["ms"] < best[1]["ms"]:
-                    best = (key, r)
-                print(
-                    f"\r  {key}: {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s err {r['rel_err']:.4f}   ",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        print(file=sys.stderr)
-        if best:
-            res[f"best_ring_{mode}"] = {"variant": best[0], **best[1]}
+def cudnn_fp8_variant(inp: Inputs, device: torch.device, log) -> Iterator[Variant]:
+    """cuDNN's FP8 SDPA (cudnn frontend graph, built once): per-tensor descales of the per-head-scaled ring
+    buffers are not expressible, so the inputs are quantised per tensor here; P scaled by 256 into FP8,
+    O quantised by 448 / amax(V) (Hopper has FP8 output only) and dequantised for the error."""
+    if device.type != "cuda":
+        return
+    try:
+        import cudnn
+    except Exception as e:  # ImportError, or a frontend that cannot find its library
+        log(f"  cudnn_fp8: skipped (cudnn frontend not importable: {type(e).__name__})")
+        return
+    h, m, n, d = inp.shape
+    amax = [x.abs().amax() for x in (inp.q, inp.k, inp.v)]
+    q8, k8, v8 = (
+        (x / (a / ra.FP8_MAX)).transpose(0, 1).to(ra.FP8).contiguous()
+        for x, a in zip((inp.q, inp.k, inp.v), amax)
+    )
+    one = lambda x: x.reshape(1, 1, 1, 1).float().contiguous()  # noqa: E731
+    sc = dict(
+        dq=one(amax[0] / ra.FP8_MAX),
+        dk=one(amax[1] / ra.FP8_MAX),
+        dv=one(amax[2] / ra.FP8_MAX),
+        ds=one(torch.tensor(1 / 256.0, device=device)),
+        ss=one(torch.tensor(256.0, device=device)),
+        so=one(ra.FP8_MAX / amax[2]),
+    )
+    handle = cudnn.create_handle()
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+    tq, tk, tv = (
+        g.tensor(
+            name=nm,
+            dim=[1, h, x.shape[1], d],
+            stride=[h * x.shape[1] * d, x.shape[1] * d, d, 1],
+            data_type=e4m3,
+        )
+        for nm, x in (("q", q8), ("k", k8), ("v", v8))
+    )
+    ts = {k: g.tensor(name=k, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32) for k in sc}
+    o, _, amax_s, amax_o = g.sdpa_fp8(
+        q=tq,
+        k=tk,
+        v=tv,
+        descale_q=ts["dq"],
+        descale_k=ts["dk"],
+        descale_v=ts["dv"],
+        descale_s=ts["ds"],
+        scale_s=ts["ss"],
+        scale_o=ts["so"],
+        is_inference=True,
+        attn_scale=1.0 / math.sqrt(d),
+        use_causal_mask=False,
+    )
+    out = torch.empty(1, h, m, d, device=device, dtype=ra.FP8)
+    o.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride())).set_data_type(e4m3)
+    am = [torch.empty(1, 1, 1, 1, device=device) for _ in range(2)]
+    for t in (amax_s, amax_o):
+        t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+    except Exception as e:
+        log(f"  cudnn_fp8: not supported here ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+        return
+    ws = torch.empty(max(1, g.get_workspace_size()), device=device, dtype=torch.uint8)
+    binds = {tq: q8, tk: k8, tv: v8, o: out, amax_s: am[0], amax_o: am[1], **{ts[k]: sc[k] for k in sc}}
+
+    def fn():
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        g.execute(binds, ws, handle=handle)
+        return out
+
+    def dequant():
+        return fn()[0].transpose(0, 1).float() * (amax[2] / ra.FP8_MAX)
+
+    yield Variant("cudnn_fp8", "cudnn_fp8", "cudnn_fp8", fn, {"_error_fn": dequant})
+
+
+# ---- measuring --------------------------------------------------------------------------------------------
+def measure(var: Variant, inp: Inputs, timer: Timer, iters: int) -> dict:
+    err_fn = var.config.get("_error_fn", var.fn)
+    out = err_fn()
+    if out.dim() == 4:  # [1, M, H, D] (FA3)
+        out = out[0]
+    err = _rel(out, inp.ref)
+    ts = timer.run(var.fn, 2, iters)
+    ms = median(ts)
+    cfg = {k: v for k, v in var.config.items() if not k.startswith("_")}
+    return dict(
+        family=var.family, storage=var.storage, config=cfg, ms=ms, tflops=inp.flops / ms / 1e9, rel_err=err
+    )
+
+
+def run_shape(preset: str, tp: int, device: torch.device, args, log=print) -> dict:
+    """Every variant at one shape: {variants, best, failed, over_budget, shape}."""
+    from cadence.config import get_preset
+
+    cfg = get_preset(preset)
+    heads = cfg.model.num_heads // tp
+    m, n, d = cfg.tokens_per_chunk, cfg.kv_tokens, cfg.model.head_dim
+    log(f"[bench attention] {preset} tp{tp}: {heads} heads x {m} q x {n} kv, d {d}")
+    inp = make_inputs(heads, m, n, d, device, seed=args.seed)
+    timer, t0 = Timer(device), time.monotonic()
+    gens = [sdpa_variants(inp, device), triton_variants(inp, device, args.sweep)]
+    gens += [fa3_variants(inp, device, args.sweep, log), cudnn_fp8_variant(inp, device, log)]
+    res: dict = {"variants": {}, "failed": {}, "skipped_for_time": 0}
+    for var in (v for gen in gens for v in gen):
+        if time.monotonic() - t0 > args.shape_budget_s:
+            res["skipped_for_time"] += 1
+            continue
+        try:
+            res["variants"][var.name] = r = measure(var, inp, timer, args.iters)
+        except Exception as e:  # a config the compiler rejects, a library that refuses the shape
+            res["failed"][var.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            log(f"  {var.name}: failed ({res['failed'][var.name]})")
+            continue
+        print(
+            f"\r  {var.name}: {r['ms']:.3f} ms {r['tflops']:.0f} TFLOP/s err {r['rel_err']:.4f}    ",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(file=sys.stderr)
+    res.update(best_of(res["variants"]))
+    res["shape"] = dict(preset=preset, tp=tp, heads=heads, q_tokens=m, kv_tokens=n, head_dim=d)
+    res["seconds"] = time.monotonic() - t0
     return res
 
 
-def summarise(res: dict, flops_note: str = "") -> list[tuple[str, str]]:
+def best_of(variants: dict) -> dict:
+    """Per family the fastest variant within its error budget; speedups against sdpa_cudnn_bf16."""
+    over = {k: round(r["rel_err"], 4) for k, r in variants.items() if r["rel_err"] > BUDGET[r["storage"]]}
+    best: dict = {}
+    for name, r in variants.items():
+        if name in over:
+            continue
+        cur = best.get(r["family"])
+        if cur is None or r["ms"] < cur["ms"]:
+            best[r["family"]] = {"variant": name, **r}
+    bar = best.get("sdpa_cudnn_bf16")
+    for r in [*best.values(), *variants.values()]:
+        r["speedup_vs_cudnn_bf16"] = bar["ms"] / r["ms"] if bar else None
+    return {"best": best, "over_budget": over}
+
+
+def summarise(res: dict) -> list[tuple[str, str]]:
     rows = []
-    for key in (
-        "sdpa_cudnn_bf16",
-        "sdpa_flash_bf16",
-        "sdpa_efficient_bf16",
-        "sdpa_model_call_bf16",
-        "best_ring_fp8",
-        "best_ring_bf16",
-    ):
-        if key in res:
-            r = res[key]
-            extra = f"  [{r['variant']}]" if "variant" in r else ""
-            rows.append(
-                (key, f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s  rel_err {r['rel_err']:.4f}{extra}")
-            )
-    if "sdpa_cudnn_bf16" in res and "best_ring_fp8" in res:
+    for fam, r in sorted(res["best"].items(), key=lambda kv: kv[1]["ms"]):
+        sp = f"{r['speedup_vs_cudnn_bf16']:.2f}x" if r["speedup_vs_cudnn_bf16"] else "  -  "
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
         rows.append(
-            ("fp8 ring / cuDNN bf16", f"{res['sdpa_cudnn_bf16']['ms'] / res['best_ring_fp8']['ms']:.2f}x")
+            (fam, f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s {sp:>6}  err {r['rel_err']:.4f}  [{cfg}]")
+        )
+    for name, e in res["over_budget"].items():
+        rows.append((name, f"OVER BUDGET: rel err {e} > {BUDGET[res['variants'][name]['storage']]}"))
+    if res["failed"]:
+        rows.append(("failed", ", ".join(res["failed"])))
+    return rows
+
+
+# ---- the ring end to end ---------------------------------------------------------------------------------
+RING_BACKENDS = (("bf16", "sdpa"), ("bf16", "cudnn"), ("bf16", "triton"), ("bf16", "fa3"), ("fp8", "triton"))
+RING_BACKENDS += (("fp8", "triton_head"), ("fp8", "fa3"), ("fp8", "auto"), ("bf16", "auto"))
+
+
+def ring_check(preset: str, tp: int, device: torch.device, log=print, chunks: int = 4) -> dict:
+    """A RingCache per (storage, backend) (1 layer, window 3, the shape's heads, tokens and sink) against the
+    naive float32 cache on the same q/k/v (rounded to the model dtype for the ring): sink, then `chunks`
+    chunks with a non-committing pass before each commit (past one wraparound). Max relative error per
+    call, the backend the plan chose, and pass/fail against :data:`BUDGET`."""
+    from cadence.cache.naive import NaiveCache
+    from cadence.cache.ring import RingCache
+    from cadence.config import get_preset
+    from cadence.model.rope import Rope3D
+
+    cfg = get_preset(preset)
+    mc, s = cfg.model, cfg.stream
+    heads, fpc, sink = mc.num_heads // tp, s.latent_frames_per_chunk, s.sink_frames
+    rope = Rope3D(mc.rope_split, mc.rope_theta, device=device)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(1)
+    tpf = cfg.token_grid[0] * cfg.token_grid[1]
+
+    def qkv(frames):
+        x = torch.randn(3, 1, frames * tpf, heads, mc.head_dim, generator=g, device=device)
+        return x[0], x[1], x[2]
+
+    data = [qkv(sink)] + [qkv(fpc) for _ in range(chunks)]
+    out = {}
+    for storage, backend in RING_BACKENDS:
+        ring = RingCache(
+            1,
+            3,
+            cfg.token_grid,
+            rope,
+            device,
+            heads,
+            mc.head_dim,
+            fpc,
+            sink,
+            model_dtype=dt,
+            dtype=storage,
+            sink_policy="absolute",
+            attention=backend,
+        )
+        naive = NaiveCache(1, 3, cfg.token_grid, rope, device)
+        errs = []
+        for i, (q, k, v) in enumerate(data):
+            is_sink = i == 0
+            start = 0 if is_sink else sink + (i - 1) * fpc
+            for c in (ring, naive):
+                c.begin_chunk(start, sink if is_sink else fpc, sink=is_sink)
+            low = [x.to(dt) for x in (q, k, v)]
+            if not is_sink:
+                ring.attend(0, *low, commit=False)
+            got = ring.attend(0, *low, commit=True)
+            errs.append(_rel(got, naive.attend(0, q, k, v, commit=True)))
+        key = f"{storage}_{backend}"
+        budget = BUDGET[storage] + (0.01 if dt == torch.bfloat16 else 0.0)  # the inputs' bf16 rounding
+        out[key] = dict(
+            backend=ring.plan.backend, why=ring.plan.why, max_rel_err=max(errs), ok=max(errs) < budget
+        )
+        log(
+            f"  ring {key}: {ring.plan.backend} max rel err {max(errs):.4f} {'ok' if out[key]['ok'] else 'FAIL'}"
+        )
+        del ring, naive
+    return out
+
+
+# ---- the table auto reads ---------------------------------------------------------------------------------
+#: bench family -> (ring backend, storage) for the table (cudnn_fp8 and fa3_fp8_fixed are not ring backends)
+RING_FAMILY = {
+    "sdpa_cudnn_bf16": ("cudnn", "bf16"),
+    "sdpa_default_bf16": ("sdpa", "bf16"),
+    "triton_bf16": ("triton", "bf16"),
+    "triton_fp8": ("triton", "fp8"),
+    "triton_head_fp8": ("triton_head", "fp8"),
+    "fa3_fp8": ("fa3", "fp8"),
+    "fa3_bf16": ("fa3", "bf16"),
+}
+
+
+def table_entries(doc: dict, source: str) -> list[dict]:
+    """attention_table.json entries from one bench record (its ``results``: one shape)."""
+    res, gpu = doc["results"], doc.get("device_kind", "")
+    sh = res["shape"]
+    rows = []
+    for fam, r in res["best"].items():
+        if fam not in RING_FAMILY or r.get("speedup_vs_cudnn_bf16") is None:
+            continue
+        backend, storage = RING_FAMILY[fam]
+        rows.append(
+            dict(
+                gpu=gpu,
+                heads=sh["heads"],
+                q_tokens=sh["q_tokens"],
+                kv_tokens=sh["kv_tokens"],
+                head_dim=sh["head_dim"],
+                storage=storage,
+                backend=backend,
+                config=r["config"],
+                ms=round(r["ms"], 4),
+                speedup_vs_cudnn_bf16=round(r["speedup_vs_cudnn_bf16"], 3),
+                rel_err=round(r["rel_err"], 4),
+                source=source,
+            )
         )
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+def table_from(paths: list[str]) -> dict:
+    sources, entries = {}, []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        src = Path(p).name
+        sources[src] = (
+            f"{doc.get('device')} | git {doc.get('git')} | torch {doc.get('torch')} | `{doc.get('command')}`"
+        )
+        entries += table_entries(doc, src)
+    about = ab.table().get("about", "")
+    return {"about": about, "sources": sources, "entries": entries}
 
-    from cadence.bench.common import print_table
-    from cadence.config import get_preset
 
-    p = argparse.ArgumentParser(prog="cadence bench attention")
+# ---- the command ------------------------------------------------------------------------------------------
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cadence bench attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--iters", type=int, default=30)
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = get_preset(a.preset)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    heads = cfg.model.num_heads // a.tp
-    res = attention_bench(heads, cfg.tokens_per_chunk, cfg.kv_tokens, cfg.model.head_dim, dev, a.iters)
-    print_table(
-        summarise(res),
-        f"attention {a.preset} tp{a.tp}: {heads} heads, {cfg.tokens_per_chunk} q x "
-        f"{cfg.kv_tokens} kv, d {cfg.model.head_dim}",
+    p.add_argument("--tp", type=int, default=1, help="heads are num_heads / tp (one rank's shard)")
+    p.add_argument("--all-shapes", action="store_true", help=f"every serving shape: {SHAPES}")
+    p.add_argument("--sweep", action="store_true", help="the Triton config space and FA3's num_splits")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per variant (default 20 CUDA, 3 CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shape-budget-s", type=float, default=600.0, help="stop adding variants at a shape after this"
     )
+    p.add_argument("--check", action="store_true", help="exit 1 if any variant is over its error budget")
+    p.add_argument("--ring-check", action="store_true", help="also the RingCache end to end per backend")
+    p.add_argument(
+        "--table-out", default=None, help="write the auto table (attention_table.json format) here"
+    )
+    p.add_argument(
+        "--table-from", nargs="+", default=None, help="bench JSONs to build the table from (no run)"
+    )
+    add_record_flags(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    command = "cadence bench attention " + " ".join(shlex.quote(a) for a in argv)
+    if args.table_from:
+        if not args.table_out:
+            print("error: --table-from needs --table-out", file=sys.stderr)
+            return 2
+        Path(args.table_out).write_text(json.dumps(table_from(args.table_from), indent=1) + "\n")
+        print(f"wrote {args.table_out}")
+        return 0
+    from cadence.config import get_preset
+    from cadence.telemetry.devices import device_kind
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.iters = args.iters or (20 if device.type == "cuda" else 3)
+    shapes = SHAPES if args.all_shapes else ((args.preset, args.tp),)
+    bad, paths = [], []
+    for preset, tp in shapes:
+        res = run_shape(preset, tp, device, args, log=lambda s: print(s, file=sys.stderr))
+        if args.ring_check:
+            res["ring_check"] = ring_check(preset, tp, device, log=lambda s: print(s, file=sys.stderr))
+            bad += [f"{preset} tp{tp} ring {k}" for k, r in res["ring_check"].items() if not r["ok"]]
+        bad += [f"{preset} tp{tp} {k}" for k in res["over_budget"]]
+        sh = res["shape"]
+        print_table(
+            summarise(res),
+            f"attention {preset} tp{tp}: {sh['heads']} heads, {sh['q_tokens']} q x "
+            f"{sh['kv_tokens']} kv, d {sh['head_dim']} ({res['seconds']:.0f} s)",
+        )
+        if not args.no_record:
+            best8 = max(
+                (r for r in res["best"].values() if r["storage"] == "fp8"),
+                default=None,
+                key=lambda r: r["speedup_vs_cudnn_bf16"] or 0,
+            )
+            head = (
+                f"best FP8 {best8['variant']} {best8['speedup_vs_cudnn_bf16'] or 0:.2f}x cuDNN bf16"
+                if best8
+                else ""
+            )
+            path = record(
+                "attention",
+                preset,
+                tp,
+                device,
+                get_preset(preset).shape_summary(),
+                res,
+                out_dir=results_dir(args),
+                command=command,
+                headline=head,
+                extra={"device_kind": device_kind(device)},
+            )
+            paths.append(str(path))
+            print(f"wrote {path}")
+    if args.table_out and paths:
+        Path(args.table_out).write_text(json.dumps(table_from(paths), indent=1) + "\n")
+        print(f"wrote {args.table_out} ({git_commit()})")
+    if args.check and bad:
+        print("error: over budget: " + "; ".join(bad), file=sys.stderr)
+        return 1
     return 0
 
 

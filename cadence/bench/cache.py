@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from cadence.bench.attention import attention_bench, summarise
+from cadence.bench.attention import run_shape, summarise
 from cadence.bench.common import median, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.bench.step import DTYPES, layers_that_fit, measure_step
@@ -34,6 +34,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--attn-iters", type=int, default=30)
+    p.add_argument(
+        "--attention",
+        default="auto",
+        help="the ring's attention backend (FastPath.attention: cadence.kernels.attention_backends)",
+    )
     add_record_flags(p)
     return p.parse_args(argv)
 
@@ -56,21 +61,14 @@ def run(args: argparse.Namespace) -> dict:
         f"{full.kv_tokens} kv",
         file=sys.stderr,
     )
-    attn = attention_bench(
-        m.num_heads,
-        full.tokens_per_chunk,
-        full.kv_tokens,
-        m.head_dim,
-        device,
-        iters=args.attn_iters,
-        log=lambda s: print(s, file=sys.stderr),
-    )
+    opts = argparse.Namespace(sweep=False, iters=args.attn_iters, seed=0, shape_budget_s=600.0)
+    attn = run_shape(args.preset, 1, device, opts, log=lambda s: print(s, file=sys.stderr))
     print(f"[bench cache] steps: {layers}/{m.num_layers} layers, {dtype}", file=sys.stderr)
     model = build_model(base, device, dtype, seed=0)
     variants = {
         "naive": {"cache": "naive", "kv_fp8": False},
-        "ring_bf16": {"cache": "ring", "kv_fp8": False},
-        "ring_fp8": {"cache": "ring", "kv_fp8": True},
+        "ring_bf16": {"cache": "ring", "kv_fp8": False, "attention": args.attention},
+        "ring_fp8": {"cache": "ring", "kv_fp8": True, "attention": args.attention},
     }
     steps: dict[str, dict] = {}
     for name, st in variants.items():
@@ -89,8 +87,8 @@ def run(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     nv, rb, rf = steps["naive"], steps["ring_bf16"], steps["ring_fp8"]
-    cud = attn.get("sdpa_cudnn_bf16")
-    best8 = attn.get("best_ring_fp8")
+    cud = attn["best"].get("sdpa_cudnn_bf16")
+    best8 = attn["best"].get("triton_fp8")
     results = {
         "upkeep_naive_ms": nv["cache_upkeep_ms"],
         "upkeep_ring_ms": rf["cache_upkeep_ms"],

@@ -1,0 +1,101 @@
+"""`cadence bench attention` on the CPU (the tiny preset): the record it writes, its checks, and the table
+it makes for `auto` (cadence/kernels/attention_table.json). The Triton rows are left out here (the
+interpreter runs each call for seconds; tests/test_ring_kernels.py checks those kernels)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cadence.bench import attention as ba
+from cadence.kernels import attention_backends as ab
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    monkeypatch.setattr(ba, "triton_variants", lambda *a, **k: iter(()))
+
+
+def test_cpu_smoke_record_and_ring_check(no_triton, tmp_path, capsys):
+    rc = ba.main(["--preset", "tiny", "--iters", "1", "--check", "--ring-check", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (path,) = (tmp_path / "attention").glob("*-cpu-tiny-tp1.json")
+    doc = json.loads(path.read_text())
+    assert doc["bench"] == "attention" and doc["device_kind"] == "cpu"
+    res = doc["results"]
+    assert res["shape"] == dict(preset="tiny", tp=1, heads=4, q_tokens=64, kv_tokens=320, head_dim=32)
+    assert res["variants"]["sdpa_default_bf16"]["rel_err"] < 1e-5  # float32 on the CPU: exact
+    assert res["best"]["sdpa_default_bf16"]["variant"] == "sdpa_default_bf16"
+    rc_ = res["ring_check"]
+    assert {k: r["backend"] for k, r in rc_.items()}["fp8_fa3"] == "reference"  # no fa3-fwd here
+    assert all(r["ok"] for r in rc_.values()) and rc_["fp8_triton"]["max_rel_err"] > 1e-3
+    assert "attention tiny tp1: 4 heads, 64 q x 320 kv, d 32" in capsys.readouterr().out
+
+
+def test_check_fails_over_budget(no_triton, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(ba.BUDGET, "bf16", 0.0)  # nothing passes a zero budget
+    assert ba.main(["--preset", "tiny", "--iters", "1", "--check", "--no-record"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: over budget: tiny tp1 sdpa_default_bf16")
+
+
+def test_best_of_skips_variants_over_budget():
+    v = {
+        "sdpa_cudnn_bf16": dict(family="sdpa_cudnn_bf16", storage="bf16", ms=1.0, rel_err=0.004, config={}),
+        "triton_fp8_a": dict(family="triton_fp8", storage="fp8", ms=0.5, rel_err=0.3, config={"split": 2}),
+        "triton_fp8_b": dict(family="triton_fp8", storage="fp8", ms=0.8, rel_err=0.05, config={"split": 1}),
+    }
+    out = ba.best_of(v)
+    assert out["over_budget"] == {"triton_fp8_a": 0.3}
+    assert out["best"]["triton_fp8"]["variant"] == "triton_fp8_b"
+    assert out["best"]["triton_fp8"]["speedup_vs_cudnn_bf16"] == pytest.approx(1.25)
+
+
+def test_table_from_a_record_feeds_auto(tmp_path, monkeypatch):
+    """A record's best rows become table entries (ring backends only; cuDNN FP8 and the fixed-length FA3
+    row are comparisons), ranked by speedup for `auto`."""
+    best = {
+        "sdpa_cudnn_bf16": dict(ms=0.26, rel_err=0.004, config={}, speedup_vs_cudnn_bf16=1.0),
+        "triton_fp8": dict(
+            ms=0.2, rel_err=0.05, config={"block_m": 64, "split": 4}, speedup_vs_cudnn_bf16=1.3
+        ),
+        "fa3_fp8": dict(ms=0.25, rel_err=0.05, config={"num_splits": 3}, speedup_vs_cudnn_bf16=1.04),
+        "cudnn_fp8": dict(ms=0.2, rel_err=0.07, config={}, speedup_vs_cudnn_bf16=1.3),
+        "fa3_fp8_fixed": dict(ms=0.2, rel_err=0.05, config={}, speedup_vs_cudnn_bf16=1.3),
+    }
+    shape = dict(preset="w57", tp=4, heads=16, q_tokens=748, kv_tokens=15708, head_dim=128)
+    rec = {
+        "device": "NVIDIA H200",
+        "device_kind": "nvidia-h200",
+        "git": "abc",
+        "torch": "2.11",
+        "command": "x",
+    }
+    rec["results"] = {"best": best, "shape": shape}
+    src = tmp_path / "2026-12-01-nvidia-h200-w57-tp4.json"
+    src.write_text(json.dumps(rec))
+    out = tmp_path / "table.json"
+    assert ba.main(["--table-from", str(src), "--table-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {(e["backend"], e["storage"]) for e in doc["entries"]} == {
+        ("cudnn", "bf16"),
+        ("triton", "fp8"),
+        ("fa3", "fp8"),
+    }
+    assert src.name in doc["sources"] and "git abc" in doc["sources"][src.name]
+    monkeypatch.setattr(ab, "TABLE_PATH", out)
+    ab.table.cache_clear()
+    try:
+        ranked = ab.ranking("nvidia-h200", 16, 748, 15708, 128, "fp8")
+        assert [(e["backend"], e["config"]) for e in ranked] == [
+            ("triton", {"block_m": 64, "split": 4}),
+            ("fa3", {"num_splits": 3}),
+        ]
+    finally:
+        ab.table.cache_clear()
+
+
+def test_table_from_needs_an_output(capsys):
+    assert ba.main(["--table-from", "x.json"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --table-from needs --table-out"
