@@ -18,7 +18,8 @@ def no_triton(monkeypatch):
 
 
 def test_cpu_smoke_record_and_ring_check(no_triton, tmp_path, capsys):
-    rc = ba.main(["--preset", "tiny", "--iters", "1", "--check", "--ring-check", "--out-dir", str(tmp_path)])
+    argv = ["--preset", "tiny", "--device", "cpu", "--iters", "1", "--check", "--ring-check"]
+    rc = ba.main([*argv, "--out-dir", str(tmp_path)])
     assert rc == 0
     (path,) = (tmp_path / "attention").glob("*-cpu-tiny-tp1.json")
     doc = json.loads(path.read_text())
@@ -35,7 +36,7 @@ def test_cpu_smoke_record_and_ring_check(no_triton, tmp_path, capsys):
 
 def test_check_fails_over_budget(no_triton, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(ba.BUDGET, "bf16", 0.0)  # nothing passes a zero budget
-    assert ba.main(["--preset", "tiny", "--iters", "1", "--check", "--no-record"]) == 1
+    assert ba.main(["--preset", "tiny", "--device", "cpu", "--iters", "1", "--check", "--no-record"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: over budget: tiny tp1 sdpa_default_bf16")
 

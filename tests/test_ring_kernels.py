@@ -270,7 +270,9 @@ def test_split_combine_with_empty_splits_and_out_buffer():
     m, n, h, d = 40, 256, 2, 32
     q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
     bufs = _buffers(q, k, v, torch.float32)
-    nv = torch.tensor([45], dtype=torch.int32).to(DEV)  # splits of 64 keys: 1 partial, 3 empty
+    nv = torch.tensor([45], dtype=torch.int32).to(
+        DEV
+    )  # splits of 64 (GPU: 128) keys: one partial, the rest empty
     big = torch.full((m + 5, h, d), float("nan"), device=DEV)
     out = ra.ring_attention(*bufs, nv, split=4, out=big[:m], out_dtype=torch.float32)
     assert out.data_ptr() == big.data_ptr()

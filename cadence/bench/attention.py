@@ -575,6 +575,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed calls per variant (default 20 CUDA, 3 CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when present"
+    )
+    p.add_argument(
         "--shape-budget-s", type=float, default=600.0, help="stop adding variants at a shape after this"
     )
     p.add_argument("--check", action="store_true", help="exit 1 if any variant is over its error budget")
@@ -603,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     from cadence.config import get_preset
     from cadence.telemetry.devices import device_kind
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
     args.iters = args.iters or (20 if device.type == "cuda" else 3)
     shapes = SHAPES if args.all_shapes else ((args.preset, args.tp),)
     bad, paths = [], []
