@@ -184,3 +184,20 @@ def test_every_device_sweep_config_is_exact_on_float32_storage():
 
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_warm_up_survives_a_failing_parallel_compile(no_triton, monkeypatch):
+    """The warm-up's worker processes are an optimisation: when they fail the measuring process compiles
+    everything itself, with one line."""
+    import concurrent.futures
+
+    import torch
+
+    def pool(*a, **k):
+        raise RuntimeError("no CUDA in the worker")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", pool)
+    lines = []
+    secs = ba.warm(torch.device("cpu"), _opts(compile_workers=2), log=lines.append)
+    assert secs > 0 and len(lines) == 2
+    assert "parallel compile failed" in lines[0] and "variants ready" in lines[1]

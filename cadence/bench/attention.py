@@ -180,12 +180,21 @@ def triton_configs(device: torch.device, family: str, ctas: int, sweep: bool) ->
             for v in (dict(pv_bf16=True), dict(ws=True))
             for x in (1, 2)
         ]
+        # more programs per SM (a register cap), and clusters of 2 (a block split over 2 CTAs sharing K/V)
+        out += [dict(block_m=64, block_n=64, num_warps=4, num_stages=3, maxnreg=128, split=x) for x in (1, 3)]
+        out += [
+            dict(block_m=64, block_n=128, num_warps=4, num_stages=2, maxnreg=168, split=x) for x in (1, 3)
+        ]
+        out += [
+            dict(block_m=128, block_n=128, num_warps=4, num_stages=3, num_ctas=2, split=x) for x in (1, 2)
+        ]
     return out
 
 
 def config_name(cfg: dict) -> str:
     """m64n128w4s3x2 (+dual, pvbf16, ws): block_m, block_n, warps, stages, key splits, variants."""
     keys = (("block_m", "m"), ("block_n", "n"), ("num_warps", "w"), ("num_stages", "s"), ("split", "x"))
+    keys += (("maxnreg", "r"), ("num_ctas", "c"))
     name = "".join(f"{t}{cfg[k]}" for k, t in keys if cfg.get(k) is not None) or "default"
     return name + "".join(f"-{k.replace('_', '')}" for k in ("dual", "pv_bf16", "ws") if cfg.get(k))
 
@@ -398,16 +407,47 @@ def run_dims(heads: int, m: int, n: int, d: int, device: torch.device, args, log
     return res
 
 
+WARM_DIMS = (4, 100, 1000, 128)  # heads, queries, keys, head dim: the serving shapes' specialisation
+
+
+def _compile_part(part: int, parts: int, sweep: bool) -> int:
+    """(A spawned process) compile every `parts`-th Triton variant of the warm shape into Triton's disk cache."""
+    dev = torch.device("cuda")
+    inp = make_inputs(*WARM_DIMS, dev)
+    done = 0
+    for i, var in enumerate(triton_variants(inp, dev, sweep)):
+        if i % parts == part:
+            try:
+                var.fn()
+                done += 1
+            except Exception:  # reported by the measuring process, which compiles it again
+                pass
+    torch.cuda.synchronize()
+    return done
+
+
 def warm(device: torch.device, args, log=print) -> float:
     """Compile every variant once at a small shape of the serving shapes' specialisation (query and key
     counts not multiples of 16, heads x queries one; head dim 128), so that each shape's time budget
-    measures rather than compiles. Returns the seconds it took."""
+    measures rather than compiles: first in ``--compile-workers`` spawned processes in parallel (into
+    Triton's disk cache), then once here (cache hits). Returns the seconds it took."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
     t0 = time.monotonic()
+    parts = max(1, args.compile_workers)
+    if parts > 1:
+        try:
+            with cf.ProcessPoolExecutor(parts, mp_context=mp.get_context("spawn")) as pool:
+                done = sum(pool.map(_compile_part, range(parts), [parts] * parts, [args.sweep] * parts))
+            log(
+                f"[bench attention] {done} Triton variants compiled in {parts} processes, {time.monotonic() - t0:.0f} s"
+            )
+        except Exception as e:  # an optimisation only: this process compiles what is missing
+            log(f"[bench attention] parallel compile failed ({type(e).__name__}: {e}); compiling here")
     opts = argparse.Namespace(**{**vars(args), "iters": 1, "shape_budget_s": 1e9})
-    res = run_dims(4, 100, 1000, 128, device, opts, log=lambda s: None)  # 4 x 100 rows: a multiple of 16
-    log(
-        f"[bench attention] warm-up: {len(res['variants'])} variants compiled in {time.monotonic() - t0:.0f} s"
-    )
+    res = run_dims(*WARM_DIMS, device, opts, log=lambda s: None)
+    log(f"[bench attention] warm-up: {len(res['variants'])} variants ready in {time.monotonic() - t0:.0f} s")
     return time.monotonic() - t0
 
 

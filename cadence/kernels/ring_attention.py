@@ -315,6 +315,8 @@ def ring_attention(
     dual: bool = False,
     pv_bf16: bool = False,
     ws: bool = False,
+    maxnreg: int | None = None,
+    num_ctas: int | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
@@ -322,7 +324,9 @@ def ring_attention(
     vt [H, D, N] (v [H, N, D] with v_transposed=False: float storage only), n_valid an int32 device
     tensor [1] (no host sync). FP8 scales: ks, vs [H, N] per token or [H] per head; qs [H, M] per token.
     Returns [M, H, D] (contiguous, or `out`) in out_dtype. With V^T, N must be a multiple of 16 (TMA row
-    alignment). Variants and block shapes: the module docstring; defaults: docs/perf/cache/NOTES.md."""
+    alignment). Variants and block shapes: the module docstring; defaults: docs/perf/cache/NOTES.md.
+    ``maxnreg`` caps registers per thread (more programs resident per SM); ``num_ctas`` > 1 launches
+    clusters (Triton splits a block over the cluster's CTAs; K/V tiles can then be multicast)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     kern = _kernels()
@@ -352,6 +356,7 @@ def ring_attention(
     extra = {}
     if not interp:
         extra = dict(num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 3)
+        extra.update({k: v for k, v in (("maxnreg", maxnreg), ("num_ctas", num_ctas)) if v})
     qs_s = (qs.stride(0), qs.stride(1)) if qs.dim() == 2 else (qs.stride(0), 0)
     kern.attn_kernel[(triton_cdiv(m, rows), h, split)](
         q_desc,
