@@ -464,163 +464,32 @@ def attn_kernel(
         lb_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
         cb = 1.0
+    # the tile calls stay compact: a line of state, a line of tile arguments, a line of constexprs
+    # fmt: off
     for start in tl.range(n_lo, n_full, BLOCK_N, warp_specialize=WS):
         k, v = _load_kv(k_desc, v_desc, h, start, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
         ma_i, la_i, acc_a, ca = attn_tile(
-            qa,
-            ra,
-            k,
-            v,
-            KS,
-            VS,
-            sksh,
-            sksn,
-            svsh,
-            svsn,
-            h,
-            start,
-            n_hi,
-            ma_i,
-            la_i,
-            acc_a,
-            ca,
-            BLOCK_N,
-            QUANT,
-            SCALES,
-            PV_BF16,
-            DOT_F32,
-            False,
-            PREC,
-        )
+            qa, ra, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, ma_i, la_i, acc_a, ca,
+            BLOCK_N, QUANT, SCALES, PV_BF16, DOT_F32, False, PREC)
         if DUAL:
             mb_i, lb_i, acc_b, cb = attn_tile(
-                qb,
-                rb,
-                k,
-                v,
-                KS,
-                VS,
-                sksh,
-                sksn,
-                svsh,
-                svsn,
-                h,
-                start,
-                n_hi,
-                mb_i,
-                lb_i,
-                acc_b,
-                cb,
-                BLOCK_N,
-                QUANT,
-                SCALES,
-                PV_BF16,
-                DOT_F32,
-                False,
-                PREC,
-            )
+                qb, rb, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, mb_i, lb_i, acc_b, cb,
+                BLOCK_N, QUANT, SCALES, PV_BF16, DOT_F32, False, PREC)
     if n_full < n_hi:  # the one masked tile: the visible length ends inside it
         k, v = _load_kv(k_desc, v_desc, h, n_full, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
         ma_i, la_i, acc_a, ca = attn_tile(
-            qa,
-            ra,
-            k,
-            v,
-            KS,
-            VS,
-            sksh,
-            sksn,
-            svsh,
-            svsn,
-            h,
-            n_full,
-            n_hi,
-            ma_i,
-            la_i,
-            acc_a,
-            ca,
-            BLOCK_N,
-            QUANT,
-            SCALES,
-            PV_BF16,
-            DOT_F32,
-            True,
-            PREC,
-        )
+            qa, ra, k, v, KS, VS, sksh, sksn, svsh, svsn, h, n_full, n_hi, ma_i, la_i, acc_a, ca,
+            BLOCK_N, QUANT, SCALES, PV_BF16, DOT_F32, True, PREC)
         if DUAL:
             mb_i, lb_i, acc_b, cb = attn_tile(
-                qb,
-                rb,
-                k,
-                v,
-                KS,
-                VS,
-                sksh,
-                sksn,
-                svsh,
-                svsn,
-                h,
-                n_full,
-                n_hi,
-                mb_i,
-                lb_i,
-                acc_b,
-                cb,
-                BLOCK_N,
-                QUANT,
-                SCALES,
-                PV_BF16,
-                DOT_F32,
-                True,
-                PREC,
-            )
-    _finish(
-        ma_i,
-        la_i,
-        acc_a,
-        ca,
-        offs_a,
-        ma,
-        VS,
-        svsh,
-        O,
-        LSE,
-        sp,
-        h,
-        sos,
-        soh,
-        som,
-        sod,
-        sls,
-        slh,
-        slm,
-        HEAD_D,
-        SCALES,
-    )
+                qb, rb, k, v, KS, VS, sksh, sksn, svsh, svsn, h, n_full, n_hi, mb_i, lb_i, acc_b, cb,
+                BLOCK_N, QUANT, SCALES, PV_BF16, DOT_F32, True, PREC)
+    _finish(ma_i, la_i, acc_a, ca, offs_a, ma, VS, svsh, O, LSE, sp, h, sos, soh, som, sod, sls, slh, slm,
+            HEAD_D, SCALES)
     if DUAL:
-        _finish(
-            mb_i,
-            lb_i,
-            acc_b,
-            cb,
-            offs_b,
-            mb,
-            VS,
-            svsh,
-            O,
-            LSE,
-            sp,
-            h,
-            sos,
-            soh,
-            som,
-            sod,
-            sls,
-            slh,
-            slm,
-            HEAD_D,
-            SCALES,
-        )
+        _finish(mb_i, lb_i, acc_b, cb, offs_b, mb, VS, svsh, O, LSE, sp, h, sos, soh, som, sod, sls, slh, slm,
+                HEAD_D, SCALES)
+    # fmt: on
 
 
 @triton.jit

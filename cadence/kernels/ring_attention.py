@@ -358,51 +358,28 @@ def ring_attention(
         extra = dict(num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 3)
         extra.update({k: v for k, v in (("maxnreg", maxnreg), ("num_ctas", num_ctas)) if v})
     qs_s = (qs.stride(0), qs.stride(1)) if qs.dim() == 2 else (qs.stride(0), 0)
+    # the launch: descriptors and scale pointers, their strides, sizes; then the constexprs
+    # fmt: off
     kern.attn_kernel[(triton_cdiv(m, rows), h, split)](
-        q_desc,
-        qs,
-        k_desc,
-        ks,
-        v_desc,
-        vs,
-        n_valid,
-        o,
-        lse,
-        *qs_s,
-        *_scale_strides(ks),
-        *_scale_strides(vs),
-        *o_strides,
-        *lse.stride(),
-        m,
-        per,
-        qk_scale,
-        HEAD_D=d,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        QUANT=quant,
-        SCALES=scales,
-        V_TRANS=v_transposed,
-        PV_BF16=bool(pv_bf16 and quant),
-        DUAL=bool(dual),
-        WS=bool(ws),
-        DOT_F32=interp,
-        PREC="ieee" if k.dtype == torch.float32 else "tf32",
-        **extra,
+        q_desc, qs, k_desc, ks, v_desc, vs, n_valid, o, lse,
+        *qs_s, *_scale_strides(ks), *_scale_strides(vs), *o_strides, *lse.stride(), m, per, qk_scale,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, SCALES=scales, V_TRANS=v_transposed,
+        PV_BF16=bool(pv_bf16 and quant), DUAL=bool(dual), WS=bool(ws), DOT_F32=interp,
+        PREC="ieee" if k.dtype == torch.float32 else "tf32", **extra,
     )
+    # fmt: on
     if split > 1:
-        cb = 32 if interp else 64
-        kern.combine_kernel[(triton_cdiv(m, cb), h)](
-            o,
-            lse,
-            out,
-            *o.stride(),
-            *lse.stride(),
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            m,
-            split,
-            HEAD_D=d,
-            BLOCK_M=cb,
-        )
+        _combine(o, lse, out)
     return out
+
+
+def _combine(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """One launch merging the key splits' partials o [S, H, M, D] / lse [S, H, M] into out [M, H, D]."""
+    split, h, m, d = o.shape
+    cb = 32 if interpreting() else 64
+    # fmt: off
+    _kernels().combine_kernel[(triton_cdiv(m, cb), h)](
+        o, lse, out, *o.stride(), *lse.stride(), out.stride(0), out.stride(1), out.stride(2), m, split,
+        HEAD_D=d, BLOCK_M=cb,
+    )
+    # fmt: on
