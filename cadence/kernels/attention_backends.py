@@ -29,7 +29,8 @@ at the nearest measured key count; with no entry, FP8 uses ``triton`` and bf16 `
 choice that cannot run, and every ``auto`` candidate skipped, falls back with one log line (never a
 crash): FP8 to ``triton`` then ``reference``, bf16 to ``sdpa``. "Can run" is checked for real: import,
 device capability, head dim, storage, and on CUDA one small probe call of the library (or compile of the
-Triton config) in the ring's layout. Optional libraries are never required.
+Triton config) in the ring's layout. Optional libraries are never required. Measurements, predictions
+and the layout decision: docs/perf/attention/NOTES.md.
 """
 
 from __future__ import annotations
