@@ -217,7 +217,7 @@ class RingCache(SelfAttentionCache):
             backend = "reference" if fp8 else "sdpa"
             v_t, scales, _ = ab.layout(backend, self.storage)
             return ab.AttentionPlan(backend, self.storage, v_t, scales, False, {}, "use_triton=False")
-        return ab.plan(
+        p = ab.plan(
             attention,
             self.device,
             heads=self.heads,
@@ -228,6 +228,13 @@ class RingCache(SelfAttentionCache):
             interpreter=bool(use_triton),
             float_dtype=model_dtype,
         )
+        ra.warn_once(
+            f"ring-plan-{self.device.type}-{p.backend}-{p.storage}-{self.heads}-{self.tokens_per_chunk}",
+            f"ring attention: {p.backend} over {p.storage} K/V ({p.scales} scales; {self.heads} heads x "
+            f"{self.tokens_per_chunk} q x {self.rows} kv; {p.why})",
+            logging.INFO,
+        )
+        return p
 
     @classmethod
     def from_config(
