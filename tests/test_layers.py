@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"engine", "parallel"},  # the one engine and tensor parallelism
     {"serve"},  # the live server (web side and its session logic)
     {"fleet"},  # its groups on a Ray fleet (serve holds a FleetConfig and calls it: no import upward)
+    {"devtools"},  # clients that drive the server from outside: WebRTC client, headless browser, test helpers
     {"bench", "train", "eval", "integrations"},  # benchmarks, training, the quality harness, Cadence inside
     #                                                other frameworks (Pipecat): drive everything below
     {"cli", "__main__"},  # the entry point dispatches to everything

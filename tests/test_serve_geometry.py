@@ -486,7 +486,7 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
 
     import httpx
 
-    from cadence.serve.client import run_client
+    from cadence.devtools.client import run_client
     from cadence.serve.server import ServerThread
 
     cfg = ServeConfig(

@@ -41,10 +41,10 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 
 import httpx
 
+from cadence.devtools.testing import BackgroundClient, offer_sdp
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import BackgroundClient, offer_sdp
 
 pytestmark = pytest.mark.timeout(180)
 

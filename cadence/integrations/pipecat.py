@@ -358,7 +358,7 @@ class _Remote:
             )
         self.width, self.height = conf["width"], conf["height"]
         pc = self.pc = RTCPeerConnection(rtc_configuration())
-        from cadence.serve.client import MicTrack
+        from cadence.devtools.client import MicTrack
 
         self.mic = MicTrack(source=lambda n: self.speech.take(n)[0])
 
