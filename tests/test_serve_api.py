@@ -129,9 +129,9 @@ def test_bad_session_requests_are_4xx_json(http, srv, monkeypatch):
     _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("huge.png", b"\0" * 12_000_000)}), 413)
     _err(http.post("/sessions", json={"sdp": sdp, "image_base64": "***"}), 400)
     # 'say' with no espeak-ng on the server: a clear 503
-    import cadence.serve.app as app_mod
+    import cadence.serve.manager as manager_mod
 
-    monkeypatch.setattr(app_mod, "espeak_binary", lambda: None)
+    monkeypatch.setattr(manager_mod, "espeak_binary", lambda: None)
     assert "espeak-ng" in _err(http.post("/sessions", json={"sdp": sdp, "agent": "say"}), 503)
     # unknown sessions
     for method, path in (

@@ -1,7 +1,7 @@
 """The front end's side of the fleet: :class:`FleetGroups`, the group source of a ``cadence serve --ray``
 front end, and :class:`RayGroup`, one remote group seen from the event loop.
 
-The session manager (``cadence.serve.app.SessionManager``) gets its groups from a source: on one machine
+The session manager (``cadence.serve.manager.SessionManager``) gets its groups from a source: on one machine
 ``cadence.serve.workers.LocalGroups`` (this machine's ``WorkerGroup`` processes), with ``--ray`` this
 module's :class:`FleetGroups`. A :class:`RayGroup` has the ``WorkerGroup`` interface the sessions use
 (``send``, ``on_message``, ``ready``, ``info``, ``session_id``, ``free``, ``restart``, ``stop``), and the

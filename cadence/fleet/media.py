@@ -52,7 +52,7 @@ from cadence.fleet.messages import (
     OpenMedia,
 )
 from cadence.serve.agents import make_agent
-from cadence.serve.app import SessionManager
+from cadence.serve.manager import SessionManager
 from cadence.serve.rtc import use_ice_host_addresses
 from cadence.serve.session import LiveSession
 

@@ -1,7 +1,7 @@
 """A front end's session whose WebRTC ends on its group's node (``--fleet-media group``):
 :class:`GroupMediaSession`.
 
-The session manager (``cadence.serve.app.SessionManager``) admits, validates and keeps the session as it
+The session manager (``cadence.serve.manager.SessionManager``) admits, validates and keeps the session as it
 keeps a ``LiveSession`` (same routes, same JSON, same errors), but this object holds no peer connection,
 tracks, scheduler or buffer: those run in the group actor (``cadence.fleet.media``), which answers the SDP
 offer. This side forwards the API's requests (``/say``, ``/audio``, ``/interrupt``, ``/prompt``, the

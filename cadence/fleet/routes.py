@@ -17,7 +17,7 @@ def add_fleet_routes(app, mgr, api_error, bearer) -> None:
 
     @app.get("/fleet", summary="The fleet: groups, their state, sessions, free capacity (operator key)")
     async def fleet(request: Request):
-        mgr.require_operator(bearer(request), "the fleet's state")
+        mgr.access.require_operator(bearer(request), "the fleet's state")
         try:
             await src.sync()  # (fresh: an operator's view, not the last heartbeat's)
         except Exception as e:  # the registry is restarting: the last heartbeat's view, marked stale
@@ -25,7 +25,7 @@ def add_fleet_routes(app, mgr, api_error, bearer) -> None:
         return {"frontend": src.frontend_id, **src.snapshot}
 
     async def _drain(name: str, request: Request, on: bool) -> dict:
-        mgr.require_operator(bearer(request), "draining a group")
+        mgr.access.require_operator(bearer(request), "draining a group")
         if not await src.drain(name, on):
             raise api_error(404, f"no group {name!r} in the fleet")
         await src.sync()
