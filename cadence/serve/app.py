@@ -25,17 +25,21 @@ The server's parts, one job per file:
 * :mod:`cadence.serve.session`   one live session (scheduler, stats, tracks), :mod:`cadence.serve.workers`
   the worker processes.
 
-This module assembles them: :func:`create_app`.
+This module assembles them: :func:`create_app`, given the groups' source and the routes to add beside the
+server's own (the seams of :mod:`cadence.serve.ports`; by default those ``cfg`` names: this machine's
+groups, or with ``cfg.fleet`` a Ray fleet's groups and its ``/fleet`` routes).
 """
 
 import logging
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from cadence.serve.config import ServeConfig
-from cadence.serve.guard import ApiError, bearer, install_guard
-from cadence.serve.manager import SessionManager
+from cadence.serve.guard import install_guard
+from cadence.serve.manager import SessionManager, group_source
 from cadence.serve.openapi import RouteDocs, install_openapi
+from cadence.serve.ports import ExtraRoutes, GroupSource
 
 log = logging.getLogger("cadence.serve")
 STATIC = Path(__file__).parent / "static"
@@ -47,9 +51,16 @@ DESCRIPTION = (
 )
 
 
-def create_app(cfg: ServeConfig | None = None):
-    """The FastAPI app of a server configured by ``cfg``: its session manager started and stopped with the
-    app (``lifespan``), the request guard, the routes, the OpenAPI document."""
+def create_app(
+    cfg: ServeConfig | None = None,
+    *,
+    source: GroupSource | None = None,
+    routes: Sequence[ExtraRoutes] | None = None,
+):
+    """The FastAPI app of a server configured by ``cfg``, whose sessions run on the groups of ``source``
+    (default: those ``cfg`` names, ``cadence.serve.manager.group_source``) and which serves ``routes`` beside
+    its own (default: a fleet's operator routes with ``cfg.fleet``, else none): its session manager started
+    and stopped with the app (``lifespan``), the request guard, the routes, the OpenAPI document."""
     from fastapi import FastAPI
 
     from cadence.serve.routes import add_routes
@@ -61,11 +72,14 @@ def create_app(cfg: ServeConfig | None = None):
             "who reaches this address can start sessions; use --api-key-file PATH",
             cfg.host,
         )
-    mgr = SessionManager(cfg)
+    source = source if source is not None else group_source(cfg)
+    if routes is None:  # a fleet's: GET /fleet, POST|DELETE /fleet/groups/{name}/drain
+        routes = [cfg.fleet.routes(source)] if cfg.fleet is not None else []
+    mgr = SessionManager(cfg, source)
     app = FastAPI(title="cadence", version="0.1.0", lifespan=_lifespan(mgr), description=DESCRIPTION)
     app.state.manager = mgr
-    if cfg.fleet is not None:  # GET /fleet, POST|DELETE /fleet/groups/{name}/drain (FleetConfig.add_routes)
-        cfg.fleet.add_routes(app, mgr, ApiError, bearer)
+    for add in routes:  # (ahead of the server's own: the OpenAPI document lists them first)
+        add(app, mgr.access)
     install_guard(app, cfg, mgr.metrics)
     add_routes(app, mgr, RouteDocs(cfg), STATIC)
     install_openapi(app, cfg)

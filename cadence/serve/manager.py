@@ -11,9 +11,12 @@ looked at (``cadence.serve.uploads``). An offer that never connects is closed af
 (10 s; the session's watchdog). A closed session's report is kept ``report_ttl_s`` (at most
 ``max_reports``), and its token opens it for as long.
 
-The manager is the host the sessions report to (``cfg``, ``metrics``, ``background``, ``worker_speed``,
-``release_group``, ``session_closed``). It imports no torch, and no FastAPI: the routes
-(``cadence.serve.routes``) call it; ``create_local`` opens a session in process with no WebRTC (Pipecat).
+The seams are declared in :mod:`cadence.serve.ports`: the manager takes a ``GroupSource`` (given, or the one
+``cfg`` names: :func:`group_source`), builds each new session with the source's ``session_factory(group)``
+(a ``SessionPort``: ``LiveSession``, or a fleet's own class) and is the ``SessionHost`` the sessions report
+to (``cfg``, ``metrics``, ``background``, ``release``, ``session_closed``). It imports no torch, and no
+FastAPI: the routes (``cadence.serve.routes``) call it; ``create_local`` opens a session in process with no
+WebRTC (Pipecat).
 """
 
 from __future__ import annotations
@@ -29,14 +32,15 @@ import uuid
 import numpy as np
 from aiortc.exceptions import InvalidAccessError, OperationError
 
-from cadence.engine.messages import CloseSession, Died
+from cadence.engine.messages import Died
 from cadence.errors import InputError
 from cadence.serve.agent import espeak_binary
 from cadence.serve.agents import make_agent
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
 from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
+from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
-from cadence.serve.session import LiveSession
+from cadence.serve.session import LiveSession, worker_speed
 from cadence.serve.uploads import ImageDecoder
 from cadence.serve.workers import LocalGroups, WorkerGroup
 from cadence.telemetry.metrics import ServeMetrics
@@ -44,28 +48,33 @@ from cadence.telemetry.metrics import ServeMetrics
 log = logging.getLogger("cadence.serve")
 
 
-class SessionManager:
-    """Worker groups, open sessions, closed sessions' reports, metrics."""
+def group_source(cfg: ServeConfig) -> GroupSource:
+    """The groups ``cfg`` names: a fleet's (``cfg.fleet``: ``cadence serve --ray``), else this machine's, one
+    :class:`~cadence.serve.workers.WorkerGroup` per entry of ``cfg.groups``."""
+    if cfg.fleet is not None:
+        return cfg.fleet.group_source(cfg)
+    e = engine_config(cfg)
+    frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
+    frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
+    groups = []
+    for i, dev in enumerate(cfg.groups):
+        spec, shm = worker_spec(cfg, dev, frame_bytes)
+        groups.append(WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm))
+    return LocalGroups(groups)
 
-    def __init__(self, cfg: ServeConfig):
+
+class SessionManager:
+    """Worker groups (from ``source``; default: :func:`group_source`), open sessions, closed sessions'
+    reports, metrics."""
+
+    def __init__(self, cfg: ServeConfig, source: GroupSource | None = None):
         self.cfg = cfg
         self.engine_cfg = e = engine_config(cfg)
         self.metrics = ServeMetrics()
         self.metrics.groups.set(len(cfg.groups))
-        frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
-        frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
-        if cfg.fleet is not None:  # cadence serve --ray: the groups of a Ray fleet (FleetConfig.group_source)
-            self.source = cfg.fleet.group_source(cfg, self.metrics)
-        else:
-            groups = []
-            for i, dev in enumerate(cfg.groups):
-                spec, shm = worker_spec(cfg, dev, frame_bytes)
-                groups.append(
-                    WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm)
-                )
-            self.source = LocalGroups(groups)
+        self.source = source if source is not None else group_source(cfg)
         self.groups = self.source.groups  # (a fleet's list is kept up to date in place)
-        self.sessions: dict[str, LiveSession] = {}
+        self.sessions: dict[str, SessionPort] = {}
         self.reports: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._report_times: dict[str, float] = {}
         self.background: set[asyncio.Task] = set()
@@ -83,7 +92,7 @@ class SessionManager:
         self.loop = asyncio.get_running_loop()
         self.images.start()
         use_ice_host_addresses(self.cfg.ice_host_addresses)
-        await self.source.start(self._route, self.cfg.worker_start_timeout_s)
+        await self.source.start(self._route, self.metrics, self.cfg.worker_start_timeout_s)
         self.started = True
         log.info(
             "cadence serve: preset %s, %d group(s) %s, lead %s ms",
@@ -93,30 +102,14 @@ class SessionManager:
             [round(self.lead_ms(g), 1) for g in self.groups],
         )
 
-    def lead_ms(self, g: WorkerGroup) -> float:
-        """How long before a chunk is due the scheduler hands it to group ``g``'s worker (at a session's
-        start): ``lead_ms``, raised (``lead_auto``) to the worker's measured chunk latency x (1 + lead_margin)
-        + 20 ms. The lower this is, the sooner speech reaches the screen; it cannot go below one chunk's
-        work (the session's planner raises it further if chunks come back slower)."""
-        return self.worker_speed(g)[0] * 1e3
+    def lead_ms(self, g: GroupPort) -> float:
+        """How long before a chunk is due the scheduler hands it to group ``g``'s worker at a session's start
+        (``cadence.serve.session.worker_speed``), in ms."""
+        return self.worker_speed(g).lead * 1e3
 
-    def worker_speed(self, g: WorkerGroup) -> tuple[float, float, float]:
-        """``(lead, latency, interval)`` in seconds for a new session on group ``g``: the lead (see
-        ``lead_ms``), the latency of one chunk (plan -> frames back) and the sustained time per chunk, as the
-        worker's warm-up measured them (``lead_ms`` and one chunk period when it measured nothing)."""
-        chunk_s = self.engine_cfg.chunk_seconds
-        warm = (g.info.warmup if g.info is not None else None) or {}
-        latency = warm.get("steady_chunk_ms")
-        interval = warm.get("interval_ms")
-        lead = self.cfg.lead_ms
-        if latency:
-            # the web side's view: + the pipe and the event loop (+ a fleet group's Ray hop: transport_s)
-            latency = latency / 1e3 + 0.01 + getattr(g, "transport_s", 0.0)
-            if self.cfg.lead_auto:
-                lead = max(lead, (latency * (1 + self.cfg.lead_margin) + 0.02) * 1e3)
-        else:
-            latency = min(self.cfg.lead_ms / 1e3, chunk_s)
-        return lead / 1e3, latency, (interval / 1e3 if interval else min(latency, chunk_s))
+    def worker_speed(self, g: GroupPort) -> WorkerSpeed:
+        """How a new session on group ``g`` plans (``cadence.serve.session.worker_speed``)."""
+        return worker_speed(self.cfg, self.engine_cfg.chunk_seconds, g)
 
     async def stop(self, timeout: float = 20.0) -> None:
         """Close every session, wait for the background work (closes, worker restarts), stop the
@@ -146,7 +139,7 @@ class SessionManager:
         use_ice_host_addresses(None)
         self.started = False
 
-    def _route(self, g: WorkerGroup, msg) -> None:
+    def _route(self, g: GroupPort, msg) -> None:
         sess = self.sessions.get(g.session_id) if g.session_id else None
         if isinstance(msg, Died):
             if self.stopping:  # the server is going down: nothing to restart
@@ -169,22 +162,11 @@ class SessionManager:
         t.add_done_callback(self.background.discard)
 
     # ---- the sessions' host ---------------------------------------------------------------------
-    async def release_group(self, sess: LiveSession) -> None:
-        g = sess.group
-        if g.session_id != sess.sid:
-            return
-        ok = False
-        if g.ready.is_set():
-            ack = sess._closed_ack = asyncio.get_running_loop().create_future()
-            g.send(CloseSession(sess.sid))
-            await asyncio.wait({ack}, timeout=10.0)
-            ok = ack.done() and not ack.cancelled() and ack.result() is True
-        if not ok:
-            log.warning("worker %d did not release session %s: restarting it", g.index, sess.sid)
-            await g.restart()
-        self.source.release(g, sess.sid)
+    def release(self, group: GroupPort, sid: str) -> None:
+        """Session ``sid`` is done with ``group``: back to the source (a fleet: the claim to the registry)."""
+        self.source.release(group, sid)
 
-    def session_closed(self, sess: LiveSession, report: dict) -> None:
+    def session_closed(self, sess: SessionPort, report: dict) -> None:
         self.sessions.pop(sess.sid, None)
         self.clients.pop(sess.sid, None)
         self.metrics.remove_session(sess.sid)
@@ -211,7 +193,7 @@ class SessionManager:
             else:
                 break
 
-    def get_open(self, sid: str) -> LiveSession:
+    def get_open(self, sid: str) -> SessionPort:
         s = self.sessions.get(sid)
         if s is not None and s.state not in ("closing", "closed"):
             return s
@@ -229,7 +211,7 @@ class SessionManager:
         self.access.require_session(sid, credential)
 
     # ---- admission ------------------------------------------------------------------------------------
-    def acquire(self) -> WorkerGroup | None:
+    def acquire(self) -> GroupPort | None:
         return self.source.acquire()
 
     def retry_after(self) -> int:
@@ -251,7 +233,7 @@ class SessionManager:
             n += s is None or s.state in ("starting", "connecting")
         return n
 
-    def reserve(self, client: str) -> tuple[WorkerGroup, str]:
+    def reserve(self, client: str) -> tuple[GroupPort, str]:
         """Admit a new session from ``client`` or raise: 429 (+ Retry-After) when the client already has
         ``max_pending_offers_per_client`` sessions waiting to connect, 503 (+ Retry-After) when no group
         is free. The group is held for the new id at once (nothing awaits in between), so an image
@@ -280,7 +262,7 @@ class SessionManager:
         self.clients[sid] = client
         return g, sid
 
-    def unreserve(self, g: WorkerGroup, sid: str) -> None:
+    def unreserve(self, g: GroupPort, sid: str) -> None:
         self.source.release(g, sid)
         self.clients.pop(sid, None)
 
@@ -359,10 +341,7 @@ class SessionManager:
             self.unreserve(g, sid)
             raise
         token = self.access.issue(sid)
-        # (a fleet group whose own node terminates WebRTC gives its own session class: cadence.fleet.remote)
-        sess = (getattr(g, "session_factory", None) or LiveSession)(
-            self, sid, g, ag, self.engine_cfg, prompt, seed
-        )
+        sess = self.source.session_factory(g)(self, sid, g, ag, self.engine_cfg, prompt, seed)
         sess.t_created = t_request
         self.sessions[sid] = sess
         self.metrics.active.set(len(self.sessions))

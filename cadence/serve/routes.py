@@ -6,7 +6,6 @@ the session manager (``cadence.serve.manager``); what each answers is documented
 """
 
 import asyncio
-import inspect
 import time
 
 from fastapi import Request
@@ -163,10 +162,7 @@ class SessionApi:
             raise ApiError(400, "missing 'prompt' (a non-empty string)")
         s = self.mgr.get_open(sid)
         s.touch()
-        from_chunk = s.set_prompt(prompt)
-        if inspect.isawaitable(from_chunk):  # (a session whose media runs on its fleet group: asked there)
-            from_chunk = await from_chunk
-        return {"session_id": sid, "from_chunk": from_chunk}
+        return {"session_id": sid, "from_chunk": await s.set_prompt(prompt)}
 
     async def push_audio(self, sid: str, request: Request):
         self.mgr.authorize(sid, bearer(request))

@@ -32,7 +32,7 @@ from cadence.serve.guard import ApiError, parse_json, short, str_field
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
 
 
-# ---- the session request's body -----------------------------------------------------------------------------
+# ---- the session request's body ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ async def _form_body(request, max_image_bytes: int) -> SessionBody:
     return SessionBody(fields, image_bytes, form=True)
 
 
-# ---- the reference image ------------------------------------------------------------------------------------
+# ---- the reference image -----------------------------------------------------------------------------------
 
 _malloc_trim = None
 
@@ -203,7 +203,7 @@ class ImageDecoder:
             )
 
 
-# ---- speech audio -------------------------------------------------------------------------------------------
+# ---- speech audio ------------------------------------------------------------------------------------------
 
 
 async def decode_speech(data: bytes, limit: int) -> np.ndarray:
