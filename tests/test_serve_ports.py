@@ -27,6 +27,7 @@ from cadence.serve import ports
 from cadence.serve.agents import make_agent
 from cadence.serve.config import ServeConfig, engine_config
 from cadence.serve.manager import SessionManager
+from cadence.serve.openapi import CREATED
 from cadence.serve.session import LiveSession
 from cadence.serve.workers import LocalGroups, WorkerGroup
 
@@ -210,5 +211,7 @@ def test_each_source_says_which_session_class_a_group_gets_and_the_manager_build
     finally:
         s.wg.ready.clear()
         s.wg.session_id = None
-    assert built == [(mgr, s.wg, "hi", 7)] and created["sdp"] == "v=0 answer"
-    assert mgr.sessions[created["session_id"]].t_created == 1.0
+    assert built == [(mgr, s.wg, "hi", 7)] and (created.sdp, created.type) == ("v=0 answer", "answer")
+    assert mgr.sessions[created.session_id].t_created == 1.0
+    # the answer's JSON: the documented fields, in the documented order
+    assert list(created.as_json()) == list(CREATED["properties"]) and created.as_json()["preset"] == "tiny"

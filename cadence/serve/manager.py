@@ -28,6 +28,7 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import asdict, dataclass
 
 import numpy as np
 from aiortc.exceptions import InvalidAccessError, OperationError
@@ -46,6 +47,25 @@ from cadence.serve.workers import LocalGroups, WorkerGroup
 from cadence.telemetry.metrics import ServeMetrics
 
 log = logging.getLogger("cadence.serve")
+
+
+@dataclass(frozen=True)
+class SessionCreated:
+    """What ``POST /sessions`` answers (201): the session's id and token (shown only here), the SDP answer,
+    and what the client will receive. :meth:`as_json` is the body, in this order (``openapi.CREATED``)."""
+
+    session_id: str
+    token: str
+    sdp: str
+    type: str
+    agent: str
+    preset: str
+    fps: int
+    width: int
+    height: int
+
+    def as_json(self) -> dict:
+        return asdict(self)
 
 
 def group_source(cfg: ServeConfig) -> GroupSource:
@@ -323,7 +343,7 @@ class SessionManager:
         seed: int,
         t_request: float,
         client: str = "unknown",
-    ) -> dict:
+    ) -> SessionCreated:
         """Check the request, admit it (429 / 503), decode its image, start the session. The answer carries
         the session's token, which only this answer ever shows."""
         ag = self.new_agent(agent)
@@ -346,17 +366,18 @@ class SessionManager:
         self.sessions[sid] = sess
         self.metrics.active.set(len(self.sessions))
         answer = await self._answer(sess, image, sdp, sdp_type)
-        return {
-            "session_id": sid,
-            "token": token,
-            "sdp": answer.sdp,
-            "type": answer.type,
-            "agent": ag.name,
-            "preset": self.engine_cfg.name,
-            "fps": self.engine_cfg.stream.fps,
-            "width": self.engine_cfg.stream.width,
-            "height": self.engine_cfg.stream.height,
-        }
+        e = self.engine_cfg
+        return SessionCreated(
+            sid,
+            token,
+            answer.sdp,
+            answer.type,
+            ag.name,
+            e.name,
+            e.stream.fps,
+            e.stream.width,
+            e.stream.height,
+        )
 
     async def _answer(self, sess, image, sdp: str, sdp_type: str):
         """Start ``sess`` and answer its offer; a failure closes it and is the request's refusal (400 for an

@@ -109,7 +109,7 @@ class SessionApi:
             t_request=t_request,
             client=request.client.host if request.client else "unknown",
         )
-        return JSONResponse(created, status_code=201)
+        return JSONResponse(created.as_json(), status_code=201)
 
     async def list_sessions(self, request: Request):
         self.mgr.access.require_operator(bearer(request), "the session list")
