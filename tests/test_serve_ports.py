@@ -10,6 +10,7 @@ decide: which session class a source gives, and that the manager builds a sessio
 
 import asyncio
 import inspect
+import re
 import types
 import typing
 
@@ -24,6 +25,7 @@ from cadence.fleet.media import GroupView, MediaHost
 from cadence.fleet.messages import MediaSettings
 from cadence.fleet.remote import GroupMediaSession, RemoteAgent
 from cadence.serve import ports
+from cadence.serve.agent import Agent
 from cadence.serve.agents import make_agent
 from cadence.serve.config import ServeConfig, engine_config
 from cadence.serve.manager import SessionManager
@@ -141,6 +143,19 @@ def sides():
         loop.close()
 
 
+def _documented() -> set[tuple[str, str]]:
+    """(Protocol, implementation) as the table of ``cadence.serve.ports``' docstring gives them."""
+    out, proto = set(), None
+    for line in ports.__doc__.splitlines():
+        head = re.match(r"^    ([A-Z]\w+)\s", line)
+        if head:
+            proto = head.group(1)
+        impls = re.match(r"^\s+-> (.+)$", line)
+        if impls:
+            out |= {(proto, name.strip()) for name in impls.group(1).split(",")}
+    return out
+
+
 def test_every_implementation_has_its_protocols_members(sides):
     s = sides
     cases = [
@@ -155,12 +170,16 @@ def test_every_implementation_has_its_protocols_members(sides):
         (ports.SessionHost, MediaHost, s.host),
         (ports.SessionPort, LiveSession, s.live),
         (ports.SessionPort, GroupMediaSession, s.remote),
-        (ports.SessionAgent, type(s.live.agent), s.live.agent),
+        (ports.SessionAgent, Agent, s.live.agent),
         (ports.SessionAgent, RemoteAgent, s.remote.agent),
         (ports.SessionSettings, ServeConfig, s.cfg),
         (ports.SessionSettings, MediaSettings, MediaSettings()),
         (ports.Fleet, FleetConfig, FleetConfig(address="unused")),
     ]
+    tested = {
+        (p.__name__, f"{impl.__module__.removeprefix('cadence.')}.{impl.__name__}") for p, impl, _ in cases
+    }
+    assert tested == _documented()  # the docstring's table is what is checked here, row for row
     bad = {
         f"{impl.__name__} as {proto.__name__}": m
         for proto, impl, obj in cases

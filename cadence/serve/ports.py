@@ -1,6 +1,7 @@
 """The seams between the server and what it runs on, declared: ``typing.Protocol`` classes that the local
 side (``cadence.serve``) and the Ray side (``cadence.fleet``) implement. Nothing here runs; it says who may
-rely on what, and ``tests/test_serve_ports.py`` holds every implementation below against its Protocol.
+rely on what, and ``tests/test_serve_ports.py`` holds every implementation below against its Protocol (the
+table is read from this docstring).
 
     SessionGroup  a worker group as the session on it sees it (send, restart, ready, the warm-up's info)
                   -> serve.workers.WorkerGroup, fleet.frontend.RayGroup, fleet.media.GroupView
@@ -14,12 +15,19 @@ rely on what, and ``tests/test_serve_ports.py`` holds every implementation below
                   -> serve.manager.SessionManager, fleet.media.MediaHost
     SessionPort   a session as the manager and the routes use it
                   -> serve.session.LiveSession, fleet.remote.GroupMediaSession
+    SessionAgent  a session's agent as the routes use it (speak, interrupt, what is queued)
+                  -> serve.agent.Agent, fleet.remote.RemoteAgent
+    SessionSettings  the serving settings a session reads
+                  -> serve.config.ServeConfig, fleet.messages.MediaSettings
     Fleet         what ``ServeConfig.fleet`` holds: a fleet's group source and its extra routes
                   -> fleet.config.FleetConfig
 
+(``SessionFactory``: a session class, called with what a new session needs; ``WorkerSpeed``: how a new
+session plans with its group's worker.)
+
 The two sides meet only here: the manager takes a ``GroupSource`` and builds each session with the
-source's ``session_factory``; a session talks to a ``SessionHost`` and its ``SessionGroup``, never to the
-class behind them. ``cadence.serve`` never imports ``cadence.fleet`` (the layers, ``tests/test_layers.py``):
+source's ``session_factory``; a ``LiveSession`` talks to a ``SessionHost`` and its ``SessionGroup``, never to
+the class behind them (a fleet's ``GroupMediaSession`` also uses its ``RayGroup``: the fleet's own class). ``cadence.serve`` never imports ``cadence.fleet`` (the layers, ``tests/test_layers.py``):
 ``ServeConfig.fleet`` is typed by :class:`Fleet`, which ``FleetConfig`` implements.
 
 Torch-free, FastAPI-free, and it imports no module of ``cadence.serve`` (``cadence.serve.config`` imports it).

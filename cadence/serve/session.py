@@ -10,8 +10,8 @@ status and the report; the tracks (``cadence.serve.rtc``) read a :class:`~cadenc
 48000 x F / fps samples per chunk (4 / 8,000 at the tiny presets, 12 / 24,000 at W1.3).
 
 The media clock starts when a track first asks for media *and* the first chunk is here (bounded by
-``clock_start_timeout_s``): a session whose first chunk takes longer than the WebRTC connection (W1.3:
-one ~400 ms chunk) starts on a full chunk instead of beginning behind, with underruns.
+``clock_start_timeout_s``): a session whose first chunk takes longer than the WebRTC connection (one
+W1.3 chunk can) starts on a full chunk instead of beginning behind, with underruns.
 
 A worker slower than real time (a slow CPU, a loaded machine): the scheduler asks it only for the
 chunks it can return before they are due; the others play their audio over the last frame. The status
