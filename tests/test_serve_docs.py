@@ -3,7 +3,7 @@
 * Every dotted name ``cadence.x.y[.Name[.member]]`` in a docstring of ``cadence/serve``, ``cadence/fleet`` or
   ``cadence/devtools`` (module, class, function) resolves: to a module, a name defined (or imported) at its
   top level, or a member of a class there. Read with ``ast``: nothing is imported.
-* The route table of ``cadence.serve.app``'s docstring is the server's routes (``cadence.serve.routes.ROUTES``).
+* The route table of ``cadence.serve.app``'s docstring is the server's routes (``cadence.serve.routes``).
 """
 
 import ast

@@ -27,8 +27,9 @@ session plans with its group's worker.)
 
 The two sides meet only here: the manager takes a ``GroupSource`` and builds each session with the
 source's ``session_factory``; a ``LiveSession`` talks to a ``SessionHost`` and its ``SessionGroup``, never to
-the class behind them (a fleet's ``GroupMediaSession`` also uses its ``RayGroup``: the fleet's own class). ``cadence.serve`` never imports ``cadence.fleet`` (the layers, ``tests/test_layers.py``):
-``ServeConfig.fleet`` is typed by :class:`Fleet`, which ``FleetConfig`` implements.
+the class behind them (a fleet's ``GroupMediaSession`` also uses its ``RayGroup``: the fleet's own class).
+``cadence.serve`` never imports ``cadence.fleet`` (the layers, ``tests/test_layers.py``): ``ServeConfig.fleet``
+is typed by :class:`Fleet`, which ``FleetConfig`` implements.
 
 Torch-free, FastAPI-free, and it imports no module of ``cadence.serve`` (``cadence.serve.config`` imports it).
 """
