@@ -19,6 +19,8 @@ import pytest
 for _mod in ("fastapi", "aiortc", "prometheus_client"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
+from fastapi import Request
+
 from cadence.fleet.config import FleetConfig
 from cadence.fleet.frontend import FleetGroups, RayGroup
 from cadence.fleet.media import GroupView, MediaHost
@@ -234,3 +236,34 @@ def test_each_source_says_which_session_class_a_group_gets_and_the_manager_build
     assert mgr.sessions[created.session_id].t_created == 1.0
     # the answer's JSON: the documented fields, in the documented order
     assert list(created.as_json()) == list(CREATED["properties"]) and created.as_json()["preset"] == "tiny"
+
+
+def test_the_app_is_built_with_the_source_and_the_routes_it_is_given(sides):
+    """``create_app(cfg, source=, routes=)``: the manager serves on that source, and each extra route set is
+    added with the server's ``Access`` (the operator key's check), ahead of the server's own routes."""
+    from fastapi.testclient import TestClient
+
+    from cadence.serve.app import create_app
+    from cadence.serve.guard import bearer
+
+    source = LocalGroups([sides.wg])
+    given = []
+
+    def extra(app, access):
+        given.append(access)
+
+        @app.get("/extra")
+        async def extra_route(request: Request):
+            access.require_operator(bearer(request), "the extra route")
+            return {"ok": True}
+
+    key = "k" * 40
+    app = create_app(ServeConfig(preset="tiny", api_key=key), source=source, routes=[extra])
+    mgr = app.state.manager
+    assert mgr.source is source and given == [mgr.access]
+    assert next(iter(app.openapi()["paths"])) == "/extra"
+    client = TestClient(app)  # (no lifespan: nothing starts)
+    assert client.get("/extra").status_code == 401
+    assert client.get("/extra", headers={"authorization": f"Bearer {key}"}).json() == {"ok": True}
+    # and without routes given, a server without a fleet has none beyond its own
+    assert "/extra" not in create_app(ServeConfig(preset="tiny"), source=source).openapi()["paths"]
