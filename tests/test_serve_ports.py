@@ -211,8 +211,7 @@ def test_each_source_says_which_session_class_a_group_gets_and_the_manager_build
         async def start(self, image, sdp, sdp_type):
             return types.SimpleNamespace(sdp="v=0 answer", type="answer")
 
-    source = LocalGroups([s.wg])
-    source.session_factory = lambda group: Stub
+    source = LocalGroups([s.wg], Stub)
     mgr = SessionManager(s.cfg, source)
     assert mgr.source is source and mgr.groups is source.groups
     s.wg.ready.set()  # (free: ready and holding no session; no process behind it)
@@ -246,7 +245,7 @@ def test_the_app_is_built_with_the_source_and_the_routes_it_is_given(sides):
     from cadence.serve.app import create_app
     from cadence.serve.guard import bearer
 
-    source = LocalGroups([sides.wg])
+    source = LocalGroups([sides.wg], LiveSession)
     given = []
 
     def extra(app, access):

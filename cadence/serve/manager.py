@@ -80,7 +80,7 @@ def group_source(cfg: ServeConfig) -> GroupSource:
     for i, dev in enumerate(cfg.groups):
         spec, shm = worker_spec(cfg, dev, frame_bytes)
         groups.append(WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm))
-    return LocalGroups(groups)
+    return LocalGroups(groups, LiveSession)
 
 
 class SessionManager:

@@ -286,12 +286,15 @@ class WorkerGroup:
 
 
 class LocalGroups:
-    """The single-machine group source: this machine's :class:`WorkerGroup` processes, one session each."""
+    """The single-machine group source: this machine's :class:`WorkerGroup` processes, one session each, every
+    session of class ``session_class`` (``cadence.serve.manager.group_source`` gives ``LiveSession``: the
+    media in this process; passed in, so that this module, which a fleet's group actor imports, needs none of
+    the session's media code)."""
 
     fleet = False
 
-    def __init__(self, groups: list[WorkerGroup]):
-        self.groups = groups
+    def __init__(self, groups: list[WorkerGroup], session_class):
+        self.groups, self.session_class = groups, session_class
 
     async def start(self, route: Callable, metrics, timeout_s: float) -> None:
         """Start every group; return when all are ready (RuntimeError: one failed, or the timeout). (The
@@ -334,11 +337,8 @@ class LocalGroups:
         return None
 
     def session_factory(self, group: WorkerGroup):
-        """Every session here is a ``LiveSession``: its media runs in this process."""
-        from cadence.serve.session import LiveSession  # (aiortc: not for a fleet's group actor, which runs
-        #                                                 WorkerGroup and never a session in frontend mode)
-
-        return LiveSession
+        """Every session here is of the one class the source was built with."""
+        return self.session_class
 
 
 def _call(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:
