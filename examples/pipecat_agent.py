@@ -61,8 +61,8 @@ from pipecat.workers.runner import WorkerRunner
 
 from cadence.integrations.pipecat import CadenceVideoService, use_wall_clock_video_timestamps
 from cadence.serve.agent import synthesize
-from cadence.serve.app import SessionManager
 from cadence.serve.config import ServeConfig
+from cadence.serve.manager import SessionManager
 from cadence.serve.rtc import use_ice_host_addresses
 
 log = logging.getLogger("cadence.example")

@@ -28,12 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (this checkout's cadence, installed or not)
 
+from cadence.devtools.testing import BackgroundClient
 from cadence.fleet.cluster import LocalCluster
 from cadence.fleet.config import FleetConfig
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
 from cadence.serve.session import LiveSession
-from cadence.serve.testing import BackgroundClient
 
 TCK = os.sysconf("SC_CLK_TCK")
 
@@ -92,7 +92,7 @@ def serve_config(mode: str, groups: int):
 
 def clients_main(url: str, n: int, seconds: float) -> None:
     """(In the clients' process.) ``n`` aiortc clients at once; one JSON line per session on stdout."""
-    from cadence.serve.client import run_client
+    from cadence.devtools.client import run_client
 
     async def all_of():
         return await asyncio.gather(*(run_client(url, seconds, connect_timeout=60.0) for _ in range(n)))

@@ -48,7 +48,7 @@ import pytest
 for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "multipart"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
-from cadence.serve.browser import STATS_JS, Chromium, chromium_path, get_json, open_page
+from cadence.devtools.browser import STATS_JS, Chromium, chromium_path, get_json, open_page
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
 

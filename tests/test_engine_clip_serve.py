@@ -14,7 +14,7 @@ pytest.importorskip("soxr")
 pytest.importorskip("transformers")
 pytest.importorskip("aiortc")
 
-from cadence.serve.client import run_client  # noqa: E402
+from cadence.devtools.client import run_client  # noqa: E402
 from cadence.serve.config import ServeConfig  # noqa: E402
 from cadence.serve.server import ServerThread  # noqa: E402
 

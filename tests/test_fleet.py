@@ -246,10 +246,10 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
     import httpx
     import ray
 
+    from cadence.devtools.testing import BackgroundClient, offer_sdp
     from cadence.fleet.cluster import LocalCluster
     from cadence.serve.config import ServeConfig
     from cadence.serve.server import ServerThread
-    from cadence.serve.testing import BackgroundClient, offer_sdp
 
     t0 = time.monotonic()
     cluster = LocalCluster(num_cpus=1)

@@ -262,10 +262,10 @@ def _speech(seconds: float = 1.0) -> bytes:
 def test_group_media_streams_from_the_group_actor_not_the_front_end(group_media_fleet, monkeypatch):
     import httpx
 
+    from cadence.devtools.testing import BackgroundClient, offer_sdp
     from cadence.fleet.frontend import RayGroup
     from cadence.fleet.remote import GroupMediaSession
     from cadence.serve import rtc
-    from cadence.serve.testing import BackgroundClient, offer_sdp
 
     srv = group_media_fleet
     f = _fleet(srv)
@@ -388,7 +388,7 @@ def test_group_media_streams_from_the_group_actor_not_the_front_end(group_media_
 def test_group_media_session_ends_with_one_error_when_its_group_dies(group_media_fleet):
     import httpx
 
-    from cadence.serve.testing import BackgroundClient
+    from cadence.devtools.testing import BackgroundClient
 
     srv = group_media_fleet
     (g,) = wait_for(lambda: [x for x in _fleet(srv)["groups"] if x["free"]], 60, "the group up and free")

@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"engine", "parallel"},  # the one engine and tensor parallelism
     {"serve"},  # the live server (web side and its session logic)
     {"fleet"},  # its groups on a Ray fleet (serve holds a FleetConfig and calls it: no import upward)
+    {"devtools"},  # clients that drive the server from outside: WebRTC client, headless browser, test helpers
     {"bench", "train", "eval", "integrations"},  # benchmarks, training, the quality harness, Cadence inside
     #                                                other frameworks (Pipecat): drive everything below
     {"cli", "__main__"},  # the entry point dispatches to everything
@@ -147,6 +148,8 @@ def test_the_web_app_imports_no_torch():
     proxy) never imports torch; the worker processes do (cadence.engine.worker)."""
     code = (
         "import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config, "
+        "cadence.serve.manager, cadence.serve.routes, cadence.serve.guard, cadence.serve.uploads, "
+        "cadence.serve.openapi, "
         "cadence.fleet.frontend, cadence.fleet.state, cadence.fleet.group; "
         "print('torch' in sys.modules); sys.exit(1 if 'torch' in sys.modules else 0)"
     )
@@ -169,13 +172,14 @@ def test_an_uploaded_image_is_decoded_without_torch(tmp_path):
     ).save(png)
     code = (
         "import sys, types, numpy as np\n"
-        "from cadence.serve.app import ApiError, _decode_image\n"
+        "from cadence.serve.guard import ApiError\n"
+        "from cadence.serve.uploads import decode_image\n"
         "cfg = types.SimpleNamespace(stream=types.SimpleNamespace(height=16, width=24))\n"
         f"data = open({str(png)!r}, 'rb').read()\n"
-        "a = _decode_image(data, cfg, 10**6, 10**6)\n"
+        "a = decode_image(data, cfg, 10**6, 10**6)\n"
         "assert a.shape == (3, 16, 24) and a.dtype == np.float32 and -1 <= a.min() < a.max() <= 1, a.shape\n"
         "try:\n"
-        "    _decode_image(data, cfg, 10**6, 40 * 30 - 1)\n"
+        "    decode_image(data, cfg, 10**6, 40 * 30 - 1)\n"
         "except ApiError as e:\n"
         "    assert e.status == 413, e.status\n"
         "else:\n"

@@ -31,10 +31,10 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 
 import httpx
 
+from cadence.devtools.testing import offer_sdp
 from cadence.serve.app import create_app
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import offer_sdp
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -32,11 +32,11 @@ pytest.importorskip("pipecat", reason="the pipecat extra is not installed (pip i
 for _mod in ("fastapi", "uvicorn", "aiortc", "httpx", "onnxruntime"):
     pytest.importorskip(_mod, reason=f"{_mod} is not installed")
 
+from cadence.devtools.browser import AV_TAP_JS, Chromium, chromium_path, get_json, read_av_tap
+from cadence.devtools.testing import AppThread
 from cadence.eval.metrics import lagged_corr, mouth_opening, mouth_region
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
-from cadence.serve.browser import AV_TAP_JS, Chromium, chromium_path, get_json, read_av_tap
 from cadence.serve.config import ServeConfig
-from cadence.serve.testing import AppThread
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 

@@ -20,10 +20,10 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 
 import httpx
 
+from cadence.devtools.testing import BackgroundClient, offer_sdp
 from cadence.serve.agent import espeak_binary, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import BackgroundClient, offer_sdp
 
 pytestmark = pytest.mark.timeout(180)
 MAX_IMAGE = 200_000
@@ -129,9 +129,9 @@ def test_bad_session_requests_are_4xx_json(http, srv, monkeypatch):
     _err(http.post("/sessions", data={"sdp": sdp}, files={"image": ("huge.png", b"\0" * 12_000_000)}), 413)
     _err(http.post("/sessions", json={"sdp": sdp, "image_base64": "***"}), 400)
     # 'say' with no espeak-ng on the server: a clear 503
-    import cadence.serve.app as app_mod
+    import cadence.serve.manager as manager_mod
 
-    monkeypatch.setattr(app_mod, "espeak_binary", lambda: None)
+    monkeypatch.setattr(manager_mod, "espeak_binary", lambda: None)
     assert "espeak-ng" in _err(http.post("/sessions", json={"sdp": sdp, "agent": "say"}), 503)
     # unknown sessions
     for method, path in (
@@ -312,7 +312,7 @@ def test_video_streams_in_vp8_and_h264(http, srv, codec):
     is a 400, not a failed start."""
     import asyncio
 
-    from cadence.serve.client import run_client
+    from cadence.devtools.client import run_client
 
     res = asyncio.run(run_client(srv.url, 2.0, video_codec=codec))
     assert res.error is None, res.error

@@ -23,8 +23,8 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 
 from cadence.engine.messages import ChunkDone, ChunkTimings
 from cadence.serve.agents import make_agent
-from cadence.serve.app import SessionManager
 from cadence.serve.config import ServeConfig
+from cadence.serve.manager import SessionManager
 from cadence.serve.session import LiveSession
 
 pytestmark = pytest.mark.timeout(60)

@@ -398,7 +398,7 @@ def _info(warmup) -> WorkerInfo:
 
 def test_manager_lead_follows_the_measured_chunk_time():
     pytest.importorskip("prometheus_client")
-    from cadence.serve.app import SessionManager
+    from cadence.serve.manager import SessionManager
 
     mgr = SessionManager(ServeConfig(preset="tiny", overrides=TWELVE, lead_ms=100.0))
     g = mgr.groups[0]
@@ -421,7 +421,7 @@ def test_speech_goes_into_the_earliest_chunk_not_yet_planned():
     for mod in ("fastapi", "aiortc", "prometheus_client"):
         pytest.importorskip(mod)
     from cadence.serve.agents import make_agent
-    from cadence.serve.app import SessionManager
+    from cadence.serve.manager import SessionManager
     from cadence.serve.session import LiveSession
 
     async def main():
@@ -486,7 +486,7 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
 
     import httpx
 
-    from cadence.serve.client import run_client
+    from cadence.devtools.client import run_client
     from cadence.serve.server import ServerThread
 
     cfg = ServeConfig(
@@ -541,7 +541,7 @@ def test_a_worker_that_cannot_start_fails_startup_once_and_leaves_nothing_behind
     pytest.importorskip("aiortc")
     import multiprocessing
 
-    from cadence.serve.app import SessionManager
+    from cadence.serve.manager import SessionManager
 
     async def main():
         mgr = SessionManager(

@@ -45,7 +45,7 @@ def test_video_pacer_waits_then_skips_when_far_behind():
 
 
 def test_client_pts_gaps_count_skipped_frames_and_flag_broken_steps():
-    from cadence.serve.client import ClientResult
+    from cadence.devtools.client import ClientResult
 
     # frames 0, 1, 2, then the pacer jumps to 13 (11 periods: 10 skipped), decoder rounding by 1 tick
     r = ClientResult(video=[(0.0, 0), (0.0, 3750), (0.0, 7501), (0.0, 48750), (0.0, 52500)])
@@ -55,7 +55,7 @@ def test_client_pts_gaps_count_skipped_frames_and_flag_broken_steps():
 
 
 def test_client_media_fps_counts_frames_the_pacer_skipped_and_video_fps_does_not():
-    from cadence.serve.client import ClientResult
+    from cadence.devtools.client import ClientResult
 
     # 24 fps for 3 s, but 12 frames (0.5 s) skipped after a stall at 1.5 s: 61 frames received
     frames = [(k / 24, 3750 * k) for k in range(73) if not 36 <= k < 48]
@@ -70,7 +70,7 @@ def test_client_media_fps_counts_frames_the_pacer_skipped_and_video_fps_does_not
 
 
 def test_client_rates_are_not_fooled_by_a_stall_of_the_client():
-    from cadence.serve.client import ClientResult
+    from cadence.devtools.client import ClientResult
 
     # the server sends 24 fps for 4 s with 6 frames skipped at 2 s; the client stalls 0.45 s where the
     # 0.5 s skip ends, so frames 12..22 arrive in one burst at 0.95 s. Measured from the first and last

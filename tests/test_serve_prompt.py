@@ -11,7 +11,7 @@ import pytest
 for _mod in ("fastapi", "uvicorn", "aiortc", "httpx"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
-from cadence.serve.client import run_client
+from cadence.devtools.client import run_client
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
 

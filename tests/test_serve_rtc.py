@@ -17,10 +17,10 @@ import pytest
 for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "multipart"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
-from cadence.serve.client import run_client
+from cadence.devtools.client import run_client
+from cadence.devtools.testing import on_server_loop
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import on_server_loop
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -41,10 +41,10 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 
 import httpx
 
+from cadence.devtools.testing import BackgroundClient, offer_sdp
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import BackgroundClient, offer_sdp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -517,7 +517,7 @@ def _settled_rss_mb(below: float, timeout: float = 3.0) -> float:
     a leak does not. Returns the first reading under ``below``, or the last one after ``timeout``."""
     import gc
 
-    from cadence.serve.app import trim_memory
+    from cadence.serve.uploads import trim_memory
 
     deadline = time.monotonic() + timeout
     while True:
@@ -532,7 +532,8 @@ def _settled_rss_mb(below: float, timeout: float = 3.0) -> float:
 def test_image_header_is_read_before_any_pixel():
     """``image_size`` reads the size from the header (no pixel decoded): a 64 MP claim is refused in
     milliseconds, and the format list keeps Pillow's rarer plugins away from uploads."""
-    from cadence.serve.app import ApiError, image_size
+    from cadence.serve.guard import ApiError
+    from cadence.serve.uploads import image_size
 
     t = time.monotonic()
     with pytest.raises(ApiError) as e:

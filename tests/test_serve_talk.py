@@ -12,11 +12,11 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "httpx"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
 from cadence.bench.turn import voiced  # the voiced stand-in for a user's (or a TTS's) speech
+from cadence.devtools.client import run_client
+from cadence.devtools.testing import AppThread
 from cadence.serve.agent import SAMPLE_RATE, VoiceActivity, wav_bytes
-from cadence.serve.client import run_client
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
-from cadence.serve.testing import AppThread
 
 pytestmark = pytest.mark.timeout(180)
 

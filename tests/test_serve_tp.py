@@ -14,8 +14,8 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 
 import torch.distributed as dist
 
+from cadence.devtools.client import run_client
 from cadence.errors import ConfigError
-from cadence.serve.client import run_client
 from cadence.serve.config import ServeConfig
 
 ONE_LAYER = {

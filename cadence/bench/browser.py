@@ -4,7 +4,7 @@
     cadence bench browser --url http://127.0.0.1:8000 --seconds 60
 
 Starts ``cadence serve`` exactly as the README says (a separate process: ``python -m cadence serve``), opens
-its page in headless Chromium (``cadence.serve.browser``), presses Start (the page's ``window.cadence.start``:
+its page in headless Chromium (``cadence.devtools.browser``), presses Start (the page's ``window.cadence.start``:
 the fake microphone of Chromium drives the ``mirror`` agent), and every second reads what the page received:
 video frames decoded (``getStats`` inbound-rtp), frames presented on screen (``requestVideoFrameCallback``),
 audio samples received, and the fps and the "reduced" flag the page shows. After ``--seconds`` it stops
@@ -60,7 +60,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None:
-    from cadence.serve.browser import get_json
+    from cadence.devtools.browser import get_json
 
     deadline = time.monotonic() + timeout
     while True:
@@ -77,8 +77,8 @@ def _wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None
 
 
 def run(args: argparse.Namespace) -> dict:
+    from cadence.devtools.browser import STATS_JS, Chromium, get_json, open_page
     from cadence.net import free_port
-    from cadence.serve.browser import STATS_JS, Chromium, get_json, open_page
 
     proc = None
     url = args.url

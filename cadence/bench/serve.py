@@ -135,9 +135,9 @@ async def _drive(
 ):
     import httpx
 
+    from cadence.devtools.client import run_client
     from cadence.media import synthetic_speech
     from cadence.serve.agent import wav_bytes
-    from cadence.serve.client import run_client
 
     speech = wav_bytes(synthetic_speech(1.0, seed=1).numpy())
     api_key = os.environ.get("CADENCE_API_KEY") or None  # a --url server that needs its operator key

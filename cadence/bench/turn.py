@@ -84,7 +84,7 @@ class ScriptedEndpoint:
     def __init__(self):
         from fastapi import FastAPI
 
-        from cadence.serve.testing import AppThread
+        from cadence.devtools.testing import AppThread
 
         lines = itertools.cycle(SCRIPT)
         app = FastAPI()
@@ -155,9 +155,9 @@ def run_browser(url: str, seconds: float, mic: np.ndarray) -> tuple[dict, list[d
     import os
     import tempfile
 
+    from cadence.devtools.browser import AV_TAP_JS, Chromium, get_json, open_page, read_av_tap
     from cadence.eval.metrics import mouth_opening, mouth_region
     from cadence.serve.agent import wav_bytes
-    from cadence.serve.browser import AV_TAP_JS, Chromium, get_json, open_page, read_av_tap
 
     with tempfile.TemporaryDirectory() as tmp:
         wav = os.path.join(tmp, "user.wav")
@@ -229,9 +229,9 @@ def main(argv: list[str]) -> int:
     import torch
 
     from cadence.bench.common import print_table, record
+    from cadence.devtools.client import run_client
     from cadence.errors import CadenceError
     from cadence.serve.agent import VoiceActivity
-    from cadence.serve.client import run_client
     from cadence.serve.config import ServeConfig, serve_groups
     from cadence.serve.server import ServerThread
 

@@ -73,115 +73,130 @@ def _length(m: CapacityModel, rng: random.Random) -> float:
     return min(x, m.max_duration_s)
 
 
+class _Run:
+    """One simulation's state: the event heap, each group's holder, the FIFO queue, the counters."""
+
+    def __init__(self, m: CapacityModel, groups: int, sessions: int, seed: int, warmup: float):
+        self.m, self.groups, self.sessions = m, groups, sessions
+        self.rng = random.Random(seed)  # arrivals and lengths: the same with and without failures
+        self.frng = random.Random(seed + 1_000_003)  # failures: a stream of their own
+        self.events: list = []  # (time, seq, kind, a, b)
+        self.seq = 0
+        self.holder = [0] * groups  # 0 = free, -1 = down, else the session's id
+        self.ends: dict[int, float] = {}  # a running session's end
+        self.counted: set[int] = set()  # reconnects of counted sessions count too
+        self.next_id = sessions + 1
+        self.free: list[int] = list(
+            range(groups)
+        )  # a heap of free group indices (lowest first, as the registry)
+        self.queue: deque = deque()  # (session id, arrival time)
+        self.waits: list[float] = []
+        self.busy_time = 0.0
+        self.t_first: float | None = None
+        self.dropped = 0
+        self.counted_from = int(sessions * warmup)
+        self.started: dict[int, float] = {}
+        self.lengths: dict[int, float] = {}
+
+    def push(self, t: float, kind: str, a: int = 0, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, a, b))
+
+    def is_counted(self, sid: int) -> bool:
+        return sid > self.counted_from and (sid <= self.sessions or sid in self.counted)
+
+    def start(self, sid: int, t_arr: float, t: float, g: int) -> None:
+        self.holder[g] = sid
+        self.started[sid] = t
+        if self.is_counted(sid):
+            self.waits.append(t - t_arr)
+        self.ends[sid] = t + self.lengths.pop(sid)
+        self.push(self.ends[sid], "end", g, sid)
+
+    def take(self, t: float, g: int) -> None:
+        if self.queue:
+            sid, t_arr = self.queue.popleft()
+            self.start(sid, t_arr, t, g)
+        else:
+            self.holder[g] = 0
+            heapq.heappush(self.free, g)
+
+    def fail(self, t: float, g: int) -> None:
+        if self.holder[g] == -1:
+            return
+        if self.holder[g] > 0:  # the session ends with the error; its user reconnects at once for the rest
+            sid = self.holder[g]
+            if self.is_counted(sid):
+                self.dropped += 1
+                self.counted.add(self.next_id)
+            self.busy_time += t - self.started.pop(sid)
+            self.lengths[self.next_id] = max(0.0, self.ends.pop(sid) - t)
+            self.push(t, "arrive", self.next_id)
+            self.next_id += 1
+        else:
+            self.free.remove(g)
+            heapq.heapify(self.free)
+        self.holder[g] = -1
+        self.push(t + self.m.restart_s, "up", g)
+
+    def schedule(self) -> float:
+        """Every arrival (and each group's and node's first failure) on the heap; the last arrival's time."""
+        m, t = self.m, 0.0
+        for sid in range(1, self.sessions + 1):
+            t += self.rng.expovariate(m.arrival_per_s)
+            self.lengths[sid] = _length(m, self.rng)
+            self.push(t, "arrive", sid)
+        if m.group_mtbf_s > 0:
+            for g in range(self.groups):
+                self.push(self.frng.expovariate(1.0 / m.group_mtbf_s), "gfail", g)
+        if m.node_mtbf_s > 0:
+            for n in range(math.ceil(self.groups / m.groups_per_node)):
+                self.push(self.frng.expovariate(1.0 / m.node_mtbf_s), "nfail", n)
+        return t
+
+    def run(self) -> float:
+        """Play every event; the last session's end (utilization is over arrivals -> that)."""
+        m = self.m
+        t_last_arrival = t_end_busy = self.schedule()
+        while self.events:
+            t, _, kind, a, b = heapq.heappop(self.events)
+            if kind == "arrive":
+                if a == self.counted_from + 1:
+                    self.t_first = t
+                if self.free:
+                    self.start(a, t, t, heapq.heappop(self.free))
+                else:
+                    self.queue.append((a, t))
+            elif kind == "end":
+                if self.holder[a] == b:  # (a failure may have ended this session already)
+                    t_end_busy = max(t_end_busy, t)
+                    self.busy_time += t - self.started.pop(b)
+                    self.ends.pop(b, None)
+                    self.take(t, a)
+            elif kind == "up":
+                self.take(t, a)
+            elif t <= t_last_arrival:  # failures only while sessions arrive
+                if kind == "gfail":
+                    self.fail(t, a)
+                    self.push(t + m.restart_s + self.frng.expovariate(1.0 / m.group_mtbf_s), "gfail", a)
+                else:
+                    for g in range(a * m.groups_per_node, min(self.groups, (a + 1) * m.groups_per_node)):
+                        self.fail(t, g)
+                    self.push(t + m.restart_s + self.frng.expovariate(1.0 / m.node_mtbf_s), "nfail", a)
+        return t_end_busy
+
+
 def simulate(
     m: CapacityModel, groups: int, sessions: int = 50_000, seed: int = 0, warmup: float = 0.1
 ) -> dict:
     """Run ``sessions`` arrivals on ``groups`` groups; statistics over all but the first ``warmup`` share.
     Returns p_wait (share that waited at all), mean / p50 / p99 / max admission wait (s), utilization,
     dropped (sessions ended by a failure)."""
-    rng = random.Random(seed)  # arrivals and lengths: the same with and without failures
-    frng = random.Random(seed + 1_000_003)  # failures: a stream of their own
-    nodes = math.ceil(groups / m.groups_per_node)
-    events: list = []  # (time, seq, kind, a, b)
-    seq = 0
-
-    def push(t, kind, a=0, b=0):
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, a, b))
-
-    holder = [0] * groups  # 0 = free, -1 = down, else the session's id
-    ends: dict[int, float] = {}  # a running session's end
-    counted: set[int] = set()  # reconnects of counted sessions count too
-    next_id = sessions + 1
-    free: list[int] = list(range(groups))  # a heap of free group indices (lowest first, as the registry)
-    queue: deque = deque()  # (session id, arrival time)
-    waits: list[float] = []
-    busy_time = 0.0
-    t_first = None
-    dropped = 0
-    counted_from = int(sessions * warmup)
-    started: dict[int, float] = {}
-
-    lengths: dict[int, float] = {}
-
-    def start(sid: int, t_arr: float, t: float, g: int) -> None:
-        holder[g] = sid
-        started[sid] = t
-        if sid > counted_from and (sid <= sessions or sid in counted):
-            waits.append(t - t_arr)
-        ends[sid] = t + lengths.pop(sid)
-        push(ends[sid], "end", g, sid)
-
-    def take(t: float, g: int) -> None:
-        if queue:
-            sid, t_arr = queue.popleft()
-            start(sid, t_arr, t, g)
-        else:
-            holder[g] = 0
-            heapq.heappush(free, g)
-
-    def fail(t: float, g: int) -> None:
-        nonlocal busy_time, dropped, next_id
-        if holder[g] == -1:
-            return
-        if holder[g] > 0:  # the session ends with the error; its user reconnects at once for the rest
-            sid = holder[g]
-            if sid > counted_from and (sid <= sessions or sid in counted):
-                dropped += 1
-                counted.add(next_id)
-            busy_time += t - started.pop(sid)
-            lengths[next_id] = max(0.0, ends.pop(sid) - t)
-            push(t, "arrive", next_id)
-            next_id += 1
-        else:
-            free.remove(g)
-            heapq.heapify(free)
-        holder[g] = -1
-        push(t + m.restart_s, "up", g)
-
-    t = 0.0
-    for sid in range(1, sessions + 1):
-        t += rng.expovariate(m.arrival_per_s)
-        lengths[sid] = _length(m, rng)
-        push(t, "arrive", sid)
-    if m.group_mtbf_s > 0:
-        for g in range(groups):
-            push(frng.expovariate(1.0 / m.group_mtbf_s), "gfail", g)
-    if m.node_mtbf_s > 0:
-        for n in range(nodes):
-            push(frng.expovariate(1.0 / m.node_mtbf_s), "nfail", n)
-    t_last_arrival = t
-    t_end_busy = t  # the last session's end (utilization is over arrivals -> that)
-    while events:
-        t, _, kind, a, b = heapq.heappop(events)
-        if kind == "end" and holder[a] == b:
-            t_end_busy = max(t_end_busy, t)
-        if kind == "arrive":
-            if a == counted_from + 1:
-                t_first = t
-            if free:
-                start(a, t, t, heapq.heappop(free))
-            else:
-                queue.append((a, t))
-        elif kind == "end":
-            if holder[a] == b:  # (a failure may have ended this session already)
-                busy_time += t - started.pop(b)
-                ends.pop(b, None)
-                take(t, a)
-        elif kind == "up":
-            take(t, a)
-        elif t <= t_last_arrival:  # failures only while sessions arrive
-            if kind == "gfail":
-                fail(t, a)
-                push(t + m.restart_s + frng.expovariate(1.0 / m.group_mtbf_s), "gfail", a)
-            else:
-                for g in range(a * m.groups_per_node, min(groups, (a + 1) * m.groups_per_node)):
-                    fail(t, g)
-                push(t + m.restart_s + frng.expovariate(1.0 / m.node_mtbf_s), "nfail", a)
-    waits.sort()
+    run = _Run(m, groups, sessions, seed, warmup)
+    t_end_busy = run.run()
+    waits = sorted(run.waits)
     n = len(waits)
-    span = max(1e-9, t_end_busy - (t_first or 0.0))
+    span = max(1e-9, t_end_busy - (run.t_first or 0.0))
     return {
         "groups": groups,
         "gpus": groups * m.gpus_per_group,
@@ -191,8 +206,8 @@ def simulate(
         "p50_wait_s": waits[n // 2],
         "p99_wait_s": waits[min(n - 1, int(math.ceil(0.99 * n)) - 1)],
         "max_wait_s": waits[-1],
-        "utilization": busy_time / (span * groups),
-        "dropped": dropped,
+        "utilization": run.busy_time / (span * groups),
+        "dropped": run.dropped,
     }
 
 

@@ -35,10 +35,9 @@ class FleetConfig:
     """How often the registry checks each group and each node."""
     hop_ms: float = 15.0
     """What the Ray hop adds to a chunk's latency, added to each group's measured chunk time when the
-    planning lead is sized (``SessionManager.worker_speed``). Measured on one 2-core machine, one character
-    session, worker frames ready -> front end (``scripts/fleet_costs.py hop``): p50 4.07 ms, p90 6.05 ms
-    (one machine's pipe: 1.65 / 2.52 ms); 4.6 / 11.7 ms before the groups ran at normal priority. Another
-    node adds its network round trip. The planner raises the lead further if chunks come back later."""
+    planning lead is sized (``cadence.serve.session.worker_speed``): an allowance above the hop measured on
+    one machine (worker frames ready -> front end, ``scripts/fleet_costs.py hop``; docs/fleet.md, "Measured");
+    another node adds its network round trip. The planner raises the lead further if chunks come back later."""
     media: str = "frontend"
     """Where a session's WebRTC ends: 'frontend' (this process: the frames come to it through Ray) or 'group'
     (the group actor, on the group's node: the front end hands it the SDP offer and returns its answer; frames
@@ -50,19 +49,20 @@ class FleetConfig:
     must reach them by UDP (docs/fleet.md)."""
     namespace: str = NAMESPACE
 
-    # (what the serve layer calls: it holds a FleetConfig as ``ServeConfig.fleet`` and never imports
-    # cadence.fleet itself, which imports serve: the layers stay one-way)
-    def group_source(self, cfg, metrics):
-        """The session manager's group source for this fleet (``SessionManager``: ``cfg.fleet.group_source``)."""
+    # (the ``Fleet`` Protocol of cadence.serve.ports, what the serve layer calls: it holds a FleetConfig as
+    # ``ServeConfig.fleet`` and never imports cadence.fleet, which imports serve: the layers stay one-way)
+    def group_source(self, cfg):
+        """A front end's group source for this fleet (``FleetGroups``) serving ``cfg`` (a ``ServeConfig``)."""
         from cadence.fleet.frontend import FleetGroups
 
-        return FleetGroups(cfg, metrics)
+        return FleetGroups(cfg)
 
-    def add_routes(self, app, mgr, api_error, bearer) -> None:
-        """``GET /fleet``, ``POST|DELETE /fleet/groups/{name}/drain`` on the front end's app."""
-        from cadence.fleet.routes import add_fleet_routes
+    def routes(self, source):
+        """``GET /fleet``, ``POST|DELETE /fleet/groups/{name}/drain`` of a front end whose groups come from
+        ``source`` (a ``FleetGroups``): ``add(app, access)``."""
+        from cadence.fleet.routes import fleet_routes
 
-        add_fleet_routes(app, mgr, api_error, bearer)
+        return fleet_routes(source)
 
     def __post_init__(self) -> None:
         if not self.address:

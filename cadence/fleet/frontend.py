@@ -1,11 +1,12 @@
 """The front end's side of the fleet: :class:`FleetGroups`, the group source of a ``cadence serve --ray``
 front end, and :class:`RayGroup`, one remote group seen from the event loop.
 
-The session manager (``cadence.serve.app.SessionManager``) gets its groups from a source: on one machine
-``cadence.serve.workers.LocalGroups`` (this machine's ``WorkerGroup`` processes), with ``--ray`` this
-module's :class:`FleetGroups`. A :class:`RayGroup` has the ``WorkerGroup`` interface the sessions use
-(``send``, ``on_message``, ``ready``, ``info``, ``session_id``, ``free``, ``restart``, ``stop``), and the
-same messages (:mod:`cadence.engine.messages`) travel, through Ray instead of a pipe.
+The session manager (``cadence.serve.manager.SessionManager``) gets its groups from a source (the
+``GroupSource`` Protocol of ``cadence.serve.ports``): on one machine ``cadence.serve.workers.LocalGroups``
+(this machine's ``WorkerGroup`` processes), with ``--ray`` this module's :class:`FleetGroups`. A
+:class:`RayGroup` is a ``GroupPort`` as a ``WorkerGroup`` is (``send``, ``on_message``, ``ready``, ``info``,
+``session_id``, ``free``, ``restart``, ``stop``), and the same messages (:mod:`cadence.engine.messages`)
+travel, through Ray instead of a pipe.
 
 Admission is fleet-wide: before the manager's (synchronous) ``reserve`` runs, :meth:`FleetGroups.admission`
 claims a free group in the registry (one Ray call); ``acquire`` then hands that claimed group to the
@@ -19,7 +20,7 @@ which goes through Ray's object store: a node-to-node copy when the group is on 
 measured here: docs/fleet.md.
 
 With ``--fleet-media group`` the browser's WebRTC ends on the group's node instead: a new session is a
-``cadence.fleet.remote.GroupMediaSession`` (``RayGroup.session_factory``), whose offer goes to the actor
+``cadence.fleet.remote.GroupMediaSession`` (``FleetGroups.session_factory``), whose offer goes to the actor
 (``open_media``) and whose frames and audio never come here; the poll then carries the session's status
 updates and its end (``cadence.fleet.messages``).
 
@@ -49,7 +50,7 @@ _CLAIMED: contextvars.ContextVar = contextvars.ContextVar("cadence_fleet_claim",
 
 
 class RayGroup:
-    """One group of the fleet, as the session manager sees it (the ``WorkerGroup`` interface)."""
+    """One group of the fleet, as the session manager sees it (a ``GroupPort``)."""
 
     def __init__(self, source: FleetGroups, name: str, index: int):
         self.source, self.name, self.index = source, name, index
@@ -70,11 +71,11 @@ class RayGroup:
         self._device = "?"
         self._pid: int | None = None
         self._poll: asyncio.Task | None = None
-        # (read by the manager's worker_speed; with the media on the group the actor plans without the Ray hop)
+        # (read by the session's worker_speed; with the media on the group the actor plans without the Ray hop)
         self.transport_s = 0.0 if source.media_on_group else source.fleet_cfg.hop_ms / 1e3
         self.media_prepared: str | None = None  # the incarnation asked to prepare its media (group mode)
 
-    # ---- the WorkerGroup interface ----------------------------------------------------------------
+    # ---- the GroupPort -----------------------------------------------------------------------------
     @property
     def device(self) -> str:
         return self._device
@@ -92,16 +93,6 @@ class RayGroup:
             and not self.claimed_elsewhere
             and not self.draining
         )
-
-    @property
-    def session_factory(self):
-        """What the session manager builds for a new session on this group: None (a ``LiveSession`` here, the
-        frames through Ray) or, with the media on the group, a ``GroupMediaSession``."""
-        if not self.source.media_on_group:
-            return None
-        from cadence.fleet.remote import GroupMediaSession
-
-        return GroupMediaSession
 
     def info_dict(self) -> dict:
         out = dataclasses.asdict(self.info) if self.info is not None else {}
@@ -181,10 +172,11 @@ class FleetGroups:
 
     fleet = True
 
-    def __init__(self, cfg, metrics=None):
+    def __init__(self, cfg):
         from cadence.serve.config import engine_config, worker_spec
 
-        self.cfg, self.fleet_cfg, self.metrics = cfg, cfg.fleet, metrics
+        self.cfg, self.fleet_cfg = cfg, cfg.fleet
+        self.metrics = None  # the manager's (``start``): the fleet's gauges go there
         e = engine_config(cfg)
         self.frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
         frame_bytes = self.frame_shape[0] * self.frame_shape[1] * self.frame_shape[2] * 3
@@ -207,14 +199,15 @@ class FleetGroups:
         self._retry_after = 5
 
     # ---- lifecycle ------------------------------------------------------------------------------------
-    async def start(self, route, timeout_s: float) -> None:
-        """Join (or start) the Ray cluster, find or create the registry and the groups, wait for them."""
+    async def start(self, route, metrics, timeout_s: float) -> None:
+        """Join (or start) the Ray cluster, find or create the registry and the groups, wait for them; every
+        group's replies go to ``route``, the fleet's state to ``metrics`` (each heartbeat)."""
         import ray
 
         from cadence.fleet.registry import registry_handle
 
         f = self.fleet_cfg
-        self._route = route
+        self._route, self.metrics = route, metrics
         if not ray.is_initialized():
             await asyncio.to_thread(self._init_ray, f)
         self.registry = registry_handle(f, self.cfg.max_duration_s)
@@ -403,19 +396,30 @@ class FleetGroups:
         g.start_poll()
         return g
 
-    def release(self, g: RayGroup, sid: str) -> None:
-        """The session ``sid`` (or an unused claim) is done with ``g``: the claim goes back to the registry."""
-        if g.session_id not in (None, sid):
+    def release(self, group: RayGroup, sid: str) -> None:
+        """Session ``sid`` (or an unused claim) is done with ``group``: the claim goes back to the registry."""
+        if group.session_id not in (None, sid):
             return
-        g._stop_poll()
-        cid, g.claim_id, g.session_id = g.claim_id, None, None
+        group._stop_poll()
+        cid, group.claim_id, group.session_id = group.claim_id, None, None
         if cid is not None and self.registry is not None:
-            self.registry.release.remote(self.frontend_id, g.name, cid)
-        if g.state == "up" and g.info is not None and g.incarnation != g.died_incarnation:
-            g.ready.set()
+            self.registry.release.remote(self.frontend_id, group.name, cid)
+        if group.state == "up" and group.info is not None and group.incarnation != group.died_incarnation:
+            group.ready.set()
 
     def retry_after(self) -> int:
         return int(self._retry_after)
+
+    def session_factory(self, group: RayGroup):
+        """A new session's class: a ``LiveSession`` here (the frames through Ray) or, with the media on the
+        group (``--fleet-media group``), a ``GroupMediaSession`` (WebRTC ends in the group actor)."""
+        if self.media_on_group:
+            from cadence.fleet.remote import GroupMediaSession
+
+            return GroupMediaSession
+        from cadence.serve.session import LiveSession
+
+        return LiveSession
 
     async def drain(self, name: str, on: bool) -> bool:
         return await self.registry.drain.remote(name, on)

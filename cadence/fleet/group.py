@@ -28,8 +28,8 @@ when a new incarnation answers ``ping``. The actor process being killed ends the
 
 The worker starts on the first call (the registry's ``ping`` comes within a check interval), because Ray
 runs ``__init__`` outside the actor's event loop and the group needs that loop. It runs at normal priority
-(nice 0), not at Ray's worker niceness (15): measured on this 2-core machine, one character session, the
-worker's time per chunk was 122 ms at nice 15 against 98 ms on one machine.
+(nice 0), not at Ray's worker niceness (15), at which its engine loses the CPU to everything else on the
+node (measured: docs/fleet.md, "Measured", fix 1).
 """
 
 from __future__ import annotations

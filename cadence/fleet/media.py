@@ -52,7 +52,6 @@ from cadence.fleet.messages import (
     OpenMedia,
 )
 from cadence.serve.agents import make_agent
-from cadence.serve.app import SessionManager
 from cadence.serve.rtc import use_ice_host_addresses
 from cadence.serve.session import LiveSession
 
@@ -76,8 +75,8 @@ def node_address() -> str:
 
 
 class GroupView:
-    """The actor's ``WorkerGroup`` as the media loop's sessions see it (the ``WorkerGroup`` interface a
-    ``LiveSession`` and ``SessionManager.release_group`` use). The group lives on the actor's loop."""
+    """The actor's ``WorkerGroup`` as the media loop's sessions see it (a ``SessionGroup`` of
+    ``cadence.serve.ports``). The group lives on the actor's loop."""
 
     transport_s = 0.0  # the worker's pipe only: no Ray hop between the worker's replies and the tracks
 
@@ -107,13 +106,11 @@ class GroupView:
 
 
 class MediaHost:
-    """The sessions of one group actor whose WebRTC ends here: the ``server`` a ``LiveSession`` reports to
-    (``cfg``, ``metrics``, ``worker_speed``, ``background``, ``release_group``, ``session_closed``)."""
-
-    # the single-machine server's own rules, not a copy: the lead from the worker's warm-up, and the release
-    # of the worker at a session's end (CloseSession, bounded wait, restart if it does not answer)
-    worker_speed = SessionManager.worker_speed
-    release_group = SessionManager.release_group
+    """The sessions of one group actor whose WebRTC ends here: the ``SessionHost`` (``cadence.serve.ports``) a
+    ``LiveSession`` reports to (``cfg``, ``metrics``, ``background``, ``release``, ``session_closed``). The
+    session's own rules are the single-machine server's, not a copy: its lead from the worker's warm-up
+    (``cadence.serve.session.worker_speed``) and the worker's release at its end (CloseSession, a bounded
+    wait, a restart if it does not answer) are the ``LiveSession``'s."""
 
     def __init__(self, group, engine_cfg, actor_loop: asyncio.AbstractEventLoop, push):
         """``group``: the actor's ``WorkerGroup``; ``push(msg)``: queue a reply for the front end's poll (called
@@ -127,7 +124,6 @@ class MediaHost:
         self.closed: collections.OrderedDict[str, MediaClosed] = collections.OrderedDict()
         self.owned: set[str] = set()  # every session id this host holds or held (its replies come here)
         self.background: set[asyncio.Task] = set()
-        self.source = self  # (release_group gives the claim back through ``source.release``: the front end's)
         self._ice: str | None = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="cadence-media", daemon=True)
@@ -203,7 +199,7 @@ class MediaHost:
             case MediaInterrupt():
                 s.agent.interrupt()
             case MediaPrompt(prompt=prompt):
-                return s.set_prompt(prompt)
+                return await s.set_prompt(prompt)
             case MediaTouch():
                 pass
         return None
@@ -242,11 +238,11 @@ class MediaHost:
         self._ice = ice
         log.info("group %d: WebRTC host candidates on %s", self.view.index, addresses or "every interface")
 
-    # ---- the LiveSession's server ------------------------------------------------------------------------
-    def release(self, g, sid: str) -> None:
-        """(``release_group``'s last step: the claim is the front end's to give back.)"""
-        if g.session_id == sid:
-            g.session_id = None
+    # ---- the LiveSession's host --------------------------------------------------------------------------
+    def release(self, group, sid: str) -> None:
+        """The session's worker let it go: the group is free here (the claim is the front end's to return)."""
+        if group.session_id == sid:
+            group.session_id = None
 
     def session_closed(self, sess: LiveSession, report: dict) -> None:
         self.sessions.pop(sess.sid, None)

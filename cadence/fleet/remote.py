@@ -1,7 +1,7 @@
 """A front end's session whose WebRTC ends on its group's node (``--fleet-media group``):
 :class:`GroupMediaSession`.
 
-The session manager (``cadence.serve.app.SessionManager``) admits, validates and keeps the session as it
+The session manager (``cadence.serve.manager.SessionManager``) admits, validates and keeps the session as it
 keeps a ``LiveSession`` (same routes, same JSON, same errors), but this object holds no peer connection,
 tracks, scheduler or buffer: those run in the group actor (``cadence.fleet.media``), which answers the SDP
 offer. This side forwards the API's requests (``/say``, ``/audio``, ``/interrupt``, ``/prompt``, the
@@ -105,8 +105,9 @@ def _why(e: BaseException) -> str:
 
 
 class GroupMediaSession(ClosesInBackground):
-    """One session of this front end whose media runs on its group (the ``LiveSession`` interface the
-    session manager and the routes use)."""
+    """One session of this front end whose media runs on its group (a ``SessionPort`` of
+    ``cadence.serve.ports``, as a ``LiveSession`` is), on a ``RayGroup`` (its ``handle``, ``name`` and
+    ``source``: the ``FleetGroups`` that gave it, whose media settings travel with the offer)."""
 
     def __init__(self, server, sid: str, group, agent, engine_cfg, prompt: str, seed: int):
         self.server, self.sid, self.group = server, sid, group
@@ -276,8 +277,11 @@ class GroupMediaSession(ClosesInBackground):
                     self.errors.append(f"close: {_why(call.exception())}")
         finally:
             self._remote = False
-            # the claim back to the registry
-            await self._finish_close(lambda: self.server.source.release(self.group, self.sid), "group")
+            await self._finish_close(self._give_back, "group")
+
+    async def _give_back(self) -> None:
+        """The claim back to the registry, through the fleet source that gave the group."""
+        self.group.source.release(self.group, self.sid)
 
     async def _close_remote(self) -> None:
         msg = await self.group.handle.media_request.remote(

@@ -4,20 +4,32 @@
     POST   /fleet/groups/{name}/drain   drain a group: no new session on it; its live session finishes
     DELETE /fleet/groups/{name}/drain   admit sessions on it again
 
+The server adds them beside its own (``create_app(..., routes=...)``: an ``ExtraRoutes`` of
+``cadence.serve.ports``, given the app and its ``cadence.serve.guard.Access``).
+
 (No ``from __future__ import annotations`` here: FastAPI reads the ``Request`` annotation at runtime.)
 """
 
 from fastapi import Request
 
+from cadence.serve.guard import ApiError, bearer
 
-def add_fleet_routes(app, mgr, api_error, bearer) -> None:
-    """Add the routes to ``app`` (``mgr.source`` is a ``FleetGroups``). ``api_error`` / ``bearer``: the app's
-    error class and credential reader, passed in so that this module does not import the app."""
-    src = mgr.source
+
+def fleet_routes(src):
+    """``add(app, access)``: the routes of a front end whose groups come from ``src`` (a ``FleetGroups``)."""
+
+    def add(app, access) -> None:
+        add_fleet_routes(app, access, src)
+
+    return add
+
+
+def add_fleet_routes(app, access, src) -> None:
+    """Add the routes to ``app``; ``access`` checks the operator key."""
 
     @app.get("/fleet", summary="The fleet: groups, their state, sessions, free capacity (operator key)")
     async def fleet(request: Request):
-        mgr.require_operator(bearer(request), "the fleet's state")
+        access.require_operator(bearer(request), "the fleet's state")
         try:
             await src.sync()  # (fresh: an operator's view, not the last heartbeat's)
         except Exception as e:  # the registry is restarting: the last heartbeat's view, marked stale
@@ -25,9 +37,9 @@ def add_fleet_routes(app, mgr, api_error, bearer) -> None:
         return {"frontend": src.frontend_id, **src.snapshot}
 
     async def _drain(name: str, request: Request, on: bool) -> dict:
-        mgr.require_operator(bearer(request), "draining a group")
+        access.require_operator(bearer(request), "draining a group")
         if not await src.drain(name, on):
-            raise api_error(404, f"no group {name!r} in the fleet")
+            raise ApiError(404, f"no group {name!r} in the fleet")
         await src.sync()
         return {"group": name, "draining": on}
 

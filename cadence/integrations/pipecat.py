@@ -110,7 +110,7 @@ class CadenceVideoService(FrameProcessor):
     Args:
         serve_config: in-process mode: the engine to run (``cadence.serve.config.ServeConfig``; default:
             the shipped ``character`` preset on the CPU, one worker group).
-        session_manager: in-process mode, shared: a started ``cadence.serve.app.SessionManager`` (warm
+        session_manager: in-process mode, shared: a started ``cadence.serve.manager.SessionManager`` (warm
             workers kept across conversations: an app serving many calls starts one at startup); the
             service opens its session there and leaves the manager running.
         url: remote mode: a running ``cadence serve`` (``http://127.0.0.1:8000``) instead.
@@ -270,7 +270,7 @@ class _Local:
         self._final: dict | None = None
 
     async def start(self) -> None:
-        from cadence.serve.app import SessionManager
+        from cadence.serve.manager import SessionManager
 
         if self.own_mgr:
             self.mgr = SessionManager(self.cfg)
@@ -358,7 +358,7 @@ class _Remote:
             )
         self.width, self.height = conf["width"], conf["height"]
         pc = self.pc = RTCPeerConnection(rtc_configuration())
-        from cadence.serve.client import MicTrack
+        from cadence.devtools.client import MicTrack
 
         self.mic = MicTrack(source=lambda n: self.speech.take(n)[0])
 

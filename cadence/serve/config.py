@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from cadence.engine.shm import SHM_MIN_BYTES
 from cadence.engine.spec import DECODER_FAST, DEFAULT_PROMPT, FastPath, WorkerSpec, base_config
 from cadence.errors import ConfigError, InputError
+from cadence.serve.ports import Fleet
 
 __all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "serve_groups", "worker_spec"]
 
@@ -162,11 +163,11 @@ class ServeConfig:
     (a ring of shared-memory slots; only the chunk index crosses the pipe) or 'auto' (shm when a
     chunk's frames are >= 1 MiB: a W1.3 chunk is 14.4 MB, a tiny preset's 196 KB; ``cadence.engine.shm``)."""
     extra: dict = field(default_factory=dict)
-    fleet: object | None = None
+    fleet: Fleet | None = None
     """``cadence serve --ray``: the sessions run on the worker groups of a Ray fleet, not on this machine's
-    processes (``groups`` is then unused). A ``cadence.fleet.config.FleetConfig`` (the CLI builds it): the
-    session manager calls its ``group_source(cfg, metrics)`` and ``add_routes(...)``, so this layer never
-    imports ``cadence.fleet``. None (the default): one machine."""
+    processes (``groups`` is then unused). A ``cadence.fleet.config.FleetConfig`` (the CLI builds it), typed
+    by the ``Fleet`` Protocol of ``cadence.serve.ports``: the app takes its ``group_source(cfg)`` and
+    ``routes(source)``, so this layer never imports ``cadence.fleet``. None (the default): one machine."""
 
     def __post_init__(self) -> None:
         if not self.groups:

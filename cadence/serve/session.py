@@ -10,8 +10,8 @@ status and the report; the tracks (``cadence.serve.rtc``) read a :class:`~cadenc
 48000 x F / fps samples per chunk (4 / 8,000 at the tiny presets, 12 / 24,000 at W1.3).
 
 The media clock starts when a track first asks for media *and* the first chunk is here (bounded by
-``clock_start_timeout_s``): a session whose first chunk takes longer than the WebRTC connection (W1.3:
-one ~400 ms chunk) starts on a full chunk instead of beginning behind, with underruns.
+``clock_start_timeout_s``): a session whose first chunk takes longer than the WebRTC connection (one
+W1.3 chunk can) starts on a full chunk instead of beginning behind, with underruns.
 
 A worker slower than real time (a slow CPU, a loaded machine): the scheduler asks it only for the
 chunks it can return before they are due; the others play their audio over the last frame. The status
@@ -21,7 +21,6 @@ and the report say so (``degraded``, ``chunks.audio_only``, the fresh fps), and 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 
@@ -31,6 +30,7 @@ from cadence.engine.messages import (
     ChunkDone,
     ChunkTimings,
     Closed,
+    CloseSession,
     Died,
     Error,
     Opened,
@@ -39,6 +39,7 @@ from cadence.engine.messages import (
 )
 from cadence.serve.agent import Agent
 from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming
+from cadence.serve.ports import SessionGroup, SessionHost, SessionSettings, WorkerSpeed
 from cadence.serve.rtc import (
     AudioOut,
     MediaClock,
@@ -61,13 +62,34 @@ def _r(x: float | None, nd: int = 1) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
+def worker_speed(cfg: SessionSettings, chunk_seconds: float, group: SessionGroup) -> WorkerSpeed:
+    """How a new session on ``group`` plans (seconds): the lead (``cfg.lead_ms``, raised with ``lead_auto``
+    to the worker's measured chunk latency x (1 + ``lead_margin``) + 20 ms), the latency of one chunk (plan
+    -> frames back) and the sustained time per chunk, as the worker's warm-up measured them (``lead_ms`` and
+    one chunk period when it measured nothing). The lower the lead, the sooner speech reaches the screen; it
+    cannot go below one chunk's work (the session's planner raises it further if chunks come back slower)."""
+    warm = (group.info.warmup if group.info is not None else None) or {}
+    latency = warm.get("steady_chunk_ms")
+    interval = warm.get("interval_ms")
+    lead = cfg.lead_ms
+    if latency:
+        # the web side's view: + the pipe and the event loop (+ a fleet group's Ray hop: transport_s)
+        latency = latency / 1e3 + 0.01 + group.transport_s
+        if cfg.lead_auto:
+            lead = max(lead, (latency * (1 + cfg.lead_margin) + 0.02) * 1e3)
+    else:
+        latency = min(cfg.lead_ms / 1e3, chunk_seconds)
+    return WorkerSpeed(lead / 1e3, latency, interval / 1e3 if interval else min(latency, chunk_seconds))
+
+
 class ClosesInBackground:
     """The close protocol of a server's sessions (this module's ``LiveSession``, and a fleet session whose media
     runs on its group: ``cadence.fleet.remote.GroupMediaSession``): the first close starts ``_teardown`` as a
-    task of its own (the first reason wins; a cancelled caller does not stop it) that the server keeps in
+    task of its own (the first reason wins; a cancelled caller does not stop it) that the host keeps in
     ``background`` to await at shutdown; every teardown ends in ``_finish_close`` (the group given back, the
-    report stored). Needs ``sid``, ``server``, ``state``, ``close_reason``, ``errors``, ``report()``,
-    ``_close_task`` (None until the first close) and ``async _teardown()``."""
+    report stored). Needs ``sid``, ``server`` (a :class:`~cadence.serve.ports.SessionHost`), ``state``,
+    ``close_reason``, ``errors``, ``report()``, ``_close_task`` (None until the first close) and
+    ``async _teardown()``."""
 
     def close_soon(self, reason: str) -> None:
         """Start closing from a callback (not awaited); the server keeps the task to await at shutdown."""
@@ -93,14 +115,11 @@ class ClosesInBackground:
         return self.final_report or {}
 
     async def _finish_close(self, release, what: str) -> None:
-        """The end of every teardown: the group given back (``release()``, awaited if it returns an
-        awaitable; a failure is logged and kept as an error), then closed, the report stored and handed
-        to the server, whatever happened."""
+        """The end of every teardown: the group given back (``await release()``; a failure is logged and
+        kept as an error), then closed, the report stored and handed to the host, whatever happened."""
         self.t_closed = time.monotonic()
         try:
-            done = release()
-            if inspect.isawaitable(done):
-                await done
+            await release()
         except Exception as e:
             log.exception("session %s: releasing its %s", self.sid, what)
             self.errors.append(f"release: {type(e).__name__}: {e}")
@@ -111,13 +130,26 @@ class ClosesInBackground:
 
 
 class LiveSession(ClosesInBackground):
-    def __init__(self, server, sid: str, group, agent: Agent, engine_cfg, prompt: str, seed: int):
+    """One session whose media runs in this process (the :class:`~cadence.serve.ports.SessionPort` the manager
+    and the routes use), on a :class:`~cadence.serve.ports.SessionGroup`, reporting to ``server`` (a
+    :class:`~cadence.serve.ports.SessionHost`: the session manager, or a group actor's ``MediaHost``)."""
+
+    def __init__(
+        self,
+        server: SessionHost,
+        sid: str,
+        group: SessionGroup,
+        agent: Agent,
+        engine_cfg,
+        prompt: str,
+        seed: int,
+    ):
         self.server, self.sid, self.group, self.agent = server, sid, group, agent
         self.cfg = server.cfg
         self.engine_cfg = engine_cfg
         self.prompt, self.seed = prompt, seed
         self.timing = MediaTiming.from_config(engine_cfg)
-        lead, latency, interval = server.worker_speed(group)
+        lead, latency, interval = worker_speed(self.cfg, engine_cfg.chunk_seconds, group)
         self.first_chunk = asyncio.Event()  # set when the first chunk's frames are here (the clock may start)
         self.clock_start_timeout_s = max(2.0, 4 * self.timing.chunk_seconds)
         self.buffer = AVBuffer(
@@ -256,7 +288,7 @@ class LiveSession(ClosesInBackground):
         if self.agent.run is not None:
             self._spawn(self.agent.run(), "agent")
 
-    def set_prompt(self, prompt: str) -> int:
+    async def set_prompt(self, prompt: str) -> int:
         """Change the prompt from the next chunk planned on (the worker re-encodes it, padded to the model's
         fixed text length: the step keeps its shape; a LongLive family re-caches the recent chunks' K/V).
         Returns that chunk's index."""
@@ -506,7 +538,24 @@ class LiveSession(ClosesInBackground):
             log.exception("session %s: error while closing", self.sid)
             self.errors.append(f"close: {type(e).__name__}: {e}")
         finally:
-            await self._finish_close(lambda: self.server.release_group(self), "worker group")
+            await self._finish_close(self._release_group, "worker group")
+
+    async def _release_group(self) -> None:
+        """The worker lets the session go (``CloseSession``, answered ``Closed`` within 10 s; else the group
+        is restarted), then the host takes the group back."""
+        g = self.group
+        if g.session_id != self.sid:
+            return
+        ok = False
+        if g.ready.is_set():
+            ack = self._closed_ack = asyncio.get_running_loop().create_future()
+            g.send(CloseSession(self.sid))
+            await asyncio.wait({ack}, timeout=10.0)
+            ok = ack.done() and not ack.cancelled() and ack.result() is True
+        if not ok:
+            log.warning("worker %d did not release session %s: restarting it", g.index, self.sid)
+            await g.restart()
+        self.server.release(g, self.sid)
 
     async def _stop_tasks(self, timeout: float) -> None:
         """Cancel this session's tasks and wait for them (``asyncio.wait``: never ``gather`` or

@@ -8,11 +8,10 @@ out of its shared-memory slot (``cadence.engine.shm.FrameRing``) and hands the r
 a worker that dies is reported as :class:`~cadence.engine.messages.Died`. ``restart`` replaces a dead or
 stuck group; ``stop`` ends it, bounded.
 
-The session manager gets its groups from a *source*: :class:`LocalGroups` (this machine's groups: the
-default) or, with ``cadence serve --ray``, ``cadence.fleet.frontend.FleetGroups`` (groups of a Ray fleet,
-each seen through a ``RayGroup`` with this class's interface). A source has ``groups``, ``start(route,
-timeout_s)``, ``stop()``, ``admission()`` (an async context around the manager's ``reserve``), ``acquire()``,
-``release(group, sid)`` and ``retry_after()``.
+The session manager gets its groups from a *source* (the ``GroupSource`` of :mod:`cadence.serve.ports`):
+:class:`LocalGroups` (this machine's groups: the default) or, with ``cadence serve --ray``,
+``cadence.fleet.frontend.FleetGroups`` (groups of a Ray fleet, each seen through a ``RayGroup``). A
+:class:`WorkerGroup` is that module's ``GroupPort`` (and ``SessionGroup``).
 """
 
 from __future__ import annotations
@@ -47,6 +46,8 @@ class WorkerGroup:
     ``on_message(msg)`` is called on the event loop for every reply from the worker; a worker that dies is
     reported as ``Died``. Sending never blocks the loop.
     """
+
+    transport_s = 0.0  # the pipe's cost is in the session's latency already (``session.worker_speed``)
 
     def __init__(
         self,
@@ -285,15 +286,19 @@ class WorkerGroup:
 
 
 class LocalGroups:
-    """The single-machine group source: this machine's :class:`WorkerGroup` processes, one session each."""
+    """The single-machine group source: this machine's :class:`WorkerGroup` processes, one session each, every
+    session of class ``session_class`` (``cadence.serve.manager.group_source`` gives ``LiveSession``: the
+    media in this process; passed in, so that this module, which a fleet's group actor imports, needs none of
+    the session's media code)."""
 
     fleet = False
 
-    def __init__(self, groups: list[WorkerGroup]):
-        self.groups = groups
+    def __init__(self, groups: list[WorkerGroup], session_class):
+        self.groups, self.session_class = groups, session_class
 
-    async def start(self, route: Callable, timeout_s: float) -> None:
-        """Start every group; return when all are ready (RuntimeError: one failed, or the timeout)."""
+    async def start(self, route: Callable, metrics, timeout_s: float) -> None:
+        """Start every group; return when all are ready (RuntimeError: one failed, or the timeout). (The
+        manager exports this machine's groups to ``metrics`` itself.)"""
         loop = asyncio.get_running_loop()
         for g in self.groups:
             g.on_message = lambda msg, g=g: route(g, msg)
@@ -323,13 +328,17 @@ class LocalGroups:
                 return g
         return None
 
-    def release(self, g: WorkerGroup, sid: str) -> None:
-        if g.session_id == sid:
-            g.session_id = None
+    def release(self, group: WorkerGroup, sid: str) -> None:
+        if group.session_id == sid:
+            group.session_id = None
 
     def retry_after(self) -> int | None:
         """None: the manager estimates it from its own sessions (they are all the sessions there are)."""
         return None
+
+    def session_factory(self, group: WorkerGroup):
+        """Every session here is of the one class the source was built with."""
+        return self.session_class
 
 
 def _call(loop: asyncio.AbstractEventLoop | None, fn, *args) -> None:

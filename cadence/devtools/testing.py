@@ -12,7 +12,7 @@ class BackgroundClient:
         self.error = None
 
         def main():
-            from cadence.serve.client import run_client
+            from cadence.devtools.client import run_client
 
             try:
                 self.result = asyncio.run(run_client(url, seconds, **kw))

@@ -1,0 +1,392 @@
+"""The request guard: what every request passes before a handler acts on it.
+
+* **Errors.** Every refusal is one line of JSON, ``{"error": "..."}``, with a 4xx status (never a 500 for
+  bad input): :class:`ApiError` raised anywhere becomes that answer; so do Starlette's own errors (404, a
+  405 with an ``Allow`` header naming every method of the path), FastAPI's validation errors (a 400, never
+  a 422) and a :class:`~cadence.errors.CadenceError` (400). 4xx answers are counted in ``/metrics``.
+* **Body limits.** Per route, while the body streams in (:class:`BodyLimit`): a chunked body with no
+  Content-Length is cut at the limit, 413, connection closed.
+* **Credentials** (:class:`Access`), as ``Authorization: Bearer <secret>``, compared in constant time.
+  Each session has a **token** (32 random bytes, URL-safe), returned once, in the answer to the POST that
+  created it; the server keeps only its SHA-256. Every route under ``/sessions/{id}`` needs that token (or
+  the operator key): none is 401, any other secret (another session's token included) is 403 and nothing
+  happens to the session. An id the server does not know is 404 whatever the credential (ids are 128-bit
+  random: knowing whether one exists gives nothing; the session manager, which knows the ids, answers it).
+  A closed session's token keeps opening its state and report for as long as the report is kept.
+  The **operator key** (``ServeConfig.api_key``: ``cadence serve --api-key-file PATH``, ``--api-key`` or
+  ``CADENCE_API_KEY``), when set, is needed to create a session (401 without it) and to list the sessions
+  (``GET /sessions``) or see the per-session series of ``/metrics`` (which otherwise carries only
+  aggregates). Without one (the default loopback run), anyone who reaches the server may create a session,
+  and the session list and per-session series are off (403). A non-loopback ``host`` refuses to start
+  without a key unless ``insecure_no_auth`` is set (logged as a WARNING).
+* **Fields.** Strings must be UTF-8-encodable without NUL, the seed an integer in 0..2^63-1 (no floats,
+  booleans or strings in JSON), the prompt at most ``MAX_PROMPT`` characters; JSON that ``json`` cannot or
+  should not take is a 400; an SDP offer is checked for its shape before aiortc sees it.
+
+Imports no torch and no FastAPI at module level (the answers are built where a request is answered).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import secrets
+
+from cadence.errors import CadenceError
+
+MAX_PROMPT = 1000
+MAX_SEED = 2**63 - 1
+#: Body limit of every route but POST /sessions and /audio (JSON with a line of text, or nothing).
+SMALL_BODY = 64 * 1024
+
+
+class ApiError(Exception):
+    """A refusal: the request's answer is ``{"error": message}`` with ``status`` (and ``headers``)."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, " ".join(str(message).split()), headers or {}
+
+
+# ---- errors as answers ------------------------------------------------------------------------------------
+
+
+def json_error(metrics, status: int, message: str, headers: dict | None = None):
+    """The one shape of every refusal: ``{"error": "<one line>"}``; a 4xx is counted (``bad_requests``)."""
+    from fastapi.responses import JSONResponse
+
+    if 400 <= status < 500:
+        metrics.bad_requests.labels(str(status)).inc()
+    return JSONResponse({"error": " ".join(str(message).split())}, status_code=status, headers=headers)
+
+
+def allowed_methods(app, path: str) -> list[str]:
+    """Every method of every route whose path matches ``path`` (a 405's ``Allow``)."""
+    methods: set[str] = set()
+    for r in app.router.routes:
+        m = getattr(r, "methods", None)
+        if m and r.path_regex.match(path):
+            methods |= set(m)
+    return sorted(methods)
+
+
+def install_guard(app, cfg, metrics) -> None:
+    """The body limits (middleware) and the error handlers of the app."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    def err(status: int, message: str, headers: dict | None = None):
+        return json_error(metrics, status, message, headers)
+
+    app.add_middleware(BodyLimit, limit_for=body_limits(cfg), on_refuse=err)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return err(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method of the path, not only those of the route that matched first
+            allow = allowed_methods(app, request.url.path)
+            if allow:
+                headers["Allow"] = ", ".join(allow)
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return err(exc.status_code, detail, headers or None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return err(400, f"invalid request: {where}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(CadenceError)
+    async def _cadence_error(request, exc):
+        return err(400, str(exc))
+
+
+# ---- body limits ------------------------------------------------------------------------------------------
+
+
+def body_limits(cfg):
+    """``limit_for(method, path)``: POST /sessions takes the image (base64: 4/3 of its bytes) and the SDP
+    offer, POST /sessions/{id}/audio the audio; every other route ``SMALL_BODY``."""
+    session_body = math.ceil(cfg.max_image_bytes * 4 / 3) + cfg.max_sdp_bytes + SMALL_BODY
+    audio_body = cfg.max_audio_bytes + SMALL_BODY
+
+    def limit_for(method: str, path: str) -> int:
+        if method == "POST" and path.rstrip("/") == "/sessions":
+            return session_body
+        if method == "POST" and path.startswith("/sessions/") and path.endswith("/audio"):
+            return audio_body
+        return SMALL_BODY
+
+    return limit_for
+
+
+class BodyLimit:
+    """ASGI middleware: a request body may not exceed ``limit_for(method, path)`` bytes, however it is sent.
+
+    A declared Content-Length over the limit is refused before anything is read; a body without one
+    (chunked) is counted as it streams in, and the first message past the limit ends it: the app's
+    ``receive`` raises, whatever the handler then answers is replaced by one 413 (``on_refuse`` makes
+    it), sent with ``Connection: close`` so the server stops reading the rest (at most ``limit`` bytes
+    plus one read buffer are ever read). Any answer sent before the body was read to its end (a 401,
+    404, 503 that needs no body) closes the connection too: otherwise the server would go on reading,
+    and discarding, whatever the client still sends."""
+
+    def __init__(self, app, limit_for, on_refuse):
+        self.app, self.limit_for, self.on_refuse = app, limit_for, on_refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.limit_for(scope["method"], scope["path"])
+        headers = scope.get("headers", ())
+        declared = [v for k, v in headers if k == b"content-length"]
+        size = 0
+        if declared:
+            try:
+                size = int(declared[0])
+            except ValueError:
+                return await self._refuse(send, 400, "invalid Content-Length")
+            if size > limit:
+                return await self._refuse(
+                    send, 413, f"request body is too large ({size} bytes; limit {limit})"
+                )
+        body_left = size > 0 or any(k == b"transfer-encoding" for k, _ in headers)
+        seen = 0
+        over = False
+        replaced = False
+        started = False
+        message = f"request body is too large (over {limit} bytes)"
+
+        async def limited_receive():
+            nonlocal seen, over, body_left
+            if over:
+                raise ApiError(413, message)
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    over = True
+                    raise ApiError(413, message)
+                body_left = body_left and msg.get("more_body", False)
+            return msg
+
+        async def guarded_send(msg):
+            nonlocal replaced, started
+            if replaced:
+                return
+            if msg["type"] == "http.response.start":
+                if over:
+                    replaced = True
+                    return await self._refuse(send, 413, message)
+                started = True
+                if body_left:
+                    msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not over or started or replaced:
+                raise
+            await self._refuse(send, 413, message)
+
+    async def _refuse(self, send, status: int, message: str) -> None:
+        resp = self.on_refuse(status, message)
+        resp.headers["connection"] = "close"
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+# ---- credentials ------------------------------------------------------------------------------------------
+
+
+def bearer(request) -> str | None:
+    """The secret of an ``Authorization: Bearer <secret>`` header; None when there is none."""
+    h = request.headers.get("authorization")
+    if h is None:
+        return None
+    scheme, _, value = h.strip().partition(" ")
+    value = value.strip()
+    return value if scheme.lower() == "bearer" and value else None
+
+
+def _b(text: str) -> bytes:
+    """A credential as bytes for ``hmac.compare_digest`` (which takes ASCII-only str): any str encodes."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+class Access:
+    """The operator key and each session's token (only its SHA-256 is kept, by session id)."""
+
+    def __init__(self, api_key: str | None):
+        self.api_key = api_key
+        self.tokens: dict[str, bytes] = {}  # SHA-256 of each token, while the session or its report is kept
+
+    def issue(self, sid: str) -> str:
+        """A new token for session ``sid``: returned here once, never kept."""
+        token = secrets.token_urlsafe(32)
+        self.tokens[sid] = hashlib.sha256(token.encode()).digest()
+        return token
+
+    def forget(self, sid: str) -> None:
+        self.tokens.pop(sid, None)
+
+    def is_operator(self, credential: str | None) -> bool:
+        """``credential`` is the operator key (constant-time compare; False when no key is configured)."""
+        key = self.api_key
+        return key is not None and credential is not None and hmac.compare_digest(_b(credential), _b(key))
+
+    def require_session(self, sid: str, credential: str | None) -> None:
+        """Let a request on (known) session ``sid`` through, or raise: 401 without a credential, 403 for one
+        that is neither this session's token nor the operator key."""
+        if credential is None:
+            raise ApiError(
+                401,
+                "this session's token is needed (Authorization: Bearer <token>, as returned "
+                "by POST /sessions)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        if self.is_operator(credential):
+            return
+        digest = self.tokens.get(sid)
+        if digest is None or not hmac.compare_digest(hashlib.sha256(_b(credential)).digest(), digest):
+            raise ApiError(403, f"the token given does not open session {sid}")
+
+    def require_operator(self, credential: str | None, what: str) -> None:
+        """The operator key, or 403 (this server has none) / 401 (missing or wrong) naming ``what``."""
+        if self.api_key is None:
+            raise ApiError(
+                403,
+                f"{what} needs the operator key, and this server has none (cadence serve "
+                "--api-key-file PATH)",
+            )
+        if credential is None:
+            raise ApiError(
+                401,
+                f"{what} needs the operator key (Authorization: Bearer <key>)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        if not self.is_operator(credential):
+            raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
+
+    def require_creator(self, credential: str | None) -> None:
+        """Creating a session: free on a server without an operator key, else the key (401)."""
+        if self.api_key is None:
+            return
+        if credential is None:
+            raise ApiError(
+                401,
+                "creating a session needs the API key (Authorization: Bearer <key>)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        if not self.is_operator(credential):
+            raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
+
+
+# ---- fields -----------------------------------------------------------------------------------------------
+
+
+def short(text: str, n: int = 64) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def check_text(value: str, name: str) -> str:
+    """``value`` if it is text the server can pass on: encodable as UTF-8 (no lone surrogate, which JSON's
+    ``\\ud800`` escapes can carry), without NUL. Else a 400 naming the field."""
+    if "\0" in value:
+        raise ApiError(400, f"'{name}' contains a NUL character (at {value.index(chr(0))})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"'{name}' is not valid Unicode text (a lone surrogate at {e.start})") from None
+    return value
+
+
+def type_name(value) -> str:
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
+
+
+def str_field(fields: dict, name: str, default: str | None, max_chars: int | None = None) -> str | None:
+    """A string field: absent -> ``default``; anything but a string (null included) -> 400; checked text."""
+    if name not in fields:
+        return default
+    value = fields[name]
+    if not isinstance(value, str):
+        raise ApiError(400, f"'{name}' must be a string, got {type_name(value)}")
+    check_text(value, name)
+    if max_chars is not None and len(value) > max_chars:
+        raise ApiError(400, f"'{name}' is too long ({len(value)} characters; limit {max_chars})")
+    return value
+
+
+def seed_field(fields: dict, form: bool) -> int:
+    """The seed: an integer in 0..2^63-1. JSON: a number without fraction or exponent (``1e999``, ``3.0``,
+    ``true``, ``"5"`` are refused); a form field: decimal digits. Absent (or an empty form field) = 0."""
+    if "seed" not in fields:
+        return 0
+    v = fields["seed"]
+    if form:
+        if v == "":
+            return 0
+        if not (v.isascii() and v.isdigit()) or len(v) > 19:
+            raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {short(v)!r}")
+        v = int(v)
+    elif isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {type_name(v)}")
+    if not 0 <= v <= MAX_SEED:
+        raise ApiError(400, f"'seed' is out of range (0..{MAX_SEED}), got {short(str(v), 30)}")
+    return v
+
+
+def parse_json(body: bytes, what: str):
+    """JSON text -> a value, or a 400 for anything ``json`` cannot or should not take: not JSON, not UTF-8,
+    nesting deep enough to exhaust the recursion limit, an integer literal over Python's 4,300 digits."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ApiError(400, f"{what} is nested too deeply") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise ApiError(400, f"{what} is not valid JSON") from None
+
+
+def json_object(body: bytes, shape: str) -> dict:
+    """A JSON object body (``shape``: how it should look, for the refusal), or a 400."""
+    value = parse_json(body, f"request body (JSON: {shape})")
+    if not isinstance(value, dict):
+        raise ApiError(400, f"request body must be a JSON object: {shape}")
+    return value
+
+
+def check_sdp(sdp, sdp_type, limit: int) -> None:
+    """An SDP offer's shape (aiortc parses it only then): text, type 'offer', under ``limit`` bytes, starting
+    with 'v=0', with a video section and a DTLS fingerprint."""
+    if not isinstance(sdp, str) or not sdp.strip():
+        raise ApiError(400, "missing SDP offer ('sdp')")
+    check_text(sdp, "sdp")
+    if sdp_type != "offer":
+        raise ApiError(400, f"SDP type must be 'offer', got {short(str(sdp_type))!r}")
+    if len(sdp.encode()) > limit:
+        raise ApiError(413, f"SDP offer is too large ({len(sdp.encode())} bytes; limit {limit})")
+    lines = [ln.strip() for ln in sdp.strip().splitlines()]
+    if not lines or lines[0] != "v=0":
+        raise ApiError(400, "malformed SDP offer: it must start with 'v=0'")
+    if not any(ln.startswith("m=video") for ln in lines):
+        raise ApiError(
+            400, "malformed SDP offer: no video section (m=video); offer a recvonly video transceiver"
+        )
+    if not any(ln.startswith("a=fingerprint:") for ln in lines):
+        raise ApiError(400, "malformed SDP offer: no DTLS fingerprint (a=fingerprint)")

@@ -1,0 +1,400 @@
+"""The session manager: the server's worker groups, its open sessions, closed sessions' reports, admission.
+
+:class:`SessionManager` takes its groups from a *source* (``cadence.serve.workers.LocalGroups``: this
+machine's worker processes, the default; ``cadence.fleet.frontend.FleetGroups`` with ``cadence serve
+--ray``), routes every worker reply to the session that holds the group, and keeps the bookkeeping of
+admission by session id (the creator's address, the token's digest: ``cadence.serve.guard.Access``), not in
+the sessions. Admission: one session per worker group; a request is checked for a free slot (503 +
+Retry-After) and for the client's pending offers (429 + Retry-After: at most
+``max_pending_offers_per_client`` sessions per client address not yet connected) before its image is
+looked at (``cadence.serve.uploads``). An offer that never connects is closed after ``connect_timeout_s``
+(10 s; the session's watchdog). A closed session's report is kept ``report_ttl_s`` (at most
+``max_reports``), and its token opens it for as long.
+
+The seams are declared in :mod:`cadence.serve.ports`: the manager takes a ``GroupSource`` (given, or the one
+``cfg`` names: :func:`group_source`), builds each new session with the source's ``session_factory(group)``
+(a ``SessionPort``: ``LiveSession``, or a fleet's own class) and is the ``SessionHost`` the sessions report
+to (``cfg``, ``metrics``, ``background``, ``release``, ``session_closed``). It imports no torch, and no
+FastAPI: the routes (``cadence.serve.routes``) call it; ``create_local`` opens a session in process with no
+WebRTC (Pipecat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from aiortc.exceptions import InvalidAccessError, OperationError
+
+from cadence.engine.messages import Died
+from cadence.errors import InputError
+from cadence.serve.agent import espeak_binary
+from cadence.serve.agents import make_agent
+from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
+from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
+from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
+from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
+from cadence.serve.session import LiveSession, worker_speed
+from cadence.serve.uploads import ImageDecoder
+from cadence.serve.workers import LocalGroups, WorkerGroup
+from cadence.telemetry.metrics import ServeMetrics
+
+log = logging.getLogger("cadence.serve")
+
+
+@dataclass(frozen=True)
+class SessionCreated:
+    """What ``POST /sessions`` answers (201): the session's id and token (shown only here), the SDP answer,
+    and what the client will receive. :meth:`as_json` is the body, in this order (``openapi.CREATED``)."""
+
+    session_id: str
+    token: str
+    sdp: str
+    type: str
+    agent: str
+    preset: str
+    fps: int
+    width: int
+    height: int
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def group_source(cfg: ServeConfig) -> GroupSource:
+    """The groups ``cfg`` names: a fleet's (``cfg.fleet``: ``cadence serve --ray``), else this machine's, one
+    :class:`~cadence.serve.workers.WorkerGroup` per entry of ``cfg.groups``."""
+    if cfg.fleet is not None:
+        return cfg.fleet.group_source(cfg)
+    e = engine_config(cfg)
+    frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
+    frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
+    groups = []
+    for i, dev in enumerate(cfg.groups):
+        spec, shm = worker_spec(cfg, dev, frame_bytes)
+        groups.append(WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm))
+    return LocalGroups(groups, LiveSession)
+
+
+class SessionManager:
+    """Worker groups (from ``source``; default: :func:`group_source`), open sessions, closed sessions'
+    reports, metrics."""
+
+    def __init__(self, cfg: ServeConfig, source: GroupSource | None = None):
+        self.cfg = cfg
+        self.engine_cfg = e = engine_config(cfg)
+        self.metrics = ServeMetrics()
+        self.metrics.groups.set(len(cfg.groups))
+        self.source = source if source is not None else group_source(cfg)
+        self.groups = self.source.groups  # (a fleet's list is kept up to date in place)
+        self.sessions: dict[str, SessionPort] = {}
+        self.reports: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._report_times: dict[str, float] = {}
+        self.background: set[asyncio.Task] = set()
+        self.started = False
+        self.stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.access = Access(cfg.api_key)  # the operator key, each session's token (by session id)
+        self.clients: dict[
+            str, str
+        ] = {}  # the creator's address, while its slot is reserved or its session open
+        self.images = ImageDecoder(cfg, e)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.images.start()
+        use_ice_host_addresses(self.cfg.ice_host_addresses)
+        await self.source.start(self._route, self.metrics, self.cfg.worker_start_timeout_s)
+        self.started = True
+        log.info(
+            "cadence serve: preset %s, %d group(s) %s, lead %s ms",
+            self.cfg.preset,
+            len(self.groups),
+            list(self.cfg.groups),
+            [round(self.lead_ms(g), 1) for g in self.groups],
+        )
+
+    def lead_ms(self, g: GroupPort) -> float:
+        """How long before a chunk is due the scheduler hands it to group ``g``'s worker at a session's start
+        (``cadence.serve.session.worker_speed``), in ms."""
+        return self.worker_speed(g).lead * 1e3
+
+    def worker_speed(self, g: GroupPort) -> WorkerSpeed:
+        """How a new session on group ``g`` plans (``cadence.serve.session.worker_speed``)."""
+        return worker_speed(self.cfg, self.engine_cfg.chunk_seconds, g)
+
+    async def stop(self, timeout: float = 20.0) -> None:
+        """Close every session, wait for the background work (closes, worker restarts), stop the
+        workers. Bounded: what still runs ``timeout`` seconds in is cancelled (and logged), and the
+        worker processes are stopped whatever happened before."""
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for s in list(self.sessions.values()):
+            s.close_soon("shutdown")  # each close is a background task (a no-op if one is running)
+        while self.background:
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning(
+                    "shutdown: %d task(s) still running after %.0f s, cancelled: %s",
+                    len(self.background),
+                    timeout,
+                    sorted(t.get_name() for t in self.background),
+                )
+                for t in list(self.background):
+                    t.cancel()
+                await asyncio.wait(list(self.background), timeout=1.0)
+                break
+            await asyncio.wait(list(self.background), timeout=left)
+        await self.source.stop()
+        self.images.stop()
+        use_ice_host_addresses(None)
+        self.started = False
+
+    def _route(self, g: GroupPort, msg) -> None:
+        sess = self.sessions.get(g.session_id) if g.session_id else None
+        if isinstance(msg, Died):
+            if self.stopping:  # the server is going down: nothing to restart
+                return
+            log.error("worker %d died: %s", g.index, msg.reason)
+            if (
+                sess is None and g.start_error is None
+            ):  # a worker that cannot start is not restarted in a loop
+                self._bg(g.restart())
+        if sess is None:
+            return
+        sid = getattr(msg, "sid", None)
+        if sid is not None and sid != sess.sid:
+            return  # stale message of an earlier session
+        sess.on_worker_message(msg)
+
+    def _bg(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self.background.add(t)
+        t.add_done_callback(self.background.discard)
+
+    # ---- the sessions' host ---------------------------------------------------------------------
+    def release(self, group: GroupPort, sid: str) -> None:
+        """Session ``sid`` is done with ``group``: back to the source (a fleet: the claim to the registry)."""
+        self.source.release(group, sid)
+
+    def session_closed(self, sess: SessionPort, report: dict) -> None:
+        self.sessions.pop(sess.sid, None)
+        self.clients.pop(sess.sid, None)
+        self.metrics.remove_session(sess.sid)
+        self.metrics.sessions.labels(sess.close_reason or "unknown").inc()
+        self.metrics.active.set(len(self.sessions))
+        self.reports[sess.sid] = report
+        self._report_times[sess.sid] = time.monotonic()
+        self._expire_reports()
+        log.info("session report %s", json.dumps(report, default=str))
+
+    # ---- open and closed sessions ---------------------------------------------------------------
+    def _expire_reports(self) -> None:
+        now = time.monotonic()
+        while self.reports:
+            sid, _ = next(iter(self.reports.items()))
+            if (
+                len(self.reports) > self.cfg.max_reports
+                or now - self._report_times[sid] > self.cfg.report_ttl_s
+            ):
+                self.reports.popitem(last=False)
+                self._report_times.pop(sid, None)
+                if sid not in self.sessions:
+                    self.access.forget(sid)
+            else:
+                break
+
+    def get_open(self, sid: str) -> SessionPort:
+        s = self.sessions.get(sid)
+        if s is not None and s.state not in ("closing", "closed"):
+            return s
+        self._expire_reports()
+        if s is not None or sid in self.reports:
+            raise ApiError(410, f"session {sid} is closed")
+        raise ApiError(404, f"unknown session {short(sid)!r}")
+
+    def authorize(self, sid: str, credential: str | None) -> None:
+        """Let a request on session ``sid`` through, or raise: 404 for an id the server does not know (open
+        or with its report kept), else what ``Access.require_session`` says (401, 403)."""
+        self._expire_reports()
+        if sid not in self.sessions and sid not in self.reports:
+            raise ApiError(404, f"unknown session {short(sid)!r}")
+        self.access.require_session(sid, credential)
+
+    # ---- admission ------------------------------------------------------------------------------------
+    def acquire(self) -> GroupPort | None:
+        return self.source.acquire()
+
+    def retry_after(self) -> int:
+        """Seconds until a group is likely free: the soonest max-duration end, 1..60."""
+        hint = self.source.retry_after()  # a fleet's: the registry's, over every front end's sessions
+        if hint is not None:
+            return hint
+        now = time.monotonic()
+        left = [self.cfg.max_duration_s - (now - s.t_created) for s in self.sessions.values()]
+        return int(min(60, max(1, math.ceil(min(left)) if left else 5)))
+
+    def pending_offers(self, client: str) -> int:
+        """Sessions ``client`` created (or is creating) that are not connected yet."""
+        n = 0
+        for sid, c in self.clients.items():
+            if c != client:
+                continue
+            s = self.sessions.get(sid)
+            n += s is None or s.state in ("starting", "connecting")
+        return n
+
+    def reserve(self, client: str) -> tuple[GroupPort, str]:
+        """Admit a new session from ``client`` or raise: 429 (+ Retry-After) when the client already has
+        ``max_pending_offers_per_client`` sessions waiting to connect, 503 (+ Retry-After) when no group
+        is free. The group is held for the new id at once (nothing awaits in between), so an image
+        decoding meanwhile cannot lose its slot to a later request."""
+        cfg = self.cfg
+        pending = self.pending_offers(client)
+        if pending >= cfg.max_pending_offers_per_client:
+            self.metrics.refused.inc()
+            raise ApiError(
+                429,
+                f"too many sessions waiting to connect from {client} ({pending}; limit "
+                f"{cfg.max_pending_offers_per_client}): connect them, DELETE them, or wait "
+                f"{cfg.connect_timeout_s:.0f} s for them to time out",
+                {"Retry-After": str(max(1, math.ceil(cfg.connect_timeout_s)))},
+            )
+        g = self.acquire()
+        if g is None:
+            self.metrics.refused.inc()
+            raise ApiError(
+                503,
+                f"no free session slot ({len(self.groups)} group(s), all busy); retry later",
+                {"Retry-After": str(self.retry_after())},
+            )
+        sid = uuid.uuid4().hex
+        g.session_id = sid
+        self.clients[sid] = client
+        return g, sid
+
+    def unreserve(self, g: GroupPort, sid: str) -> None:
+        self.source.release(g, sid)
+        self.clients.pop(sid, None)
+
+    async def decode_image(self, data: bytes) -> np.ndarray:
+        """The reference image as the engine takes it (``cadence.serve.uploads``, at most
+        ``decode_concurrency`` at once, on a pool of that many threads)."""
+        return await self.images.decode(data)
+
+    # ---- session creation -------------------------------------------------------------------------
+    def new_agent(self, agent: str):
+        """A new agent by name, or the request's refusal (400: unknown, or 'talk' on a server without an
+        endpoint; 503: 'say' without espeak-ng installed)."""
+        try:
+            ag = make_agent(agent, self.engine_cfg.chunk_seconds, agent_endpoint(self.cfg))
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        if agent == "say" and espeak_binary() is None:
+            raise ApiError(
+                503,
+                "the 'say' agent needs espeak-ng, which is not installed on the server "
+                "(Debian: apt-get install espeak-ng); use agent 'mirror'",
+            )
+        if agent == "talk" and self.cfg.agent_url is None:  # not offered here (not in this server's schema)
+            raise ApiError(
+                400,
+                "the 'talk' agent needs an OpenAI-compatible LLM endpoint, and this server has none "
+                "(cadence serve --agent-url URL); use agent 'mirror' or 'say'",
+            )
+        return ag
+
+    async def create_local(
+        self, agent, image: np.ndarray | None = None, prompt: str = DEFAULT_PROMPT, seed: int = 0
+    ):
+        """A session in this process with no WebRTC: the caller reads its paced tracks
+        (``sess.video.recv()``, ``sess.audio.recv()``) and drives its ``agent`` (an :class:`Agent` the
+        caller made). What ``cadence.integrations.pipecat`` runs in process. 503 (ApiError) when full."""
+        if not self.started:
+            raise RuntimeError("the session manager is not started")
+        g, sid = self.reserve("local")
+        sess = LiveSession(self, sid, g, agent, self.engine_cfg, prompt, seed)
+        self.sessions[sid] = sess
+        self.metrics.active.set(len(self.sessions))
+        try:
+            await sess.start_local(image)
+        except BaseException:
+            await sess.close("start_failed")
+            raise
+        return sess
+
+    async def create(
+        self,
+        *,
+        sdp: str,
+        sdp_type: str,
+        image_bytes: bytes | None,
+        prompt: str,
+        agent: str,
+        seed: int,
+        t_request: float,
+        client: str = "unknown",
+    ) -> SessionCreated:
+        """Check the request, admit it (429 / 503), decode its image, start the session. The answer carries
+        the session's token, which only this answer ever shows."""
+        ag = self.new_agent(agent)
+        if len(prompt) > MAX_PROMPT:
+            raise ApiError(400, f"prompt is too long ({len(prompt)} characters; limit {MAX_PROMPT})")
+        check_sdp(sdp, sdp_type, self.cfg.max_sdp_bytes)
+        # a fleet: a group is claimed fleet-wide first (one machine: nothing to do)
+        async with self.source.admission():
+            g, sid = self.reserve(client)  # before the image is looked at: a full server decodes nothing
+        image = None
+        try:
+            if image_bytes is not None:
+                image = await self.decode_image(image_bytes)
+        except BaseException:  # a bad image, or the client gone meanwhile: the slot is free again
+            self.unreserve(g, sid)
+            raise
+        token = self.access.issue(sid)
+        sess = self.source.session_factory(g)(self, sid, g, ag, self.engine_cfg, prompt, seed)
+        sess.t_created = t_request
+        self.sessions[sid] = sess
+        self.metrics.active.set(len(self.sessions))
+        answer = await self._answer(sess, image, sdp, sdp_type)
+        e = self.engine_cfg
+        return SessionCreated(
+            sid,
+            token,
+            answer.sdp,
+            answer.type,
+            ag.name,
+            e.name,
+            e.stream.fps,
+            e.stream.width,
+            e.stream.height,
+        )
+
+    async def _answer(self, sess, image, sdp: str, sdp_type: str):
+        """Start ``sess`` and answer its offer; a failure closes it and is the request's refusal (400 for an
+        offer aiortc cannot parse or answer, 500 for anything else)."""
+        try:
+            return await sess.start(image, sdp, sdp_type)
+        except ValueError as e:  # aiortc's SDP parser and checks
+            await sess.close("bad_offer")
+            raise ApiError(400, f"malformed SDP offer: {e}") from None
+        except (OperationError, InvalidAccessError) as e:  # a well-formed offer aiortc cannot answer
+            await sess.close("bad_offer")
+            raise ApiError(
+                400,
+                f"cannot answer the SDP offer ({e}): the server sends {' or '.join(VIDEO_CODECS)} "
+                "video and Opus audio",
+            ) from None
+        except Exception as e:
+            await sess.close("start_failed")
+            log.exception("session %s failed to start", sess.sid)
+            raise ApiError(500, f"session failed to start: {type(e).__name__}: {e}") from None
