@@ -239,3 +239,17 @@ def test_apply_fp8_and_set_gemm_backend():
     assert set_gemm_backend(model, "triton") == n and all(m.gemm == "triton" for m in layers)
     with pytest.raises(ValueError):
         set_gemm_backend(model, "fast")
+
+
+def test_fast_path_gemm_field():
+    from cadence.engine.spec import GEMMS, FastPath
+    from cadence.errors import ConfigError
+
+    assert GEMMS == kg.BACKENDS  # the torch-free copy
+    assert FastPath().gemm == "auto"
+    with pytest.raises(ConfigError, match="gemm must be one of auto, cublas, triton"):
+        FastPath(gemm="cutlass")
+    fast, notes = FastPath(gemm="triton").resolve("cpu")  # FP8 linears are CUDA only
+    assert fast.gemm == "auto" and any(n.startswith("gemm: triton needs FP8 linears") for n in notes)
+    fast, notes = FastPath(gemm="triton", fp8_linears=True).resolve("cuda:0")
+    assert fast.gemm == "triton" and not any(n.startswith("gemm") for n in notes)

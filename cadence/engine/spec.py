@@ -28,6 +28,8 @@ DECODERS = ("standin", "wan", "taehv")
 #: The Wan decoder's fast paths (``cadence.runtime.vae_fast.MODES``; torch-free copy).
 DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
+#: The FP8 GEMM backends (``cadence.kernels.fp8_gemm.BACKENDS``; torch-free copy).
+GEMMS = ("auto", "cublas", "triton")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class FastPath:
     decoder has one; a compile that fails falls back to eager with one log line."""
     comm: str = "auto"
     """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""
+    gemm: str = "auto"
+    """The FP8 linears' GEMM backend (``cadence.kernels.fp8_gemm``): 'auto' (per shape from the table measured
+    on this GPU kind, docs/perf/fp8/gemm-<device>.json; cuBLAS where it has no entry), 'cublas'
+    (``torch._scaled_mm``) or 'triton' (Cadence's Triton FP8 GEMM, with the table's config per shape). Only
+    with fp8_linears; a backend that cannot run falls back to cuBLAS with one log line."""
     threads: int = 0
     """CPU: torch intra-op threads for the diffusion and decode threads. 0 = chosen at warm-up (the
     engine times 1 and 2 threads and keeps the faster sustained rate; ``Engine.warm_up``)."""
@@ -87,6 +94,9 @@ class FastPath:
                 notes.append(f"capture_filling: needs CUDA graphs ({why}): off")
             else:
                 kw["capture_filling"] = True
+        if self.gemm != "auto" and not kw["fp8_linears"]:
+            notes.append(f"gemm: {self.gemm} needs FP8 linears (off here): auto")
+            kw["gemm"] = "auto"
         kw["dtype"] = self.dtype or ("bfloat16" if cuda else "float32")
         kw["decoder_fast"] = self.decoder_fast or ("compile" if cuda else "off")
         return dataclasses.replace(self, **kw), notes
@@ -100,6 +110,8 @@ class FastPath:
             raise ConfigError(
                 f"decoder_fast must be one of {', '.join(DECODER_FAST)}, got {self.decoder_fast!r}"
             )
+        if self.gemm not in GEMMS:
+            raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, got {self.gemm!r}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
 
