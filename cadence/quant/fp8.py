@@ -352,14 +352,15 @@ class FP8Linear(nn.Module):
         why = self._why_not_scaled_mm(xq, out_dtype)
         if why is None:
             try:
-                y = self._scaled_mm(xq, xs, bias, out_dtype, out)
+                y = self._scaled_mm(xq, xs, bias, out_dtype, **({} if out is None else {"out": out}))
                 self.scaled_mm_calls += 1
                 return y
             except torch.OutOfMemoryError:
                 raise
             except (NotImplementedError, RuntimeError) as e:
                 why = note_scaled_mm_failure(self._shape_key(xq, out_dtype), e)
-        if c.backend != "triton":  # cuBLAS refused this shape: the Triton GEMM (where usable) before the slow path
+        # cuBLAS refused the shape: the Triton GEMM (where usable) before the dequantised fallback
+        if c.backend != "triton":
             y = self._triton_mm(xq, xs, bias, out_dtype, c.config, out)
             if y is not None:
                 return y
