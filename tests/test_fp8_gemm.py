@@ -7,7 +7,10 @@ scales (``exact``): the kernel accumulates in float32 (an error of at most K u32
 u32 = 2^-24, for any summation order; split-K only changes the order), multiplies by the two scales and
 adds the bias in float32 (a few u32 of |exact| + |bias|), then rounds once to the output dtype (half a
 unit in the last place: 2^-9 |y| in bf16, 2^-24 in float32). Asserted: |y - exact| <= u_out |exact| +
-K u32 sum|a b| sa sb + 4 u32 (|exact| + |bias|) + 1e-30, with u_out = 2^-8 (bf16) or 2^-24 (float32)."""
+K u_acc sum|a b| sa sb + 4 u32 (|exact| + |bias|) + 1e-30, with u_out = 2^-8 (bf16) or 2^-24 (float32) and
+u_acc = u32 on the CPU; on a GPU (sm90) both the Triton FP8 dot and cuBLAS with ``use_fast_accum`` keep
+fewer mantissa bits in the tensor core's accumulator (about 14: DeepSeek-V3's measurement on Hopper), so
+there u_acc = 2^-14."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 U32 = 2.0**-24
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+U_ACC = 2.0**-14 if DEV == "cuda" else U32
 
 
 @pytest.fixture
@@ -64,17 +68,18 @@ def check(y, a, b, sa, sb, bias):
     u = 2.0**-8 if y.dtype == torch.bfloat16 else U32
     bnd = (
         u * exact.abs()
-        + a.shape[1] * U32 * mag
+        + a.shape[1] * U_ACC * mag
         + 4 * U32 * (exact.abs() + (0 if bias is None else bias.abs().double()))
     )
     err = (y.double() - exact).abs()
     assert (err <= bnd + 1e-30).all(), f"max excess {(err - bnd).max().item():.3g}"
 
 
+#: small tiles (K steps of 32: the smallest an FP8 MMA takes, so these also compile on a GPU)
 CONFIGS = [
-    None,  # the interpreter default
+    None,  # the interpreter default (on a GPU: the 128x128x128 default)
     kg.GemmConfig(16, 32, 32, group_m=2, split_k=1, warps=4, stages=1, tma=True),
-    kg.GemmConfig(32, 16, 16, group_m=1, split_k=3, warps=4, stages=1, tma=False),
+    kg.GemmConfig(32, 16, 32, group_m=1, split_k=3, warps=4, stages=1, tma=False),
     kg.GemmConfig(16, 16, 32, group_m=4, split_k=2, warps=4, stages=1, tma=True),
 ]
 
@@ -84,7 +89,7 @@ CONFIGS = [
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_triton_gemm_matches_the_exact_product(m, k, n, cfg, out_dtype):
     """Ragged M / N / K (masks, descriptors' zero fill, K not a multiple of BK), split-K of 1-3 with an
-    empty last split (K = 64 over 3 x 32), pointer loads and descriptors, bias and none."""
+    empty last split (K = 64: two K steps over three splits), pointer loads and descriptors, bias and none."""
     a, b, sa, sb, bias = operands(m, k, n, seed=m + k + n)
     for bv in (bias, None):
         y = kg.triton_gemm(a, b, sa, sb, bv, out_dtype, cfg)
@@ -93,7 +98,7 @@ def test_triton_gemm_matches_the_exact_product(m, k, n, cfg, out_dtype):
 
 
 def test_split_k_is_deterministic_and_leaves_the_counters_clean():
-    cfg = kg.GemmConfig(16, 16, 16, group_m=2, split_k=4, warps=4, stages=1, tma=False)
+    cfg = kg.GemmConfig(16, 16, 32, group_m=2, split_k=4, warps=4, stages=1, tma=False)
     a, b, sa, sb, bias = operands(40, 128, 24, seed=5)
     y1 = kg.triton_gemm(a, b, sa, sb, bias, torch.float32, cfg)
     y2 = kg.triton_gemm(a, b, sa, sb, bias, torch.float32, cfg)
@@ -178,7 +183,6 @@ def test_shape_cublas_refuses_runs_triton_where_usable(fresh, monkeypatch):
     """W57's audio K/V (M = 8): cuBLAS refuses rowwise FP8; "auto" then runs the Triton GEMM instead of
     the dequantised matmul (here the interpreter stands in for a GPU)."""
     q, x = _layer(m=8)
-    want = q(x)
 
     def picky(*a, **k):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
@@ -187,7 +191,8 @@ def test_shape_cublas_refuses_runs_triton_where_usable(fresh, monkeypatch):
     monkeypatch.setattr(kg, "usable", lambda a, b, allow_interpreter=False: None)
     y = q(x)
     assert q.triton_calls == 1 and q.fallback_calls == 0
-    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+    xq, xs = quantize_rows(x)
+    check(y, xq, q.weight_fp8, xs, q.weight_scale, q.bias)
     monkeypatch.setattr(kg, "usable", lambda a, b, allow_interpreter=False: "not here")
     q(x)
     assert q.fallback_calls == 1  # neither backend: the dequantised matmul, warn-once

@@ -200,3 +200,29 @@ def test_compile_impl_traces(monkeypatch):
     remove_fused_quant(model)
     assert rep.enabled and rep.impl == "compile"
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_cuda_graph_replay_equals_eager():
+    """On a GPU: the tiny model with the fused producers and the Triton GEMM forced, captured in a CUDA
+    graph after two eager warm-ups, replays to the eager output bit for bit (every launch is device-side,
+    the QuantizedActivation hand-off is host-only)."""
+    from cadence.quant import fp8_report, set_gemm_backend
+    from cadence.runtime.compile import apply_fused_quant
+
+    model, inp = _tiny(torch.bfloat16)
+    set_gemm_backend(model, "triton")
+    rep = apply_fused_quant(model)
+    assert rep.enabled and rep.impl == "triton"
+    with torch.no_grad():
+        model.forward_full(*inp)
+        want = model.forward_full(*inp)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = model.forward_full(*inp)
+        g.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    r = fp8_report(model)
+    assert r["triton_calls"] > 0 and r["fell_back"] == 0 and not r["triton_refused"], r
