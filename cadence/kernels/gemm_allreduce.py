@@ -46,7 +46,9 @@ rounded partials gives, on both ranks.
 
 The CPU tests simulate the two ranks in one process under TRITON_INTERPRET=1 with ``phase`` 1, 2, 3
 ("both": 1, 2; rank 0 then rank 1 for each), since interpreted programs run one after another: the
-one-launch GPU path (phase 0) is checked on GPUs, against NCCL, by ``cadence bench fused``. Two ranks only;
+one-launch GPU path (phase 0) is checked on GPUs, against NCCL, by ``cadence bench fused``; on ONE device
+:class:`EmulatedPeer` runs it against a stood-in peer (the protocol's own cost without NVLink, timed by
+``cadence bench linears``; also a CPU test of the one-launch path). Two ranks only;
 :func:`usable` says why not otherwise, and ``cadence.parallel.fused`` then falls back with one line.
 """
 

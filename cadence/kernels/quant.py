@@ -16,6 +16,12 @@ scale), one write of the FP8 rows. Its reference is :func:`quantize_rows_modulat
 exactly the model's arithmetic followed by ``quantize_rows``. How to hook it into the model from
 outside, and the predicted gain: docs/perf/fp8/NOTES.md.
 
+The same kernel family makes the other inputs of FP8 linears in one pass (``cadence.runtime.compile.
+apply_fused_quant`` wires them in): ``quantize_rows_layer_norm_triton`` (the affine LayerNorm before the cross /
+audio attention's q: the modulated kernel with weight / bias for 1 + scale / shift) and
+``gelu_quantize_rows_triton`` (the FFN's GELU before fc2), each beside its reference
+(tests/test_fused_quant.py: the same tolerance as the modulated kernel's).
+
 Parity (tests/test_fp8_quant.py). The plain kernel gives the reference's bytes exactly: the same
 IEEE operations (amax is exact; amax / 448 and 1 / scale are correctly rounded divisions,
 ``div_rn``, not Triton's approximate fp32 ``/``; one float32 product; the clamp), then it rounds to

@@ -27,6 +27,13 @@ line; the stream never fails because of this module. ``CADENCE_COMPILE=0`` turns
 
 Reference: the plain functions in ``cadence.model.layers``; tests/test_compile.py checks parity.
 
+FP8 from the producers (:func:`apply_fused_quant`, after this and after ``apply_fp8``): where the ops'
+outputs feed FP8 linears only (the adaLN norm + modulation before qkv / fc1, the affine LayerNorm before the
+cross / audio q, the FFN's GELU before an FP8 fc2), a block's ops hand the linear a
+``QuantizedActivation`` made in the same launch (``cadence.kernels.quant``'s fused kernels, or the
+references under Inductor), so the linear runs no quantisation of its own; a producer that fails logs one
+line and the block runs the plain op + the separate quantisation. tests/test_fused_quant.py checks parity.
+
 Threads (:data:`COMPILE_GATE`): the engine diffuses on one thread and decodes on another, and both may run
 compiled code (these ops; the Wan decoder's ``cadence.runtime.vae_fast``). While one thread compiles, torch
 sets process-wide tracing state, and a compiled function called from the other thread then raises
