@@ -361,22 +361,25 @@ def _activation(qs, x: torch.Tensor):
     return QuantizedActivation(qs[0], qs[1], tuple(x.shape), x.dtype)
 
 
-class QuantizingOps(L.ElementwiseOps):
+class QuantizingOps:
     """A block's elementwise ops (``base``: plain or compiled) whose ``norm_modulate`` (the inputs of qkv and
     fc1) and / or ``layer_norm_cast`` (the inputs of the cross / audio attention's q) hand the FP8 linear
     that follows a :class:`cadence.quant.fp8.QuantizedActivation`: the norm, the modulation (or affine),
     the rounding to the model dtype and the per-row quantisation in one producer, so the linear launches
-    no quantisation of its own. Every other op is the base's. Per block: only where every consumer of the
-    op's output is an FP8Linear (:func:`apply_fused_quant` decides)."""
+    no quantisation of its own. Every other op (any added to ``ElementwiseOps`` later too) is the base's.
+    Per block: only where every consumer of the op's output is an FP8Linear (:func:`apply_fused_quant`)."""
 
-    def __init__(self, base: L.ElementwiseOps, producers: dict, modulate: bool, layer_norm: bool):
-        for name in OPS:
-            setattr(self, name, getattr(base, name))
+    def __init__(self, base, producers: dict, modulate: bool, layer_norm: bool):
         self.base, self.producers = base, producers
         if modulate:
             self.norm_modulate = self._norm_modulate
         if layer_norm:
             self.layer_norm_cast = self._layer_norm_cast
+
+    def __getattr__(self, name):  # only for what __init__ did not set: the base's op
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     def _norm_modulate(self, x, shift, scale, eps):
         qs = self.producers["norm_modulate"](x, shift, scale, eps)
