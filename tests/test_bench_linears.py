@@ -60,3 +60,12 @@ def test_tile_and_producer_rows():
         p = bl.producer_row(kind, 8, 64, clock, compiled=False)
         assert p["parity"]["max_steps_off"] <= 1.0 + 1e-3 and p["parity"]["bytes_differ"] <= 1, p
         assert isinstance(p["us"]["triton_fused"], float)
+
+
+def test_bad_plan_is_one_clear_error():
+    from cadence.cli import main
+
+    for bad, msg in (("w57:3", "must divide"), ("w99:1", "unknown preset"), ("w57:x", "not 'preset:tp")):
+        with pytest.raises(ValueError, match=msg):
+            bl.plan(bl.parse(["--presets", bad]))
+    assert main(["bench", "linears", "--presets", "w57:3", "--no-record"]) == 2

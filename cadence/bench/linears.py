@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.bench.results import REPO, add_record_flags, results_dir
+from cadence.errors import InputError, UsageParser
 
 PRESETS = "w57:1,2,4;w14:1,2;w1.3:1"
 ROTATE_BYTES = 150 * 2**20  # weights a timed sequence cycles through: 3x the H200's 50 MB L2
@@ -64,7 +65,7 @@ MARGIN = 0.98  # Triton is chosen only when it takes <= 98% of cuBLAS's time
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cadence bench linears", description=__doc__.split("\n\n")[0])
+    p = UsageParser(prog="cadence bench linears", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default=PRESETS, help=f"'preset:tp,tp;...' (default {PRESETS})")
     p.add_argument("--tiny", action="store_true", help="the tiny preset only (CPU smoke test)")
     p.add_argument("--sweep", default="all", choices=["all", "short", "none"], help="Triton configs to time")
@@ -108,7 +109,7 @@ def roles(preset: str, tp: int) -> list[Role]:
     mc, t = cfg.model, cfg.tokens_per_chunk
     d, f = mc.dim, mc.ffn_dim
     if mc.num_heads % tp or f % tp:
-        raise ValueError(f"{preset}: TP={tp} must divide the heads ({mc.num_heads}) and the FFN width ({f})")
+        raise InputError(f"{preset}: TP={tp} must divide the heads ({mc.num_heads}) and the FFN width ({f})")
     audio = sum(mc.has_audio(i) for i in range(mc.num_layers)) / mc.num_layers
     out = [
         Role("qkv", t, d, 3 * d // tp, 1, True, True),
@@ -134,7 +135,14 @@ def plan(args) -> list[tuple[str, int]]:
     out = []
     for part in (s.strip() for s in args.presets.split(";") if s.strip()):
         name, _, tps = part.partition(":")
-        out += [(name.strip(), int(v)) for v in (tps or "1").split(",")]
+        try:
+            out += [(name.strip(), int(v)) for v in (tps or "1").split(",")]
+        except ValueError:
+            raise InputError(f"--presets: {part!r} is not 'preset:tp,tp' (e.g. 'w57:1,2,4')") from None
+    for preset, tp in out:
+        roles(preset, tp)  # an unknown preset or a TP that does not divide it: one clear error now
+    if not out:
+        raise InputError("--presets: no preset given")
     return out
 
 
