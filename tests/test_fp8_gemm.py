@@ -97,6 +97,18 @@ def test_triton_gemm_matches_the_exact_product(m, k, n, cfg, out_dtype):
         check(y, a, b, sa, sb, bv)
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="the interpreter ignores the tl.range options; a GPU compiles them")
+def test_flatten_and_warp_specialize_branches():
+    """The persistent loop's three forms (plain range, tl.range(flatten), tl.range(warp_specialize)) compute
+    the same product (on the CPU their options are no-ops: this checks the kernel's structure)."""
+    a, b, sa, sb, bias = operands(20, 64, 40, seed=9)
+    base = kg.GemmConfig(16, 16, 32, group_m=2, split_k=2, warps=4, stages=1, tma=True)
+    want = kg.triton_gemm(a, b, sa, sb, bias, torch.float32, base)
+    for kw in ({"flatten": True}, {"flatten": True, "ws": True}):
+        got = kg.triton_gemm(a, b, sa, sb, bias, torch.float32, kg.with_config(base, **kw))
+        assert torch.equal(got, want), kw
+
+
 def test_split_k_is_deterministic_and_leaves_the_counters_clean():
     cfg = kg.GemmConfig(16, 16, 32, group_m=2, split_k=4, warps=4, stages=1, tma=False)
     a, b, sa, sb, bias = operands(40, 128, 24, seed=5)

@@ -97,6 +97,39 @@ def _epilogue(acc, tm, tn, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, scm,
 
 
 @triton.jit
+def _unit(u, a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
+          M, N, K, sam, sbn, scm, tiles_m, tiles_n, per_split,
+          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+          ROUND: tl.constexpr, EVEN_K: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    """Work unit u: tile u // SPLIT_K, K range u % SPLIT_K (the module docstring's split-K protocol)."""
+    t = u // SPLIT_K
+    tm, tn = _tile_mn(t, tiles_m, tiles_n, GROUP_M)
+    if SPLIT_K == 1:
+        acc = _k_range(tm, tn, a_ptr, b_ptr, a_desc, b_desc, M, N, K, sam, sbn, 0, K,
+                       TMA, UPCAST, EVEN_K, BM, BN, BK)  # fmt: skip
+        _epilogue(acc, tm, tn, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, scm, HAS_BIAS, ROUND, BM, BN)
+    else:
+        s = u % SPLIT_K
+        k_lo = s * per_split
+        k_hi = tl.minimum(K, k_lo + per_split)
+        acc = _k_range(tm, tn, a_ptr, b_ptr, a_desc, b_desc, M, N, K, sam, sbn, k_lo, k_hi,
+                       TMA, UPCAST, EVEN_K, BM, BN, BK)  # fmt: skip
+        loc = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tile_ws = ws_ptr + t.to(tl.int64) * (SPLIT_K * BM * BN)
+        tl.store(tile_ws + s * (BM * BN) + loc, acc)
+        tl.debug_barrier()  # every thread's partial stored before the counter's release
+        done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:  # the tile's last unit: sum the partials in split order
+            tl.debug_barrier()
+            tot = tl.load(tile_ws + loc, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT_K):
+                tot += tl.load(tile_ws + j * (BM * BN) + loc, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + t, 0)  # clean for the next call
+            _epilogue(tot, tm, tn, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, scm, HAS_BIAS, ROUND, BM, BN)
+
+
+@triton.jit
 def fp8_gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
     M, N, K, sam, sbn, scm,
@@ -104,41 +137,33 @@ def fp8_gemm_kernel(
     ROUND: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    """The persistent grid over the work units. The plain loop unless FLATTEN / WS ask for ``tl.range``'s
+    options (a branch not taken at compile time is never compiled: a Triton without those options still
+    runs every other config)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     units = tiles_m * tiles_n * SPLIT_K
-    k_steps = tl.cdiv(K, BK)
-    per_split = tl.cdiv(k_steps, SPLIT_K) * BK
+    per_split = tl.cdiv(tl.cdiv(K, BK), SPLIT_K) * BK
     if TMA:  # made once per program (device-side descriptors: the host sets triton's allocator)
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[sam, 1], block_shape=[BM, BK])
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[sbn, 1], block_shape=[BN, BK])
     else:
         a_desc = a_ptr
         b_desc = b_ptr
-    for u in tl.range(pid, units, nprog, flatten=FLATTEN, warp_specialize=WS):
-        t = u // SPLIT_K
-        tm, tn = _tile_mn(t, tiles_m, tiles_n, GROUP_M)
-        if SPLIT_K == 1:
-            acc = _k_range(tm, tn, a_ptr, b_ptr, a_desc, b_desc, M, N, K, sam, sbn, 0, K,
-                           TMA, UPCAST, EVEN_K, BM, BN, BK)  # fmt: skip
-            _epilogue(acc, tm, tn, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, scm, HAS_BIAS, ROUND, BM, BN)
-        else:
-            s = u % SPLIT_K
-            k_lo = s * per_split
-            k_hi = tl.minimum(K, k_lo + per_split)
-            acc = _k_range(tm, tn, a_ptr, b_ptr, a_desc, b_desc, M, N, K, sam, sbn, k_lo, k_hi,
-                           TMA, UPCAST, EVEN_K, BM, BN, BK)  # fmt: skip
-            loc = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-            tile_ws = ws_ptr + t.to(tl.int64) * (SPLIT_K * BM * BN)
-            tl.store(tile_ws + s * (BM * BN) + loc, acc)
-            tl.debug_barrier()  # every thread's partial stored before the counter's release
-            done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
-            if done == SPLIT_K - 1:  # the tile's last unit: sum the partials in split order
-                tl.debug_barrier()
-                tot = tl.load(tile_ws + loc, cache_modifier=".cg")
-                for j in tl.static_range(1, SPLIT_K):
-                    tot += tl.load(tile_ws + j * (BM * BN) + loc, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + t, 0)  # clean for the next call
-                _epilogue(tot, tm, tn, sa_ptr, sb_ptr, bias_ptr, c_ptr, M, N, scm, HAS_BIAS, ROUND, BM, BN)
+    if WS:
+        for u in tl.range(pid, units, nprog, flatten=FLATTEN, warp_specialize=True):
+            _unit(u, a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
+                  M, N, K, sam, sbn, scm, tiles_m, tiles_n, per_split,
+                  HAS_BIAS, SPLIT_K, TMA, UPCAST, ROUND, EVEN_K, BM, BN, BK, GROUP_M)  # fmt: skip
+    elif FLATTEN:
+        for u in tl.range(pid, units, nprog, flatten=True):
+            _unit(u, a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
+                  M, N, K, sam, sbn, scm, tiles_m, tiles_n, per_split,
+                  HAS_BIAS, SPLIT_K, TMA, UPCAST, ROUND, EVEN_K, BM, BN, BK, GROUP_M)  # fmt: skip
+    else:
+        for u in range(pid, units, nprog):
+            _unit(u, a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr, bias_ptr, c_ptr, ws_ptr, cnt_ptr,
+                  M, N, K, sam, sbn, scm, tiles_m, tiles_n, per_split,
+                  HAS_BIAS, SPLIT_K, TMA, UPCAST, ROUND, EVEN_K, BM, BN, BK, GROUP_M)  # fmt: skip

@@ -268,7 +268,7 @@ def triton_gemm(
         m, n, k, a.stride(0), b.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, TMA=tma, UPCAST=interp,
         ROUND=interp and out.dtype == torch.bfloat16, EVEN_K=k % cfg.bk == 0,
-        FLATTEN=cfg.flatten and not interp, WS=cfg.ws and not interp,
+        FLATTEN=cfg.flatten, WS=cfg.ws,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, **extra,
     )  # fmt: skip
     return out
