@@ -310,7 +310,7 @@ def gemm_section(shapes: dict, clock: Clock, configs) -> tuple[dict, dict]:
         _time_variant(r, "cublas+quant", clock, o, lambda o=o: (o.quant(), o.cublas()))
     for cfg in configs:
         name = "triton:" + cfg.text()
-        if not clock.enough(name, 4):
+        if not clock.enough(name, 60 if clock.cuda else 4):  # keep a minute for the chunk figures and tiles
             break
         t0, failed = time.monotonic(), None
         for key, o in ops.items():
