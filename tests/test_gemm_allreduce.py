@@ -137,3 +137,31 @@ def test_protocol_setting(monkeypatch):
     monkeypatch.setenv("CADENCE_TILES_PROTOCOL", "nope")
     with pytest.raises(ValueError, match="owner, both"):
         gar.protocol()
+
+
+@pytest.mark.parametrize("proto", ["owner", "both"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_emulated_peer_runs_the_one_launch_path(proto, fp8):
+    """EmulatedPeer (the single-GPU timing of the fused kernel): phase 0, the whole protocol in one launch,
+    with the peer's flags raised beforehand, its partials zero and its finished tiles given: the output is
+    exactly the kernel's own GEMM (own tiles: acc + 0, rounded once; the peer's: copied from ``fin``), twice
+    on the same buffers; the counter is back at zero and exactly the flags this rank waits for are
+    consumed (owner: its own tiles' partial flags and the peer tiles' sum flags; both: one per tile)."""
+    from cadence.quant.fp8 import quantize_rows
+
+    g = torch.Generator().manual_seed(11)
+    m, k, n = 70, 64, 96
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    if fp8:
+        (a, sa), (b, sb) = quantize_rows(x), quantize_rows(w)
+        sa, sb = sa.reshape(-1), sb.reshape(-1)
+    else:
+        a, b, sa, sb = x.to(torch.bfloat16), w.to(torch.bfloat16), None, None
+    ref = gar.gemm_only(a, b, sa, sb)
+    em = gar.EmulatedPeer(m, n, a.device, proto=proto)
+    t = gar.tiles(m, n)
+    for _ in range(2):
+        em.arm(ref)
+        assert torch.equal(em(a, b, sa, sb), ref)
+        assert int(em.counter.abs().sum()) == 0
+        assert int(em.flags.sum()) == 2 * t - t  # owner: ceil(t/2) + floor(t/2) consumed; both: t

@@ -236,8 +236,12 @@ def test_compile_flag_applies_after_fp8_and_records_the_report(monkeypatch):
         seen["fp8_linears"] = sum(isinstance(m, FP8Linear) for m in model.modules())
         return Report()
 
+    from cadence.runtime.compile import apply_fused_quant  # the real one: --fp8 applies it too
+
     monkeypatch.setitem(
-        sys.modules, "cadence.runtime.compile", types.SimpleNamespace(apply_compile=fake_apply)
+        sys.modules,
+        "cadence.runtime.compile",
+        types.SimpleNamespace(apply_compile=fake_apply, apply_fused_quant=apply_fused_quant),
     )
     r = bench_step.run(bench_step.parse([*QUICK, "--fp8", "--compile", "--no-record"]))
     assert seen["fp8_linears"] == r["fp8_layers"] > 0  # compiled after apply_fp8

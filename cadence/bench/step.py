@@ -431,6 +431,11 @@ def _run(args: argparse.Namespace) -> dict:
     compile_report = None
     if args.compile:
         model, compile_report = apply_compile_or_exit(model)
+    fused_quant = None
+    if args.fp8:  # as build_engine: the norms / GELU before the FP8 linears emit their FP8 input (CUDA only)
+        from cadence.runtime.compile import apply_fused_quant
+
+        fused_quant = apply_fused_quant(model)
     graphs_why = graphs_unavailable_reason(device, args.cache)
     graphs = bool(args.graphs if args.graphs is not None else graphs_why is None)
     if graphs and graphs_why is not None:
@@ -527,6 +532,7 @@ def _run(args: argparse.Namespace) -> dict:
 
         results["fp8_layers"] = fp8_layers
         results["fp8_counts"] = fp8_mod.fp8_report(model)
+        results["fused_quant"] = {"describe": fused_quant.describe(), "status": fused_quant.status()}
         results["fp8_quant"] = {
             "backend": fp8_mod.quant_backend(),
             "triton_failed": fp8_mod._quant_failed,

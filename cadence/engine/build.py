@@ -16,7 +16,9 @@ else applied from outside):
    still on ``meta`` and only this rank's shard is allocated (W57 does not fit a GPU whole); with a
    checkpoint the full weights load first and are sliced.
 5. **FP8 linears** (``apply_fp8``, after TP: it quantises the shards each rank holds; all or nothing).
-6. **Compile** (``apply_compile``: the per-block elementwise math, after the FP8 swap).
+6. **Compile** (``apply_compile``: the per-block elementwise math, after the FP8 swap), then the **fused FP8
+   producers** (``apply_fused_quant``, with FP8 linears, CUDA only: the norms / GELU before an FP8 linear emit
+   its FP8 input, wrapping the compiled ops).
 7. **Cache and graphs**: the session's cache follows the config (step 1); the engine owns a graph runner
    (capturing only steady-state shapes, after warm-up; a tensor-parallel group agrees on every capture).
 8. **The Wan decoder's fast path** (``FastPath.decoder_fast``: channels-last, torch.compile, time-folded
@@ -201,7 +203,7 @@ def build_engine(
         from cadence.quant.fp8 import apply_fp8
 
         try:
-            applied["fp8_linears"] = apply_fp8(model)
+            applied["fp8_linears"] = apply_fp8(model, gemm=fast.gemm)
         except Exception as e:  # all or nothing: the plain linears stay
             notes.append(f"fp8_linears: could not apply ({type(e).__name__}: {e}): plain linears")
     if fast.compile:
@@ -211,6 +213,10 @@ def build_engine(
         applied["compile"] = rep.describe()
         if not rep.enabled:
             notes.append(f"compile: {rep.describe()}")
+    if applied["fp8_linears"]:  # after compile: the fused producers wrap the (compiled) elementwise ops
+        from cadence.runtime.compile import apply_fused_quant
+
+        applied["fused_quant"] = apply_fused_quant(model).describe()
     gen = StreamGenerator(cfg, model)
     base = pipeline or PipelineConfig(diffusion_devices=(str(device),), decode_device="same")
     pcfg = dataclasses.replace(base, graphs=bool(fast.graphs), capture_filling=bool(fast.capture_filling))

@@ -30,6 +30,8 @@ DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
 #: The ring cache's attention backends (``cadence.kernels.attention_backends.BACKENDS``; torch-free copy).
 ATTENTION = ("auto", "sdpa", "cudnn", "triton", "triton_head", "fa3")
+#: The FP8 GEMM backends (``cadence.kernels.fp8_gemm.BACKENDS``; torch-free copy).
+GEMMS = ("auto", "cublas", "triton")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class FastPath:
     backend), 'triton' (Cadence's kernel: bf16, or FP8 with per-token scales), 'triton_head' (the same, FP8
     with per-head scales), 'fa3' (FlashAttention-3 from the optional fa3-fwd wheel, ``cadence[fa3]``; FP8
     with per-head scales). One that cannot run falls back with one log line. CUDA only except 'sdpa'."""
+    gemm: str = "auto"
+    """The FP8 linears' GEMM backend (``cadence.kernels.fp8_gemm``): 'auto' (per shape from the table measured
+    on this GPU kind, docs/perf/fp8/gemm-<device>.json; cuBLAS where it has no entry), 'cublas'
+    (``torch._scaled_mm``) or 'triton' (Cadence's Triton FP8 GEMM, with the table's config per shape). Only
+    with fp8_linears; a backend that cannot run falls back to cuBLAS with one log line."""
     threads: int = 0
     """CPU: torch intra-op threads for the diffusion and decode threads. 0 = chosen at warm-up (the
     engine times 1 and 2 threads and keeps the faster sustained rate; ``Engine.warm_up``)."""
@@ -98,6 +105,9 @@ class FastPath:
         if self.attention not in ("auto", "sdpa") and not cuda:
             notes.append(f"attention: {self.attention} needs a CUDA worker (this one runs on {device}): auto")
             kw["attention"] = "auto"
+        if self.gemm != "auto" and not kw["fp8_linears"]:
+            notes.append(f"gemm: {self.gemm} needs FP8 linears (off here): auto")
+            kw["gemm"] = "auto"
         kw["dtype"] = self.dtype or ("bfloat16" if cuda else "float32")
         kw["decoder_fast"] = self.decoder_fast or ("compile" if cuda else "off")
         return dataclasses.replace(self, **kw), notes
@@ -111,6 +121,8 @@ class FastPath:
             raise ConfigError(
                 f"decoder_fast must be one of {', '.join(DECODER_FAST)}, got {self.decoder_fast!r}"
             )
+        if self.gemm not in GEMMS:
+            raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, got {self.gemm!r}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.attention not in ATTENTION:

@@ -46,7 +46,9 @@ rounded partials gives, on both ranks.
 
 The CPU tests simulate the two ranks in one process under TRITON_INTERPRET=1 with ``phase`` 1, 2, 3
 ("both": 1, 2; rank 0 then rank 1 for each), since interpreted programs run one after another: the
-one-launch GPU path (phase 0) is checked on GPUs, against NCCL, by ``cadence bench fused``. Two ranks only;
+one-launch GPU path (phase 0) is checked on GPUs, against NCCL, by ``cadence bench fused``; on ONE device
+:class:`EmulatedPeer` runs it against a stood-in peer (the protocol's own cost without NVLink, timed by
+``cadence bench linears``; also a CPU test of the one-launch path). Two ranks only;
 :func:`usable` says why not otherwise, and ``cadence.parallel.fused`` then falls back with one line.
 """
 
@@ -370,3 +372,39 @@ def gemm_only(
     counter, flag = _scratch[key]
     launch(a, b, sa, sb, out, out, out, out, out, flag, flag, counter, rank=0, phase=4, config=cfg, tma=tma)
     return out
+
+
+class EmulatedPeer:
+    """One rank's full kernel (phase 0: the whole protocol, both exchanges) on ONE device, the peer stood in
+    for by local buffers: what a single GPU can time of the fused GEMM + all-reduce (``cadence bench
+    linears``), and a CPU check that the one-launch path (not only the CPU phases) computes the GEMM.
+
+    The peer's side of every exchange is already done: this rank's flags are raised before each call
+    (:meth:`arm`, one fill), the peer's partials (``part``) are zeros and its finished tiles (``fin``) are
+    whatever :meth:`arm` was given (the expected output, in a check). What this rank sends goes to local
+    scratch (``part_peer``, ``fin_peer``, ``flag_peer``) instead of over NVLink. So the time is the tile GEMM
+    plus the protocol's own work (the atomics and system-scope fences, the partial stores, the peer-partial
+    loads and adds, the copy-back of the peer's half) with HBM standing in for NVLink: no link latency or
+    bandwidth, no skew between ranks. Rank 0's view (it owns the even tiles)."""
+
+    def __init__(self, m: int, n: int, device, out_dtype=torch.bfloat16, config=None, proto: str = "owner"):
+        self.m, self.n, self.proto, self.config = m, n, proto, config
+        t = tiles(m, n, config)
+        z = lambda *s, dt=out_dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        self.part, self.part_peer, self.fin, self.fin_peer = (z(m, n) for _ in range(4))
+        self.flags, self.flags_peer = z(2 * t, dt=torch.int32), z(2 * t, dt=torch.int32)
+        self.counter = z(2, dt=torch.int32)
+
+    def arm(self, fin: torch.Tensor | None = None) -> None:
+        """Raise every flag this rank will wait for (the peer's partials and sums 'arrived')."""
+        self.flags.fill_(1)
+        if fin is not None:
+            self.fin.copy_(fin)
+
+    def __call__(self, a, b, sa=None, sb=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = out if out is not None else torch.empty(self.m, self.n, dtype=self.part.dtype, device=a.device)
+        launch(
+            a, b, sa, sb, out, self.part, self.part_peer, self.fin, self.fin_peer, self.flags,
+            self.flags_peer, self.counter, rank=0, phase=0, config=self.config, proto=self.proto,
+        )  # fmt: skip
+        return out

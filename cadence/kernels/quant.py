@@ -16,6 +16,12 @@ scale), one write of the FP8 rows. Its reference is :func:`quantize_rows_modulat
 exactly the model's arithmetic followed by ``quantize_rows``. How to hook it into the model from
 outside, and the predicted gain: docs/perf/fp8/NOTES.md.
 
+The same kernel family makes the other inputs of FP8 linears in one pass (``cadence.runtime.compile.
+apply_fused_quant`` wires them in): ``quantize_rows_layer_norm_triton`` (the affine LayerNorm before the cross /
+audio attention's q: the modulated kernel with weight / bias for 1 + scale / shift) and
+``gelu_quantize_rows_triton`` (the FFN's GELU before fc2), each beside its reference
+(tests/test_fused_quant.py: the same tolerance as the modulated kernel's).
+
 Parity (tests/test_fp8_quant.py). The plain kernel gives the reference's bytes exactly: the same
 IEEE operations (amax is exact; amax / 448 and 1 / scale are correctly rounded divisions,
 ``div_rn``, not Triton's approximate fp32 ``/``; one float32 product; the clamp), then it rounds to
@@ -156,7 +162,7 @@ def quantize_rows_modulated_reference(
 def _kernels():
     from cadence.kernels import quant_triton as k
 
-    return k.quant_rows_kernel, k.quant_rows_modulated_kernel
+    return k.quant_rows_kernel, k.quant_rows_modulated_kernel, k.gelu_quant_rows_kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -261,12 +267,15 @@ def quantize_rows_modulated_triton(
     block_m: int | None = None,
     num_warps: int | None = None,
     programs_per_sm: int | None = None,
+    plus_one: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, N, K] or [M, K]; shift / scale broadcastable to x (float32 [B, 1, K] per sample or
     [B, N, K] per token, as ``Block`` has them) -> (e4m3 [B*N, K], float32 [B*N, 1]) in one launch.
     Caller checks :func:`triton_usable` first. When every row shares one modulation row (per
     sample, B == 1: the stream), a grid of ``programs_per_sm`` x SMs programs walks the rows with
-    shift / scale loaded once per program; else one block of rows per program."""
+    shift / scale loaded once per program; else one block of rows per program. ``plus_one=False``:
+    ``norm(x) * scale + shift`` (an affine LayerNorm, scale = weight, shift = bias:
+    :func:`quantize_rows_layer_norm`)."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     out_dtype = out_dtype or x.dtype
@@ -324,6 +333,7 @@ def quantize_rows_modulated_triton(
         SHARED=shared,
         AMAX_MIN=AMAX_MIN,
         FP8_MAX=FP8_MAX,
+        PLUS_ONE=bool(plus_one),
         **extra,
     )
     return q, s
@@ -358,6 +368,75 @@ def quantize_rows_modulated(
         )
         return quantize_rows_modulated_reference(x, shift, scale, eps, norm, out_dtype)
     return quantize_rows_modulated_triton(x, shift, scale, eps, norm=norm, out_dtype=out_dtype)
+
+
+def layer_norm_reference(x, weight, bias, eps: float) -> torch.Tensor:
+    """``F.layer_norm(x.float(), weight, bias).to(x.dtype)``: the model's ``layer_norm_cast`` (the affine
+    LayerNorm before the cross / audio attention's q)."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps).to(x.dtype)
+
+
+def quantize_rows_layer_norm_reference(x, weight, bias, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`layer_norm_reference` then :func:`quantize_rows_reference` over the rows."""
+    h = layer_norm_reference(x, weight, bias, eps)
+    return quantize_rows_reference(h.reshape(-1, h.shape[-1]))
+
+
+def quantize_rows_layer_norm_triton(x, weight, bias, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine LayerNorm + rounding to x's dtype + per-row quantisation in one launch: the modulated
+    kernel with the weight as its scale (not 1 + scale) and the bias as its shift. Same tolerance as
+    :func:`quantize_rows_modulated_triton` against :func:`quantize_rows_layer_norm_reference`."""
+    return quantize_rows_modulated_triton(x, bias.float(), weight.float(), eps, plus_one=False)
+
+
+def gelu_reference(x: torch.Tensor) -> torch.Tensor:
+    """The FFN's activation, as ``MLP2`` runs it: ``F.gelu(x, approximate="tanh")`` in x's dtype."""
+    return F.gelu(x, approximate="tanh")
+
+
+def gelu_quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gelu_reference` then :func:`quantize_rows_reference` ([..., K] -> [prod(...), K])."""
+    g = gelu_reference(x)
+    return quantize_rows_reference(g.reshape(-1, g.shape[-1]))
+
+
+def gelu_quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GELU (tanh) + rounding to x's dtype + per-row quantisation in one launch (``gelu_quant_rows_kernel``):
+    x [..., K] (last dim contiguous) -> (e4m3 [M, K], float32 [M, 1]). Caller checks :func:`triton_usable`.
+
+    Against :func:`gelu_quantize_rows_reference`: the kernel's tanh is exp-based (torch's is its own
+    tanhf), so the float32 value before the bf16 rounding differs by a few ulps and an element next to a
+    rounding boundary can land one step the other way: asserted as for the modulated kernel (scales within
+    one bf16 rounding of the row's amax, values within one e4m3 step, <= 0.1% of the bytes different:
+    tests/test_fused_quant.py)."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"gelu_quantize_rows wants bf16 / fp16 / fp32, got {x.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[-1] > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    q, s = _outputs(m, k, x.device)
+    if m == 0 or k == 0:
+        return q, s
+    interp = x.device.type != "cuda"
+    bm, bk, nw = launch_config(k, interp, modulated=True)
+    extra = {} if interp else {"num_warps": nw}
+    _kernels()[2][(triton_cdiv(m, bm),)](
+        x2,
+        x2.stride(0),
+        q,
+        q.stride(0),
+        s,
+        m,
+        k,
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+        ROUND=_round_code(x.dtype),
+        AMAX_MIN=AMAX_MIN,
+        FP8_MAX=FP8_MAX,
+        **extra,
+    )
+    return q, s
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -92,9 +92,20 @@ def quant_rows_kernel(
 
 
 @triton.jit
+def _round_model(h, ROUND: tl.constexpr):
+    """float32 h rounded to the model dtype, kept in float32. ROUND: 0 none (float32 model), 1 bf16, 2 fp16."""
+    if ROUND == 1:  # the model's .to(bfloat16)
+        h = _round_grid(h, 0.0078125, 9.183549615799121e-41)
+    elif ROUND == 2:  # .to(float16) (|h| < 65520 assumed: beyond, torch gives inf)
+        h = _round_grid(h, 0.0009765625, 5.960464477539063e-08)
+    return h
+
+
+@triton.jit
 def _norm_modulate(x, mask, sh, sc1, kf, eps, RMS: tl.constexpr, ROUND: tl.constexpr):
     """x [R, BLOCK_K] float32 (masked lanes 0) -> (norm(x) * sc1 + sh) rounded to the model dtype,
-    masked lanes 0. sc1 = 1 + scale, as torch forms ``(1 + scale)`` first (same float32 rounding).
+    masked lanes 0. sc1 = 1 + scale, as torch forms ``(1 + scale)`` first (same float32 rounding); for an
+    affine LayerNorm sc1 is the weight and sh the bias.
     norm: LayerNorm without affine (mean, then the variance of the centred row, both from registers)
     or, with RMS, x / sqrt(mean(x^2) + eps). ROUND: 0 none (float32 model), 1 bf16, 2 fp16."""
     one = tl.full([x.shape[0]], 1.0, tl.float32)
@@ -108,11 +119,7 @@ def _norm_modulate(x, mask, sh, sc1, kf, eps, RMS: tl.constexpr, ROUND: tl.const
         var = tl.math.div_rn(tl.sum(d * d, axis=1), one * kf)
         rstd = tl.math.div_rn(one, tl.math.sqrt_rn(var + eps))
         y = d * rstd[:, None]
-    h = y * sc1 + sh
-    if ROUND == 1:  # the model's .to(bfloat16), kept in float32
-        h = _round_grid(h, 0.0078125, 9.183549615799121e-41)
-    elif ROUND == 2:  # .to(float16) (|h| < 65520 assumed: beyond, torch gives inf)
-        h = _round_grid(h, 0.0009765625, 5.960464477539063e-08)
+    h = _round_model(y * sc1 + sh, ROUND)
     return tl.where(mask, h, 0.0)
 
 
@@ -141,9 +148,11 @@ def quant_rows_modulated_kernel(
     SHARED: tl.constexpr,
     AMAX_MIN: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    PLUS_ONE: tl.constexpr = True,
 ):
     """h = norm(x) * (1 + scale) + shift, rounded to the model dtype, then quantised per row like
-    quant_rows_kernel, in one pass over x.
+    quant_rows_kernel, in one pass over x. PLUS_ONE False: h = norm(x) * scale + shift (an affine
+    LayerNorm: scale = its weight, shift = its bias).
 
     Rows are tokens of X [B, N, K] (row m = b * N + n; strides per b and n, last dim contiguous).
     SHARED (every row uses the same modulation row: per-sample modulation with B == 1, the stream's
@@ -156,7 +165,9 @@ def quant_rows_modulated_kernel(
     kf = K * 1.0  # float32 (K may arrive as a constexpr when 1)
     if SHARED:
         sh = tl.load(SH + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        sc1 = 1.0 + tl.load(SC + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        sc1 = tl.load(SC + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if PLUS_ONE:
+            sc1 = 1.0 + sc1
         for start in range(tl.program_id(0) * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             rmask = rows < M
@@ -174,8 +185,42 @@ def quant_rows_modulated_kernel(
         n = (rows % N).to(tl.int64)
         x = tl.load(X + (b * sxb + n * sxn)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sh = tl.load(SH + (b * shb + n * shn)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sc1 = 1.0 + tl.load(SC + (b * scb + n * scn)[:, None] + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
+        sc1 = tl.load(SC + (b * scb + n * scn)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PLUS_ONE:
+            sc1 = 1.0 + sc1
         h = _norm_modulate(x, mask, sh, sc1, kf, eps, RMS, ROUND)
         _quant_store(h, rows, cols, rmask, mask, Q, sqm, S, AMAX_MIN, FP8_MAX, True)
+
+
+@triton.jit
+def gelu_quant_rows_kernel(
+    X,
+    sxm,
+    Q,
+    sqm,
+    S,
+    M,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUND: tl.constexpr,
+    AMAX_MIN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    """GELU (tanh form) of BLOCK_M whole rows of X [M, K], rounded to the model dtype, then quantised
+    per row like quant_rows_kernel: the FFN's ``F.gelu(fc1(x), approximate="tanh")`` feeding an FP8 fc2,
+    one read of the fc1 output, one write of the FP8 rows.
+
+    gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u))
+    (the same function: 1 + tanh(u) = 2 sigmoid(2u)): no cancellation near 0; for large negative x the
+    exponent is capped at 80 (no overflow), leaving a value below 1e-30 in magnitude that the quantisation
+    rounds to -0, the byte torch's -0.0 gives."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < K)
+    x = tl.load(X + rows[:, None].to(tl.int64) * sxm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    e = tl.exp(tl.minimum(-2.0 * u, 80.0))  # capped short of overflow: x / (1 + 5.5e34) rounds like -0
+    g = _round_model(x / (1.0 + e), ROUND)
+    _quant_store(tl.where(mask, g, 0.0), rows, cols, rmask, mask, Q, sqm, S, AMAX_MIN, FP8_MAX, True)

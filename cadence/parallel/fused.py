@@ -455,7 +455,7 @@ def gemm_into(
     """out [M, n] <- x2 [M, K] @ W^T without bias (W: the layer's weight, or its output rows `rows`).
     Writes straight into `out` (cuBLAS epilogue); where that is not possible, computes and copies.
     Timed under the "linear" region unless `timed` is False (caller inside another region)."""
-    from cadence.quant.fp8 import FP8Linear, aligned16, note_scaled_mm_failure, quantize_activations
+    from cadence.quant.fp8 import FP8Linear, aligned16, quantize_activations
 
     ctx = region("linear") if timed else contextlib.nullcontext()
     try:
@@ -464,34 +464,18 @@ def gemm_into(
                 with ctx:
                     pre = getattr(linear, "_cadence_xq", None)
                     xq, xs = pre if pre is not None else quantize_activations(x2)
-                    w = linear.weight_fp8 if rows is None else linear.weight_fp8[rows]
-                    ws = linear.weight_scale if rows is None else _scale_slice(linear, rows)
-                    try:
-                        torch._scaled_mm(
-                            aligned16(xq),
-                            w.t(),
-                            scale_a=aligned16(xs),
-                            scale_b=ws,
-                            out_dtype=out.dtype,
-                            use_fast_accum=True,
-                            out=out,
-                        )
-                    except (RuntimeError, NotImplementedError) as e:
-                        if rows is None:  # cuBLAS refused this whole-layer shape: remember it (the layer's
-                            # own path then falls back without retrying; FP8Linear.fallback_calls counts it)
-                            m = x2.shape[0]
-                            note_scaled_mm_failure(
-                                (
-                                    x2.device.type,
-                                    torch.bfloat16,
-                                    m,
-                                    linear.in_features,
-                                    linear.out_features,
-                                    False,
-                                ),
-                                e,
-                            )
-                        raise
+                    if rows is None:  # the whole layer: through its GEMM backend seam (cuBLAS or Triton)
+                        linear.matmul(xq, xs, None, out.dtype, out=out)
+                        return
+                    torch._scaled_mm(
+                        aligned16(xq),
+                        linear.weight_fp8[rows].t(),
+                        scale_a=aligned16(xs),
+                        scale_b=_scale_slice(linear, rows),
+                        out_dtype=out.dtype,
+                        use_fast_accum=True,
+                        out=out,
+                    )
                     linear.scaled_mm_calls += 1
                 return
         elif x2.dtype == linear.weight.dtype == out.dtype:

@@ -7,6 +7,7 @@ from cadence.quant.fp8 import (
     fp8_report,
     quantize_activations,
     quantize_rows,
+    set_gemm_backend,
     set_quant_backend,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "fp8_report",
     "quantize_activations",
     "quantize_rows",
+    "set_gemm_backend",
     "set_quant_backend",
 ]

@@ -18,7 +18,10 @@
   norm + modulation + quantisation kernel ``cadence.kernels.quant.quantize_rows_modulated``) is
   taken as is, skipping the quantisation (docs/perf/fp8/NOTES.md: how that is hooked in);
 * the product is ``torch._scaled_mm(a_fp8, w_fp8.t(), scale_a [M, 1], scale_b [1, N], bias)``:
-  fp8 x fp8 with float32 accumulation and the row/column scales applied in the epilogue.
+  fp8 x fp8 with float32 accumulation and the row/column scales applied in the epilogue; or, per shape,
+  Cadence's Triton FP8 GEMM with the same contract (:meth:`FP8Linear.matmul`, the backend seam of
+  :mod:`cadence.kernels.fp8_gemm`: ``gemm`` "auto" picks per shape from the measured table, "cublas" /
+  "triton" force one; a backend that cannot run falls back with one log line).
 
 Where ``_scaled_mm`` cannot run (CUDA with K or N not a multiple of 16, a GPU without FP8 tensor
 cores, a torch whose op raises for this device/dtype) the layer falls back to the same quantised
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from cadence.kernels import fp8_gemm as kg
 from cadence.kernels import quant as kq
 from cadence.model.layers import Linear
 from cadence.telemetry.spans import region
@@ -65,6 +69,9 @@ _warned = False  # the fallback's warn-once flag (per process)
 # cuBLAS refuses one shape (RuntimeError, e.g. CUBLAS_STATUS_NOT_SUPPORTED): one odd shape must not
 # demote every FP8 layer of the process to the slow path (seen on an H200 at TP=2, 2026-11-30).
 _op_unusable: dict[tuple, str] = {}
+# why the Triton GEMM could not run, keyed (device type, config text): not retried (cuBLAS instead)
+_triton_refused: dict[tuple, str] = {}
+_gemm_logged: set[str] = set()
 
 
 QUANT_BACKENDS = ("auto", "triton", "torch")
@@ -188,7 +195,8 @@ def note_scaled_mm_failure(key: tuple, e: BaseException) -> str:
 
 def fp8_report(model: nn.Module) -> dict:
     """How the FP8 linears of `model` actually ran (host counters of eager and capturing calls):
-    ``fp8_linears`` (how many), ``ran_fp8`` (every call ran torch._scaled_mm), ``fell_back`` (at
+    ``fp8_linears`` (how many), ``ran_fp8`` (every call ran an FP8 GEMM: torch._scaled_mm or the Triton
+    GEMM), ``fell_back`` (at
     least one call took the dequantised fallback; ``mixed``: of those, how many also ran FP8 calls),
     ``unused`` (never called), the call totals, the fallback reasons (reason -> layers) and the
     shapes / device-dtypes refused so far in this process."""
@@ -197,16 +205,23 @@ def fp8_report(model: nn.Module) -> dict:
     for lin in layers:
         if lin.fallback_calls and lin.fallback_reason:
             reasons[lin.fallback_reason] = reasons.get(lin.fallback_reason, 0) + 1
+
+    def fast(m):
+        return m.scaled_mm_calls + m.triton_calls
+
     return {
         "fp8_linears": len(layers),
-        "ran_fp8": sum(1 for m in layers if m.scaled_mm_calls and not m.fallback_calls),
+        "ran_fp8": sum(1 for m in layers if fast(m) and not m.fallback_calls),
         "fell_back": sum(1 for m in layers if m.fallback_calls),
-        "mixed": sum(1 for m in layers if m.fallback_calls and m.scaled_mm_calls),
-        "unused": sum(1 for m in layers if not m.scaled_mm_calls and not m.fallback_calls),
+        "mixed": sum(1 for m in layers if m.fallback_calls and fast(m)),
+        "unused": sum(1 for m in layers if not fast(m) and not m.fallback_calls),
         "scaled_mm_calls": sum(m.scaled_mm_calls for m in layers),
+        "triton_calls": sum(m.triton_calls for m in layers),
         "fallback_calls": sum(m.fallback_calls for m in layers),
         "fallback_reasons": reasons,
         "refused": {" ".join(str(k) for k in key): why for key, why in _op_unusable.items()},
+        "triton_refused": {" ".join(str(k) for k in key): why for key, why in _triton_refused.items()},
+        "gemm_choices": kg.choices(),
     }
 
 
@@ -244,7 +259,9 @@ class FP8Linear(nn.Module):
         # calls that ran torch._scaled_mm / the dequantised fallback (host counters, bumped by eager
         # and capturing calls; a CUDA graph replay runs neither): see fp8_report
         self.scaled_mm_calls = 0
+        self.triton_calls = 0  # calls that ran the Triton GEMM (cadence.kernels.fp8_gemm)
         self.fallback_calls = 0
+        self.gemm = "auto"  # the GEMM backend (cadence.kernels.fp8_gemm.BACKENDS; set_gemm_backend)
 
     @classmethod
     @torch.no_grad()
@@ -276,7 +293,8 @@ class FP8Linear(nn.Module):
         m = math.prod(x.shape[:-1])
         return (x.device.type, out_dtype, m, self.in_features, self.out_features, self.bias is not None)
 
-    def _scaled_mm(self, xq, xs, bias, out_dtype):
+    def _scaled_mm(self, xq, xs, bias, out_dtype, out=None):
+        kw = {} if out is None else {"out": out}
         return torch._scaled_mm(
             aligned16(xq),
             self.weight_fp8.t(),
@@ -285,6 +303,7 @@ class FP8Linear(nn.Module):
             bias=bias,
             out_dtype=out_dtype,
             use_fast_accum=True,
+            **kw,
         )
 
     def _dequant_mm(self, xq, xs, bias, out_dtype):
@@ -292,6 +311,64 @@ class FP8Linear(nn.Module):
         if bias is not None:
             y = y + bias.float()
         return y.to(out_dtype)
+
+    def _triton_mm(self, xq, xs, bias, out_dtype, cfg, out):
+        """The Triton GEMM (``cadence.kernels.fp8_gemm``), or None when it cannot run here: the reason is
+        remembered per (device type, config) so a config that failed once is not retried, logged once."""
+        why = kg.usable(xq, self.weight_fp8, allow_interpreter=self.gemm == "triton")
+        key = (xq.device.type, cfg.text() if cfg is not None else "default")
+        why = why or _triton_refused.get(key)
+        if why is None:
+            try:
+                y = kg.triton_gemm(xq, self.weight_fp8, xs, self.weight_scale, bias, out_dtype, cfg, out)
+                self.triton_calls += 1
+                return y
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001  (a compile error, a rejected config: cuBLAS instead)
+                why = _triton_refused[key] = f"Triton FP8 GEMM ({key[1]}) failed: " + (
+                    str(e).splitlines()[0] if str(e) else type(e).__name__
+                )
+        if why not in _gemm_logged:
+            _gemm_logged.add(why)
+            log.log(
+                logging.WARNING if xq.device.type == "cuda" else logging.INFO,
+                "FP8 GEMM: the Triton backend cannot run (%s): torch._scaled_mm (or its fallback) instead. "
+                "Logged once per reason.",
+                why,
+            )
+        return None
+
+    def matmul(self, xq, xs, bias, out_dtype, out=None) -> torch.Tensor:
+        """``(xq * xs) @ W^T + bias`` [M, N] in `out_dtype` (into `out` when given) through the backend
+        seam: :func:`cadence.kernels.fp8_gemm.choose` picks cuBLAS or Triton for this shape (``self.gemm``:
+        "auto" = the measured table); a Triton call that cannot run takes cuBLAS, a shape cuBLAS refuses
+        takes Triton where usable, and the dequantised matmul is the last resort (warn-once)."""
+        c = kg.choose(xq.shape[0], self.out_features, self.in_features, xq.device, self.gemm)
+        if c.backend == "triton":
+            y = self._triton_mm(xq, xs, bias, out_dtype, c.config, out)
+            if y is not None:
+                return y
+        why = self._why_not_scaled_mm(xq, out_dtype)
+        if why is None:
+            try:
+                y = self._scaled_mm(xq, xs, bias, out_dtype, **({} if out is None else {"out": out}))
+                self.scaled_mm_calls += 1
+                return y
+            except torch.OutOfMemoryError:
+                raise
+            except (NotImplementedError, RuntimeError) as e:
+                why = note_scaled_mm_failure(self._shape_key(xq, out_dtype), e)
+        # cuBLAS refused the shape: the Triton GEMM (where usable) before the dequantised fallback
+        if c.backend != "triton":
+            y = self._triton_mm(xq, xs, bias, out_dtype, c.config, out)
+            if y is not None:
+                return y
+        self.fallback_reason = why
+        self.fallback_calls += 1
+        _warn_fallback(why)
+        y = self._dequant_mm(xq, xs, bias, out_dtype)
+        return y if out is None else out.copy_(y)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         with region("linear"):
@@ -308,21 +385,7 @@ class FP8Linear(nn.Module):
             # Row-wise scaled FP8 GEMMs on CUDA produce bf16 only; elsewhere keep the input dtype.
             out_dtype = torch.bfloat16 if x.device.type == "cuda" else x_dtype
             bias = self.bias.to(out_dtype) if self.bias is not None else None
-            why = self._why_not_scaled_mm(x, out_dtype)
-            y = None
-            if why is None:
-                try:
-                    y = self._scaled_mm(xq, xs, bias, out_dtype)
-                    self.scaled_mm_calls += 1
-                except torch.OutOfMemoryError:
-                    raise
-                except (NotImplementedError, RuntimeError) as e:
-                    why = note_scaled_mm_failure(self._shape_key(x, out_dtype), e)
-            if y is None:
-                self.fallback_reason = why
-                self.fallback_calls += 1
-                _warn_fallback(why)
-                y = self._dequant_mm(xq, xs, bias, out_dtype)
+            y = self.matmul(xq, xs, bias, out_dtype)
             return y.to(x_dtype).reshape(*lead, self.out_features)
 
 
@@ -334,21 +397,38 @@ def _block_linears(model: nn.Module):
                 yield parent, name, child
 
 
+def set_gemm_backend(model: nn.Module, gemm: str) -> int:
+    """Set the GEMM backend ("auto" | "cublas" | "triton": ``cadence.kernels.fp8_gemm``) of every
+    :class:`FP8Linear` in `model` (tensor-parallel shards included); return how many layers."""
+    if gemm not in kg.BACKENDS:
+        raise ValueError(f"FP8 GEMM backend must be one of {kg.BACKENDS}, got {gemm!r}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            m.gemm = gemm
+            n += 1
+    return n
+
+
 @torch.no_grad()
-def apply_fp8(model: nn.Module, *, min_features: int = 0) -> int:
+def apply_fp8(model: nn.Module, *, min_features: int = 0, gemm: str = "auto") -> int:
     """Swap the transformer blocks' linears for :class:`FP8Linear` in place; return how many.
 
     Linears with fewer than `min_features` input or output features are kept in high precision
     (at small widths FP8 saves nothing and the quantisation/launch overhead dominates). The patch
-    embedding, embedders and head are never touched (see the module docstring).
+    embedding, embedders and head are never touched (see the module docstring). `gemm`: the GEMM
+    backend of the new layers (:func:`set_gemm_backend`).
 
     All or nothing: every replacement is built first, then they are swapped in (a swap cannot fail), so
     a conversion that fails part-way raises with the model unchanged, never half-converted."""
+    if gemm not in kg.BACKENDS:
+        raise ValueError(f"FP8 GEMM backend must be one of {kg.BACKENDS}, got {gemm!r}")
     swaps = [
         (parent, name, FP8Linear.from_linear(lin))
         for parent, name, lin in list(_block_linears(model))
         if min(lin.in_features, lin.out_features) >= min_features
     ]
     for parent, name, fp8 in swaps:
+        fp8.gemm = gemm
         setattr(parent, name, fp8)
     return len(swaps)

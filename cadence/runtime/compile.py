@@ -27,6 +27,13 @@ line; the stream never fails because of this module. ``CADENCE_COMPILE=0`` turns
 
 Reference: the plain functions in ``cadence.model.layers``; tests/test_compile.py checks parity.
 
+FP8 from the producers (:func:`apply_fused_quant`, after this and after ``apply_fp8``): where the ops'
+outputs feed FP8 linears only (the adaLN norm + modulation before qkv / fc1, the affine LayerNorm before the
+cross / audio q, the FFN's GELU before an FP8 fc2), a block's ops hand the linear a
+``QuantizedActivation`` made in the same launch (``cadence.kernels.quant``'s fused kernels, or the
+references under Inductor), so the linear runs no quantisation of its own; a producer that fails logs one
+line and the block runs the plain op + the separate quantisation. tests/test_fused_quant.py checks parity.
+
 Threads (:data:`COMPILE_GATE`): the engine diffuses on one thread and decodes on another, and both may run
 compiled code (these ops; the Wan decoder's ``cadence.runtime.vae_fast``). While one thread compiles, torch
 sets process-wide tracing state, and a compiled function called from the other thread then raises
@@ -279,3 +286,233 @@ def remove_compile(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(getattr(m, "ops", None), FusedOps):
             m.ops = L.PLAIN_OPS
+
+
+# ---- FP8 emitted by the producers of the FP8 linears' inputs ---------------------------------------------
+#: How a fused producer runs: "triton" (Cadence's one-launch kernels, ``cadence.kernels.quant``),
+#: "compile" (the reference function torch.compile'd: Inductor fuses the norm, the modulation, the
+#: rounding and the row quantisation), "torch" (the plain reference: parity tests, no speed).
+PRODUCERS = ("triton", "compile", "torch")
+
+
+class _Producer:
+    """One fused producer (norm + modulation, affine LayerNorm, or GELU) -> (e4m3 [M, K], float32 [M, 1]),
+    in the implementation asked for; the first failure logs one line and returns None from then on (the
+    caller then runs the plain op and the consumer quantises, as without this)."""
+
+    def __init__(self, name: str, impl: str, triton_fn, reference, backend: str = "inductor"):
+        self.name, self.impl = name, impl
+        if impl == "triton":
+            self.fn = triton_fn
+        elif impl == "compile":
+            self.fn = _FusedOp(name, reference, backend)
+        else:
+            self.fn = reference
+        self.failed: str | None = None
+        self.calls = 0
+
+    def __call__(self, *args):
+        if self.failed is not None:
+            return None
+        try:
+            out = self.fn(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a kernel that cannot run: the unfused path, logged once)
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning(
+                "fused %s + FP8 quantisation (%s) failed (%s): plain op + separate quantisation from now on",
+                self.name,
+                self.impl,
+                self.failed,
+            )
+            return None
+        self.calls += 1
+        return out
+
+
+def _producers(impl: str, backend: str) -> dict[str, _Producer]:
+    from cadence.kernels import quant as kq
+
+    def modulate(x, shift, scale, eps):
+        return kq.quantize_rows_modulated_triton(x, shift, scale, eps, out_dtype=x.dtype)
+
+    def modulate_ref(x, shift, scale, eps):
+        return kq.quantize_rows_modulated_reference(x, shift, scale, eps, "layer", x.dtype)
+
+    return {
+        "norm_modulate": _Producer("norm_modulate", impl, modulate, modulate_ref, backend),
+        "layer_norm_cast": _Producer(
+            "layer_norm_cast",
+            impl,
+            kq.quantize_rows_layer_norm_triton,
+            kq.quantize_rows_layer_norm_reference,
+            backend,
+        ),
+        "gelu": _Producer(
+            "gelu", impl, kq.gelu_quantize_rows_triton, kq.gelu_quantize_rows_reference, backend
+        ),
+    }
+
+
+def _activation(qs, x: torch.Tensor):
+    from cadence.quant.fp8 import QuantizedActivation
+
+    return QuantizedActivation(qs[0], qs[1], tuple(x.shape), x.dtype)
+
+
+class QuantizingOps:
+    """A block's elementwise ops (``base``: plain or compiled) whose ``norm_modulate`` (the inputs of qkv and
+    fc1) and / or ``layer_norm_cast`` (the inputs of the cross / audio attention's q) hand the FP8 linear
+    that follows a :class:`cadence.quant.fp8.QuantizedActivation`: the norm, the modulation (or affine),
+    the rounding to the model dtype and the per-row quantisation in one producer, so the linear launches
+    no quantisation of its own. Every other op (any added to ``ElementwiseOps`` later too) is the base's.
+    Per block: only where every consumer of the op's output is an FP8Linear (:func:`apply_fused_quant`)."""
+
+    def __init__(self, base, producers: dict, modulate: bool, layer_norm: bool):
+        self.base, self.producers = base, producers
+        if modulate:
+            self.norm_modulate = self._norm_modulate
+        if layer_norm:
+            self.layer_norm_cast = self._layer_norm_cast
+
+    def __getattr__(self, name):  # only for what __init__ did not set: the base's op
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _norm_modulate(self, x, shift, scale, eps):
+        qs = self.producers["norm_modulate"](x, shift, scale, eps)
+        return self.base.norm_modulate(x, shift, scale, eps) if qs is None else _activation(qs, x)
+
+    def _layer_norm_cast(self, x, weight, bias, eps):
+        qs = (
+            None
+            if weight is None or bias is None
+            else self.producers["layer_norm_cast"](x, weight, bias, eps)
+        )
+        return self.base.layer_norm_cast(x, weight, bias, eps) if qs is None else _activation(qs, x)
+
+
+class GeluQuantFFN(nn.Module):
+    """The FFN (``MLP2``: fc1 -> GELU -> fc2) with the GELU and fc2's input quantisation as one producer:
+    fc1 (FP8) -> gelu + per-row FP8 -> fc2 (FP8, given the :class:`QuantizedActivation`). ``plain`` is the
+    module it replaced (``remove_fused_quant`` puts it back); its fc1 / fc2 are the same modules."""
+
+    def __init__(self, plain: nn.Module, producer: _Producer):
+        super().__init__()
+        self.fc1, self.fc2 = plain.fc1, plain.fc2
+        self.act = plain.act
+        self.producer = producer
+        self.__dict__["plain"] = plain  # not a submodule: its parameters are fc1's / fc2's
+
+    def forward(self, x):
+        h = self.fc1(x)
+        qs = self.producer(h)
+        if qs is None:
+            return self.fc2(torch.nn.functional.gelu(h, approximate="tanh"))
+        return self.fc2(_activation(qs, h))
+
+
+@dataclass
+class FusedQuantReport:
+    enabled: bool
+    impl: str = ""
+    reason: str = ""
+    modulate_blocks: int = 0
+    layer_norm_blocks: int = 0
+    ffns: int = 0
+    skipped: dict = field(default_factory=dict)  # why -> blocks
+    producers: dict = field(default_factory=dict, repr=False)
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return f"fused FP8 producers off ({self.reason})"
+        skip = "; ".join(f"{n} x {why}" for why, n in self.skipped.items())
+        return (
+            f"fused FP8 producers ({self.impl}): norm+modulation in {self.modulate_blocks} blocks, affine "
+            f"LayerNorm in {self.layer_norm_blocks}, GELU in {self.ffns} FFNs"
+            + (f"; not: {skip}" if skip else "")
+        )
+
+    def status(self) -> dict:
+        return {
+            k: ("failed: " + p.failed) if p.failed else f"{p.impl} ({p.calls} calls)"
+            for k, p in self.producers.items()
+        }
+
+
+def _block_plan(blk: Block, fp8_cls) -> tuple[bool, bool, bool, list[str]]:
+    """(modulate, layer_norm, gelu, reasons not) for one block: a producer is fused only where every
+    consumer of its output is an FP8Linear taking the activation directly."""
+    why: list[str] = []
+    modulate = isinstance(blk.self_attn.qkv, fp8_cls) and isinstance(blk.ffn.fc1, fp8_cls)
+    if not modulate:
+        why.append("qkv / fc1 not both FP8Linear")
+    sites = []
+    if blk.norm2 is not None:
+        sites.append((blk.norm2, blk.cross_attn))
+    if blk.audio_attn is not None:
+        sites.append((blk.norm_audio, blk.audio_attn))
+    layer_norm = bool(sites) and all(n.weight is not None and isinstance(a.q, fp8_cls) for n, a in sites)
+    if sites and not layer_norm:
+        why.append("a cross / audio q not FP8Linear (or its LayerNorm not affine)")
+    ffn = blk.ffn.plain if isinstance(blk.ffn, GeluQuantFFN) else blk.ffn
+    gelu = isinstance(ffn, L.MLP2) and ffn.act == "gelu"
+    gelu = gelu and isinstance(ffn.fc1, fp8_cls) and isinstance(ffn.fc2, fp8_cls)
+    if not gelu:
+        why.append("fc2 not an FP8Linear (row-parallel under TP: its own quantisation)")
+    return modulate, layer_norm, gelu, why
+
+
+def apply_fused_quant(model: nn.Module, impl: str = "auto", backend: str = "inductor") -> FusedQuantReport:
+    """Make the producers of the FP8 linears' inputs emit FP8 + per-token scales (in place; after
+    ``apply_fp8`` / ``apply_tp`` and after ``apply_compile``, whose ops it wraps).
+
+    impl: "auto" (CUDA where the Triton kernels can run: "triton"; elsewhere off, so the CPU keeps the
+    reference path), or one of :data:`PRODUCERS` anywhere (tests). Per block, only producers whose every
+    consumer is an :class:`~cadence.quant.fp8.FP8Linear` are fused; the report says which and why not."""
+    from cadence.kernels import quant as kq
+    from cadence.quant.fp8 import FP8Linear
+
+    if impl not in ("auto", *PRODUCERS):
+        raise ValueError(f"fused producer impl must be auto or one of {PRODUCERS}, got {impl!r}")
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    if impl == "auto":
+        ok, why = kq.triton_usable(torch.empty(1, 16, dtype=torch.bfloat16, device=device))
+        if not ok:
+            log.info("fused FP8 producers: off (%s)", why)
+            return FusedQuantReport(False, reason=why)
+        impl = "triton"
+    if impl == "compile" and backend == "inductor" and (problem := _compiler_problem(device)) is not None:
+        return FusedQuantReport(False, reason=problem)
+    prods = _producers(impl, backend)
+    rep = FusedQuantReport(True, impl, producers=prods)
+    for blk in (m for m in model.modules() if isinstance(m, Block)):
+        modulate, layer_norm, gelu, why = _block_plan(blk, FP8Linear)
+        for w in why:
+            rep.skipped[w] = rep.skipped.get(w, 0) + 1
+        if modulate or layer_norm:
+            base = blk.ops.base if isinstance(blk.ops, QuantizingOps) else blk.ops
+            blk.ops = QuantizingOps(base, prods, modulate, layer_norm)
+            rep.modulate_blocks += modulate
+            rep.layer_norm_blocks += layer_norm
+        if gelu:
+            plain = blk.ffn.plain if isinstance(blk.ffn, GeluQuantFFN) else blk.ffn
+            blk.ffn = GeluQuantFFN(plain, prods["gelu"])
+            rep.ffns += 1
+    log.info("%s", rep.describe())
+    return rep
+
+
+def remove_fused_quant(model: nn.Module) -> None:
+    """Back to the ops and FFNs :func:`apply_fused_quant` wrapped (reference runs in the same process)."""
+    for m in model.modules():
+        if isinstance(m, Block):
+            if isinstance(m.ops, QuantizingOps):
+                m.ops = m.ops.base
+            if isinstance(m.ffn, GeluQuantFFN):
+                m.ffn = m.ffn.plain
