@@ -472,7 +472,10 @@ def gemm_into(
             if _fp8_fast(linear, x2):
                 with ctx:
                     pre = getattr(linear, "_cadence_xq", None)
-                    xq, xs = pre if pre is not None else quantize_activations(x2)
+                    if pre is None:
+                        with region("quant"):
+                            pre = quantize_activations(x2)
+                    xq, xs = pre
                     w = linear.weight_fp8 if rows is None else linear.weight_fp8[rows]
                     ws = linear.weight_scale if rows is None else _scale_slice(linear, rows)
                     try:
@@ -615,7 +618,8 @@ def _rs_ag(linear, x2, group, m, n, world):
         if isinstance(linear, FP8Linear):
             if not _fp8_fast(linear, x2):
                 raise RuntimeError("FP8 layer cannot use _scaled_mm here")
-            xq, xs = quantize_activations(x2)
+            with region("quant"):
+                xq, xs = quantize_activations(x2)
             odt = gemm_out_dtype(linear, x2)  # bf16 on CUDA
             op = _ops().fused_scaled_matmul_reduce_scatter
             try:  # torch >= 2.7 signature (orig / reshaped scatter dims, output_shape)
@@ -676,7 +680,8 @@ def _chunked(linear, x2, group, m, n, chunks):
     with region("linear_comm"):
         fp8 = isinstance(linear, FP8Linear) and _fp8_fast(linear, x2)
         if fp8:
-            linear._cadence_xq = quantize_activations(x2)  # quantise once for all chunks
+            with region("quant"):
+                linear._cadence_xq = quantize_activations(x2)  # quantise once for all chunks
         side.wait_stream(main)
         try:
             for j in range(chunks):
@@ -794,7 +799,8 @@ def _tiles(linear, x2, group, m, n, world):
         if isinstance(linear, FP8Linear):
             if not _fp8_fast(linear, x2):
                 raise RuntimeError("FP8 layer cannot use _scaled_mm here")
-            a, sa = quantize_activations(x2)
+            with region("quant"):
+                a, sa = quantize_activations(x2)
             b, sb = linear.weight_fp8, linear.weight_scale.reshape(-1)
             sa = sa.reshape(-1)
             linear.scaled_mm_calls += 1  # the FP8 fast path ran (the tile kernel's FP8 GEMM, not _scaled_mm)
