@@ -23,8 +23,7 @@ W57_GRID = (1, 44, 68)  # one latent frame of 22 x 34 patches: 748 tokens
 
 
 def configs(light: bool = False):
-    """The geometries ('uneven' only when `light`: the four-rank run, where it and the 748-token forward
-    already cover the padding)."""
+    """The geometries ('uneven' only when `light`: it and the 748-token forward cover the padded rows)."""
     from cadence.config import get_preset
 
     cfg = get_preset("tiny")
@@ -74,6 +73,25 @@ def step_record(model, cfg) -> dict:
     return {"ops": ops.calls, "collectives": [c.as_dict() for c in log.calls], "summary": log.summary()}
 
 
+def engine_stream_of(cfg, info, sp: bool) -> dict:
+    """Three chunks from an engine built by ``build_engine`` (random weights: sharded on meta) with
+    ``FastPath(sequence_parallel=sp)``, and what it says it applied."""
+    from cadence.engine.build import build_engine
+    from cadence.engine.spec import FastPath
+
+    _, img, speech = tp_worker._inputs(cfg)
+    eng = build_engine(cfg, "cpu", FastPath(threads=1, sequence_parallel=sp), tp=info)
+    try:
+        out = [c.latents for c in eng.stream(img, "a person talking", speech, 3, seed=0)]
+        return {
+            "stream": torch.stack(out),
+            "applied": dict(eng.applied),
+            "notes": [str(n) for n in eng.notes],
+        }
+    finally:
+        eng.close()
+
+
 @torch.no_grad()
 def run_rank(rank: int, world: int, port: int, outdir: str, light: bool = False) -> None:
     tp_worker.gloo_env(rank, world, port)
@@ -90,11 +108,14 @@ def run_rank(rank: int, world: int, port: int, outdir: str, light: bool = False)
                 res[("record", name, sp)] = step_record(model, cfg)
                 if sp:
                     res[("rows", name)] = model.token_layout.rows
-        cfg = configs()["uneven"]
+        cfgs = configs()
+        cfg = cfgs["uneven"]
         inputs = full_inputs(cfg)
         for sp in (False, True):  # FP8 linears: the SP gathers move the quantised rows
             res[("fp8", sp)] = build(cfg, info.group, sp, fp8=True).forward_full(*inputs)
             res[("record_fp8", sp)] = step_record(build(cfg, info.group, sp, fp8=True), cfg)
+        if world == 2:  # the engine applies it: FastPath.sequence_parallel through build_engine
+            res["engine"] = {sp: engine_stream_of(cfgs["uneven"], info, sp) for sp in (False, True)}
         if rank == 0:
             for name, cfg in configs(light).items():
                 res[("ref", name)] = outputs(build(cfg, None, False), cfg)

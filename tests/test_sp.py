@@ -1,6 +1,6 @@
 """Sequence parallelism (cadence.parallel.sp) and the emulated TP rank (cadence.parallel.emulate), against
-real gloo ranks on the CPU: TP=2 in the default tier (~15 s: two spawned ranks), TP=4 in the slow tier
-(~35 s: four ranks on two cores).
+real gloo ranks on the CPU: TP=2 in the default tier (two spawned ranks, the 63-token geometry), TP=4 in
+the slow tier (four ranks on two cores, both geometries).
 
 Each rank (tests/sp_worker.py) runs the tiny float32 model sharded with and without sequence parallelism,
 at three token counts: 64 a chunk (tiny: no padding), 63 (a 112x144 stream: P = 32 rows a rank at TP=2,
@@ -56,11 +56,17 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["tp2", "tp4"])
 def ranks(request, tmp_path_factory):
     world = request.param
-    return world, sp_worker.spawn(tmp_path_factory.mktemp(f"sp{world}"), world, light=world > 2)
+    return world, sp_worker.spawn(tmp_path_factory.mktemp(f"sp{world}"), world, light=_light(world))
+
+
+def _light(world):
+    """The default tier's TP=2 run keeps to the 63-token geometry (padded rows at both sizes); the slow
+    tier's TP=4 run adds the unpadded 64-token one."""
+    return world == 2
 
 
 def _names(world):
-    return list(sp_worker.configs(light=world > 2))
+    return list(sp_worker.configs(light=_light(world)))
 
 
 @pytest.mark.timeout(300)
@@ -159,3 +165,37 @@ def test_emulated_rank_records_what_a_real_rank_does(ranks, fp8):
                 assert em["ops"] == real["ops"], f"rank {rank} sp={sp} {name}: per-op shapes differ"
                 assert em["collectives"] == real["collectives"], f"rank {rank} sp={sp} {name}: collectives"
                 assert em["summary"] == real["summary"]
+
+
+def test_the_engine_applies_sequence_parallelism(ranks):
+    """``FastPath.sequence_parallel`` through ``build_engine`` (at TP=2; the four-rank run skips it)."""
+    world, res = ranks
+    if "engine" not in res[0]:
+        pytest.skip("the engine check runs at TP=2")
+    for r in range(world):
+        plain, sp = res[r]["engine"][False], res[r]["engine"][True]
+        assert sp["applied"]["sequence_parallel"] is True and plain["applied"]["sequence_parallel"] is False
+        assert sp["applied"]["tp"] == world
+        e = tp_worker.rel_err(sp["stream"], plain["stream"])
+        assert e < SP_VS_TP, f"rank {r}: engine stream SP vs TP {e:.2e}"
+        assert torch.equal(sp["stream"], res[0]["engine"][True]["stream"])
+
+
+def test_sequence_parallel_without_tp_is_a_note():
+    from cadence.config import get_preset
+    from cadence.engine.build import build_engine
+    from cadence.engine.spec import FastPath
+    from cadence.errors import ConfigError
+
+    eng = build_engine(
+        get_preset("tiny").with_overrides(model={"num_layers": 1}),
+        "cpu",
+        FastPath(threads=1, sequence_parallel=True),
+    )
+    try:
+        assert any("sequence_parallel: needs tensor parallelism" in str(n) for n in eng.notes)
+        assert "sequence_parallel" not in eng.applied
+    finally:
+        eng.close()
+    with pytest.raises(ConfigError, match="sequence_parallel must be true or false"):
+        FastPath(sequence_parallel="yes")

@@ -61,6 +61,11 @@ class FastPath:
     decoder has one; a compile that fails falls back to eager with one log line."""
     comm: str = "auto"
     """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""
+    sequence_parallel: bool = False
+    """Under tensor parallelism (tp > 1), run the per-token work between the sharded linears (norms,
+    modulation, gates, residual adds) on each rank's share of the tokens: an all-gather before each
+    column-parallel linear (of the FP8 bytes with FP8 linears), a reduce-scatter after each row-parallel one
+    (``cadence.parallel.sp``). With one rank it does not apply (a note says so)."""
     threads: int = 0
     """CPU: torch intra-op threads for the diffusion and decode threads. 0 = chosen at warm-up (the
     engine times 1 and 2 threads and keeps the faster sustained rate; ``Engine.warm_up``)."""
@@ -102,6 +107,8 @@ class FastPath:
             )
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
