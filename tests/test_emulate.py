@@ -104,6 +104,8 @@ def test_comm_estimate_adds_up_and_names_its_source():
     rows = est["collectives"]
     assert [r["count"] for r in rows] == [3, 1]
     assert est["total_ms"] == pytest.approx(sum(r["est_us"] * r["count"] for r in rows) / 1e3)
+    ar = rows[0]["est_ms"]
+    assert ar < est["total_ms_symm_halves"] < est["total_ms"]  # the RS priced as half a two-shot: cheaper
     assert set(est["by_kind_ms"]) == {"all_reduce", "reduce_scatter"} and set(est["fits"]) == {
         "two_shot",
         "nccl",

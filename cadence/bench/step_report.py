@@ -296,6 +296,11 @@ def print_report(args, st, r: dict) -> None:
                 + f"   ({len(r['collectives'])} kinds; links: {r['comm_estimate']['source'][:60]}...)",
             ),
             ("step estimate", _ms(r["step_estimate_ms"]) + "   (compute + comm estimate, no overlap)"),
+            (
+                "  RS/AG over symm-mem",
+                _ms(r["comm_estimate"]["total_ms_symm_halves"])
+                + "   (comm if each reduce-scatter / all-gather cost half a two-shot: a model)",
+            ),
         ]
         if st.emulated:
             rows.append(("stand-ins alone", _ms(r["standin_ms"]) + "   (graph-replayed)"))

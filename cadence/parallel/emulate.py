@@ -44,6 +44,9 @@ and all-gather cost like NCCL's all-reduce per bus byte, with its fixed cost (co
 it); small messages (the q/k norms' [N, 1] sums) cost the fit's fixed cost (an upper bound: NCCL's
 low-latency protocol is not in the fit). Modes without figures (rs_ag, chunked, tiles) are estimated as
 two-shot (their measured times at M = 748 were within a few us of it or slower; docs/perf/fused/NOTES.md).
+Beside the total, ``total_ms_symm_halves`` prices the reduce-scatters / all-gathers as halves of the
+two-shot all-reduce (what they would cost over symmetric memory, by the same model; not built, not
+measured).
 
 What emulation does not capture (docs/perf/step/NOTES.md says it with the numbers):
 * contention: a real rank's NVLink traffic and its copy engines / reducer SMs share HBM bandwidth and SMs
@@ -178,18 +181,29 @@ def estimate_us(kind: str, algo: str, nbytes: int, world: int) -> float:
     return f.fixed_us + f.us_per_mb * nbytes / 1e6 * bus_factor(kind, algo, world)
 
 
+def half_two_shot_us(nbytes: int, world: int) -> float:
+    """A reduce-scatter or an all-gather priced as one half of the measured two-shot all-reduce (which is a
+    reduce-scatter then an all-gather over peer loads): half its fixed cost, its cost per bus byte. A model
+    of what sequence parallelism's collectives would cost over symmetric memory; nothing measured it."""
+    f = fit("two_shot")
+    return f.fixed_us / 2 + f.us_per_mb * nbytes / 1e6 * bus_factor("all_gather", "two_shot", world)
+
+
 def comm_estimate(summary: list[dict], world: int) -> dict:
     """Estimate the link time of a per-chunk collective list (``CollectiveLog.summary()``): total ms, per
-    collective (us each, ms in all), per kind, and the fits used with their source."""
-    rows, by_kind = [], {}
+    collective (us each, ms in all), per kind, and the fits used with their source. ``total_ms_symm_halves``:
+    the same list with every reduce-scatter / all-gather priced by :func:`half_two_shot_us` instead."""
+    rows, by_kind, alt = [], {}, 0.0
     for c in summary:
         us = estimate_us(c["kind"], c["algo"], c["nbytes"], world)
         ms = us * c["count"] / 1e3
         rows.append({**c, "link_algo": link_algo(c["kind"], c["algo"]), "est_us": us, "est_ms": ms})
         by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + ms
+        alt += ms if c["kind"] == "all_reduce" else half_two_shot_us(c["nbytes"], world) * c["count"] / 1e3
     fits = {a: vars(fit(a)) for a in sorted({r["link_algo"] for r in rows})}
     return {
         "total_ms": sum(r["est_ms"] for r in rows),
+        "total_ms_symm_halves": alt,
         "by_kind_ms": by_kind,
         "collectives": rows,
         "fits": fits,
