@@ -47,6 +47,30 @@ TFLOPS = {
 }  # = bench.common.CEILING
 
 
+def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
+    """FLOPs of one chunk step (all passes): linear layers and attention, counted from the shapes."""
+    m, s = cfg.model, cfg.stream
+    d, t = m.dim, cfg.tokens_per_chunk
+    frames = s.latent_frames_per_chunk // m.patch[0]
+    a = m.audio_tokens_per_frame * frames
+    passes = s.passes + (1 if s.commit == "clean_pass" else 0)
+    lin = attn = 0.0
+    for i in range(m.num_layers):
+        lin += 2 * t * d * (3 * d + d)  # qkv + out
+        lin += 2 * t * d * (2 * d)  # cross q + out (text K/V once per session: not per chunk)
+        lin += 2 * t * d * m.ffn_dim * 2  # ffn in + out
+        attn += 4 * t * cfg.kv_tokens * d  # self: QK^T and PV
+        attn += 4 * t * m.text_len * d  # cross
+        if m.has_audio(i):
+            lin += 2 * t * d * 2 * d + 2 * a * d * 2 * d  # audio q/out + audio K/V
+            attn += 4 * t * m.audio_tokens_per_frame * d
+    patch = m.in_channels * math.prod(m.patch)
+    lin += 2 * t * patch * d * 2 + 2 * d * 7 * d  # patch embed, head, time MLP/proj
+    if m.audio_every:
+        lin += 2 * a * (m.audio_dim * d + d * d)
+    return {"linear": lin * passes, "attention": attn * passes, "total": (lin + attn) * passes}
+
+
 def _passes(cfg: CadenceConfig) -> int:
     return cfg.stream.passes + (1 if cfg.stream.commit == "clean_pass" else 0)
 

@@ -59,9 +59,7 @@ when this checkout has no such module).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import shlex
 import sys
 from dataclasses import dataclass
@@ -70,6 +68,7 @@ from pathlib import Path
 import torch
 
 from cadence.bench.common import Timer, median, record
+from cadence.bench.floors import chunk_flops  # noqa: F401  (re-exported: the whole chunk's FLOPs)
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import CadenceConfig, get_preset
 from cadence.errors import InputError, UsageParser
@@ -82,30 +81,6 @@ DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
-
-
-def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
-    """FLOPs of one chunk step (all passes): linear layers and attention, counted from the shapes."""
-    m, s = cfg.model, cfg.stream
-    d, t = m.dim, cfg.tokens_per_chunk
-    frames = s.latent_frames_per_chunk // m.patch[0]
-    a = m.audio_tokens_per_frame * frames
-    passes = s.passes + (1 if s.commit == "clean_pass" else 0)
-    lin = attn = 0.0
-    for i in range(m.num_layers):
-        lin += 2 * t * d * (3 * d + d)  # qkv + out
-        lin += 2 * t * d * (2 * d)  # cross q + out (text K/V once per session: not per chunk)
-        lin += 2 * t * d * m.ffn_dim * 2  # ffn in + out
-        attn += 4 * t * cfg.kv_tokens * d  # self: QK^T and PV
-        attn += 4 * t * m.text_len * d  # cross
-        if m.has_audio(i):
-            lin += 2 * t * d * 2 * d + 2 * a * d * 2 * d  # audio q/out + audio K/V
-            attn += 4 * t * m.audio_tokens_per_frame * d
-    patch = m.in_channels * math.prod(m.patch)
-    lin += 2 * t * patch * d * 2 + 2 * d * 7 * d  # patch embed, head, time MLP/proj
-    if m.audio_every:
-        lin += 2 * a * (m.audio_dim * d + d * d)
-    return {"linear": lin * passes, "attention": attn * passes, "total": (lin + attn) * passes}
 
 
 def fill_cache_random(cache, cfg: CadenceConfig, model, gen: torch.Generator) -> None:
@@ -695,28 +670,6 @@ def apply_compile_or_exit(model):
     if isinstance(out, torch.nn.Module):
         return out, None
     return model, out
-
-
-def compile_info(report) -> dict:
-    """JSON for the compile report (after the run: its per-op status says what really compiled)."""
-    info: dict = {"applied": True}
-    for attr in ("enabled", "reason", "blocks", "norms", "backend"):
-        if hasattr(report, attr):
-            info[attr] = getattr(report, attr)
-    for meth in ("describe", "status"):
-        fn = getattr(report, meth, None)
-        if callable(fn):
-            try:
-                info[meth] = fn()
-            except Exception as e:  # noqa: BLE001  (a report that cannot describe itself: say so, keep going)
-                info[meth] = f"{type(e).__name__}: {e}"
-    if report is not None and len(info) == 1:
-        info["report"] = repr(report)
-    try:
-        json.dumps(info)
-    except (TypeError, ValueError):
-        info = {"applied": True, "report": repr(report)}
-    return info
 
 
 def draw_png(path: Path, r: dict, title: str) -> None:

@@ -21,6 +21,8 @@ Fields beyond BENCHMARKS.md's ``step`` schema (every time is per chunk, one rank
 
 from __future__ import annotations
 
+import json
+
 from cadence.bench.common import CEILING, median, p99, print_table
 
 PARTS = ("linear", "quant", "attention", "cache", "elementwise", "comm")
@@ -152,7 +154,7 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
     """Every field of the JSON's ``results`` (BENCHMARKS.md's step schema plus the module docstring's)."""
     import torch
 
-    from cadence.bench.step import chunk_flops, compile_info
+    from cadence.bench.floors import chunk_flops
 
     graph = m["graph"]
     out = _step_fields(st, m)
@@ -211,6 +213,28 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
             tp_built=built,
         )
     return out
+
+
+def compile_info(report) -> dict:
+    """JSON for the compile report (after the run: its per-op status says what really compiled)."""
+    info: dict = {"applied": True}
+    for attr in ("enabled", "reason", "blocks", "norms", "backend"):
+        if hasattr(report, attr):
+            info[attr] = getattr(report, attr)
+    for meth in ("describe", "status"):
+        fn = getattr(report, meth, None)
+        if callable(fn):
+            try:
+                info[meth] = fn()
+            except Exception as e:  # noqa: BLE001  (a report that cannot describe itself: say so, keep going)
+                info[meth] = f"{type(e).__name__}: {e}"
+    if report is not None and len(info) == 1:
+        info["report"] = repr(report)
+    try:
+        json.dumps(info)
+    except (TypeError, ValueError):
+        info = {"applied": True, "report": repr(report)}
+    return info
 
 
 def _ms(v) -> str:
