@@ -100,10 +100,8 @@ def record(kind: str, t_shape, dtype: torch.dtype, label: str, algo: str, world:
     if not _logs:
         return
     shape = tuple(int(s) for s in t_shape)
-    el = torch.empty((), dtype=dtype).element_size()
-    c = Collective(
-        kind, label, shape, str(dtype).replace("torch.", ""), math.prod(shape) * el, algo, world, per_layer
-    )
+    nbytes = math.prod(shape) * dtype.itemsize
+    c = Collective(kind, label, shape, str(dtype).replace("torch.", ""), nbytes, algo, world, per_layer)
     for log in _logs:
         log.calls.append(c)
 
