@@ -199,3 +199,21 @@ def test_sequence_parallel_without_tp_is_a_note():
         eng.close()
     with pytest.raises(ConfigError, match="sequence_parallel must be true or false"):
         FastPath(sequence_parallel="yes")
+
+
+def test_a_prequantised_input_is_gathered_as_it_is():
+    """A column-parallel FP8 shard under SP takes a QuantizedActivation (a fused norm + quantisation
+    kernel's output) of its rank's rows and gathers those bytes: the same output as from the tensor."""
+    from cadence.parallel.emulate import EmulatedGroup
+    from cadence.parallel.sp import ColumnParallelLinear, ShardedTokens
+    from cadence.quant.fp8 import FP8Linear, QuantizedActivation, quantize_rows
+
+    tokens = ShardedTokens(EmulatedGroup(2))
+    x = torch.randn(1, 63, 32)
+    local, _ = tokens.scatter(x, torch.zeros(1, 6, 32))
+    col = ColumnParallelLinear(FP8Linear.from_linear(torch.nn.Linear(32, 16)), tokens, "ffn.fc1")
+    q, s = quantize_rows(local.reshape(-1, 32))
+    y_q = col(QuantizedActivation(q, s, tuple(local.shape), local.dtype))
+    assert y_q.shape == (1, 63, 16) and torch.equal(y_q, col(local))
+    with pytest.raises(ValueError, match="rows"):
+        col(torch.randn(1, 5, 32))
