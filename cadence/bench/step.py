@@ -4,6 +4,8 @@
     cadence bench step --preset w57 --layers 30      # W57 does not fit one H200 in bf16: run 30 of
                                                      # its 60 layers and scale (stated in the JSON)
     torchrun --nproc_per_node 2 -m cadence bench step --preset w14 --tp 2 --fp8 --comm auto
+    cadence bench step --preset w57 --layers 12 --tp 4 --emulate --sequence-parallel --cache ring \
+        --kv-fp8 --fp8 --compile --graphs          # rank 0 of four, on one GPU
 
 Tensor parallel (``--tp N``, under ``torchrun --nproc_per_node N``): every rank builds only its
 shard (the model is constructed on ``meta``, sharded with ``apply_tp`` there, then allocated with
@@ -11,14 +13,26 @@ shard (the model is constructed on ``meta``, sharded with ``apply_tp`` there, th
 the same inputs, and rank 0 prints and records. ``--fp8`` swaps the block linears for FP8 ones
 (``apply_fp8``, after sharding); ``--comm`` picks the row-parallel all-reduce mode
 (cadence.parallel.fused: auto | nccl | two_shot | one_shot | rs_ag | chunkedN). ``comm_ms`` is the
-"allreduce" region (row-parallel sums and the q/k norms' small sums); modes whose GEMM and
-collective are one call ("rs_ag", "chunked") are reported as ``linear_comm_ms``. The floor divides
-by N (BENCHMARKS.md: ~168 ms on 2 GPUs for W57) and ``tflops_per_gpu`` counts 1/N of the FLOPs.
+"allreduce" region (every collective: row-parallel sums, the q/k norms' small sums, sequence
+parallelism's gathers and reduce-scatters); modes whose GEMM and collective are one call ("rs_ag",
+"chunked") are reported as ``linear_comm_ms``. The floors are per rank (``cadence.bench.floors``: the
+block linears and attention divide by N, the replicated parts do not).
+
+``--emulate`` (with ``--tp N``, no torchrun): this process is rank ``--emulate-rank`` (0) of an N-rank
+group, on one device (``cadence.parallel.emulate.EmulatedGroup``): the rank's shard built exactly as a
+real rank builds it, the same FP8 linears, compiled ops, cache and graphs, every collective replaced by
+a local stand-in with its output shape. The JSON then carries the collective list per chunk, the comm
+estimate from measured link figures, the per-rank compute (the step less its stand-ins) and the step
+estimate (compute + comm, no overlap); what emulation cannot see is listed in that module's docstring.
+``--sequence-parallel`` (``--tp N``, real or emulated): ``apply_tp(..., sequence_parallel=True)``
+(``cadence.parallel.sp``). Every TP run (real or emulated) records its collectives and the estimate, so
+a real TP=2 run checks the estimate against the measured comm.
 
 One step = the passes of one chunk (plus the clean pass if the config commits that way) through a
 cache holding the sink and a full window of random K/V, with random weights initialised on the
 device. Reported (BENCHMARKS.md): step median / p99 (CUDA events), the split into attention, cache
-upkeep, linear layers and other (from separately instrumented steps: region events per layer),
+upkeep, linear layers, FP8 quantisation, comm and elementwise (from separately instrumented steps:
+region events per layer; ``cadence.bench.step_report`` lists the fields), each part beside its floor,
 TFLOP per chunk, the floor (FP8 ceilings, as BENCHMARKS.md defines it; the bf16 floor too),
 efficiency, peak memory, and whether the step made a host sync (checked with torch's sync debug
 mode on CUDA).
@@ -31,7 +45,10 @@ the capture is agreed across the group by ``cadence.parallel.graphs.agreeing_cap
 replays or none does). ``step_ms`` is then the graphed median (``step_mode``: "graph"), with
 ``step_eager_ms``, ``step_graph_ms`` and ``graph_speedup`` beside it. A capture that fails (e.g. a
 comm mode that cannot be captured) falls back to eager on every rank with one warning line; on the
-CPU (or the naive cache) ``--graphs`` logs one line and times the eager step only.
+CPU (or the naive cache) ``--graphs`` logs one line and times the eager step only. With graphs the split
+is that of the graph-replayed step (``measure_graph_split``: timing events captured into one more graph;
+``split_mode`` "graph"), the eager steps' split beside it (``split_eager``: launch gaps included);
+``--no-graph-split`` skips it.
 
 ``--fp8`` records ``fp8_counts`` (``cadence.quant.fp8.fp8_report``): how many FP8 linears ran
 ``torch._scaled_mm`` on every call, how many fell back (and why), the shapes refused.
@@ -42,18 +59,19 @@ when this checkout has no such module).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cadence.bench.common import CEILING, Timer, median, p99, print_table, record
+from cadence.bench.common import Timer, median, record
+from cadence.bench.floors import chunk_flops  # noqa: F401  (re-exported: the whole chunk's FLOPs)
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import CadenceConfig, get_preset
+from cadence.errors import InputError, UsageParser
 from cadence.telemetry.spans import SpanRecorder
 
 DTYPES = {
@@ -63,30 +81,6 @@ DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
-
-
-def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
-    """FLOPs of one chunk step (all passes): linear layers and attention, counted from the shapes."""
-    m, s = cfg.model, cfg.stream
-    d, t = m.dim, cfg.tokens_per_chunk
-    frames = s.latent_frames_per_chunk // m.patch[0]
-    a = m.audio_tokens_per_frame * frames
-    passes = s.passes + (1 if s.commit == "clean_pass" else 0)
-    lin = attn = 0.0
-    for i in range(m.num_layers):
-        lin += 2 * t * d * (3 * d + d)  # qkv + out
-        lin += 2 * t * d * (2 * d)  # cross q + out (text K/V once per session: not per chunk)
-        lin += 2 * t * d * m.ffn_dim * 2  # ffn in + out
-        attn += 4 * t * cfg.kv_tokens * d  # self: QK^T and PV
-        attn += 4 * t * m.text_len * d  # cross
-        if m.has_audio(i):
-            lin += 2 * t * d * 2 * d + 2 * a * d * 2 * d  # audio q/out + audio K/V
-            attn += 4 * t * m.audio_tokens_per_frame * d
-    patch = m.in_channels * math.prod(m.patch)
-    lin += 2 * t * patch * d * 2 + 2 * d * 7 * d  # patch embed, head, time MLP/proj
-    if m.audio_every:
-        lin += 2 * a * (m.audio_dim * d + d * d)
-    return {"linear": lin * passes, "attention": attn * passes, "total": (lin + attn) * passes}
 
 
 def fill_cache_random(cache, cfg: CadenceConfig, model, gen: torch.Generator) -> None:
@@ -158,6 +152,18 @@ def graphs_unavailable_reason(device: torch.device, cache: str) -> str | None:
     return None
 
 
+def _primed_stream(sess, audio, device: torch.device):
+    """A new stream for a capture, with one eager step run on it first: lazy per-stream library state
+    (cuBLAS workspaces) must exist before the capture."""
+    stream = torch.cuda.Stream(device=device)
+    cur = torch.cuda.current_stream(device)
+    stream.wait_stream(cur)
+    with torch.cuda.stream(stream):
+        sess.step(audio)
+    cur.wait_stream(stream)
+    return stream
+
+
 def measure_graphed(
     sess,
     audio,
@@ -177,15 +183,7 @@ def measure_graphed(
     from cadence.parallel.graphs import agreeing_capture
     from cadence.runtime.graphs import GraphRunner
 
-    stream = None
-    if capture is None and device.type == "cuda":
-        # one eager step on the capture stream first: lazy per-stream library state (cuBLAS workspaces)
-        stream = torch.cuda.Stream(device=device)
-        cur = torch.cuda.current_stream(device)
-        stream.wait_stream(cur)
-        with torch.cuda.stream(stream):
-            sess.step(audio)
-        cur.wait_stream(stream)
+    stream = _primed_stream(sess, audio, device) if capture is None and device.type == "cuda" else None
     runner = GraphRunner(
         max_graphs=1,
         warmup=1,
@@ -220,6 +218,65 @@ def measure_graphed(
     return res
 
 
+REGIONS = ("attention", "cache", "linear", "quant", "allreduce", "linear_comm")
+
+
+def _split_regions(splits: list[dict[str, float]]) -> dict[str, float]:
+    return {k: median([s.get(k, 0.0) for s in splits]) for k in REGIONS}
+
+
+def measure_graph_split(
+    sess, audio, device: torch.device, group=None, replays: int = 3, capture=None
+) -> dict:
+    """The region split of the graph-replayed step: the step captured once more, with a span recorder
+    active during the capture only (``SpanRecorder(in_graph=True)``: its events are event-record nodes of
+    the graph, re-recorded at every replay), then replayed `replays` times, the split read after each.
+    GPU time per region without launch gaps (the eager split has them); the events themselves cost a
+    little (``total_ms`` against the plain graphed step says how much). Where the capture cannot be made
+    (a torch without external events, any capture error) ``used`` is False with the reason, never a crash.
+    `capture` replaces the CUDA capture (tests)."""
+    from cadence.parallel.graphs import agreeing_capture
+    from cadence.runtime.graphs import GraphRunner, cuda_capture
+
+    rec = SpanRecorder(device, in_graph=True)
+    stream = None
+    if capture is None:
+        if device.type != "cuda":
+            return {"used": False, "reason": f"needs CUDA graphs (step on {device.type})"}
+        stream = _primed_stream(sess, audio, device)
+
+    def local(fn):
+        with rec:
+            return capture(fn) if capture is not None else cuda_capture(fn, stream)
+
+    runner = GraphRunner(
+        max_graphs=1, warmup=1, max_captures_per_key=1, capture=agreeing_capture(group, capture=local)
+    )
+    timer = Timer(device)
+    for _ in range(2):  # the runner's eager warm-up, then the capture (and its first replay)
+        sess.step(audio, runner=runner)
+    if not runner.stats.captures:
+        runner.clear()
+        return {"used": False, "reason": f"capture failed ({runner.last})"}
+    splits, totals = [], []
+    try:
+        for _ in range(max(1, replays)):
+            totals.append(timer.run(lambda: sess.step(audio, runner=runner), 0, 1)[0])
+            splits.append(rec.totals())
+    except RuntimeError as e:  # events a replay did not record usably: no graph split, the eager one stays
+        runner.clear()
+        why = f"reading the in-graph events failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        logging.getLogger(__name__).warning("graph split: %s; the split is the eager one", why)
+        return {"used": False, "reason": why}
+    runner.clear()
+    return {
+        "used": True,
+        "region": _split_regions(splits),
+        "total_ms": median(totals),
+        "regions": rec.counts(),
+    }
+
+
 @torch.no_grad()
 def measure_step(
     cfg: CadenceConfig,
@@ -231,12 +288,18 @@ def measure_step(
     progress: str | None = "steps",
     graphs: bool = False,
     group=None,
+    collectives: bool = False,
+    graph_split: bool = True,
 ) -> dict:
     """Time the steady-state chunk step of `cfg` (its cache choice) on a built model: median over
     `iters` uninstrumented eager steps, the region split from `profile_iters` instrumented ones (eager:
     the region events need the host), a host-sync check (CUDA), and with `graphs` the same step
-    replayed from a CUDA graph (:func:`measure_graphed`; ``graph`` in the result, None without)."""
+    replayed from a CUDA graph (:func:`measure_graphed`; ``graph`` in the result, None without) and, with
+    `graph_split`, its region split (:func:`measure_graph_split`). `collectives`: one more eager step with
+    every collective recorded (``log``: a ``cadence.parallel.group.CollectiveLog``). `group`: the group
+    whose ranks must agree on a graph capture (None: this process alone)."""
     from cadence.engine.session import StreamGenerator
+    from cadence.parallel.group import CollectiveLog
 
     gen = StreamGenerator(cfg, model)
     g = torch.Generator(device=device).manual_seed(1)
@@ -257,36 +320,56 @@ def measure_step(
             t = timer.run(step, 0, 1)[0]
         splits.append(rec.totals())
         totals.append(t)
-    region = {
-        k: median([s.get(k, 0.0) for s in splits])
-        for k in ("attention", "cache", "linear", "allreduce", "linear_comm")
-    }
+    log = None
+    if collectives:
+        with CollectiveLog() as log:
+            step()
     host_sync = _sync_check(device, step)
     graph = (
         measure_graphed(sess, audio, device, warmup, iters, group, progress=progress and "graphed")
         if graphs
         else None
     )
-    cache_bytes = sess.cache.memory_bytes()
+    gsplit = None
+    if graph is not None and graph["used"] and graph_split:
+        gsplit = measure_graph_split(sess, audio, device, group)
     return {
         "times": times,
-        "region": region,
+        "region": _split_regions(splits),
         "totals": totals,
         "host_sync": host_sync,
-        "cache_bytes": cache_bytes,
+        "cache_bytes": sess.cache.memory_bytes(),
         "graph": graph,
+        "graph_split": gsplit,
+        "log": log,
     }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cadence bench step", description=__doc__.split("\n\n")[0])
+    p = UsageParser(prog="cadence bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--cache", default="naive", choices=["naive", "ring"])
     p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V (ring: FP8 attention kernel)")
     p.add_argument("--sink-policy", default="follow", choices=["follow", "absolute"])
     p.add_argument("--dtype", default=None, help="bf16 (default on CUDA) | fp32 (default on CPU) | fp16")
     p.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel ranks (> 1: run under torchrun --nproc_per_node N)"
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (> 1: run under torchrun --nproc_per_node N, or one rank with --emulate)",
+    )
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="with --tp N: run one rank of an N-rank group in this process, on one device "
+        "(cadence.parallel.emulate: the rank's shard, kernels, FP8 and graphs; every collective a local "
+        "stand-in, recorded, and its time estimated from measured link figures)",
+    )
+    p.add_argument("--emulate-rank", type=int, default=0, help="with --emulate: which rank (default 0)")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp N: sequence parallelism in the replicated regions (cadence.parallel.sp)",
     )
     p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
     p.add_argument(
@@ -310,7 +393,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--profile-iters", type=int, default=3, help="instrumented steps for the breakdown")
+    p.add_argument(
+        "--profile-iters", type=int, default=3, help="instrumented eager steps for the eager split"
+    )
     p.add_argument(
         "--graphs",
         action=argparse.BooleanOptionalAction,
@@ -318,6 +403,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="also time the step replayed from one CUDA graph per rank (all passes, all layers) and "
         "report eager vs graphed (default: on with CUDA and the ring cache; elsewhere --graphs "
         "falls back to eager with one log line)",
+    )
+    p.add_argument(
+        "--graph-split",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with graphs: the split of the graph-replayed step (timing events inside one more captured "
+        "graph); the eager split otherwise (default: on)",
     )
     p.add_argument(
         "--compile",
@@ -330,10 +422,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_tp_model(cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, group, comm: str):
+def build_tp_model(
+    cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, group, comm: str, sp: bool = False
+):
     """This rank's shard only: construct on meta, apply_tp there, then allocate on `device` and
     initialise randomly (same seed on every rank: replicated weights agree). Falls back to
-    building the full model on the device and sharding it if sharding on meta fails."""
+    building the full model on the device and sharding it if sharding on meta fails. `group`: a
+    ProcessGroup or a TPGroup (an emulated rank builds exactly what a real one does)."""
     from cadence.model.dit import WanDiT
     from cadence.model.weights import build_model, init_random
     from cadence.parallel import apply_tp
@@ -341,86 +436,127 @@ def build_tp_model(cfg: CadenceConfig, device: torch.device, dtype: torch.dtype,
     try:
         with torch.device("meta"):
             model = WanDiT(cfg, device="meta", dtype=dtype)
-        apply_tp(model, group, comm=comm)
+        apply_tp(model, group, comm=comm, sequence_parallel=sp)
         model = model.to_empty(device=device)
         model.rope.to(device)
         init_random(model, 0)
         return model.eval().requires_grad_(False), "meta"
     except (NotImplementedError, RuntimeError, TypeError) as e:
         logging.getLogger(__name__).warning("sharding on meta failed (%s): building the full model first", e)
-        return apply_tp(build_model(cfg, device, dtype, seed=0), group, comm=comm), "full"
+        model = build_model(cfg, device, dtype, seed=0)
+        return apply_tp(model, group, comm=comm, sequence_parallel=sp), "full"
 
 
-@torch.no_grad()
-def run(args: argparse.Namespace) -> dict:
-    try:
-        return _run(args)
-    finally:
-        if args.tp > 1:
-            from cadence.parallel import destroy_tp
+@dataclass
+class Setup:
+    """Where and what one run of the benchmark measures."""
 
-            destroy_tp()
+    device: torch.device
+    info: object  # TPInfo of a real rank under torchrun, else None
+    group: object  # what apply_tp gets: a ProcessGroup, an EmulatedGroup, or None (TP=1)
+    rank0: bool
+    dtype: torch.dtype
+    full: CadenceConfig
+    cfg: CadenceConfig
+    scale: float
+    warmup: int
+    iters: int
+    fused_quant: object = None  # the FusedQuantReport of apply_fused_quant (FP8 runs), set by _build
+
+    @property
+    def emulated(self) -> bool:
+        return bool(getattr(self.group, "emulated", False))
+
+    @property
+    def layers(self) -> int:
+        return self.cfg.model.num_layers
 
 
-def _run(args: argparse.Namespace) -> dict:
-    from cadence.model.weights import build_model
+def _check_args(args: argparse.Namespace) -> None:
+    from cadence.parallel.fused import parse_mode
 
-    info = None
     if args.tp < 1:
-        raise SystemExit("error: --tp must be >= 1")
-    if args.tp > 1:
-        import os
-
-        from cadence.parallel import init_tp
-        from cadence.parallel.fused import parse_mode
-
+        raise InputError(f"--tp must be >= 1, got {args.tp}")
+    if args.emulate and args.tp < 2:
+        raise InputError("--emulate stands in for one rank of a group: give --tp N with N >= 2")
+    if args.emulate and not 0 <= args.emulate_rank < args.tp:
+        raise InputError(f"--emulate-rank {args.emulate_rank} is outside --tp {args.tp}")
+    if args.sequence_parallel and args.tp < 2:
+        raise InputError("--sequence-parallel needs tensor parallelism: --tp N with N >= 2")
+    try:
         parse_mode(args.comm)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def _setup(args: argparse.Namespace) -> Setup:
+    import os
+
+    _check_args(args)
+    info = group = None
+    if args.tp > 1 and args.emulate:
+        from cadence.parallel.emulate import EmulatedGroup
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise InputError("--emulate runs one process: start it without torchrun")
+        group = EmulatedGroup(args.tp, args.emulate_rank)
+    elif args.tp > 1:
+        from cadence.parallel import init_tp
+
         if "WORLD_SIZE" not in os.environ:
-            raise SystemExit(
-                f"error: --tp {args.tp} runs under torchrun: "
-                f"torchrun --nproc_per_node {args.tp} -m cadence bench step ... --tp {args.tp}"
+            raise InputError(
+                f"--tp {args.tp} runs under torchrun: torchrun --nproc_per_node {args.tp} -m cadence bench "
+                f"step ... --tp {args.tp} (or emulate one rank on one device: --emulate)"
             )
         info = init_tp(backend=None if (args.device or "cuda") != "cpu" else "gloo")
         if info.world_size != args.tp:
-            raise SystemExit(f"error: --tp {args.tp} but torchrun started {info.world_size} ranks")
+            raise InputError(f"--tp {args.tp} but torchrun started {info.world_size} ranks")
         logging.basicConfig(
             level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
         )
         logging.getLogger("cadence.parallel.fused").setLevel(
             logging.INFO if info.rank == 0 else logging.WARNING
         )
-        device = info.device
-    else:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        group = info.group
+    device = (
+        info.device
+        if info is not None
+        else torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but CUDA is not available")
-    rank0 = info is None or info.rank == 0
+        raise InputError("--device cuda but CUDA is not available")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     full = get_preset(args.preset).with_overrides(
         stream={"cache": args.cache, "kv_fp8": args.kv_fp8, "sink_policy": args.sink_policy}
     )
-    layers = args.layers or layers_that_fit(full, dtype, device, args.tp)
-    layers = min(layers, full.model.num_layers)
-    cfg = full.with_overrides(model={"num_layers": layers})
-    scale = full.model.num_layers / layers
-    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
-    iters = args.iters if args.iters is not None else (20 if device.type == "cuda" else 5)
+    layers = min(args.layers or layers_that_fit(full, dtype, device, args.tp), full.model.num_layers)
+    cuda = device.type == "cuda"
+    return Setup(
+        device=device,
+        info=info,
+        group=group,
+        rank0=info is None or info.rank == 0,
+        dtype=dtype,
+        full=full,
+        cfg=full.with_overrides(model={"num_layers": layers}),
+        scale=full.model.num_layers / layers,
+        warmup=args.warmup if args.warmup is not None else (3 if cuda else 1),
+        iters=args.iters if args.iters is not None else (20 if cuda else 5),
+    )
 
-    if rank0:
-        print(
-            f"[bench step] {full.name}: {layers}/{full.model.num_layers} layers, {dtype}, cache={args.cache}, "
-            f"{device}"
-            + (f", tp={args.tp} comm={args.comm}" if info else "")
-            + (", fp8" if args.fp8 else ""),
-            file=sys.stderr,
-        )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+
+def _build(args: argparse.Namespace, st: Setup):
+    """The model this rank runs: built (sharded on meta under TP), FP8, compiled. Returns
+    (model, how it was built, FP8 layer count, the compile report)."""
+    from cadence.model.weights import build_model
+
     built = "full"
-    if info is None:
-        model = build_model(cfg, device, dtype, seed=0)
+    if st.group is None:
+        model = build_model(st.cfg, st.device, st.dtype, seed=0)
     else:
-        model, built = build_tp_model(cfg, device, dtype, info.group, args.comm)
+        model, built = build_tp_model(
+            st.cfg, st.device, st.dtype, st.group, args.comm, args.sequence_parallel
+        )
     fp8_layers = 0
     if args.fp8:
         from cadence.quant import apply_fp8, set_quant_backend
@@ -431,222 +567,103 @@ def _run(args: argparse.Namespace) -> dict:
     compile_report = None
     if args.compile:
         model, compile_report = apply_compile_or_exit(model)
-    fused_quant = None
     if args.fp8:  # as build_engine: the norms / GELU before the FP8 linears emit their FP8 input (CUDA only)
         from cadence.runtime.compile import apply_fused_quant
 
-        fused_quant = apply_fused_quant(model)
-    graphs_why = graphs_unavailable_reason(device, args.cache)
+        st.fused_quant = apply_fused_quant(model)
+    return model, built, fp8_layers, compile_report
+
+
+@torch.no_grad()
+def run(args: argparse.Namespace) -> dict:
+    try:
+        return _run(args)
+    finally:
+        if args.tp > 1 and not args.emulate:
+            from cadence.parallel import destroy_tp
+
+            destroy_tp()
+
+
+def _run(args: argparse.Namespace) -> dict:
+    st = _setup(args)
+    if st.rank0:
+        what = ""
+        if st.group is not None:
+            what = f", tp={args.tp}" + (f" (emulated rank {st.group.rank})" if st.emulated else "")
+            what += f" comm={args.comm}" + (" sequence-parallel" if args.sequence_parallel else "")
+        print(
+            f"[bench step] {st.full.name}: {st.layers}/{st.full.model.num_layers} layers, {st.dtype}, "
+            f"cache={args.cache}, {st.device}{what}" + (", fp8" if args.fp8 else ""),
+            file=sys.stderr,
+        )
+    if st.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(st.device)
+    model, built, fp8_layers, compile_report = _build(args, st)
+    graphs_why = graphs_unavailable_reason(st.device, args.cache)
     graphs = bool(args.graphs if args.graphs is not None else graphs_why is None)
     if graphs and graphs_why is not None:
         logging.getLogger(__name__).warning("--graphs: %s; timing the eager step only", graphs_why)
         graphs = False
     m = measure_step(
-        cfg,
+        st.cfg,
         model,
-        device,
-        warmup,
-        iters,
+        st.device,
+        st.warmup,
+        st.iters,
         args.profile_iters,
-        progress="steps" if rank0 else None,
+        progress="steps" if st.rank0 else None,
         graphs=graphs,
-        group=info.group if info is not None else None,
+        group=st.info.group if st.info is not None else None,  # an emulated rank agrees with itself
+        collectives=st.group is not None,
+        graph_split=args.graph_split,
     )
-    times, region, totals, host_sync, cache_bytes = (
-        m["times"],
-        m["region"],
-        m["totals"],
-        m["host_sync"],
-        m["cache_bytes"],
-    )
-    graph = m["graph"]
-    eager_ms = median(times)
-    graph_ms = median(graph["times"]) if graph is not None and graph["used"] else None
-    step_ms = graph_ms if graph_ms is not None else eager_ms
-    step_times = graph["times"] if graph_ms is not None else times
-    fl = chunk_flops(full)
-    floor_ms = (
-        fl["linear"] / (CEILING["fp8_gemm"] * 1e12) + fl["attention"] / (CEILING["fp8_attn"] * 1e12)
-    ) * 1e3
-    floor_bf16 = (
-        fl["linear"] / (CEILING["bf16_gemm"] * 1e12) + fl["attention"] / (CEILING["bf16_attn"] * 1e12)
-    ) * 1e3
-    floor_ms, floor_bf16 = floor_ms / args.tp, floor_bf16 / args.tp  # N GPUs share the FLOPs
-    s_step = step_ms * scale
-    regions_scaled = {k: v * scale for k, v in region.items()}
-    instrumented = median(totals) * scale
-    # The split comes from the instrumented steps (events around every region add a little time):
-    # other = instrumented step - the regions; step_ms itself is the uninstrumented median.
-    other = max(instrumented - sum(regions_scaled.values()), 0.0)  # comm regions are 0 at TP=1
-    results = {
-        "step_ms": s_step,
-        "step_p99_ms": p99(step_times) * scale,
-        "step_mode": "graph" if graph_ms is not None else "eager",
-        "step_eager_ms": eager_ms * scale,
-        "step_eager_p99_ms": p99(times) * scale,
-        "step_graph_ms": graph_ms * scale if graph_ms is not None else None,
-        "step_graph_p99_ms": p99(graph["times"]) * scale if graph_ms is not None else None,
-        "graph_speedup": eager_ms / graph_ms if graph_ms is not None else None,
-        "graphs": {
-            "requested": args.graphs,
-            "tried": graph is not None,
-            "used": graph_ms is not None,
-            "reason": graphs_why if graph is None else (None if graph["used"] else graph["last"]),
-            **({k: v for k, v in graph.items() if k != "times"} if graph is not None else {}),
-        },
-        "compile": compile_info(compile_report) if args.compile else None,
-        "attention_ms": regions_scaled["attention"],
-        "cache_upkeep_ms": regions_scaled["cache"],
-        "linear_ms": regions_scaled["linear"],
-        "comm_ms": regions_scaled["allreduce"],
-        "linear_comm_ms": regions_scaled["linear_comm"],
-        "other_ms": other,
-        "instrumented_step_ms": instrumented,
-        "tflop_per_chunk": fl["total"] / 1e12,
-        "tflop_linear": fl["linear"] / 1e12,
-        "tflop_attention": fl["attention"] / 1e12,
-        "tflops_per_gpu": fl["total"] / args.tp / (s_step * 1e-3) / 1e12,
-        "floor_ms": floor_ms,
-        "floor_bf16_ms": floor_bf16,
-        "efficiency": floor_ms / s_step,
-        "efficiency_vs_bf16_floor": floor_bf16 / s_step,
-        "cache": args.cache,
-        "kv_fp8": args.kv_fp8,
-        "cache_mem_gib": cache_bytes * scale / 2**30,
-        "fp8": bool(args.fp8),
-        "fused": bool(info is not None and args.comm != "nccl"),
-        "dtype": str(dtype).replace("torch.", ""),
-        "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
-        "layers_run": layers,
-        "layers_full": full.model.num_layers,
-        "scaled": scale != 1.0,
-        "scale_factor": scale,
-        "host_sync_in_step": host_sync,
-        "iters": iters,
-        "warmup": warmup,
-        "raw_step_ms_unscaled": times,
-        "raw_graph_step_ms_unscaled": graph["times"] if graph is not None else None,
-    }
-    if args.fp8:
-        from cadence.quant import fp8 as fp8_mod
+    from cadence.bench import step_report as rep
 
-        results["fp8_layers"] = fp8_layers
-        results["fp8_counts"] = fp8_mod.fp8_report(model)
-        results["fused_quant"] = {"describe": fused_quant.describe(), "status": fused_quant.status()}
-        results["fp8_quant"] = {
-            "backend": fp8_mod.quant_backend(),
-            "triton_failed": fp8_mod._quant_failed,
-            "reference_path_reasons": sorted(fp8_mod._quant_logged),
-        }
-    if info is not None:
-        from cadence.parallel import fused
-
-        results.update(
-            {
-                "comm": args.comm,
-                "comm_decisions": fused.chooser_decisions(),
-                "comm_fallbacks": fused.fallback_warnings(),
-                "symm_cache": fused.symm_cache_info(),
-                "tp_built": built,
-            }
-        )
-        if not rank0:
-            return results
-    rows = [
-        (
-            "step (median)",
-            f"{s_step:9.2f} ms  [{results['step_mode']}]"
-            + (f"   (scaled x{scale:.2f} from {layers} layers)" if scale != 1 else ""),
-        ),
-        ("step p99", f"{results['step_p99_ms']:9.2f} ms"),
-        (
-            "eager / graphed",
-            f"{results['step_eager_ms']:9.2f} ms / "
-            + (
-                f"{results['step_graph_ms']:.2f} ms  (x{results['graph_speedup']:.2f})"
-                if graph_ms is not None
-                else f"n/a ({results['graphs']['reason']})"
-            ),
-        ),
-        *(
-            [
-                (
-                    "FP8 linears",
-                    "{fp8_linears}: {ran_fp8} ran FP8, {fell_back} fell back ({mixed} mixed), {unused} unused".format(
-                        **results["fp8_counts"]
-                    ),
-                )
-            ]
-            if args.fp8
-            else []
-        ),
-        ("attention", f"{results['attention_ms']:9.2f} ms  {results['attention_ms'] / s_step:6.1%}"),
-        ("cache upkeep", f"{results['cache_upkeep_ms']:9.2f} ms  {results['cache_upkeep_ms'] / s_step:6.1%}"),
-        ("linear", f"{results['linear_ms']:9.2f} ms  {results['linear_ms'] / s_step:6.1%}"),
-        *(
-            [
-                ("comm (all-reduce)", f"{results['comm_ms']:9.2f} ms  {results['comm_ms'] / s_step:6.1%}"),
-                (
-                    "linear+comm (fused)",
-                    f"{results['linear_comm_ms']:9.2f} ms  {results['linear_comm_ms'] / s_step:6.1%}",
-                ),
-            ]
-            if info is not None
-            else []
-        ),
-        ("other", f"{other:9.2f} ms  {other / s_step:6.1%}"),
-        ("instrumented step", f"{instrumented:9.2f} ms  (the split above is of this)"),
-        ("TFLOP / chunk", f"{results['tflop_per_chunk']:9.2f}  ({results['tflops_per_gpu']:.0f} TFLOP/s)"),
-        (
-            "floor (FP8) / bf16",
-            f"{floor_ms:9.2f} ms / {floor_bf16:.2f} ms  efficiency {results['efficiency']:.1%}",
-        ),
-        ("peak memory", f"{results['peak_mem_gib']:.1f} GiB" if results["peak_mem_gib"] else "n/a (CPU)"),
-        ("host sync in step", str(host_sync)),
-    ]
-    print_table(
-        rows,
-        f"bench step: {full.name} tp{args.tp} cache={args.cache}{' fp8 K/V' if args.kv_fp8 else ''} "
-        f"{results['dtype']}{' fp8 linears' if args.fp8 else ''}"
-        + (f" comm={args.comm}" if info is not None else ""),
-    )
-    if info is not None:
-        for shape, d in results["comm_decisions"].items():
-            print(f"  comm {shape}: {d['mode']} ({d['why']})")
+    results = rep.results(args, st, model, m, graphs_why, built, fp8_layers, compile_report)
+    if st.info is not None and not st.rank0:
+        return results
+    rep.print_report(args, st, results)
     if not args.no_record:
-        variant = f"{args.cache}{'-fp8kv' if args.kv_fp8 else ''}-{results['dtype']}"
-        if args.fp8:
-            variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
-        if info is not None:
-            variant += f"-{args.comm}"
-        if graph is not None:
-            variant += "-graphs"
-        if args.compile:
-            variant += "-compile"
-        path = record(
-            "step",
-            full.name,
-            args.tp,
-            device,
-            full.shape_summary(),
-            results,
-            variant=variant,
-            out_dir=results_dir(args),
-            world=args.tp,
-            command=getattr(args, "command", None),
-            headline=f"step {s_step:.1f} ms ({results['step_mode']}"
-            + (f", eager {results['step_eager_ms']:.1f} ms" if graph_ms is not None else "")
-            + f"), attention {results['attention_ms']:.1f}, cache "
-            f"{results['cache_upkeep_ms']:.1f}, linear {results['linear_ms']:.1f} ms"
-            + (f" (scaled from {layers} layers)" if scale != 1 else ""),
-        )
-        print(f"wrote {path}")
-        if args.png:
-            draw_png(
-                path.with_suffix(".png"), results, f"{full.name} step ({results['dtype']}, {args.cache})"
-            )
-        results["_path"] = str(path)
+        _record(args, st, results)
     return results
+
+
+def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
+    variant = (
+        "emu-" if st.emulated else ""
+    ) + f"{args.cache}{'-fp8kv' if args.kv_fp8 else ''}-{results['dtype']}"
+    if args.fp8:
+        variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
+    if st.group is not None:
+        variant += f"-{args.comm}" + ("-sp" if args.sequence_parallel else "")
+    if results["graphs"]["tried"]:
+        variant += "-graphs"
+    if args.compile:
+        variant += "-compile"
+    s, scale = results["step_ms"], st.scale
+    path = record(
+        "step",
+        st.full.name,
+        args.tp,
+        st.device,
+        st.full.shape_summary(),
+        results,
+        variant=variant,
+        out_dir=results_dir(args),
+        world=args.tp if st.info is not None else 1,
+        command=getattr(args, "command", None),
+        headline=f"step {s:.1f} ms ({results['step_mode']}"
+        + (f", eager {results['step_eager_ms']:.1f} ms" if results["step_graph_ms"] is not None else "")
+        + f"), attention {results['attention_ms']:.1f}, cache {results['cache_upkeep_ms']:.1f}, linear "
+        f"{results['linear_ms']:.1f} ms [{results['split_mode']} split]"
+        + (f", comm estimate {results['comm_estimate_ms']:.1f} ms (emulated)" if st.emulated else "")
+        + (f" (scaled from {st.layers} layers)" if scale != 1 else ""),
+    )
+    print(f"wrote {path}")
+    if args.png:
+        draw_png(path.with_suffix(".png"), results, f"{st.full.name} step ({results['dtype']}, {args.cache})")
+    results["_path"] = str(path)
 
 
 def apply_compile_or_exit(model):
@@ -664,28 +681,6 @@ def apply_compile_or_exit(model):
     if isinstance(out, torch.nn.Module):
         return out, None
     return model, out
-
-
-def compile_info(report) -> dict:
-    """JSON for the compile report (after the run: its per-op status says what really compiled)."""
-    info: dict = {"applied": True}
-    for attr in ("enabled", "reason", "blocks", "norms", "backend"):
-        if hasattr(report, attr):
-            info[attr] = getattr(report, attr)
-    for meth in ("describe", "status"):
-        fn = getattr(report, meth, None)
-        if callable(fn):
-            try:
-                info[meth] = fn()
-            except Exception as e:  # noqa: BLE001  (a report that cannot describe itself: say so, keep going)
-                info[meth] = f"{type(e).__name__}: {e}"
-    if report is not None and len(info) == 1:
-        info["report"] = repr(report)
-    try:
-        json.dumps(info)
-    except (TypeError, ValueError):
-        info = {"applied": True, "report": repr(report)}
-    return info
 
 
 def draw_png(path: Path, r: dict, title: str) -> None:

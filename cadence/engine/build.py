@@ -104,10 +104,17 @@ def clip_fast_path(cfg: CadenceConfig, fast: FastPath, notes: list[str]) -> Fast
 
 
 def build_model_for(
-    cfg: CadenceConfig, device: torch.device, dtype: torch.dtype, seed: int, tp=None, comm: str = "auto"
+    cfg: CadenceConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    tp=None,
+    comm: str = "auto",
+    sequence_parallel: bool = False,
 ):
-    """Steps 2-4: the model on ``device`` with its weights, sharded over ``tp.group`` when given.
-    Returns ``(model, how)`` with how = 'meta' (sharded before allocation) or 'full'."""
+    """Steps 2-4: the model on ``device`` with its weights, sharded over ``tp.group`` when given (with
+    ``sequence_parallel``: ``cadence.parallel.sp``). Returns ``(model, how)`` with how = 'meta' (sharded
+    before allocation) or 'full'."""
     from cadence.model.dit import WanDiT
     from cadence.model.weights import build_model, init_random, load_weights
 
@@ -119,7 +126,7 @@ def build_model_for(
         try:
             with torch.device("meta"):
                 model = WanDiT(cfg, device="meta", dtype=dtype)
-            apply_tp(model, tp.group, comm=comm)
+            apply_tp(model, tp.group, comm=comm, sequence_parallel=sequence_parallel)
             model = model.to_empty(device=device)
             model.rope.to(device)
             init_random(model, seed)
@@ -132,7 +139,7 @@ def build_model_for(
     if sharded:
         from cadence.parallel import apply_tp
 
-        apply_tp(model, tp.group, comm=comm)
+        apply_tp(model, tp.group, comm=comm, sequence_parallel=sequence_parallel)
     return model, "full"
 
 
@@ -192,9 +199,13 @@ def build_engine(
         "compile": "off",
         "capture_filling": bool(fast.capture_filling),
     }
-    model, how = build_model_for(cfg, device, dtype, seed, tp, fast.comm)
-    if tp is not None and tp.world_size > 1:
-        applied.update(tp=tp.world_size, comm=fast.comm, tp_build=how)
+    sharded = tp is not None and tp.world_size > 1
+    if fast.sequence_parallel and not sharded:
+        notes.append("sequence_parallel: needs tensor parallelism (tp > 1): off")
+    sp = bool(fast.sequence_parallel and sharded)
+    model, how = build_model_for(cfg, device, dtype, seed, tp, fast.comm, sp)
+    if sharded:
+        applied.update(tp=tp.world_size, comm=fast.comm, tp_build=how, sequence_parallel=sp)
         if graph_capture is None and device.type == "cuda":
             from cadence.parallel.graphs import agreeing_capture
 

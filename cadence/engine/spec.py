@@ -76,6 +76,11 @@ class FastPath:
     on this GPU kind, docs/perf/fp8/gemm-<device>.json; cuBLAS where it has no entry), 'cublas'
     (``torch._scaled_mm``) or 'triton' (Cadence's Triton FP8 GEMM, with the table's config per shape). Only
     with fp8_linears; a backend that cannot run falls back to cuBLAS with one log line."""
+    sequence_parallel: bool = False
+    """Under tensor parallelism (tp > 1), run the per-token work between the sharded linears (norms,
+    modulation, gates, residual adds) on each rank's share of the tokens: an all-gather before each
+    column-parallel linear (of the FP8 bytes with FP8 linears), a reduce-scatter after each row-parallel one
+    (``cadence.parallel.sp``). With one rank it does not apply (a note says so)."""
     threads: int = 0
     """CPU: torch intra-op threads for the diffusion and decode threads. 0 = chosen at warm-up (the
     engine times 1 and 2 threads and keeps the faster sustained rate; ``Engine.warm_up``)."""
@@ -127,6 +132,8 @@ class FastPath:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.attention not in ATTENTION:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)

@@ -25,7 +25,15 @@ import torch.nn as nn
 from cadence.config import CadenceConfig, ModelConfig
 from cadence.model.attention import attention
 from cadence.model.full import FullSequence
-from cadence.model.layers import MLP2, PLAIN_OPS, LayerNorm32, Linear, RMSNorm, timestep_embedding
+from cadence.model.layers import (
+    ALL_TOKENS,
+    MLP2,
+    PLAIN_OPS,
+    LayerNorm32,
+    Linear,
+    RMSNorm,
+    timestep_embedding,
+)
 from cadence.model.multitalk import AudioProjection, ImageProjection, latent_audio_windows
 from cadence.model.rope import Rope3D
 
@@ -120,8 +128,8 @@ class CrossAttention(nn.Module):
         """x [B, N, dim]; kv [B*groups, L, heads, head_dim] (k, v, and optionally image k, v). With groups > 1
         the tokens are split into `groups` equal consecutive runs (latent frames) and run g attends only to
         context g."""
-        b, n, _ = x.shape
         q = self.q(x)
+        b, n = q.shape[:2]  # the queries' tokens (x may hold one rank's share of them: sequence parallelism)
         if self.norm_q is not None:
             q = self.norm_q(q)
         q = q.unflatten(-1, (self.heads, -1))
@@ -229,6 +237,8 @@ class WanDiT(nn.Module):
         self.head = Head(m, device, dtype)
         rope_dev = "cpu" if device is None or torch.device(device).type == "meta" else device
         self.rope = Rope3D(m.rope_split, m.rope_theta, device=rope_dev)
+        # which tokens the blocks' per-token work runs on (ALL_TOKENS; sequence parallelism swaps it from outside)
+        self.token_layout = ALL_TOKENS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -288,9 +298,10 @@ class WanDiT(nn.Module):
         return tokens.reshape(b * f, a, -1)
 
     def _blocks(self, x, temb6, cache, commit, text: TextContext, audio_ctx, frames: int):
+        x, temb6 = self.token_layout.scatter(x, temb6)  # all tokens, or this rank's share of them
         for i, blk in enumerate(self.blocks):
             x = blk(x, temb6, cache, i, commit, text.kv[i], audio_ctx, frames)
-        return x
+        return self.token_layout.gather(x)
 
     # ---- forwards ------------------------------------------------------------------------
     def forward_chunk(

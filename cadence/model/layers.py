@@ -95,6 +95,26 @@ class ElementwiseOps:
 PLAIN_OPS = ElementwiseOps()
 
 
+class TokenLayout:
+    """Which of a pass's tokens the transformer blocks' per-token work (norms, modulation, gates, residual
+    adds) runs on. This class is the reference: every token (the model's ``token_layout`` is
+    :data:`ALL_TOKENS`). Sequence parallelism (``cadence.parallel.sp.ShardedTokens``, applied from outside a
+    built model) gives each tensor-parallel rank a share of the tokens between the blocks' linears; the
+    block forwards are the same math either way (their attention always sees every token's queries).
+
+    ``scatter(x [B, N, dim], temb6)`` -> the tokens the blocks work on, and the 6-way modulation to match
+    (``temb6`` [B, 6, dim] per sample, or [B, N, 6, dim] per token); ``gather(x)`` -> all N tokens again."""
+
+    def scatter(self, x: torch.Tensor, temb6: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, temb6
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+ALL_TOKENS = TokenLayout()
+
+
 class RMSNorm(nn.Module):
     """RMS norm over the last dim (Wan normalises q and k across all heads at once)."""
 

@@ -158,6 +158,9 @@ def _op(name: str):
 
 
 def group_name(group) -> str:
+    from cadence.parallel.group import process_group
+
+    group = process_group(group)
     g = group if group is not None else dist.group.WORLD
     name = getattr(g, "group_name", None)
     if name is None:
@@ -170,6 +173,12 @@ _reason_cache: dict[tuple, str | None] = {}
 
 def symm_unavailable_reason(device: torch.device, group) -> str | None:
     """Why symmetric-memory modes cannot run here (None: they can be tried). Cached per group."""
+    from cadence.parallel.group import TPGroup
+
+    if isinstance(group, TPGroup):
+        if group.emulated:
+            return "an emulated group has no peers (its collectives are local stand-ins)"
+        group = group.process_group
     key = (device.type, id(group))
     if key not in _reason_cache:
         _reason_cache[key] = _symm_unavailable_reason(device, group)
@@ -463,7 +472,10 @@ def gemm_into(
             if _fp8_fast(linear, x2):
                 with ctx:
                     pre = getattr(linear, "_cadence_xq", None)
-                    xq, xs = pre if pre is not None else quantize_activations(x2)
+                    if pre is None:
+                        with region("quant"):
+                            pre = quantize_activations(x2)
+                    xq, xs = pre
                     if rows is None:  # the whole layer: through its GEMM backend seam (cuBLAS or Triton)
                         linear.matmul(xq, xs, None, out.dtype, out=out)
                         return
@@ -530,11 +542,12 @@ def _side_stream(device: torch.device):
     return s
 
 
-def _nccl(linear, x2, group):
+def _nccl(linear, x2, group, label: str = "", algo: str = "nccl"):
+    """GEMM, then the group's all-reduce (`group` a TPGroup; `algo`: what a real rank would run, recorded)."""
     y = linear(x2)
     with region("allreduce"):
         y = y.contiguous()
-        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        group.all_reduce(y, label=label, algo=algo)
     return y
 
 
@@ -589,7 +602,8 @@ def _rs_ag(linear, x2, group, m, n, world):
         if isinstance(linear, FP8Linear):
             if not _fp8_fast(linear, x2):
                 raise RuntimeError("FP8 layer cannot use _scaled_mm here")
-            xq, xs = quantize_activations(x2)
+            with region("quant"):
+                xq, xs = quantize_activations(x2)
             odt = gemm_out_dtype(linear, x2)  # bf16 on CUDA
             op = _ops().fused_scaled_matmul_reduce_scatter
             try:  # torch >= 2.7 signature (orig / reshaped scatter dims, output_shape)
@@ -650,7 +664,8 @@ def _chunked(linear, x2, group, m, n, chunks):
     with region("linear_comm"):
         fp8 = isinstance(linear, FP8Linear) and _fp8_fast(linear, x2)
         if fp8:
-            linear._cadence_xq = quantize_activations(x2)  # quantise once for all chunks
+            with region("quant"):
+                linear._cadence_xq = quantize_activations(x2)  # quantise once for all chunks
         side.wait_stream(main)
         try:
             for j in range(chunks):
@@ -768,7 +783,8 @@ def _tiles(linear, x2, group, m, n, world):
         if isinstance(linear, FP8Linear):
             if not _fp8_fast(linear, x2):
                 raise RuntimeError("FP8 layer cannot use _scaled_mm here")
-            a, sa = quantize_activations(x2)
+            with region("quant"):
+                a, sa = quantize_activations(x2)
             b, sb = linear.weight_fp8, linear.weight_scale.reshape(-1)
             sa = sa.reshape(-1)
             linear.scaled_mm_calls += 1  # the FP8 fast path ran (the tile kernel's FP8 GEMM, not _scaled_mm)
@@ -814,17 +830,23 @@ def _precheck(mode: str, chunks: int, m: int, n: int, dt: torch.dtype, world: in
 
 
 def row_parallel(
-    linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode: str = "auto"
+    linear, x: torch.Tensor, bias: torch.Tensor | None, group, mode: str = "auto", label: str = ""
 ) -> torch.Tensor:
     """all_reduce_sum(x @ W_local^T) + bias over `group` in the given comm mode ([..., K] -> [..., N]).
-    The output is replicated on every rank and never aliases a symmetric buffer."""
+    The output is replicated on every rank and never aliases a symmetric buffer. `group`: a
+    :class:`cadence.parallel.group.TPGroup` or a ProcessGroup (None: the default group); on an emulated
+    group every mode takes the group's all-reduce stand-in, recorded as the mode the real rank would run."""
+    from cadence.parallel.group import as_group
+
+    tg = as_group(group)
+    group = tg.process_group
     lead = x.shape[:-1]
     k, n = linear.in_features, linear.out_features
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
-    world = dist.get_world_size(group)
+    world = tg.world
     name, chunks = parse_mode(mode)
     if name == "auto" and os.environ.get("CADENCE_TP_COMM", "auto") != "auto":
         name, chunks = parse_mode(os.environ["CADENCE_TP_COMM"])  # process-wide override of "auto"
@@ -833,6 +855,9 @@ def row_parallel(
         picked = choose_mode(m, n, k, dk, world, x2.device.type)
         name, chunks = parse_mode(picked)
     y = None
+    algo = name + (str(chunks) if name == "chunked" else "")
+    if name != "nccl" and world > 1 and m > 0 and tg.emulated:
+        return _finish(_nccl(linear, x2, tg, label, algo), bias, x.dtype, lead, n)
     if name != "nccl" and world > 1 and m > 0:
         why = symm_unavailable_reason(x2.device, group)
         if why is not None:
@@ -874,9 +899,15 @@ def row_parallel(
                     why,
                 )
     if y is None:
-        y = _nccl(linear, x2, group)
+        y = _nccl(linear, x2, tg, label)
+    else:
+        tg.note("all_reduce", (m, n), y.dtype, label, algo)  # a symmetric-memory mode ran it
+    return _finish(y, bias, x.dtype, lead, n)
+
+
+def _finish(y: torch.Tensor, bias, dtype: torch.dtype, lead, n: int) -> torch.Tensor:
     if bias is not None:
         y = y.add_(bias.to(y.dtype))  # y is always a fresh tensor here (never a symmetric buffer)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    if y.dtype != dtype:
+        y = y.to(dtype)
     return y.reshape(*lead, n)

@@ -26,15 +26,24 @@ identical on every rank (the all-reduce hands every rank the same sum).
 
 Linears may be plain :class:`cadence.model.layers.Linear` or :class:`cadence.quant.fp8.FP8Linear`
 (``apply_fp8`` before or after ``apply_tp``): per-output-channel FP8 scales slice with the rows.
+
+The group: a :class:`cadence.parallel.group.TPGroup` (a real process group, ``DistGroup``, or one rank of
+a group emulated in one process, ``cadence.parallel.emulate.EmulatedGroup``: the same shards, kernels and
+graphs, every collective a local stand-in), or a raw ``ProcessGroup`` / None (the default group). Every
+collective below goes through it, labelled with the layer that issues it (``CollectiveLog`` lists them).
+
+``sequence_parallel=True`` (:mod:`cadence.parallel.sp`): the per-token work between the sharded linears
+runs on 1/N of the tokens per rank; the column-parallel shards all-gather their input rows first (FP8:
+the quantised bytes), the row-parallel ones reduce-scatter instead of all-reducing.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from cadence.model.layers import PLAIN_OPS, Linear, RMSNorm
+from cadence.parallel.group import TPGroup, as_group
 from cadence.quant.fp8 import FP8Linear
 from cadence.telemetry.spans import region
 
@@ -57,14 +66,21 @@ class RowParallelLinear(nn.Module):
     side stream as soon as it is done). Modes that cannot run (CPU / gloo, an op missing in this
     torch, a shape an op rejects) fall back to "nccl" with a warning logged once per reason.
     Timing regions: the GEMM under "linear", the collective under "allreduce"; modes where the two
-    are inseparable ("rs_ag", "chunked") under "linear_comm"."""
+    are inseparable ("rs_ag", "chunked") under "linear_comm".
+
+    Under sequence parallelism (`tokens`: the model's :class:`cadence.parallel.sp.ShardedTokens`) the
+    sum is a reduce-scatter instead: the output is this rank's rows of the tokens
+    (:func:`cadence.parallel.sp.row_scatter`); `comm` then does not apply. `group`: a TPGroup or a
+    ProcessGroup (None: the default group). `label` names the layer in the collective records."""
 
     def __init__(
         self,
         linear: nn.Module,
         bias: torch.Tensor | None,
-        group: dist.ProcessGroup | None,
+        group: TPGroup | object | None,
         comm: str = "auto",
+        label: str = "",
+        tokens=None,
     ):
         super().__init__()
         if getattr(linear, "bias", None) is not None:
@@ -74,10 +90,12 @@ class RowParallelLinear(nn.Module):
             )
         self.linear = linear
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
-        self.group = group
+        self.group = as_group(group)
         self.in_features = linear.in_features  # local (sharded) input width
         self.out_features = linear.out_features
         self.comm = comm
+        self.label = label
+        self.tokens = tokens  # sequence parallelism: reduce-scatter to these rows (None: all-reduce)
 
     @property
     def comm(self) -> str:
@@ -91,14 +109,17 @@ class RowParallelLinear(nn.Module):
         self._comm = mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tokens is not None:
+            from cadence.parallel.sp import row_scatter
+
+            return row_scatter(self.linear, x, self.bias, self.tokens, self.label)
         from cadence.parallel.fused import row_parallel
 
-        return row_parallel(self.linear, x, self.bias, self.group, self._comm)
+        return row_parallel(self.linear, x, self.bias, self.group, self._comm, label=self.label)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features} (local), out_features={self.out_features}, comm={self._comm!r}"
-        )
+        how = "reduce-scatter (sequence parallel)" if self.tokens is not None else f"comm={self._comm!r}"
+        return f"in_features={self.in_features} (local), out_features={self.out_features}, {how}"
 
 
 class ShardedRMSNorm(nn.Module):
@@ -106,16 +127,16 @@ class ShardedRMSNorm(nn.Module):
     :class:`cadence.model.layers.RMSNorm` over the full `full_dim`): the local sum of squares is
     all-reduced (SUM) and divided by the full width. `weight` is this rank's slice."""
 
-    def __init__(self, weight: torch.Tensor, full_dim: int, eps: float, group: dist.ProcessGroup | None):
+    def __init__(self, weight: torch.Tensor, full_dim: int, eps: float, group, label: str = ""):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
-        self.full_dim, self.eps, self.group = full_dim, eps, group
+        self.full_dim, self.eps, self.group, self.label = full_dim, eps, as_group(group), label
         self.ops = PLAIN_OPS  # the two local halves; apply_compile swaps in fused ones (not the all-reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ss = self.ops.sum_squares(x)
         with region("allreduce"):
-            dist.all_reduce(ss, op=dist.ReduceOp.SUM, group=self.group)
+            self.group.all_reduce(ss, label=self.label)
         return self.ops.rms_scale(x, ss, self.weight, self.full_dim, self.eps)
 
     def extra_repr(self) -> str:
@@ -168,23 +189,36 @@ def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     return lin
 
 
-def _norm(norm: RMSNorm, rank: int, world: int, group) -> ShardedRMSNorm:
+def _norm(norm: RMSNorm, group: TPGroup, label: str) -> ShardedRMSNorm:
     full = norm.weight.numel()
-    per = full // world
-    return ShardedRMSNorm(norm.weight[rank * per : (rank + 1) * per], full, norm.eps, group)
+    per = full // group.world
+    return ShardedRMSNorm(
+        norm.weight[group.rank * per : (group.rank + 1) * per], full, norm.eps, group, label
+    )
+
+
+def _column(lin: nn.Module, tokens, label: str) -> nn.Module:
+    """A column-parallel shard as it runs: as is, or (sequence parallelism) behind its rows' all-gather."""
+    if tokens is None:
+        return lin
+    from cadence.parallel.sp import ColumnParallelLinear
+
+    return ColumnParallelLinear(lin, tokens, label)
 
 
 def _shard_attention(
-    attn: nn.Module, rank: int, world: int, group, dim: int, dev: torch.device, comm: str = "auto"
+    attn: nn.Module, group: TPGroup, dim: int, dev: torch.device, comm: str, name: str, tokens
 ) -> None:
+    rank, world = group.rank, group.world
     if hasattr(attn, "qkv"):  # self-attention: fused [q; k; v]
-        attn.qkv = _take_rows(attn.qkv, _rows(3, dim, rank, world, dev))
-    else:  # cross / audio attention: q from the tokens, fused [k; v] from the context
-        attn.q = _take_rows(attn.q, _rows(1, dim, rank, world, dev))
+        attn.qkv = _column(_take_rows(attn.qkv, _rows(3, dim, rank, world, dev)), tokens, f"{name}.qkv")
+    else:  # cross / audio attention: q from the tokens, fused [k; v] from the (replicated) context
+        attn.q = _column(_take_rows(attn.q, _rows(1, dim, rank, world, dev)), tokens, f"{name}.q")
         attn.kv = _take_rows(attn.kv, _rows(2, dim, rank, world, dev))
-    attn.norm_q = _norm(attn.norm_q, rank, world, group)
-    attn.norm_k = _norm(attn.norm_k, rank, world, group)
-    attn.out = RowParallelLinear(*_take_cols(attn.out, rank, world), group, comm)
+    if attn.norm_q is not None:  # (InfiniteTalk's audio attention has no q/k norms)
+        attn.norm_q = _norm(attn.norm_q, group, f"{name}.norm_q")
+        attn.norm_k = _norm(attn.norm_k, group, f"{name}.norm_k")
+    attn.out = RowParallelLinear(*_take_cols(attn.out, rank, world), group, comm, f"{name}.out", tokens)
     attn.heads //= world
 
 
@@ -198,17 +232,19 @@ def check_tp_size(mcfg, world: int) -> None:
 
 
 @torch.no_grad()
-def apply_tp(model: nn.Module, group: dist.ProcessGroup | None = None, comm: str = "auto") -> nn.Module:
-    """Shard `model`'s transformer blocks over `group` (default: the world) in place; return it.
+def apply_tp(model: nn.Module, group=None, comm: str = "auto", sequence_parallel: bool = False) -> nn.Module:
+    """Shard `model`'s transformer blocks over `group` in place; return it.
 
-    The group's size must divide num_heads and ffn_dim. With a group of one nothing changes.
-    `comm` is the row-parallel layers' communication mode (:class:`RowParallelLinear`; change it
-    later with :func:`set_comm`). Works on a model built on the ``meta`` device too (slicing meta
+    `group`: a :class:`cadence.parallel.group.TPGroup` (e.g. ``EmulatedGroup(4)``: this process is rank 0
+    of an emulated group of four), a ProcessGroup, or None (the default group). Its size must divide
+    num_heads and ffn_dim. With a group of one nothing changes. `comm` is the row-parallel layers'
+    all-reduce mode (:class:`RowParallelLinear`; change it later with :func:`set_comm`).
+    `sequence_parallel`: the per-token work between the linears on this rank's share of the tokens
+    (:mod:`cadence.parallel.sp`). Works on a model built on the ``meta`` device too (slicing meta
     tensors allocates nothing): build on meta, shard, then ``to_empty`` on the device and
     initialise, so no rank ever holds the full model (see ``cadence bench step --tp``)."""
-    if not dist.is_initialized():
-        raise RuntimeError("apply_tp needs an initialised process group (cadence.parallel.mesh.init_tp)")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    group = as_group(group)
+    world = group.world
     m = model.mcfg
     check_tp_size(m, world)
     if getattr(model, "tp_world_size", 1) != 1:
@@ -216,14 +252,24 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup | None = None, comm: str
     if world == 1:
         return model
     dev = model.device
+    tokens = None
+    if sequence_parallel:
+        from cadence.parallel.sp import ShardedTokens
+
+        tokens = ShardedTokens(group)
     for blk in model.blocks:
-        _shard_attention(blk.self_attn, rank, world, group, m.dim, dev, comm)
-        _shard_attention(blk.cross_attn, rank, world, group, m.dim, dev, comm)
+        _shard_attention(blk.self_attn, group, m.dim, dev, comm, "self_attn", tokens)
+        _shard_attention(blk.cross_attn, group, m.dim, dev, comm, "cross_attn", tokens)
         if blk.audio_attn is not None:
-            _shard_attention(blk.audio_attn, rank, world, group, m.dim, dev, comm)
-        blk.ffn.fc1 = _take_rows(blk.ffn.fc1, _rows(1, m.ffn_dim, rank, world, dev))
-        blk.ffn.fc2 = RowParallelLinear(*_take_cols(blk.ffn.fc2, rank, world), group, comm)
-    model.tp_world_size, model.tp_rank, model.tp_group = world, rank, group
+            _shard_attention(blk.audio_attn, group, m.dim, dev, comm, "audio_attn", tokens)
+        fc1 = _take_rows(blk.ffn.fc1, _rows(1, m.ffn_dim, group.rank, world, dev))
+        blk.ffn.fc1 = _column(fc1, tokens, "ffn.fc1")
+        fc2, bias = _take_cols(blk.ffn.fc2, group.rank, world)
+        blk.ffn.fc2 = RowParallelLinear(fc2, bias, group, comm, "ffn.fc2", tokens)
+    if tokens is not None:
+        model.token_layout = tokens
+    model.tp_world_size, model.tp_rank, model.tp_group = world, group.rank, group
+    model.tp_sequence_parallel = tokens is not None
     return model
 
 

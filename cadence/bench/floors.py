@@ -1,0 +1,158 @@
+"""What one tensor-parallel rank's chunk step must at least cost, part by part (``cadence bench step``).
+
+Count first, then time: for each part of the split the step benchmark reports, the work a rank does in one
+chunk (all passes, all layers) and the time that work takes at the ceilings measured on an H200
+(BENCHMARKS.md), so that every measured part stands beside its floor:
+
+============== ============================================================== =========================
+part           work counted per rank                                           at
+============== ============================================================== =========================
+linears        2 M K N of every linear: the block linears' 1/N shards, the    1200 TFLOP/s FP8 GEMM
+               replicated ones (patch embedding, head, embedders) whole        (790 bf16)
+attention      4 q kv d of self / cross / audio attention over the rank's     1000 TFLOP/s FP8 K/V
+               heads                                                           (540 bf16, cuDNN)
+quantisation   every FP8 linear's activation quantised in front of it:        4.2 TB/s (HBM, read +
+               read bf16, write e4m3 (3 B an element; SP: the gathered        write: BENCHMARKS.md's
+               column inputs are quantised on the rank's P rows only)          device copy)
+elementwise    the fused per-token ops between them (adaLN norm + modulation  4.2 TB/s
+               2 x 4 B, gated residuals 2 x 6 B, the affine norm + residual
+               of cross / audio attention 4 + 6 B each, on the rank's rows:
+               all N, or P under SP), GELU on fc1's output (4 B, all tokens),
+               the sharded q / k RMS norms (6 B, all tokens, the rank's heads)
+cache          the ring write of the chunk's K and V (read bf16, write bf16 /  4.2 TB/s
+               e4m3, the rank's heads)
+comm           the bytes a rank moves over its links (the collective list's   450 GB/s a direction per
+               bus bytes, cadence.parallel.emulate.bus_factor)                 H200 (NVLink 4 spec, 18
+                                                                               links: not measured)
+============== ============================================================== =========================
+
+Bytes are those of a kernel that reads its inputs and writes its output once in bf16 (the compiled ops of
+``cadence.runtime.compile`` come close: 6.2 us for one RMSNorm + modulation at 748 x 8192, ~the 24.5 MB /
+4.2 TB/s = 5.8 us it must move). The floor of the whole step is the sum: nothing overlaps in it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cadence.config import CadenceConfig
+
+HBM_BYTES_S = 4.2e12  # BENCHMARKS.md: device copy 4.2 TB/s (read + write), one H200
+NVLINK_BYTES_S = 450e9  # H200 NVLink 4, one direction (18 links x 25 GB/s): the spec, not a measurement
+TFLOPS = {
+    "fp8_gemm": 1200.0,
+    "bf16_gemm": 790.0,
+    "fp8_attn": 1000.0,
+    "bf16_attn": 540.0,
+}  # = bench.common.CEILING
+
+
+def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
+    """FLOPs of one chunk step (all passes): linear layers and attention, counted from the shapes."""
+    m, s = cfg.model, cfg.stream
+    d, t = m.dim, cfg.tokens_per_chunk
+    frames = s.latent_frames_per_chunk // m.patch[0]
+    a = m.audio_tokens_per_frame * frames
+    passes = s.passes + (1 if s.commit == "clean_pass" else 0)
+    lin = attn = 0.0
+    for i in range(m.num_layers):
+        lin += 2 * t * d * (3 * d + d)  # qkv + out
+        lin += 2 * t * d * (2 * d)  # cross q + out (text K/V once per session: not per chunk)
+        lin += 2 * t * d * m.ffn_dim * 2  # ffn in + out
+        attn += 4 * t * cfg.kv_tokens * d  # self: QK^T and PV
+        attn += 4 * t * m.text_len * d  # cross
+        if m.has_audio(i):
+            lin += 2 * t * d * 2 * d + 2 * a * d * 2 * d  # audio q/out + audio K/V
+            attn += 4 * t * m.audio_tokens_per_frame * d
+    patch = m.in_channels * math.prod(m.patch)
+    lin += 2 * t * patch * d * 2 + 2 * d * 7 * d  # patch embed, head, time MLP/proj
+    if m.audio_every:
+        lin += 2 * a * (m.audio_dim * d + d * d)
+    return {"linear": lin * passes, "attention": attn * passes, "total": (lin + attn) * passes}
+
+
+def _passes(cfg: CadenceConfig) -> int:
+    return cfg.stream.passes + (1 if cfg.stream.commit == "clean_pass" else 0)
+
+
+def _audio_tokens(cfg: CadenceConfig) -> tuple[int, int]:
+    """(audio tokens a latent frame, audio tokens of the chunk)."""
+    m = cfg.model
+    frames = cfg.stream.latent_frames_per_chunk // m.patch[0]
+    return m.audio_tokens_per_frame, m.audio_tokens_per_frame * frames
+
+
+def rank_flops(cfg: CadenceConfig, tp: int) -> dict[str, float]:
+    """FLOPs of one chunk on one rank of `tp`: linear (block shards + replicated parts) and attention."""
+    m, n = cfg.model, max(tp, 1)
+    d, t, kv = m.dim, cfg.tokens_per_chunk, cfg.kv_tokens
+    per_frame, a = _audio_tokens(cfg)
+    ctx = m.audio_context_dim if m.audio_arch == "multitalk" else d
+    lin = attn = 0.0
+    for i in range(m.num_layers):
+        lin += 2 * t * d * (4 * d) / n + 2 * t * d * (2 * d) / n + 2 * t * d * m.ffn_dim * 2 / n
+        attn += 4 * t * kv * d / n + 4 * t * m.text_len * d / n
+        if m.has_audio(i):
+            lin += 2 * t * d * 2 * d / n + 2 * a * ctx * 2 * d / n
+            attn += 4 * t * per_frame * d / n
+    patch = m.in_channels * math.prod(m.patch)
+    lin += 2 * t * patch * d * 2 + 2 * d * 7 * d  # patch embedding, head, time MLP / projection: every rank
+    if m.audio_every:
+        lin += 2 * a * (m.audio_dim * d + d * d)
+    p = _passes(cfg)
+    return {"linear": lin * p, "attention": attn * p}
+
+
+def rank_bytes(
+    cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bool, el: int = 2
+) -> dict[str, float]:
+    """HBM bytes of one chunk on one rank: elementwise ops, activation quantisation (FP8), cache write."""
+    from cadence.parallel.sp import rows_per_rank
+
+    m, n = cfg.model, max(tp, 1)
+    d, f, t = m.dim, m.ffn_dim, cfg.tokens_per_chunk
+    rows = rows_per_rank(t, n) if sp and n > 1 else t  # the per-token work's rows on this rank
+    _, a = _audio_tokens(cfg)
+    ctx = m.audio_context_dim if m.audio_arch == "multitalk" else d
+    ew = quant = cache = 0.0
+    for i in range(m.num_layers):
+        audio = m.has_audio(i)
+        branches = 2 if audio else 1  # cross (+ audio) attention: affine norm + residual add
+        ew += rows * d * el * (2 * 2 + 2 * 3 + branches * (2 + 3))
+        ew += t * f / n * el * 2  # GELU
+        ew += (
+            t * d / n * el * 3 * (3 + (1 if audio else 0))
+        )  # sharded q/k norms: self q, k, cross q (+ audio q)
+        # FP8 inputs: qkv, cross q, fc1 (+ audio q) on the rows (SP quantises before the gather); the
+        # out projections (self, cross (+ audio)) and fc2 on every token's shard; the audio K/V on its tokens
+        k = 1 if audio else 0
+        q_elems = rows * d * (3 + k) + t * d / n * (2 + k) + t * f / n + k * a * ctx
+        quant += q_elems * (el + 1)
+        cache += 2 * t * d / n * (el + (1 if kv_fp8 else el))
+    p = _passes(cfg)
+    return {"elementwise": ew * p, "quant": (quant * p if fp8 else 0.0), "cache": cache * p}
+
+
+def floors_ms(
+    cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bool, comm_bus_bytes: float = 0.0
+) -> dict[str, float]:
+    """Floor per part (ms per chunk, one rank) and their sum ('step')."""
+    fl = rank_flops(cfg, tp)
+    by = rank_bytes(cfg, tp, sp, fp8, kv_fp8)
+    out = {
+        "linear": fl["linear"] / (TFLOPS["fp8_gemm" if fp8 else "bf16_gemm"] * 1e12) * 1e3,
+        "attention": fl["attention"] / (TFLOPS["fp8_attn" if kv_fp8 else "bf16_attn"] * 1e12) * 1e3,
+        "quant": by["quant"] / HBM_BYTES_S * 1e3,
+        "elementwise": by["elementwise"] / HBM_BYTES_S * 1e3,
+        "cache": by["cache"] / HBM_BYTES_S * 1e3,
+        "comm": comm_bus_bytes / NVLINK_BYTES_S * 1e3,
+    }
+    out["step"] = sum(out.values())
+    return out
+
+
+def comm_bus_bytes(summary: list[dict], world: int) -> float:
+    """Bytes a rank moves over its links for a per-chunk collective list (``CollectiveLog.summary``)."""
+    from cadence.parallel.emulate import bus_factor
+
+    return sum(c["nbytes"] * c["count"] * bus_factor(c["kind"], c["algo"], world) for c in summary)

@@ -1,0 +1,308 @@
+"""One rank of a tensor-parallel group, emulated in one process on one device.
+
+    group = EmulatedGroup(world=4)                 # this process is rank 0 of four
+    apply_tp(model, group, comm="two_shot")        # rank 0's shard, exactly as a real rank builds it
+    with CollectiveLog() as log:                   # cadence.parallel.group
+        session.step(audio)
+    est = comm_estimate(log.summary(), world=4)    # what the links would take, from measured figures
+
+``cadence bench step --tp 4 --emulate`` uses it to measure the per-rank compute of a W57 TP=4 step on one
+GPU: the same shards (``apply_tp`` on meta, then this rank's weights allocated and initialised, as a real
+rank does), the same FP8 linears, compiled ops, ring cache, CUDA graphs and sequence parallelism. The
+group is an object the real TP code path takes (:class:`cadence.parallel.group.TPGroup`); no layer knows
+it is emulated, and the model code has no branch for it.
+
+The stand-ins (output shape and dtype of the real collective; a realistic local memory access; values
+of the right scale, not the real ones):
+
+============== ============================================ =========================================
+collective     the real rank                                 the stand-in (rank r of world w)
+============== ============================================ =========================================
+all-reduce     t <- sum of every rank's t                    ``t *= w``: one read + write of t, the sum
+                                                             of w equal partials (a norm's sum of
+                                                             squares gets its real magnitude)
+all-gather     out <- every rank's rows, rank order          every slot of out <- this rank's rows: all
+                                                             of out written, the part read w times
+reduce-scatter out <- sum over ranks of block r of inp       out <- the sum of inp's w blocks: inp read
+                                                             once, out written (the local arithmetic of
+                                                             a reduce-scatter whose partials were local)
+============== ============================================ =========================================
+
+The symmetric-memory comm modes need peers: on an emulated group every row-parallel all-reduce runs the
+plain GEMM and the stand-in, recorded as the mode the real rank would run (the chooser's pick for this
+shape and group size, or the forced ``--comm``), which selects its link figures below. So the "tiles"
+mode's own GEMM (a Triton kernel, slower than cuBLAS at these shapes) is not what an emulated rank runs.
+
+The comm estimate (:func:`comm_estimate`): every recorded collective timed from :data:`LINKS`, ONE table of
+measured all-reduce times on 2x H200 (source in the table), fitted per algorithm as ``t = fixed +
+slope x bus bytes``; bus bytes per rank follow the algorithm (nccl-tests' convention: a ring all-reduce
+and the two-shot move 2 (w-1)/w of the tensor, a reduce-scatter or an all-gather (w-1)/w, the one-shot
+(w-1) x the tensor; all equal to the tensor at w = 2, where the table was measured). Assumed, not
+measured (say so when quoting it): the per-GPU link bandwidth and the fixed cost per collective are the
+same at 4 GPUs as at 2 (NVSwitch: every GPU has its 18 NVLinks whatever the group size); reduce-scatter
+and all-gather cost like NCCL's all-reduce per bus byte, with its fixed cost (conservative: one phase of
+it); small messages (the q/k norms' [N, 1] sums) cost the fit's fixed cost (an upper bound: NCCL's
+low-latency protocol is not in the fit). Modes without figures (rs_ag, chunked, tiles) are estimated as
+two-shot (their measured times at M = 748 were within a few us of it or slower; docs/perf/fused/NOTES.md).
+Beside the total, ``total_ms_symm_halves`` prices the reduce-scatters / all-gathers as halves of the
+two-shot all-reduce (what they would cost over symmetric memory, by the same model; not built, not
+measured).
+
+What emulation does not capture (docs/perf/step/NOTES.md says it with the numbers):
+* contention: a real rank's NVLink traffic and its copy engines / reducer SMs share HBM bandwidth and SMs
+  with the compute; the stand-ins touch local memory only, and the estimate adds link time serially;
+* overlap: the estimate assumes none (a fused GEMM + all-reduce hides part of it: the tile kernel 8-34%);
+* skew between ranks: a real collective waits for the slowest rank (launch jitter, a rank with more
+  padding rows, a decode thread on rank 0); one rank emulated has no one to wait for;
+* the data: another rank's values (the stand-ins make plausible magnitudes, so FP8 scales, softmax and
+  GELU see realistic ranges; the results are not those of a real group, and are never checked);
+* NCCL's and symmetric memory's own memory, streams and launches (the stand-ins are one kernel each).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cadence.parallel.group import TPGroup
+
+
+class EmulatedGroup(TPGroup):
+    """Rank `rank` of a tensor-parallel group of `world`, alone in this process (see the module)."""
+
+    emulated = True
+    process_group = None
+
+    def __init__(self, world: int, rank: int = 0):
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(
+                f"emulated group: rank {rank} of world {world} (need 0 <= rank < world, world >= 1)"
+            )
+        self.world, self.rank = int(world), int(rank)
+
+    def symm_unavailable(self, device: torch.device) -> str | None:
+        return "an emulated group has no peers (its collectives are local stand-ins)"
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        t.mul_(self.world)
+
+    def _all_gather(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        out.view(self.world, *part.shape).copy_(part.unsqueeze(0).expand(self.world, *part.shape))
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        torch.sum(inp.view(self.world, *out.shape), dim=0, out=out)
+
+
+# ---- the link figures ------------------------------------------------------------------------------------
+LINKS_SOURCE = (
+    "all-reduce of bf16 [M, N] tensors on 2x H200 (NVLink NV18, torch 2.11.0+cu130, NCCL 2.28.9), CUDA-graph "
+    "timed medians, `cadence bench fused --modes two_shot,tiles` at commit 1e78c56: "
+    "docs/perf/fused/2026-11-30-nvidia-h200-x2-all-tp2-tiles.json (its table: docs/perf/fused/NOTES.md, "
+    "session 6; the same figures as BENCHMARKS.md's 'Row-parallel projection + all-reduce at M=748', which "
+    "were timed eagerly)"
+)
+
+#: algorithm -> [(tensor bytes, microseconds)], measured at world = 2 (LINKS_SOURCE). One row per shape of
+#: the source file (748 x 8192, 748 x 5120, 4680 x 1536, each under its bf16 and FP8 GEMM).
+LINKS: dict[str, list[tuple[int, float]]] = {
+    "nccl": [
+        (12_255_232, 68.1), (12_255_232, 65.4), (12_255_232, 67.0), (12_255_232, 65.2),
+        (7_659_520, 48.2), (7_659_520, 47.9), (7_659_520, 50.8), (7_659_520, 51.5),
+        (14_376_960, 73.2), (14_376_960, 72.8), (14_376_960, 75.8), (14_376_960, 74.5),
+    ],
+    "two_shot": [
+        (12_255_232, 44.2), (12_255_232, 44.3), (12_255_232, 44.2), (12_255_232, 44.4),
+        (7_659_520, 30.1), (7_659_520, 30.2), (7_659_520, 30.6), (7_659_520, 30.4),
+        (14_376_960, 50.8), (14_376_960, 50.8), (14_376_960, 51.0), (14_376_960, 50.9),
+    ],
+    "one_shot": [
+        (12_255_232, 72.9), (12_255_232, 72.9), (12_255_232, 73.4), (12_255_232, 73.5),
+        (7_659_520, 48.5), (7_659_520, 48.5), (7_659_520, 49.1), (7_659_520, 49.4),
+        (14_376_960, 83.9), (14_376_960, 83.9), (14_376_960, 83.9), (14_376_960, 84.1),
+    ],
+}  # fmt: skip
+LINKS_WORLD = 2
+#: comm modes with no figures of their own -> the algorithm whose figures estimate them
+ESTIMATED_AS = {"rs_ag": "two_shot", "tiles": "two_shot", "chunked": "two_shot"}
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """``t_us = fixed_us + us_per_mb x bus MB`` for one algorithm, least squares over its LINKS rows."""
+
+    algo: str
+    fixed_us: float
+    us_per_mb: float
+    points: int
+    max_residual_us: float
+
+    @property
+    def bus_gb_s(self) -> float:
+        return 1e3 / self.us_per_mb if self.us_per_mb > 0 else math.inf
+
+
+def fit(algo: str) -> LinkFit:
+    pts = [(b / 1e6 * bus_factor("all_reduce", algo, LINKS_WORLD), t) for b, t in LINKS[algo]]
+    n = len(pts)
+    mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+    fixed = my - slope * mx
+    res = max(abs(fixed + slope * x - y) for x, y in pts)
+    return LinkFit(algo, fixed, slope, n, res)
+
+
+def bus_factor(kind: str, algo: str, world: int) -> float:
+    """Bytes a rank moves over its links per byte of the collective's tensor (nccl-tests' convention)."""
+    w = world
+    if w <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return float(w - 1) if algo == "one_shot" else 2.0 * (w - 1) / w
+    return (w - 1) / w  # reduce-scatter, all-gather
+
+
+def link_algo(kind: str, algo: str) -> str:
+    """Which LINKS row estimates a collective: its own algorithm's, the stand-in's for modes without
+    figures, and NCCL's for every reduce-scatter / all-gather (torch.distributed issues those)."""
+    if kind != "all_reduce":
+        return "nccl"
+    base = "chunked" if algo.startswith("chunked") else algo
+    return ESTIMATED_AS.get(base, base if base in LINKS else "nccl")
+
+
+def estimate_us(kind: str, algo: str, nbytes: int, world: int) -> float:
+    """Estimated time of one collective (see the module docstring for what is assumed)."""
+    if world <= 1:
+        return 0.0
+    f = fit(link_algo(kind, algo))
+    return f.fixed_us + f.us_per_mb * nbytes / 1e6 * bus_factor(kind, algo, world)
+
+
+def half_two_shot_us(nbytes: int, world: int) -> float:
+    """A reduce-scatter or an all-gather priced as one half of the measured two-shot all-reduce (which is a
+    reduce-scatter then an all-gather over peer loads): half its fixed cost, its cost per bus byte. A model
+    of what sequence parallelism's collectives would cost over symmetric memory; nothing measured it."""
+    f = fit("two_shot")
+    return f.fixed_us / 2 + f.us_per_mb * nbytes / 1e6 * bus_factor("all_gather", "two_shot", world)
+
+
+def comm_estimate(summary: list[dict], world: int) -> dict:
+    """Estimate the link time of a per-chunk collective list (``CollectiveLog.summary()``): total ms, per
+    collective (us each, ms in all), per kind, and the fits used with their source. ``total_ms_symm_halves``:
+    the same list with every reduce-scatter / all-gather priced by :func:`half_two_shot_us` instead."""
+    rows, by_kind, alt = [], {}, 0.0
+    for c in summary:
+        us = estimate_us(c["kind"], c["algo"], c["nbytes"], world)
+        ms = us * c["count"] / 1e3
+        rows.append({**c, "link_algo": link_algo(c["kind"], c["algo"]), "est_us": us, "est_ms": ms})
+        by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + ms
+        alt += ms if c["kind"] == "all_reduce" else half_two_shot_us(c["nbytes"], world) * c["count"] / 1e3
+    fits = {a: vars(fit(a)) for a in sorted({r["link_algo"] for r in rows})}
+    return {
+        "total_ms": sum(r["est_ms"] for r in rows),
+        "total_ms_symm_halves": alt,
+        "by_kind_ms": by_kind,
+        "collectives": rows,
+        "fits": fits,
+        "source": LINKS_SOURCE,
+        "world": world,
+        "assumed": "no overlap with compute; link bandwidth and fixed cost per collective as measured at "
+        f"{LINKS_WORLD} GPUs; reduce-scatter / all-gather as NCCL all-reduce per bus byte",
+    }
+
+
+def time_standins(summary: list[dict], device: torch.device, reps: int = 5) -> float | None:
+    """Milliseconds the stand-ins of one chunk's collectives take on `device` (each recorded collective's
+    stand-in on a tensor of its shape and dtype, as many times as the chunk has it), replayed from a CUDA
+    graph: what the emulated step's time contains besides the rank's compute. None off CUDA."""
+    if device.type != "cuda" or not summary:
+        return None
+    world = summary[0]["world"]
+    g = EmulatedGroup(world)
+    work = []
+    for c in summary:
+        dt = getattr(torch, c["dtype"])
+        shape = tuple(c["shape"])
+        full = torch.zeros(shape, dtype=dt, device=device)
+        part = torch.zeros((shape[0] // world, *shape[1:]), dtype=dt, device=device) if shape else None
+        n = max(int(round(c["count"])), 0)
+        work.append((c["kind"], full, part, n))
+
+    def body():
+        for kind, full, part, n in work:
+            for _ in range(n):
+                if kind == "all_reduce":
+                    g._all_reduce(full)
+                elif kind == "all_gather":
+                    g._all_gather(full, part)
+                else:
+                    g._reduce_scatter(part, full)
+
+    body()  # warm-up (allocations, kernels)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    graph.reset()
+    return sorted(times)[len(times) // 2]
+
+
+# ---- per-op shapes (the emulation's fidelity check) ------------------------------------------------------
+class OpShapes:
+    """Records, for every module call of `model` while active, (qualified name, input shapes, output shape),
+    and every ``cache.attend`` call's q / k / v shapes (`cache`: a session's cache, optional). An emulated
+    rank and a real one of the same group must record the same list (tests/test_emulate.py)."""
+
+    def __init__(self, model: torch.nn.Module, cache=None):
+        self.model, self.cache = model, cache
+        self.calls: list[tuple] = []
+        self._handles: list = []
+        self._attend = None
+
+    def __enter__(self) -> OpShapes:
+        for name, mod in self.model.named_modules():
+            self._handles.append(mod.register_forward_hook(self._hook(name)))
+        if self.cache is not None:
+            orig = self.cache.attend
+
+            def attend(layer, q, k, v, commit):
+                self.calls.append(("cache.attend", layer, _shapes((q, k, v)), commit))
+                return orig(layer, q, k, v, commit)
+
+            self._attend = orig
+            self.cache.attend = attend
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._attend is not None:
+            del self.cache.attend  # back to the class's method
+            self._attend = None
+
+    def _hook(self, name: str):
+        def hook(mod, args, out):
+            self.calls.append((name, type(mod).__name__, _shapes(args), _shapes(out)))
+
+        return hook
+
+
+def _shapes(x):
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), str(x.dtype).replace("torch.", ""))
+    if isinstance(x, (list, tuple)):
+        return tuple(_shapes(v) for v in x)
+    shape = getattr(x, "shape", None)  # a QuantizedActivation
+    return ("quantized", tuple(shape)) if shape is not None else type(x).__name__
