@@ -1,0 +1,196 @@
+"""What the side-by-side reference harnesses share (scripts/reference_*_bench.py; not part of Cadence).
+
+Each harness drives one model family's own code, imported from a checkout of its repository (never copied;
+scripts/reference_checkouts.sh makes the checkouts), with random weights, through the block (or clip) loop
+its authors' inference script runs, and writes one JSON in the schema of docs/perf/reference/*.json. This
+module holds the parts that are not the families' code: the argument set every harness takes, a clock that
+is CUDA events on a GPU and host clocks on the CPU, wrappers that time a callable without changing what it
+computes, the peak-memory reading and the summary every JSON carries:
+
+* ``fps_video``: video frames delivered / wall time of the whole timed run (loop start -> the last frames on
+  the host), as a viewer of that run sees it;
+* ``fps_steady``: frames of a steady block / the median wall time of the blocks after the first (for the
+  references that decode at the end, that decode's time is spread over the blocks: ``fps_steady_rule``);
+* ``ttff_ms``: loop start -> the first frames on the host (the whole run where the authors' script decodes
+  only at the end: then ``first_latents_ms`` is when the first block's latents existed);
+* ``block_ms`` and per-phase lists (``phases``: CUDA-event spans on a GPU), ``peak_mem_gib`` (the process's
+  ``torch.cuda.max_memory_allocated``, weights included, as ``bench pipeline``'s side is read by
+  scripts/reference_cadence_run.py), ``first_run_s`` (the untimed first run: compilation and warm-up).
+
+The first of ``--repeats`` runs absorbs compilation and is reported apart; the fastest of the others is the
+result (all runs are kept under ``runs``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+
+
+def base_parser(doc: str, ref_help: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--ref", required=True, type=Path, help=ref_help)
+    ap.add_argument("--commit", default="", help="the checkout's commit (read from .git or its COMMIT file)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=2, help="whole runs; the first is untimed warm-up")
+    ap.add_argument("--small", action="store_true", help="CPU smoke test at a tiny random configuration")
+    ap.add_argument("--out", type=Path, help="write the JSON here")
+    return ap
+
+
+def checkout_commit(ref: Path, given: str, from_git: str) -> str:
+    """The checkout's commit: from git, else the argument, else the COMMIT file scripts/reference_checkouts.sh
+    writes."""
+    if from_git:
+        return from_git
+    if given:
+        return given
+    f = ref / "COMMIT"
+    return f.read_text().strip() if f.is_file() else ""
+
+
+def sync(dev: str) -> None:
+    if str(dev).startswith("cuda"):
+        torch.cuda.synchronize(dev)
+
+
+class Clock:
+    """Marks on the device's timeline: CUDA events on a GPU (read after a sync), host clocks on the CPU."""
+
+    def __init__(self, dev: str):
+        self.cuda = str(dev).startswith("cuda")
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+class Spans:
+    """Named (start, end) marks around calls, read as milliseconds once the device is synced."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.items: list[tuple[str, object, object, dict]] = []
+
+    def wrap(self, name: str, fn, info=None):
+        """``fn`` with a span recorded around every call (``info(args, kwargs)`` adds fields to it); the
+        arguments and the result pass through unchanged."""
+
+        def timed(*args, **kwargs):
+            a = self.clock.mark()
+            out = fn(*args, **kwargs)
+            self.items.append((name, a, self.clock.mark(), info(args, kwargs) if info else {}))
+            return out
+
+        return timed
+
+    def read(self) -> list[dict]:
+        return [dict(name=n, ms=self.clock.ms(a, b), start=a, **i) for n, a, b, i in self.items]
+
+    def clear(self) -> None:
+        self.items.clear()
+
+
+def peak_mem_gib(dev: str) -> float | None:
+    return torch.cuda.max_memory_allocated(dev) / 2**30 if str(dev).startswith("cuda") else None
+
+
+def device_name(dev: str) -> str:
+    return torch.cuda.get_device_name(dev) if str(dev).startswith("cuda") else "cpu"
+
+
+def run_repeats(one_run, repeats: int) -> tuple[list[dict], float]:
+    """``one_run(r)`` ``repeats`` times; the runs and the first one's wall time (compilation, warm-up)."""
+    runs, first_s = [], None
+    for r in range(repeats):
+        t = time.perf_counter()
+        res = one_run(r)
+        if r == 0:
+            first_s = time.perf_counter() - t
+        runs.append(res)
+        print(
+            f"run {r}: {res['frames']} frames in {res['total_s']:.2f} s = {res['fps_video']:.1f} fps; steady "
+            f"{res['fps_steady']:.1f} fps (block {res['block_ms_median_steady']:.1f} ms); ttff "
+            f"{res['ttff_ms']:.0f} ms",
+            flush=True,
+        )
+    return runs, first_s
+
+
+def stream_result(blocks: list[dict], total_s: float, ttff_s: float, steady_frames: int, **extra) -> dict:
+    """One run's figures from its per-block records (``wall_ms``, ``frames``, phase spans)."""
+    steady = [b["wall_ms"] for b in blocks[1:]] or [blocks[0]["wall_ms"]]
+    med = statistics.median(steady)
+    frames = sum(b["frames"] for b in blocks)
+    return dict(
+        blocks=blocks,
+        frames=frames,
+        total_s=total_s,
+        ttff_ms=ttff_s * 1e3,
+        fps_video=frames / total_s,
+        block_ms_median_steady=med,
+        fps_steady=steady_frames / (med / 1e3),
+        **extra,
+    )
+
+
+def summary(meta: dict, runs: list[dict], first_run_s: float, dev: str, phases: tuple[str, ...]) -> dict:
+    """The JSON of docs/perf/reference/: ``meta`` (reference, commit, harness, dtype, compile, attention,
+    decoder, geometry, ...) + the fastest timed run's figures + every run."""
+    timed = runs[1:] or runs
+    best = min(timed, key=lambda x: x["total_s"])
+    b = best["blocks"]
+    skip = {"blocks", "frames", "total_s", "fps_video", "fps_steady", "ttff_ms"}
+    extras = {k: v for k, v in best.items() if k not in skip and k not in meta}
+    out = dict(meta)
+    out.update(
+        device=device_name(dev),
+        torch=torch.__version__,
+        first_run_s=first_run_s,
+        fps_video=best["fps_video"],
+        fps_steady=best["fps_steady"],
+        ttff_ms=best["ttff_ms"],
+        block_ms=[x["wall_ms"] for x in b],
+        **{f"{p}_ms": [x.get(f"{p}_ms", 0.0) for x in b] for p in phases},
+        finite=all(x["finite"] for x in b),
+        peak_mem_gib=peak_mem_gib(dev),
+        **extras,
+    )
+    out["runs"] = runs
+    return out
+
+
+def report(s: dict, label: str, out: Path | None) -> None:
+    mem = f"{s['peak_mem_gib']:.1f} GiB" if s.get("peak_mem_gib") is not None else "n/a (CPU)"
+    print(
+        f"reference {label}: fps {s['fps_video']:.1f} (video) / {s['fps_steady']:.1f} (steady), ttff "
+        f"{s['ttff_ms']:.0f} ms, blocks " + " ".join(f"{x:.0f}" for x in s["block_ms"]) + f" ms; peak {mem}; "
+        f"first run {s['first_run_s']:.1f} s; attention {s.get('attention')}; finite {s['finite']}",
+        flush=True,
+    )
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(s, indent=1, default=str))
+        print(f"wrote {out}")
+
+
+def perturb_(module: torch.nn.Module, std: float = 0.05) -> None:
+    """N(0, std^2) added to every parameter in place (Wan zero-initialises its output head and some
+    projections; random weights should exercise every product). Parameter by parameter, on the parameter's
+    own device and dtype, so a 14B model on the GPU needs no second copy."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * std)
