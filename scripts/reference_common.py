@@ -194,3 +194,87 @@ def perturb_(module: torch.nn.Module, std: float = 0.05) -> None:
     with torch.no_grad():
         for p in module.parameters():
             p.add_(torch.randn_like(p) * std)
+
+
+class PassLog:
+    """A span around every call of an ``nn.Module`` (forward pre / post hooks), keyed by a keyword argument
+    of the call (``current_start``: which block a model pass belongs to). For the references whose own loop
+    runs a whole video in one call (no host sync between blocks): the block boundaries come from these
+    device-side marks, read after the run."""
+
+    def __init__(self, clock: Clock, module: torch.nn.Module, key: str = "current_start"):
+        self.clock, self.key, self.items, self._open = clock, key, [], []
+        self._h = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, with_kwargs=True),
+        ]
+
+    def _pre(self, mod, args, kwargs):
+        self._open.append(self.clock.mark())
+
+    def _post(self, mod, args, kwargs, out):
+        self.items.append((kwargs.get(self.key), self._open.pop(), self.clock.mark()))
+
+    def blocks(self) -> list[list[tuple]]:
+        """The passes grouped by key, in call order: one list of (start mark, end mark) per block."""
+        groups: dict = {}
+        for k, a, b in self.items:
+            groups.setdefault(k, []).append((a, b))
+        return list(groups.values())
+
+    def clear(self) -> None:
+        self.items.clear()
+
+
+def end_decoded_blocks(clock: Clock, groups: list, decode: tuple, t0, host_ms: float, frames: list[int]):
+    """Per-block records for a reference that decodes the whole video after its block loop: each block's
+    device span (its first pass -> the next block's first pass, the last block -> the decode's start: the
+    passes, the re-noising and the cache writes between them), its passes (the last one of a block is the
+    clean cache pass), and an equal share of the end decode and the host copy (``wall_ms`` = span + share:
+    what the block costs a viewer of the whole video)."""
+    starts = [g[0][0] for g in groups] + [decode[0]]
+    share = (clock.ms(*decode) + host_ms) / len(groups)
+    out = []
+    for i, g in enumerate(groups):
+        span = clock.ms(starts[i], starts[i + 1])
+        out.append(
+            dict(
+                block=i,
+                frames=frames[i],
+                wall_ms=span + share,
+                diffusion_ms=span,
+                denoise_ms=sum(clock.ms(a, b) for a, b in g[:-1]),
+                cache_pass_ms=clock.ms(*g[-1]),
+                decode_ms=share,
+                from_start_ms=clock.ms(t0, g[-1][1]),
+            )
+        )
+    return out
+
+
+def random_wan_vae(WanVAE_, dim: int = 96):
+    """Wan 2.1's VAE (z 16, the family's geometry; ``dim`` 96 as released) in the reference's own ``WanVAE_``
+    class with PyTorch's default init: what its ``_video_vae`` builds before loading ``Wan2.1_VAE.pth``."""
+    torch.manual_seed(1)
+    return WanVAE_(
+        dim=dim,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        dropout=0.0,
+    ).eval()
+
+
+class CudaOnCpu(torch.overrides.TorchFunctionMode):
+    """CPU smoke runs only: a reference that builds tensors with a hard-coded ``device="cuda"`` gets them on
+    the CPU (no effect on a GPU run, where it is not installed)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
