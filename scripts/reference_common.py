@@ -204,6 +204,8 @@ class PassLog:
 
     def __init__(self, clock: Clock, module: torch.nn.Module, key: str = "current_start"):
         self.clock, self.key, self.items, self._open = clock, key, [], []
+        self.tag = None  # set while a call should not count as a block's pass (LongLive's re-cache)
+        self.tagged: list[tuple] = []
         self._h = [
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post, with_kwargs=True),
@@ -213,7 +215,8 @@ class PassLog:
         self._open.append(self.clock.mark())
 
     def _post(self, mod, args, kwargs, out):
-        self.items.append((kwargs.get(self.key), self._open.pop(), self.clock.mark()))
+        span = (kwargs.get(self.key), self._open.pop(), self.clock.mark())
+        (self.tagged if self.tag else self.items).append(span if not self.tag else (self.tag, *span[1:]))
 
     def blocks(self) -> list[list[tuple]]:
         """The passes grouped by key, in call order: one list of (start mark, end mark) per block."""
@@ -224,15 +227,27 @@ class PassLog:
 
     def clear(self) -> None:
         self.items.clear()
+        self.tagged.clear()
 
 
-def end_decoded_blocks(clock: Clock, groups: list, decode: tuple, t0, host_ms: float, frames: list[int]):
+def end_decoded_blocks(
+    clock: Clock,
+    groups: list,
+    decode: tuple,
+    t0,
+    host_ms: float,
+    frames: list[int],
+    before: dict | None = None,
+):
     """Per-block records for a reference that decodes the whole video after its block loop: each block's
     device span (its first pass -> the next block's first pass, the last block -> the decode's start: the
     passes, the re-noising and the cache writes between them), its passes (the last one of a block is the
     clean cache pass), and an equal share of the end decode and the host copy (``wall_ms`` = span + share:
-    what the block costs a viewer of the whole video)."""
-    starts = [g[0][0] for g in groups] + [decode[0]]
+    what the block costs a viewer of the whole video). ``before``: {block: (name, start, end)}, work the
+    loop does before that block's first pass (LongLive's re-cache after a prompt switch): it starts the
+    block's span and is reported as ``<name>_ms``."""
+    before = before or {}
+    starts = [before[i][1] if i in before else g[0][0] for i, g in enumerate(groups)] + [decode[0]]
     share = (clock.ms(*decode) + host_ms) / len(groups)
     out = []
     for i, g in enumerate(groups):
@@ -249,6 +264,8 @@ def end_decoded_blocks(clock: Clock, groups: list, decode: tuple, t0, host_ms: f
                 from_start_ms=clock.ms(t0, g[-1][1]),
             )
         )
+        if i in before:
+            out[-1][f"{before[i][0]}_ms"] = clock.ms(*before[i][1:])
     return out
 
 
