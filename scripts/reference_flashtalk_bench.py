@@ -19,8 +19,8 @@ into the next clip's motion latents), the frames copied to the host. ``--compile
 constructor does (``COMPILE_MODEL`` / ``COMPILE_VAE``: ``torch.compile`` of the model and of the VAE's
 ``encode`` / ``decode``); the pipeline runs bf16 (``multitalk_14B.param_dtype``).
 
-What differs from its run, outside its math: random weights (the 14B made in bf16 on the GPU, + N(0,
-0.05^2); a random Wan 2.1 VAE in its ``WanVAE_``; a random wav2vec2-base-sized ``Wav2Vec2Model``); T5 and
+What differs from its run, outside its math: random weights (the 14B made on the GPU in float32, + N(0,
+0.05^2), cast to bf16); a random Wan 2.1 VAE in its ``WanVAE_``; a random wav2vec2-base-sized ``Wav2Vec2Model``); T5 and
 CLIP are stubs returning a fixed random [512, 4096] prompt embedding and [1, 257, 1280] image tokens (both run
 once per stream in ``prepare_params``, outside the clip loop); the audio is random 16 kHz noise, not a wav
 file; ``xfuser`` (sequence parallelism, unused on one GPU) is a stub. Attention: its ``flash_attention``
@@ -204,14 +204,10 @@ def build_model(ref, dev: str, dtype, small: bool):
         model.img_emb = ref.mm.MLPProj(mf.CLIP_DIM, t["dim"])
         perturb_(model)
         return model.eval().requires_grad_(False), mf
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            torch.manual_seed(0)
-            model = ref.mm.WanModel(model_type="i2v", in_dim=36, out_dim=16, **I2V14)
-            perturb_(model)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    with torch.device(dev):  # float32, then cast as from_pretrained(torch_dtype=bf16) leaves it
+        torch.manual_seed(0)
+        model = ref.mm.WanModel(model_type="i2v", in_dim=36, out_dim=16, **I2V14)
+        perturb_(model)
     return model.to(dtype).eval().requires_grad_(False), None
 
 

@@ -16,8 +16,8 @@ from the second re-encoding block on the first frame is the VAE re-encoding of a
 ``demo_utils/vae_block3.VAEDecoderWrapper`` in fp16 (the server's ``load_vae``, unchanged, reading a random
 Wan 2.1 VAE this script writes in ``Wan2.1_VAE.pth``'s format), the frames handed to its frame callback
 (here: copied to the host). The transformer is Wan2.1-T2V-14B-sized (5120 wide, 40 layers, 40 heads), made
-in bf16 on the GPU (a CPU init of 14B would eat the device time), with its q/k/v fused as ``load_transformer``
-fuses them. ``--compile`` is the README's ``DO_COMPILE=true`` (``release_server.compile_models``:
+on the GPU in float32 and cast to bf16 as ``load_transformer`` casts it (a CPU init of 14B would eat the
+device time; 56 GB in float32 fit an H200), with its q/k/v fused as ``load_transformer`` fuses them. ``--compile`` is the README's ``DO_COMPILE=true`` (``release_server.compile_models``:
 ``torch.compile`` of the transformer, and of the decoder with ``fullgraph=True``).
 
 What differs from the server, outside its math: random weights (``load_transformer``'s safetensors read
@@ -93,16 +93,12 @@ def import_full(ref: Path):
 
 
 def build_full(ref, dev: str, vae_dir: Path, emb):
-    """The server's ``load_all`` with random weights: the 14B transformer made in bf16 on the GPU (q/k/v
+    """The server's ``load_all`` with random weights: the 14B transformer made on the GPU, cast to bf16 (q/k/v
     fused as ``load_transformer`` does), the VAE through its own ``load_vae``, its pipeline."""
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            torch.manual_seed(0)
-            model = ref.cm.CausalWanModel(model_type="t2v", patch_size=(1, 2, 2), **WAN14).eval()
-            wrapper = wan_wrapper(ref.ww, model, ref.FMS, SHIFT)  # + N(0, 0.05^2) on every parameter
-    finally:
-        torch.set_default_dtype(torch.float32)
+    with torch.device(dev):  # float32 as WanDiffusionWrapper builds it, then bf16 as load_transformer casts
+        torch.manual_seed(0)
+        model = ref.cm.CausalWanModel(model_type="t2v", patch_size=(1, 2, 2), **WAN14).eval()
+    wrapper = wan_wrapper(ref.ww, model, ref.FMS, SHIFT)  # + N(0, 0.05^2); its scheduler on the CPU, float32
     wrapper.seq_len = 32760
     wrapper = wrapper.to(dtype=torch.bfloat16).eval().requires_grad_(False)
     for block in wrapper.model.blocks:
