@@ -22,7 +22,10 @@
 #                 ~100 s), krea-14b (naive cache, no graphs: its rebuild needs them, ~120 s), flashtalk (~100 s).
 #   PART=serve    `cadence bench serve --model self-forcing --device cuda` (aiortc client on loopback, the
 #                 served engine) with the Wan VAE, then TAEHV (taew2_1 layout), 20 s each, <= 240 s.
-# Flag spellings are today's (8a099b2); the recipe work may rename them. ONLY limits a part to some names.
+# Each part prints its own call's table; merge both calls' perf/ folders and run scripts/reference_table.py on
+# the merge for the pairs and ratios. Flag spellings are today's (8a099b2); the recipe work may rename them.
+# ONLY limits a part to some names (ref: self-forcing causvid longlive krea-14b flashtalk; cadence:
+# self-forcing-wan self-forcing-taehv causvid longlive krea-14b flashtalk; serve: serve-wan serve-taehv).
 # SMOKE=1: the same commands on this CPU at the tiny configurations (references --small; Cadence --preset
 # tiny with the part's flags), to prove the script runs: REFPY=dir of the references' extra packages.
 set -uo pipefail

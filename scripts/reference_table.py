@@ -71,13 +71,18 @@ def main() -> None:
         if files:
             cads[d.name] = json.loads(files[-1].read_text())
     rows, device = [], None
-    for name in sorted(set(refs) | set(cads)):
-        r = ref_row(refs[name]) if name in refs else None
+    # a Cadence row is paired with the reference of its name, else with that reference's eager run
+    pair = {n: n if n in refs else (f"{n}-eager" if f"{n}-eager" in refs else None) for n in cads}
+    names = sorted(set(cads) | (set(refs) - set(pair.values())))
+    for name in names:
+        rn = pair.get(name, name if name in refs else None)
+        r = ref_row(refs[rn]) if rn else None
         c = cadence_row(cads[name]) if name in cads else None
-        device = device or (refs.get(name) or {}).get("device") or (cads.get(name) or {}).get("device")
+        device = device or (refs.get(rn) or {}).get("device") or (cads.get(name) or {}).get("device")
         rows.append(
             dict(
                 name=name,
+                reference_record=rn,
                 reference=r,
                 cadence=c,
                 fps_ratio_vs_steady=ratio(c and c["fps"], r and r["fps_steady"]),
@@ -95,11 +100,15 @@ def main() -> None:
     print("|" + " --- |" * 11)
     for x in rows:
         r, c = x["reference"] or {}, x["cadence"] or {}
+        label = x["name"] + (
+            f" (ref: {x['reference_record']})" if x["reference_record"] not in (None, x["name"]) else ""
+        )
         print(
-            f"| {x['name']} | {fmt(r.get('fps_video'))} / {fmt(r.get('fps_steady'))} | {fmt(r.get('ttff_ms'), '.0f')} "
+            f"| {label} | {fmt(r.get('fps_video'))} / {fmt(r.get('fps_steady'))} | {fmt(r.get('ttff_ms'), '.0f')} "
             f"| {fmt(r.get('block_ms'), '.0f')} | {fmt(r.get('peak_mem_gib'))} | {fmt(c.get('fps'))} | "
             f"{fmt(c.get('ttff_ms'), '.0f')} | {fmt(c.get('latency_p50_ms'), '.0f')} | {fmt(c.get('peak_mem_gib'))} "
-            f"| {fmt(x['fps_ratio_vs_steady'], '.2f')}x | {fmt(x['ttff_ratio'], '.2f')}x |"
+            f"| {fmt(x['fps_ratio_vs_steady'], '.2f')}{'x' if x['fps_ratio_vs_steady'] else ''} | "
+            f"{fmt(x['ttff_ratio'], '.2f')}{'x' if x['ttff_ratio'] else ''} |"
         )
     out = a.perf / "families" / "side-by-side.json"
     out.parent.mkdir(parents=True, exist_ok=True)
