@@ -27,7 +27,8 @@
 # ONLY limits a part to some names (ref: self-forcing causvid longlive krea-14b flashtalk; cadence:
 # self-forcing-wan self-forcing-taehv causvid longlive krea-14b flashtalk; serve: serve-wan serve-taehv).
 # SMOKE=1: the same commands on this CPU at the tiny configurations (references --small; Cadence --preset
-# tiny with the part's flags), to prove the script runs: REFPY=dir of the references' extra packages.
+# tiny with the part's flags; no torch.compile), to prove the script runs: REFPY=dir of the references' extra
+# packages.
 set -uo pipefail
 BUDGET_S=${BUDGET_S:-540}; PART=${PART:-ref}; SMOKE=${SMOKE:-0}; ONLY=${ONLY:-}
 [[ $PART == serve ]] && BUDGET_S=${BUDGET_S_SERVE:-${BUDGET_S}}
@@ -36,7 +37,7 @@ want() { [[ -z $ONLY || " $ONLY " == *" $1 "* ]]; }
 
 if [[ $SMOKE == 1 ]]; then
   export PYTHONPATH=${REFPY:-/tmp/refs_local}:$PWD
-  DEV=cpu; SMALL=--small
+  DEV=cpu; SMALL=--small; COMPILE=; REP=1  # no torch.compile here: it would time inductor's C++ builds
 else
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   site=/tmp/refpy; whl=(.whl_ref/*.whl)
@@ -45,7 +46,7 @@ else
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $site "${whl[@]}" 2>&1 | tail -2
   export PYTHONPATH=$site:$PWD
-  DEV=cuda; SMALL=
+  DEV=cuda; SMALL=; COMPILE=--compile; REP=2
 fi
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 GIT=${CADENCE_GIT:-$(git rev-parse --short HEAD 2>/dev/null)}
@@ -54,20 +55,20 @@ REFS=$PERF/reference; mkdir -p "$REFS"
 if [[ $PART == ref ]]; then
   R="python3 scripts"
   want self-forcing && run 200 R-self-forcing $R/reference_self_forcing_bench.py --ref .ref/Self-Forcing $SMALL \
-    --device $DEV --decoder both --compile --compile-mode default --repeats 2 --out "$REFS/self-forcing-{decoder}.json"
+    --device $DEV --decoder both $COMPILE --compile-mode default --repeats $REP --out "$REFS/self-forcing-{decoder}.json"
   want causvid && run 70 R-causvid $R/reference_causvid_bench.py --ref .ref/CausVid $SMALL --device $DEV \
-    --repeats 2 --out "$REFS/causvid.json"
+    --repeats $REP --out "$REFS/causvid.json"
   want longlive && run 90 R-longlive $R/reference_longlive_bench.py --ref .ref/LongLive $SMALL --device $DEV \
-    --blocks 12 --switch 18 --repeats 2 --out "$REFS/longlive.json"
+    --blocks 12 --switch 18 --repeats $REP --out "$REFS/longlive.json"
   want krea-14b && run 110 R-krea-14b-eager $R/reference_krea_bench.py --ref .ref/realtime-video $SMALL \
-    --device $DEV --blocks 6 --repeats 2 --out "$REFS/krea-14b-eager.json"
+    --device $DEV --blocks 6 --repeats $REP --out "$REFS/krea-14b-eager.json"
   if want flashtalk; then
-    if [[ ${FLASHTALK_COMPILE:-0} == 1 ]]; then FC=--compile; FN=flashtalk; else FC=; FN=flashtalk-eager; fi
+    if [[ ${FLASHTALK_COMPILE:-0} == 1 ]]; then FC=$COMPILE; FN=flashtalk; else FC=; FN=flashtalk-eager; fi
     run 130 R-flashtalk $R/reference_flashtalk_bench.py --ref .ref/SoulX-FlashTalk $SMALL --device $DEV $FC \
-      --clips 3 --repeats 2 --out "$REFS/$FN.json"
+      --clips 3 --repeats $REP --out "$REFS/$FN.json"
   fi
   want krea-14b && run 200 R-krea-14b-compile $R/reference_krea_bench.py --ref .ref/realtime-video $SMALL \
-    --device $DEV --compile --blocks 6 --repeats 2 --out "$REFS/krea-14b.json"
+    --device $DEV $COMPILE --blocks 6 --repeats $REP --out "$REFS/krea-14b.json"
 elif [[ $PART == cadence ]]; then
   C="python3 scripts/reference_cadence_run.py bench pipeline"
   if [[ $SMOKE == 1 ]]; then  # the part's flags on the tiny preset (the families' geometries are GPU-sized)
