@@ -46,6 +46,7 @@ from reference_common import (  # noqa: E402
     CudaOnCpu,
     PassLog,
     base_parser,
+    built,
     checkout_commit,
     end_decoded_blocks,
     perturb_,
@@ -237,6 +238,7 @@ def main() -> None:
         if a.small:
             small_caches(pipe, geo, hw)
         build_s = time.perf_counter() - t
+        built(dev)
         clock = Clock(dev)
         log = PassLog(clock, pipe.generator)
         noise = torch.randn([1, BLOCKS * FRAMES_PER_BLOCK, 16, *hw], device=dev, dtype=dtype)

@@ -13,9 +13,10 @@ computes, the peak-memory reading and the summary every JSON carries:
   references that decode at the end, that decode's time is spread over the blocks: ``fps_steady_rule``);
 * ``ttff_ms``: loop start -> the first frames on the host (the whole run where the authors' script decodes
   only at the end: then ``first_latents_ms`` is when the first block's latents existed);
-* ``block_ms`` and per-phase lists (``phases``: CUDA-event spans on a GPU), ``peak_mem_gib`` (the process's
-  ``torch.cuda.max_memory_allocated``, weights included, as ``bench pipeline``'s side is read by
-  scripts/reference_cadence_run.py), ``first_run_s`` (the untimed first run: compilation and warm-up).
+* ``block_ms`` and per-phase lists (CUDA-event spans on a GPU), ``peak_mem_gib`` (``torch.cuda.
+  max_memory_allocated`` over the runs, weights resident; the build's own peak is ``peak_mem_build_gib``;
+  ``bench pipeline``'s side is read by scripts/reference_cadence_run.py over its whole process),
+  ``first_run_s`` (the untimed first run: compilation and warm-up).
 
 The first of ``--repeats`` runs absorbs compilation and is reported apart; the fastest of the others is the
 result (all runs are kept under ``runs``)."""
@@ -104,8 +105,20 @@ class Spans:
         self.items.clear()
 
 
+_BUILD_PEAK: dict = {}
+
+
 def peak_mem_gib(dev: str) -> float | None:
     return torch.cuda.max_memory_allocated(dev) / 2**30 if str(dev).startswith("cuda") else None
+
+
+def built(dev: str) -> None:
+    """Call once the model is built: the build's peak is kept apart (``peak_mem_build_gib``: a 14B made in
+    float32 and cast to bf16 peaks at twice its weights) and the counter restarts, so ``peak_mem_gib`` is the
+    runs' peak with the weights resident."""
+    if str(dev).startswith("cuda"):
+        _BUILD_PEAK[str(dev)] = peak_mem_gib(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
 
 
 def device_name(dev: str) -> str:
@@ -167,6 +180,7 @@ def summary(meta: dict, runs: list[dict], first_run_s: float, dev: str, phases: 
         **{f"{p}_ms": [x.get(f"{p}_ms", 0.0) for x in b] for p in phases},
         finite=all(x["finite"] for x in b),
         peak_mem_gib=peak_mem_gib(dev),
+        peak_mem_build_gib=_BUILD_PEAK.get(str(dev)),
         **extras,
     )
     out["runs"] = runs

@@ -52,6 +52,7 @@ from reference_common import (  # noqa: E402
     Clock,
     Spans,
     base_parser,
+    built,
     checkout_commit,
     perturb_,
     random_wan_vae,
@@ -372,6 +373,7 @@ def main() -> None:
     t = time.perf_counter()
     p, mf = build_pipeline(ref, dev, dtype, a.small, a.compile)
     build_s = time.perf_counter() - t
+    built(dev)
     g = torch.Generator().manual_seed(1)
     if a.small:
         size = (mf.LATENT_HW[0] * 8, mf.LATENT_HW[1] * 8)

@@ -51,6 +51,7 @@ from reference_common import (  # noqa: E402
     Clock,
     Spans,
     base_parser,
+    built,
     checkout_commit,
     random_wan_vae,
     report,
@@ -275,6 +276,7 @@ def main() -> None:
             models, cfg = build_full(ref, dev, vae_dir, emb.to(dev, torch.bfloat16))
             hw = (480, 832)
         build_s = time.perf_counter() - t
+        built(dev)
     if a.compile:
         ref.rs.compile_models(models)
     spans = Spans(Clock(dev))

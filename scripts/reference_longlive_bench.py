@@ -49,6 +49,7 @@ from reference_common import (  # noqa: E402
     Clock,
     PassLog,
     base_parser,
+    built,
     checkout_commit,
     end_decoded_blocks,
     perturb_,
@@ -278,6 +279,7 @@ def main() -> None:
     if a.small:
         small_caches(pipe, geo, hw)
     build_s = time.perf_counter() - t
+    built(dev)
     clock = Clock(dev)
     log = PassLog(clock, pipe.generator)
     marks = timed_methods(pipe, log, clock)

@@ -65,6 +65,7 @@ from _reference import (  # noqa: E402
 from reference_common import (  # noqa: E402
     Clock,
     base_parser,
+    built,
     checkout_commit,
     report,
     run_repeats,
@@ -288,6 +289,7 @@ def main() -> None:
     t = time.perf_counter()
     wrapper, decoders, pipe, emb, hw, caches = build(ref, a.device, dtype, a.small)
     build_s = time.perf_counter() - t
+    built(a.device)
     mode = None if a.compile_mode == "default" else a.compile_mode
     if a.compile:  # the demo compiles the transformer, and the decoder unless it is TAEHV
         wrapper.compile(mode=mode)
