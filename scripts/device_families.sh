@@ -102,7 +102,7 @@ elif [[ $PART == serve ]]; then
   python3 -c 'import aiortc, av, fastapi, uvicorn; print("serve packages ok")' || { echo "=== no serve packages"; exit 1; }
   python3 scripts/reference_taehv_weights.py --ref .ref/Self-Forcing --out /tmp/taew2_1_random.pth
   S="python3 -m cadence bench serve --sessions 1 --speak-every 2 --out-dir $PERF --seconds ${SERVE_SECONDS:-20}"
-  [[ $SMOKE == 1 ]] && S="$S --device cpu --preset tiny" || S="$S --device cuda --model self-forcing --compile"
+  [[ $SMOKE == 1 ]] && S="$S --device cpu --preset tiny --start-timeout 600" || S="$S --device cuda --model self-forcing --compile"
   want serve-wan && run 120 S-self-forcing-wan $S --decoder wan
   want serve-taehv && run 110 S-self-forcing-taehv $S --decoder taehv --taehv-weights /tmp/taew2_1_random.pth
 fi
