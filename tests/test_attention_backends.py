@@ -211,13 +211,22 @@ def test_auto_takes_the_first_runnable_backend_of_the_ranking(monkeypatch, caplo
     monkeypatch.setitem(sys.modules, fa3_adapter.MODULE, None)
     monkeypatch.setattr(ab, "_ranked", lambda *a: [entry("fa3", 1.3), entry("triton", 1.1, config=cfg)])
     with caplog.at_level(logging.INFO, logger=ra.log.name):
-        p = ab.plan("auto", CPU, fp8=True, interpreter=True, **SHAPE)
+        p = ab.plan("auto", CPU, fp8=False, interpreter=True, **SHAPE)
     if not TRITON:
-        assert p.backend == "reference"
+        assert p.backend == "sdpa"
         return
     assert (p.backend, p.config, p.why) == ("triton", cfg, "table: test")
     (line,) = attention_logs(caplog)
     assert "using triton; fa3: fa3-fwd is not importable" in line
+
+
+def test_auto_leaves_per_head_fp8_scales_to_an_explicit_choice(monkeypatch):
+    """With FP8 K/V, auto skips the per-head-scale backends (fa3, triton_head) even when the table ranks
+    them first (their accuracy is not judged yet, test_head_scale_granularity): the per-token kernel runs."""
+    monkeypatch.setattr(ab, "_ranked", lambda *a: [entry("fa3", 1.4), entry("triton_head", 1.2)])
+    p = ab.plan("auto", CPU, fp8=True, interpreter=True, **SHAPE)
+    assert p.scales != "head" and p.backend in ("triton", "reference")
+    assert p.why == "fallback" or p.why.startswith("default")
 
 
 # ---- per-head vs per-token scales: what FA3's descales (and 'triton_head') cost ------------------------------

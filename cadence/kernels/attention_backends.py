@@ -242,6 +242,10 @@ def plan(
     storage = "fp8" if fp8 else "bf16"
     if requested == "auto":
         found = _ranked(device, heads, q_tokens, kv_tokens, head_dim, storage)
+        # per-head FP8 scales ('fa3' FP8, 'triton_head') only when asked for: on keys with uneven channel
+        # gains their error measured 3.7x the per-token one (docs/perf/attention/NOTES.md), and no lip-sync
+        # eval has judged them yet; auto keeps per-token FP8 (or bf16) numerics
+        found = [e for e in found if layout(e["backend"], storage)[1] != "head"]
         ranked = [(e["backend"], e.get("config", {}), f"table: {e.get('source', '?')}") for e in found]
         candidates = ranked + [(_DEFAULT[storage], {}, "default (no table entry for this shape)")]
     else:
