@@ -79,6 +79,11 @@ class ModelConfig:
     lora: tuple[str, ...] = ()
     """LoRA files merged into ``weights`` right after they load (``cadence.model.lora.merge_loras``), each
     ``PATH[:SCALE]`` (``--lora``); every file is checked before any weight changes. Needs ``weights``."""
+    weights_entry: str | None = None
+    """The entry of a family's multi-entry checkpoint to load (a Self-Forcing ``.pt`` holds 'generator' and
+    'generator_ema'); None = the family's default, the one its authors' inference reads
+    (``CheckpointFormat.default_entry``). ``cadence.engine.recipe.resolve`` writes the resolved name here.
+    Unused for single-state-dict files (safetensors)."""
     family: str | None = None
     """The model family (``cadence.model.families``: 'self-forcing', 'causvid', 'longlive', 'krea-14b')
     this configuration was built for, or None for Cadence's own presets. Names the checkpoint format that
@@ -526,9 +531,8 @@ class PipelineConfig:
     decode runs in its own thread: the interval is lowered to this (never raised). The decode thread
     launches hundreds of kernels behind a stream wait; once the device's launch queue is full a launch
     blocks holding the GIL, and the diffusion thread, waking at the end of its step to launch the next,
-    waits for it, up to the interval (5 ms by default). Measured with ``scripts/probe_gil_launch.py`` (one
-    H200): a step's host launch p50 1.49 ms beside a blocked decode thread at 5 ms, 1.05 ms at 0.5 ms,
-    0.70-0.90 ms alone; no change in W1.3's one-GPU pipeline (29.45 vs 29.48 fps). 0: leave it alone."""
+    waits for it, up to the interval (5 ms by default). Measured with ``scripts/probe_gil_launch.py``: the
+    figures are in docs/perf/pipeline/NOTES.md (the GIL switch interval). 0: leave it alone."""
     host_buffers: int = 4
     """Pinned host frame buffers in the ring the decoder writes uint8 frames into (CUDA decode only).
     A yielded chunk's frames stay valid until the consumer asks for the next chunk."""

@@ -34,7 +34,8 @@ import statistics
 import sys
 
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
+from cadence.engine.flags import add_engine_flags, spec_from_args
+from cadence.serve.config import add_serve_flags
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -44,13 +45,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--seconds", type=float, default=10.0, help="seconds to stream per session after its first frame"
     )
     p.add_argument("--url", default=None, help="a running server (default: start one here on loopback)")
-    p.add_argument(
-        "--preset", default="character", help="preset of the self-started server (default: character)"
-    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="self-started server's groups")
-    p.add_argument(
-        "--tp", type=int, default=1, help="GPUs (CPU: gloo ranks) per worker group: tensor parallel"
-    )
     p.add_argument(
         "--speak-after", type=float, default=1.0, help="push speech this long after the first frame"
     )
@@ -107,8 +102,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=10.0,
         help="print each session's live status this often, in seconds (0: never)",
     )
-    add_engine_flags(p)
-    add_weight_flags(p)
+    add_engine_flags(
+        p
+    )  # the self-started server's engine: the words `cadence serve` takes (--tp: GPUs per group)
+    add_serve_flags(p)
     add_record_flags(p)
     a = p.parse_args(argv)
     if a.sessions < 1:
@@ -240,6 +237,7 @@ def _workers(cfg: dict) -> list[dict]:
         "lead_ms",
         "build_ms",
         "fast_path",
+        "recipe",
         "notes",
         "warmup",
         "frame_transport",
@@ -291,11 +289,14 @@ def main(argv: list[str]) -> int:
 
         gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
         try:
-            groups = serve_groups(args.device, args.tp, args.sessions, gpus, args.decode_gpu)
-            model = model_kwargs(args)
+            spec = spec_from_args(args)
+            groups = serve_groups(args.device, spec.tp, args.sessions, gpus, spec.decode_gpu)
         except CadenceError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        from cadence.engine.recipe import resolve
+
+        print(resolve(spec, groups[0]).describe().text(), file=sys.stderr)  # what group 0 builds
         extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
         if args.ray:
             fleet, cluster = _fleet(args)
@@ -303,20 +304,19 @@ def main(argv: list[str]) -> int:
         start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
         srv = ServerThread(
             ServeConfig(
-                preset=args.preset,
+                engine=spec,
                 port=0,
                 groups=groups,
                 max_duration_s=args.seconds + 120,
                 worker_start_timeout_s=start_timeout,
                 timeline_window_s=args.window_s,
-                **model,
-                **engine_kwargs(args),
+                frame_transport=args.frame_transport,
                 **extra,
             )
         ).start(timeout=start_timeout + 60)
         url = srv.url
         print(
-            f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device}"
+            f"server: {url} ({spec.model}, {len(groups)} group(s) on {args.device}"
             + (f", a Ray fleet at {extra['fleet'].address}" if args.ray else "")
             + ")",
             file=sys.stderr,
@@ -367,7 +367,7 @@ def main(argv: list[str]) -> int:
             / max(1, sum(r.report.get("chunks", {}).get("done", 0) for r in ok)),
             4,
         ),
-        "decode_gpu": args.decode_gpu,
+        "decode_gpu": getattr(args, "decode_gpu", None),
         "chunk_latency_ms_p50": _p50([r.report.get("chunk_latency_ms_p50") for r in ok]),
         "chunk_latency_ms_p99": _p50([r.report.get("chunk_latency_ms_p99") for r in ok]),
         "diffusion_ms_p50": _p50([r.report.get("diffusion_ms_p50") for r in ok]),
@@ -436,17 +436,17 @@ def main(argv: list[str]) -> int:
         )
         path = record(
             "serve",
-            cfg.get("preset", args.preset),
+            cfg.get("preset", args.model),
             args.tp,
             device,
             shape,
             res,
             variant=f"s{args.sessions}"
-            + ("-compile" if getattr(args, "compile", False) else "")
+            + ("-compile" if args.fast_compile else "")
             + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
             + (f"-{args.video_codec.lower()}" if args.video_codec else "")
             + ("-ray" if args.ray else "")
-            + (f"-{args.decoder}" if args.decoder else "")
+            + (f"-{args.fast_decoder}" if args.fast_decoder else "")
             + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else ""),
             out_dir=results_dir(args),
             # the decode GPU (shared by every single-GPU group) counts in the machine's size
@@ -456,6 +456,7 @@ def main(argv: list[str]) -> int:
             headline=headline,
             extra={
                 "workers": _workers(cfg),
+                "recipe": (cfg.get("workers") or [{}])[0].get("recipe"),
                 "timelines": [r.report.get("timeline") for r in ok],
                 "worker_chunks": [r.report.get("worker_chunks") for r in ok],
             },

@@ -39,7 +39,8 @@ import time
 import numpy as np
 
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
+from cadence.engine.flags import add_engine_flags, spec_from_args
+from cadence.serve.config import add_serve_flags
 
 SCRIPT = ("Hello there, nice to meet you.", "That sounds interesting, tell me more.", "I see. And then?")
 LOUD_RMS = 0.01  # a received 20 ms frame louder than this is the character speaking
@@ -50,9 +51,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=5, help="user turns (one every --period seconds)")
     p.add_argument("--speak", type=float, default=1.0, help="seconds of user speech per turn")
     p.add_argument("--period", type=float, default=7.0, help="seconds between the user's turns")
-    p.add_argument("--preset", default="character", help="preset (default: the shipped character)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--tp", type=int, default=1, help="GPUs per worker group")
     p.add_argument(
         "--agent-url", default=None, help="a real OpenAI-compatible endpoint (default: the scripted stand-in)"
     )
@@ -67,8 +66,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="the client is the page in headless Chromium (fake microphone; times on the page's clock) "
         "instead of an aiortc client",
     )
-    add_engine_flags(p)
-    add_weight_flags(p)
+    add_engine_flags(p)  # the server's engine: the words `cadence serve` takes (--tp: GPUs per worker group)
+    add_serve_flags(p)
     add_record_flags(p)
     a = p.parse_args(argv)
     if not 1 <= a.turns <= 100 or a.period < a.speak + 3:
@@ -229,6 +228,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from cadence.bench.common import print_table, record
+    from cadence.engine.recipe import resolve
     from cadence.errors import CadenceError
     from cadence.serve.agent import VoiceActivity
     from cadence.serve.client import run_client
@@ -239,8 +239,8 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
     try:
-        groups = serve_groups(args.device, args.tp, 1, gpus)
-        model = model_kwargs(args)
+        spec = spec_from_args(args)
+        groups = serve_groups(args.device, spec.tp, 1, gpus, spec.decode_gpu)
     except CadenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -264,7 +264,7 @@ def main(argv: list[str]) -> int:
         url = args.agent_url or stack.enter_context(ScriptedEndpoint())
         srv = ServerThread(
             ServeConfig(
-                preset=args.preset,
+                engine=spec,
                 port=0,
                 groups=groups,
                 max_duration_s=seconds + 120,
@@ -272,12 +272,13 @@ def main(argv: list[str]) -> int:
                 agent_url=url,
                 agent_model=args.agent_model,
                 agent_tts_model="stand-in" if stand_in else args.agent_tts_model,
-                **model,
-                **engine_kwargs(args),
+                frame_transport=args.frame_transport,
             )
         ).start(timeout=start_timeout + 60)
         stack.callback(srv.stop)
-        print(f"server: {srv.url} ({args.preset} on {groups[0]}), agent endpoint {url}", file=sys.stderr)
+        print(f"server: {srv.url} ({spec.model} on {groups[0]}), agent endpoint {url}", file=sys.stderr)
+        recipe = resolve(spec, groups[0])
+        print(recipe.describe().text(), file=sys.stderr)
         if args.browser:
             try:
                 report, rows = run_browser(srv.url, seconds, mic)
@@ -318,21 +319,22 @@ def main(argv: list[str]) -> int:
     }
     print_table(
         [(k, str(v)) for k, v in out.items() if k != "per_turn"],
-        f"bench turn: {args.preset} on {args.device}, {len(rows)} turn(s)",
+        f"bench turn: {spec.model} on {args.device}, {len(rows)} turn(s)",
     )
     if args.no_record:
         return 0
     dev = torch.device("cuda" if args.device == "cuda" else "cpu")
     path = record(
         "turn",
-        args.preset,
-        args.tp,
+        spec.model,
+        spec.tp,
         dev,
         {"turns": args.turns, "speak_s": args.speak, "period_s": args.period},
         out,
         variant="browser" if args.browser else None,
         out_dir=results_dir(args),
-        world=args.tp,
+        world=spec.tp,
+        extra={"recipe": recipe.describe().as_dict()},
         headline=f"agent audio -> heard {out['audio_to_heard_ms_p50']} ms p50; user end -> heard "
         f"{out['user_end_to_heard_ms_p50']} ms p50",
     )
