@@ -1,6 +1,8 @@
 """`cadence bench pipeline`: the overlapped diffusion + decode pipeline, sustained, against the deadline.
 
     cadence bench pipeline --preset tiny --chunks 12                  # CPU smoke test, seconds
+    cadence bench pipeline --device cuda                              # bare: what a bare `cadence serve` runs
+    cadence bench pipeline --model krea-14b --device cuda             # the recipe picks Krea's naive cache
     cadence bench pipeline --preset w1.3 --chunks 200                 # one H200: decode on its own stream
     cadence bench pipeline --preset w14 --chunks 200 --decode-gpu 1   # 2x H200 (= --decode-device cuda:1)
     cadence bench pipeline --preset w14 --no-graphs --shape-change-every 5
@@ -18,20 +20,23 @@ after the ring has filled plus one warm-up / capture chunk (all chunks are in ``
 Results per BENCHMARKS.md (bench "pipeline"); a PNG of the per-chunk timeline beside the JSON when
 matplotlib is importable. Imports only torch (+ matplotlib if present).
 
-It measures the engine ``cadence serve`` runs (:class:`cadence.engine.engine.Engine`, built by
-``build_engine`` with the same fast paths): the same step + decode loop, the same warm-up.
+It measures the engine ``cadence serve`` runs: the words go through the same flag set
+(``cadence.engine.flags``) into the same ``EngineSpec``, resolved for the device by the same recipe
+(``cadence.engine.recipe``: the fast path on CUDA, the family's rules; the default model is the shipped
+character, the default decode placement the diffusion GPU) and built by ``build_engine(recipe)``: the same step
++ decode loop, the same warm-up. The recipe is printed first (stderr) and recorded in the JSON (``recipe``).
+This benchmark's own words: ``--cache naive|ring`` (naive also turns FP8 K/V and graphs off unless asked),
+``--window N``, ``--layers N`` (in the variant name), the queues and the lead.
 
 Time to first frame: ``ttff_ms`` is the timed stream's, from its start (the session's opening: prompt K/V,
-the reference image's encode and sink pass) to the first chunk's frames in host memory. With ``--prewarm``
-(the default) the engine's warm-up (``Engine.warm_up``: every step shape, the decoder, the graph
+the reference image's encode and sink pass) to the first chunk's frames in host memory. With ``--warmup``
+(alias ``--prewarm``, the default) the engine's warm-up (``Engine.warm_up``: every step shape, the decoder, the graph
 captures) runs first and the timed stream reuses its session and graphs, as a server would; the
-warm-up's first stream's ttff, the process's first, is ``ttff_cold_ms``. With ``--no-prewarm`` the timed
+warm-up's first stream's ttff, the process's first, is ``ttff_cold_ms``. With ``--no-warmup`` the timed
 stream is the first and ``ttff_cold_ms`` equals ``ttff_ms``. Latency is reported twice: ``chunk_p50_ms``
 / ``chunk_p99_ms`` from the back-to-back stream (chunks queue behind each other: throughput conditions)
 and ``chunk_paced_ms`` (the warm-up's paced chunks: one chunk at a time, as a live server's chunks come
-a chunk period apart). ``--fp8`` swaps the block linears for FP8 ones (``cadence.quant.fp8.apply_fp8``),
-``--compile`` compiles the per-block elementwise regions (``cadence.runtime.compile.apply_compile``; after
-``--fp8``), ``--window N`` overrides the attention window (``stream.window_chunks``; in the variant name).
+a chunk period apart).
 """
 
 from __future__ import annotations
