@@ -137,3 +137,18 @@ def test_the_server_names_the_entry_it_serves(ckpt):
     plain = create_app(ServeConfig(engine=spec(path, "--no-ema"), port=0))
     route = next(r for r in plain.routes if getattr(r, "path", "") == "/config")
     assert asyncio.run(route.endpoint())["weights_entry"] == "generator"
+
+
+def test_the_worker_start_line_names_the_entry(ckpt, caplog):
+    """The worker's start log line (shown whatever CADENCE_WORKER_LOG says) names the model and the entry."""
+    import logging
+
+    from cadence.engine.recipe import WorkerSpec
+    from cadence.engine.worker import _start_line
+
+    path, _, _ = ckpt
+    with caplog.at_level(logging.INFO, logger="cadence.serve.worker"):
+        _start_line(WorkerSpec(resolve(spec(path), "cpu")))
+        _start_line(WorkerSpec(resolve(EngineSpec("tiny"), "cpu")))
+    assert f"self-forcing (self-forcing), weights {path.resolve()} (entry generator_ema)" in caplog.text
+    assert "tiny (tiny), random weights (seed 0)" in caplog.text
