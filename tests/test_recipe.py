@@ -124,7 +124,7 @@ def test_the_automatic_decoder_reads_only_what_exists_says():
 
 
 def test_spec_errors_are_one_clear_line():
-    with pytest.raises(ConfigError, match="unknown model 'w999'.*presets: .*families: "):
+    with pytest.raises(ConfigError, match="unknown preset or model family 'w999'.*presets: .*families: "):
         EngineSpec(model="w999")
     with pytest.raises(ConfigError, match="decode device"):
         EngineSpec(decode_device="gpu1")
@@ -269,7 +269,9 @@ def test_cadence_recipe_prints_what_the_words_build():
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model 'nope'"), bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown preset or model family 'nope'"), (
+        bad.stderr
+    )
 
 
 # ---- the commands in README.md and docs/ still parse ---------------------------------------------------------

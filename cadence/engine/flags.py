@@ -288,10 +288,14 @@ def spec_from_args(args, overrides: dict | None = None, **fixed) -> EngineSpec:
     elif getattr(args, "decode_device", None) is not None:
         kw["decode_device"] = args.decode_device
     if getattr(args, "tp", None) is not None:
+        if args.tp < 1:
+            raise InputError(f"--tp must be >= 1, got {args.tp}")
         kw["tp"] = args.tp
     if getattr(args, "warmup", None) is not None:
         kw["warmup"] = bool(args.warmup)
     if getattr(args, "warmup_chunks", None):
+        if args.warmup_chunks < 0:
+            raise InputError(f"--warmup-chunks must be >= 0, got {args.warmup_chunks}")
         kw["warmup_chunks"] = args.warmup_chunks
     kw.update(fixed)
     return EngineSpec(**kw)

@@ -456,7 +456,8 @@ def get_model(name: str) -> ModelFamily:
         return REGISTRY[str(name).lower()]
     except KeyError:
         raise ConfigError(
-            f"unknown model {name!r}; presets: {', '.join(PRESETS)}; families: {', '.join(FAMILIES)}"
+            f"unknown preset or model family {name!r}; presets: {', '.join(PRESETS)}; families: "
+            f"{', '.join(FAMILIES)}"
         ) from None
 
 
