@@ -155,15 +155,12 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
 
     import torch
 
-    from cadence.bench.common import record
     from cadence.engine.recipe import entry_for, resolve
     from cadence.eval import harness
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     spec = spec_from_args(args, seed=args.weights_seed)  # files checked, one clear error for a bad name
-    cfg = entry_for(spec.config(), spec.weights_entry)[
-        0
-    ]  # the configuration each harness setting starts from
+    cfg = entry_for(spec.config(), spec.weights_entry)[0]  # what each harness setting starts from
     weights = preset_weights(cfg)
     if args.speech == "espeak":
         import shutil
@@ -216,30 +213,8 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
         return 0
     results["speech"] = args.speech
     results["split_seed"] = args.split_seed
-    world = info.world_size if info is not None else 1
     if not args.no_record:
-        verdicts = "; ".join(
-            f"{n}: {c['verdict']}"
-            for n, c in results["configs"].items()
-            if n not in (harness.GROUND_TRUTH, harness.REFERENCE)
-        )
-        path = record(
-            "eval",
-            cfg.name,
-            world,
-            device,
-            cfg.shape_summary(),
-            results,
-            variant=args.speech,
-            out_dir=results_dir(args),
-            world=world,
-            command=prog + " " + " ".join(map(shlex.quote, argv)),
-            extra={"recipe": recipe.describe().as_dict()},
-            headline=f"lipsync corr reference {results['lipsync_corr_reference']:.3f} (ground truth "
-            f"{results['lipsync_corr_ground_truth']:.3f}), {args.clips} clips x "
-            f"{args.reruns} reruns; {verdicts}",
-        )
-        print(f"wrote {path}")
+        _record(args, argv, prog, cfg, device, info, results, recipe)
     print(
         f"eval: {cfg.name}, {args.clips} clips x {args.seconds:g} s, {args.reruns} reruns "
         "(mean ±rerun spread; * = differs from the reference by more than the spread)"
@@ -247,6 +222,35 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
     for line in table(results):
         print("  " + line)
     return 0
+
+
+def _record(args, argv, prog: str, cfg, device, info, results: dict, recipe) -> None:
+    """The JSON record (BENCHMARKS.md bench "eval", with the recipe of the words) and its README line."""
+    from cadence.bench.common import record
+    from cadence.eval import harness
+
+    world = info.world_size if info is not None else 1
+    verdicts = "; ".join(
+        f"{n}: {c['verdict']}"
+        for n, c in results["configs"].items()
+        if n not in (harness.GROUND_TRUTH, harness.REFERENCE)
+    )
+    path = record(
+        "eval",
+        cfg.name,
+        world,
+        device,
+        cfg.shape_summary(),
+        results,
+        variant=args.speech,
+        out_dir=results_dir(args),
+        world=world,
+        command=prog + " " + " ".join(map(shlex.quote, argv)),
+        extra={"recipe": recipe.describe().as_dict()},
+        headline=f"lipsync corr reference {results['lipsync_corr_reference']:.3f} (ground truth "
+        f"{results['lipsync_corr_ground_truth']:.3f}), {args.clips} clips x {args.reruns} reruns; {verdicts}",
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

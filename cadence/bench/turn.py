@@ -111,6 +111,20 @@ class ScriptedEndpoint:
         self.app.__exit__(*exc)
 
 
+def _microphone(args) -> np.ndarray:
+    """One turn of the user's microphone: 1 s of quiet, ``--speak`` s of speech, quiet until the next turn
+    (the page's microphone runs noise suppression: with ``--browser`` a real voice, espeak-ng, if there is
+    one; else the voiced stand-in)."""
+    speech = voiced(args.speak)
+    if args.browser:
+        from cadence.serve.agent import espeak_binary, synthesize
+
+        if espeak_binary() is not None:
+            speech = synthesize("Hello there. Who are you?")[: int(args.speak * 48_000)]
+    quiet = np.zeros(int((args.period - 1.0 - args.speak) * 48_000), np.float32)
+    return np.concatenate([np.zeros(48_000, np.float32), speech, quiet])
+
+
 def voiced(seconds: float) -> np.ndarray:
     """A voiced stand-in for the user's speech (harmonics of 140 Hz, a 4 Hz syllable envelope), 48 kHz."""
     t = np.arange(int(seconds * 48_000)) / 48_000
@@ -227,10 +241,8 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from cadence.bench.common import print_table, record
     from cadence.engine.recipe import resolve
     from cadence.errors import CadenceError
-    from cadence.serve.agent import VoiceActivity
     from cadence.serve.client import run_client
     from cadence.serve.config import ServeConfig, serve_groups
     from cadence.serve.server import ServerThread
@@ -246,19 +258,7 @@ def main(argv: list[str]) -> int:
         return 2
     start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
     seconds = args.turns * args.period + 1.0
-    speech = voiced(args.speak)
-    if args.browser:  # the page's microphone runs noise suppression: a real voice (espeak-ng) if there is one
-        from cadence.serve.agent import espeak_binary, synthesize
-
-        if espeak_binary() is not None:
-            speech = synthesize("Hello there. Who are you?")[: int(args.speak * 48_000)]
-    mic = np.concatenate(
-        [
-            np.zeros(48_000, np.float32),
-            speech,
-            np.zeros(int((args.period - 1.0 - args.speak) * 48_000), np.float32),
-        ]
-    )
+    mic = _microphone(args)
     stand_in = args.agent_url is None
     with contextlib.ExitStack() as stack:
         url = args.agent_url or stack.enter_context(ScriptedEndpoint())
@@ -291,6 +291,16 @@ def main(argv: list[str]) -> int:
                 print(f"error: {res.error}", file=sys.stderr)
                 return 2
             report, rows = res.report, measure(res, args)
+    return _finish(args, rows, report, url, stand_in, spec, recipe)
+
+
+def _finish(args, rows: list[dict], report: dict, url: str, stand_in: bool, spec, recipe) -> int:
+    """The per-turn figures' medians: printed, and recorded with the recipe (bench "turn")."""
+    import torch
+
+    from cadence.bench.common import print_table, record
+    from cadence.serve.agent import VoiceActivity
+
     stop_ms = VoiceActivity().stop_s * 1e3
 
     def p50(key):

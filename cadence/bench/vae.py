@@ -69,13 +69,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def recipe_of(args) -> dict:
     """The engine recipe these flags describe (the preset of the variant's geometry at this size): what
     ``bench pipeline`` would decode with, recorded with the figures."""
+    import dataclasses
+
     from cadence.engine.recipe import EngineSpec, resolve
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     spec = EngineSpec(
         model="w14" if args.variant == "2.2" else "w1.3",
         overrides={"stream": {"height": args.height, "width": args.width}},
-        fast=fast_path_from_args(args),
+        fast=dataclasses.replace(fast_path_from_args(args), decoder=args.decoder),  # the decoder timed
     )
     return resolve(spec, device).describe()
 
