@@ -20,30 +20,66 @@ from pathlib import Path
 from cadence.errors import EXIT_USAGE, CadenceError, InputError
 from cadence.errors import UsageParser as _Parser
 
-_DTYPES = ("float32", "bfloat16", "float16")
-
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``cadence`` parser (subcommands: generate, serve, bench, eval, train)."""
+    """The full ``cadence`` parser (subcommands: generate, serve, bench, eval, models, recipe, train, fleet)."""
     from cadence.fleet.cli import add_parser as add_fleet_parser  # (Ray is imported only when it runs)
-    from cadence.fleet.config import add_fleet_flags
-    from cadence.serve.config import add_engine_flags, add_weight_flags  # torch-free, no serving packages
 
     parser = _Parser(
         prog="cadence", description="Real-time chunk-causal video diffusion for live talking characters."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    _add_generate(sub)
+    _add_serve(sub)
+    add_fleet_parser(sub)  # cadence fleet status|drain|undrain|down
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark: cadence bench <name> [args...]",
+        description="Run cadence.bench.<name>.main(args). Benchmarks write JSON and print a table.",
+    )
+    b.add_argument("name", help="benchmark module in cadence.bench (e.g. step)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(func=cmd_bench)
+    # The options live in cadence.bench.eval (imported only when run); '+' as the prefix hands every
+    # argument, --help included, through to it.
+    e = sub.add_parser(
+        "eval",
+        help="quality harness: lip sync and identity drift per engine configuration",
+        description="cadence eval [--preset P] [--clips N] [--reruns R] ... (see 'cadence eval "
+        "--help'); the same as 'cadence bench eval'.",
+        add_help=False,
+        prefix_chars="+",
+    )
+    e.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.bench.eval")
+    e.set_defaults(func=cmd_eval)
+    m = sub.add_parser(
+        "models",
+        help="list the models --model takes: Cadence's presets and the open model families",
+        description="The models --model (alias --preset) takes: the presets, and each family's reference "
+        "code, files, default weights entry and status.",
+    )
+    m.set_defaults(func=cmd_models)
+    _add_recipe(sub)
+    tr = sub.add_parser(
+        "train",
+        help="train the default character (small VAE + DiT on synthetic talking faces)",
+        description="cadence train --out DIR [--minutes M] [--device cuda] [--toy] ... (see "
+        "'cadence train --help')",
+        add_help=False,
+        prefix_chars="+",
+    )
+    tr.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.train.character")
+    tr.set_defaults(func=cmd_train)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    from cadence.engine.flags import add_engine_flags  # torch-free
 
     g = sub.add_parser(
         "generate",
         help="render a talking-character clip to an MP4 file",
         description="Generate chunks from a reference image and driving audio; write H.264 + AAC MP4.",
-    )
-    g.add_argument(
-        "--preset",
-        default="character",
-        help="model/stream preset: character (the shipped trained default), tiny (random weights), "
-        "w1.3, w14, w57 (default: character)",
     )
     g.add_argument(
         "--image",
@@ -66,17 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--out", type=Path, default=Path("out.mp4"), help="output MP4 path (default: out.mp4)")
     g.add_argument("--prompt", default="a person talking to the camera", help="text prompt")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="random seed: noise and random weights (default: 0)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    g.add_argument(
-        "--dtype",
-        default=None,
-        choices=_DTYPES,
-        help="compute dtype (default: float32 on cpu, bfloat16 on cuda)",
-    )
-    add_weight_flags(g)
-    _add_lora_flag(g)
+    add_engine_flags(g, tp=False, warmup=False)
     g.set_defaults(func=cmd_generate)
+
+
+def _add_serve(sub) -> None:
+    from cadence.engine.flags import add_engine_flags  # torch-free, no serving packages
+    from cadence.fleet.config import add_fleet_flags
+    from cadence.serve.config import add_serve_flags
 
     s = sub.add_parser(
         "serve",
@@ -86,16 +121,48 @@ def build_parser() -> argparse.ArgumentParser:
         "with the built-in reference face; nothing to download.",
     )
     s.add_argument(
-        "--preset",
-        default="character",
-        help="model/stream preset: character (the shipped trained default), tiny (random weights), "
-        "w1.3, w14, w57 (default: character)",
-    )
-    s.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to listen on (default: 127.0.0.1); a non-loopback address needs an API key",
     )
+    _add_access_flags(s)
+    _add_agent_flags(s)
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
+    s.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
+        "with --device cuda)",
+    )
+    s.add_argument("--device", default="cpu", help="cpu or cuda: where the worker groups run (default: cpu)")
+    s.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=120.0,
+        help="close a session after this many seconds with no request or media from its client "
+        "(default: 120)",
+    )
+    s.add_argument(
+        "--max-duration",
+        type=float,
+        default=600.0,
+        help="close a session this many seconds after it started (default: 600)",
+    )
+    s.add_argument(
+        "--lead-ms",
+        type=float,
+        default=100.0,
+        help="plan each chunk this long before it is due (default: 100)",
+    )
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_engine_flags(s)
+    add_serve_flags(s)
+    add_fleet_flags(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def _add_access_flags(s) -> None:
     a = s.add_argument_group("access (each session's routes always need the token its creator got)")
     a.add_argument(
         "--api-key-file",
@@ -118,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a non-loopback --host without an API key (anyone who reaches it can start "
         "sessions; logged as a WARNING)",
     )
+
+
+def _add_agent_flags(s) -> None:
     ag = s.add_argument_group("the 'talk' agent (talk to the character through an OpenAI-compatible API)")
     ag.add_argument(
         "--agent-url",
@@ -139,96 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="text-to-speech model at --agent-url (default: espeak-ng on the server)",
     )
-    s.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
-    s.add_argument(
-        "--max-sessions",
-        type=int,
-        default=None,
-        help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
-        "with --device cuda)",
-    )
-    s.add_argument("--device", default="cpu", help="cpu or cuda: where the worker groups run (default: cpu)")
-    s.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="GPUs per worker group: the model sharded over N consecutive GPUs, one process each "
-        "(tensor parallel; default 1)",
-    )
-    s.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=120.0,
-        help="close a session after this many seconds with no request or media from its client "
-        "(default: 120)",
-    )
-    s.add_argument(
-        "--max-duration",
-        type=float,
-        default=600.0,
-        help="close a session this many seconds after it started (default: 600)",
-    )
-    s.add_argument(
-        "--worker-threads",
-        type=int,
-        default=0,
-        help="torch intra-op threads per worker process on the CPU (default 0: the worker's warm-up "
-        "times 1 and 2 and keeps the faster)",
-    )
-    s.add_argument(
-        "--lead-ms",
-        type=float,
-        default=100.0,
-        help="plan each chunk this long before it is due (default: 100)",
-    )
-    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    add_engine_flags(s)
-    add_weight_flags(s)
-    _add_lora_flag(s)
-    add_fleet_flags(s)
-    s.set_defaults(func=cmd_serve)
-    add_fleet_parser(sub)  # cadence fleet status|drain|undrain|down
 
-    b = sub.add_parser(
-        "bench",
-        help="run a benchmark: cadence bench <name> [args...]",
-        description="Run cadence.bench.<name>.main(args). Benchmarks write JSON and print a table.",
-    )
-    b.add_argument("name", help="benchmark module in cadence.bench (e.g. step)")
-    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
-    b.set_defaults(func=cmd_bench)
 
-    # The options live in cadence.bench.eval (imported only when run); '+' as the prefix hands every
-    # argument, --help included, through to it.
-    e = sub.add_parser(
-        "eval",
-        help="quality harness: lip sync and identity drift per engine configuration",
-        description="cadence eval [--preset P] [--clips N] [--reruns R] ... (see 'cadence eval "
-        "--help'); the same as 'cadence bench eval'.",
-        add_help=False,
-        prefix_chars="+",
-    )
-    e.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.bench.eval")
-    e.set_defaults(func=cmd_eval)
+def _add_recipe(sub) -> None:
+    from cadence.engine.flags import add_engine_flags
 
-    m = sub.add_parser(
-        "models",
-        help="list the open model families Cadence serves (for --model)",
-        description="The model families --model takes: their reference code, files and status.",
+    r = sub.add_parser(
+        "recipe",
+        help="print what an engine would build on a device (no model is built)",
+        description="Resolve the engine flags for a device and print the recipe every entry point builds "
+        "from the same words (cadence.engine.recipe); --env lists the kernel switches.",
     )
-    m.set_defaults(func=cmd_models)
-
-    tr = sub.add_parser(
-        "train",
-        help="train the default character (small VAE + DiT on synthetic talking faces)",
-        description="cadence train --out DIR [--minutes M] [--device cuda] [--toy] ... (see "
-        "'cadence train --help')",
-        add_help=False,
-        prefix_chars="+",
-    )
-    tr.add_argument("args", nargs=argparse.REMAINDER, help="arguments of cadence.train.character")
-    tr.set_defaults(func=cmd_train)
-    return parser
+    r.add_argument("--device", default="cpu", help="cpu, cuda:N, or a group cuda:0+cuda:1 (default: cpu)")
+    r.add_argument("--json", action="store_true", help="print the recipe as JSON")
+    r.add_argument("--env", action="store_true", help="list the CADENCE_* kernel switches (defaults, values)")
+    add_engine_flags(r)
+    r.set_defaults(func=cmd_recipe)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -254,24 +250,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Validate every input, build the engine, stream chunks into the MP4, print a summary."""
-    import torch
     from tqdm import tqdm
 
-    from cadence.config import AUDIO_SAMPLE_RATE, get_preset
-    from cadence.engine.spec import base_config
+    from cadence.config import AUDIO_SAMPLE_RATE
+    from cadence.engine.flags import spec_from_args
+    from cadence.engine.recipe import resolve
     from cadence.media.audio import fit_audio, load_audio, synthetic_speech
     from cadence.media.image import default_reference_image, load_reference_image
     from cadence.media.video import Mp4Writer
-    from cadence.serve.config import model_kwargs
 
-    get_preset(args.preset)  # a clear error for an unknown preset
     device = _check_device(args.device)
-    dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
     if args.chunks is not None and args.chunks <= 0:
         raise InputError(f"--chunks must be a positive number of chunks, got {args.chunks}")
     out = _check_output(args.out)
-    model = _with_lora(model_kwargs(args), args)
-    cfg = base_config(args.preset, model["model"], model["overrides"])
+    spec = spec_from_args(args, seed=args.seed, warmup=False)  # files checked; a clear error for a bad name
+    recipe = resolve(spec, device)
+    cfg = recipe.config
 
     # Inputs first: a bad file fails in milliseconds, before any model is built.
     height, width = cfg.stream.height, cfg.stream.width
@@ -291,10 +285,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     track = fit_audio(audio, chunks * per_chunk)
 
     from cadence.engine.build import build_engine
-    from cadence.engine.spec import FastPath
 
+    print(recipe.describe().text(), file=sys.stderr)
     t_build = time.perf_counter()
-    eng = build_engine(cfg, device, FastPath(dtype=str(dtype).replace("torch.", "")), seed=args.seed)
+    eng = build_engine(recipe, device)
     t_start = time.perf_counter()
     build_s = t_start - t_build
 
@@ -326,35 +320,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"(real time needs {need:.2f}); model build {build_s:.2f} s"
     )
     return 0
-
-
-def _add_lora_flag(parser) -> None:
-    parser.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="a LoRA merged into --weights at load (peft lora_A/lora_B or kohya lora_down/lora_up names, Wan "
-        "or diffusers module names; SCALE multiplies alpha/rank, default 1); repeatable; a key that does "
-        "not fit fails the load with nothing merged",
-    )
-
-
-def _with_lora(model: dict, args: argparse.Namespace) -> dict:
-    """``model_kwargs`` plus the ``--lora`` files (checked to exist, paths made absolute for the workers)."""
-    if not args.lora:
-        return model
-    from cadence.model.lora import parse_lora_arg
-
-    specs = []
-    for arg in args.lora:
-        spec = parse_lora_arg(arg)
-        if not Path(spec.path).is_file():
-            raise InputError(f"--lora {arg}: no such file {spec.path}")
-        specs.append(f"{Path(spec.path).resolve()}:{spec.scale!r}")
-    over = dict(model["overrides"])
-    over["model"] = dict(over.get("model", {}), lora=tuple(specs))
-    return dict(model, overrides=over)
 
 
 def _check_device(device: str) -> str:
@@ -390,12 +355,21 @@ def _check_output(out: Path) -> Path:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    """``cadence models``: one block per family (name, what it is, its files, what is proven, what is not)."""
+    """``cadence models``: the presets, then one block per family (name, what it is, its files, the weights
+    entry served and where its authors' code says so, what is proven, what is not)."""
+    from cadence.config import PRESETS
     from cadence.model.families import list_families
 
+    print(f"presets (--model or --preset): {', '.join(PRESETS)}")
     for f in list_families():
         print(f"{f.name}: {f.title} [{f.status}]")
         print(f"    reference: {f.reference}")
+        ck = f.checkpoint
+        if ck.default_entry:
+            others = [k for k in (*ck.state_keys, ck.ema_key) if k and k != ck.default_entry]
+            print(f"    weights entry: {ck.default_entry} (--weights-entry {' | '.join(others)} for another)")
+        if ck.default_entry_source:
+            print(f"    authors' inference: {ck.default_entry_source}")
         for note in f.notes if isinstance(f.notes, (list, tuple)) else [f.notes]:
             if note:
                 print(f"    {note}")
@@ -406,16 +380,36 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipe(args: argparse.Namespace) -> int:
+    """``cadence recipe [engine flags] --device DEV``: what the words build there (no model is built)."""
+    import json
+
+    from cadence.engine.flags import spec_from_args
+    from cadence.engine.recipe import KERNEL_SWITCHES, resolve
+
+    recipe = resolve(spec_from_args(args), args.device)
+    desc = recipe.describe()
+    print(json.dumps(desc.as_dict(), indent=1) if args.json else desc.text())
+    if args.env:
+        for sw in KERNEL_SWITCHES:
+            v = desc.env[sw.name]
+            now = f"= {v['value']}" if v["set"] else "unset"
+            print(f"  {sw.name} {now} (default {sw.default or 'unset'}; {sw.module}): {sw.what}")
+    return 0
+
+
 # ---- serve ------------------------------------------------------------------------------------------
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
-    from cadence.config import get_preset
+    from cadence.engine.flags import spec_from_args
     from cadence.fleet.config import fleet_from_args
-    from cadence.serve.config import ServeConfig, engine_kwargs, model_kwargs, serve_groups
+    from cadence.serve.config import ServeConfig, serve_groups
 
-    get_preset(args.preset)  # a clear error for an unknown preset, before anything starts
+    spec = spec_from_args(
+        args
+    )  # a clear error for an unknown model or a missing file, before anything starts
     if args.device not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
@@ -429,32 +423,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if n == 0:
             raise InputError("--device cuda requested but CUDA is not available")
     groups = (
-        serve_groups(args.device, args.tp, args.max_sessions, n, args.decode_gpu)
+        serve_groups(args.device, spec.tp, args.max_sessions, n, spec.decode_gpu)
         if fleet is None
         else (fleet.device,)
     )
-    api_key = _api_key(args)
     cfg = ServeConfig(
-        preset=args.preset,
+        engine=spec,
         host=args.host,
         port=args.port,
         groups=groups,
         idle_timeout_s=args.idle_timeout,
         max_duration_s=args.max_duration,
-        worker_threads=args.worker_threads,
         lead_ms=args.lead_ms,
-        api_key=api_key,
+        api_key=_api_key(args),
         insecure_no_auth=args.insecure_no_auth,
         fleet=fleet,
         agent_url=args.agent_url,
         agent_model=args.agent_model,
         agent_stt_model=args.agent_stt_model,
         agent_tts_model=args.agent_tts_model,
-        **_with_lora(model_kwargs(args), args),
-        **engine_kwargs(args),
+        frame_transport=args.frame_transport,
     )
+    from cadence.engine.recipe import resolve
     from cadence.serve.server import run
 
+    print(
+        resolve(spec, groups[0]).describe().text(), file=sys.stderr
+    )  # what group 0 builds (each logs its own)
     run(cfg, log_level=args.log_level)
     return 0
 

@@ -79,6 +79,11 @@ class ModelConfig:
     lora: tuple[str, ...] = ()
     """LoRA files merged into ``weights`` right after they load (``cadence.model.lora.merge_loras``), each
     ``PATH[:SCALE]`` (``--lora``); every file is checked before any weight changes. Needs ``weights``."""
+    weights_entry: str | None = None
+    """The entry of a family's multi-entry checkpoint to load (a Self-Forcing ``.pt`` holds 'generator' and
+    'generator_ema'); None = the family's default, the one its authors' inference reads
+    (``CheckpointFormat.default_entry``). ``cadence.engine.recipe.resolve`` writes the resolved name here.
+    Unused for single-state-dict files (safetensors)."""
     family: str | None = None
     """The model family (``cadence.model.families``: 'self-forcing', 'causvid', 'longlive', 'krea-14b')
     this configuration was built for, or None for Cadence's own presets. Names the checkpoint format that
@@ -302,154 +307,8 @@ class CadenceConfig:
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:
-        m, v, s = self.model, self.vae, self.stream
-        errs: list[str] = []
-        if m.num_heads * m.head_dim != m.dim:
-            errs.append(
-                f"num_heads ({m.num_heads}) x head_dim ({m.head_dim}) = "
-                f"{m.num_heads * m.head_dim} must equal dim ({m.dim})"
-            )
-        if m.head_dim % 2 or m.head_dim < 6:
-            errs.append(f"head_dim ({m.head_dim}) must be even and >= 6 for 3D RoPE")
-        elif any(p % 2 for p in m.rope_split) or min(m.rope_split) <= 0:
-            errs.append(
-                f"head_dim ({m.head_dim}) splits into RoPE parts {m.rope_split}; each must be even "
-                "and positive"
-            )
-        for what, n in (
-            ("dim", m.dim),
-            ("ffn_dim", m.ffn_dim),
-            ("num_layers", m.num_layers),
-            ("text_len", m.text_len),
-            ("text_dim", m.text_dim),
-            ("freq_dim", m.freq_dim),
-        ):
-            if n <= 0:
-                errs.append(f"{what} must be positive, got {n}")
-        if m.freq_dim % 2:
-            errs.append(f"freq_dim ({m.freq_dim}) must be even")
-        if m.cond_channels < 0 or m.image_tokens < 0:
-            errs.append(f"cond_channels ({m.cond_channels}) and image_tokens ({m.image_tokens}) must be >= 0")
-        if m.audio_arch not in ("cadence", "multitalk"):
-            errs.append(f"audio_arch must be 'cadence' or 'multitalk', got {m.audio_arch!r}")
-        if m.audio_every < 0:
-            errs.append(f"audio_every must be >= 0, got {m.audio_every}")
-        if m.audio_every and (m.audio_dim <= 0 or m.audio_tokens_per_frame <= 0):
-            errs.append(
-                f"audio_dim ({m.audio_dim}) and audio_tokens_per_frame ({m.audio_tokens_per_frame}) "
-                "must be positive when audio is on"
-            )
-        if m.in_channels != v.latent_channels or m.out_channels != v.latent_channels:
-            errs.append(
-                f"model in/out channels ({m.in_channels}/{m.out_channels}) must equal the VAE's "
-                f"latent channels ({v.latent_channels})"
-            )
-        for axis, (px, st, pt) in enumerate(zip((s.height, s.width), v.stride[1:], m.patch[1:])):
-            name = ("height", "width")[axis]
-            if px <= 0 or px % (st * pt):
-                errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
-        if m.lora and not m.weights:
-            errs.append(
-                "model.lora needs model.weights (a LoRA is merged into loaded weights, not random ones)"
-            )
-        if v.decoder not in ("standin", "wan", "taehv"):
-            errs.append(f"vae.decoder must be 'standin', 'wan' or 'taehv', got {v.decoder!r}")
-        if v.taehv_shuffle < 1 or v.taehv_shuffle & (v.taehv_shuffle - 1) or v.taehv_shuffle > v.stride[1]:
-            errs.append(
-                f"vae.taehv_shuffle must be a power of two <= the spatial stride {v.stride[1]}, "
-                f"got {v.taehv_shuffle}"
-            )
-        if v.decoder != "standin" and (tuple(v.stride), v.latent_channels) not in (
-            ((4, 8, 8), 16),
-            ((4, 16, 16), 48),
-        ):
-            errs.append(
-                f"the Wan VAE has stride 4x8x8 with z=16 or 4x16x16 with z=48, got "
-                f"{'x'.join(map(str, v.stride))} with z={v.latent_channels}"
-            )
-        if v.stride[0] != 4:
-            errs.append(f"VAE temporal stride must be 4 (4 video frames per latent frame), got {v.stride[0]}")
-        if m.patch[0] != 1:
-            errs.append(
-                f"temporal patch must be 1 (every Wan model uses 1; the cache and audio alignment "
-                f"count latent frames), got patch {m.patch}"
-            )
-        if s.latent_frames_per_chunk <= 0 or s.latent_frames_per_chunk % m.patch[0]:
-            errs.append(
-                f"latent_frames_per_chunk ({s.latent_frames_per_chunk}) must be a positive multiple of "
-                f"the temporal patch ({m.patch[0]})"
-            )
-        if s.sink_frames < 0 or s.sink_frames % m.patch[0]:
-            errs.append(
-                f"sink_frames ({s.sink_frames}) must be a non-negative multiple of the temporal patch "
-                f"({m.patch[0]})"
-            )
-        if s.passes <= 0 or len(s.timesteps) != s.passes:
-            errs.append(f"passes ({s.passes}) must be positive and equal len(timesteps) ({len(s.timesteps)})")
-        lo_ok = (lambda t: t >= 0.0) if s.timestep_table else (lambda t: t > 0.0)
-        if any(not (lo_ok(t) and t <= 1000.0) for t in s.timesteps) or list(s.timesteps) != sorted(
-            set(s.timesteps), reverse=True
-        ):
-            errs.append(
-                f"timesteps {s.timesteps} must be decreasing values in "
-                f"{'[0' if s.timestep_table else '(0'}, 1000]"
-            )
-        if s.timestep_table < 0:
-            errs.append(f"timestep_table must be >= 0, got {s.timestep_table}")
-        elif (
-            s.timestep_table
-            and s.warp_denoising_step
-            and any(float(t) != int(t) or int(t) > s.timestep_table for t in s.timesteps)
-        ):
-            errs.append(
-                f"warped timesteps {s.timesteps} index the {s.timestep_table}-step table: they must be "
-                f"whole numbers <= {s.timestep_table}"
-            )
-        if not (0.0 <= s.context_noise <= 1000.0):
-            errs.append(f"context_noise must be in [0, 1000], got {s.context_noise}")
-        if s.frame_sink_chunks < 0:
-            errs.append(f"frame_sink_chunks must be >= 0, got {s.frame_sink_chunks}")
-        if s.kv_rebuild < 0:
-            errs.append(f"kv_rebuild must be >= 0, got {s.kv_rebuild}")
-        elif s.kv_rebuild:
-            need = 1 + -(-s.kv_rebuild // max(s.latent_frames_per_chunk, 1))
-            if s.cache != "naive":
-                errs.append(
-                    f"kv_rebuild (Krea's per-chunk K/V rebuild) runs on the naive cache only, got cache "
-                    f"{s.cache!r}: the ring keeps fixed chunk slots at growing positions, the rebuild "
-                    "re-fills the cache at positions 0.. every chunk"
-                )
-            if s.sink_frames or s.frame_sink_chunks:
-                errs.append(
-                    "kv_rebuild takes no image sink or frame sink (sink_frames, frame_sink_chunks = 0)"
-                )
-            if s.kv_rebuild % max(s.latent_frames_per_chunk, 1):
-                errs.append(
-                    f"kv_rebuild {s.kv_rebuild} must be a multiple of latent_frames_per_chunk "
-                    f"({s.latent_frames_per_chunk}): Krea's rebuild mask lets a partial last block see "
-                    "flex-attention's zero padding keys, which Cadence does not reproduce"
-                )
-            if s.window_chunks < need:
-                errs.append(f"kv_rebuild {s.kv_rebuild} needs window_chunks >= {need}, got {s.window_chunks}")
-        if s.shift <= 0:
-            errs.append(f"shift must be positive, got {s.shift}")
-        if s.sampler not in ("euler", "renoise"):
-            errs.append(f"sampler must be 'euler' or 'renoise', got {s.sampler!r}")
-        if s.commit not in ("last_pass", "clean_pass"):
-            errs.append(f"commit must be 'last_pass' or 'clean_pass', got {s.commit!r}")
-        if s.window_chunks < 1:
-            errs.append(f"window_chunks must be >= 1 (the current chunk), got {s.window_chunks}")
-        if s.cache not in ("naive", "ring"):
-            errs.append(f"cache must be 'naive' or 'ring', got {s.cache!r}")
-        if s.sink_policy not in ("absolute", "follow"):
-            errs.append(f"sink_policy must be 'absolute' or 'follow', got {s.sink_policy!r}")
-        if s.sink_distance < 0:
-            errs.append(f"sink_distance must be >= 0, got {s.sink_distance}")
-        if s.fps <= 0 or (self.video_frames_per_chunk * AUDIO_SAMPLE_RATE) % s.fps:
-            errs.append(
-                f"fps {s.fps} must divide {self.video_frames_per_chunk} frames x {AUDIO_SAMPLE_RATE} Hz "
-                "into whole audio samples per chunk"
-            )
+        """Every impossible combination at once, one ``ConfigError`` naming the numbers."""
+        errs = _model_errors(self) + _vae_errors(self) + _chunk_errors(self) + _cache_errors(self)
         if errs:
             raise ConfigError(f"invalid configuration {self.name!r}: " + "; ".join(errs))
 
@@ -486,6 +345,175 @@ class CadenceConfig:
             "width": self.stream.width,
             "layers": self.model.num_layers,
         }
+
+
+def _model_errors(c: CadenceConfig) -> list[str]:
+    """The transformer's shapes and options."""
+    m = c.model
+    errs: list[str] = []
+    if m.num_heads * m.head_dim != m.dim:
+        errs.append(
+            f"num_heads ({m.num_heads}) x head_dim ({m.head_dim}) = "
+            f"{m.num_heads * m.head_dim} must equal dim ({m.dim})"
+        )
+    if m.head_dim % 2 or m.head_dim < 6:
+        errs.append(f"head_dim ({m.head_dim}) must be even and >= 6 for 3D RoPE")
+    elif any(p % 2 for p in m.rope_split) or min(m.rope_split) <= 0:
+        errs.append(
+            f"head_dim ({m.head_dim}) splits into RoPE parts {m.rope_split}; each must be even and positive"
+        )
+    for what, n in (
+        ("dim", m.dim),
+        ("ffn_dim", m.ffn_dim),
+        ("num_layers", m.num_layers),
+        ("text_len", m.text_len),
+        ("text_dim", m.text_dim),
+        ("freq_dim", m.freq_dim),
+    ):
+        if n <= 0:
+            errs.append(f"{what} must be positive, got {n}")
+    if m.freq_dim % 2:
+        errs.append(f"freq_dim ({m.freq_dim}) must be even")
+    if m.cond_channels < 0 or m.image_tokens < 0:
+        errs.append(f"cond_channels ({m.cond_channels}) and image_tokens ({m.image_tokens}) must be >= 0")
+    if m.audio_arch not in ("cadence", "multitalk"):
+        errs.append(f"audio_arch must be 'cadence' or 'multitalk', got {m.audio_arch!r}")
+    if m.audio_every < 0:
+        errs.append(f"audio_every must be >= 0, got {m.audio_every}")
+    if m.audio_every and (m.audio_dim <= 0 or m.audio_tokens_per_frame <= 0):
+        errs.append(
+            f"audio_dim ({m.audio_dim}) and audio_tokens_per_frame ({m.audio_tokens_per_frame}) "
+            "must be positive when audio is on"
+        )
+    return errs
+
+
+def _vae_errors(c: CadenceConfig) -> list[str]:
+    """The autoencoder, and where its geometry meets the model's and the frame size."""
+    m, v, s = c.model, c.vae, c.stream
+    errs: list[str] = []
+    if m.in_channels != v.latent_channels or m.out_channels != v.latent_channels:
+        errs.append(
+            f"model in/out channels ({m.in_channels}/{m.out_channels}) must equal the VAE's "
+            f"latent channels ({v.latent_channels})"
+        )
+    for axis, (px, st, pt) in enumerate(zip((s.height, s.width), v.stride[1:], m.patch[1:])):
+        name = ("height", "width")[axis]
+        if px <= 0 or px % (st * pt):
+            errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
+    if m.lora and not m.weights:
+        errs.append("model.lora needs model.weights (a LoRA is merged into loaded weights, not random ones)")
+    if v.decoder not in ("standin", "wan", "taehv"):
+        errs.append(f"vae.decoder must be 'standin', 'wan' or 'taehv', got {v.decoder!r}")
+    if v.taehv_shuffle < 1 or v.taehv_shuffle & (v.taehv_shuffle - 1) or v.taehv_shuffle > v.stride[1]:
+        errs.append(
+            f"vae.taehv_shuffle must be a power of two <= the spatial stride {v.stride[1]}, "
+            f"got {v.taehv_shuffle}"
+        )
+    if v.decoder != "standin" and (tuple(v.stride), v.latent_channels) not in (
+        ((4, 8, 8), 16),
+        ((4, 16, 16), 48),
+    ):
+        errs.append(
+            f"the Wan VAE has stride 4x8x8 with z=16 or 4x16x16 with z=48, got "
+            f"{'x'.join(map(str, v.stride))} with z={v.latent_channels}"
+        )
+    if v.stride[0] != 4:
+        errs.append(f"VAE temporal stride must be 4 (4 video frames per latent frame), got {v.stride[0]}")
+    return errs
+
+
+def _chunk_errors(c: CadenceConfig) -> list[str]:
+    """A chunk's frames and sink, and the sampler's passes and timesteps."""
+    m, s = c.model, c.stream
+    errs: list[str] = []
+    if m.patch[0] != 1:
+        errs.append(
+            f"temporal patch must be 1 (every Wan model uses 1; the cache and audio alignment "
+            f"count latent frames), got patch {m.patch}"
+        )
+    if s.latent_frames_per_chunk <= 0 or s.latent_frames_per_chunk % m.patch[0]:
+        errs.append(
+            f"latent_frames_per_chunk ({s.latent_frames_per_chunk}) must be a positive multiple of "
+            f"the temporal patch ({m.patch[0]})"
+        )
+    if s.sink_frames < 0 or s.sink_frames % m.patch[0]:
+        errs.append(
+            f"sink_frames ({s.sink_frames}) must be a non-negative multiple of the temporal patch "
+            f"({m.patch[0]})"
+        )
+    if s.passes <= 0 or len(s.timesteps) != s.passes:
+        errs.append(f"passes ({s.passes}) must be positive and equal len(timesteps) ({len(s.timesteps)})")
+    lo_ok = (lambda t: t >= 0.0) if s.timestep_table else (lambda t: t > 0.0)
+    if any(not (lo_ok(t) and t <= 1000.0) for t in s.timesteps) or list(s.timesteps) != sorted(
+        set(s.timesteps), reverse=True
+    ):
+        errs.append(
+            f"timesteps {s.timesteps} must be decreasing values in "
+            f"{'[0' if s.timestep_table else '(0'}, 1000]"
+        )
+    if s.timestep_table < 0:
+        errs.append(f"timestep_table must be >= 0, got {s.timestep_table}")
+    elif (
+        s.timestep_table
+        and s.warp_denoising_step
+        and any(float(t) != int(t) or int(t) > s.timestep_table for t in s.timesteps)
+    ):
+        errs.append(
+            f"warped timesteps {s.timesteps} index the {s.timestep_table}-step table: they must be "
+            f"whole numbers <= {s.timestep_table}"
+        )
+    if not (0.0 <= s.context_noise <= 1000.0):
+        errs.append(f"context_noise must be in [0, 1000], got {s.context_noise}")
+    return errs
+
+
+def _cache_errors(c: CadenceConfig) -> list[str]:
+    """The window, sinks, cache and context rebuild, and the media clock."""
+    s = c.stream
+    errs: list[str] = []
+    if s.frame_sink_chunks < 0:
+        errs.append(f"frame_sink_chunks must be >= 0, got {s.frame_sink_chunks}")
+    if s.kv_rebuild < 0:
+        errs.append(f"kv_rebuild must be >= 0, got {s.kv_rebuild}")
+    elif s.kv_rebuild:
+        need = 1 + -(-s.kv_rebuild // max(s.latent_frames_per_chunk, 1))
+        if s.cache != "naive":
+            errs.append(
+                f"kv_rebuild (Krea's per-chunk K/V rebuild) runs on the naive cache only, got cache "
+                f"{s.cache!r}: the ring keeps fixed chunk slots at growing positions, the rebuild "
+                "re-fills the cache at positions 0.. every chunk"
+            )
+        if s.sink_frames or s.frame_sink_chunks:
+            errs.append("kv_rebuild takes no image sink or frame sink (sink_frames, frame_sink_chunks = 0)")
+        if s.kv_rebuild % max(s.latent_frames_per_chunk, 1):
+            errs.append(
+                f"kv_rebuild {s.kv_rebuild} must be a multiple of latent_frames_per_chunk "
+                f"({s.latent_frames_per_chunk}): Krea's rebuild mask lets a partial last block see "
+                "flex-attention's zero padding keys, which Cadence does not reproduce"
+            )
+        if s.window_chunks < need:
+            errs.append(f"kv_rebuild {s.kv_rebuild} needs window_chunks >= {need}, got {s.window_chunks}")
+    if s.shift <= 0:
+        errs.append(f"shift must be positive, got {s.shift}")
+    if s.sampler not in ("euler", "renoise"):
+        errs.append(f"sampler must be 'euler' or 'renoise', got {s.sampler!r}")
+    if s.commit not in ("last_pass", "clean_pass"):
+        errs.append(f"commit must be 'last_pass' or 'clean_pass', got {s.commit!r}")
+    if s.window_chunks < 1:
+        errs.append(f"window_chunks must be >= 1 (the current chunk), got {s.window_chunks}")
+    if s.cache not in ("naive", "ring"):
+        errs.append(f"cache must be 'naive' or 'ring', got {s.cache!r}")
+    if s.sink_policy not in ("absolute", "follow"):
+        errs.append(f"sink_policy must be 'absolute' or 'follow', got {s.sink_policy!r}")
+    if s.sink_distance < 0:
+        errs.append(f"sink_distance must be >= 0, got {s.sink_distance}")
+    if s.fps <= 0 or (c.video_frames_per_chunk * AUDIO_SAMPLE_RATE) % s.fps:
+        errs.append(
+            f"fps {s.fps} must divide {c.video_frames_per_chunk} frames x {AUDIO_SAMPLE_RATE} Hz "
+            "into whole audio samples per chunk"
+        )
+    return errs
 
 
 # ---- placement: which devices diffuse, which decodes (cadence.engine.engine) ----------------------
@@ -529,9 +557,8 @@ class PipelineConfig:
     decode runs in its own thread: the interval is lowered to this (never raised). The decode thread
     launches hundreds of kernels behind a stream wait; once the device's launch queue is full a launch
     blocks holding the GIL, and the diffusion thread, waking at the end of its step to launch the next,
-    waits for it, up to the interval (5 ms by default). Measured with ``scripts/probe_gil_launch.py`` (one
-    H200): a step's host launch p50 1.49 ms beside a blocked decode thread at 5 ms, 1.05 ms at 0.5 ms,
-    0.70-0.90 ms alone; no change in W1.3's one-GPU pipeline (29.45 vs 29.48 fps). 0: leave it alone."""
+    waits for it, up to the interval (5 ms by default). Measured with ``scripts/probe_gil_launch.py``: the
+    figures are in docs/perf/pipeline/NOTES.md (the GIL switch interval). 0: leave it alone."""
     host_buffers: int = 4
     """Pinned host frame buffers in the ring the decoder writes uint8 frames into (CUDA decode only).
     A yielded chunk's frames stay valid until the consumer asks for the next chunk."""

@@ -18,7 +18,7 @@ BUDGET_S=${BUDGET_S:-290}
 SMOKE=${SMOKE:-0}
 source "$(dirname "$0")/device_lib.sh"  # env, $OUT/$PERF, run LIMIT_S NAME CMD...
 
-FAST="--cache ring --kv-fp8 --fp8 --compile --graphs"
+FAST="--cache ring --kv-fp8 --fp8 --fused-quant --compile --graphs"
 STEP="python3 -m cadence bench step $FAST --warmup 2 --iters 8 --profile-iters 1 --out-dir $PERF"
 W57="--preset w57 --layers 12"; W14="--preset w14 --layers 10"; W13="--preset w1.3 --layers 10"
 EMU="--emulate --comm two_shot"  # two-shot: what the measured chooser table picks at every FP8 shape

@@ -79,14 +79,12 @@ def test_fastpath_attention_field():
     assert FastPath(attention="triton").resolve("cuda:0")[0].attention == "triton"
 
 
-def test_engine_config_folds_the_choice_into_the_stream():
-    from cadence.config import get_preset
-    from cadence.engine.build import engine_config
+def test_the_recipe_folds_the_choice_into_the_stream():
+    from cadence.engine.recipe import EngineSpec, resolve
 
-    cfg = get_preset("tiny")
-    fast, _ = FastPath(attention="triton").resolve("cuda:0")
-    assert engine_config(cfg, fast).stream.attention == "triton"
-    assert engine_config(cfg, FastPath().resolve("cpu")[0]).stream.attention == "auto"
+    asked = EngineSpec(model="tiny", fast=FastPath(attention="triton"))
+    assert resolve(asked, "cuda:0").config.stream.attention == "triton"
+    assert resolve(EngineSpec(model="tiny"), "cpu").config.stream.attention == "auto"
 
 
 # ---- the choice and its fallbacks --------------------------------------------------------------------------

@@ -58,9 +58,12 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Install a fake ``cadence.engine.build`` module; returns the dict its calls are recorded in."""
     calls: dict = {"builds": 0}
 
-    def build_engine(cfg, device="cpu", fast=None, seed=0, **kw):
+    def build_engine(recipe, device=None, **kw):  # generate builds its recipe (cadence.engine.recipe)
         calls["builds"] += 1
-        calls["build"] = dict(cfg=cfg, device=device, dtype=getattr(torch, fast.dtype), seed=seed)
+        cfg = recipe.config
+        calls["build"] = dict(
+            cfg=cfg, device=device, dtype=getattr(torch, recipe.fast.dtype), seed=recipe.seed
+        )
         return _FakeEngine(cfg, calls, calls.get("fail_at"))
 
     mod = types.ModuleType("cadence.engine.build")

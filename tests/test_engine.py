@@ -537,9 +537,9 @@ def test_bench_pipeline_decode_gpu_flag(tmp_path, capsys):
 def test_automatic_decoder_follows_the_weights(tmp_path):
     """FastPath(decoder=None): the preset's own on the CPU; on CUDA the tiny decoder when it is trained or
     nothing is (random benchmarks), else the full Wan VAE the given weights belong to."""
-    from cadence.engine.build import choose_decoder
+    from cadence.engine.recipe import choose_decoder
 
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cuda, cpu = True, False
     w14 = get_preset("w14")
     assert choose_decoder(w14, cpu) == w14.vae.decoder and choose_decoder(w14, cuda) == "taehv"
     vae = tmp_path / "vae"
@@ -557,10 +557,10 @@ def test_a_model_family_builds_and_streams_through_the_one_engine():
     build_engine and loop; its sampler's model timesteps are the warped shift-5 table's, and each chunk is
     its 3 latent frames = 12 video frames."""
     from cadence.engine.build import build_engine
-    from cadence.engine.spec import FastPath, base_config
+    from cadence.engine.spec import FastPath
+    from cadence.model.families import model_config
 
-    cfg = base_config(
-        "tiny",
+    cfg = model_config(
         "self-forcing",
         {
             "model": dict(

@@ -1,4 +1,4 @@
-"""The engine's clip stream (``cadence.engine.clip.ClipSession``: SoulX-FlashTalk) against the family's offline
+"""The engine's clip stream (``cadence.engine.flashtalk.ClipSession``: SoulX-FlashTalk) against the family's offline
 reference path (``cadence.model.flashtalk.generate_offline``, itself tested against FlashTalk's own
 ``generate_video`` in tests/test_flashtalk_encoders.py), at a tiny random configuration (the flashtalk fixture's
 model sizes, a 4-wide random Wan VAE, random CLIP vision and wav2vec2), float32 on the CPU.
@@ -25,7 +25,9 @@ pytest.importorskip("transformers")
 
 import cadence.model.flashtalk as ft  # noqa: E402
 from cadence.engine.build import build_engine  # noqa: E402
-from cadence.engine.clip import AUDIO_LAG, flashtalk_encoder_files, is_clip_family  # noqa: E402
+from cadence.engine.flashtalk import AUDIO_LAG, ClipSession, flashtalk_encoder_files  # noqa: E402
+from cadence.engine.recipe import session_rules  # noqa: E402
+from cadence.engine.session import Session, StreamSession, session_type  # noqa: E402
 from cadence.engine.spec import FastPath  # noqa: E402
 from cadence.errors import ConfigError  # noqa: E402
 from cadence.model.families import FAMILIES, family_config  # noqa: E402
@@ -100,6 +102,8 @@ def test_engine_clip_stream_equals_the_offline_reference(eng, inputs):
         assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3, (k, diff.max(), (diff > 0).sum())
         assert torch.equal(a, audio[k * spc : (k + 1) * spc])  # the chunk's audio goes out with its frames
     assert eng.last_run["graphs"]["captures"] == 0
+    # the clip session is driven through the same interface as the K/V session
+    assert isinstance(eng.session, ClipSession) and isinstance(eng.session, StreamSession)
 
 
 def test_the_parity_check_can_fail(eng, inputs):
@@ -127,7 +131,8 @@ def test_reused_session_and_a_prompt_change(eng, inputs):
 
 def test_fast_paths_that_do_not_apply_fall_back_with_a_note():
     cfg = tiny_cfg()
-    assert is_clip_family(cfg) and not is_clip_family(family_config("self-forcing"))
+    assert session_type(session_rules(cfg)) is ClipSession
+    assert session_type(session_rules(family_config("self-forcing"))) is Session
     e = build_engine(cfg, "cpu", FastPath(decoder="taehv", decoder_fast="cl"), seed=3)
     try:
         assert e.applied["decoder"] == "wan" and e.applied["graphs"] is False

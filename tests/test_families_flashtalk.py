@@ -22,7 +22,7 @@ import torch
 from family_fixtures import rel, tiny_model
 
 from cadence.errors import ConfigError, WeightsError
-from cadence.model.families import family_config, get_family
+from cadence.model.families import ClipStream, family_config, get_family
 from cadence.model.flashtalk import i2v_condition, sample_clip, shifted_timesteps
 from cadence.model.multitalk import latent_audio_windows, reference_mask
 from cadence.model.wav2vec2 import frame_windows
@@ -66,12 +66,7 @@ def text_of(prompt: torch.Tensor) -> torch.Tensor:
 
 def test_family_entry():
     fam = get_family("flashtalk")
-    assert (fam.clip_frames, fam.motion_frames, fam.status, fam.stream_kind) == (
-        C["frame_num"],
-        C["motion_frames"],
-        "parity",
-        "clip",
-    )
+    assert fam.status == "parity" and fam.streaming == ClipStream(C["frame_num"], C["motion_frames"], "wan")
     cfg = family_config("flashtalk")
     m, s = cfg.model, cfg.stream
     assert (m.dim, m.num_layers, m.num_heads, m.ffn_dim) == (5120, 40, 40, 13824)  # Wan2.1-I2V-14B
@@ -84,9 +79,10 @@ def test_family_entry():
     )
     assert (m.audio_arch, m.audio_dim, m.audio_layers, m.audio_tokens_per_frame) == ("multitalk", 768, 12, 32)
     assert (s.height, s.width, s.fps, s.passes, s.shift) == (768, 448, 25, C["steps"], C["shift"])
-    assert cfg.video_frames_per_chunk == fam.clip_frames - fam.motion_frames  # 28 new frames per clip
+    clip = fam.streaming
+    assert cfg.video_frames_per_chunk == clip.clip_frames - clip.motion_frames  # 28 new frames per clip
     torch.testing.assert_close(shifted_timesteps(s.timesteps, s.shift), DATA["stream"]["timesteps"])
-    # the per-chunk log-mel front end refuses it: the engine hears it through its wav2vec2 (cadence.engine.clip)
+    # the per-chunk log-mel front end refuses it: the engine hears it through its wav2vec2 (cadence.engine.flashtalk)
     from cadence.model.audio import make_audio_encoder
 
     with pytest.raises(ConfigError, match="flashtalk.*wav2vec2"):

@@ -85,7 +85,7 @@ def run_frames(run_name: str, kv_rebuild: bool = True, blocks: int | None = None
             out = sess.step(audio)
             if sess.yields_pixels:
                 frames.append(out)
-                pixels.append(sess._rebuild.chunk_pixels)
+                pixels.append(sess.context.context.chunk_pixels)  # the rebuild policy's decode
                 out = sess.last_latent
             lats.append(out)
     if not frames:
@@ -183,9 +183,9 @@ def test_krea_default_with_trained_weights_and_a_random_vae_says_so(caplog):
     (the decoder 'wan' without --vae-weights); with the VAE's weights nothing is said."""
     import logging
 
-    from cadence.engine import session as session_mod
+    from cadence.engine import policies  # (the rebuild policy says it once per process)
 
-    session_mod._said.discard("rebuild-vae")
+    policies._said.discard("rebuild-vae")
     st = dict(HW, kv_rebuild=3, window_chunks=2)
     img = torch.zeros(3, HW["height"], HW["width"])
     with caplog.at_level(logging.WARNING, logger="cadence.engine"):

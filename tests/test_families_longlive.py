@@ -29,8 +29,9 @@ import pytest
 import torch
 from family_fixtures import feed_reference_noise, frame_size, rel, tiny_model
 
+from cadence.engine.policies import Swapped
 from cadence.engine.session import build_generator
-from cadence.model.families import family_config, get_family, reference_attention
+from cadence.model.families import Recache, Swap, family_config, get_family, reference_attention
 
 FIX = Path(__file__).parent / "fixtures" / "longlive_switch"
 CKPT = Path(__file__).parent / "fixtures" / "self_forcing" / "self_forcing_tiny.pt"
@@ -57,9 +58,9 @@ def run(
     meta = META["runs"][run_name]
     cfg, gen = generator(cache, meta["global_sink"], kv_fp8)
     sess = gen.session(torch.zeros(3, HW["height"], HW["width"]), DATA["prompts"][0], seed=0)
-    sess.recache_keeps_sink = meta["global_sink"] if keeps_sink is None else keeps_sink
+    sess.switch.keeps_sink = meta["global_sink"] if keeps_sink is None else keeps_sink  # the re-cache policy
     if not recache:
-        sess.prompt_switch = "swap"
+        sess.switch = Swapped(Swap())
     feed_reference_noise(sess, r["noise"], r["renoise"], F)
     switches = dict(zip(meta["switch_frame_indices"], DATA["prompts"][1:]))
     audio = torch.zeros(cfg.audio_samples_per_chunk)
@@ -79,13 +80,13 @@ def run(
 
 def test_family_rule_and_reference_settings():
     fam = get_family("longlive")
-    assert fam.prompt_switch == "recache" and fam.recache_keeps_sink  # LongLive ships global_sink: true
+    assert fam.prompt_switch == Recache(keeps_sink=True)  # LongLive ships global_sink: true
     cfg = family_config("longlive", model=TINY_MODEL, stream=HW)
     assert reference_attention(cfg) == (C["local_attn_size"], C["sink_size"])
     assert list(cfg.stream.timesteps) == C["denoising_step_list"] and cfg.stream.shift == C["shift"]
     assert cfg.stream.context_noise == C["context_noise"]
     assert hashlib.sha256(CKPT.read_bytes()).hexdigest() == META["weights"]["sha256"]
-    assert get_family("self-forcing").prompt_switch == "swap"
+    assert get_family("self-forcing").prompt_switch == Swap()
 
 
 @pytest.mark.parametrize("cache", ["naive", "ring"])

@@ -159,6 +159,15 @@ def test_ema_entry_is_the_other_weights():
 
 
 def test_load_weights_dispatches_on_the_family():
+    """``load_weights`` reads the family's format and, unless the configuration names an entry, the one the
+    family's authors serve (Self-Forcing: ``generator_ema``, its README's ``--use_ema``)."""
     model = build_model(tiny(), "cpu", torch.float32, seed=None)
     rep = load_weights(model, CKPT)
-    assert rep["family"] == "self-forcing" and rep["format"] == "wan" and not rep["ema"]
+    assert rep["family"] == "self-forcing" and rep["format"] == "wan" and rep["entry"] == "generator_ema"
+    assert rep["ema"] and torch.equal(
+        model.blocks[0].self_attn.qkv.weight, loaded(tiny(), ema=True).blocks[0].self_attn.qkv.weight
+    )
+    plain = build_model(
+        tiny().with_overrides(model={"weights_entry": "generator"}), "cpu", torch.float32, seed=None
+    )
+    assert load_weights(plain, CKPT)["entry"] == "generator" and not load_weights(plain, CKPT)["ema"]

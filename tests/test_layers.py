@@ -145,12 +145,15 @@ def test_the_layer_table_knows_every_subpackage():
 
 def test_the_web_app_imports_no_torch():
     """One file per process side: the web process (the FastAPI app, the session logic, the worker-group
-    proxy) never imports torch; the worker processes do (cadence.engine.worker)."""
+    proxy) never imports torch; the worker processes do (cadence.engine.worker). The engine's recipe and its
+    flag set are torch-free too (the web side resolves its workers' recipes; every command parses its words
+    before anything heavy is imported)."""
     code = (
         "import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config, "
         "cadence.serve.manager, cadence.serve.routes, cadence.serve.guard, cadence.serve.uploads, "
         "cadence.serve.openapi, "
-        "cadence.fleet.frontend, cadence.fleet.state, cadence.fleet.group; "
+        "cadence.fleet.frontend, cadence.fleet.state, cadence.fleet.group, cadence.engine.recipe, "
+        "cadence.engine.flags, cadence.engine.spec, cadence.model.families; "
         "print('torch' in sys.modules); sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     out = subprocess.run(

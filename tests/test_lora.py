@@ -200,13 +200,13 @@ def test_parse_and_config_checks():
 def test_cli_lora_flag_reaches_the_config(tmp_path):
     import argparse
 
-    from cadence import cli
+    from cadence.engine.flags import add_model_flags, spec_from_args
 
     p = argparse.ArgumentParser()
-    cli._add_lora_flag(p)
-    args = p.parse_args(["--lora", f"{LORA}:0.25", "--lora", str(LORA)])
-    got = cli._with_lora({"model": "longlive", "overrides": {"model": {"weights": str(CKPT)}}}, args)
-    assert got["overrides"]["model"]["lora"] == (f"{LORA.resolve()}:0.25", f"{LORA.resolve()}:1.0")
-    assert got["overrides"]["model"]["weights"] == str(CKPT)
+    add_model_flags(p)
+    words = ["--model", "longlive", "--weights", str(CKPT), "--lora", f"{LORA}:0.25", "--lora", str(LORA)]
+    got = spec_from_args(p.parse_args(words)).overrides
+    assert got["model"]["lora"] == (f"{LORA.resolve()}:0.25", f"{LORA.resolve()}:1.0")
+    assert got["model"]["weights"] == str(CKPT.resolve())
     with pytest.raises(InputError, match="no such file"):
-        cli._with_lora({"model": None, "overrides": {}}, p.parse_args(["--lora", str(tmp_path / "x.pt:2")]))
+        spec_from_args(p.parse_args(["--lora", str(tmp_path / "x.pt:2")]))

@@ -38,14 +38,14 @@ def test_worker_spec_reference_on_cpu_fast_path_on_cuda():
     f = spec.fast
     assert spec.notes == () and spec.warmup  # every worker warms up (on the CPU: it measures its speed)
     assert f.kv_fp8 is f.fp8_linears is f.graphs is False and f.dtype == "float32"
-    assert f.decoder is None and not shm  # tiny's 196 KB stay on the pipe
+    assert f.decoder == "standin" and not shm  # the recipe decides: tiny's own; its 196 KB stay on the pipe
     assert f.compile is False and worker_spec(ServeConfig(compile=True), "cpu")[0].fast.compile
     spec, shm = worker_spec(cfg, "cuda:0", frame_bytes=W13_BYTES)
     f = spec.fast
     assert (
         spec.notes == () and f.kv_fp8 and f.fp8_linears and f.graphs and spec.warmup and f.dtype == "bfloat16"
     )
-    assert f.decoder is None and shm  # automatic: build_engine picks (tests/test_engine.py)
+    assert f.decoder == "taehv" and shm  # automatic: the recipe picks (tests/test_engine.py)
     # asked for explicitly on the CPU: off, one line each; a decoder may run anywhere
     spec, shm = worker_spec(
         ServeConfig(
@@ -267,12 +267,15 @@ def _fake_streams(eng, monkeypatch, streams):
     """The warm-up's streams (steps only, decode=False) get these (work_ms, step) lists in turn."""
     it = iter(streams)
 
-    def fake_steps(image, audio, n):
+    def fake_steps(engine, image, audio, n):
+        assert engine is eng
         rows = next(it)
         assert len(rows) == n
         return [ChunkTimings(work_ms=ms, step=st, t_done=i * 0.1) for i, (ms, st) in enumerate(rows)]
 
-    monkeypatch.setattr(eng, "_steps_only", fake_steps)
+    from cadence.engine import warmup  # the warm-up's measuring (Engine.warm_up runs it)
+
+    monkeypatch.setattr(warmup, "_steps_only", fake_steps)
 
 
 def _rows(times, steps):
@@ -575,10 +578,10 @@ def test_a_worker_that_cannot_start_fails_startup_once_and_leaves_nothing_behind
 def test_worker_serves_the_checkpoint_it_is_given(tmp_path):
     """``cadence serve --weights``: the worker's engine loads the checkpoint (overrides from
     ``weight_overrides``) and streams exactly what that model streams, not its own random weights."""
+    from cadence.engine.flags import weight_overrides
     from cadence.engine.session import build_generator
     from cadence.media.image import default_reference_image
     from cadence.model.weights import save_weights
-    from cadence.serve.config import weight_overrides
 
     img = default_reference_image(128, 128)
     audio = (0.1 * np.sin(np.arange(8000) / 30.0)).astype(np.float32)

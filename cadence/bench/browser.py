@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.engine.flags import add_engine_flags, spec_from_args
 from cadence.telemetry.devices import cpu_info
 
 PRESENT_JS = r"""
@@ -37,11 +38,9 @@ PRESENT_JS = r"""
 """
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cadence bench browser", description=__doc__.split("\n\n")[0])
+def _own_flags(p) -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="seconds to stream after the first frame")
     p.add_argument("--url", default=None, help="a running server (default: start `cadence serve` here)")
-    p.add_argument("--preset", default="character", help="preset of the self-started server")
     p.add_argument("--serve-args", default="", help="extra arguments for the self-started `cadence serve`")
     p.add_argument(
         "--mic",
@@ -53,9 +52,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--start-timeout", type=float, default=240.0, help="seconds to wait for the server to be ready"
     )
     add_record_flags(p)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The benchmark's flags and the engine-flag set (``cadence.engine.flags``): the engine words are handed
+    to the self-started ``cadence serve`` as they are (``engine_words``), after being parsed here once (a
+    bad word is an error before any server starts)."""
+    p = argparse.ArgumentParser(prog="cadence bench browser", description=__doc__.split("\n\n")[0])
+    _own_flags(p)
+    add_engine_flags(p)
     a = p.parse_args(argv)
     if not 5 <= a.seconds <= 3600:
         p.error(f"--seconds must be within 5..3600, got {a.seconds}")
+    own = argparse.ArgumentParser(add_help=False)
+    _own_flags(own)
+    a.engine_words = own.parse_known_args(argv)[1]
+    a.spec = spec_from_args(a)
     return a
 
 
@@ -92,8 +104,7 @@ def run(args: argparse.Namespace) -> dict:
             "serve",
             "--port",
             str(port),
-            "--preset",
-            args.preset,
+            *args.engine_words,
             *args.serve_args.split(),
         ]
         print("server: " + " ".join(cmd[1:]), file=sys.stderr)
@@ -203,6 +214,7 @@ def summarize(samples: list[dict], report: dict, config: dict, first_frame_s: fl
             )
         },
         "worker": (config.get("workers") or [{}])[0].get("warmup"),
+        "recipe": (config.get("workers") or [{}])[0].get("recipe"),  # what the server's worker built
     }
 
 
@@ -211,6 +223,10 @@ def main(argv: list[str]) -> int:
 
     args = parse(argv)
     args.progress = True
+    from cadence.engine.recipe import resolve
+
+    if args.url is None:  # what the self-started server's (CPU) group builds
+        print(resolve(args.spec, "cpu").describe().text(), file=sys.stderr)
     try:
         res = run(args)
     except RuntimeError as e:
@@ -240,19 +256,20 @@ def main(argv: list[str]) -> int:
     ]
     cpu = cpu_info()  # (record() writes it into the JSON too)
     rows.append(("cpu", f"{cpu.get('model')} ({cpu.get('cores')} cores, {cpu.get('torch_cpu_capability')})"))
-    print_table(rows, f"bench browser: {args.preset}, {args.seconds:.0f} s in headless Chromium")
+    print_table(rows, f"bench browser: {args.spec.model}, {args.seconds:.0f} s in headless Chromium")
     if args.no_record:
         return 0
     import torch
 
     path = record(
         "browser",
-        args.preset,
+        args.spec.model,
         1,
         torch.device("cpu"),
         {"seconds": args.seconds},
         res,
         out_dir=results_dir(args),
+        extra={"recipe": res.pop("recipe", None)},
         headline=f"{res['fps_mean']} fps decoded in the page (min {res['fps_min']})",
     )
     print(f"wrote {path}")

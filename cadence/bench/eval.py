@@ -22,9 +22,9 @@ import argparse
 import math
 import shlex
 import sys
-from pathlib import Path
 
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.engine.flags import add_model_flags, spec_from_args
 from cadence.errors import InputError, UsageParser
 
 
@@ -46,19 +46,8 @@ def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespa
         description="Quality harness: lip sync and identity drift of held-out clips per engine "
         "configuration, with rerun spreads and verdicts against the reference.",
     )
-    p.add_argument(
-        "--preset",
-        default="character",
-        help="model/stream preset: character (the shipped trained default), tiny (random weights), "
-        "w1.3, w14, w57 (default: character)",
-    )
-    p.add_argument(
-        "--weights",
-        type=Path,
-        default=None,
-        help="DiT checkpoint (safetensors file or directory); default: the preset's weights if it "
-        "declares any, else random from --weights-seed",
-    )
+    add_model_flags(p)  # --model / --preset, --weights (default: the model's own, else random from
+    #                     --weights-seed), --weights-entry / --ema, the VAE and text files, --lora
     p.add_argument("--clips", type=int, default=50, help="held-out clips (default: 50)")
     p.add_argument(
         "--reruns", type=int, default=3, help="noise seeds per clip, >= 2: the spread needs two (default: 3)"
@@ -116,8 +105,6 @@ def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespa
             f"--drift-seconds {','.join(f'{s:g}' for s in late)} is past the end of a {a.seconds:g} s clip "
             "(raise --seconds)"
         )
-    if a.weights is not None and not a.weights.exists():
-        p.error(f"weights not found: {a.weights}")
     return a
 
 
@@ -168,13 +155,13 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
 
     import torch
 
-    from cadence.bench.common import record
-    from cadence.config import get_preset
+    from cadence.engine.recipe import entry_for, resolve
     from cadence.eval import harness
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
-    cfg = get_preset(args.preset)
-    weights = str(args.weights) if args.weights is not None else preset_weights(cfg)
+    spec = spec_from_args(args, seed=args.weights_seed)  # files checked, one clear error for a bad name
+    cfg = entry_for(spec.config(), spec.weights_entry)[0]  # what each harness setting starts from
+    weights = preset_weights(cfg)
     if args.speech == "espeak":
         import shutil
 
@@ -192,6 +179,9 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
             raise InputError(f"--device {args.device} requested but CUDA is not available")
     rank0 = info is None or info.rank == 0
     progress = _progress if rank0 else None
+    recipe = resolve(spec, str(device))  # the engine the words build here (each harness setting: its own)
+    if rank0:
+        print(recipe.describe().text(), file=sys.stderr)
     try:
         if progress:
             progress(
@@ -223,29 +213,8 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
         return 0
     results["speech"] = args.speech
     results["split_seed"] = args.split_seed
-    world = info.world_size if info is not None else 1
     if not args.no_record:
-        verdicts = "; ".join(
-            f"{n}: {c['verdict']}"
-            for n, c in results["configs"].items()
-            if n not in (harness.GROUND_TRUTH, harness.REFERENCE)
-        )
-        path = record(
-            "eval",
-            cfg.name,
-            world,
-            device,
-            cfg.shape_summary(),
-            results,
-            variant=args.speech,
-            out_dir=results_dir(args),
-            world=world,
-            command=prog + " " + " ".join(map(shlex.quote, argv)),
-            headline=f"lipsync corr reference {results['lipsync_corr_reference']:.3f} (ground truth "
-            f"{results['lipsync_corr_ground_truth']:.3f}), {args.clips} clips x "
-            f"{args.reruns} reruns; {verdicts}",
-        )
-        print(f"wrote {path}")
+        _record(args, argv, prog, cfg, device, info, results, recipe)
     print(
         f"eval: {cfg.name}, {args.clips} clips x {args.seconds:g} s, {args.reruns} reruns "
         "(mean ±rerun spread; * = differs from the reference by more than the spread)"
@@ -253,6 +222,35 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
     for line in table(results):
         print("  " + line)
     return 0
+
+
+def _record(args, argv, prog: str, cfg, device, info, results: dict, recipe) -> None:
+    """The JSON record (BENCHMARKS.md bench "eval", with the recipe of the words) and its README line."""
+    from cadence.bench.common import record
+    from cadence.eval import harness
+
+    world = info.world_size if info is not None else 1
+    verdicts = "; ".join(
+        f"{n}: {c['verdict']}"
+        for n, c in results["configs"].items()
+        if n not in (harness.GROUND_TRUTH, harness.REFERENCE)
+    )
+    path = record(
+        "eval",
+        cfg.name,
+        world,
+        device,
+        cfg.shape_summary(),
+        results,
+        variant=args.speech,
+        out_dir=results_dir(args),
+        world=world,
+        command=prog + " " + " ".join(map(shlex.quote, argv)),
+        extra={"recipe": recipe.describe().as_dict()},
+        headline=f"lipsync corr reference {results['lipsync_corr_reference']:.3f} (ground truth "
+        f"{results['lipsync_corr_ground_truth']:.3f}), {args.clips} clips x {args.reruns} reruns; {verdicts}",
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """`cadence bench pipeline`: the overlapped diffusion + decode pipeline, sustained, against the deadline.
 
     cadence bench pipeline --preset tiny --chunks 12                  # CPU smoke test, seconds
+    cadence bench pipeline --device cuda                              # bare: what a bare `cadence serve` runs
+    cadence bench pipeline --model krea-14b --device cuda             # the recipe picks Krea's naive cache
     cadence bench pipeline --preset w1.3 --chunks 200                 # one H200: decode on its own stream
     cadence bench pipeline --preset w14 --chunks 200 --decode-gpu 1   # 2x H200 (= --decode-device cuda:1)
     cadence bench pipeline --preset w14 --no-graphs --shape-change-every 5
@@ -18,20 +20,23 @@ after the ring has filled plus one warm-up / capture chunk (all chunks are in ``
 Results per BENCHMARKS.md (bench "pipeline"); a PNG of the per-chunk timeline beside the JSON when
 matplotlib is importable. Imports only torch (+ matplotlib if present).
 
-It measures the engine ``cadence serve`` runs (:class:`cadence.engine.engine.Engine`, built by
-``build_engine`` with the same fast paths): the same step + decode loop, the same warm-up.
+It measures the engine ``cadence serve`` runs: the words go through the same flag set
+(``cadence.engine.flags``) into the same ``EngineSpec``, resolved for the device by the same recipe
+(``cadence.engine.recipe``: the fast path on CUDA, the family's rules; the default model is the shipped
+character, the default decode placement the diffusion GPU) and built by ``build_engine(recipe)``: the same step
++ decode loop, the same warm-up. The recipe is printed first (stderr) and recorded in the JSON (``recipe``).
+This benchmark's own words: ``--cache naive|ring`` (naive also turns FP8 K/V and graphs off unless asked),
+``--window N``, ``--layers N`` (in the variant name), the queues and the lead.
 
 Time to first frame: ``ttff_ms`` is the timed stream's, from its start (the session's opening: prompt K/V,
-the reference image's encode and sink pass) to the first chunk's frames in host memory. With ``--prewarm``
-(the default) the engine's warm-up (``Engine.warm_up``: every step shape, the decoder, the graph
+the reference image's encode and sink pass) to the first chunk's frames in host memory. With ``--warmup``
+(alias ``--prewarm``, the default) the engine's warm-up (``Engine.warm_up``: every step shape, the decoder, the graph
 captures) runs first and the timed stream reuses its session and graphs, as a server would; the
-warm-up's first stream's ttff, the process's first, is ``ttff_cold_ms``. With ``--no-prewarm`` the timed
+warm-up's first stream's ttff, the process's first, is ``ttff_cold_ms``. With ``--no-warmup`` the timed
 stream is the first and ``ttff_cold_ms`` equals ``ttff_ms``. Latency is reported twice: ``chunk_p50_ms``
 / ``chunk_p99_ms`` from the back-to-back stream (chunks queue behind each other: throughput conditions)
 and ``chunk_paced_ms`` (the warm-up's paced chunks: one chunk at a time, as a live server's chunks come
-a chunk period apart). ``--fp8`` swaps the block linears for FP8 ones (``cadence.quant.fp8.apply_fp8``),
-``--compile`` compiles the per-block elementwise regions (``cadence.runtime.compile.apply_compile``; after
-``--fp8``), ``--window N`` overrides the attention window (``stream.window_chunks``; in the variant name).
+a chunk period apart).
 """
 
 from __future__ import annotations
@@ -44,29 +49,17 @@ import torch
 
 from cadence.bench.common import median, p99, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.config import PipelineConfig, get_preset
-from cadence.engine.spec import DECODER_FAST
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from cadence.config import PipelineConfig
+from cadence.engine.flags import add_engine_flags, spec_from_args
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    """The benchmark's own flags, then the engine-flag set every entry point shares (``cadence.engine.flags``:
+    the same words give ``cadence serve``'s engine)."""
     p = argparse.ArgumentParser(prog="cadence bench pipeline", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="tiny | w1.3 | w14 | w57")
     p.add_argument("--chunks", type=int, default=200)
     p.add_argument(
         "--device", default=None, help="diffusion device: cuda[:N] | cpu (default: cuda:0 if present)"
-    )
-    dec = p.add_mutually_exclusive_group()
-    dec.add_argument("--decode-device", default="auto", help="auto | same | cpu | cuda:N (default: auto)")
-    dec.add_argument(
-        "--decode-gpu", type=int, default=None, metavar="K", help="decode on GPU K (= --decode-device cuda:K)"
-    )
-    p.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CUDA graphs for steady-state steps (default: on with CUDA)",
     )
     p.add_argument(
         "--shape-change-every",
@@ -74,17 +67,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=10,
         help="second run: change the conditioning length every K chunks (0: skip that run)",
     )
-    p.add_argument("--cache", default="ring", choices=["ring", "naive"])
-    p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V in the ring (FP8 attention kernel)")
     p.add_argument(
-        "--decoder",
+        "--cache",
         default=None,
-        choices=["standin", "wan", "taehv"],
-        help="VAE decoder (default: the preset's own at tiny and character, wan otherwise)",
+        choices=["ring", "naive"],
+        help="the self-attention cache (default: the recipe's: the ring with FP8 K/V or graphs, on CUDA; "
+        "naive on the CPU and for Krea's rebuild); naive also turns FP8 K/V and graphs off unless asked",
     )
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument(
         "--layers", type=int, default=None, help="run this many transformer layers (stated in the JSON)"
+    )
+    p.add_argument(
+        "--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)"
     )
     p.add_argument("--max-graphs", type=int, default=4)
     p.add_argument("--queue-depth", type=int, default=2)
@@ -95,38 +89,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="diffusion steps launched ahead of the device (1: plan after the previous step ends)",
     )
     p.add_argument(
-        "--prewarm",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="warm the engine up first (Engine.warm_up: every step shape, captures; default: on)",
-    )
-    p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
-    p.add_argument(
-        "--capture-filling",
-        action="store_true",
-        help="also graph-capture the ring-filling steps (PipelineConfig.capture_filling; prewarm runs "
-        "an extra stream to capture them)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile)",
-    )
-    p.add_argument(
-        "--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)"
-    )
-    p.add_argument(
         "--gil-switch-ms",
         type=float,
         default=PipelineConfig.gil_switch_ms,
         help="Python's thread switch interval while a CUDA decode thread runs (PipelineConfig.gil_switch_ms; "
         "0: leave Python's 5 ms)",
-    )
-    p.add_argument(
-        "--decoder-fast",
-        default=None,
-        choices=list(DECODER_FAST),
-        help="the Wan decoder's fast path (cadence.runtime.vae_fast; default: compile on CUDA, off on the CPU)",
     )
     p.add_argument(
         "--lead-ms",
@@ -137,31 +104,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "+ 20 ms, at least one chunk of media)",
     )
     p.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor-parallel diffusion over N GPUs (run under torchrun --nproc_per_node N): every rank "
-        "diffuses its shard and decodes on a side stream of its own GPU; rank 0 records",
-    )
-    p.add_argument(
-        "--comm", default="auto", help="row-parallel comm mode with --tp > 1 (see cadence bench step)"
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="CPU: torch intra-op threads (default 0: the warm-up picks 1 or 2)",
-    )
-    p.add_argument(
         "--no-overlap",
         action="store_true",
         help="decode right after each step in the same thread (the serial reference)",
     )
-    from cadence.serve.config import (
-        add_weight_flags,  # torch-free flag definitions shared with serve / generate
-    )
-
-    add_weight_flags(p)
+    add_engine_flags(
+        p
+    )  # --model/--preset, the files, the fast path, --decode-device/--decode-gpu, --tp, --warmup
     add_record_flags(p)
     a = p.parse_args(argv)
     if a.chunks < 2:
@@ -173,6 +122,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
     return a
+
+
+def bench_spec(args):
+    """The ``EngineSpec`` of the words: the shared flags, plus this benchmark's geometry (``--window``,
+    ``--layers``) and cache (``--cache naive``: the baseline, FP8 K/V and graphs off unless asked)."""
+    over: dict = {}
+    if args.cache:
+        over["stream"] = {"cache": args.cache}
+    if args.window:
+        over.setdefault("stream", {})["window_chunks"] = args.window
+    if args.layers:
+        over["model"] = {"num_layers": args.layers}
+    spec = spec_from_args(args, overrides=over)
+    if args.cache == "naive":
+        import dataclasses
+
+        off = {k: False for k in ("kv_fp8", "graphs") if getattr(spec.fast, k) is None}
+        spec = dataclasses.replace(spec, fast=dataclasses.replace(spec.fast, **off))
+    return spec
 
 
 def playout_misses(timings: list, chunk_ms: float, lead_ms: float) -> list[float]:
@@ -323,7 +291,7 @@ def _main(args, info) -> int:
     import logging
 
     from cadence.engine.build import build_engine
-    from cadence.engine.spec import FastPath
+    from cadence.engine.recipe import resolve
 
     rank0 = info is None or info.rank == 0
     logging.basicConfig(
@@ -331,64 +299,34 @@ def _main(args, info) -> int:
         format="%(name)s: %(message)s" if info is None else f"[rank{info.rank}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    from cadence.engine.spec import base_config
-    from cadence.serve.config import model_kwargs
-
-    model = model_kwargs(args)
-    get_preset(args.preset)
-    cfg = base_config(args.preset, model["model"], model["overrides"])
-    cuda = torch.cuda.is_available()
+    spec = bench_spec(args)
     if info is not None:
         device = info.device
     else:
-        device = torch.device(args.device or ("cuda:0" if cuda else "cpu"))
+        device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda:0")
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    # the CPU presets decode with their own decoder; the GPU presets with the full Wan VAE unless told
-    decoder = args.decoder or (
-        cfg.vae.decoder if cfg.name in ("tiny", "character") or cfg.vae.decoder != "standin" else "wan"
-    )
-    over = {"stream": {"cache": args.cache, "kv_fp8": args.kv_fp8}}
-    if args.window:
-        over["stream"]["window_chunks"] = args.window
-    if args.layers:
-        over["model"] = {"num_layers": args.layers}
-    cfg = cfg.with_overrides(**over)
-    # under TP every rank decodes its own copy on a side stream of its GPU (the same work on every
-    # rank keeps the ranks in step at the all-reduces); only rank 0's frames are used
-    decode_device = (
-        "same"
-        if info is not None
-        else (f"cuda:{args.decode_gpu}" if args.decode_gpu is not None else args.decode_device)
-    )
+    # what `cadence serve` builds from the same words on this device (cadence.engine.recipe); under TP every
+    # rank decodes its own copy on a side stream of its GPU (the same work on every rank keeps the ranks in
+    # step at the all-reduces); only rank 0's frames are used
+    recipe = resolve(spec, str(device))
     pcfg = PipelineConfig(
         diffusion_devices=(str(device),),
-        decode_device=decode_device,
+        decode_device=recipe.decode_device,
         max_graphs=args.max_graphs,
         queue_depth=args.queue_depth,
         steps_in_flight=args.steps_in_flight,
         overlap=not args.no_overlap,
         gil_switch_ms=args.gil_switch_ms,
     )
-    fast = FastPath(
-        dtype=str(dtype).replace("torch.", ""),
-        decoder=decoder,
-        kv_fp8=args.kv_fp8,
-        fp8_linears=args.fp8,
-        graphs=False if args.cache != "ring" else args.graphs,
-        capture_filling=args.capture_filling,
-        compile=args.compile,
-        comm=args.comm,
-        threads=args.threads,
-        decoder_fast=args.decoder_fast,
-    )
-    eng = build_engine(cfg, device, fast, tp=info, pipeline=pcfg, seed=0)
+    if rank0:
+        print(recipe.describe().text(), file=sys.stderr)
+    eng = build_engine(recipe, device, tp=info, pipeline=pcfg)
     if rank0:
         if info is not None:
             print(
                 f"tp: {info.world_size} ranks ({info.backend}), shards built on {eng.applied.get('tp_build')}, "
-                f"comm {args.comm}",
+                f"comm {recipe.fast.comm}",
                 file=sys.stderr,
             )
         print(
@@ -396,7 +334,7 @@ def _main(args, info) -> int:
             file=sys.stderr,
         )
     try:
-        return _measure(args, info, eng.gen.cfg, eng, device, dtype, decoder, rank0)
+        return _measure(args, info, recipe, eng, device, rank0)
     finally:
         # free the kept session and its graphs before the process group goes (graphs that captured
         # NCCL calls keep the communicator busy: destroying it under them hangs at exit)
@@ -405,7 +343,8 @@ def _main(args, info) -> int:
             torch.cuda.synchronize(device)
 
 
-def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
+def _measure(args, info, recipe, eng, device, rank0) -> int:
+    cfg = eng.gen.cfg
     g = torch.Generator().manual_seed(0)
     n = args.chunks
     image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
@@ -415,33 +354,33 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
     skip = min(n - 2, cfg.stream.window_chunks + 1)
 
     warm = None
-    if args.prewarm:
-        warm = eng.warm_up(decode=True, threads=args.threads)
+    if recipe.warmup:
+        warm = eng.warm_up(chunks=recipe.warmup_chunks, decode=True, threads=recipe.fast.threads)
         if rank0:
             print(
-                f"warm-up: {warm['streams']} streams in {warm['ms'] / 1e3:.2f} s, cold ttff "
-                f"{warm['first_stream_ttff_ms']} ms, paced chunk {warm['steady_chunk_ms']} ms, interval "
-                f"{warm['interval_ms']} ms, threads {warm['threads']}",
+                f"warm-up: {warm.streams} streams in {warm.ms / 1e3:.2f} s, cold ttff "
+                f"{warm.first_stream_ttff_ms} ms, paced chunk {warm.steady_chunk_ms} ms, interval "
+                f"{warm.interval_ms} ms, threads {warm.threads}",
                 file=sys.stderr,
             )
     lead_ms, lead_from = args.lead_ms, "--lead-ms"
     if lead_ms is None:
-        paced = warm.get("steady_chunk_ms") if warm else None
+        paced = warm.steady_chunk_ms if warm else None
         lead_ms = max(deadline_ms, paced * 1.15 + 20) if paced else deadline_ms
         lead_from = "auto (warm-up paced chunk x 1.15 + 20 ms)" if paced else "one chunk"
     outs = run_once(eng, cfg, image, audio, n, seed=0)
     lr = eng.last_run
     res = summarize(outs, cfg, deadline_ms, skip, ttff_ms=lr.get("ttff_ms"), lead_ms=lead_ms)
-    res["lead_from"] = lead_from
-    res["graphs"] = lr.get("graphs")
     res.update(
-        prewarm=bool(args.prewarm),
+        lead_from=lead_from,
+        graphs=lr.get("graphs"),
+        prewarm=warm is not None,
         session=lr.get("session"),
         open_ms=lr.get("open_ms"),
         first_chunk_step=lr.get("first_chunk", {}).get("step"),
         window_chunks=cfg.stream.window_chunks,
-        ttff_cold_ms=warm["first_stream_ttff_ms"] if warm else res["ttff_ms"],
-        chunk_paced_ms=warm["steady_chunk_ms"] if warm else None,
+        ttff_cold_ms=warm.first_stream_ttff_ms if warm else res["ttff_ms"],
+        chunk_paced_ms=warm.steady_chunk_ms if warm else None,
         threads=torch.get_num_threads(),
         overlap=not args.no_overlap,
         switch_interval_ms=round(sys.getswitchinterval() * 1e3, 3),
@@ -450,42 +389,22 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
     run_once(eng, cfg, image, audio, 1, seed=0)
     res.update(ttff_repeat_ms=eng.last_run.get("ttff_ms"), open_repeat_ms=eng.last_run.get("open_ms"))
     if warm:
-        res.update(
-            prewarm_s=warm["ms"] / 1e3,
-            prewarm_chunks=warm["chunks"],
-            prewarm_graphs=warm.get("graphs"),
-            warmup=warm,
-        )
+        w = warm.as_dict()
+        res.update(prewarm_s=warm.ms / 1e3, prewarm_chunks=warm.chunks, prewarm_graphs=w["graphs"], warmup=w)
     res.update(
         fast=eng.describe(),
-        fp8=bool(args.fp8),
-        compile=bool(args.compile),
+        fp8=bool(recipe.fast.fp8_linears),
+        compile=bool(recipe.fast.compile),
         fp8_layers=eng.applied.get("fp8_linears"),
         compile_info=eng.applied.get("compile"),
     )
     runs = {"steady conditioning": outs}
     res["shape_changes"] = 0
     if args.shape_change_every:
-        k = args.shape_change_every
-        L = cfg.model.text_len
-        lengths = [L, max(1, L // 2), max(1, (3 * L) // 4), max(1, L // 4), L]
-        tg = torch.Generator().manual_seed(1)
-        embs = {x: torch.randn(x, cfg.model.text_dim, generator=tg) for x in set(lengths)}
-        prompts = {i: embs[lengths[(i // k) % len(lengths)]] for i in range(k, n, k)}
-        changes = sum(
-            1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)]
-        )
-        outs2 = run_once(eng, cfg, image, audio, n, seed=0, prompts=prompts)
-        sc = summarize(outs2, cfg, deadline_ms, skip, ttff_ms=eng.last_run.get("ttff_ms"), lead_ms=lead_ms)
-        sc["graphs"] = eng.last_run.get("graphs")
-        # recovery: diffusion time in the last chunk before each change vs the steady run's median
-        before = [outs2[i - 1].timings.diffusion_ms for i in prompts if i - 1 >= skip]
-        sc["diffusion_ms_before_change_p50"] = median(before) if before else None
-        sc["every"] = k
-        sc["lengths"] = lengths
+        outs2, sc, changes = _shape_change_run(args, eng, cfg, image, audio, deadline_ms, skip, lead_ms)
         res["shape_changes"] = changes
         res["shape_change_run"] = sc
-        runs[f"conditioning length changes every {k} chunks"] = outs2
+        runs[f"conditioning length changes every {args.shape_change_every} chunks"] = outs2
     res["per_chunk"] = [
         dict(
             i=o.index,
@@ -497,10 +416,49 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
         )
         for o in outs
     ]
+    if info is not None:
+        res["tp_comm"] = recipe.fast.comm
+    if not rank0:
+        return 0
+    dtype = recipe.fast.dtype
+    print_table(
+        _rows(res, eng, info, recipe, lead_ms, lead_from, warm),
+        f"bench pipeline: {cfg.name}, {n} chunks, {device}, {dtype}",
+    )
+    if args.no_record:
+        return 0
+    _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms, lead_ms)
+    return 0
 
+
+def _shape_change_run(args, eng, cfg, image, audio, deadline_ms: float, skip: int, lead_ms: float):
+    """The second run: the conditioning length cycling every ``--shape-change-every`` chunks (the graph
+    runner's fallback, LRU and recapture bounds). Returns (chunks, summary, number of length changes)."""
+    n, k = args.chunks, args.shape_change_every
+    L = cfg.model.text_len
+    lengths = [L, max(1, L // 2), max(1, (3 * L) // 4), max(1, L // 4), L]
+    tg = torch.Generator().manual_seed(1)
+    embs = {x: torch.randn(x, cfg.model.text_dim, generator=tg) for x in set(lengths)}
+    prompts = {i: embs[lengths[(i // k) % len(lengths)]] for i in range(k, n, k)}
+    changes = sum(
+        1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)]
+    )
+    outs2 = run_once(eng, cfg, image, audio, n, seed=0, prompts=prompts)
+    sc = summarize(outs2, cfg, deadline_ms, skip, ttff_ms=eng.last_run.get("ttff_ms"), lead_ms=lead_ms)
+    sc["graphs"] = eng.last_run.get("graphs")
+    # recovery: diffusion time in the last chunk before each change vs the steady run's median
+    before = [outs2[i - 1].timings.diffusion_ms for i in prompts if i - 1 >= skip]
+    sc["diffusion_ms_before_change_p50"] = median(before) if before else None
+    sc["every"] = k
+    sc["lengths"] = lengths
+    return outs2, sc, changes
+
+
+def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) -> list[tuple[str, str]]:
+    """The printed table."""
     rows = [
         ("placement", eng.placement.describe()),
-        ("decoder", f"{decoder}, fast path {eng.applied.get('decoder_fast')}"),
+        ("decoder", f"{recipe.config.vae.decoder}, fast path {eng.applied.get('decoder_fast')}"),
         ("fps (sustained)", f"{res['fps']:.1f} (throughput)"),
         (
             "latency p50 / p99 / max",
@@ -530,42 +488,45 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
     ]
     if "shape_change_run" in res:
         sc = res["shape_change_run"]
-        rows += [
+        rows.append(
             (
                 "shape-change run",
                 f"{res['shape_changes']} changes: fps {sc['fps']:.1f}, latency p99 "
                 f"{sc['latency_p99_ms']:.1f} ms, deadline miss {100 * sc['deadline_miss_rate']:.1f}%, "
                 f"graphs {sc['graphs']}",
             )
-        ]
+        )
     if info is not None:
         rows.insert(
             1,
             (
                 "tensor parallel",
-                f"{info.world_size} ranks, comm {args.comm}; every rank decodes on a side stream of its GPU",
+                f"{info.world_size} ranks, comm {recipe.fast.comm}; every rank decodes on a side stream of its GPU",
             ),
         )
-        res["tp_comm"] = args.comm
-    if not rank0:
-        return 0
-    print_table(rows, f"bench pipeline: {cfg.name}, {n} chunks, {device}, {str(dtype).replace('torch.', '')}")
-    if args.no_record:
-        return 0
+    return rows
+
+
+def _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms: float, lead_ms: float) -> None:
+    """The JSON record (BENCHMARKS.md bench "pipeline", with the recipe) and the timeline PNG."""
+    fast, stream = recipe.fast, cfg.stream
+    decoder = cfg.vae.decoder
     variant = "-".join(
         v
         for v in (
             "graphs" if eng.cfg.graphs else "eager",
             f"dec{eng.placement.decode_device.replace(':', '')}",
-            args.cache,
-            "kvfp8" if args.kv_fp8 else "",
+            stream.cache,
+            "kvfp8" if stream.kv_fp8 else "",
             decoder,
-            f"dec{args.decoder_fast}" if args.decoder_fast and decoder == "wan" else "",
-            "fp8" if args.fp8 else "",
-            "compile" if args.compile else "",
-            "capfill" if args.capture_filling else "",
+            f"dec{fast.decoder_fast}"
+            if decoder == "wan" and fast.decoder_fast not in ("off", "compile")
+            else "",
+            "fp8" if fast.fp8_linears else "",
+            "compile" if fast.compile else "",
+            "capfill" if fast.capture_filling else "",
             f"w{args.window}" if args.window else "",
-            "" if args.prewarm else "noprewarm",
+            "" if recipe.warmup else "noprewarm",
             f"l{args.layers}" if args.layers else "",
         )
         if v
@@ -573,23 +534,23 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
     world = len({eng.placement.diffusion_device, eng.placement.decode_device} - {"cpu"}) or 1
     if info is not None:
         world = info.world_size if device.type == "cuda" else 1
-        variant += f"-{args.comm}"
-    shape = cfg.shape_summary()
+        variant += f"-{fast.comm}"
     path = record(
         "pipeline",
         cfg.name,
-        args.tp,
+        recipe.tp,
         device,
-        shape,
+        cfg.shape_summary(),
         res,
         variant=variant,
         out_dir=results_dir(args),
         world=world,
         extra={
             "placement": eng.placement.describe(),
-            "dtype": str(dtype).replace("torch.", ""),
+            "dtype": fast.dtype,
             "decoder": decoder,
             "layers": cfg.model.num_layers,
+            "recipe": recipe.describe().as_dict(),
         },
         headline=f"{res['fps']:.1f} fps, latency p50 {res['latency_p50_ms']:.1f} / p99 "
         f"{res['latency_p99_ms']:.1f} ms, diffusion {res['diffusion_ms']:.1f} / decode {res['decode_ms']:.1f} ms, "
@@ -601,4 +562,3 @@ def _measure(args, info, cfg, eng, device, dtype, decoder, rank0) -> int:
         print(f"wrote {path} and {png.name}")
     else:
         print(f"wrote {path} (no matplotlib: no PNG)")
-    return 0

@@ -34,7 +34,8 @@ import statistics
 import sys
 
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
+from cadence.engine.flags import add_engine_flags, spec_from_args
+from cadence.serve.config import add_serve_flags
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -44,13 +45,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--seconds", type=float, default=10.0, help="seconds to stream per session after its first frame"
     )
     p.add_argument("--url", default=None, help="a running server (default: start one here on loopback)")
-    p.add_argument(
-        "--preset", default="character", help="preset of the self-started server (default: character)"
-    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="self-started server's groups")
-    p.add_argument(
-        "--tp", type=int, default=1, help="GPUs (CPU: gloo ranks) per worker group: tensor parallel"
-    )
     p.add_argument(
         "--speak-after", type=float, default=1.0, help="push speech this long after the first frame"
     )
@@ -107,8 +102,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=10.0,
         help="print each session's live status this often, in seconds (0: never)",
     )
-    add_engine_flags(p)
-    add_weight_flags(p)
+    add_engine_flags(
+        p
+    )  # the self-started server's engine: the words `cadence serve` takes (--tp: GPUs per group)
+    add_serve_flags(p)
     add_record_flags(p)
     a = p.parse_args(argv)
     if a.sessions < 1:
@@ -240,6 +237,7 @@ def _workers(cfg: dict) -> list[dict]:
         "lead_ms",
         "build_ms",
         "fast_path",
+        "recipe",
         "notes",
         "warmup",
         "frame_transport",
@@ -274,53 +272,19 @@ def _fleet(args):
 def main(argv: list[str]) -> int:
     import logging
 
-    import torch
-
-    from cadence.bench.common import print_table, record
-    from cadence.serve.config import ServeConfig
-    from cadence.serve.server import ServerThread
+    from cadence.errors import CadenceError
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     args = parse(argv)
-    srv = None
-    cluster = None
+    srv = cluster = None
     url = args.url
     if url is None:
-        from cadence.errors import CadenceError
-        from cadence.serve.config import serve_groups
-
-        gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
         try:
-            groups = serve_groups(args.device, args.tp, args.sessions, gpus, args.decode_gpu)
-            model = model_kwargs(args)
+            srv, cluster = _start_server(args)
         except CadenceError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
-        if args.ray:
-            fleet, cluster = _fleet(args)
-            extra["fleet"] = fleet
-        start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
-        srv = ServerThread(
-            ServeConfig(
-                preset=args.preset,
-                port=0,
-                groups=groups,
-                max_duration_s=args.seconds + 120,
-                worker_start_timeout_s=start_timeout,
-                timeline_window_s=args.window_s,
-                **model,
-                **engine_kwargs(args),
-                **extra,
-            )
-        ).start(timeout=start_timeout + 60)
         url = srv.url
-        print(
-            f"server: {url} ({args.preset}, {len(groups)} group(s) on {args.device}"
-            + (f", a Ray fleet at {extra['fleet'].address}" if args.ray else "")
-            + ")",
-            file=sys.stderr,
-        )
     try:
         cfg, results = asyncio.run(
             _drive(
@@ -339,6 +303,55 @@ def main(argv: list[str]) -> int:
             srv.stop()
         if cluster is not None:
             cluster.shutdown()  # its fleet's groups removed, then the cluster
+    res, ok, errors = _results(args, cfg, results, srv, url)
+    _print_results(args, cfg, res, ok, errors)
+    if not args.no_record:
+        _record(args, cfg, res, ok)
+    return 0 if not errors else 1
+
+
+def _start_server(args):
+    """The self-started server (its worker groups in their own processes; ``--ray``: a fleet front end):
+    ``(ServerThread, LocalCluster or None)``. A ``CadenceError`` for what cannot be built."""
+    import torch
+
+    from cadence.engine.recipe import resolve
+    from cadence.serve.config import ServeConfig, serve_groups
+    from cadence.serve.server import ServerThread
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
+    spec = spec_from_args(args)
+    groups = serve_groups(args.device, spec.tp, args.sessions, gpus, spec.decode_gpu)
+    print(resolve(spec, groups[0]).describe().text(), file=sys.stderr)  # what group 0 builds
+    extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
+    cluster = None
+    if args.ray:
+        fleet, cluster = _fleet(args)
+        extra["fleet"] = fleet
+    start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
+    srv = ServerThread(
+        ServeConfig(
+            engine=spec,
+            port=0,
+            groups=groups,
+            max_duration_s=args.seconds + 120,
+            worker_start_timeout_s=start_timeout,
+            timeline_window_s=args.window_s,
+            frame_transport=args.frame_transport,
+            **extra,
+        )
+    ).start(timeout=start_timeout + 60)
+    print(
+        f"server: {srv.url} ({spec.model}, {len(groups)} group(s) on {args.device}"
+        + (f", a Ray fleet at {extra['fleet'].address}" if args.ray else "")
+        + ")",
+        file=sys.stderr,
+    )
+    return srv, cluster
+
+
+def _results(args, cfg: dict, results, srv, url: str) -> tuple[dict, list, list[str]]:
+    """The BENCHMARKS.md ``serve`` keys (and more) over the sessions: ``(results, sessions ok, errors)``."""
     errors = [r.error or f"HTTP {r.status_code}" for r in results if r.error or r.status_code != 201]
     ok = [r for r in results if not (r.error or r.status_code != 201)]
     fps = [r.report.get("fps_mean", 0.0) for r in ok] + [0.0] * (len(results) - len(ok))
@@ -367,7 +380,7 @@ def main(argv: list[str]) -> int:
             / max(1, sum(r.report.get("chunks", {}).get("done", 0) for r in ok)),
             4,
         ),
-        "decode_gpu": args.decode_gpu,
+        "decode_gpu": getattr(args, "decode_gpu", None),
         "chunk_latency_ms_p50": _p50([r.report.get("chunk_latency_ms_p50") for r in ok]),
         "chunk_latency_ms_p99": _p50([r.report.get("chunk_latency_ms_p99") for r in ok]),
         "diffusion_ms_p50": _p50([r.report.get("diffusion_ms_p50") for r in ok]),
@@ -395,6 +408,12 @@ def main(argv: list[str]) -> int:
         "server": "self-started" if srv is not None else url,
         "ray": args.ray,
     }
+    return res, ok, errors
+
+
+def _print_results(args, cfg: dict, res: dict, ok: list, errors: list[str]) -> None:
+    from cadence.bench.common import print_table
+
     print_table(
         [(k, str(v)) for k, v in res.items() if k != "error_messages"],
         f"bench serve: {args.sessions} session(s), {args.seconds:.0f} s, preset {cfg.get('preset')}",
@@ -418,47 +437,53 @@ def main(argv: list[str]) -> int:
             )
     for e in errors[:10]:
         print(f"  error: {e}", file=sys.stderr)
-    if not args.no_record:
-        device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-        shape = {
-            "width": cfg.get("width"),
-            "height": cfg.get("height"),
-            "fps": cfg.get("fps"),
-            "frames_per_chunk": cfg.get("frames_per_chunk"),
-            "audio_samples_per_chunk": cfg.get("audio_samples_per_chunk"),
-            "chunk_ms": cfg.get("chunk_ms"),
-        }
-        headline = (
-            f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
-            f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms, "
-            f"chunk latency p50/p99 {res['chunk_latency_ms_p50']}/{res['chunk_latency_ms_p99']} ms, "
-            f"deadline misses {res['deadline_misses']}/{res['chunks_done']} at lead {res['lead_ms']} ms"
-        )
-        path = record(
-            "serve",
-            cfg.get("preset", args.preset),
-            args.tp,
-            device,
-            shape,
-            res,
-            variant=f"s{args.sessions}"
-            + ("-compile" if getattr(args, "compile", False) else "")
-            + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
-            + (f"-{args.video_codec.lower()}" if args.video_codec else "")
-            + ("-ray" if args.ray else "")
-            + (f"-{args.decoder}" if args.decoder else "")
-            + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else ""),
-            out_dir=results_dir(args),
-            # the decode GPU (shared by every single-GPU group) counts in the machine's size
-            world=(max(1, args.sessions) * args.tp + (args.decode_gpu is not None))
-            if args.device == "cuda"
-            else 1,
-            headline=headline,
-            extra={
-                "workers": _workers(cfg),
-                "timelines": [r.report.get("timeline") for r in ok],
-                "worker_chunks": [r.report.get("worker_chunks") for r in ok],
-            },
-        )
-        print(f"wrote {path}")
-    return 0 if not errors else 1
+
+
+def _record(args, cfg: dict, res: dict, ok: list) -> None:
+    import torch
+
+    from cadence.bench.common import record
+
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    shape = {
+        "width": cfg.get("width"),
+        "height": cfg.get("height"),
+        "fps": cfg.get("fps"),
+        "frames_per_chunk": cfg.get("frames_per_chunk"),
+        "audio_samples_per_chunk": cfg.get("audio_samples_per_chunk"),
+        "chunk_ms": cfg.get("chunk_ms"),
+    }
+    headline = (
+        f"{args.sessions} session(s): fps mean {res['fps_mean']} min {res['fps_min']}, "
+        f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms, "
+        f"chunk latency p50/p99 {res['chunk_latency_ms_p50']}/{res['chunk_latency_ms_p99']} ms, "
+        f"deadline misses {res['deadline_misses']}/{res['chunks_done']} at lead {res['lead_ms']} ms"
+    )
+    path = record(
+        "serve",
+        cfg.get("preset", args.model),
+        args.tp,
+        device,
+        shape,
+        res,
+        variant=f"s{args.sessions}"
+        + ("-compile" if args.fast_compile else "")
+        + (f"-{args.seconds:.0f}s" if args.seconds >= 120 else "")  # a soak has a file of its own
+        + (f"-{args.video_codec.lower()}" if args.video_codec else "")
+        + ("-ray" if args.ray else "")
+        + (f"-{args.fast_decoder}" if args.fast_decoder else "")
+        + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else ""),
+        out_dir=results_dir(args),
+        # the decode GPU (shared by every single-GPU group) counts in the machine's size
+        world=(max(1, args.sessions) * args.tp + (args.decode_gpu is not None))
+        if args.device == "cuda"
+        else 1,
+        headline=headline,
+        extra={
+            "workers": _workers(cfg),
+            "recipe": (cfg.get("workers") or [{}])[0].get("recipe"),
+            "timelines": [r.report.get("timeline") for r in ok],
+            "worker_chunks": [r.report.get("worker_chunks") for r in ok],
+        },
+    )
+    print(f"wrote {path}")

@@ -373,6 +373,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
     p.add_argument(
+        "--fused-quant",
+        action="store_true",
+        help="with --fp8: the norms / GELU before an FP8 linear emit its FP8 input (FastPath.fused_quant)",
+    )
+    p.add_argument(
         "--fp8-quant",
         default=None,
         choices=["auto", "triton", "torch"],
@@ -567,8 +572,8 @@ def _build(args: argparse.Namespace, st: Setup):
     compile_report = None
     if args.compile:
         model, compile_report = apply_compile_or_exit(model)
-    if args.fp8:  # as build_engine: the norms / GELU before the FP8 linears emit their FP8 input (CUDA only)
-        from cadence.runtime.compile import apply_fused_quant
+    if args.fp8 and args.fused_quant:  # as build_engine (FastPath.fused_quant): the norms / GELU before the
+        from cadence.runtime.compile import apply_fused_quant  # FP8 linears emit their FP8 input (CUDA only)
 
         st.fused_quant = apply_fused_quant(model)
     return model, built, fp8_layers, compile_report

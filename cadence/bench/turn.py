@@ -39,7 +39,8 @@ import time
 import numpy as np
 
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.serve.config import add_engine_flags, add_weight_flags, engine_kwargs, model_kwargs
+from cadence.engine.flags import add_engine_flags, spec_from_args
+from cadence.serve.config import add_serve_flags
 
 SCRIPT = ("Hello there, nice to meet you.", "That sounds interesting, tell me more.", "I see. And then?")
 LOUD_RMS = 0.01  # a received 20 ms frame louder than this is the character speaking
@@ -50,9 +51,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=5, help="user turns (one every --period seconds)")
     p.add_argument("--speak", type=float, default=1.0, help="seconds of user speech per turn")
     p.add_argument("--period", type=float, default=7.0, help="seconds between the user's turns")
-    p.add_argument("--preset", default="character", help="preset (default: the shipped character)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--tp", type=int, default=1, help="GPUs per worker group")
     p.add_argument(
         "--agent-url", default=None, help="a real OpenAI-compatible endpoint (default: the scripted stand-in)"
     )
@@ -67,8 +66,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="the client is the page in headless Chromium (fake microphone; times on the page's clock) "
         "instead of an aiortc client",
     )
-    add_engine_flags(p)
-    add_weight_flags(p)
+    add_engine_flags(p)  # the server's engine: the words `cadence serve` takes (--tp: GPUs per worker group)
+    add_serve_flags(p)
     add_record_flags(p)
     a = p.parse_args(argv)
     if not 1 <= a.turns <= 100 or a.period < a.speak + 3:
@@ -110,6 +109,20 @@ class ScriptedEndpoint:
 
     def __exit__(self, *exc) -> None:
         self.app.__exit__(*exc)
+
+
+def _microphone(args) -> np.ndarray:
+    """One turn of the user's microphone: 1 s of quiet, ``--speak`` s of speech, quiet until the next turn
+    (the page's microphone runs noise suppression: with ``--browser`` a real voice, espeak-ng, if there is
+    one; else the voiced stand-in)."""
+    speech = voiced(args.speak)
+    if args.browser:
+        from cadence.serve.agent import espeak_binary, synthesize
+
+        if espeak_binary() is not None:
+            speech = synthesize("Hello there. Who are you?")[: int(args.speak * 48_000)]
+    quiet = np.zeros(int((args.period - 1.0 - args.speak) * 48_000), np.float32)
+    return np.concatenate([np.zeros(48_000, np.float32), speech, quiet])
 
 
 def voiced(seconds: float) -> np.ndarray:
@@ -228,10 +241,9 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from cadence.bench.common import print_table, record
     from cadence.devtools.client import run_client
+    from cadence.engine.recipe import resolve
     from cadence.errors import CadenceError
-    from cadence.serve.agent import VoiceActivity
     from cadence.serve.config import ServeConfig, serve_groups
     from cadence.serve.server import ServerThread
 
@@ -239,32 +251,20 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
     try:
-        groups = serve_groups(args.device, args.tp, 1, gpus)
-        model = model_kwargs(args)
+        spec = spec_from_args(args)
+        groups = serve_groups(args.device, spec.tp, 1, gpus, spec.decode_gpu)
     except CadenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
     seconds = args.turns * args.period + 1.0
-    speech = voiced(args.speak)
-    if args.browser:  # the page's microphone runs noise suppression: a real voice (espeak-ng) if there is one
-        from cadence.serve.agent import espeak_binary, synthesize
-
-        if espeak_binary() is not None:
-            speech = synthesize("Hello there. Who are you?")[: int(args.speak * 48_000)]
-    mic = np.concatenate(
-        [
-            np.zeros(48_000, np.float32),
-            speech,
-            np.zeros(int((args.period - 1.0 - args.speak) * 48_000), np.float32),
-        ]
-    )
+    mic = _microphone(args)
     stand_in = args.agent_url is None
     with contextlib.ExitStack() as stack:
         url = args.agent_url or stack.enter_context(ScriptedEndpoint())
         srv = ServerThread(
             ServeConfig(
-                preset=args.preset,
+                engine=spec,
                 port=0,
                 groups=groups,
                 max_duration_s=seconds + 120,
@@ -272,12 +272,13 @@ def main(argv: list[str]) -> int:
                 agent_url=url,
                 agent_model=args.agent_model,
                 agent_tts_model="stand-in" if stand_in else args.agent_tts_model,
-                **model,
-                **engine_kwargs(args),
+                frame_transport=args.frame_transport,
             )
         ).start(timeout=start_timeout + 60)
         stack.callback(srv.stop)
-        print(f"server: {srv.url} ({args.preset} on {groups[0]}), agent endpoint {url}", file=sys.stderr)
+        print(f"server: {srv.url} ({spec.model} on {groups[0]}), agent endpoint {url}", file=sys.stderr)
+        recipe = resolve(spec, groups[0])
+        print(recipe.describe().text(), file=sys.stderr)
         if args.browser:
             try:
                 report, rows = run_browser(srv.url, seconds, mic)
@@ -290,6 +291,16 @@ def main(argv: list[str]) -> int:
                 print(f"error: {res.error}", file=sys.stderr)
                 return 2
             report, rows = res.report, measure(res, args)
+    return _finish(args, rows, report, url, stand_in, spec, recipe)
+
+
+def _finish(args, rows: list[dict], report: dict, url: str, stand_in: bool, spec, recipe) -> int:
+    """The per-turn figures' medians: printed, and recorded with the recipe (bench "turn")."""
+    import torch
+
+    from cadence.bench.common import print_table, record
+    from cadence.serve.agent import VoiceActivity
+
     stop_ms = VoiceActivity().stop_s * 1e3
 
     def p50(key):
@@ -318,21 +329,22 @@ def main(argv: list[str]) -> int:
     }
     print_table(
         [(k, str(v)) for k, v in out.items() if k != "per_turn"],
-        f"bench turn: {args.preset} on {args.device}, {len(rows)} turn(s)",
+        f"bench turn: {spec.model} on {args.device}, {len(rows)} turn(s)",
     )
     if args.no_record:
         return 0
     dev = torch.device("cuda" if args.device == "cuda" else "cpu")
     path = record(
         "turn",
-        args.preset,
-        args.tp,
+        spec.model,
+        spec.tp,
         dev,
         {"turns": args.turns, "speak_s": args.speak, "period_s": args.period},
         out,
         variant="browser" if args.browser else None,
         out_dir=results_dir(args),
-        world=args.tp,
+        world=spec.tp,
+        extra={"recipe": recipe.describe().as_dict()},
         headline=f"agent audio -> heard {out['audio_to_heard_ms_p50']} ms p50; user end -> heard "
         f"{out['user_end_to_heard_ms_p50']} ms p50",
     )

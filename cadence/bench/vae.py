@@ -22,7 +22,8 @@ import torch
 
 from cadence.bench.common import Timer, median, p99, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.engine.spec import DECODER_FAST
+from cadence.engine.flags import add_fast_path_flags, fast_path_from_args
+from cadence.errors import CadenceError
 
 DEADLINE_MS = 4 / 24 * 1e3
 
@@ -30,9 +31,6 @@ DEADLINE_MS = 4 / 24 * 1e3
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cadence bench vae", description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=["2.1", "2.2"], default="2.2", help="Wan VAE geometry")
-    p.add_argument(
-        "--decoder", choices=["wan", "taehv"], default="wan", help="full Wan decoder or the tiny one"
-    )
     p.add_argument("--height", type=int, default=704)
     p.add_argument("--width", type=int, default=1088)
     p.add_argument("--chunks", type=int, default=20, help="timed further chunks")
@@ -43,39 +41,52 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--base-dim", type=int, default=None, help="override the decoder width (tiny CPU smoke runs)"
     )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "bf16", "fp16", "fp32"],
-        default="auto",
-        help="auto: bf16 on CUDA, fp32 on CPU",
-    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--channels-last", action="store_true", help="channels_last(_3d) weights and activations")
     p.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder (eager on failure)")
-    p.add_argument(
-        "--fast",
-        choices=list(DECODER_FAST),
-        default=None,
-        help="the Wan decoder's fast path as the pipeline applies it (cadence.runtime.vae_fast: cl = "
-        "channels-last, compile = cl + torch.compile, fold = compile + temporal convs as one conv2d, fp8 = "
-        "compile + the up blocks' big convs in FP8, backend from CADENCE_CONV_FP8); "
-        "replaces --channels-last/--compile for the wan decoder",
-    )
     p.add_argument(
         "--compare-diffusers", action="store_true", help="also time diffusers' whole-latent decode"
     )
     p.add_argument(
         "--diffusers-frames", type=int, default=3, help="K: diffusers decodes 1 and 1 + K latent frames"
     )
+    # the engine flags that concern a decoder (cadence.engine.flags): --dtype (auto / bf16 / ...), --decoder
+    # (wan: the full Wan decoder, the default; taehv: the tiny one), --decoder-fast (alias --fast: the Wan
+    # decoder's fast path as the pipeline applies it, cadence.runtime.vae_fast; it replaces --channels-last /
+    # --compile for the wan decoder; fp8's backend from CADENCE_CONV_FP8)
+    add_fast_path_flags(p, only=("dtype", "decoder", "decoder_fast"))
     add_record_flags(p)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.dtype = a.fast_dtype or "auto"
+    a.decoder = a.fast_decoder or "wan"
+    a.fast = a.fast_decoder_fast
+    if a.decoder not in ("wan", "taehv"):
+        p.error(f"--decoder must be wan or taehv here (the stand-in has no decoder to time), got {a.decoder}")
+    return a
+
+
+def recipe_of(args) -> dict:
+    """The engine recipe these flags describe (the preset of the variant's geometry at this size): what
+    ``bench pipeline`` would decode with, recorded with the figures."""
+    import dataclasses
+
+    from cadence.engine.recipe import EngineSpec, resolve
+
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    spec = EngineSpec(
+        model="w14" if args.variant == "2.2" else "w1.3",
+        overrides={"stream": {"height": args.height, "width": args.width}},
+        fast=dataclasses.replace(fast_path_from_args(args), decoder=args.decoder),  # the decoder timed
+    )
+    return resolve(spec, device).describe()
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    return getattr(torch, names.get(name, name))
 
 
 def _channels_last(module: torch.nn.Module) -> None:
@@ -270,6 +281,7 @@ def run(args: argparse.Namespace) -> dict:
             variant=variant,
             out_dir=results_dir(args),
             command=getattr(args, "command", None),
+            extra={"recipe": args.recipe.as_dict()} if getattr(args, "recipe", None) else None,
             headline=f"{args.decoder} decode {per:.1f} ms per {frames_per_chunk}-frame chunk"
             + (
                 f" (diffusers {results['diffusers_per_chunk_ms']:.1f})"
@@ -302,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     args.command = "cadence bench vae " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        args.recipe = recipe_of(args)
+        print(args.recipe.text(), file=sys.stderr)
+    except CadenceError as e:  # a size no preset takes (not a multiple of its patch): the figures still stand
+        args.recipe = None
+        print(f"(no engine recipe for this geometry: {e})", file=sys.stderr)
     run(args)
     return 0
 

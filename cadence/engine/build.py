@@ -1,25 +1,28 @@
 """``build_engine``: the one place a model is assembled with its fast paths, for every caller.
 
-    eng = build_engine(get_preset("w14"), "cuda:0", FastPath(fp8_linears=True, compile=True), tp=info)
+    recipe = resolve(EngineSpec(model="w14", fast=FastPath(compile=True)), "cuda:0")   # cadence.engine.recipe
+    eng = build_engine(recipe, tp=info)              # or build_engine(cfg, "cuda:0", FastPath(...)): the same,
+                                                     # through recipe_for(cfg, ...)
 
 The order, and why (torchtitan's ``parallelize`` / gpt-fast's ``tp.py`` shape: a plain model, everything
 else applied from outside):
 
-1. **Resolve the fast path** for the device (``FastPath.resolve``: automatic options on for CUDA, off on the
-   CPU; a note for each asked-for option that cannot apply) and fold what changes the model's shapes into
-   the config: the decoder, the ring cache (forced by CUDA graphs: fixed addresses), FP8 K/V.
+1. **The recipe** (``cadence.engine.recipe``): the fast path resolved for the device and the family's rules,
+   the shape-changing choices (decoder, ring cache, FP8 K/V, weights entry) folded into the config. Nothing
+   is decided here any more: this module builds what the recipe says.
 2. **Build on ``meta``, then allocate** on the device: no random initialisation of weights about to be
    overwritten, no full-size copy on the host.
-3. **Load weights** (``cfg.model.weights``) or initialise randomly from ``seed``; the VAE / decoder load
-   their own (``cfg.vae.weights``).
+3. **Load weights** (``cfg.model.weights``, the recipe's entry of a family's file) or initialise randomly from
+   the recipe's seed; the VAE / decoder load their own (``cfg.vae.weights``).
 4. **Tensor parallelism** (``apply_tp`` over ``tp.group``): with random weights the model is sharded while
    still on ``meta`` and only this rank's shard is allocated (W57 does not fit a GPU whole); with a
    checkpoint the full weights load first and are sliced.
 5. **FP8 linears** (``apply_fp8``, after TP: it quantises the shards each rank holds; all or nothing).
-6. **Compile** (``apply_compile``: the per-block elementwise math, after the FP8 swap), then the **fused FP8
-   producers** (``apply_fused_quant``, with FP8 linears, CUDA only: the norms / GELU before an FP8 linear emit
-   its FP8 input, wrapping the compiled ops).
-7. **Cache and graphs**: the session's cache follows the config (step 1); the engine owns a graph runner
+6. **Compile** (``apply_compile``: the per-block elementwise math, after the FP8 swap), then, with
+   ``FastPath.fused_quant``, the **fused FP8 producers** (``apply_fused_quant``, with FP8 linears, CUDA only: the
+   norms / GELU before an FP8 linear emit its FP8 input, wrapping the compiled ops).
+7. **Cache, session and graphs**: the session type and its policies follow the recipe's rules
+   (``cadence.engine.session.session_type``), its cache the config; the engine owns a graph runner
    (capturing only steady-state shapes, after warm-up; a tensor-parallel group agrees on every capture).
 8. **The Wan decoder's fast path** (``FastPath.decoder_fast``: channels-last, torch.compile, time-folded
    convs; ``cadence.runtime.vae_fast``) on the decode device's copy of the VAE; it compiles in the warm-up.
@@ -38,69 +41,11 @@ import torch
 
 from cadence.config import CadenceConfig, PipelineConfig, resolve_asset
 from cadence.engine.engine import Engine
+from cadence.engine.recipe import EngineRecipe, recipe_for
 from cadence.engine.session import StreamGenerator
 from cadence.engine.spec import FastPath
 
 log = logging.getLogger("cadence.engine")
-
-
-def choose_decoder(cfg: CadenceConfig, device: torch.device) -> str:
-    """The automatic decoder (``FastPath.decoder`` None): the preset's own on the CPU; on CUDA the tiny
-    streaming decoder when it has trained weights (``vae.taehv_weights``, or ``taehv.safetensors`` beside the
-    VAE) or when nothing has weights (random-weight benchmarks: the fast one), else the Wan VAE the given
-    weights are for (a random tiny decoder in front of real weights would draw noise)."""
-    from pathlib import Path
-
-    v = cfg.vae
-    if device.type != "cuda":
-        return v.decoder
-    trained_tiny = bool(v.taehv_weights) or bool(
-        v.weights and (Path(resolve_asset(v.weights)) / "taehv.safetensors").is_file()
-    )
-    if trained_tiny or not v.weights:
-        return "taehv"
-    return "wan"
-
-
-def engine_config(cfg: CadenceConfig, fast: FastPath, device: torch.device | None = None) -> CadenceConfig:
-    """``cfg`` with the shape-changing choices of a resolved ``fast`` folded in (decoder, ring cache, FP8 K/V)."""
-    stream: dict = {}
-    if fast.kv_fp8:
-        stream.update(cache="ring", kv_fp8=True)
-    if fast.graphs and cfg.stream.cache != "ring":
-        stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
-    if fast.attention != "auto":
-        stream["attention"] = fast.attention  # the ring's kernel (cadence.kernels.attention_backends)
-    if stream:
-        cfg = cfg.with_overrides(stream=stream)
-    decoder = fast.decoder or choose_decoder(cfg, device or torch.device("cpu"))
-    if decoder != cfg.vae.decoder:
-        cfg = cfg.with_overrides(vae={"decoder": decoder})
-    return cfg
-
-
-def clip_fast_path(cfg: CadenceConfig, fast: FastPath, notes: list[str]) -> FastPath:
-    """A clip-based family (``cadence.engine.clip``: FlashTalk) has no K/V stream and decodes inside its step with
-    the Wan VAE: the ring cache, FP8 K/V, CUDA graphs and another decoder do not apply (one note for those
-    asked for or on by default; the model's own fast paths, FP8 linears and compile, still do). ``fast``
-    unchanged for every other configuration."""
-    from cadence.engine.clip import is_clip_family
-
-    if not is_clip_family(cfg):
-        return fast
-    off = [n for n in ("graphs", "kv_fp8", "capture_filling") if getattr(fast, n)]
-    if fast.decoder not in (None, "wan"):
-        off.append(f"decoder {fast.decoder}")
-    if fast.decoder_fast not in (None, "off"):
-        off.append(f"decoder_fast {fast.decoder_fast}")
-    if off:
-        notes.append(
-            f"{cfg.model.family}: {', '.join(off)} off (clips are bidirectional, no K/V cache; each clip is "
-            "decoded and re-encoded by the Wan VAE inside its step)"
-        )
-    return dataclasses.replace(
-        fast, graphs=False, kv_fp8=False, capture_filling=False, decoder="wan", decoder_fast="off"
-    )
 
 
 def build_model_for(
@@ -163,28 +108,44 @@ def apply_decoder_fast(eng: Engine, mode: str | None, notes: list[str]) -> str:
 
 
 def build_engine(
-    cfg: CadenceConfig,
-    device: str | torch.device = "cpu",
+    what: EngineRecipe | CadenceConfig,
+    device: str | torch.device | None = None,
     fast: FastPath | None = None,
     tp=None,
     pipeline: PipelineConfig | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     graph_capture=None,
     on_chunk=None,
 ) -> Engine:
-    """The engine for ``cfg`` on ``device`` with ``fast`` applied (see the module docstring for the order).
+    """The engine a recipe describes (see the module docstring for the order); or, given a configuration, the
+    one ``recipe_for(cfg, device, fast)`` describes (``seed``: its random-weight seed, default 0).
 
-    ``tp``: this rank's ``cadence.parallel.TPInfo`` (a tensor-parallel group; every rank calls this with the
-    same arguments). ``pipeline``: placement and queues (default: decode on the diffusion device, on its own
-    stream / thread); its ``graphs`` and ``capture_filling`` follow ``fast``. ``graph_capture`` injects a
-    capture function (tests). ``on_chunk``: deliver finished chunks to this callback (the worker process)."""
+    ``device``: this rank's device (default: the recipe's first). ``tp``: this rank's ``cadence.parallel.TPInfo``
+    (a tensor-parallel group; every rank calls this with the same arguments). ``pipeline``: placement and
+    queues (default: decode where the recipe says, on its own stream / thread); its ``graphs``,
+    ``capture_filling`` and (when 0) ``prewarm_chunks`` follow the recipe. ``graph_capture`` injects a capture
+    function (tests). ``on_chunk``: deliver finished chunks to this callback (the worker process)."""
     t0 = time.monotonic()
-    device = torch.device(device)
+    if isinstance(what, EngineRecipe):
+        recipe = what
+        device = torch.device(device if device is not None else recipe.devices[0])
+    else:
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        tp_n = tp.world_size if tp is not None else 1
+        recipe = recipe_for(what, str(device), fast, tp=tp_n, seed=0 if seed is None else seed)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    fast, notes = (fast or FastPath()).resolve(str(device))
-    fast = clip_fast_path(cfg, fast, notes)
-    cfg = engine_config(cfg, fast, device)
+    eng = _assemble(recipe, device, tp, pipeline, graph_capture, on_chunk)
+    eng.build_ms = (time.monotonic() - t0) * 1e3
+    return eng
+
+
+def _assemble(recipe: EngineRecipe, device: torch.device, tp, pipeline, graph_capture, on_chunk) -> Engine:
+    """Steps 2-8 for ``recipe`` on ``device``."""
+    cfg, fast = recipe.config, recipe.fast
+    notes = list(recipe.notes)
     dtype = getattr(torch, fast.dtype)
     if device.type == "cpu" and fast.threads:
         torch.set_num_threads(fast.threads)
@@ -198,12 +159,13 @@ def build_engine(
         "tp": 1,
         "compile": "off",
         "capture_filling": bool(fast.capture_filling),
+        "weights_entry": recipe.weights_entry,
     }
     sharded = tp is not None and tp.world_size > 1
     if fast.sequence_parallel and not sharded:
         notes.append("sequence_parallel: needs tensor parallelism (tp > 1): off")
     sp = bool(fast.sequence_parallel and sharded)
-    model, how = build_model_for(cfg, device, dtype, seed, tp, fast.comm, sp)
+    model, how = build_model_for(cfg, device, dtype, recipe.seed, tp, fast.comm, sp)
     if sharded:
         applied.update(tp=tp.world_size, comm=fast.comm, tp_build=how, sequence_parallel=sp)
         if graph_capture is None and device.type == "cuda":
@@ -224,16 +186,22 @@ def build_engine(
         applied["compile"] = rep.describe()
         if not rep.enabled:
             notes.append(f"compile: {rep.describe()}")
-    if applied["fp8_linears"]:  # after compile: the fused producers wrap the (compiled) elementwise ops
+    if applied["fp8_linears"] and fast.fused_quant:  # after compile: they wrap the (compiled) elementwise ops
         from cadence.runtime.compile import apply_fused_quant
 
         applied["fused_quant"] = apply_fused_quant(model).describe()
-    gen = StreamGenerator(cfg, model)
-    base = pipeline or PipelineConfig(diffusion_devices=(str(device),), decode_device="same")
-    pcfg = dataclasses.replace(base, graphs=bool(fast.graphs), capture_filling=bool(fast.capture_filling))
+    gen = StreamGenerator(cfg, model, recipe.rules)
+    decode = "same" if tp is not None and tp.world_size > 1 else recipe.decode_device
+    base = pipeline or PipelineConfig(diffusion_devices=(str(device),), decode_device=decode)
+    pcfg = dataclasses.replace(
+        base,
+        graphs=bool(fast.graphs),
+        capture_filling=bool(fast.capture_filling),
+        prewarm_chunks=base.prewarm_chunks or recipe.warmup_chunks,
+    )
     eng = Engine(gen, pcfg, graph_capture=graph_capture, applied=applied, tp=tp, on_chunk=on_chunk)
+    eng.recipe = recipe
     eng.applied["decoder_fast"] = apply_decoder_fast(eng, fast.decoder_fast, notes)
     for n in notes:
         eng._note(n)
-    eng.build_ms = (time.monotonic() - t0) * 1e3
     return eng

@@ -55,23 +55,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import statistics
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from cadence.config import PipelineConfig, Placement, resolve_placement
-from cadence.engine.clip import is_clip_family
 from cadence.engine.messages import ChunkTimings
-from cadence.engine.session import Session, StreamGenerator
+from cadence.engine.reports import StreamReport
+from cadence.engine.session import StreamGenerator, StreamSession
 from cadence.errors import InputError
-from cadence.runtime.graphs import GraphRunner, filling_shares_steady_graph
+from cadence.runtime.graphs import GraphRunner
+
+if TYPE_CHECKING:
+    from cadence.engine.warmup import WarmupReport
 
 log = logging.getLogger("cadence.engine")
 
@@ -155,7 +158,7 @@ class DecodeWorker:
     """The engine's decode thread, kept across its streams: each stream's decode stage
     (``_Decoder._main``) runs on it in turn. One thread per engine, not one per stream, because state
     PyTorch keeps per thread is worth keeping: cuDNN's execution plans (a thread-local cache; with
-    ``cudnn.benchmark`` a new thread timed every conv shape again: 1.8 s at the start of every stream,
+    ``cudnn.benchmark`` a new thread timed every conv shape again at the start of every stream: measured in
     docs/perf/pipeline/NOTES.md) and the thread's CUDA device. The thread holds no reference to the engine;
     ``Engine.close`` (or the engine's garbage collection) ends it."""
 
@@ -195,7 +198,7 @@ class _Decoder:
 
     def __init__(
         self,
-        session: Session,
+        session: StreamSession,
         placement: Placement,
         cfg: PipelineConfig,
         buffers: list[torch.Tensor],
@@ -506,6 +509,7 @@ class Engine:
                 f"on {want} (or pick diffusion_devices=('{mdev}',))"
             )
         self.tp = tp
+        self.recipe = None  # the EngineRecipe it was built from (cadence.engine.build sets it)
         self.applied = dict(applied or {})
         self.notes: list[str] = []
         self.on_chunk = on_chunk
@@ -519,7 +523,7 @@ class Engine:
             capture=graph_capture,
             capture_filling=c.capture_filling,
         )
-        self.session: Session | None = None  # the kept session (reuse_session), or the running stream's
+        self.session: StreamSession | None = None  # the kept session (reuse_session), or the running stream's
         self._buffers: list[torch.Tensor] = []  # the pinned ring (kept with reuse_session)
         self._dec: _Decoder | None = None
         self._worker: DecodeWorker | None = None  # the decode thread, kept across streams (overlap)
@@ -527,8 +531,8 @@ class Engine:
         self._in_flight: list = []  # ready events of launched steps (CUDA), oldest first
         self._ready: tuple | None = None  # (key, prompt) of the session opened ahead by preopen
         self.state: StreamState | None = None
-        self.last_run: dict = {}
-        self.warmup_report: dict | None = None
+        self.last_run: StreamReport | None = None  # the last stream's report
+        self.warmup_report: WarmupReport | None = None
         self.last_open_preopened = False
         self._streaming = False
 
@@ -731,8 +735,8 @@ class Engine:
             )
         if sess.yields_pixels:  # the step made the frames itself; the latent rides along for the caller
             job.pixels, job.latents = job.latents, sess.last_latent
-            if is_clip_family(self.gen.cfg):
-                job.step = "clip"
+        if sess.step_label is not None:  # the session says how it stepped (a clip)
+            job.step = sess.step_label
         st.submitted += 1
         if not decode:
             if self.cuda:
@@ -874,14 +878,13 @@ class Engine:
         finally:
             self.on_chunk = callback
         self.state.t_open = t0
-        self.last_run = {
-            "placement": self.placement.describe(),
-            "chunks": 0,
-            "session": how,
-            "open_ms": (time.monotonic() - t0) * 1e3,
-            "graphs_at_start": graphs0,
-            "warmed_up": self.warmup_report is not None,
-        }
+        self.last_run = StreamReport(
+            placement=self.placement.describe(),
+            session=how,
+            open_ms=(time.monotonic() - t0) * 1e3,
+            graphs_at_start=graphs0,
+            warmed_up=self.warmup_report is not None,
+        )
         audio_dev = audio[: num_chunks * spc].float().to(self.gen.model.device)
         keep = False
         try:
@@ -919,9 +922,9 @@ class Engine:
                 },
                 "kept": len(self.runner),
             }
-            self.last_run.update(
-                graphs=graphs, wall_s=time.monotonic() - t0, chunks=self.state.emitted if self.state else 0
-            )
+            self.last_run.graphs = graphs
+            self.last_run.wall_s = time.monotonic() - t0
+            self.last_run.chunks = self.state.emitted if self.state else 0
             self.end_stream()
             if not (
                 keep and self.cfg.reuse_session
@@ -932,14 +935,14 @@ class Engine:
         for r in results:
             r.audio = audio[r.index * spc : (r.index + 1) * spc]
             if r.index == 0:
-                self.last_run["ttff_ms"] = self.state.ttff_ms
-                self.last_run["first_chunk"] = {
+                self.last_run.ttff_ms = self.state.ttff_ms
+                self.last_run.first_chunk = {
                     "diffusion_ms": r.timings.diffusion_ms,
                     "decode_ms": r.timings.decode_ms,
                     "host_copy_ms": r.timings.host_copy_ms,
                     "step": r.timings.step,
                 }
-            self.last_run["chunks"] = self.state.emitted
+            self.last_run.chunks = self.state.emitted
             yield r
 
     # ---- warm-up --------------------------------------------------------------------------------------------
@@ -947,206 +950,20 @@ class Engine:
         """Chunks that run every step shape of a stream once: W - 1 while the ring fills, the first steady
         step's ``graph_warmup`` eager run(s), the capture, one replay (also the first chunk whose sink moves
         under the 'follow' policy)."""
-        if self.gen.clip_based:  # no ring, no graphs: the first clip (motion = the image) and one more
-            return self.cfg.prewarm_chunks or 2
-        return self.cfg.prewarm_chunks or self.gen.cfg.stream.window_chunks + self.cfg.graph_warmup + 1
+        stream = self.gen.rules.stream  # (a clip stream: the first clip, motion = the image, and one more)
+        return self.cfg.prewarm_chunks or stream.warm_chunks(
+            self.gen.cfg.stream.window_chunks, self.cfg.graph_warmup
+        )
 
-    @torch.no_grad()
     def warm_up(
         self, image: torch.Tensor | None = None, chunks: int = 0, decode: bool = True, threads: int | None = 0
-    ) -> dict:
-        """Throwaway streams before any user: every step shape (the sink pass, the first chunk, each
-        ring-filling step, the steady step's warm-up, capture and replay) and the decoder run once, so
-        Triton compiles and autotuning, cuDNN/cuBLAS plan selection, lazy library state and the graph
-        captures are paid here; the kept session (``reuse_session``) and its graphs then serve every user.
+    ) -> WarmupReport:
+        """Throwaway streams before any user through every step shape and the decoder, measuring what a server
+        needs (the chunk latency when chunks come one at a time, the sustained interval, the slowest chunk;
+        on the CPU the thread count): :func:`cadence.engine.warmup.warm_up`. ``chunks``: of each stream (0:
+        :meth:`warm_chunks`); ``decode=False``: steps only (a tensor-parallel follower); ``threads`` (CPU):
+        keep that many intra-op threads (0: time 1 and 2). The report is kept as ``warmup_report``."""
+        from cadence.engine.warmup import warm_up
 
-        Measures what a server needs: ``steady_chunk_ms``, the latency of one chunk when chunks come one at
-        a time (a few paced chunks at the end: plan -> frames in host memory; the scheduler's lead must
-        cover it), ``interval_ms``, the sustained time per chunk when chunks come back to back (decode
-        overlapped with the next diffusion; real time needs it below ``media_chunk_ms``), and
-        ``slowest_chunk_ms`` over what a user's stream runs (captures left out). On the CPU with
-        ``threads=0`` (or None) and more than two cores it times 1 and 2 intra-op threads and keeps the faster
-        sustained rate; on two cores (or in a tensor-parallel group, whose ranks are processes sharing the
-        cores) each thread of the engine takes one; ``threads`` > 0 keeps that count; the GPU leaves torch's
-        default.
-
-        A chunk slower than its media makes a stream slower than real time there. When one stream has such
-        chunks, one more runs to tell one-time work (a kernel compiled on first use: seen at W14 TP=2, one
-        replayed chunk of the first stream several times slower than the rest; docs/perf/serve/NOTES.md) from
-        chunks that are slow in every stream; only the latter are a note. Under tensor parallelism every rank
-        runs the same streams (``decode=False`` on followers) and agrees on the branches."""
-        cfg = self.gen.cfg
-        n = chunks or self.warm_chunks()
-        if image is None:
-            g = torch.Generator().manual_seed(12345)
-            image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
-        g = torch.Generator().manual_seed(6789)
-        audio = 0.1 * torch.randn(max(n, 6) * cfg.audio_samples_per_chunk, generator=g)
-        media_ms = cfg.chunk_seconds * 1e3
-        t_start = time.monotonic()
-        out: dict = {"media_chunk_ms": round(media_ms, 1), "chunks": n}
-
-        runs = [0]
-
-        def run(k: int, pace: bool) -> list[ChunkTimings]:
-            runs[0] += 1
-            if decode:
-                return [r.timings for r in self.stream(image, "warm-up", audio, k, seed=0, pace=pace)]
-            return self._steps_only(image, audio, k)
-
-        # every fill stage occurs once per stream: with capture_filling (and a kept session) the stages need
-        # graph_warmup eager streams, then one that captures them
-        streams = 1 + (self.cfg.graph_warmup if self.runner.capture_filling and self.cfg.reuse_session else 0)
-        per: list[ChunkTimings] = []
-        ran = 0
-        for k in range(streams):
-            if k and filling_shares_steady_graph(self.session):
-                break  # nothing more to capture
-            per = run(n, pace=False)
-            ran += 1
-            out["fill_streams"] = ran
-            if k == 0:
-                out["first_stream_ttff_ms"] = _r(self.last_run.get("ttff_ms")) if decode else None
-        import os
-
-        chosen = torch.get_num_threads()
-        steady: list[ChunkTimings] | None = None
-        if not self.cuda and threads:
-            torch.set_num_threads(threads)
-            chosen = threads
-        elif not self.cuda and (self.tp is not None or (os.cpu_count() or 1) <= 2):
-            # TP ranks are processes sharing the cores; on two cores the diffusion and the decode thread take
-            # one each (2 intra-op threads each oversubscribe the cores: docs/perf/serve/NOTES.md, session 7)
-            torch.set_num_threads(1)
-            chosen = 1
-        elif not self.cuda:
-            chosen, trials, steady = self._choose_threads(run, n)
-            out["thread_trials"] = trials
-        out["threads"] = chosen
-        # the sustained interval, as a user's stream will run: the thread trial's, the first stream's when it
-        # ran nothing but user steps (the CPU: no captures), else one more stream
-        if (
-            steady is None
-            and chosen == torch.get_num_threads()
-            and len(per) >= 3
-            and not any(t.step == "capture" or t.step.startswith("eager:warmup") for t in per)
-        ):
-            steady = per
-        if steady is None:
-            steady = run(max(n, 4), pace=False)
-        out["interval_ms"] = _r(_interval_ms(steady))
-        first = 0 if ran > 1 else 1  # a lone stream's chunk 0 is the cold one
-        user = [(i, t) for i, t in enumerate(per) if i >= first and t.step != "capture"] or list(
-            enumerate(per)
-        )
-        slow = [i for i, t in user if t.work_ms > media_ms]
-        out["repeat_stream"] = False
-        if ran == 1 and self._any_rank(bool(slow)):
-            once = per
-            per = run(n, pace=False)
-            out["repeat_stream"] = True
-            out["first_stream_chunk_ms"] = [round(t.work_ms, 1) for t in once]
-            gone = [i for i in slow if per[i].work_ms <= media_ms]
-            if gone:
-                self._note(
-                    f"warm-up: chunk(s) {gone} took up to {max(once[i].work_ms for i in gone):.0f} ms in "
-                    f"the first stream only (one-time work); {max(per[i].work_ms for i in gone):.0f} ms in "
-                    "the next"
-                )
-            user = [(i, t) for i, t in enumerate(per) if t.step != "capture"] or list(enumerate(per))
-        # the latency of one chunk when chunks come one at a time, once the window is full: a query's attention
-        # grows while the window fills (the self-forcing family on an H200, a 7-chunk window: 307 ms at the
-        # second paced chunk against ~630 ms with the window full; docs/perf/pipeline/NOTES.md), so the paced
-        # stream runs until the window is full and its last two chunks count (chunk 0, which opens the
-        # stream, never does)
-        fill = 0 if is_clip_family(cfg) else cfg.stream.window_chunks - 1
-        paced = run(fill + 2, pace=True)
-        lat = [t.work_ms for t in paced[max(1, fill) :]] or [t.work_ms for t in paced]
-        out["steady_chunk_ms"] = _r(statistics.median(lat))
-        slowest = max(t.work_ms for _, t in user)
-        out["slowest_chunk_ms"] = _r(slowest)
-        late = [t for _, t in user if t.work_ms > media_ms]
-        if late:
-            filling = any(t.step == "eager:ring_filling" for t in late)
-            self._note(
-                f"warm-up: {len(late)} chunk(s) of a stream take up to {slowest:.0f} ms, longer than a "
-                f"chunk's {media_ms:.0f} ms of media: expect underruns there in every stream"
-                + (" (eager ring-filling steps: --capture-filling captures them)" if filling else "")
-            )
-        if out["interval_ms"] is not None and out["interval_ms"] > media_ms:
-            self._note(
-                f"warm-up: this {'GPU' if self.cuda else 'CPU'} sustains one chunk per "
-                f"{out['interval_ms']:.0f} ms, slower than the {media_ms:.0f} ms of media each chunk "
-                "holds: streams will show fewer fresh frames per second (audio stays whole)"
-            )
-        out.update(
-            ms=_r((time.monotonic() - t_start) * 1e3),
-            streams=runs[0],
-            chunk_ms=[round(t.work_ms, 1) for t in per],
-            steps=[t.step for t in per],
-            diffusion_ms=_r(statistics.median(t.diffusion_ms for t in steady)),
-            decode_ms=_r(statistics.median(t.decode_ms for t in steady)),
-            graphs=dataclasses.asdict(self.runner.stats),
-            notes=list(self.notes),
-        )
-        self.warmup_report = out
-        return out
-
-    def _choose_threads(self, run, n: int) -> tuple[int, dict[str, float], list[ChunkTimings]]:
-        """CPU with more than two cores: the intra-op thread count (1 or 2) whose back-to-back stream sustains
-        the shorter interval; returns it, the trials and the winner's timings."""
-        trials: dict[str, float] = {}
-        timings: dict[str, list[ChunkTimings]] = {}
-        for k in (1, 2):
-            torch.set_num_threads(k)
-            run(2, pace=False)  # settle (thread pool start, caches)
-            timings[str(k)] = run(max(n, 6), pace=False)
-            trials[str(k)] = _r(_interval_ms(timings[str(k)]))
-        best = min(trials, key=lambda k: trials[k])
-        torch.set_num_threads(int(best))
-        return int(best), trials, timings[best]
-
-    def _steps_only(self, image: torch.Tensor, audio: torch.Tensor, n: int) -> list[ChunkTimings]:
-        """A follower rank's warm-up stream: the same steps, no decode."""
-        spc = self.samples_per_chunk
-        self.open(image, "warm-up", 0, decode=False)
-        out = []
-        try:
-            for i in range(n):
-                t = time.monotonic()
-                self.submit(i, audio[i * spc : (i + 1) * spc], decode=False)
-                done = time.monotonic()
-                out.append(
-                    ChunkTimings(
-                        work_ms=(done - t) * 1e3,
-                        t_plan=t,
-                        t_recv=t,
-                        t_done=done,
-                        step=self.runner.last or "eager",
-                    )
-                )
-        finally:
-            self.end_stream()
-        return out
-
-    def _any_rank(self, flag: bool) -> bool:
-        """``flag`` on this rank or, in a tensor-parallel group, on any rank (one tiny all-reduce), so that
-        every rank takes the same branch of a start-up step that runs collectives."""
-        if self.tp is None:
-            return flag
-        from cadence.parallel.graphs import all_ranks_ok
-
-        return not all_ranks_ok(not flag, group=self.tp.group)
-
-
-def _interval_ms(timings: list[ChunkTimings]) -> float | None:
-    """Sustained ms per chunk of a back-to-back stream: between the first and the last chunk's frames
-    being ready, leaving out the first chunk (it decodes alone) when there are enough."""
-    t = timings[1:] if len(timings) >= 3 else timings
-    if len(t) < 2:
-        return t[0].work_ms if t else None
-    return (t[-1].t_done - t[0].t_done) * 1e3 / (len(t) - 1)
-
-
-def _r(x: float | None, nd: int = 1) -> float | None:
-    return None if x is None else round(float(x), nd)
+        self.warmup_report = warm_up(self, image, chunks, decode, threads)
+        return self.warmup_report

@@ -5,10 +5,12 @@ a ``multiprocessing`` pipe; rank 0 forwards every command to the follower ranks 
 group (``cadence.engine.worker``) and answers with replies. Each side dispatches in one place with
 ``match`` on the class. Torch-free (numpy arrays only), so the web process imports it without torch.
 
-    web -> rank 0          OpenSession   ChunkRequest   CloseSession   Stop   (SwitchPrompt: defined, not sent yet)
+    web -> rank 0          OpenSession   ChunkRequest   SwitchPrompt   CloseSession   Stop
     rank 0 -> followers    the same, plus Preopen (rank 0 opens the next default session ahead when idle)
     rank 0 -> web          Ready   Opened   ChunkDone   Dropped   Closed   Error
     web side only          Died (the process or a follower rank exited)
+
+(``Request`` and ``Reply`` below are these unions; tests/test_recipe.py checks this table against them.)
 
 Every geometry follows the engine config: a chunk's ``audio`` is ``audio_samples_per_chunk`` float32
 samples (8,000 at 4 frames / 24 fps), its frames uint8 ``[F, H, W, 3]``. Frames of 1 MiB and more travel
@@ -123,6 +125,9 @@ class WorkerInfo:
     frame_transport: str
     frames_per_chunk: int
     audio_samples_per_chunk: int
+    recipe: dict | None = None
+    """What the group runs (``EngineRecipe.describe().as_dict()``: the model, the fast path, the rules, the
+    weights and the entry served, the kernel switches in effect)."""
 
 
 @dataclass(frozen=True)
@@ -180,5 +185,5 @@ class Died:
     reason: str
 
 
-Request = OpenSession | ChunkRequest | CloseSession | Preopen | Stop
+Request = OpenSession | ChunkRequest | SwitchPrompt | CloseSession | Preopen | Stop
 Reply = Ready | Opened | ChunkDone | Dropped | Closed | Error | Died

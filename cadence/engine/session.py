@@ -12,29 +12,32 @@ the position of the next chunk and its streaming decoder's state. ``Session.step
 device work only, no host syncs; the same seed gives the same output. The loop that steps and decodes
 chunk after chunk (and overlaps the two) is :class:`cadence.engine.engine.Engine`, the only one.
 
-A clip-based family (``ModelFamily.stream_kind`` 'clip': SoulX-FlashTalk) gets a
-:class:`cadence.engine.clip.ClipSession` from the same generator instead: no cache, its step makes a whole clip
-and its frames (``yields_pixels``), and ``decode`` is the identity.
+The session follows its rules (``cadence.engine.recipe.SessionRules``, from the recipe or from the config):
+:func:`session_type` picks the session class by one ``match`` on the stream kind (a K/V stream:
+:class:`Session`; a clip stream: ``cadence.engine.flashtalk.ClipSession``, no cache, its step makes a whole clip
+and its frames, ``decode`` the identity), and the K/V session takes its context and prompt-switch policies
+(``cadence.engine.policies``: a rebuild, a re-cache, or neither) instead of branching on the family. Both
+session classes implement :class:`StreamSession`, the interface the engine drives.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from cadence.cache.naive import NaiveCache
-from cadence.cache.rebuild import RebuildContext, rebuild
-from cadence.cache.recache import PastChunk, recache
 from cadence.cache.ring import RingCache
 from cadence.config import CadenceConfig
-from cadence.engine.clip import ClipReferences, ClipSession, is_clip_family, make_clip_encoders
+from cadence.engine.policies import policies_for
+from cadence.engine.recipe import SessionRules, session_rules
 from cadence.errors import ConfigError, InputError
 from cadence.model.audio import make_audio_encoder
 from cadence.model.dit import WanDiT
-from cadence.model.families import get_family
+from cadence.model.families import ClipStream, KVStream
 from cadence.model.standin_vae import StandInVAE
 from cadence.model.text import make_text_encoder
 from cadence.model.vae import WanVAE, wan_vae_config
@@ -44,7 +47,49 @@ from cadence.runtime.sampler import Schedule
 from cadence.runtime.step import StepInputs, StepKey, step_key
 
 log = logging.getLogger("cadence.engine")
-_said: set[str] = set()
+
+
+@runtime_checkable
+class StreamSession(Protocol):
+    """One stream, as the engine drives it (:class:`Session` and ``cadence.engine.flashtalk.ClipSession``)."""
+
+    yields_pixels: bool
+    """``step`` returns finished uint8 frames (its latent then in ``last_latent``) rather than a latent for
+    ``decode``; the engine's decode stage only copies them to the host."""
+    step_label: str | None
+    """What the engine records as the chunk's step kind when the session decides it ('clip'); None: the
+    graph runner's ('replay', 'capture', 'eager:<reason>')."""
+    cache: object | None
+    """The K/V cache (captured graphs read its buffers), or None."""
+    index: int
+    """Chunks made in this stream."""
+    next_frame: int
+    last_latent: torch.Tensor | None
+    streams: int
+
+    @classmethod
+    def prepare(cls, gen) -> None:
+        """Set up the generator's front ends its sessions read (once, when the generator is built)."""
+
+    def reset(self, image: torch.Tensor, prompt, seed: int = 0) -> None: ...
+    def reseed(self, seed: int) -> None: ...
+    def set_prompt(self, prompt) -> list[int]: ...
+    def switch_prompt(self, prompt) -> list[int]: ...
+    def step(self, audio: torch.Tensor, runner=None) -> torch.Tensor: ...
+    def prime_decoder(self) -> bool: ...
+    def decode(self, lat: torch.Tensor) -> torch.Tensor: ...
+
+
+def session_type(rules: SessionRules) -> type:
+    """The session class a stream of these rules runs (the one place the stream kind is matched)."""
+    match rules.stream:
+        case ClipStream():
+            from cadence.engine.flashtalk import ClipSession
+
+            return ClipSession
+        case KVStream():
+            return Session
+    raise ConfigError(f"no session for the stream kind {rules.stream!r}")
 
 
 def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
@@ -74,10 +119,12 @@ class Session:
     session (and its graphs) stream after stream instead of paying allocation and captures again.
     """
 
-    yields_pixels = False
-    """Whether ``step`` returns finished frames (a clip-based family's ``ClipSession``, or Krea's default
-    first frame, which decodes every chunk itself: the engine's decode stage then only copies them to the
-    host) rather than a latent for ``decode``; the latent is then in ``last_latent``."""
+    step_label = None  # the graph runner says how each step ran
+
+    @classmethod
+    def prepare(cls, gen: StreamGenerator) -> None:
+        """The generator's front ends a K/V session reads: the per-chunk audio encoder."""
+        gen.audio = make_audio_encoder(gen.cfg, gen.model.device)
 
     def __init__(
         self,
@@ -103,35 +150,18 @@ class Session:
         self._decode_vae = gen.vae_on(self.decode_device)
         self.decoder = self._decode_vae.stream() if hasattr(self._decode_vae, "stream") else None
         self.streams = 0  # streams started on this object (1 after __init__, +1 per reset)
-        # what a prompt change mid-stream does: the family's rule ('swap', or LongLive's 'recache', which
-        # needs the clean latents of the last frame-sink + window chunks: kept here, on the device)
-        fam = get_family(cfg.model.family) if cfg.model.family else None
-        self.prompt_switch = fam.prompt_switch if fam is not None else "swap"
-        self.recache_keeps_sink = fam.recache_keeps_sink if fam is not None else True
-        s = cfg.stream
-        keep = s.frame_sink_chunks + s.window_chunks if self.prompt_switch == "recache" else 0
-        self._past: deque[PastChunk] = deque(maxlen=keep)
-        # Krea's per-chunk K/V rebuild (``cadence.cache.rebuild``): the clean context it re-runs (the first
-        # latent frame or, keep_first_frame off, an older decoded pixel frame re-encoded) kept on the device
-        self.kv_rebuild = s.kv_rebuild
-        self._rebuild: RebuildContext | None = None
-        if self.kv_rebuild:
-            if model.audio_embed is not None:
-                raise ConfigError("kv_rebuild has no audio path (no audio-driven family uses it)")
-            vae = None if s.keep_first_frame else gen.vae
-            if vae is not None and cfg.model.weights and not cfg.vae.weights and "rebuild-vae" not in _said:
-                _said.add("rebuild-vae")  # trained weights, a random VAE: the re-encoded frame is noise
-                log.warning(
-                    "the K/V rebuild's first frame is re-encoded by a Wan VAE with random weights (no "
-                    "--vae-weights): give the family's VAE, or stream.keep_first_frame=True"
-                )
-            self._rebuild = RebuildContext(self.kv_rebuild, s.latent_frames_per_chunk, vae)
-        # Krea's default first frame decodes every chunk as Krea decodes it (one latent frame per call, its
-        # upsampler memory rule): those are the frames Krea shows, so the step yields them (``yields_pixels``)
-        # and the engine's own decoder is not used (no second decode)
-        self.yields_pixels = self._rebuild is not None and self._rebuild.decoder is not None
+        # the rules' policies: where a chunk's K/V context comes from (kept, or Krea's rebuild) and what a
+        # prompt switch does (a swap, or LongLive's re-cache, which keeps the recent chunks' clean latents)
+        self.context, self.switch = policies_for(gen.rules, gen)
         self.last_latent: torch.Tensor | None = None
         self._start(image, prompt, seed)
+
+    @property
+    def yields_pixels(self) -> bool:
+        """Whether ``step`` returns finished frames (Krea's default first frame decodes every chunk itself:
+        the engine's decode stage then only copies them to the host) rather than a latent for ``decode``;
+        the latent is then in ``last_latent``."""
+        return self.context.yields_pixels
 
     def reset(self, image: torch.Tensor, prompt: str | torch.Tensor, seed: int = 0) -> None:
         """Start a new stream on this session's buffers (see the class docstring). Must not run while
@@ -158,8 +188,8 @@ class Session:
     def _embed(self, prompt: str | torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         emb = self.gen.text_encoder(prompt) if isinstance(prompt, str) else prompt
-        if cfg.model.family and emb.ndim == 2 and 1 <= emb.shape[0] < cfg.model.text_len:
-            emb = self._padded(emb)  # a family's model pads its context with zeros (Wan)
+        if self.switch.pad and emb.ndim == 2 and 1 <= emb.shape[0] < cfg.model.text_len:
+            emb = self._padded(emb)  # a Wan family's model pads its context with zeros
         if tuple(emb.shape) != (cfg.model.text_len, cfg.model.text_dim):
             raise InputError(
                 f"prompt embedding must be [{cfg.model.text_len}, {cfg.model.text_dim}], "
@@ -177,9 +207,8 @@ class Session:
         self._primed_from: torch.Tensor | None = None
         self.next_frame = 0
         self.index = 0
-        self._past.clear()
-        if self._rebuild is not None:
-            self._rebuild.reset()
+        self.switch.clear()
+        self.context.reset()
         # The sink: the reference image encoded once, run at t=0, its K/V kept for the whole stream.
         sf = cfg.stream.sink_frames
         if sf:
@@ -239,9 +268,10 @@ class Session:
         """Change the conditioning mid-stream: a prompt string, or an embedding [L, text_dim] with
         1 <= L <= text_len. Takes effect from the next step. A model family's session switches as the
         family does (:meth:`switch_prompt`: padded to text_len, re-cached where the family re-caches);
-        a preset's session (no family) uses the embedding as given (a prompt trimmed of its padding: a
-        different cross-attention length, so a different step shape). Returns the chunks re-cached."""
-        if self.cfg.model.family:
+        a preset's session (its rule ``Swap(pad=False)``) uses the embedding as given (a prompt trimmed of
+        its padding: a different cross-attention length, so a different step shape). Returns the chunks
+        re-cached."""
+        if self.switch.pad:
             return self.switch_prompt(prompt)
         emb = self._prompt_embedding(prompt)
         self.text = self.model.prepare_text(emb[None].to(self.model.device))
@@ -251,43 +281,21 @@ class Session:
         """Switch the prompt at the next chunk boundary without changing the step's shape: the embedding
         (a string through the text encoder, or [L, text_dim] with L <= text_len) is padded with zeros to
         text_len, as the Wan family's model pads its context, so the next step is the same shape (and the
-        same captured graph) fed the new cross-attention K/V. With the family's 'recache' rule (LongLive;
+        same captured graph) fed the new cross-attention K/V. With the family's ``Recache`` rule (LongLive;
         or ``recache_kv=True``), the cached K/V of the recent chunks are first recomputed under the new
-        prompt in one extra model pass (``cadence.cache.recache``). Returns the indices of the chunks
-        re-cached (empty when none)."""
+        prompt in one extra model pass (``cadence.cache.recache``; the session's prompt-switch policy).
+        Returns the indices of the chunks re-cached (empty when none)."""
         emb = self._padded(self._prompt_embedding(prompt))
         self.text = self.model.prepare_text(emb[None].to(self.model.device))
-        if not (self.prompt_switch == "recache" if recache_kv is None else recache_kv):
-            return []
-        if not self._past.maxlen:
-            raise RuntimeError(
-                f"this session keeps no past latents to re-cache (family rule {self.prompt_switch!r})"
-            )
-        if self.model.audio_embed is not None:
-            raise ConfigError("the prompt-switch re-cache has no audio path (no audio-driven family uses it)")
-        s, n = self.cfg.stream, self.gen.schedule.passes
-        return recache(
-            self.model,
-            self.cache,
-            list(self._past),
-            self.text,
-            self.gen.timesteps[n : n + 1],
-            s.frame_sink_chunks,
-            s.window_chunks,
-            self.recache_keeps_sink,
-        )
+        if recache_kv is None:
+            return self.switch.after_switch(self)
+        return self.switch.recache(self, self.switch.keeps_sink) if recache_kv else []
 
     def prepare_step(self, audio: torch.Tensor) -> StepInputs:
         """The host bookkeeping and small device work before the passes: place the chunk in the cache
         (``begin_chunk``), draw its noise, turn its audio into feature tokens."""
         sched = self.gen.schedule
-        F = self.cfg.stream.latent_frames_per_chunk
-        ctx = self._rebuild.context() if self._rebuild is not None else None
-        if ctx is not None:  # Krea: refill the cache, run right after it
-            pos = rebuild(self.model, self.cache, ctx, self.text, self.gen.timesteps[-1:], F)
-            self.cache.begin_chunk(pos, F)
-        else:
-            self.cache.begin_chunk(self.next_frame, F)
+        self.context.place(self, self.cfg.stream.latent_frames_per_chunk)  # (Krea: the cache rebuilt first)
         noise = torch.randn(self.latent_shape, generator=self.noise_gen, device=self.model.device)
         renoise = None
         if sched.rule == "renoise" and sched.passes > 1:
@@ -335,54 +343,34 @@ class Session:
             if runner is None
             else runner.run(self.step_key(inp), self.denoise, inp, keep=self.cache)
         )
-        if self._past.maxlen:  # a copy: a replayed graph's output buffer is overwritten by the next replay
-            self._past.append(PastChunk(self.index, self.next_frame, x.detach().clone()))
-        if self._rebuild is not None:
-            self._rebuild.push(x.detach())
+        self.switch.remember(self.index, self.next_frame, x)
+        self.context.push(x)
         if self.yields_pixels:
             self.last_latent = x
-            x = self._shown_frames(self._rebuild.chunk_pixels)
+            x = self.context.frames(self, x)
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
         return x
 
-    def _shown_frames(self, pix: torch.Tensor) -> torch.Tensor:
-        """Krea's decoded chunk [3, T, H, W] in [-1, 1] -> the chunk's uint8 frames [4F, H, W, 3]. Krea drops
-        the first 3 frames of its first block (it shows 6 of 1 + 4 (F - 1) = 9); a chunk here is 4F frames,
-        so the first one starts with its first shown frame held for the missing 4F - 6: every frame after
-        that is the one Krea shows."""
-        if self.index == 0:
-            pix = pix[:, 3:]
-            pad = 4 * self.cfg.stream.latent_frames_per_chunk - pix.shape[1]
-            pix = torch.cat([pix[:, :1].expand(-1, pad, -1, -1), pix], 1)
-        return ((pix.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
-
 
 class StreamGenerator:
-    """Model + stand-in VAE, text and audio front ends; makes sessions and streams chunks."""
+    """Model + stand-in VAE, text and audio front ends; makes sessions (of the type its rules say:
+    :func:`session_type`) and streams chunks. ``rules``: the recipe's (default: ``session_rules(cfg)``)."""
 
-    def __init__(self, cfg: CadenceConfig, model: WanDiT):
+    def __init__(self, cfg: CadenceConfig, model: WanDiT, rules: SessionRules | None = None):
         self.cfg, self.model = cfg, model
+        self.rules = rules or session_rules(cfg)
+        self.session_type = session_type(self.rules)
         dev = model.device
         self.vae = make_vae(cfg, dev, model.dtype)
         self._vaes = {dev: self.vae}  # the autoencoder per decode device (see vae_on)
         # the family's real encoders (umT5 through transformers, ...) or the byte / log-mel stand-ins of the
         # no-download presets; a prompt's embedding is padded to the model's fixed text length (one step shape)
         self.text_encoder = make_text_encoder(cfg, dev, model.dtype)
-        # a clip-based family (FlashTalk: ``cadence.engine.clip``) hears through its own wav2vec2 and sees the
-        # reference through CLIP; the block-causal ones through the per-chunk audio front end
-        self.clip_based = is_clip_family(cfg)
-        if self.clip_based:
-            if not isinstance(self.vae, WanVAEAdapter):
-                raise ConfigError(
-                    f"model family {cfg.model.family!r} decodes and re-encodes every clip with the Wan VAE: "
-                    f"vae.decoder must be 'wan', got {cfg.vae.decoder!r}"
-                )
-            self.audio = None
-            self.clip_vision, self.audio_features = make_clip_encoders(cfg, dev, model.dtype)
-            self.clip_reference = ClipReferences(self)
-        else:
-            self.audio = make_audio_encoder(cfg, dev)
+        # the front ends its sessions read: the per-chunk audio encoder of a K/V stream, a clip stream's own
+        # wav2vec2 and CLIP (``cadence.engine.flashtalk``)
+        self.audio = None
+        self.session_type.prepare(self)
         self.schedule = Schedule.from_config(cfg.stream)
         # Model timesteps of every pass, the clean commit pass's (the family's context noise, else 0) and 0
         # (the sink pass, last), built once, on the device.
@@ -427,15 +415,13 @@ class StreamGenerator:
         prompt: str | torch.Tensor,
         seed: int = 0,
         decode_device: str | torch.device | None = None,
-    ) -> Session | ClipSession:
+    ) -> StreamSession:
         h, w = self.cfg.stream.height, self.cfg.stream.width
         if tuple(image.shape) != (3, h, w):
             raise InputError(
                 f"reference image must be [3, {h}, {w}] for preset {self.cfg.name}, got {list(image.shape)}"
             )
-        if self.clip_based:
-            return ClipSession(self, image, prompt, seed, decode_device=decode_device)
-        return Session(self, image, prompt, seed, decode_device=decode_device)
+        return self.session_type(self, image, prompt, seed, decode_device=decode_device)
 
 
 class WanVAEAdapter:

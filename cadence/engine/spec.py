@@ -1,22 +1,24 @@
-"""What an engine is built with, as plain data: :class:`FastPath` and a worker process's :class:`WorkerSpec`.
+"""The fast paths an engine is built with, as plain data: :class:`FastPath`.
 
 Torch-free, so the web process (``cadence serve``) can decide what its workers run without importing
-torch; ``cadence.engine.build.build_engine`` applies a resolved ``FastPath`` to a built model.
+torch. ``cadence.engine.recipe.resolve`` turns a ``FastPath`` (inside an ``EngineSpec``) into what one device
+builds, and ``cadence.engine.build.build_engine`` applies the resolved one to a built model. Every field is a
+command-line flag of every entry point (``cadence.engine.flags`` generates them from the fields: each field's
+docstring is its help, a bool field is ``--x/--no-x``, ``None`` = automatic).
 
 Every fast path is applied from outside the plain model and keeps its reference beside it (FP8 linears:
 ``cadence.quant.fp8``; the ring cache with FP8 K/V: ``cadence.cache.ring``; CUDA graphs:
 ``cadence.runtime.graphs``; compiled elementwise math: ``cadence.runtime.compile``). ``None`` fields mean
 "automatic for the device": on for CUDA, off on the CPU (where the CPU path is exactly the reference
 one); :meth:`FastPath.resolve` turns them into what one device actually runs, with one note per option
-asked for explicitly that cannot apply there.
+asked for explicitly that cannot apply there (the recipe then applies the model family's rules).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from cadence.config import CadenceConfig, get_preset
 from cadence.errors import ConfigError
 
 #: The prompt of a session that names none (the page's default too): the worker opens it ahead.
@@ -32,6 +34,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("auto", "sdpa", "cudnn", "triton", "triton_head", "fa3")
 #: The FP8 GEMM backends (``cadence.kernels.fp8_gemm.BACKENDS``; torch-free copy).
 GEMMS = ("auto", "cublas", "triton")
+#: The values a string field takes, by field name (the flags list them in their help; validation is
+#: ``FastPath.__post_init__``'s).
+CHOICES = {
+    "dtype": DTYPES,
+    "decoder": DECODERS,
+    "decoder_fast": DECODER_FAST,
+    "attention": ATTENTION,
+    "gemm": GEMMS,
+}
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,7 @@ class FastPath:
     dtype: str | None = None
     """Model dtype: 'float32', 'bfloat16' or 'float16'. None: bfloat16 on CUDA, float32 on the CPU."""
     decoder: str | None = None
-    """VAE decoder: 'standin', 'wan' or 'taehv'. None: automatic (``cadence.engine.build.choose_decoder``):
+    """VAE decoder: 'standin', 'wan' or 'taehv'. None: automatic (``cadence.engine.recipe.choose_decoder``):
     the preset's own on the CPU; on CUDA the tiny streaming decoder ('taehv') when it has trained weights or
     nothing has (random-weight benchmarks), else the full Wan VAE the weights are for ('wan')."""
     kv_fp8: bool | None = None
@@ -76,6 +87,10 @@ class FastPath:
     on this GPU kind, docs/perf/fp8/gemm-<device>.json; cuBLAS where it has no entry), 'cublas'
     (``torch._scaled_mm``) or 'triton' (Cadence's Triton FP8 GEMM, with the table's config per shape). Only
     with fp8_linears; a backend that cannot run falls back to cuBLAS with one log line."""
+    fused_quant: bool = False
+    """With FP8 linears on CUDA: the norms / modulation / GELU that feed an FP8 linear emit its FP8 input and
+    per-token scales in one launch (``cadence.runtime.compile.apply_fused_quant``) instead of a separate
+    quantisation per linear. Off until a GPU run has measured it (docs/perf/fp8/NOTES.md)."""
     sequence_parallel: bool = False
     """Under tensor parallelism (tp > 1), run the per-token work between the sharded linears (norms,
     modulation, gates, residual adds) on each rank's share of the tokens: an all-gather before each
@@ -137,56 +152,3 @@ class FastPath:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def base_config(preset: str, family: str | None = None, overrides: dict | None = None) -> CadenceConfig:
-    """The engine configuration a worker builds: a model family's (``cadence.model.families``: its geometry,
-    sampler, cache policy and checkpoint format) or a preset's, then ``overrides`` (the files to load,
-    geometry for tests). Torch-free: the web side reads the geometry from it too."""
-    if family:
-        from cadence.model.families import family_config
-
-        cfg = family_config(family)
-    else:
-        cfg = get_preset(preset)
-    return cfg.with_overrides(**overrides) if overrides else cfg
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs to build its engine (pickled to the spawned process)."""
-
-    preset: str
-    """Engine preset."""
-    device: str
-    """'cpu', 'cuda:N', or a tensor-parallel group 'cuda:0+cuda:1' (one process per device)."""
-    fast: FastPath = field(default_factory=FastPath)
-    """The fast paths, resolved for the device (``FastPath.resolve``)."""
-    overrides: dict = field(default_factory=dict)
-    """Engine-config overrides (``CadenceConfig.with_overrides``), e.g. weights or geometry."""
-    family: str | None = None
-    """A model family (``cadence models``) instead of the preset: see :func:`base_config`."""
-    seed: int = 0
-    """Random-weight seed (presets without weights)."""
-    decode_device: str = "same"
-    """Where the decode runs ('same': the diffusion device, on its own CUDA stream / thread;
-    'cuda:N': its own GPU; see ``cadence.config.PipelineConfig.decode_device``)."""
-    warmup: bool = True
-    """Run ``Engine.warm_up`` before reporting ready (every step shape, graph captures, the decoder, and
-    on the CPU the thread choice), so that no user pays first-use work."""
-    warmup_chunks: int = 0
-    """Chunks of the warm-up stream (0 = what every step shape needs)."""
-    notes: tuple[str, ...] = ()
-    """What the web side noted when resolving the options (logged by the worker)."""
-    shm: dict | None = None
-    """The frame ring to attach ({'name', 'shape', 'slots'}), or None: frames travel through the pipe."""
-    tp_port: int | None = None
-    """Rendezvous port of a tensor-parallel group."""
-
-    @property
-    def devices(self) -> list[str]:
-        return self.device.split("+")
-
-    def config(self) -> CadenceConfig:
-        """The engine configuration this worker builds."""
-        return base_config(self.preset, self.family, self.overrides)

@@ -51,7 +51,8 @@ from cadence.engine.messages import (
     SwitchPrompt,
     WorkerInfo,
 )
-from cadence.engine.spec import DEFAULT_PROMPT, WorkerSpec
+from cadence.engine.recipe import WorkerSpec
+from cadence.engine.spec import DEFAULT_PROMPT
 
 log = logging.getLogger("cadence.serve")
 
@@ -96,14 +97,11 @@ def _tp_join(rank: int, devices: list[str], port: int):  # pragma: no cover - ot
 
 
 def _build(spec: WorkerSpec, rank: int, tp, on_chunk=None):
-    from cadence.config import PipelineConfig
+    """This rank's engine: the group's recipe on the rank's device (a tensor-parallel group decodes on its own
+    GPUs: the recipe says 'same')."""
     from cadence.engine.build import build_engine
 
-    cfg = spec.config()
-    dev = spec.devices[rank]
-    decode = "same" if tp is not None else spec.decode_device
-    pipeline = PipelineConfig(diffusion_devices=(dev,), decode_device=decode)
-    return build_engine(cfg, dev, spec.fast, tp=tp, pipeline=pipeline, seed=spec.seed, on_chunk=on_chunk)
+    return build_engine(spec.recipe, spec.devices[rank], tp=tp, on_chunk=on_chunk)
 
 
 def run_commands(
@@ -240,11 +238,27 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
         torch.set_num_threads(spec.fast.threads)
 
 
+def _start_line(spec: WorkerSpec) -> None:
+    """The worker's start log line: what it builds, the weights and the checkpoint entry it serves (shown
+    whatever ``CADENCE_WORKER_LOG`` says: it is the one line that says which model a group runs)."""
+    r = spec.recipe
+    c = r.config
+    weights = (
+        f"weights {c.model.weights}" + (f" (entry {r.weights_entry})" if r.weights_entry else "")
+        if c.model.weights
+        else f"random weights (seed {r.seed})"
+    )
+    start = logging.getLogger("cadence.serve.worker")
+    start.setLevel(logging.INFO)
+    start.info("worker %s: %s (%s), %s, decoder %s", spec.device, r.model, c.name, weights, c.vae.decoder)
+
+
 def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict | None, float]:
     """What every rank runs before serving, in the same order: the warm-up (when asked), then the next
-    default session opened ahead. Returns (warm-up report or None, preopen ms)."""
+    default session opened ahead. Returns (the warm-up report as a dict, for the torch-free web side, or
+    None; preopen ms)."""
     warm = (
-        eng.warm_up(default_image, spec.warmup_chunks, decode=decode, threads=spec.fast.threads)
+        eng.warm_up(default_image, spec.warmup_chunks, decode=decode, threads=spec.fast.threads).as_dict()
         if spec.warmup
         else None
     )
@@ -258,8 +272,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
     from cadence.engine.shm import FrameRing
     from cadence.media.image import default_reference_image
 
-    for note in spec.notes:
-        log.warning("worker: %s", note)
+    _start_line(spec)  # (the recipe's notes are logged by the engine as it applies them)
     t = time.monotonic()
     pipe = _Pipe(conn)
     ring = None
@@ -291,7 +304,8 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
                 build_ms=round(build_ms, 1),
                 threads=torch.get_num_threads(),
                 fast_path=eng.describe(),
-                notes=list(spec.notes) + eng.notes,
+                notes=list(eng.notes),
+                recipe=spec.recipe.describe().as_dict(),
                 warmup=warm,
                 preopen_ms=round(preopen_ms, 1),
                 frame_transport="shm" if ring is not None else "pipe",

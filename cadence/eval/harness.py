@@ -570,6 +570,9 @@ def evaluate(
         entry["build"]["dtype"] = str(eng.gen.model.dtype).replace("torch.", "")
         entry["build"]["device"] = str(eng.gen.model.device)
         entry["build"].update(notes)
+        entry["recipe"] = (
+            eng.recipe.describe().as_dict()
+        )  # what this configuration built (cadence.engine.recipe)
         values, info = run_config(eng, config, clips, reruns, drift_seconds, noise_seed, prompt, progress)
         eng.close()
         del eng

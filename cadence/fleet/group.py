@@ -41,7 +41,7 @@ import time
 import uuid
 
 from cadence.engine.messages import CloseSession, Died, Ready
-from cadence.engine.spec import WorkerSpec
+from cadence.engine.recipe import WorkerSpec
 
 log = logging.getLogger("cadence.fleet")
 

@@ -9,7 +9,7 @@ device from the chunk's samples only (no look-ahead).
 
 :func:`make_audio_encoder` is the per-chunk front end of the block-causal (K/V stream) sessions: it returns
 this stand-in. The one audio-driven family, ``flashtalk``, streams by clips and takes its audio through its
-own wav2vec2 path (``cadence.engine.clip``, ``cadence.model.wav2vec2``); a family that needs a real audio
+own wav2vec2 path (``cadence.engine.flashtalk``, ``cadence.model.wav2vec2``); a family that needs a real audio
 encoder is refused here with its name rather than silently fed log-mel tokens.
 """
 
@@ -82,6 +82,6 @@ def make_audio_encoder(cfg: CadenceConfig, device: torch.device | str = "cpu") -
 
             raise ConfigError(
                 f"model family {fam!r} needs the {need} audio encoder: its clip session "
-                "(cadence.engine.clip) runs it; the per-chunk log-mel stand-in does not apply"
+                "(cadence.engine.flashtalk) runs it; the per-chunk log-mel stand-in does not apply"
             )
     return AudioFeatures(cfg, device)

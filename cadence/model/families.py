@@ -31,25 +31,122 @@ Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures
   ``AudioProjModel`` from wav2vec2 windows: ``cadence.model.multitalk``) distilled to 4 steps, streamed as
   33-frame clips at 25 fps whose first 5 frames are the last clip's (``cadence.model.flashtalk``). A diffusers
   folder (config.json + safetensors) with Wan's names, Wan's CLIP ``.pth`` beside it and a wav2vec2 folder.
-  Streamed clip by clip (``stream_kind`` 'clip': ``cadence.engine.clip``), each clip decoded and re-encoded
+  Streamed clip by clip (``ClipStream``: ``cadence.engine.flashtalk``), each clip decoded and re-encoded
   by the Wan VAE before the next.
 * ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
   Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
   Before every block its server rebuilds the cache from a first frame and the last 2 clean frames
-  (``kv_cache_num_frames`` = 3): ``stream.kv_rebuild`` (``cadence.cache.rebuild``). The first frame is Krea's
+  (``kv_cache_num_frames`` = 3): ``Rebuild(frames=3)``, i.e. ``stream.kv_rebuild`` (``cadence.cache.rebuild``). The first frame is Krea's
   default (``stream.keep_first_frame`` False: from the third block on, an older decoded pixel frame
   re-encoded by the Wan VAE) or the stream's first latent frame (True); both equal to Krea's own code.
 
-``get_family(name)``, ``list_families()`` and ``family_config(...)`` are what ``--model NAME`` and
-``cadence models`` call. Pure configuration: no torch here.
+Each family declares what it changes in the engine with typed rule objects (data only; the engine recipe,
+``cadence.engine.recipe``, is the one reader outside this file):
+
+* ``streaming``: :class:`KVStream` (block-causal chunks over a K/V cache, the default) or :class:`ClipStream`
+  (FlashTalk: bidirectional clips decoded and re-encoded inside the step: no ring cache, no CUDA graphs);
+* ``prompt_switch``: :class:`Swap` (the new prompt's cross-attention K/V from the next chunk on) or
+  :class:`Recache` (LongLive: the recent chunks' K/V recomputed under the new prompt first);
+* ``context``: None (the committed K/V stay) or :class:`Rebuild` (Krea: the cache rebuilt before every
+  chunk from a short clean context; naive cache only).
+
+Presets and families live in one registry (:data:`REGISTRY`, :func:`get_model`): ``--model NAME`` and its
+alias ``--preset NAME`` take either; a preset is an entry of kind 'preset' with Cadence's own defaults
+(``cadence.config.PRESETS``). ``get_family(name)``, ``list_families()`` and ``family_config(...)`` are the
+families' half (``cadence models``). Pure configuration: no torch here.
 """
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass, field, replace
 
-from cadence.config import CadenceConfig, get_preset
+from cadence.config import PRESETS, CadenceConfig, get_preset
 from cadence.errors import ConfigError
+
+# ---- the rules a family declares (what it changes in the engine; read by cadence.engine.recipe) -------------
+
+
+@dataclass(frozen=True)
+class KVStream:
+    """Block-causal chunks over a K/V cache (``cadence.engine.session.Session``): the engine's decode stage
+    decodes each chunk's latent; the ring cache, FP8 K/V and CUDA graphs apply."""
+
+    def warm_chunks(self, window_chunks: int, graph_warmup: int) -> int:
+        """Chunks of a warm-up stream that run every step shape once: W - 1 while the ring fills, the first
+        steady step's ``graph_warmup`` eager run(s), the capture, one replay."""
+        return window_chunks + graph_warmup + 1
+
+    def fill_chunks(self, window_chunks: int) -> int:
+        """Chunks before a stream's steady state (the window filling): the paced warm-up measures after."""
+        return window_chunks - 1
+
+
+@dataclass(frozen=True)
+class ClipStream:
+    """Bidirectional clips (``cadence.engine.flashtalk.ClipSession``): each clip of ``clip_frames`` video frames
+    is generated whole, decoded by ``decoder`` and its last ``motion_frames`` re-encoded before the next
+    starts, inside the step. No K/V cache: no ring cache, no FP8 K/V, no CUDA graphs, and the decoder's fast
+    paths do not apply (the recipe turns them off with one note)."""
+
+    clip_frames: int
+    """Video frames generated together per call (FlashTalk: 33)."""
+    motion_frames: int
+    """The last video frames of a clip carried into the next one as its first latents (FlashTalk: 5); a
+    clip's new video is ``clip_frames - motion_frames`` frames."""
+    decoder: str = "wan"
+    """The decoder that decodes and re-encodes every clip (the Wan VAE)."""
+
+    def warm_chunks(self, window_chunks: int, graph_warmup: int) -> int:
+        """The first clip (its motion latents are the image's) and one more."""
+        return 2
+
+    def fill_chunks(self, window_chunks: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A prompt change mid-stream: the new prompt's cross-attention K/V from the next chunk on; the cached
+    self-attention K/V stay as computed."""
+
+    pad: bool = True
+    """Pad the embedding with zeros to the model's text length (a Wan-family model pads its context: the step
+    keeps its shape and its captured graph); False (Cadence's presets): the embedding as given (a trimmed
+    prompt is another cross-attention length, so another step shape)."""
+
+
+@dataclass(frozen=True)
+class Recache:
+    """LongLive's prompt switch: the recent chunks' K/V are recomputed under the new prompt in one extra model
+    pass before the next chunk (``cadence.cache.recache``), the embedding padded as :class:`Swap` pads it."""
+
+    keeps_sink: bool = True
+    """Keep the frame sink's K/V once the window is full (LongLive's ``global_sink``: true in its shipped
+    configs) or recompute them (the sink then moves to recent chunks)."""
+    pad: bool = True
+    """As :attr:`Swap.pad` (always true for the Wan families)."""
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """Krea Realtime's context rebuild (``cadence.cache.rebuild``): before every chunk after the first the cache
+    is cleared and refilled in one clean pass over a first frame and the last ``frames - 1`` clean latent
+    frames (its ``kv_cache_num_frames``); naive cache only (the ring keeps fixed chunk slots at growing
+    positions). Folded into ``StreamConfig.kv_rebuild`` / ``keep_first_frame`` by :func:`family_config`, so a
+    configuration can override it."""
+
+    frames: int
+    """Latent frames of the rebuilt context (Krea: 3)."""
+    keep_first_frame: bool = False
+    """The context's first frame: False (Krea's default: from the third block on, an older decoded pixel frame
+    re-encoded by the Wan VAE) or True (always the stream's first latent frame)."""
+    caches: tuple[str, ...] = field(default=("naive",), repr=False)
+    """The caches it runs on."""
+
+    def stream_fields(self) -> dict:
+        """The ``StreamConfig`` fields that carry it."""
+        return {"kv_rebuild": self.frames, "keep_first_frame": self.keep_first_frame}
 
 
 @dataclass(frozen=True)
@@ -64,11 +161,17 @@ class CheckpointFormat:
     ``ema=False`` (e.g. 'generator', then 'model'); empty: the file is the state dict itself."""
     ema_key: str | None = None
     """The key of the EMA weights ('generator_ema'), read when asked for (``ema=True``)."""
+    default_entry: str | None = None
+    """The entry served when none is asked for (``--weights-entry``): the one the authors' own inference reads
+    (None: the file is the state dict itself, or the family has no entries)."""
+    default_entry_source: str = ""
+    """Where the authors' code says so (repository, commit, file and the line followed), for the record."""
     prefixes: tuple[str, ...] = ()
     """Key prefixes stripped before the names are mapped, in order ('model.': the diffusion wrapper's
     attribute; '_fsdp_wrapped_module.' anywhere in a key: FSDP's wrapper)."""
     names: str = "wan"
-    """Key names after the prefix: 'wan' (Wan-Video's original module names) or 'diffusers'."""
+    """Key names after the prefix: 'wan' (Wan-Video's original module names) or 'diffusers'; 'any' for a
+    preset's safetensors (whatever ``cadence.model.weights.load_weights`` detects)."""
     lora_rank: int = 0
     """Rank of the LoRA shipped beside the base weights (0 = none); merged into the weights at load."""
     lora_alpha: float = 0.0
@@ -108,30 +211,19 @@ class ModelFamily:
     reference_window: str = ""
     """The reference code's own attention settings, for the record (``local_attn_size`` / ``sink_size``
     in latent frames), from which ``stream``'s window and frame sink are derived."""
-    prompt_switch: str = "swap"
-    """What a prompt change mid-stream does (``Session.switch_prompt``): 'swap' (the new prompt's
-    cross-attention K/V from the next chunk on; the cached self-attention K/V stay as computed) or
-    'recache' (LongLive: the recent chunks' K/V are recomputed under the new prompt first,
-    ``cadence.cache.recache``)."""
-    recache_keeps_sink: bool = True
-    """With 'recache', whether the frame sink's K/V are kept once the window is full (LongLive's
-    ``global_sink``: true in its shipped configs) or recomputed (the sink then moves to recent chunks)."""
     status: str = "parity"
     """'parity': the model pass and the stream the engine runs are tested equal to the reference code
     (tests/fixtures/<name>/); 'model': the model pass and the family's own sampler (outside the engine) are
     tested equal, the engine does not stream it yet; 'config': configuration, key mapping and detection
-    only."""
-    stream_kind: str = "kv"
-    """How the engine streams it: 'kv' (block-causal chunks over a K/V cache: ``cadence.engine.session.Session``,
-    the engine's decode stage decodes each chunk's latent) or 'clip' (bidirectional clips, each decoded and
-    re-encoded before the next starts: ``cadence.engine.clip.ClipSession``, whose step yields the frames; no
-    K/V cache, so no ring cache and no CUDA graphs)."""
-    clip_frames: int = 0
-    """Clip-based families (FlashTalk): video frames generated together per call (bidirectional; 0 = a
-    block-causal K/V stream)."""
-    motion_frames: int = 0
-    """Clip-based families: the last video frames of a clip carried into the next one as its first latents
-    (the clip's new video is ``clip_frames - motion_frames`` frames)."""
+    only; 'cadence': one of Cadence's own presets (kind 'preset')."""
+    streaming: KVStream | ClipStream = field(default_factory=KVStream)
+    """How the engine streams it (see the module docstring)."""
+    prompt_switch: Swap | Recache = field(default_factory=Swap)
+    """What a prompt change mid-stream does."""
+    context: Rebuild | None = None
+    """Where a chunk's K/V context comes from: None (the K/V committed by earlier chunks) or a rebuild."""
+    kind: str = "family"
+    """'family' (an open checkpoint's family) or 'preset' (one of Cadence's presets, in the same registry)."""
     notes: str = ""
     """What is not reproduced, if anything."""
 
@@ -164,6 +256,11 @@ _SF_FORMAT = CheckpointFormat(
     ema_key="generator_ema",
     prefixes=("model.", "_fsdp_wrapped_module."),
     names="wan",
+    default_entry="generator_ema",
+    default_entry_source="guandeh17/Self-Forcing 33593df: README.md runs `python inference.py --config_path "
+    "configs/self_forcing_dmd.yaml ... --checkpoint_path checkpoints/self_forcing_dmd.pt ... --use_ema` "
+    "(inference.py: `state_dict['generator' if not args.use_ema else 'generator_ema']`); demo.py: "
+    "`transformer.load_state_dict(state_dict['generator_ema'])`",
 )
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -186,7 +283,15 @@ FAMILIES: dict[str, ModelFamily] = {
         stream=dict(
             _SF_STREAM, passes=3, timesteps=(1000.0, 757.0, 522.0), shift=8.0, warp_denoising_step=False
         ),
-        checkpoint=replace(_SF_FORMAT, ema_key=None),
+        checkpoint=replace(
+            _SF_FORMAT,
+            ema_key=None,
+            default_entry="generator",
+            default_entry_source="tianweiy/CausVid ca21150: README.md runs `python "
+            "minimal_inference/autoregressive_inference.py --config_path configs/wan_causal_dmd.yaml "
+            "--checkpoint_folder XXX ...`, which reads `torch.load(os.path.join(args.checkpoint_folder, "
+            '"model.pt"), map_location="cpu")[\'generator\']`',
+        ),
         reference_window="global attention over 21 frames (configs/wan_causal_dmd.yaml)",
         status="config",
         notes="Shares Self-Forcing's model and sampler code paths (tested there); no CausVid fixture of its own.",
@@ -198,10 +303,18 @@ FAMILIES: dict[str, ModelFamily] = {
         preset="w1.3",
         model=dict(_SF_MODEL),
         stream=dict(_SF_STREAM, window_chunks=3, frame_sink_chunks=1),
-        checkpoint=replace(_SF_FORMAT, lora_rank=256, lora_alpha=256.0, lora_keys=("generator_lora",)),
+        checkpoint=replace(
+            _SF_FORMAT,
+            lora_rank=256,
+            lora_alpha=256.0,
+            lora_keys=("generator_lora",),
+            default_entry="generator",
+            default_entry_source="NVlabs/LongLive 2462895 (1.0): inference.sh and interactive_inference.sh run "
+            "configs/longlive_inference.yaml / longlive_interactive_inference.yaml, both `use_ema: false`; "
+            'inference.py: `state_dict["generator_ema" if config.use_ema else "generator"]`',
+        ),
         reference_window="local_attn_size=12, sink_size=3 (configs/longlive_inference.yaml)",
-        prompt_switch="recache",
-        recache_keeps_sink=True,
+        prompt_switch=Recache(keeps_sink=True),
     ),
     "krea-14b": ModelFamily(
         name="krea-14b",
@@ -214,11 +327,19 @@ FAMILIES: dict[str, ModelFamily] = {
             passes=5,
             timesteps=(1000.0, 750.0, 500.0, 250.0, 0.0),
             window_chunks=2,
-            kv_rebuild=3,  # kv_cache_num_frames: the cache rebuilt before every block (cadence.cache.rebuild)
-            keep_first_frame=False,  # Krea's default: from the third block on, an older frame re-encoded
             commit="last_pass",  # no clean pass: the next rebuild replaces whatever the block wrote
         ),
-        checkpoint=CheckpointFormat(kinds=(".safetensors",), prefixes=("model.",), names="wan"),
+        # kv_cache_num_frames = 3: the cache rebuilt before every block; Krea's default first frame (from the
+        # third block on, an older frame re-encoded)
+        context=Rebuild(frames=3, keep_first_frame=False),
+        checkpoint=CheckpointFormat(
+            kinds=(".safetensors",),
+            prefixes=("model.",),
+            names="wan",
+            default_entry_source="krea-ai/realtime-video acf4b7b: release_server.py `state_dict = "
+            'load_file(checkpoint_path, device="cuda")` then `transformer.load_state_dict(state_dict)`: '
+            "the file is the state dict (no entries)",
+        ),
         reference_window="kv_cache_num_frames=3: the cache is recomputed every block from the first frame "
         "and the last clean frames",
         notes="The per-block K/V rebuild with Krea's default first context frame (keep_first_frame=False: "
@@ -271,16 +392,20 @@ FAMILIES["flashtalk"] = ModelFamily(
         timestep_table=0,
     ),
     vae=dict(decoder="wan"),  # every clip is decoded and its last frames re-encoded by the Wan 2.1 VAE
-    checkpoint=CheckpointFormat(kinds=(".safetensors",), names="wan"),
+    checkpoint=CheckpointFormat(
+        kinds=(".safetensors",),
+        names="wan",
+        default_entry_source="Soul-AILab/SoulX-FlashTalk 688982e: flash_talk/src/pipeline/flash_talk_pipeline.py "
+        "`self.model = WanModel.from_pretrained(checkpoint_dir, ...)`: the diffusers folder is the state dict "
+        "(no entries)",
+    ),
     audio_encoder="wav2vec2 (chinese-wav2vec2-base, every layer's hidden state at 25 fps)",
     vision_encoder="CLIP ViT-H/14 (Wan's open-clip xlm-roberta-large-vit-huge-14, penultimate layer)",
     reference_window="bidirectional within a 33-frame clip (frame_num 33, motion_frames_num 5: "
     "flash_talk/configs/infer_params.yaml)",
     status="parity",
-    stream_kind="clip",
-    clip_frames=33,
-    motion_frames=5,
-    notes="Streamed by the engine as clips (cadence.engine.clip.ClipSession): per chunk its wav2vec2 audio "
+    streaming=ClipStream(clip_frames=33, motion_frames=5, decoder="wan"),
+    notes="Streamed by the engine as clips (cadence.engine.flashtalk.ClipSession): per chunk its wav2vec2 audio "
     "windows, the 4-pass clip, the whole-clip Wan VAE decode, colour match and re-encode of the motion frames; "
     "tested equal to FlashTalk's offline stream (generate_offline, itself tested against the reference's "
     "generate_video) on the audio delayed by one frame (40 ms: the live resampler's look-ahead), so the mouth "
@@ -304,6 +429,46 @@ def get_family(name: str) -> ModelFamily:
         raise ConfigError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}") from None
 
 
+def _preset_entry(name: str) -> ModelFamily:
+    """A Cadence preset as a registry entry: its own geometry and defaults, safetensors weights with any of the
+    loader's key names, a prompt switch that keeps the embedding as given."""
+    return ModelFamily(
+        name=name,
+        title=f"Cadence preset {name!r}",
+        reference="cadence.config.PRESETS",
+        preset=name,
+        checkpoint=CheckpointFormat(kinds=(".safetensors",), names="any"),
+        text_encoder="",
+        status="cadence",
+        prompt_switch=Swap(pad=False),
+        kind="preset",
+    )
+
+
+#: One registry of what ``--model NAME`` (alias ``--preset NAME``) takes: the families first, then Cadence's
+#: presets (a ChainMap over both: a family registered at run time, or replaced in a test, is seen at once).
+REGISTRY: ChainMap[str, ModelFamily] = ChainMap(FAMILIES, {n: _preset_entry(n) for n in PRESETS})
+
+
+def get_model(name: str) -> ModelFamily:
+    """The registry entry for ``name`` (a family or a preset); one clear error listing both otherwise."""
+    try:
+        return REGISTRY[str(name).lower()]
+    except KeyError:
+        raise ConfigError(
+            f"unknown preset or model family {name!r}; presets: {', '.join(PRESETS)}; families: "
+            f"{', '.join(FAMILIES)}"
+        ) from None
+
+
+def model_config(name: str, overrides: dict | None = None) -> CadenceConfig:
+    """The engine configuration of registry entry ``name``: a family's (:func:`family_config`) or a preset's,
+    then ``overrides`` (``CadenceConfig.with_overrides`` sections: the files to load, geometry for tests)."""
+    entry = get_model(name)
+    cfg = get_preset(entry.name) if entry.kind == "preset" else family_config(entry.name)
+    return cfg.with_overrides(**overrides) if overrides else cfg
+
+
 def family_config(
     name: str,
     weights: str | None = None,
@@ -312,10 +477,10 @@ def family_config(
     text_tokenizer: str | None = None,
     **sections: dict,
 ) -> CadenceConfig:
-    """The family's whole engine configuration: its preset with the family's overrides, the given files,
-    then any further per-section overrides (``model={...}``, ``vae={...}``, ``stream={...}``; e.g. a
-    smaller ``num_layers`` for a benchmark). With ``vae_weights`` the decoder is the Wan VAE ('wan')
-    unless ``vae={'decoder': ...}`` says otherwise."""
+    """The family's whole engine configuration: its preset with the family's overrides (its :class:`Rebuild`
+    rule folded into the stream section), the given files, then any further per-section overrides
+    (``model={...}``, ``vae={...}``, ``stream={...}``; e.g. a smaller ``num_layers`` for a benchmark). With
+    ``vae_weights`` the decoder is the Wan VAE ('wan') unless ``vae={'decoder': ...}`` says otherwise."""
     fam = get_family(name)
     base = get_preset(fam.preset)
     model = dict(
@@ -326,7 +491,9 @@ def family_config(
         vae.setdefault("decoder", "wan")
     model.update(sections.pop("model", {}))
     vae.update(sections.pop("vae", {}))
-    stream = dict(fam.stream, **sections.pop("stream", {}))
+    rebuild = fam.context.stream_fields() if fam.context is not None else {}
+    stream = dict(fam.stream, **rebuild)
+    stream.update(sections.pop("stream", {}))
     if sections:
         raise ConfigError(f"family_config takes model=, vae=, stream= overrides, got {', '.join(sections)}")
     return CadenceConfig(

@@ -18,7 +18,7 @@ The family is InfiniteTalk's (MeiGen-AI/InfiniteTalk; SoulX-FlashTalk builds on 
 the whole clip at once (its transformer attends over all of it, and the interpolation grid depends on the
 clip's length), so a stream's features equal the reference's on the *window it encoded*, not on the whole
 clip: ``tests/test_wav2vec2.py`` checks the first exactly against InfiniteTalk's own code and measures the
-second. The engine's clip session for SoulX-FlashTalk (``cadence.engine.clip``) uses FlashTalk's own per-clip
+second. The engine's clip session for SoulX-FlashTalk (``cadence.engine.flashtalk``) uses FlashTalk's own per-clip
 window (``cadence.model.flashtalk.FlashTalkAudio``: ``Resampler``, the loudness functions and ``encode`` below),
 not :class:`Wav2Vec2Stream`.
 """

@@ -194,10 +194,15 @@ def load_weights(
     """Load one safetensors file, or a directory of them (sharded checkpoints), into `model`. A model
     whose configuration names a family (``ModelConfig.family``) reads the family's own format
     (:func:`load_family_weights`). The configuration's LoRA files (``ModelConfig.lora``) are then merged
-    (``cadence.model.lora``)."""
+    (``cadence.model.lora``). A family's multi-entry file reads ``ModelConfig.weights_entry``, else the
+    family's default entry (``CheckpointFormat.default_entry``: what its authors' inference reads)."""
     family = getattr(model.cfg.model, "family", None)
     if family and fmt is None:
-        rep = load_family_weights(model, path, family)
+        from cadence.model.families import get_family
+
+        # the entry the configuration names, else the one the family's authors serve
+        entry = model.cfg.model.weights_entry or get_family(family).checkpoint.default_entry
+        rep = load_family_weights(model, path, family, entry=entry)
     else:
         rep = load_state_dict_into(model, _read_safetensors(Path(path)), fmt, allow_missing_audio)
     loras = getattr(model.cfg.model, "lora", ())
@@ -317,10 +322,21 @@ def guess_family(kind: str, top_keys, desc: dict) -> list[str]:
     return out
 
 
-def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> dict[str, torch.Tensor]:
+def read_family_checkpoint(
+    path: str | Path, family: str, ema: bool = False, entry: str | None = None
+) -> dict[str, torch.Tensor]:
     """The transformer state dict inside `family`'s own file at `path`, prefixes stripped (Wan's names),
-    without its LoRA. Raises :class:`WeightsError` naming the file and the family when the file is not
-    that family's format (wrong kind, no generator entry, other key names)."""
+    without its LoRA. ``entry`` names the '.pt' entry to read (one error listing the file's entries when it
+    lacks it); without it, the EMA entry (``ema``) or the first of the family's ``state_keys`` found.
+    Raises :class:`WeightsError` naming the file and the family when the file is not that family's format
+    (wrong kind, no generator entry, other key names)."""
+    return _read_family_entry(path, family, ema, entry)[0]
+
+
+def _read_family_entry(
+    path: str | Path, family: str, ema: bool, entry: str | None
+) -> tuple[dict[str, torch.Tensor], str | None]:
+    """:func:`read_family_checkpoint` and the entry it read (None: the file is one state dict)."""
     from cadence.model.families import get_family
 
     fam = get_family(family)
@@ -353,11 +369,16 @@ def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> 
                 (obj[k] for k in ("generator", "generator_ema", "model") if isinstance(obj.get(k), dict)), obj
             )
         raise _fail(f"it is a {kind} file", inner)
+    if entry is not None and not (kind == ".pt" and ck.state_keys):
+        raise WeightsError(f"{where}: weights entry {entry!r} asked for, but the file is one state dict")
     if kind == ".pt" and ck.state_keys:
-        keys = (ck.ema_key,) if ema else ck.state_keys
-        if ema and not ck.ema_key:
+        keys = (entry,) if entry is not None else (ck.ema_key,) if ema else ck.state_keys
+        if ema and entry is None and not ck.ema_key:
             raise WeightsError(f"{where}: family {fam.name!r} has no EMA weights entry")
         found = next((k for k in keys if isinstance(obj.get(k), dict)), None)
+        if found is None and entry is not None:
+            has = ", ".join(sorted(str(k) for k, v in obj.items() if isinstance(v, dict))) or "none"
+            raise WeightsError(f"{where}: no {entry!r} entry (--weights-entry); the entries it has: {has}")
         if found is None:
             top = ", ".join(sorted(map(str, obj.keys()))[:8]) or "nothing"
             lora_like = any(
@@ -367,7 +388,7 @@ def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> 
             raise WeightsError(f"{where}: no {' / '.join(keys)} entry; its top-level keys are {top}{extra}")
         raw = obj[found]
     else:
-        raw = obj
+        raw, found = obj, None
     sd = {_strip(k, ck.prefixes): v for k, v in raw.items()}
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
     if bad:
@@ -377,7 +398,7 @@ def read_family_checkpoint(path: str | Path, family: str, ema: bool = False) -> 
         raise _fail(
             f"its keys are {names} names, not {ck.names} names (first keys: {_summarise(list(sd), 4)})", raw
         )
-    return sd
+    return sd, found
 
 
 def read_lora(path: str | Path, family: str) -> dict[str, torch.Tensor]:
@@ -458,15 +479,23 @@ def merge_lora(
 
 
 def load_family_weights(
-    model: WanDiT, path: str | Path, family: str, ema: bool = False, lora: str | Path | None = None
+    model: WanDiT,
+    path: str | Path,
+    family: str,
+    ema: bool = False,
+    lora: str | Path | None = None,
+    entry: str | None = None,
 ) -> dict:
-    """Load `family`'s own checkpoint at `path` (and its LoRA file, merged) into `model`. The model's
-    geometry must match the file's (a Krea 14B file into a 1.3B model is refused with both geometries
-    named). Returns the loader's report plus {family, file, ema, lora_merged}."""
+    """Load `family`'s own checkpoint at `path` (and its LoRA file, merged) into `model`; ``entry`` / ``ema``
+    pick a multi-entry file's state dict (:func:`read_family_checkpoint`). The model's geometry must match
+    the file's (a Krea 14B file into a 1.3B model is refused with both geometries named). Returns the
+    loader's report plus {family, file, entry, ema, lora_merged} (``entry``: the one read, None for a file
+    that is one state dict)."""
     from cadence.model.families import get_family
 
     fam = get_family(family)
-    sd = read_family_checkpoint(path, fam.name, ema=ema)
+    ck = fam.checkpoint
+    sd, entry = _read_family_entry(path, fam.name, ema, entry)
     desc = describe_checkpoint(sd)
     m = model.cfg.model
     if (desc.get("dim"), desc.get("layers")) != (m.dim, m.num_layers):
@@ -485,7 +514,8 @@ def load_family_weights(
         rep = load_state_dict_into(model, sd, fam.checkpoint.names, allow_missing_audio=True)
     except WeightsError as e:
         raise WeightsError(f"checkpoint {path} (family {fam.name!r}): {e}") from None
-    return dict(rep, family=fam.name, file=str(path), ema=ema, lora_merged=merged)
+    read_ema = entry is not None and entry == ck.ema_key
+    return dict(rep, family=fam.name, file=str(path), entry=entry, ema=read_ema, lora_merged=merged)
 
 
 def save_weights(model: WanDiT, path: str | Path) -> None:

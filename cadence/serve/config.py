@@ -1,35 +1,95 @@
 """Server configuration (``cadence serve`` flags map onto these fields).
 
-The engine's fast path (bf16 is already the CUDA dtype; the TAEHV decoder, the ring cache with FP8
-K/V, FP8 linears, CUDA graphs) is applied from outside to the built model by the worker process
-(``cadence.engine.build.build_engine``). Each option is ``None`` = automatic (on for CUDA worker
-groups, off on the CPU, so the CPU path is exactly the reference one), ``True`` or ``False``.
-:func:`worker_spec` turns them into what one worker group builds (a ``cadence.engine.spec.WorkerSpec``
-with the ``FastPath`` resolved for its device), with one note per option that cannot apply on that
-device (the worker logs each note once and reports them in its ready info, ``GET /config`` -> ``workers``).
+What every worker group builds is one :class:`~cadence.engine.recipe.EngineSpec` (``ServeConfig.engine``: the
+model, its files, the fast path, the decode placement, the warm-up), the same object ``cadence bench
+pipeline`` and every other entry point build from the same words (``cadence.engine.flags``). Each fast-path
+option is ``None`` = automatic (on for CUDA worker groups, off on the CPU, so the CPU path is exactly the
+reference one). :func:`worker_spec` resolves the spec for one group's devices
+(``cadence.engine.recipe.resolve``: the family's rules applied, one note per option that cannot apply there;
+the worker logs each note once and reports them in its ready info, ``GET /config`` -> ``workers``).
+
+The rest of the fields are the server's own: listening, sessions, limits, access, the ``talk`` agent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
+from cadence.engine.recipe import EngineSpec, WorkerSpec, entry_for, resolve
 from cadence.engine.shm import SHM_MIN_BYTES
-from cadence.engine.spec import DECODER_FAST, DEFAULT_PROMPT, FastPath, WorkerSpec, base_config
+from cadence.engine.spec import DEFAULT_PROMPT
 from cadence.errors import ConfigError, InputError
 from cadence.serve.ports import Fleet
 
 __all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "serve_groups", "worker_spec"]
 
+#: ``ServeConfig`` keywords of callers written before ``ServeConfig.engine`` (folded into it by
+#: :func:`engine_spec`): the engine's own knobs, once copied here field by field.
+ENGINE_WORDS = (
+    "preset",
+    "model",
+    "overrides",
+    "seed",
+    "decoder",
+    "kv_fp8",
+    "fp8_linears",
+    "graphs",
+    "capture_filling",
+    "compile",
+    "decoder_fast",
+    "worker_threads",
+    "decode_gpu",
+    "warmup",
+    "warmup_chunks",
+)
 
-@dataclass(frozen=True)
+
+def engine_spec(base: EngineSpec | None = None, **words) -> EngineSpec:
+    """``base`` (default ``EngineSpec()``) with the engine keywords of :data:`ENGINE_WORDS` applied: ``model``
+    (or ``preset``: the same registry), ``overrides``, ``seed``, the fast-path options (``worker_threads`` is
+    ``FastPath.threads``), ``decode_gpu`` K (decode on cuda:K), ``warmup`` (None: on), ``warmup_chunks``."""
+    bad = set(words) - set(ENGINE_WORDS)
+    if bad:
+        raise TypeError(f"unknown engine keyword(s) {sorted(bad)}")
+    spec = base or EngineSpec()
+    kw: dict = {}
+    name = words.pop("model", None) or words.pop("preset", None)
+    words.pop("preset", None)
+    if name:
+        kw["model"] = name
+    for k in ("overrides", "seed", "warmup_chunks"):
+        if words.get(k) is not None:
+            kw[k] = dict(words.pop(k)) if k == "overrides" else words.pop(k)
+    if words.get("warmup") is not None:
+        kw["warmup"] = bool(words.pop("warmup"))
+    gpu = words.pop("decode_gpu", None)
+    if gpu is not None:
+        if gpu < 0:
+            raise ConfigError(f"decode_gpu must be >= 0, got {gpu}")
+        kw["decode_device"] = f"cuda:{gpu}"
+    threads = words.pop("worker_threads", None)
+    fast = {k: v for k, v in words.items() if v is not None}
+    if threads:
+        fast["threads"] = threads
+    if fast:
+        kw["fast"] = dataclasses.replace(spec.fast, **fast)
+    return dataclasses.replace(spec, **kw) if kw else spec
+
+
+@dataclass(frozen=True, init=False)
 class ServeConfig:
-    preset: str = "character"
-    """Engine preset every worker builds."""
-    model: str | None = None
-    """A model family instead of the preset (``cadence models``: 'self-forcing', 'causvid', 'longlive',
-    'krea-14b'): its geometry, sampler, cache policy and checkpoint format; its files come in ``overrides``
-    (``weight_overrides``)."""
+    """``ServeConfig(engine=EngineSpec(...), port=..., ...)``; the engine's knobs may also come as keywords of
+    their own (:data:`ENGINE_WORDS`, e.g. ``ServeConfig(preset="tiny", worker_threads=1)``), folded into
+    ``engine`` by :func:`engine_spec`."""
+
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    """What every worker group builds (the model, its files, the fast path, the decode placement, the
+    warm-up), resolved per group by :func:`worker_spec`. ``engine.decode_device`` 'cuda:K' (``--decode-gpu
+    K``): every single-GPU group diffuses on its own GPU and decodes on GPU K, the latent handed GPU to GPU
+    (:func:`serve_groups` leaves GPU K out of the session groups); tensor-parallel groups decode on their
+    own GPUs (a note says so)."""
     host: str = "127.0.0.1"
     """Address the HTTP server listens on (loopback by default)."""
     port: int = 8000
@@ -39,9 +99,6 @@ class ServeConfig:
     devices of a tensor-parallel group joined by '+' ('cuda:0+cuda:1': the model sharded over both, one
     worker process per device; 'cpu+cpu' runs the same on the CPU with gloo). The number of entries is
     the number of sessions admitted at once (``--max-sessions N`` on the CPU = N slots)."""
-    worker_threads: int = 0
-    """torch intra-op threads per worker process (CPU); 0 = chosen at the worker's warm-up (it times 1 and 2
-    threads with decode overlapped on its own thread and keeps the faster sustained rate)."""
     idle_timeout_s: float = 120.0
     """Close a session after this long with no request and no media from its client."""
     max_duration_s: float = 600.0
@@ -94,8 +151,6 @@ class ServeConfig:
     discovery (all non-loopback interfaces)."""
     worker_start_timeout_s: float = 120.0
     """How long startup waits for the worker processes to build the model."""
-    seed: int = 0
-    """Model weight seed (random weights) for the workers."""
     sync_marker_every: int = 0
     """Testing: every K-th chunk of every session carries an A/V sync marker (its first video frame
     solid white, its first 40 ms of audio a 1 kHz tone, at the same media time); 0 = off."""
@@ -112,62 +167,44 @@ class ServeConfig:
     """Text-to-speech model at ``agent_url`` (``/audio/speech``); None: espeak-ng on the server."""
     agent_system_prompt: str | None = None
     """The ``talk`` agent's system prompt (None: a short default)."""
-    overrides: dict = field(default_factory=dict)
-    """Engine config overrides applied to the preset by the server and every worker, as
-    ``CadenceConfig.with_overrides`` takes them, e.g. ``{"stream": {"latent_frames_per_chunk": 3}}``
-    (tests: W1.3's 12-frame chunks at the tiny size)."""
-    decoder: str | None = None
-    """VAE decoder the workers use: None = 'taehv' (the tiny streaming decoder) on CUDA, the preset's
-    own on the CPU; or 'standin' | 'wan' | 'taehv' everywhere."""
-    decode_gpu: int | None = None
-    """Decode on this GPU (``--decode-gpu K``): every single-GPU worker group diffuses on its own GPU and runs
-    the decoder on GPU K, the latent handed GPU to GPU without a host trip (``PipelineConfig.decode_device``;
-    the decode overlaps the next chunk's diffusion); :func:`serve_groups` leaves GPU K out of the session
-    groups. None: each group decodes on its own GPU, on a stream of its own. Tensor-parallel groups always
-    decode on their own GPUs (a note says so)."""
-    decoder_fast: str | None = None
-    """The full Wan decoder's fast path (``FastPath.decoder_fast``: 'off' | 'cl' | 'compile' | 'bench' | 'fold' | 'up' | 'fp8'); None =
-    'compile' on CUDA (compiled during the warm-up), 'off' on the CPU."""
-    kv_fp8: bool | None = None
-    """Ring cache with FP8 K/V (the FP8 attention kernel). None = on for CUDA groups. CUDA only."""
-    fp8_linears: bool | None = None
-    """FP8 linears in the transformer blocks (``cadence.quant.fp8.apply_fp8``). None = on for CUDA. CUDA only."""
-    graphs: bool | None = None
-    """CUDA graphs for steady-state chunk steps (``cadence.runtime.graphs.GraphRunner``); the worker
-    keeps one ring cache for all its sessions so a graph captured once (at warm-up) is replayed by
-    every later session. None = on for CUDA. CUDA only."""
-    capture_filling: bool = False
-    """Opt-in (with graphs): also capture the ring-filling steps, one graph per fill stage
-    (``GraphRunner(capture_filling=True)``), so a session's first ``window_chunks`` chunks replay graphs
-    instead of running eagerly. The warm-up then runs a second throwaway session (each fill stage occurs
-    once per session and is warmed eagerly before its capture); costs ``window_chunks`` more graphs of
-    memory. Eager filling steps are launch-bound at 748 tokens (slower than real time at W14 TP=2 and W1.3:
-    docs/perf/pipeline/NOTES.md), which means underruns in
-    every session's first chunks whatever the lead. With FP8 K/V (``kv_fp8``, the CUDA default) the
-    filling steps already replay the steady graph (``RingCache.length_on_device``) and this adds
-    nothing; it matters for bf16 K/V. CUDA only; not measured on a GPU yet."""
-    compile: bool = False
-    """Opt-in: ``torch.compile`` of the per-block elementwise regions (``cadence.runtime.compile.
-    apply_compile``, after the FP8 swap); it compiles each step shape on first use, i.e. during the
-    warm-up. Where it cannot compile, the plain ops stay (its own one log line)."""
-    warmup: bool | None = None
-    """Before reporting ready, run the engine's warm-up (``Engine.warm_up``): every step shape (first chunk,
-    ring filling, steady, graph capture) and the decoder run once (Triton compiles, autotuning, cuDNN setup,
-    graph capture happen before any user), and the worker measures its chunk latency and sustained interval
-    (which size the planning lead and tell the scheduler what it can ask for) and, on the CPU, its thread
-    count. None = on."""
-    warmup_chunks: int = 0
-    """Chunks of the warm-up session; 0 = window_chunks + 2 (enough to reach a replayed graph)."""
     frame_transport: str = "auto"
     """How frames come back from a worker: 'pipe' (pickled through the multiprocessing pipe), 'shm'
     (a ring of shared-memory slots; only the chunk index crosses the pipe) or 'auto' (shm when a
     chunk's frames are >= 1 MiB: a W1.3 chunk is 14.4 MB, a tiny preset's 196 KB; ``cadence.engine.shm``)."""
     extra: dict = field(default_factory=dict)
+    """Free-form settings of callers that embed the server (kept with the config, read by nobody here)."""
     fleet: Fleet | None = None
     """``cadence serve --ray``: the sessions run on the worker groups of a Ray fleet, not on this machine's
     processes (``groups`` is then unused). A ``cadence.fleet.config.FleetConfig`` (the CLI builds it), typed
     by the ``Fleet`` Protocol of ``cadence.serve.ports``: the app takes its ``group_source(cfg)`` and
     ``routes(source)``, so this layer never imports ``cadence.fleet``. None (the default): one machine."""
+
+    def __init__(self, engine: EngineSpec | None = None, **kw) -> None:
+        words = {k: kw.pop(k) for k in list(kw) if k in ENGINE_WORDS}
+        object.__setattr__(self, "engine", engine_spec(engine, **words))
+        for f in dataclasses.fields(self):
+            if f.name == "engine":
+                continue
+            value = (
+                kw.pop(f.name)
+                if f.name in kw
+                else f.default
+                if f.default is not MISSING
+                else f.default_factory()
+            )
+            object.__setattr__(self, f.name, value)
+        if kw:
+            raise TypeError(f"ServeConfig got unexpected keyword(s) {sorted(kw)}")
+        self.__post_init__()
+
+    @property
+    def preset(self) -> str:
+        """The model every worker builds (``engine.model``: a preset or a family)."""
+        return self.engine.model
+
+    @property
+    def decode_gpu(self) -> int | None:
+        return self.engine.decode_gpu
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -185,9 +222,12 @@ class ServeConfig:
                     )
                 if kinds == {"cuda"} and len(set(parts)) != len(parts):
                     raise ConfigError(f"a tensor-parallel group needs distinct GPUs, got {g!r}")
+        if self.engine.decode_device not in ("same",) and self.decode_gpu is None:
+            raise ConfigError(
+                f"cadence serve decodes on each group's GPU ('same') or on one decode GPU (--decode-gpu K), "
+                f"got decode device {self.engine.decode_device!r}"
+            )
         if self.decode_gpu is not None:
-            if self.decode_gpu < 0:
-                raise ConfigError(f"decode_gpu must be >= 0, got {self.decode_gpu}")
             if any(f"cuda:{self.decode_gpu}" in g.split("+") for g in self.groups):
                 raise ConfigError(
                     f"decode GPU {self.decode_gpu} also runs a worker group ({', '.join(self.groups)}): "
@@ -210,10 +250,6 @@ class ServeConfig:
             )
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
-        if self.decoder not in (None, "standin", "wan", "taehv"):
-            raise ConfigError(f"decoder must be 'standin', 'wan' or 'taehv', got {self.decoder!r}")
-        if self.warmup_chunks < 0:
-            raise ConfigError(f"warmup_chunks must be >= 0, got {self.warmup_chunks}")
         if self.frame_transport not in ("auto", "pipe", "shm"):
             raise ConfigError(
                 f"frame_transport must be 'auto', 'pipe' or 'shm', got {self.frame_transport!r}"
@@ -270,49 +306,19 @@ def check_api_key(key: str) -> str:
 
 
 def engine_config(cfg: ServeConfig):
-    """The preset (or model family) with ``cfg.overrides`` applied: the geometry every session and worker follows."""
-    return base_config(cfg.preset, cfg.model, cfg.overrides)
+    """The model's configuration with the overrides and the weights entry served: the geometry every session
+    and worker follows (the per-device choices, decoder and cache, are each group's recipe's)."""
+    return entry_for(cfg.engine.config(), cfg.engine.weights_entry)[0]
 
 
 def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[WorkerSpec, bool]:
-    """What the worker group on ``device`` builds: ``(spec, shm)``. ``spec.fast`` is the fast path resolved
-    for the device (automatic options on for CUDA groups, off on the CPU), ``spec.notes`` one line per option
-    asked for explicitly that cannot apply there; ``shm``: frames come back through shared memory
-    (``frame_transport`` 'shm', or 'auto' and a chunk of >= 1 MiB). Pure: no torch, no processes."""
-    fast = FastPath(
-        decoder=cfg.decoder,
-        kv_fp8=cfg.kv_fp8,
-        fp8_linears=cfg.fp8_linears,
-        graphs=cfg.graphs,
-        capture_filling=cfg.capture_filling,
-        compile=cfg.compile,
-        threads=cfg.worker_threads,
-        decoder_fast=cfg.decoder_fast,
-    )
-    fast, notes = fast.resolve(device.split("+")[0])
-    decode = "same"
-    if cfg.decode_gpu is not None:
-        if "+" in device:
-            notes.append(f"decode_gpu {cfg.decode_gpu}: a tensor-parallel group decodes on its own GPUs")
-        elif device.startswith("cuda"):
-            decode = f"cuda:{cfg.decode_gpu}"
-        else:
-            notes.append(f"decode_gpu {cfg.decode_gpu}: this worker runs on {device}: decodes there")
+    """What the worker group on ``device`` builds: ``(spec, shm)``. ``spec.recipe`` is ``cfg.engine`` resolved
+    for the group's devices (automatic options on for CUDA groups, off on the CPU; the family's rules;
+    ``recipe.notes`` one line per option that cannot apply there); ``shm``: frames come back through shared
+    memory (``frame_transport`` 'shm', or 'auto' and a chunk of >= 1 MiB). Pure: no torch, no processes."""
     t = cfg.frame_transport
     shm = t == "shm" or (t == "auto" and frame_bytes >= SHM_MIN_BYTES)
-    spec = WorkerSpec(
-        preset=cfg.preset,
-        device=device,
-        fast=fast,
-        overrides=dict(cfg.overrides),
-        family=cfg.model,
-        seed=cfg.seed,
-        warmup=True if cfg.warmup is None else bool(cfg.warmup),
-        warmup_chunks=cfg.warmup_chunks,
-        notes=tuple(notes),
-        decode_device=decode,
-    )
-    return spec, shm
+    return WorkerSpec(resolve(cfg.engine, device)), shm
 
 
 def serve_groups(
@@ -322,7 +328,6 @@ def serve_groups(
     ``tp`` consecutive GPUs each ('cuda:0+cuda:1', 'cuda:2+cuda:3', ...), GPU ``decode_gpu`` left out (it
     decodes for them); on the CPU, ``max_sessions`` (default 1) groups of ``tp`` gloo ranks. Raises
     InputError (one line) for what cannot be built."""
-    from cadence.errors import InputError
 
     if tp < 1:
         raise InputError(f"--tp must be >= 1, got {tp}")
@@ -344,175 +349,14 @@ def serve_groups(
     return ("+".join(["cpu"] * tp),) * (max_sessions or 1)
 
 
-def add_engine_flags(parser) -> None:
-    """The worker fast-path flags (``cadence bench serve``; ``cadence serve`` can take the same):
-    unset = automatic (on for CUDA groups, off on the CPU)."""
-    import argparse
-
-    g = parser.add_argument_group(
-        "worker engine (default: the fast path on CUDA groups, the reference on CPU)"
-    )
-    g.add_argument(
-        "--decoder",
-        default=None,
-        choices=["standin", "wan", "taehv"],
-        help="VAE decoder (default: taehv on CUDA, the preset's on the CPU)",
-    )
-    for name, what in (
-        ("kv-fp8", "ring cache with FP8 K/V"),
-        ("fp8-linears", "FP8 linears (apply_fp8)"),
-        ("graphs", "CUDA graphs for steady-state steps"),
-        ("warmup", "a throwaway warm-up session before the worker reports ready"),
-    ):
-        g.add_argument(
-            f"--{name}",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help=f"{what} (default: on for CUDA groups, off on the CPU)",
-        )
-    g.add_argument(
-        "--capture-filling",
-        action="store_true",
-        help="opt-in, with graphs and bf16 K/V: capture the ring-filling steps too (a second "
-        "warm-up session; window_chunks more graphs); with FP8 K/V they replay the steady "
-        "graph anyway",
-    )
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        help="opt-in: torch.compile of the per-block elementwise math (compiles during the warm-up)",
-    )
-    g.add_argument("--warmup-chunks", type=int, default=0, help="warm-up chunks (default 0 = window + 2)")
-    g.add_argument(
-        "--decode-gpu",
-        type=int,
-        default=None,
-        metavar="K",
-        help="decode on GPU K for every single-GPU group (left out of the groups; latents go GPU to GPU)",
-    )
-    g.add_argument(
-        "--decoder-fast",
-        default=None,
-        choices=list(DECODER_FAST),
-        help="the Wan decoder's fast path (default: compile on CUDA, off on the CPU)",
-    )
-    g.add_argument(
+def add_serve_flags(parser) -> None:
+    """``cadence serve``'s own worker flags (the engine's come from ``cadence.engine.flags``)."""
+    parser.add_argument(
         "--frame-transport",
         default="auto",
         choices=["auto", "pipe", "shm"],
         help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)",
     )
-
-
-def add_weight_flags(parser) -> None:
-    """The model and its checkpoints (``cadence serve``, ``cadence generate``, ``cadence bench serve|pipeline``)."""
-    g = parser.add_argument_group(
-        "model and weights (default: the preset's shipped weights; random weights for presets without any)"
-    )
-    g.add_argument(
-        "--model",
-        default=None,
-        metavar="FAMILY",
-        help="an open model family instead of --preset (see 'cadence models': self-forcing, causvid, "
-        "longlive, krea-14b, flashtalk): its geometry, sampler, cache policy and checkpoint format",
-    )
-    g.add_argument(
-        "--weights",
-        default=None,
-        help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, original "
-        "Wan or Cadence key names), or a model family's own file (e.g. Self-Forcing's .pt)",
-    )
-    g.add_argument(
-        "--vae-weights",
-        default=None,
-        help="the Wan VAE: a diffusers vae/ folder (config.json + safetensors, optionally with Cadence's "
-        "taehv.safetensors for the tiny decoder) or Wan 2.1's original Wan2.1_VAE.pth",
-    )
-    g.add_argument(
-        "--taehv-weights",
-        default=None,
-        help="a published TAEHV decoder (taew2_1.pth / taew2_2.pth): the tiny streaming decoder",
-    )
-    g.add_argument(
-        "--text-encoder",
-        default=None,
-        help="umT5: a transformers UMT5EncoderModel folder or Wan's models_t5_umt5-xxl-enc-bf16.pth",
-    )
-    g.add_argument(
-        "--text-tokenizer", default=None, help="the umT5 tokenizer folder (Wan ships it as google/umt5-xxl/)"
-    )
-
-
-def weight_overrides(
-    weights: str | None,
-    vae_weights: str | None,
-    text_encoder: str | None = None,
-    text_tokenizer: str | None = None,
-    taehv_weights: str | None = None,
-) -> dict:
-    """Engine-config overrides that load the given files; one clear error for a path that holds no checkpoint,
-    before any worker starts."""
-    from pathlib import Path
-
-    def exists(path: str, what: str, folder_ok: bool = True, file_ok: bool = True) -> str:
-        p = Path(path)
-        if (file_ok and p.is_file()) or (folder_ok and p.is_dir() and any(p.iterdir())):
-            return str(p.resolve())
-        kinds = " or ".join(k for k, ok in (("a file", file_ok), ("a folder", folder_ok)) if ok)
-        raise InputError(f"{what} not found: {path} ({kinds})")
-
-    out: dict = {"model": {}, "vae": {}}
-    if weights is not None:
-        p = Path(weights)
-        if not (p.is_file() or (p.is_dir() and any(p.glob("*.safetensors")))):
-            raise InputError(f"weights not found: {weights} (a checkpoint file, or a folder of .safetensors)")
-        out["model"]["weights"] = str(p.resolve())
-    if vae_weights is not None:
-        p = Path(vae_weights)
-        if not (p.is_dir() or (p.is_file() and p.suffix == ".pth")):
-            raise InputError(
-                f"--vae-weights must be a folder (a diffusers vae/ folder) or Wan 2.1's .pth file, "
-                f"got {vae_weights}"
-            )
-        out["vae"]["weights"] = str(p.resolve())
-    if taehv_weights is not None:
-        out["vae"]["taehv_weights"] = exists(taehv_weights, "--taehv-weights", folder_ok=False)
-    if text_encoder is not None:
-        out["model"]["text_encoder"] = exists(text_encoder, "--text-encoder")
-    if text_tokenizer is not None:
-        out["model"]["text_tokenizer"] = exists(text_tokenizer, "--text-tokenizer", file_ok=False)
-    return {k: v for k, v in out.items() if v}
-
-
-def model_kwargs(args) -> dict:
-    """``ServeConfig(model=..., overrides=...)`` from the flags of :func:`add_weight_flags` (files checked)."""
-    if args.model is not None:
-        from cadence.model.families import get_family
-
-        get_family(args.model)  # a clear error for an unknown family, before anything starts
-    return {
-        "model": args.model,
-        "overrides": weight_overrides(
-            args.weights, args.vae_weights, args.text_encoder, args.text_tokenizer, args.taehv_weights
-        ),
-    }
-
-
-def engine_kwargs(args) -> dict:
-    """ServeConfig keyword arguments from the flags of :func:`add_engine_flags`."""
-    return {
-        "decoder": args.decoder,
-        "kv_fp8": args.kv_fp8,
-        "fp8_linears": args.fp8_linears,
-        "graphs": args.graphs,
-        "capture_filling": args.capture_filling,
-        "compile": args.compile,
-        "warmup": args.warmup,
-        "warmup_chunks": args.warmup_chunks,
-        "frame_transport": args.frame_transport,
-        "decode_gpu": getattr(args, "decode_gpu", None),
-        "decoder_fast": getattr(args, "decoder_fast", None),
-    }
 
 
 def agent_endpoint(cfg: ServeConfig):

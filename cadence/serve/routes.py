@@ -75,6 +75,7 @@ class SessionApi:
             "max_duration_s": cfg.max_duration_s,
             "connect_timeout_s": cfg.connect_timeout_s,
             "model_family": e.model.family,
+            "weights_entry": e.model.weights_entry,  # the checkpoint entry served (None: one state dict)
             "weights": {
                 "model": e.model.weights,
                 "vae": e.vae.weights,

@@ -466,6 +466,7 @@ class LiveSession(ClosesInBackground):
             "state": self.state,
             "agent": self.agent.name,
             "preset": self.engine_cfg.name,
+            "weights_entry": self.engine_cfg.model.weights_entry,  # the checkpoint entry served
             "group": self.group.index,
             "close_reason": self.close_reason,
             "age_s": round(end - self.t_created, 3),

@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 
 from cadence.engine.messages import ChunkDone, ChunkRequest, Died, Dropped, Error, Ready, Stop, WorkerInfo
+from cadence.engine.recipe import WorkerSpec
 from cadence.engine.shm import FrameRing
-from cadence.engine.spec import WorkerSpec
 from cadence.net import free_port
 
 log = logging.getLogger("cadence.serve")
@@ -57,7 +57,7 @@ class WorkerGroup:
         slots: int = 3,
         shm: bool = False,
     ):
-        """``spec``: what the worker builds (``cadence.engine.spec.WorkerSpec``); with ``shm`` and a
+        """``spec``: what the worker builds (``cadence.engine.recipe.WorkerSpec``); with ``shm`` and a
         ``frame_shape`` ([F, H, W, 3]) the frames come back through a :class:`FrameRing` of ``slots`` chunks,
         created here at every start."""
         self.index, self.spec = index, spec

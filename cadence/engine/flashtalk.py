@@ -1,11 +1,13 @@
-"""The engine's session for clip-based families (SoulX-FlashTalk): a stream of bidirectional clips, each one
-decoded and re-encoded before the next can start.
+"""The engine's session for SoulX-FlashTalk's clip stream (the family's ``ClipStream`` rule): a stream of
+bidirectional clips, each one decoded and re-encoded before the next can start.
 
 A block-causal family (:class:`cadence.engine.session.Session`) steps a K/V cache and hands latents to the
 engine's decode stage. A clip-based family has no K/V stream: every clip is generated whole (all its tokens
 attend to each other) from *motion latents* that are the VAE encoding of the previous clip's last decoded
 frames, so the next step needs this step's decode. :class:`ClipSession` therefore does the whole chunk in its
-step and says so (``yields_pixels``): the engine's decode stage only copies its frames to the host.
+step and says so (``yields_pixels``): the engine's decode stage only copies its frames to the host. It
+implements the K/V session's interface (``cadence.engine.session.StreamSession``), so the engine drives both
+the same way; ``cadence.engine.session.session_type`` picks it for a ``ClipStream``.
 
 Per stream (``open`` / ``reset``), once: the reference image's CLIP tokens (``cadence.model.clip_vision``), the
 I2V condition (the VAE latent of [image, 32 black frames] + mask) and the image's own latent (the first clip's
@@ -28,7 +30,7 @@ that one frame (inside ITU-R BT.1359's +45 ms detectability bound for sound ahea
 Encoders: with ``--weights DIR`` the family's own files (:func:`flashtalk_encoder_files`: Wan's CLIP ``.pth``
 in DIR as FlashTalk ships it, the ``chinese-wav2vec2-base`` folder in or beside DIR); without weights both are
 random at the sizes the model config implies (benchmarks, tests). Nothing here applies CUDA graphs or the ring
-cache (no cache): the engine builder turns them off with one note.
+cache (no cache): the recipe (``cadence.engine.recipe``) turns them off with one note.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import torch
 
 from cadence.config import AUDIO_SAMPLE_RATE, CadenceConfig
 from cadence.errors import ConfigError, InputError
-from cadence.model.families import get_family
 
 log = logging.getLogger("cadence.engine")
 
@@ -50,12 +51,6 @@ log = logging.getLogger("cadence.engine")
 AUDIO_LAG = AUDIO_SAMPLE_RATE // 25
 #: The colour match strength FlashTalk ships (``color_correction_strength``).
 COLOR_STRENGTH = 1.0
-
-
-def is_clip_family(cfg: CadenceConfig) -> bool:
-    """Whether ``cfg`` is a clip-based family's (its ``ModelFamily.stream_kind`` is 'clip')."""
-    fam = cfg.model.family
-    return bool(fam) and get_family(fam).stream_kind == "clip"
 
 
 # ---- encoders ------------------------------------------------------------------------------------------
@@ -188,20 +183,34 @@ def make_clip_encoders(cfg: CadenceConfig, device, dtype):
 
 
 class ClipSession:
-    """One stream of a clip-based family (see the module docstring). The engine's session interface:
-    ``reset`` / ``reseed`` / ``set_prompt`` / ``step`` (-> uint8 frames, ``yields_pixels``) / ``decode``
-    (identity: the frames are already pixels) / ``prime_decoder`` (nothing to prime)."""
+    """One stream of a clip stream (see the module docstring). The engine's session interface
+    (``StreamSession``): ``reset`` / ``reseed`` / ``set_prompt`` / ``step`` (-> uint8 frames, ``yields_pixels``) /
+    ``decode`` (identity: the frames are already pixels) / ``prime_decoder`` (nothing to prime)."""
 
     yields_pixels = True
+    step_label = "clip"
     cache = None  # no K/V stream: nothing for CUDA graphs or the ring to hold on to
+
+    @classmethod
+    def prepare(cls, gen) -> None:
+        """The generator's front ends a clip session reads: its own wav2vec2 and CLIP (no per-chunk audio
+        encoder), and the per-image references; the stream's decoder must be the Wan VAE."""
+        cfg, clip = gen.cfg, gen.rules.stream
+        if not hasattr(gen.vae, "wan"):
+            raise ConfigError(
+                f"model family {cfg.model.family!r} decodes and re-encodes every clip with the Wan VAE: "
+                f"vae.decoder must be '{clip.decoder}', got {cfg.vae.decoder!r}"
+            )
+        gen.clip_vision, gen.audio_features = make_clip_encoders(cfg, gen.model.device, gen.model.dtype)
+        gen.clip_reference = ClipReferences(gen, clip.clip_frames)
 
     def __init__(self, gen, image: torch.Tensor, prompt, seed: int, decode_device=None):
         from cadence.model.flashtalk import shifted_timesteps
 
         cfg, model = gen.cfg, gen.model
         self.gen, self.cfg, self.model = gen, cfg, model
-        fam = get_family(cfg.model.family)
-        self.clip_frames, self.motion_frames = fam.clip_frames, fam.motion_frames
+        clip = gen.rules.stream  # the family's ClipStream rule
+        self.clip_frames, self.motion_frames = clip.clip_frames, clip.motion_frames
         self.decode_device = torch.device(decode_device) if decode_device is not None else model.device
         self.noise_gen = torch.Generator(device=model.device)
         s = cfg.stream
@@ -306,8 +315,8 @@ class ClipReferences:
     hash of the pixels, as ``StreamGenerator.encode_reference``): CLIP tokens [1, 257, image_dim], the I2V
     condition [20, F, h, w], the image [3, 1, H, W] and its latent [16, 1, h, w] (the first motion latents)."""
 
-    def __init__(self, gen, keep: int = 4):
-        self.gen, self.keep = gen, keep
+    def __init__(self, gen, clip_frames: int, keep: int = 4):
+        self.gen, self.clip_frames, self.keep = gen, clip_frames, keep
         self._kept: OrderedDict[str, tuple] = OrderedDict()
 
     @torch.no_grad()
@@ -322,7 +331,7 @@ class ClipReferences:
             return got
         gen = self.gen
         dev, vae = gen.model.device, gen.vae.wan
-        frames = get_family(gen.cfg.model.family).clip_frames
+        frames = self.clip_frames
         ref = host[:, None].to(dev)  # [3, 1, H, W] in [-1, 1]
         tokens = gen.clip_vision.encode(ref).to(gen.model.dtype)
         video = torch.cat([ref, ref.new_zeros(3, frames - 1, *ref.shape[2:])], dim=1)
