@@ -178,6 +178,10 @@ class SessionManager:
                 lead = max(lead, (latency * (1 + self.cfg.lead_margin) + 0.02) * 1e3)
         else:
             latency = min(self.cfg.lead_ms / 1e3, chunk_s)
+        profile = getattr(g, "latency_profile", None)  # the tail of the group's recent sessions (pacing.py)
+        tail = profile.lead() if profile is not None and self.cfg.lead_auto else None
+        if tail is not None:
+            lead = max(lead, tail * 1e3)
         return lead / 1e3, latency, (interval / 1e3 if interval else min(latency, chunk_s))
 
     async def stop(self, timeout: float = 20.0) -> None:

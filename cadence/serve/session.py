@@ -53,8 +53,6 @@ from cadence.serve.stats import SessionStats
 
 log = logging.getLogger("cadence.serve")
 
-#: The session counts as degraded while a chunk was audio-only (no fresh frames) within this many seconds.
-DEGRADED_WINDOW_S = 3.0
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -169,8 +167,6 @@ class LiveSession(ClosesInBackground):
         self.codecs: dict[
             str, str
         ] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
-        self._audio_only_seen = 0
-        self._degraded_at: float | None = None
         self.prompt_switches = 0
         self.barge_in_times: list[float] = []  # host times the agent was interrupted (barge-in, /interrupt)
         agent.on_interrupt = self._on_agent_interrupt
@@ -321,15 +317,19 @@ class LiveSession(ClosesInBackground):
         got = self.scheduler.arrived(c, now, timings)
         if got is None:
             return
-        _, lat = got
+        t_plan, lat, plan = got
+        profile = getattr(self.group, "latency_profile", None)  # the group's, across its sessions
+        if profile is not None and not plan.prestart:
+            profile.add_latency(lat / 1e3)
         t0 = self.clock.t0
         late = t0 is not None and now > self.timing.chunk_due(t0, c)
+        budget = (self.timing.chunk_due(t0, c) - t_plan) * 1e3 if t0 is not None else None
         before = self._counts()
         self.buffer.put_video(c, frames)
         self.first_chunk.set()
         if timings.memory:  # the worker's memory (MB) with this chunk: rss_mb, cuda_mb on CUDA
             self.server.metrics.set_worker_memory(self.group.index, timings.memory)
-        self.stats.chunk(now, c, lat, timings, late, before)
+        self.stats.chunk(now, c, lat, timings, late, before, budget_ms=budget)
 
     # ---- track hooks -----------------------------------------------------------------------------
     def on_video_frame(self, k: int, fresh: bool, skipped: int, now: float) -> None:
@@ -383,12 +383,9 @@ class LiveSession(ClosesInBackground):
         return self.stats.av_offset_ms()
 
     def degraded(self, now: float | None = None) -> bool:
-        """Whether the worker could not keep up lately (an audio-only chunk within DEGRADED_WINDOW_S)."""
-        now = time.monotonic() if now is None else now
-        if self.planner.audio_only != self._audio_only_seen:
-            self._audio_only_seen = self.planner.audio_only
-            self._degraded_at = now
-        return self._degraded_at is not None and now - self._degraded_at <= DEGRADED_WINDOW_S
+        """Whether the stream is below real time, what the page calls "reduced" (``SessionStats.reduced``:
+        after a start-up allowance, over a window of a few seconds)."""
+        return self.stats.reduced(time.monotonic() if now is None else now)
 
     def buffer_ms(self) -> float:
         """Playout headroom: generated video not yet sent (ms of media from the next frame due to the
