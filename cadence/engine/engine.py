@@ -994,6 +994,24 @@ class Engine:
                 return [r.timings for r in self.stream(image, "warm-up", audio, k, seed=0, pace=pace)]
             return self._steps_only(image, audio, k)
 
+        import os
+
+        # the thread count first when nothing needs timing, so that every stream below runs (and measures, and
+        # creates its per-thread-count kernels at) the count users get (docs/perf/soak/NOTES.md: the sustained
+        # interval was once measured at 2 threads for a worker that then served at 1)
+        chosen = torch.get_num_threads()
+        steady: list[ChunkTimings] | None = None
+        trial = False
+        if not self.cuda and threads:
+            torch.set_num_threads(threads)
+            chosen = threads
+        elif not self.cuda and (self.tp is not None or (os.cpu_count() or 1) <= 2):
+            # TP ranks are processes sharing the cores; on two cores the diffusion and the decode thread take
+            # one each (2 intra-op threads each oversubscribe the cores: docs/perf/serve/NOTES.md, session 7)
+            torch.set_num_threads(1)
+            chosen = 1
+        else:
+            trial = not self.cuda
         # every fill stage occurs once per stream: with capture_filling (and a kept session) the stages need
         # graph_warmup eager streams, then one that captures them
         streams = 1 + (self.cfg.graph_warmup if self.runner.capture_filling and self.cfg.reuse_session else 0)
@@ -1007,19 +1025,7 @@ class Engine:
             out["fill_streams"] = ran
             if k == 0:
                 out["first_stream_ttff_ms"] = _r(self.last_run.get("ttff_ms")) if decode else None
-        import os
-
-        chosen = torch.get_num_threads()
-        steady: list[ChunkTimings] | None = None
-        if not self.cuda and threads:
-            torch.set_num_threads(threads)
-            chosen = threads
-        elif not self.cuda and (self.tp is not None or (os.cpu_count() or 1) <= 2):
-            # TP ranks are processes sharing the cores; on two cores the diffusion and the decode thread take
-            # one each (2 intra-op threads each oversubscribe the cores: docs/perf/serve/NOTES.md, session 7)
-            torch.set_num_threads(1)
-            chosen = 1
-        elif not self.cuda:
+        if trial:
             chosen, trials, steady = self._choose_threads(run, n)
             out["thread_trials"] = trials
         out["threads"] = chosen
