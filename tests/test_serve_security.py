@@ -599,3 +599,41 @@ def test_serve_refuses_a_public_address_without_a_key(capsys, tmp_path, caplog, 
     with caplog.at_level("WARNING", logger="cadence.serve"):
         create_app(ServeConfig(preset="tiny", host="0.0.0.0", insecure_no_auth=True))
     assert any("WITHOUT an API key" in r.getMessage() for r in caplog.records)
+
+
+# ---- issue 30: Retry-After from when a slot frees ---------------------
+
+
+def _manager(groups: int, **cfg):
+    """A session manager whose groups look ready (no worker processes): admission only."""
+    from cadence.serve.app import SessionManager
+
+    mgr = SessionManager(ServeConfig(preset="tiny", groups=("cpu",) * groups, **cfg))
+    for g in mgr.groups:
+        g.ready.set()
+    return mgr
+
+
+def test_retry_after_says_when_the_soonest_slot_frees():
+    import time
+    from types import SimpleNamespace
+
+    mgr = _manager(2, connect_timeout_s=10.0, idle_timeout_s=120.0, max_duration_s=600.0)
+    now = time.monotonic()
+
+    def sess(state, created, active=None, ttff=None):
+        return SimpleNamespace(state=state, t_created=created, last_activity=active or created, ttff_ms=ttff)
+
+    for g, sid in zip(mgr.groups, ("a", "b")):
+        g.session_id = sid
+    # one streams (frees at its idle timeout at the latest), one never connected: frees at its connect timeout
+    mgr.sessions = {"a": sess("streaming", now - 5, ttff=100.0), "b": sess("connecting", now - 7)}
+    assert 3 <= mgr.retry_after() <= 4  # 10 - 7 (+ the watchdog's tick), not 60
+    mgr.sessions = {"a": sess("streaming", now - 5, ttff=100.0), "b": sess("streaming", now - 590, now, 90.0)}
+    assert 10 <= mgr.retry_after() <= 11  # its max duration comes first
+    mgr.sessions = {"a": sess("streaming", now - 5, ttff=100.0), "b": sess("streaming", now - 100, now - 115)}
+    assert 5 <= mgr.retry_after() <= 6  # idle for 115 of 120 s
+    mgr.sessions = {"a": sess("streaming", now, ttff=1.0), "b": sess("closing", now - 1)}
+    assert mgr.retry_after() == 1
+    mgr.sessions = {"a": sess("streaming", now, ttff=1.0), "b": sess("streaming", now, ttff=1.0)}
+    assert mgr.retry_after() == 60  # nothing frees for 120 s: the bound

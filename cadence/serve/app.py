@@ -239,12 +239,24 @@ class SessionManager:
         return self.source.acquire()
 
     def retry_after(self) -> int:
-        """Seconds until a group is likely free: the soonest max-duration end, 1..60."""
+        """Seconds until a group will be free at the latest, for the soonest one (1..60): an offer that has not
+        connected frees its group at its connect timeout, a session at its idle timeout or max duration
+        (whichever comes first; most end sooner, when their client leaves), a session closing or a group held
+        for an image being decoded within about a second."""
         hint = self.source.retry_after()  # a fleet's: the registry's, over every front end's sessions
         if hint is not None:
             return hint
-        now = time.monotonic()
-        left = [self.cfg.max_duration_s - (now - s.t_created) for s in self.sessions.values()]
+        now, cfg = time.monotonic(), self.cfg
+        left = []
+        for s in self.sessions.values():
+            if s.state in ("closing", "closed"):
+                left.append(1.0)
+            elif s.state in ("starting", "connecting") and s.ttff_ms is None:  # (+ the watchdog's tick)
+                left.append(s.t_created + cfg.connect_timeout_s - now + 0.5)
+            else:
+                left.append(min(s.t_created + cfg.max_duration_s, s.last_activity + cfg.idle_timeout_s) - now)
+        if any(g.session_id and g.session_id not in self.sessions for g in self.groups):
+            left.append(1.0)  # a group reserved for a request whose image is being decoded
         return int(min(60, max(1, math.ceil(min(left)) if left else 5)))
 
     async def release_group(self, sess: LiveSession) -> None:
