@@ -33,9 +33,10 @@ JSON, ``{"error": "..."}``, with a 4xx status (never a 500): strings must be UTF
 NUL, the seed an integer in 0..2^63-1 (no floats, booleans or strings in JSON), the prompt at most
 ``MAX_PROMPT`` characters, the agent a known one. Bodies are limited per route while they stream in
 (``BodyLimit``: a chunked body with no Content-Length is cut at the limit, 413, connection closed). A
-session request is checked for a free slot (503 + Retry-After) and for the client's pending offers (429
-+ Retry-After: at most ``max_pending_offers_per_client`` sessions per client address not yet connected)
-before its image is looked at; the image's header is read before its pixels (over ``max_image_pixels``:
+session request is checked for a free slot (503 + Retry-After: when the soonest group frees at the latest) and
+for the client's pending offers (429 + Retry-After: at most ``max_pending_offers_per_client`` sessions not yet
+connected per client: its ``cadence_client`` cookie, or its address off loopback, ``client_keys``) before its
+image is looked at; the image's header is read before its pixels (over ``max_image_pixels``:
 413, nothing decoded), decodes run one (``decode_concurrency``) at a time on a pool of their own and
 give their memory back to the OS afterwards (glibc ``malloc_trim``). An offer that never connects is
 closed after ``connect_timeout_s`` (10 s). Admission: one session per worker group (``ServeConfig.groups``).
@@ -352,31 +353,32 @@ class SessionManager:
             raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
 
     # ---- admission ------------------------------------------------------------------------------------
-    def pending_offers(self, client: str) -> int:
-        """Sessions ``client`` created (or is creating) that are not connected yet."""
+    def pending_offers(self, client: tuple[str, ...]) -> int:
+        """Sessions created (or being created) by a client with any of the keys ``client`` (see
+        :func:`client_keys`) that are not connected yet."""
         n = 0
-        for sid, c in self.clients.items():
-            if c != client:
+        for sid, keys in self.clients.items():
+            if not set(keys) & set(client):
                 continue
             s = self.sessions.get(sid)
             n += s is None or s.state in ("starting", "connecting")
         return n
 
-    def reserve(self, client: str) -> tuple[WorkerGroup, str]:
-        """Admit a new session from ``client`` or raise: 429 (+ Retry-After) when the client already has
-        ``max_pending_offers_per_client`` sessions waiting to connect, 503 (+ Retry-After) when no group
-        is free. The group is held for the new id at once (nothing awaits in between), so an image
-        decoding meanwhile cannot lose its slot to a later request."""
+    def reserve(self, client: tuple[str, ...]) -> tuple[WorkerGroup, str]:
+        """Admit a new session from ``client`` (its keys: :func:`client_keys`) or raise: 429 (+ Retry-After)
+        when the client already has ``max_pending_offers_per_client`` sessions waiting to connect, 503
+        (+ Retry-After) when no group is free. The group is held for the new id at once (nothing awaits in
+        between), so an image decoding meanwhile cannot lose its slot to a later request."""
         cfg = self.cfg
         pending = self.pending_offers(client)
         if pending >= cfg.max_pending_offers_per_client:
             self.metrics.refused.inc()
             raise ApiError(
                 429,
-                f"too many sessions waiting to connect from {client} ({pending}; limit "
+                f"too many sessions waiting to connect from this client ({pending}; limit "
                 f"{cfg.max_pending_offers_per_client}): connect them, DELETE them, or wait "
                 f"{cfg.connect_timeout_s:.0f} s for them to time out",
-                {"Retry-After": str(max(1, math.ceil(cfg.connect_timeout_s)))},
+                {"Retry-After": str(self.pending_free_in(client))},
             )
         g = self.acquire()
         if g is None:
@@ -390,6 +392,15 @@ class SessionManager:
         g.session_id = sid
         self.clients[sid] = client
         return g, sid
+
+    def pending_free_in(self, client: tuple[str, ...]) -> int:
+        """Seconds until the client's oldest pending offer times out (1..connect timeout)."""
+        now, mine = time.monotonic(), []
+        for sid, keys in self.clients.items():
+            s = self.sessions.get(sid)
+            if set(keys) & set(client) and s is not None and s.state in ("starting", "connecting"):
+                mine.append(s.t_created + self.cfg.connect_timeout_s - now + 0.5)
+        return max(1, math.ceil(min(mine) if mine else self.cfg.connect_timeout_s))
 
     def unreserve(self, g: WorkerGroup, sid: str) -> None:
         self.source.release(g, sid)
@@ -438,7 +449,7 @@ class SessionManager:
         caller made). What ``cadence.integrations.pipecat`` runs in process. 503 (ApiError) when full."""
         if not self.started:
             raise RuntimeError("the session manager is not started")
-        g, sid = self.reserve("local")
+        g, sid = self.reserve(("local",))
         sess = LiveSession(self, sid, g, agent, self.engine_cfg, prompt, seed)
         self.sessions[sid] = sess
         self.metrics.active.set(len(self.sessions))
@@ -459,7 +470,7 @@ class SessionManager:
         agent: str,
         seed: int,
         t_request: float,
-        client: str = "unknown",
+        client: tuple[str, ...] = (),
     ) -> dict:
         """Check the request, admit it (429 / 503), decode its image, start the session. The answer carries
         the session's token, which only this answer ever shows."""
@@ -514,6 +525,33 @@ class SessionManager:
             "width": self.engine_cfg.stream.width,
             "height": self.engine_cfg.stream.height,
         }
+
+
+#: The cookie that tells one client (a browser, an HTTP client keeping cookies) from another for the
+#: pending-offer limit: on loopback every local user has the same address (127.0.0.1, and so has everyone
+#: behind a TLS proxy on the same host), so the address alone would let one user's pending offers lock out the
+#: others. The server sets it (random, HttpOnly) on the page and on the answer to POST /sessions.
+CLIENT_COOKIE = "cadence_client"
+_COOKIE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def client_keys(address: str | None, cookie: str | None) -> tuple[str, ...]:
+    """Who a request comes from, for the pending-offer limit: its ``CLIENT_COOKIE`` (when it carries a
+    well-formed one) and its address, unless that is a loopback address (on loopback, one for every local
+    user: not a client). A loopback request without the cookie is a client of its own (none of its keys
+    matches another's): its offers are bounded by the groups they hold, not by the limit."""
+    import ipaddress
+
+    keys = []
+    if cookie and 16 <= len(cookie) <= 64 and set(cookie) <= _COOKIE_CHARS:
+        keys.append(f"cookie:{cookie}")
+    try:
+        local = address is not None and ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        local = False
+    if address and not local:
+        keys.append(f"addr:{address}")
+    return tuple(keys)
 
 
 def _check_sdp(sdp, sdp_type, limit: int) -> None:
@@ -948,10 +986,18 @@ def create_app(cfg: ServeConfig | None = None):
     async def _cadence_error(request, exc):
         return err(400, str(exc))
 
+    def with_client_cookie(request, response):
+        """Give a client without one its ``CLIENT_COOKIE`` (the pending-offer limit's key on loopback)."""
+        if request.cookies.get(CLIENT_COOKIE) is None:
+            response.set_cookie(
+                CLIENT_COOKIE, secrets.token_urlsafe(16), httponly=True, samesite="strict", max_age=86400 * 30
+            )
+        return response
+
     # ---- routes ----
     @app.get("/", include_in_schema=False)
-    async def index():
-        return FileResponse(STATIC / "index.html", media_type="text/html")
+    async def index(request: Request):
+        return with_client_cookie(request, FileResponse(STATIC / "index.html", media_type="text/html"))
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -1157,20 +1203,20 @@ def create_app(cfg: ServeConfig | None = None):
         prompt = _str_field(fields, "prompt", "", MAX_PROMPT) or DEFAULT_PROMPT
         agent = _str_field(fields, "agent", "") or "mirror"
         seed = _seed_field(fields, form)
-        client = request.client.host if request.client else "unknown"
-        return JSONResponse(
-            await mgr.create(
-                sdp=sdp,
-                sdp_type=sdp_type,
-                image_bytes=image_bytes,
-                prompt=prompt,
-                agent=agent,
-                seed=seed,
-                t_request=t_request,
-                client=client,
-            ),
-            status_code=201,
+        client = client_keys(
+            request.client.host if request.client else None, request.cookies.get(CLIENT_COOKIE)
         )
+        answer = await mgr.create(
+            sdp=sdp,
+            sdp_type=sdp_type,
+            image_bytes=image_bytes,
+            prompt=prompt,
+            agent=agent,
+            seed=seed,
+            t_request=t_request,
+            client=client,
+        )
+        return with_client_cookie(request, JSONResponse(answer, status_code=201))
 
     @app.get(
         "/sessions",
