@@ -57,6 +57,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -554,6 +555,17 @@ def client_keys(address: str | None, cookie: str | None) -> tuple[str, ...]:
     return tuple(keys)
 
 
+#: What POST /sessions checks of an SDP offer's text before anything else, and the ``pattern`` of its ``sdp``
+#: field in the OpenAPI schema (one predicate, so that a string the schema allows passes these checks): a
+#: first line ``v=0``, a video section (``m=video``) and a DTLS fingerprint (``a=fingerprint:``) at the start
+#: of lines, no NUL. ECMA-262 and Python read it alike.
+SDP_PATTERN = (
+    r"^[ \t]*v=0[ \t]*\r?\n(?:[^\u0000]*\n)?[ \t]*"
+    r"(?:m=video[^\u0000]*\n[ \t]*a=fingerprint:|a=fingerprint:[^\u0000]*\n[ \t]*m=video)[^\u0000]*$"
+)
+_SDP_RE = re.compile(SDP_PATTERN)
+
+
 def _check_sdp(sdp, sdp_type, limit: int) -> None:
     if not isinstance(sdp, str) or not sdp.strip():
         raise ApiError(400, "missing SDP offer ('sdp')")
@@ -562,15 +574,25 @@ def _check_sdp(sdp, sdp_type, limit: int) -> None:
         raise ApiError(400, f"SDP type must be 'offer', got {_short(str(sdp_type))!r}")
     if len(sdp.encode()) > limit:
         raise ApiError(413, f"SDP offer is too large ({len(sdp.encode())} bytes; limit {limit})")
-    lines = [ln.strip() for ln in sdp.strip().splitlines()]
-    if not lines or lines[0] != "v=0":
-        raise ApiError(400, "malformed SDP offer: it must start with 'v=0'")
-    if not any(ln.startswith("m=video") for ln in lines):
+    if _SDP_RE.match(sdp) is None:
+        lines = [ln.strip() for ln in sdp.strip().splitlines()]
+        if not lines or lines[0] != "v=0":
+            raise ApiError(400, "malformed SDP offer: it must start with 'v=0'")
+        if not any(ln.startswith("m=video") for ln in lines):
+            raise ApiError(
+                400, "malformed SDP offer: no video section (m=video); offer a recvonly video transceiver"
+            )
+        if not any(ln.startswith("a=fingerprint:") for ln in lines):
+            raise ApiError(400, "malformed SDP offer: no DTLS fingerprint (a=fingerprint)")
+        raise ApiError(400, "malformed SDP offer: 'v=0', m=video and a=fingerprint must each start a line")
+    from aiortc.sdp import SessionDescription
+
+    try:  # aiortc's own parser, before any session is made: it refuses some lines with AssertionError
+        SessionDescription.parse(sdp)
+    except Exception as e:
         raise ApiError(
-            400, "malformed SDP offer: no video section (m=video); offer a recvonly video transceiver"
-        )
-    if not any(ln.startswith("a=fingerprint:") for ln in lines):
-        raise ApiError(400, "malformed SDP offer: no DTLS fingerprint (a=fingerprint)")
+            400, f"malformed SDP offer: {type(e).__name__} {_short(str(e), 200)}".strip()
+        ) from None
 
 
 def _b(text: str) -> bytes:
@@ -1069,6 +1091,7 @@ def create_app(cfg: ServeConfig | None = None):
         "sdp": {
             "type": "string",
             "minLength": 1,
+            "pattern": SDP_PATTERN,
             "description": "the client's SDP offer (a recvonly video "
             "transceiver; audio sendrecv for the microphone)",
         },
