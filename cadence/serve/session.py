@@ -53,6 +53,11 @@ from cadence.serve.stats import SessionStats
 
 log = logging.getLogger("cadence.serve")
 
+#: A connected client that sends nothing at all for this long is gone (closed as ``peer_gone``): every
+#: client sends RTCP reports for the video it receives about once a second (aiortc 0.5-1.5 s, Chrome ~1 s),
+#: so 8 s is many missed reports. Without it a client that vanishes without a word (its process or network
+#: died) held its slot until ICE consent failed: 32-34 s measured (docs/perf/soak/NOTES.md).
+PEER_SILENCE_S = 8.0
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -168,6 +173,9 @@ class LiveSession(ClosesInBackground):
             str, str
         ] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
         self.prompt_switches = 0
+        self._peer_rx: tuple[int, float] | None = (
+            None  # (packets received from the client, when that changed)
+        )
         self.barge_in_times: list[float] = []  # host times the agent was interrupted (barge-in, /interrupt)
         agent.on_interrupt = self._on_agent_interrupt
 
@@ -372,8 +380,28 @@ class LiveSession(ClosesInBackground):
                 and now - self.t_created > cfg.connect_timeout_s
             ):
                 self.close_soon("connect_timeout")
+            elif self._peer_silent_for(now) > PEER_SILENCE_S:
+                self.close_soon("peer_gone")
             self.stats.timeline.tick(now, self._counts())
             self.update_metrics()
+
+    def _peer_silent_for(self, now: float) -> float:
+        """Seconds since the last packet from the client (RTP or RTCP, counted by the DTLS transport), once
+        connected; 0 when it cannot be told."""
+        if self.pc is None or self.pc.connectionState != "connected":
+            return 0.0
+        try:
+            n = sum(
+                s.packetsReceived
+                for t in {tr.sender.transport for tr in self.pc.getTransceivers() if tr.sender.transport}
+                for s in t._get_stats().values()  # aiortc's own (sync) transport stats
+                if getattr(s, "type", None) == "transport"
+            )
+        except (AttributeError, TypeError):  # an aiortc without them: ICE consent still notices, later
+            return 0.0
+        if self._peer_rx is None or n != self._peer_rx[0]:
+            self._peer_rx = (n, now)
+        return now - self._peer_rx[1]
 
     # ---- status, metrics, report ------------------------------------------------------------------
     def fps(self, now: float | None = None) -> float:
