@@ -149,26 +149,7 @@ def run(args: argparse.Namespace) -> dict:
                     raise RuntimeError("no video frame decoded within 30 s of Start")
                 time.sleep(0.05)
             first_frame_s = time.monotonic() - t0
-            samples = []
-            end = time.monotonic() + args.seconds
-            last = time.monotonic()
-            while time.monotonic() < end:
-                st = cdp.eval(STATS_JS)
-                st["presented"] = cdp.eval("window.__bench.presented")
-                st["fresh"] = cdp.eval("window.__bench.fresh")
-                st["page_fps"] = float(cdp.eval("document.body.dataset.fps || 0"))
-                st["degraded"] = cdp.eval("document.body.dataset.degraded || '0'") == "1"
-                st["wall"] = time.monotonic()
-                samples.append(st)
-                if args.progress and st["wall"] - last >= 10:
-                    last = st["wall"]
-                    print(
-                        f"  [{st['wall'] - t0:6.1f} s] page shows {st['page_fps']:.1f} fps"
-                        + (" (reduced)" if st["degraded"] else ""),
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                time.sleep(max(0.0, 1.0 - (time.monotonic() - st["wall"])))
+            samples = _sample(cdp, args.seconds, t0, args.progress)
             rtp = cdp.eval("window.__bench.rtp", timeout_s=30)
             cdp.eval("window.cadence.stop().then(() => true)", timeout_s=30)
         report = get_json(f"{url}/sessions/{sid}/report", token)
@@ -180,6 +161,33 @@ def run(args: argparse.Namespace) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
     return summarize(samples, report, config, first_frame_s, rtp)
+
+
+def _sample(cdp, seconds: float, t0: float, progress: bool) -> list[dict]:
+    """Every second for ``seconds``: what the page received (STATS_JS), presented and shows."""
+    from cadence.serve.browser import STATS_JS
+
+    samples = []
+    end = time.monotonic() + seconds
+    last = time.monotonic()
+    while time.monotonic() < end:
+        st = cdp.eval(STATS_JS)
+        st["presented"] = cdp.eval("window.__bench.presented")
+        st["fresh"] = cdp.eval("window.__bench.fresh")
+        st["page_fps"] = float(cdp.eval("document.body.dataset.fps || 0"))
+        st["degraded"] = cdp.eval("document.body.dataset.degraded || '0'") == "1"
+        st["wall"] = time.monotonic()
+        samples.append(st)
+        if progress and st["wall"] - last >= 10:
+            last = st["wall"]
+            print(
+                f"  [{st['wall'] - t0:6.1f} s] page shows {st['page_fps']:.1f} fps"
+                + (" (reduced)" if st["degraded"] else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - st["wall"])))
+    return samples
 
 
 def _rates(samples: list[dict], key: str, dt_key: str = "t") -> list[float]:

@@ -163,7 +163,7 @@ class ClientResult:
         p0 = self.video[0][1]
         fps = round(1 / (step * (self.video_time_base or Fraction(1, 90000))))  # frames per second, exactly
         frames = max(1, round(seconds * fps))
-        per = [0] * int(seconds)
+        per = [0] * int(seconds + 1e-6)  # whole seconds (1e-6: 4.1 - 0.1 is 3.9999...)
         n = 0
         for (_, pts), new in zip(self.video, self.video_fresh or [True] * len(self.video)):
             k = round((pts - p0) / step)
