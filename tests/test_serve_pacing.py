@@ -453,6 +453,21 @@ def test_planner_does_not_take_the_prestarted_chunks_for_its_latency():
     assert p.latency == pytest.approx(0.05) and p.audio_only == 0
 
 
+def test_a_slow_start_is_not_taken_for_a_slow_worker_on_a_fake_clock():
+    # the start replayed: the first three chunks take 270 ms of worker time, then 45 ms. Before, the
+    # planner took the queued second chunk (~500 ms) for latency and reduced 3 chunks to audio (22 frames held,
+    # through chunk 7); now only the slow chunks themselves are late (10 frames held, through chunk 3)
+    buf, _, video, _, planner = _simulate(
+        lambda c: 0.27 if c < 3 else 0.045,
+        seconds=6.0,
+        serial=True,
+        wait_first_chunk=True,
+        est=(0.055, 0.045),
+    )
+    held = [v[1] for v in video if not v[4]]
+    assert planner.audio_only == 0 and held and max(held) < 16, held
+
+
 def test_latency_profile_gives_the_lead_that_covers_the_groups_tail():
     from cadence.serve.pacing import LatencyProfile
 
@@ -467,7 +482,9 @@ def test_latency_profile_gives_the_lead_that_covers_the_groups_tail():
     assert prof.lead() == pytest.approx(0.120 * 1.25 + 0.02)
     for _ in range(5000):
         prof.add_latency(0.04)
-    assert len(prof._xs) <= 2 * prof.keep and prof.lead() == pytest.approx(0.04 * 1.25 + 0.02)  # bounded, recent
+    assert len(prof._xs) <= 2 * prof.keep and prof.lead() == pytest.approx(
+        0.04 * 1.25 + 0.02
+    )  # bounded, recent
 
 
 def _stats():
@@ -498,7 +515,9 @@ def test_a_machine_that_holds_24_fps_never_shows_reduced_even_after_a_slow_start
     held = set(range(8, 16))  # chunks 2 and 3 held at the start (the slow first chunks)
     st, seen = _run(24 * 20, held)
     assert not any(seen.values()), [t for t, r in seen.items() if r]
-    assert st.fresh_rate(STARTUP_ALLOWANCE_S + 0.5, 3.0, after_s=STARTUP_ALLOWANCE_S) is None  # not judged yet
+    assert (
+        st.fresh_rate(STARTUP_ALLOWANCE_S + 0.5, 3.0, after_s=STARTUP_ALLOWANCE_S) is None
+    )  # not judged yet
     _, seen = _run(24 * 10, set(range(120, 124)))  # one late chunk later on: a hiccup, not "cannot keep up"
     assert not any(seen.values())
 
