@@ -149,6 +149,7 @@ class SessionManager:
         self._decode_pool.submit(int).result()  # the decode thread exists from now on (a steady thread count)
         use_ice_host_addresses(self.cfg.ice_host_addresses)
         await self.source.start(self._route, self.cfg.worker_start_timeout_s)
+        await self._warm_up_media()
         # what the server is made of (~100k objects: FastAPI, aiortc, ...) out of the cyclic collector's sight,
         # so that a full collection (automatic, or the one after each session: _collect_soon) stays short
         gc.collect()
@@ -161,6 +162,35 @@ class SessionManager:
             list(self.cfg.groups),
             [round(self.lead_ms(g), 1) for g in self.groups],
         )
+
+    async def _warm_up_media(self) -> None:
+        """What the web side does once per process, done before the first user: an image decoded (Pillow's
+        plugins), an audio upload decoded (PyAV), a peer connection made (aiortc's first takes ~60 ms: its
+        crypto), a VP8 frame encoded, on the threads that will do it for sessions. The first session's request
+        no longer pays for it, and its memory (+5-8 MB, once) is in the server before any session, not
+        counted as growth across sessions (docs/perf/soak/NOTES.md). Best effort: a failure is one log line."""
+        import fractions
+
+        import av
+        from aiortc import RTCPeerConnection
+        from aiortc.codecs import get_encoder
+        from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+        from PIL import Image
+
+        from cadence.serve.agent import decode_audio_bytes, wav_bytes
+
+        try:
+            buf = io.BytesIO()
+            Image.new("RGB", (32, 24), (120, 90, 60)).save(buf, format="PNG")
+            await self.decode_image(buf.getvalue())
+            await asyncio.to_thread(decode_audio_bytes, wav_bytes(np.zeros(4800, np.float32)))
+            await RTCPeerConnection().close()
+            frame = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
+            frame.pts, frame.time_base = 0, fractions.Fraction(1, 90_000)
+            enc = get_encoder(RTCRtpCodecParameters(mimeType="video/VP8", clockRate=90_000, payloadType=96))
+            await asyncio.get_running_loop().run_in_executor(None, enc.encode, frame, False)
+        except Exception as e:  # only a head start
+            log.warning("could not warm up the media path (%s: %s)", type(e).__name__, e)
 
     def lead_ms(self, g: WorkerGroup) -> float:
         """How long before a chunk is due the scheduler hands it to group ``g``'s worker (at a session's
