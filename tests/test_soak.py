@@ -187,3 +187,20 @@ def test_a_short_soak_runs_every_kind_of_session_and_samples_the_server(tmp_path
     res = r["resources"]
     assert {"server", "worker-0"} <= set(res) and res["worker-0"]["rss_mb_first_session"] > 100
     assert "MET" in out.out or "MISSED" in out.out
+
+
+def test_text_to_speech_runs_at_a_lower_cpu_priority_than_the_server():
+    import os
+    import subprocess
+
+    from cadence.serve.agent import TTS_NICE, _background_priority
+
+    out = subprocess.run(
+        ["cat", "/proc/self/stat"],
+        capture_output=True,
+        text=True,
+        preexec_fn=_background_priority,
+        check=True,
+    )
+    nice = int(out.stdout.rsplit(")", 1)[1].split()[16])  # field 19 of /proc/PID/stat
+    assert TTS_NICE >= 5 and nice == min(19, os.nice(0) + TTS_NICE)

@@ -453,6 +453,22 @@ class TTSUnavailable(RuntimeError):
     pass
 
 
+#: How much less CPU priority (nice) the text-to-speech process gets than the server: a sentence is a burst of
+#: CPU that on a 2-core machine competed with the worker's chunks at the same priority. Say-only bench soaks,
+#: alternating, 2 pairs of 2 minutes (docs/perf/soak/NOTES.md): at nice 0, 4 of 68 sessions below 23.5 fresh
+#: fps and 14 late chunks; at nice 10, 0 of 67 and 7 (one pair clear, the other within the noise).
+TTS_NICE = 10
+
+
+def _background_priority() -> None:  # (in the child, before exec)
+    import os
+
+    try:
+        os.nice(TTS_NICE)
+    except OSError:
+        pass
+
+
 def synthesize(
     text: str, voice: str = "en", speed: int = 160, timeout: float = 20.0, max_seconds: float = 60.0
 ) -> np.ndarray:
@@ -488,6 +504,7 @@ def synthesize(
             capture_output=True,
             timeout=timeout,
             check=False,
+            preexec_fn=_background_priority,
         )
     except subprocess.TimeoutExpired:
         raise TTSUnavailable(f"espeak-ng did not finish within {timeout:.0f} s") from None
