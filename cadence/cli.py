@@ -92,7 +92,8 @@ def _add_generate(sub) -> None:
         "--audio",
         type=Path,
         default=None,
-        help="driving audio (any file FFmpeg decodes). Default: 2 s of synthetic speech",
+        help="driving audio (any file FFmpeg decodes). Default: synthetic speech as long as the clip "
+        "(--chunks; 2 s without it)",
     )
     g.add_argument(
         "--chunks",
@@ -276,10 +277,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     per_chunk = cfg.audio_samples_per_chunk
     wanted = args.chunks * per_chunk if args.chunks is not None else None
-    audio = (
+    audio = (  # the built-in speech lasts as long as the clip asked for (2 s when --chunks is not given)
         load_audio(args.audio, AUDIO_SAMPLE_RATE, max_samples=wanted)
         if args.audio is not None
-        else synthetic_speech(2.0, AUDIO_SAMPLE_RATE)
+        else synthetic_speech(wanted / AUDIO_SAMPLE_RATE if wanted else 2.0, AUDIO_SAMPLE_RATE)
     )
     chunks = args.chunks if args.chunks is not None else max(1, math.ceil(audio.shape[0] / per_chunk))
     track = fit_audio(audio, chunks * per_chunk)

@@ -149,6 +149,21 @@ def test_generate_defaults_cover_synthetic_audio(
     assert _count_video_frames(tmp_path / "out.mp4")[0] == chunks * TINY.video_frames_per_chunk
 
 
+def test_generate_speaks_through_the_whole_clip_it_was_asked_for(tmp_path: Path, fake_engine: dict) -> None:
+    """Issue 30: ``cadence generate --chunks 24`` (the README's command) gave a 4-s clip whose second half was
+    silent (2 s of built-in speech). The built-in speech now lasts as long as the clip."""
+    out = tmp_path / "o.mp4"
+    assert main(["generate", "--chunks", "24", "--out", str(out)]) == 0
+    audio, spc = fake_engine["stream"]["audio"], TINY.audio_samples_per_chunk
+    assert audio.shape == (24 * spc,)
+    # speech (voiced syllables with short pauses) in every second of the clip, its last one included
+    per_second = audio.reshape(-1, 48_000).abs().amax(dim=1)
+    assert (per_second > 0.2).all(), per_second
+    with av.open(str(out)) as c:  # and in the file, after AAC
+        pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+    assert np.abs(pcm[-48_000:]).max() > 0.1
+
+
 def test_generate_default_chunks_round_up(tmp_path: Path, fake_engine: dict) -> None:
     wav = tmp_path / "a.wav"
     _tone_wav(wav, 0.9)  # 43,200 samples at 48 kHz -> 5.4 chunks -> 6, zero-padded

@@ -394,3 +394,18 @@ def test_mp4_falls_back_to_mpeg4(
     assert sum("libx264" in r.getMessage() for r in caplog.records) == 1
     info = _probe(tmp_path / "o.mp4")
     assert info["vcodec"] == "mpeg4" and info["frames"].shape[0] == 8
+
+
+def test_cover_crop_of_any_size_stays_inside_the_image() -> None:
+    """Issue 30 (found by bench soak's random uploads): a 241x196 image onto 128x128 computed a crop box a
+    rounding error outside the image, which Pillow refuses ("box offset can't be negative"): a 500 for an
+    upload. Every size from 1 to 700 on each side now fits, onto the square and the W1.3 geometry."""
+    from cadence.media.image import _cover_crop
+
+    sizes = [(241, 196), (196, 241), (1, 1), (1, 700), (700, 1)] + [
+        (w, h) for w in range(40, 700, 37) for h in range(33, 700, 41)
+    ]
+    for w, h in sizes:
+        img = Image.new("RGB", (w, h), (10, 20, 30))
+        for tw, th in ((128, 128), (832, 480)):
+            assert _cover_crop(img, tw, th).size == (tw, th), (w, h, tw, th)

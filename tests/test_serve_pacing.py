@@ -431,3 +431,101 @@ def test_twelve_frame_chunks_starting_the_clock_before_the_first_chunk_underruns
     # the old rule (clock starts when the track asks, 50 ms in) with a 400 ms first chunk: behind from the start
     buf, *_ = _simulate(lambda c: 0.4, seconds=4.0, lead=0.48, timing=T12, serial=True)
     assert buf.video_underruns > 0
+
+
+# ---- issue 30: the start of a session, the lead over sessions, the "reduced" flag ----------------------
+
+
+def test_planner_does_not_take_the_prestarted_chunks_for_its_latency():
+    # the two chunks planned before the clock go to the worker at once: the second waits for the first (which
+    # decodes alone), so its "latency" is two chunks' work, while the connection is being set up. Taken at face
+    # value (issue 30: 261-277 ms of worker time each) they made the planner reduce chunks 3-4 to audio.
+    p = ChunkPlanner(T, lead=0.1, latency=0.045, interval=0.045)
+    first, second = p.poll(0.0, None)[0], p.poll(0.0, None)[0]
+    assert first.prestart and second.prestart
+    p.observe(0.27, first)
+    p.observe(0.55, second)
+    assert p.in_flight == 0 and p.latency == 0.045 and p.lead == pytest.approx(0.1)
+    for c in range(2, 5):  # planned on the clock and back in time: these do count
+        plan, _ = p.poll(T.plan_time(0.6, c, p.lead), 0.6)
+        assert plan.generate and not plan.prestart
+        p.observe(plan.start + 0.05, plan)
+    assert p.latency == pytest.approx(0.05) and p.audio_only == 0
+
+
+def test_a_slow_start_is_not_taken_for_a_slow_worker_on_a_fake_clock():
+    # the issue's start replayed: the first three chunks take 270 ms of worker time, then 45 ms. Before, the
+    # planner took the queued second chunk (~500 ms) for latency and reduced 3 chunks to audio (22 frames held,
+    # through chunk 7); now only the slow chunks themselves are late (10 frames held, through chunk 3)
+    buf, _, video, _, planner = _simulate(
+        lambda c: 0.27 if c < 3 else 0.045,
+        seconds=6.0,
+        serial=True,
+        wait_first_chunk=True,
+        est=(0.055, 0.045),
+    )
+    held = [v[1] for v in video if not v[4]]
+    assert planner.audio_only == 0 and held and max(held) < 16, held
+
+
+def test_latency_profile_gives_the_lead_that_covers_the_groups_tail():
+    from cadence.serve.pacing import LatencyProfile
+
+    prof = LatencyProfile(min_samples=100)
+    for _ in range(99):
+        prof.add_latency(0.045)
+    assert prof.lead() is None  # too few to know a tail
+    prof.add_latency(0.045)
+    assert prof.lead() == pytest.approx(0.045 * 1.25 + 0.02)
+    for i in range(200):  # 1 chunk in 20 slower: the p99 is a slow one
+        prof.add_latency(0.120 if i % 20 == 0 else 0.045)
+    assert prof.lead() == pytest.approx(0.120 * 1.25 + 0.02)
+    for _ in range(5000):
+        prof.add_latency(0.04)
+    assert len(prof._xs) <= 2 * prof.keep and prof.lead() == pytest.approx(
+        0.04 * 1.25 + 0.02
+    )  # bounded, recent
+
+
+def _stats():
+    from unittest.mock import MagicMock
+
+    from cadence.serve.stats import SessionStats
+
+    return SessionStats(24, 4, 60.0, MagicMock(), "s", 0.0)
+
+
+def _run(frames, held=(), every=0.25):
+    """Video frames 0..frames-1 sent at 24 fps (those in ``held`` held, not fresh), the status read every
+    ``every`` s meanwhile, as the page polls it: ``{t: reduced}``."""
+    st = _stats()
+    out, k = {}, 0
+    for i in range(int(frames / 24 / every)):
+        t = i * every
+        while k < frames and k / 24 <= t:
+            st.video_frame(k, k not in held, 0, k / 24, 0.0)
+            k += 1
+        out[t] = st.reduced(t)
+    return st, out
+
+
+def test_a_machine_that_holds_24_fps_never_shows_reduced_even_after_a_slow_start():
+    from cadence.serve.stats import STARTUP_ALLOWANCE_S
+
+    held = set(range(8, 16))  # chunks 2 and 3 held at the start (the issue's slow first chunks)
+    st, seen = _run(24 * 20, held)
+    assert not any(seen.values()), [t for t, r in seen.items() if r]
+    assert (
+        st.fresh_rate(STARTUP_ALLOWANCE_S + 0.5, 3.0, after_s=STARTUP_ALLOWANCE_S) is None
+    )  # not judged yet
+    _, seen = _run(24 * 10, set(range(120, 124)))  # one late chunk later on: a hiccup, not "cannot keep up"
+    assert not any(seen.values())
+
+
+def test_a_machine_below_real_time_shows_reduced_after_the_allowance_and_while_it_lasts():
+    held = {k for k in range(24 * 20) if (k // 4) % 2 == 1}  # every other chunk held: 12 fresh fps
+    _, seen = _run(24 * 20, held)
+    assert not any(r for t, r in seen.items() if t < 3.0)  # the start-up allowance (2 s) + 1 s to count
+    assert all(r for t, r in seen.items() if t >= 3.0)
+    _, seen = _run(24 * 10, set(range(120, 124)) | set(range(140, 144)))  # two chunks held within 3 s
+    assert seen[6.0] and not seen[9.5]

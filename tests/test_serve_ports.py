@@ -86,7 +86,7 @@ def _mismatches(proto, impl, instance) -> list[str]:
 
 def test_the_checker_finds_what_is_missing_or_wrong():
     class Half:  # a SessionGroup without restart, send sync but with another parameter name
-        index, session_id, transport_s, ready, info = 0, None, 0.0, None, None
+        index, session_id, transport_s, latency_profile, ready, info = 0, None, 0.0, None, None, None
 
         def send(self, message) -> None: ...
 
@@ -94,6 +94,7 @@ def test_the_checker_finds_what_is_missing_or_wrong():
         "index",
         "session_id",
         "transport_s",
+        "latency_profile",
         "ready",
         "info",
         "send",

@@ -562,9 +562,11 @@ def test_an_abandoned_offer_is_freed_and_pending_offers_are_limited_per_client(s
     mgr = srv.manager
     r = op.post("/sessions", json={"sdp": sdp})
     assert r.status_code == 201, r.text
+    assert op.cookies.get("cadence_client")  # the client's key for the limit (on loopback: not its address)
     sid = r.json()["session_id"]
     r = op.post("/sessions", json={"sdp": sdp})
-    assert "waiting to connect" in _err(r, 429) and r.headers["retry-after"] == str(int(CONNECT_S))
+    # Retry-After: when that pending offer times out (its connect timeout, + the watchdog's tick)
+    assert "waiting to connect" in _err(r, 429) and 1 <= int(r.headers["retry-after"]) <= CONNECT_S + 1
     deadline = time.monotonic() + CONNECT_S + 10
     while sid not in mgr.reports and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -600,3 +602,62 @@ def test_serve_refuses_a_public_address_without_a_key(capsys, tmp_path, caplog, 
     with caplog.at_level("WARNING", logger="cadence.serve"):
         create_app(ServeConfig(preset="tiny", host="0.0.0.0", insecure_no_auth=True))
     assert any("WITHOUT an API key" in r.getMessage() for r in caplog.records)
+
+
+# ---- issue 30: the pending-offer limit per client, Retry-After from when a slot frees ---------------------
+
+
+def _manager(groups: int, **cfg):
+    """A session manager whose groups look ready (no worker processes): admission only."""
+    from cadence.serve.app import SessionManager
+
+    mgr = SessionManager(ServeConfig(preset="tiny", groups=("cpu",) * groups, **cfg))
+    for g in mgr.groups:
+        g.ready.set()
+    return mgr
+
+
+def test_the_pending_offer_limit_is_per_client_not_per_loopback_address():
+    from cadence.serve.guard import ApiError, client_keys
+
+    mgr = _manager(6, max_pending_offers_per_client=1, connect_timeout_s=10.0)
+    alice, bob = client_keys("127.0.0.1", "a" * 22), client_keys("127.0.0.1", "b" * 22)
+    assert alice == ("cookie:" + "a" * 22,) and client_keys("::1", None) == ()
+    mgr.reserve(alice)
+    with pytest.raises(ApiError) as e:
+        mgr.reserve(alice)  # alice's second pending offer
+    assert e.value.status == 429 and 1 <= int(e.value.headers["Retry-After"]) <= 11
+    mgr.reserve(bob)  # another local user (same 127.0.0.1) is not locked out
+    mgr.reserve(client_keys("127.0.0.1", None))  # a local client without the cookie: its own client
+    mgr.reserve(client_keys("127.0.0.1", "not a cookie!"))
+    # off loopback the address still counts, whatever cookies a client sends
+    mgr.reserve(client_keys("10.1.2.3", "c" * 22))
+    with pytest.raises(ApiError) as e:
+        mgr.reserve(client_keys("10.1.2.3", "d" * 22))
+    assert e.value.status == 429
+    assert mgr.pending_offers(alice) == 1 and mgr.pending_offers(bob) == 1
+
+
+def test_retry_after_says_when_the_soonest_slot_frees():
+    import time
+    from types import SimpleNamespace
+
+    mgr = _manager(2, connect_timeout_s=10.0, idle_timeout_s=120.0, max_duration_s=600.0)
+    now = time.monotonic()
+
+    def sess(state, created, active=None, ttff=None):
+        return SimpleNamespace(state=state, t_created=created, last_activity=active or created, ttff_ms=ttff)
+
+    for g, sid in zip(mgr.groups, ("a", "b")):
+        g.session_id = sid
+    # one streams (frees at its idle timeout at the latest), one never connected: frees at its connect timeout
+    mgr.sessions = {"a": sess("streaming", now - 5, ttff=100.0), "b": sess("connecting", now - 7)}
+    assert 3 <= mgr.retry_after() <= 4  # 10 - 7 (+ the watchdog's tick), not 60
+    mgr.sessions = {"a": sess("streaming", now - 5, ttff=100.0), "b": sess("streaming", now - 590, now, 90.0)}
+    assert 10 <= mgr.retry_after() <= 11  # its max duration comes first
+    mgr.sessions = {"a": sess("streaming", now - 5, ttff=100.0), "b": sess("streaming", now - 100, now - 115)}
+    assert 5 <= mgr.retry_after() <= 6  # idle for 115 of 120 s
+    mgr.sessions = {"a": sess("streaming", now, ttff=1.0), "b": sess("closing", now - 1)}
+    assert mgr.retry_after() == 1
+    mgr.sessions = {"a": sess("streaming", now, ttff=1.0), "b": sess("streaming", now, ttff=1.0)}
+    assert mgr.retry_after() == 60  # nothing frees for 120 s: the bound

@@ -73,7 +73,9 @@ def test_tensor_parallel_group_streams_then_leaves_nothing_behind():
             rep["chunks"]["done"] >= 12 and rep["video_frames_fresh"] + rep["video_frames_skipped"] >= 36
         ), rep
         bad, missing = res.pts_gaps(3750)
-        assert bad == [] and missing <= rep["video_frames_skipped"] <= 24, rep  # at most 1 s skipped in 2.5 s
+        # (held frames are not sent either: the receiver keeps the last one)
+        assert bad == [] and missing <= rep["video_frames_skipped"] + rep["underruns"]["video"], rep
+        assert rep["video_frames_skipped"] <= 24, rep  # at most 1 s skipped in 2.5 s
         # a second session on the same group: the ranks stayed in step through close and the next open
         _short_session_ok(srv.url)
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import zlib
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -65,6 +66,12 @@ class MicTrack(MediaStreamTrack):
         return frame
 
 
+def frame_digest(frame: av.VideoFrame) -> int:
+    """A checksum of a decoded frame's pixels (its planes without their padding): two frames differ in
+    pixels when their digests differ (up to a 2^-32 collision)."""
+    return zlib.crc32(np.ascontiguousarray(frame.to_ndarray()))
+
+
 @dataclass
 class ClientResult:
     session_id: str = ""
@@ -82,6 +89,9 @@ class ClientResult:
     mic_t0: float | None = None  # when the microphone's first frame was sent (its sample 0)
     pushed_audio_at: float | None = None
     codecs: dict = field(default_factory=dict)  # what the server's answer settled on, per media kind
+    # per received video frame (parallel to ``video``): whether its pixels differ from the frame before it
+    video_fresh: list[bool] = field(default_factory=list)
+    t_end: float | None = None  # when the client stopped watching (before it closed or left the session)
 
     @property
     def ttff_ms(self) -> float | None:
@@ -135,6 +145,39 @@ class ClientResult:
         win = self._after(skip_s)
         return (win[-1][1] - win[0][1]) / step / (win[-1][0] - win[0][0]) if win else 0.0
 
+    def fresh(self, step: int, guard_s: float = 0.1) -> tuple[int, float, list[int]]:
+        """Fresh frames as a viewer sees them: ``(fresh, seconds, per_second)``.
+
+        A frame is fresh when its pixels differ from the frame received before it (``video_fresh``; the first
+        frame is). They are counted in stream time, from the first frame's pts, over the ``seconds`` the
+        client watched (first frame's arrival to ``t_end``, less ``guard_s`` for the frames still on their
+        way): frames the server never sent (held on underrun, skipped after a stall: pts jumps) count as the
+        stale seconds they are, and a burst after a stall of the receiving process counts at its own pts, not
+        its arrival. ``per_second``: fresh frames in each whole second of that span. ``step``: the frame
+        period in pts ticks (3,750 at 24 fps in 1/90000)."""
+        if not self.video or self.t_end is None:
+            return 0, 0.0, []
+        seconds = self.t_end - self.video[0][0] - guard_s
+        if seconds <= 0:
+            return 0, 0.0, []
+        p0 = self.video[0][1]
+        fps = round(1 / (step * (self.video_time_base or Fraction(1, 90000))))  # frames per second, exactly
+        frames = max(1, round(seconds * fps))
+        per = [0] * int(seconds + 1e-6)  # whole seconds (1e-6: 4.1 - 0.1 is 3.9999...)
+        n = 0
+        for (_, pts), new in zip(self.video, self.video_fresh or [True] * len(self.video)):
+            k = round((pts - p0) / step)
+            if new and 0 <= k < frames:
+                n += 1
+                if k // fps < len(per):
+                    per[k // fps] += 1
+        return n, seconds, per
+
+    def fresh_fps(self, step: int, guard_s: float = 0.1) -> float:
+        """Fresh frames per second of the stream the client watched (see ``fresh``)."""
+        n, seconds, _ = self.fresh(step, guard_s)
+        return n / seconds if seconds > 0 else 0.0
+
     def pts_steps(self) -> list[int]:
         p = [pts for _, pts in self.video]
         return [b - a for a, b in itertools.pairwise(p)]
@@ -159,6 +202,30 @@ class ClientResult:
     @property
     def audio_seconds(self) -> float:
         return sum(n / r for _, _, n, r in self.audio if r)
+
+
+async def read_track(track: MediaStreamTrack, res: ClientResult, first_frame: asyncio.Event) -> None:
+    """Receive a track into ``res`` until it ends: each video frame's arrival, pts and whether its pixels
+    differ from the frame before (``first_frame`` set at the first), each audio frame's arrival, pts, size
+    and RMS."""
+    last = None
+    while True:
+        try:
+            f = await track.recv()
+        except MediaStreamError:
+            return
+        if track.kind == "video":
+            res.video.append((time.monotonic(), int(f.pts)))
+            digest = frame_digest(f)
+            res.video_fresh.append(digest != last)
+            last = digest
+            res.video_time_base = f.time_base
+            res.video_size = (f.width, f.height)
+            first_frame.set()
+        else:
+            res.audio.append((time.monotonic(), int(f.pts or 0), f.samples, f.sample_rate))
+            pcm = f.to_ndarray().astype(np.float32) / 32768.0
+            res.audio_rms.append(float(np.sqrt(np.mean(pcm * pcm))) if pcm.size else 0.0)
 
 
 async def run_client(
@@ -198,32 +265,9 @@ async def run_client(
     readers: list[asyncio.Task] = []
     first_frame = asyncio.Event()
 
-    async def read_video(track):
-        while True:
-            try:
-                f = await track.recv()
-            except MediaStreamError:
-                return
-            res.video.append((time.monotonic(), int(f.pts)))
-            res.video_time_base = f.time_base
-            res.video_size = (f.width, f.height)
-            first_frame.set()
-
-    async def read_audio(track):
-        while True:
-            try:
-                f = await track.recv()
-            except MediaStreamError:
-                return
-            res.audio.append((time.monotonic(), int(f.pts or 0), f.samples, f.sample_rate))
-            pcm = f.to_ndarray().astype(np.float32) / 32768.0
-            res.audio_rms.append(float(np.sqrt(np.mean(pcm * pcm))) if pcm.size else 0.0)
-
     @pc.on("track")
     def on_track(track):
-        readers.append(
-            asyncio.ensure_future(read_video(track) if track.kind == "video" else read_audio(track))
-        )
+        readers.append(asyncio.ensure_future(read_track(track, res, first_frame)))
 
     mic_track = MicTrack(mic)
     try:
@@ -301,6 +345,7 @@ async def run_client(
                     )
                 )
         await asyncio.sleep(max(0.0, t_end - time.monotonic()))
+        res.t_end = time.monotonic()
         r = await http.get(f"{url}/sessions/{res.session_id}", headers=auth)
         res.status = r.json()
         if close:

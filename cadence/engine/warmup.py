@@ -104,8 +104,12 @@ def warm_up(eng, image: torch.Tensor | None, chunks: int, decode: bool, threads:
             return [r.timings for r in eng.stream(image, "warm-up", audio, k, seed=0, pace=pace)]
         return _steps_only(eng, image, audio, k)
 
+    # the thread count first when nothing needs timing, so that every stream below runs (and measures, and
+    # creates its per-thread-count kernels at) the count users get (docs/perf/soak/NOTES.md: the sustained
+    # interval was once measured at 2 threads for a worker that then served at 1)
+    trial = _fixed_threads(eng, threads, rep)
     per, ran = _fill_streams(eng, run, n, rep, decode)
-    steady = _choose_threads(eng, run, n, threads, rep)
+    steady = _thread_trial(run, n, rep) if trial else None
     # the sustained interval, as a user's stream will run: the thread trial's, the first stream's when it
     # ran nothing but user steps (the CPU: no captures), else one more stream
     if (
@@ -155,20 +159,28 @@ def _fill_streams(eng, run, n: int, rep: WarmupReport, decode: bool) -> tuple[li
     return per, ran
 
 
-def _choose_threads(eng, run, n: int, threads: int | None, rep: WarmupReport) -> list[ChunkTimings] | None:
-    """The CPU's intra-op thread count (see the module docstring); returns the winning trial's timings when
-    it timed any."""
+def _fixed_threads(eng, threads: int | None, rep: WarmupReport) -> bool:
+    """Set the CPU's intra-op thread count where it needs no timing (see the module docstring): ``threads`` >
+    0, a tensor-parallel rank or a machine of two cores (1). Returns whether a timed trial must choose."""
     rep.threads = torch.get_num_threads()
     if eng.cuda:
-        return None
+        return False
     if threads:
         torch.set_num_threads(threads)
         rep.threads = threads
-        return None
+        return False
     if eng.tp is not None or (os.cpu_count() or 1) <= 2:
+        # TP ranks are processes sharing the cores; on two cores the diffusion and the decode thread take one
+        # each (2 intra-op threads each oversubscribe the cores: docs/perf/serve/NOTES.md, session 7)
         torch.set_num_threads(1)
         rep.threads = 1
-        return None
+        return False
+    return True
+
+
+def _thread_trial(run, n: int, rep: WarmupReport) -> list[ChunkTimings]:
+    """CPU with more than two cores: time 1 and 2 intra-op threads back to back, keep the faster sustained
+    interval; returns the winner's timings."""
     trials: dict[str, float] = {}
     timings: dict[str, list[ChunkTimings]] = {}
     for k in (1, 2):

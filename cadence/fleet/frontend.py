@@ -42,6 +42,7 @@ import os
 import uuid
 
 from cadence.engine.messages import Died, WorkerInfo
+from cadence.serve.pacing import LatencyProfile
 
 log = logging.getLogger("cadence.fleet")
 
@@ -74,6 +75,9 @@ class RayGroup:
         # (read by the session's worker_speed; with the media on the group the actor plans without the Ray hop)
         self.transport_s = 0.0 if source.media_on_group else source.fleet_cfg.hop_ms / 1e3
         self.media_prepared: str | None = None  # the incarnation asked to prepare its media (group mode)
+        self.latency_profile = (
+            LatencyProfile()
+        )  # this front end's sessions on the group (session.worker_speed)
 
     # ---- the GroupPort -----------------------------------------------------------------------------
     @property

@@ -83,6 +83,7 @@ class GroupView:
     def __init__(self, group, actor_loop: asyncio.AbstractEventLoop):
         self.group, self.actor_loop = group, actor_loop
         self.session_id: str | None = None
+        self.latency_profile = group.latency_profile  # the actor's group's, across its sessions
 
     @property
     def index(self) -> int:

@@ -138,7 +138,9 @@ def _cover_crop(img: Image.Image, width: int, height: int) -> Image.Image:
     """Scale so the image covers width x height (aspect kept), crop the centre; one resample."""
     w, h = img.size
     scale = max(width / w, height / h)
-    cw, ch = width / scale, height / scale  # source region that maps onto the target
+    # source region that maps onto the target; min(): width / (height / h) can round to a hair over w (241x196
+    # onto 128x128 gave a box 1e-13 outside the image, which Pillow refuses: "box offset can't be negative")
+    cw, ch = min(w, width / scale), min(h, height / scale)
     left, top = (w - cw) / 2, (h - ch) / 2
     return img.resize(
         (width, height), Image.Resampling.LANCZOS, box=(left, top, left + cw, top + ch), reducing_gap=3.0

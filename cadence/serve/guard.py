@@ -32,6 +32,7 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import secrets
 
 from cadence.errors import CadenceError
@@ -371,6 +372,57 @@ def json_object(body: bytes, shape: str) -> dict:
     return value
 
 
+#: What POST /sessions checks of an SDP offer's text before anything else, and the ``pattern`` of its ``sdp``
+#: field in the OpenAPI schema (one predicate, so that a string the schema allows passes these checks): a
+#: first line ``v=0``, a video section (``m=video``) and a DTLS fingerprint (``a=fingerprint:``) at the start
+#: of lines, no NUL. ECMA-262 and Python read it alike.
+SDP_PATTERN = (
+    r"^[ \t]*v=0[ \t]*\r?\n(?:[^\u0000]*\n)?[ \t]*"
+    r"(?:m=video[^\u0000]*\n[ \t]*a=fingerprint:|a=fingerprint:[^\u0000]*\n[ \t]*m=video)[^\u0000]*$"
+)
+_SDP_RE = re.compile(SDP_PATTERN)
+
+#: The cookie that tells one client (a browser, an HTTP client keeping cookies) from another for the
+#: pending-offer limit: on loopback every local user has the same address (127.0.0.1, and so has everyone
+#: behind a TLS proxy on the same host), so the address alone would let one user's pending offers lock out the
+#: others. The server sets it (random, HttpOnly) on the page and on the answer to POST /sessions.
+CLIENT_COOKIE = "cadence_client"
+_COOKIE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def client_keys(address: str | None, cookie: str | None) -> tuple[str, ...]:
+    """Who a request comes from, for the pending-offer limit: its ``CLIENT_COOKIE`` (when it carries a
+    well-formed one) and its address, unless that is a loopback address (on loopback, one for every local
+    user: not a client). A loopback request without the cookie is a client of its own (none of its keys
+    matches another's): its offers are bounded by the groups they hold, not by the limit."""
+    import ipaddress
+
+    keys = []
+    if cookie and 16 <= len(cookie) <= 64 and set(cookie) <= _COOKIE_CHARS:
+        keys.append(f"cookie:{cookie}")
+    try:
+        local = address is not None and ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        local = False
+    if address and not local:
+        keys.append(f"addr:{address}")
+    return tuple(keys)
+
+
+def request_client(request) -> tuple[str, ...]:
+    """:func:`client_keys` of a Starlette request."""
+    return client_keys(request.client.host if request.client else None, request.cookies.get(CLIENT_COOKIE))
+
+
+def with_client_cookie(request, response):
+    """Give a client without one its ``CLIENT_COOKIE`` (the pending-offer limit's key on loopback)."""
+    if request.cookies.get(CLIENT_COOKIE) is None:
+        response.set_cookie(
+            CLIENT_COOKIE, secrets.token_urlsafe(16), httponly=True, samesite="strict", max_age=86400 * 30
+        )
+    return response
+
+
 def check_sdp(sdp, sdp_type, limit: int) -> None:
     """An SDP offer's shape (aiortc parses it only then): text, type 'offer', under ``limit`` bytes, starting
     with 'v=0', with a video section and a DTLS fingerprint."""
@@ -381,12 +433,20 @@ def check_sdp(sdp, sdp_type, limit: int) -> None:
         raise ApiError(400, f"SDP type must be 'offer', got {short(str(sdp_type))!r}")
     if len(sdp.encode()) > limit:
         raise ApiError(413, f"SDP offer is too large ({len(sdp.encode())} bytes; limit {limit})")
-    lines = [ln.strip() for ln in sdp.strip().splitlines()]
-    if not lines or lines[0] != "v=0":
-        raise ApiError(400, "malformed SDP offer: it must start with 'v=0'")
-    if not any(ln.startswith("m=video") for ln in lines):
-        raise ApiError(
-            400, "malformed SDP offer: no video section (m=video); offer a recvonly video transceiver"
-        )
-    if not any(ln.startswith("a=fingerprint:") for ln in lines):
-        raise ApiError(400, "malformed SDP offer: no DTLS fingerprint (a=fingerprint)")
+    if _SDP_RE.match(sdp) is None:
+        lines = [ln.strip() for ln in sdp.strip().splitlines()]
+        if not lines or lines[0] != "v=0":
+            raise ApiError(400, "malformed SDP offer: it must start with 'v=0'")
+        if not any(ln.startswith("m=video") for ln in lines):
+            raise ApiError(
+                400, "malformed SDP offer: no video section (m=video); offer a recvonly video transceiver"
+            )
+        if not any(ln.startswith("a=fingerprint:") for ln in lines):
+            raise ApiError(400, "malformed SDP offer: no DTLS fingerprint (a=fingerprint)")
+        raise ApiError(400, "malformed SDP offer: 'v=0', m=video and a=fingerprint must each start a line")
+    from aiortc.sdp import SessionDescription
+
+    try:  # aiortc's own parser, before any session is made: it refuses some lines with AssertionError
+        SessionDescription.parse(sdp)
+    except Exception as e:
+        raise ApiError(400, f"malformed SDP offer: {type(e).__name__} {short(str(e), 200)}".strip()) from None

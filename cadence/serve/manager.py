@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import logging
 import math
@@ -102,9 +103,8 @@ class SessionManager:
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.access = Access(cfg.api_key)  # the operator key, each session's token (by session id)
-        self.clients: dict[
-            str, str
-        ] = {}  # the creator's address, while its slot is reserved or its session open
+        # the creator's keys (guard.client_keys), while its slot is reserved or its session open
+        self.clients: dict[str, tuple[str, ...]] = {}
         self.images = ImageDecoder(cfg, e)
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -113,6 +113,11 @@ class SessionManager:
         self.images.start()
         use_ice_host_addresses(self.cfg.ice_host_addresses)
         await self.source.start(self._route, self.metrics, self.cfg.worker_start_timeout_s)
+        await self._warm_up_media()
+        # what the server is made of (~100k objects: FastAPI, aiortc, ...) out of the cyclic collector's sight,
+        # so that a full collection (automatic, or the one after each session: _collect_soon) stays short
+        gc.collect()
+        gc.freeze()
         self.started = True
         log.info(
             "cadence serve: preset %s, %d group(s) %s, lead %s ms",
@@ -121,6 +126,36 @@ class SessionManager:
             list(self.cfg.groups),
             [round(self.lead_ms(g), 1) for g in self.groups],
         )
+
+    async def _warm_up_media(self) -> None:
+        """What the web side does once per process, done before the first user: an image decoded (Pillow's
+        plugins), an audio upload decoded (PyAV), a peer connection made (aiortc's first takes ~60 ms: its
+        crypto), a VP8 frame encoded, on the threads that will do it for sessions. The first session's request
+        no longer pays for it, and its memory (+5-8 MB, once) is in the server before any session, not
+        counted as growth across sessions (docs/perf/soak/NOTES.md). Best effort: a failure is one log line."""
+        import fractions
+        import io
+
+        import av
+        from aiortc import RTCPeerConnection
+        from aiortc.codecs import get_encoder
+        from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+        from PIL import Image
+
+        from cadence.serve.agent import decode_audio_bytes, wav_bytes
+
+        try:
+            buf = io.BytesIO()
+            Image.new("RGB", (32, 24), (120, 90, 60)).save(buf, format="PNG")
+            await self.decode_image(buf.getvalue())
+            await asyncio.to_thread(decode_audio_bytes, wav_bytes(np.zeros(4800, np.float32)))
+            await RTCPeerConnection().close()
+            frame = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
+            frame.pts, frame.time_base = 0, fractions.Fraction(1, 90_000)
+            enc = get_encoder(RTCRtpCodecParameters(mimeType="video/VP8", clockRate=90_000, payloadType=96))
+            await asyncio.get_running_loop().run_in_executor(None, enc.encode, frame, False)
+        except Exception as e:  # only a head start
+            log.warning("could not warm up the media path (%s: %s)", type(e).__name__, e)
 
     def lead_ms(self, g: GroupPort) -> float:
         """How long before a chunk is due the scheduler hands it to group ``g``'s worker at a session's start
@@ -195,7 +230,23 @@ class SessionManager:
         self.reports[sess.sid] = report
         self._report_times[sess.sid] = time.monotonic()
         self._expire_reports()
-        log.info("session report %s", json.dumps(report, default=str))
+        if log.isEnabledFor(logging.INFO):  # (not a JSON dump of every report on the loop when not logged)
+            log.info("session report %s", json.dumps(report, default=str))
+        asyncio.get_running_loop().call_later(1.0, self._collect_soon)
+
+    def _collect_soon(self) -> None:
+        """A closed session's objects freed, and their memory given back to the OS. Its peer connection is a
+        graph of reference cycles (aiortc's transports, senders, receivers, rate counters: ~2,100 objects) that
+        only a full collection frees, and with it the native memory they hold (DTLS/SRTP state, the codecs'
+        buffers), which glibc then keeps in the encoder threads' arenas unless trimmed: without this the web
+        process grew 112 -> 143 MB over 60 sessions, with it 112 -> 114 (docs/perf/soak/NOTES.md). The
+        collection is short because the server's own objects are frozen (``start``)."""
+        if self.stopping:
+            return
+        t = time.perf_counter()
+        freed = gc.collect()
+        log.debug("after a session: %d objects collected in %.1f ms", freed, (time.perf_counter() - t) * 1e3)
+        self.images.trim_soon()  # on the image pool: the loop goes on
 
     # ---- open and closed sessions ---------------------------------------------------------------
     def _expire_reports(self) -> None:
@@ -235,28 +286,41 @@ class SessionManager:
         return self.source.acquire()
 
     def retry_after(self) -> int:
-        """Seconds until a group is likely free: the soonest max-duration end, 1..60."""
+        """Seconds until a group will be free at the latest, for the soonest one (1..60): an offer that has not
+        connected frees its group at its connect timeout, a session at its idle timeout or max duration
+        (whichever comes first; most end sooner, when their client leaves), a session closing or a group held
+        for an image being decoded within about a second."""
         hint = self.source.retry_after()  # a fleet's: the registry's, over every front end's sessions
         if hint is not None:
             return hint
-        now = time.monotonic()
-        left = [self.cfg.max_duration_s - (now - s.t_created) for s in self.sessions.values()]
+        now, cfg = time.monotonic(), self.cfg
+        left = []
+        for s in self.sessions.values():
+            if s.state in ("closing", "closed"):
+                left.append(1.0)
+            elif s.state in ("starting", "connecting") and s.ttff_ms is None:  # (+ the watchdog's tick)
+                left.append(s.t_created + cfg.connect_timeout_s - now + 0.5)
+            else:
+                left.append(min(s.t_created + cfg.max_duration_s, s.last_activity + cfg.idle_timeout_s) - now)
+        if any(g.session_id and g.session_id not in self.sessions for g in self.groups):
+            left.append(1.0)  # a group reserved for a request whose image is being decoded
         return int(min(60, max(1, math.ceil(min(left)) if left else 5)))
 
-    def pending_offers(self, client: str) -> int:
-        """Sessions ``client`` created (or is creating) that are not connected yet."""
+    def pending_offers(self, client: tuple[str, ...]) -> int:
+        """Sessions created (or being created) by a client with any of the keys ``client`` (see
+        ``cadence.serve.guard.client_keys``) that are not connected yet."""
         n = 0
-        for sid, c in self.clients.items():
-            if c != client:
+        for sid, keys in self.clients.items():
+            if not set(keys) & set(client):
                 continue
             s = self.sessions.get(sid)
             n += s is None or s.state in ("starting", "connecting")
         return n
 
-    def reserve(self, client: str) -> tuple[GroupPort, str]:
-        """Admit a new session from ``client`` or raise: 429 (+ Retry-After) when the client already has
-        ``max_pending_offers_per_client`` sessions waiting to connect, 503 (+ Retry-After) when no group
-        is free. The group is held for the new id at once (nothing awaits in between), so an image
+    def reserve(self, client: tuple[str, ...]) -> tuple[GroupPort, str]:
+        """Admit a new session from ``client`` (its keys: ``cadence.serve.guard.client_keys``) or raise: 429
+        (+ Retry-After) when the client already has ``max_pending_offers_per_client`` sessions waiting to
+        connect, 503 (+ Retry-After) when no group is free. The group is held for the new id at once (nothing awaits in between), so an image
         decoding meanwhile cannot lose its slot to a later request."""
         cfg = self.cfg
         pending = self.pending_offers(client)
@@ -264,10 +328,10 @@ class SessionManager:
             self.metrics.refused.inc()
             raise ApiError(
                 429,
-                f"too many sessions waiting to connect from {client} ({pending}; limit "
+                f"too many sessions waiting to connect from this client ({pending}; limit "
                 f"{cfg.max_pending_offers_per_client}): connect them, DELETE them, or wait "
                 f"{cfg.connect_timeout_s:.0f} s for them to time out",
-                {"Retry-After": str(max(1, math.ceil(cfg.connect_timeout_s)))},
+                {"Retry-After": str(self.pending_free_in(client))},
             )
         g = self.acquire()
         if g is None:
@@ -281,6 +345,15 @@ class SessionManager:
         g.session_id = sid
         self.clients[sid] = client
         return g, sid
+
+    def pending_free_in(self, client: tuple[str, ...]) -> int:
+        """Seconds until the client's oldest pending offer times out (1..connect timeout)."""
+        now, mine = time.monotonic(), []
+        for sid, keys in self.clients.items():
+            s = self.sessions.get(sid)
+            if set(keys) & set(client) and s is not None and s.state in ("starting", "connecting"):
+                mine.append(s.t_created + self.cfg.connect_timeout_s - now + 0.5)
+        return max(1, math.ceil(min(mine) if mine else self.cfg.connect_timeout_s))
 
     def unreserve(self, g: GroupPort, sid: str) -> None:
         self.source.release(g, sid)
@@ -321,7 +394,7 @@ class SessionManager:
         caller made). What ``cadence.integrations.pipecat`` runs in process. 503 (ApiError) when full."""
         if not self.started:
             raise RuntimeError("the session manager is not started")
-        g, sid = self.reserve("local")
+        g, sid = self.reserve(("local",))
         sess = LiveSession(self, sid, g, agent, self.engine_cfg, prompt, seed)
         self.sessions[sid] = sess
         self.metrics.active.set(len(self.sessions))
@@ -342,7 +415,7 @@ class SessionManager:
         agent: str,
         seed: int,
         t_request: float,
-        client: str = "unknown",
+        client: tuple[str, ...] = (),
     ) -> SessionCreated:
         """Check the request, admit it (429 / 503), decode its image, start the session. The answer carries
         the session's token, which only this answer ever shows."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from cadence.serve.agent import SayAgent
 from cadence.serve.agents import AGENTS
 from cadence.serve.config import DEFAULT_PROMPT
-from cadence.serve.guard import MAX_PROMPT, MAX_SEED
+from cadence.serve.guard import MAX_PROMPT, MAX_SEED, SDP_PATTERN
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -187,6 +187,7 @@ class RouteDocs:
             "sdp": {
                 "type": "string",
                 "minLength": 1,
+                "pattern": SDP_PATTERN,
                 "description": "the client's SDP offer (a recvonly video "
                 "transceiver; audio sendrecv for the microphone)",
             },

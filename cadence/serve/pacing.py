@@ -153,6 +153,7 @@ class Plan:
     generate: bool
     start: float  # when the worker is expected to begin it (monotonic s)
     expected_done: float  # when its frames are expected back
+    prestart: bool = False  # planned before the media clock started (with the next one, at once)
 
 
 @dataclass
@@ -232,7 +233,7 @@ class ChunkPlanner:
             self.in_flight += 1
         else:
             self.audio_only += 1
-        return Plan(c, ok, start, done)
+        return Plan(c, ok, start, done, prestart=t0 is None)
 
     def observe(self, now: float, plan: Plan, interval: float | None = None) -> None:
         """A generated chunk came back at ``now``: ``plan`` was its plan; ``interval`` the worker's own
@@ -240,6 +241,12 @@ class ChunkPlanner:
         self.in_flight = max(0, self.in_flight - 1)
         if self.in_flight == 0:
             self.busy_until = min(self.busy_until, now)  # idle now, whatever was predicted
+        if plan.prestart:
+            # the chunks planned before the clock started go to the worker together, the first decoded alone
+            # (time to first frame) while the next waits for it, and while the connection is being set up:
+            # neither is the latency of a chunk planned on the clock (a second chunk's "latency" of two chunks'
+            # work once made the planner reduce chunks 3-4 of every session to audio: docs/perf/soak/NOTES.md)
+            return
         self._lat = (self._lat + [max(0.0, now - plan.start)])[-self.history :]
         if interval is not None:
             self._int = (self._int + [interval])[-self.history :]
@@ -253,6 +260,37 @@ class ChunkPlanner:
     def lost(self) -> None:
         """A generated chunk will not come back (its request failed): free its place."""
         self.in_flight = max(0, self.in_flight - 1)
+
+
+@dataclass
+class LatencyProfile:
+    """A worker group's chunk latencies (plan -> frames back, s) over its recent sessions, on the clock
+    (chunks planned before a session's clock started are left out, as in ``ChunkPlanner.observe``).
+
+    A session's planner sees only its own chunks, a few dozen in a short session, so its lead follows their
+    p90; the misses that make a session lose frames are the rare slower chunks a session is too short to
+    see. The group's history over many sessions has them: a new session starts with a lead that covers
+    ``quantile`` of the last ``keep`` chunks, x ``scale`` + ``add`` (``lead``), once ``min_samples`` are in.
+    Pure; the web side keeps one per group (``WorkerGroup.latency_profile``)."""
+
+    keep: int = 1200  # ~3 min of streaming at 4 frames per chunk
+    min_samples: int = 100
+    quantile: float = 0.99
+    scale: float = 1.25
+    add: float = 0.02
+    _xs: list[float] = field(default_factory=list)
+
+    def add_latency(self, seconds: float) -> None:
+        self._xs.append(float(seconds))
+        if len(self._xs) > 2 * self.keep:
+            del self._xs[: len(self._xs) - self.keep]
+
+    def lead(self) -> float | None:
+        """The lead (s) a new session should start with, or None while there are too few samples."""
+        xs = self._xs[-self.keep :]
+        if len(xs) < self.min_samples:
+            return None
+        return _quantile(xs, self.quantile) * self.scale + self.add
 
 
 def _quantile(xs: list[float], q: float) -> float:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from cadence.engine.messages import WorkerInfo
+    from cadence.serve.pacing import LatencyProfile
 
 #: A worker reply for the manager: ``route(group, msg)`` on the event loop (``msg``: a dataclass of
 #: ``cadence.engine.messages``, or on a fleet a ``cadence.fleet.messages`` update of a remote session).
@@ -97,6 +98,8 @@ class SessionGroup(Protocol):
     """The session holding the group (None: free)."""
     transport_s: float
     """What the path between the worker and the session adds to a chunk's latency (a fleet's Ray hop)."""
+    latency_profile: LatencyProfile
+    """The chunk latencies of the group's recent sessions (a new session's lead is sized from their tail)."""
 
     @property
     def ready(self) -> asyncio.Event: ...

@@ -19,9 +19,11 @@ from cadence.serve.guard import (
     ApiError,
     bearer,
     json_object,
+    request_client,
     seed_field,
     str_field,
     type_name,
+    with_client_cookie,
 )
 from cadence.serve.uploads import decode_speech, read_session_body
 from cadence.telemetry.metrics import CONTENT_TYPE_LATEST
@@ -38,8 +40,8 @@ class SessionApi:
     def __init__(self, mgr, static_dir):
         self.mgr, self.cfg, self.static = mgr, mgr.cfg, static_dir
 
-    async def index(self):
-        return FileResponse(self.static / "index.html", media_type="text/html")
+    async def index(self, request: Request):
+        return with_client_cookie(request, FileResponse(self.static / "index.html", media_type="text/html"))
 
     async def healthz(self):
         mgr = self.mgr
@@ -108,9 +110,9 @@ class SessionApi:
             seed=seed_field(fields, body.form),
             image_bytes=body.image,
             t_request=t_request,
-            client=request.client.host if request.client else "unknown",
+            client=request_client(request),
         )
-        return JSONResponse(created.as_json(), status_code=201)
+        return with_client_cookie(request, JSONResponse(created.as_json(), status_code=201))
 
     async def list_sessions(self, request: Request):
         self.mgr.access.require_operator(bearer(request), "the session list")

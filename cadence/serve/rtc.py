@@ -89,13 +89,24 @@ class _PacedTrack(MediaStreamTrack):
 
 
 class VideoOut(_PacedTrack):
-    """Video at the model's fps, pts = k * 90000 / fps in 1/90000 (3750 at 24 fps)."""
+    """Video at the model's fps, pts = k * 90000 / fps in 1/90000 (3750 at 24 fps).
+
+    Over WebRTC (``recv``) only fresh frames are sent: a frame held on underrun (the last one again) is not
+    encoded and sent a second time, its pts is skipped, and the receiver keeps showing the frame it has,
+    which is what a held frame looks like anyway. So every frame a browser decodes is a new one: its decoded
+    frame rate is the fresh frame rate, and no encoder spends CPU re-encoding a picture the viewer already
+    sees (a video codec re-encoding a repeated picture refines it, so a repeat would not even decode to the
+    same pixels: a receiver could not tell it from a fresh frame, docs/perf/soak/NOTES.md). Underruns are
+    counted as before (``on_video_frame`` sees every paced frame). An in-process reader (``next_frame``)
+    still gets one frame per frame period, held ones included."""
 
     kind = "video"
+    last_fresh = False  # whether the frame ``next_frame`` returned last was fresh (generated, not held)
 
     async def next_frame(self) -> tuple[int, np.ndarray]:
-        """The next frame when it is due: ``(k, uint8 [H, W, 3])``. ``recv`` wraps it for WebRTC; an
-        in-process reader (``cadence.integrations.pipecat``) takes the array as it is."""
+        """The next frame when it is due: ``(k, uint8 [H, W, 3])``, held or fresh (``last_fresh`` says
+        which). ``recv`` wraps it for WebRTC; an in-process reader (``cadence.integrations.pipecat``) takes
+        the array as it is."""
         if self.readyState != "live":
             raise MediaStreamError
         feed, clock, timing = self.feed, self.feed.clock, self.feed.timing
@@ -104,11 +115,14 @@ class VideoOut(_PacedTrack):
         await self._wait(wait)
         frame, fresh = feed.buffer.video_frame(k)
         self.next_index = k + 1
+        self.last_fresh = fresh
         feed.on_video_frame(k, fresh, skipped, clock.now())
         return k, frame
 
     async def recv(self) -> av.VideoFrame:
         k, frame = await self.next_frame()
+        while not self.last_fresh:  # held: the receiver shows the last frame it has; wait for a fresh one
+            k, frame = await self.next_frame()
         out = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
         out.pts = self.feed.timing.video_pts(k)
         out.time_base = Fraction(1, VIDEO_CLOCK_RATE)

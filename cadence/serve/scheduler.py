@@ -84,8 +84,8 @@ class ChunkScheduler:
             else:
                 await wait_events(wait if wait is not None else 1.0, self.wake)
 
-    def arrived(self, index: int, now: float, tm: ChunkTimings) -> tuple[float, float] | None:
-        """A generated chunk is back: ``(t_plan, latency_ms)``, or None for a chunk this session did not
+    def arrived(self, index: int, now: float, tm: ChunkTimings) -> tuple[float, float, Plan] | None:
+        """A generated chunk is back: ``(t_plan, latency_ms, plan)``, or None for a chunk this session did not
         ask for (a stale reply). Feeds the planner what the worker measured."""
         got = self.plans.pop(index, None)
         if got is None:
@@ -94,7 +94,7 @@ class ChunkScheduler:
         interval = max(tm.diffusion_ms, tm.decode_ms + tm.host_copy_ms) / 1e3 if tm.diffusion_ms else None
         self.planner.observe(now, plan, interval)
         self.wake.set()
-        return t_plan, (now - t_plan) * 1e3
+        return t_plan, (now - t_plan) * 1e3, plan
 
     def failed(self, index: int | None) -> None:
         """A request failed at the worker: its place is free again."""

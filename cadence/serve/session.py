@@ -54,8 +54,11 @@ from cadence.serve.stats import SessionStats
 
 log = logging.getLogger("cadence.serve")
 
-#: The session counts as degraded while a chunk was audio-only (no fresh frames) within this many seconds.
-DEGRADED_WINDOW_S = 3.0
+#: A connected client that sends nothing at all for this long is gone (closed as ``peer_gone``): every
+#: client sends RTCP reports for the video it receives about once a second (aiortc 0.5-1.5 s, Chrome ~1 s),
+#: so 8 s is many missed reports. Without it a client that vanishes without a word (its process or network
+#: died) held its slot until ICE consent failed: 32-34 s measured (docs/perf/soak/NOTES.md).
+PEER_SILENCE_S = 8.0
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -79,6 +82,11 @@ def worker_speed(cfg: SessionSettings, chunk_seconds: float, group: SessionGroup
             lead = max(lead, (latency * (1 + cfg.lead_margin) + 0.02) * 1e3)
     else:
         latency = min(cfg.lead_ms / 1e3, chunk_seconds)
+    # the tail of the group's recent sessions (``cadence.serve.pacing.LatencyProfile``): a few-second session
+    # is too short to meet the rare slow chunks that make it lose frames (docs/perf/soak/NOTES.md)
+    tail = group.latency_profile.lead() if cfg.lead_auto else None
+    if tail is not None:
+        lead = max(lead, tail * 1e3)
     return WorkerSpeed(lead / 1e3, latency, interval / 1e3 if interval else min(latency, chunk_seconds))
 
 
@@ -201,9 +209,10 @@ class LiveSession(ClosesInBackground):
         self.codecs: dict[
             str, str
         ] = {}  # what the answer settled on: {"video": "VP8" | "H264", "audio": "opus"}
-        self._audio_only_seen = 0
-        self._degraded_at: float | None = None
         self.prompt_switches = 0
+        self._peer_rx: tuple[int, float] | None = (
+            None  # (packets received from the client, when that changed)
+        )
         self.barge_in_times: list[float] = []  # host times the agent was interrupted (barge-in, /interrupt)
         agent.on_interrupt = self._on_agent_interrupt
 
@@ -353,15 +362,18 @@ class LiveSession(ClosesInBackground):
         got = self.scheduler.arrived(c, now, timings)
         if got is None:
             return
-        _, lat = got
+        t_plan, lat, plan = got
+        if not plan.prestart:  # the group's profile, across its sessions (the two prestart chunks queue)
+            self.group.latency_profile.add_latency(lat / 1e3)
         t0 = self.clock.t0
         late = t0 is not None and now > self.timing.chunk_due(t0, c)
+        budget = (self.timing.chunk_due(t0, c) - t_plan) * 1e3 if t0 is not None else None
         before = self._counts()
         self.buffer.put_video(c, frames)
         self.first_chunk.set()
         if timings.memory:  # the worker's memory (MB) with this chunk: rss_mb, cuda_mb on CUDA
             self.server.metrics.set_worker_memory(self.group.index, timings.memory)
-        self.stats.chunk(now, c, lat, timings, late, before)
+        self.stats.chunk(now, c, lat, timings, late, before, budget_ms=budget)
 
     # ---- track hooks -----------------------------------------------------------------------------
     def on_video_frame(self, k: int, fresh: bool, skipped: int, now: float) -> None:
@@ -404,8 +416,28 @@ class LiveSession(ClosesInBackground):
                 and now - self.t_created > cfg.connect_timeout_s
             ):
                 self.close_soon("connect_timeout")
+            elif self._peer_silent_for(now) > PEER_SILENCE_S:
+                self.close_soon("peer_gone")
             self.stats.timeline.tick(now, self._counts())
             self.update_metrics()
+
+    def _peer_silent_for(self, now: float) -> float:
+        """Seconds since the last packet from the client (RTP or RTCP, counted by the DTLS transport), once
+        connected; 0 when it cannot be told."""
+        if self.pc is None or self.pc.connectionState != "connected":
+            return 0.0
+        try:
+            n = sum(
+                s.packetsReceived
+                for t in {tr.sender.transport for tr in self.pc.getTransceivers() if tr.sender.transport}
+                for s in t._get_stats().values()  # aiortc's own (sync) transport stats
+                if getattr(s, "type", None) == "transport"
+            )
+        except (AttributeError, TypeError):  # an aiortc without them: ICE consent still notices, later
+            return 0.0
+        if self._peer_rx is None or n != self._peer_rx[0]:
+            self._peer_rx = (n, now)
+        return now - self._peer_rx[1]
 
     # ---- status, metrics, report ------------------------------------------------------------------
     def fps(self, now: float | None = None) -> float:
@@ -415,12 +447,9 @@ class LiveSession(ClosesInBackground):
         return self.stats.av_offset_ms()
 
     def degraded(self, now: float | None = None) -> bool:
-        """Whether the worker could not keep up lately (an audio-only chunk within DEGRADED_WINDOW_S)."""
-        now = time.monotonic() if now is None else now
-        if self.planner.audio_only != self._audio_only_seen:
-            self._audio_only_seen = self.planner.audio_only
-            self._degraded_at = now
-        return self._degraded_at is not None and now - self._degraded_at <= DEGRADED_WINDOW_S
+        """Whether the stream is below real time, what the page calls "reduced" (``SessionStats.reduced``:
+        after a start-up allowance, over a window of a few seconds)."""
+        return self.stats.reduced(time.monotonic() if now is None else now)
 
     def buffer_ms(self) -> float:
         """Playout headroom: generated video not yet sent (ms of media from the next frame due to the

@@ -23,6 +23,17 @@ from cadence.serve.timeline import Timeline
 #: Chunks whose worker figures the report keeps (at 4 frames per chunk, 1,000 chunks = 2.8 min).
 KEEP_CHUNKS = 1000
 
+#: The page says "reduced" (the status's ``degraded``) when the session sent fewer than ``REDUCED_SHARE`` of
+#: real time's fresh frames over the last ``REDUCED_WINDOW_S``: below 21.6 of 24 fps over 3 s, i.e. more than
+#: two whole chunks held in that window (one late chunk, 4 of 72 frames, is a hiccup, not a server that cannot
+#: keep up). The first ``STARTUP_ALLOWANCE_S`` after the first frame are never counted, while a session's first
+#: chunks share the machine with its connection being set up (docs/perf/soak/NOTES.md): the flag can first
+#: show 1 s after that (3 s after the first frame), from the frames of that second on. A machine too slow for
+#: real time shows it from then on, for as long as it lasts.
+REDUCED_WINDOW_S = 3.0
+REDUCED_SHARE = 0.9
+STARTUP_ALLOWANCE_S = 2.0
+
 
 def _p50(xs) -> float | None:
     xs = list(xs)
@@ -69,10 +80,18 @@ class SessionStats:
         self._pending_marks.append((frame, t_agent))
 
     def chunk(
-        self, now: float, index: int, latency_ms: float, tm: ChunkTimings, late: bool, counts: dict
+        self,
+        now: float,
+        index: int,
+        latency_ms: float,
+        tm: ChunkTimings,
+        late: bool,
+        counts: dict,
+        budget_ms: float | None = None,
     ) -> None:
         """Chunk ``index`` came back at ``now``, ``latency_ms`` after its plan; ``late``: after it was due;
-        ``counts``: the session's cumulative counters just before it (the timeline's windows)."""
+        ``counts``: the session's cumulative counters just before it (the timeline's windows); ``budget_ms``:
+        how long before it was due it was planned (None: before the media clock started)."""
         self.chunks_done += 1
         self.chunk_latency_ms.append(latency_ms)
         self.diffusion_ms.append(tm.diffusion_ms)
@@ -84,6 +103,12 @@ class SessionStats:
                 "decode_ms": _r(tm.decode_ms),
                 "work_ms": _r(tm.work_ms),
                 "latency_ms": _r(latency_ms),
+                "budget_ms": _r(budget_ms),  # plan -> due: late when latency_ms exceeds it
+                # where the rest of the latency went: plan -> the worker began it (the web side's writer
+                # thread, the pipe, a worker still busy with the chunk before), and frames ready -> back on
+                # the event loop (the pipe, the reader thread, the loop); one system-wide monotonic clock
+                "to_worker_ms": _r((tm.t_recv - tm.t_plan) * 1e3) if tm.t_recv and tm.t_plan else None,
+                "back_ms": _r((now - tm.t_done) * 1e3) if tm.t_done else None,
                 "step": tm.step,
             }
         )
@@ -135,6 +160,22 @@ class SessionStats:
         n = sum(1 for t in self._fresh_times if t >= now - window)
         span = min(window, now - self._first_fresh)
         return n / max(span, 1.0 / self.fps_target)
+
+    def reduced(self, now: float) -> bool:
+        """Whether the stream is below real time, as the page says it (see ``REDUCED_SHARE``)."""
+        rate = self.fresh_rate(now, REDUCED_WINDOW_S, after_s=STARTUP_ALLOWANCE_S)
+        return rate is not None and rate < REDUCED_SHARE * self.fps_target
+
+    def fresh_rate(self, now: float, window: float, after_s: float = 0.0, min_s: float = 1.0) -> float | None:
+        """Fresh frames sent per second over the last ``window`` seconds, leaving out the first ``after_s``
+        seconds after the first fresh frame; None until that leaves at least ``min_s`` seconds to count."""
+        if self.ttff_ms is None:
+            return None
+        start = max(now - window, self._first_fresh + after_s)
+        if now - start < min_s:
+            return None
+        n = sum(1 for t in self._fresh_times if start < t <= now)
+        return n / (now - start)
 
     def av_offset_ms(self) -> float | None:
         v, a = _p50(self._video_lag), _p50(self._audio_lag)

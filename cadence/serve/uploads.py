@@ -190,6 +190,13 @@ class ImageDecoder:
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def trim_soon(self) -> None:
+        """Give freed heap memory back to the OS (``trim_memory``) on the decode thread, off the event loop."""
+        try:
+            self._pool.submit(trim_memory)
+        except RuntimeError:  # shut down
+            pass
+
     async def decode(self, data: bytes) -> np.ndarray:
         """The reference image as the engine takes it (:func:`decode_image`), off the event loop."""
         async with self._sem:

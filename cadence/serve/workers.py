@@ -31,6 +31,7 @@ from cadence.engine.messages import ChunkDone, ChunkRequest, Died, Dropped, Erro
 from cadence.engine.recipe import WorkerSpec
 from cadence.engine.shm import FrameRing
 from cadence.net import free_port
+from cadence.serve.pacing import LatencyProfile
 
 log = logging.getLogger("cadence.serve")
 
@@ -78,6 +79,8 @@ class WorkerGroup:
         self._watch_stop = threading.Event()
         self._stopping = False
         self.restarts = 0
+        # its sessions' chunk latencies, across sessions: a new session's lead covers their tail (pacing.py)
+        self.latency_profile = LatencyProfile()
 
     @property
     def device(self) -> str:
