@@ -443,12 +443,14 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
         w = cfg.stream.window_chunks
         calls = [0]
 
-        def fake_steps(image, audio, n):  # the first stream's chunk w is slow on rank 1 only
+        def fake_steps(eng, image, audio, n):  # the first stream's chunk w is slow on rank 1 only
             slow = rank == 1 and calls[0] == 0
             calls[0] += 1
             return [ChunkTimings(work_ms=900.0 if slow and i == w else 100.0, step="eager") for i in range(n)]
 
-        eng._steps_only = fake_steps
+        from cadence.engine import warmup
+
+        warmup._steps_only = fake_steps  # (this process only: a spawned rank)
         warm = eng.warm_up(default_reference_image(cfg.stream.height, cfg.stream.width), decode=False)
         res["warm_streams"] = warm["streams"]
         res["repeat_stream"] = warm["repeat_stream"]
