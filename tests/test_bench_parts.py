@@ -146,3 +146,21 @@ def test_the_sweeping_benchmarks_record_the_recipe_of_each_shape():
     assert list(linears.plan_recipes(pl, torch.device("cpu"))) == ["w57 tp1", "w57 tp4", "w1.3 tp1"]
     # the recipes are serve's (automatic for the device): FP8 on for a CUDA shape
     assert linears.plan_recipes([("w14", 2)], torch.device("cuda", 0))["w14 tp2"].fast.fp8_linears
+
+
+@pytest.mark.parametrize(
+    "module,options",
+    [
+        ("cache", ("--model", "--preset", "--dtype", "--attention")),
+        ("attention", ("--model", "--preset", "--tp")),
+    ],
+)
+def test_the_part_benchmarks_take_the_flag_set_s_spellings(module, options, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"cadence.bench.{module}")
+    with pytest.raises(SystemExit):
+        mod.parse(["--help"])
+    out = capsys.readouterr().out
+    assert all(o in out for o in options), out
+    assert mod.parse(["--preset", "w14"]).model == mod.parse(["--model", "w14"]).model == "w14"
