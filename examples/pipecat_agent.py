@@ -59,6 +59,7 @@ from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 from pipecat.workers.runner import WorkerRunner
 
+from cadence.engine.recipe import EngineSpec
 from cadence.integrations.pipecat import CadenceVideoService, use_wall_clock_video_timestamps
 from cadence.serve.agent import synthesize
 from cadence.serve.config import ServeConfig
@@ -289,7 +290,9 @@ def main() -> None:
     args = ap.parse_args()
     import uvicorn
 
-    cfg = ServeConfig(preset=args.preset, groups=(args.device,), sync_marker_every=args.sync_markers)
+    cfg = ServeConfig(
+        engine=EngineSpec(model=args.preset), groups=(args.device,), sync_marker_every=args.sync_markers
+    )
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     uvicorn.run(create_app(cfg, loopback=loopback), host=args.host, port=args.port)
 

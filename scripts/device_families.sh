@@ -16,10 +16,11 @@
 #                 not fit after the others (FLASHTALK_COMPILE=1 runs it instead of the eager one).
 #   PART=cadence  `cadence bench pipeline --model <family> --device cuda:0 --decode-device same` with the fast
 #                 flags of the Self-Forcing side-by-side (--kv-fp8 --fp8 --compile, --decoder-fast compile),
-#                 through scripts/reference_cadence_run.py (the process's peak memory into the JSON), <= 540 s:
+#                 through scripts/reference_cadence_run.py (the bench's own peak over its stream, as the
+#                 references' over their runs; the process's peak beside it), <= 540 s:
 #                 self-forcing-wan (~100 s), self-forcing-taehv (--taehv-weights: Self-Forcing's own TAEHV class,
-#                 random, ~70 s), causvid (~80 s), longlive (a prompt change every 10 chunks: the re-cache,
-#                 ~100 s), krea-14b (naive cache, no graphs: its rebuild needs them, ~120 s), flashtalk (~100 s).
+#                 random, ~70 s), causvid (~80 s), longlive (a new prompt of the same length every 10 chunks,
+#                 --prompt-switch-every: its re-cache timed alone, ~100 s), krea-14b (naive cache, no graphs: its rebuild needs them, ~120 s), flashtalk (~100 s).
 #   PART=serve    `cadence bench serve --model self-forcing --device cuda` (aiortc client on loopback, the
 #                 served engine) with the Wan VAE, then TAEHV (taew2_1 layout), 20 s each, <= 240 s.
 # Each part prints its own call's table; merge both calls' perf/ folders and run scripts/reference_table.py on
@@ -91,7 +92,7 @@ elif [[ $PART == cadence ]]; then
   want causvid && run 100 C-causvid $C $F $(fam causvid) $FP8 --kv-fp8 --decoder wan $FAST --chunks 30 \
     --shape-change-every 0 --out-dir "$PERF/cadence/causvid" $TAIL
   want longlive && run 130 C-longlive $C $F $(fam longlive) $FP8 --kv-fp8 --decoder wan $FAST --chunks 40 \
-    --shape-change-every 10 --out-dir "$PERF/cadence/longlive" $TAIL
+    --shape-change-every 0 --prompt-switch-every 10 --out-dir "$PERF/cadence/longlive" $TAIL
   # Krea's rebuild runs on the naive cache only (the ring is refused): no CUDA graphs, no FP8 K/V
   want krea-14b && run 150 C-krea-14b $C $F $(fam krea-14b) $FP8 --cache naive --decoder wan $FAST --chunks 16 \
     --shape-change-every 0 --out-dir "$PERF/cadence/krea-14b" $TAIL

@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (this checkout's cadence, installed or not)
 
 from cadence.devtools.testing import BackgroundClient
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.fleet.cluster import LocalCluster
 from cadence.fleet.config import FleetConfig
 from cadence.serve.config import ServeConfig
@@ -36,6 +38,8 @@ from cadence.serve.server import ServerThread
 from cadence.serve.session import LiveSession
 
 TCK = os.sysconf("SC_CLK_TCK")
+#: Every worker with one intra-op thread (the default model, the character).
+ONE_THREAD = EngineSpec(fast=FastPath(threads=1))
 
 
 def cpu_times(roots: list[int]) -> dict[int, tuple[float, str]]:
@@ -83,8 +87,8 @@ def serve_config(mode: str, groups: int):
         for _ in range(groups - 1):
             cluster.add_node(num_cpus=1)
         fleet = FleetConfig(address=cluster.address, groups=groups)
-        return ServeConfig(port=0, worker_threads=1, timeline_window_s=2.0, fleet=fleet), cluster
-    return ServeConfig(port=0, worker_threads=1, timeline_window_s=2.0, groups=("cpu",) * groups), None
+        return ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, fleet=fleet), cluster
+    return ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, groups=("cpu",) * groups), None
 
 
 # ---- media: frontend vs group ------------------------------------------------------------------------------
@@ -138,7 +142,7 @@ def media(argv: list[str]) -> None:
         cluster.add_node(num_cpus=1)
     # loopback candidates in both modes (the front end offers 127.0.0.1 on loopback; so does the group here)
     fleet = FleetConfig(address=cluster.address, groups=a.sessions, media=a.mode, media_ice="127.0.0.1")
-    cfg = ServeConfig(port=0, worker_threads=1, timeline_window_s=2.0, fleet=fleet)
+    cfg = ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, fleet=fleet)
     rows, cpu, window = [], {}, 0.0
     try:
         with ServerThread(cfg, log_level="error") as srv:

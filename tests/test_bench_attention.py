@@ -31,7 +31,11 @@ def test_cpu_smoke_record_and_ring_check(no_triton, tmp_path, capsys):
     rc_ = res["ring_check"]
     assert {k: r["backend"] for k, r in rc_.items()}["fp8_fa3"] == "reference"  # no fa3-fwd here
     assert all(r["ok"] for r in rc_.values()) and rc_["fp8_triton"]["max_rel_err"] > 1e-3
-    assert "attention tiny tp1: 4 heads, 64 q x 320 kv, d 32" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "attention tiny tp1: 4 heads, 64 q x 320 kv, d 32" in out.out
+    # the recipe of the shape (what `cadence serve --model tiny` builds here), printed and recorded
+    assert doc["recipe"]["model"] == "tiny" and doc["recipe"]["geometry"]["tokens_per_chunk"] == 64
+    assert out.err.startswith("recipe: tiny on cpu, tp 1")
 
 
 def test_check_fails_over_budget(no_triton, tmp_path, monkeypatch, capsys):

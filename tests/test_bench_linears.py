@@ -38,6 +38,12 @@ def test_smoke_run_writes_json(tmp_path):
     res = bl.run(args)
     doc = json.loads(open(res["_path"]).read())
     assert doc["bench"] == "linears" and doc["results"]["chunks"]
+    # the recipe of the plan's one (preset, TP): what `cadence serve --model tiny` builds here
+    assert (
+        doc["recipe"]["model"] == "tiny"
+        and doc["recipe"]["tp"] == 1
+        and "CADENCE_FP8_QUANT" in doc["recipe"]["env"]
+    )
     for g in doc["results"]["gemms"]:
         assert isinstance(g["us"]["cublas"], float) and isinstance(g["us"]["bf16"], float)
         name = "triton:" + kg.INTERPRETER.text()

@@ -158,7 +158,7 @@ def test_overlapped_engine_equals_serial_order(stream):
         assert o.frames.dtype == torch.uint8 and o.frames.shape == (4, 128, 128, 3)
         assert o.frames.device.type == "cpu"
         assert torch.equal(o.audio, au)
-    assert eng.last_run["chunks"] == N and eng.last_run["placement"] == "diffusion cpu -> decode cpu"
+    assert eng.last_run.chunks == N and eng.last_run.placement == "diffusion cpu -> decode cpu"
 
 
 def test_stateful_decoder_matches_serial():
@@ -181,7 +181,7 @@ def test_timings_present_and_sane(gen):
     t_start = time.monotonic()
     outs = list(eng.stream(image(), "p", speech(), N, seed=0))
     wall_ms = (time.monotonic() - t_start) * 1e3
-    ttff = eng.last_run["ttff_ms"]
+    ttff = eng.last_run.ttff_ms
     assert 0 < ttff <= wall_ms
     assert (
         ttff <= (outs[0].timings.t_done - t_start) * 1e3 + 0.5
@@ -331,18 +331,14 @@ def test_warm_up_measures_latency_and_interval_and_picks_threads(gen):
         rep = eng.warm_up(image())
     finally:
         torch.set_num_threads(before)
-    assert (
-        rep["steady_chunk_ms"] > 0
-        and rep["interval_ms"] > 0
-        and rep["media_chunk_ms"] == pytest.approx(166.7)
-    )
+    assert rep.steady_chunk_ms > 0 and rep.interval_ms > 0 and rep.media_chunk_ms == pytest.approx(166.7)
     import os
 
     if (os.cpu_count() or 1) > 2:  # the faster of 1 and 2 intra-op threads, timed
-        assert rep["threads"] == int(min(rep["thread_trials"], key=lambda k: rep["thread_trials"][k]))
+        assert rep.threads == int(min(rep.thread_trials, key=lambda k: rep.thread_trials[k]))
     else:  # two cores: the diffusion thread and the decode thread take one each
-        assert rep["threads"] == 1 and "thread_trials" not in rep
-    assert rep["streams"] >= 2 and len(rep["chunk_ms"]) == eng.warm_chunks()
+        assert rep.threads == 1 and rep.thread_trials is None
+    assert rep.streams >= 2 and len(rep.chunk_ms) == eng.warm_chunks()
     # the decode thread the warm-up ran on (its cuDNN plans, its CUDA device) stays for the engine's streams
     assert eng.warmup_report is rep and len(decode_threads()) == 1
     eng.close()

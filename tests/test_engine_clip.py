@@ -101,7 +101,7 @@ def test_engine_clip_stream_equals_the_offline_reference(eng, inputs):
         diff = (f.float() - frames[k].round()).abs()
         assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3, (k, diff.max(), (diff > 0).sum())
         assert torch.equal(a, audio[k * spc : (k + 1) * spc])  # the chunk's audio goes out with its frames
-    assert eng.last_run["graphs"]["captures"] == 0
+    assert eng.last_run.graphs["captures"] == 0
     # the clip session is driven through the same interface as the K/V session
     assert isinstance(eng.session, ClipSession) and isinstance(eng.session, StreamSession)
 
@@ -123,7 +123,7 @@ def test_reused_session_and_a_prompt_change(eng, inputs):
     image, audio = inputs
     a = run_engine(eng, image, audio)
     b = run_engine(eng, image, audio)  # the kept session reset in place, the reference's encodings remembered
-    assert eng.last_run["session"] == "reused"
+    assert eng.last_run.session == "reused"
     assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b))
     c = run_engine(eng, image, audio, prompts={1: "someone singing loudly"})
     assert torch.equal(c[0][0], a[0][0]) and rel(c[1][1], a[1][1]) > 1e-4
@@ -138,7 +138,7 @@ def test_fast_paths_that_do_not_apply_fall_back_with_a_note():
         assert e.applied["decoder"] == "wan" and e.applied["graphs"] is False
         assert any("flashtalk" in n and "decoder taehv" in n for n in e.notes), e.notes
         warm = e.warm_up(chunks=2)
-        assert warm["chunks"] == 2 and warm["graphs"]["captures"] == 0
+        assert warm.chunks == 2 and warm.graphs["captures"] == 0
     finally:
         e.close()
 

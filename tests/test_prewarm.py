@@ -65,15 +65,13 @@ def test_prewarmed_stream_equals_cold_stream(gen):
     audio = speech()
     cold = Engine(gen, PipelineConfig(**CPU, reuse_session=False))
     ref = collect(cold, image(1), "a person talking", audio, N, 7)
-    assert cold.session is None and cold.last_run["session"] == "new"
+    assert cold.session is None and cold.last_run.session == "new"
 
     pipe = Engine(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
     info = pipe.warm_up(threads=1)
-    assert (
-        info["chunks"] == pipe.warm_chunks() == W + 2 and info["ms"] > 0 and info["first_stream_ttff_ms"] > 0
-    )
+    assert info.chunks == pipe.warm_chunks() == W + 2 and info.ms > 0 and info.first_stream_ttff_ms > 0
     # one capture in the first stream; every later warm-up stream replayed it (the capture chunk replays too)
-    assert info["graphs"]["captures"] == 1 and info["graphs"]["replays"] >= 2
+    assert info.graphs["captures"] == 1 and info.graphs["replays"] >= 2
     assert pipe.session is not None and len(pipe.runner) == 1
     out = collect(pipe, image(1), "a person talking", audio, N, 7)
     for i, ((rl, rf, _), (ol, of, _)) in enumerate(zip(ref, out)):
@@ -83,9 +81,9 @@ def test_prewarmed_stream_equals_cold_stream(gen):
     steps = [s for _, _, s in out]
     assert steps == ["eager:ring_filling"] * (W - 1) + ["replay"] * (N - W + 1)
     lr = pipe.last_run
-    assert lr["session"] == "reused" and lr["warmed_up"] and lr["graphs_at_start"] == 1
-    assert lr["graphs"]["captures"] == 0 and lr["graphs"]["replays"] == N - W + 1
-    assert 0 < lr["open_ms"] < lr["ttff_ms"] and lr["first_chunk"]["step"] == "eager:ring_filling"
+    assert lr.session == "reused" and lr.warmed_up and lr.graphs_at_start == 1
+    assert lr.graphs["captures"] == 0 and lr.graphs["replays"] == N - W + 1
+    assert 0 < lr.open_ms < lr.ttff_ms and lr.first_chunk["step"] == "eager:ring_filling"
     pipe.close()
     assert pipe.session is None and all(f.freed for f in FakeGraph.made)
 
@@ -142,7 +140,7 @@ def test_fresh_session_per_stream_recaptures(gen):
     pipe.warm_up(threads=1)
     assert pipe.session is None and all(f.freed for f in FakeGraph.made)  # nothing kept
     list(pipe.stream(image(), "p", speech(), N, seed=0))
-    assert pipe.last_run["session"] == "new" and pipe.last_run["graphs"]["captures"] == 1
+    assert pipe.last_run.session == "new" and pipe.last_run.graphs["captures"] == 1
 
 
 def test_early_close_keeps_session_error_drops_it(gen, monkeypatch):
@@ -154,7 +152,7 @@ def test_early_close_keeps_session_error_drops_it(gen, monkeypatch):
     assert kept is not None
     ref = collect(Engine(gen, PipelineConfig(**CPU, reuse_session=False)), image(4), "q", speech(), N, 2)
     out = collect(pipe, image(4), "q", speech(), N, 2)
-    assert pipe.session is kept and pipe.last_run["session"] == "reused"
+    assert pipe.session is kept and pipe.last_run.session == "reused"
     assert all(torch.equal(r[0], o[0]) and torch.equal(r[1], o[1]) for r, o in zip(ref, out))
 
     def boom(*a, **k):
@@ -166,7 +164,7 @@ def test_early_close_keeps_session_error_drops_it(gen, monkeypatch):
     assert pipe.session is None and all(f.freed for f in FakeGraph.made)
     monkeypatch.undo()
     list(pipe.stream(image(), "p", speech(2), 2, seed=0))
-    assert pipe.last_run["session"] == "new"
+    assert pipe.last_run.session == "new"
 
 
 def test_one_stream_at_a_time(gen):
@@ -259,14 +257,14 @@ def test_cuda_prewarm_graphs_replay_for_reset_session(kv):
     ]
     pipe = Engine(g, PipelineConfig(decode_device="same"))
     info = pipe.warm_up()
-    assert info["graphs"]["captures"] == 1
+    assert info.graphs["captures"] == 1
     outs = [
         (o.latents.clone(), o.frames.clone(), o.timings.step)
         for o in pipe.stream(image(5), "p", audio, N + 2, seed=9)
     ]
     filling_replays = kv == "fp8"
-    assert pipe.last_run["graphs"]["captures"] == 0
-    assert pipe.last_run["graphs"]["replays"] == N + 2 - (0 if filling_replays else W - 1)
+    assert pipe.last_run.graphs["captures"] == 0
+    assert pipe.last_run.graphs["replays"] == N + 2 - (0 if filling_replays else W - 1)
     assert outs[0][2] == ("replay" if filling_replays else "eager:ring_filling")
     for (rl, rf), (lat, fr, _) in zip(ref, outs, strict=True):
         torch.testing.assert_close(lat, rl, rtol=1e-4, atol=1e-4)
@@ -283,7 +281,7 @@ def test_capture_filling_replays_the_whole_stream(gen):
     ref = collect(cold, image(1), "a person talking", audio, N, 7)
     pipe = Engine(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
     info = pipe.warm_up(threads=1)
-    assert info["fill_streams"] == 2 and len(pipe.runner) == W  # W-1 fill stages + steady
+    assert info.fill_streams == 2 and len(pipe.runner) == W  # W-1 fill stages + steady
     assert pipe.runner.max_graphs == PipelineConfig().max_graphs + W
     out = collect(pipe, image(1), "a person talking", audio, N, 7)
     for i, ((rl, rf, _), (ol, of, _)) in enumerate(zip(ref, out)):
@@ -291,11 +289,7 @@ def test_capture_filling_replays_the_whole_stream(gen):
         assert torch.equal(rf, of), i
     assert [s for _, _, s in out] == ["replay"] * N
     lr = pipe.last_run
-    assert (
-        lr["graphs"]["captures"] == 0
-        and lr["graphs"]["replays"] == N
-        and lr["first_chunk"]["step"] == "replay"
-    )
+    assert lr.graphs["captures"] == 0 and lr.graphs["replays"] == N and lr.first_chunk["step"] == "replay"
     fills = sorted(k.fill for k in pipe.runner.keys())
     assert fills == list(range(1, W + 1))
     pipe.close()
@@ -304,9 +298,7 @@ def test_capture_filling_replays_the_whole_stream(gen):
 
 def test_capture_filling_off_keeps_filling_eager(gen):
     pipe = Engine(gen, PipelineConfig(**CPU), graph_capture=FakeGraph)
-    assert (
-        pipe.warm_up(threads=1)["fill_streams"] == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
-    )
+    assert pipe.warm_up(threads=1).fill_streams == 1 and pipe.runner.max_graphs == PipelineConfig().max_graphs
     assert all(k.filled for k in pipe.runner.keys())
     pipe.close()
 
@@ -320,7 +312,7 @@ def test_capture_filling_needs_no_second_stream_when_the_length_is_on_the_device
     monkeypatch.setattr(RingCache, "length_on_device", property(lambda self: True))
     pipe = Engine(gen, PipelineConfig(**CPU, capture_filling=True), graph_capture=FakeGraph)
     info = pipe.warm_up(threads=1)
-    assert info["fill_streams"] == 1 and len(pipe.runner) == 1
+    assert info.fill_streams == 1 and len(pipe.runner) == 1
     out = collect(pipe, image(1), "a person talking", speech(N, seed=5), N, 7)
     assert [s for _, _, s in out] == ["replay"] * N
     pipe.close()

@@ -277,29 +277,91 @@ def test_cadence_recipe_prints_what_the_words_build():
 # ---- the commands in README.md and docs/ still parse ---------------------------------------------------------
 
 FLAG_SET = {"serve", "generate", "eval", "recipe"}
-BENCH_FLAG_SET = {"pipeline", "serve", "browser", "turn", "eval", "vae"}
+#: The bench commands on the flag set (the engine's: pipeline, serve, browser, turn, eval; a decoder's: vae;
+#: a part's: step, attention, cache, fused, linears).
+BENCH_FLAG_SET = {
+    "pipeline",
+    "serve",
+    "browser",
+    "turn",
+    "eval",
+    "vae",
+    "step",
+    "attention",
+    "cache",
+    "fused",
+    "linears",
+}
+#: The scripts' commands checked (the part benchmarks the device plans run).
+SCRIPT_BENCHES = {"step", "attention", "cache", "fused", "linears"}
+_COMMAND = re.compile(r"(?:^|\s)(?:python3? -m |-m )?cadence ((?:bench )?[a-z]+)(.*)")
 
 
 def _documented_commands() -> list[tuple[str, list[str]]]:
-    """`cadence <cmd> ...` in README.md and docs/*.md (fenced blocks line by line, inline code spans) that use the
-    flag set, normalised from their synopsis form: ``[--x]`` -> ``--x``, ``a|b`` -> ``a``, ``...`` dropped."""
+    """`cadence <cmd> ...` in README.md and docs/**/*.md (fenced blocks line by line, inline code spans) that use
+    the flag set, normalised from their synopsis form: ``[--x]`` -> ``--x``, ``a|b`` -> ``a``, ``...`` dropped;
+    and the part benchmarks' commands of scripts/device_*.sh (:func:`_script_commands`)."""
     out = []
-    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         text = path.read_text()
         blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
         spans = re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
         lines = [ln for b in blocks for ln in b.replace("\\\n", " ").splitlines()] + [
             " ".join(s.split()) for s in spans
         ]
-        for line in lines:
-            for m in re.finditer(r"(?:^|\s)(?:python3? -m )?cadence ((?:bench )?[a-z]+)(.*)", line):
-                cmd, rest = m.group(1), re.split(r" / | # |; |\.\.\.", m.group(2))[0]
-                name = cmd.split()[-1]
-                if (cmd.startswith("bench ") and name in BENCH_FLAG_SET) or (
-                    not cmd.startswith("bench") and cmd in FLAG_SET
-                ):
-                    out.append((f"{path.name}: cadence {cmd}{rest}".strip(), [*cmd.split(), *_words(rest)]))
+        out += _commands_in(path.relative_to(REPO), lines, BENCH_FLAG_SET)
+    for path in sorted((REPO / "scripts").glob("device_*.sh")):
+        out += _commands_in(
+            path.relative_to(REPO), _script_lines(path.read_text()), SCRIPT_BENCHES, scripts=True
+        )
     return out
+
+
+def _commands_in(
+    where, lines: list[str], benches: set[str], scripts: bool = False
+) -> list[tuple[str, list[str]]]:
+    out = []
+    for line in lines:
+        for m in _COMMAND.finditer(line):
+            cmd, rest = (
+                m.group(1),
+                re.split(r" / | # |; |\.\.\.| \| ", m.group(2))[0],
+            )  # ' | ': a list, a pipe
+            if scripts:  # a shell line: the command ends at a redirection, a pipe, a quote that closes it
+                rest = re.split(r"\s(?:\d?>|\||&&)|[\"`]", rest)[0]
+            name = cmd.split()[-1]
+            if (cmd.startswith("bench ") and name in benches) or (
+                not scripts and not cmd.startswith("bench") and cmd in FLAG_SET
+            ):
+                out.append((f"{where}: cadence {cmd}{rest}".strip(), [*cmd.split(), *_words(rest)]))
+    return out
+
+
+def _script_lines(text: str) -> list[str]:
+    """A device script's lines (continuations joined) with its variables expanded: each ``NAME=value`` /
+    ``NAME=(words)`` the script sets (the first one: the GPU plan's), ``$NAME`` / ``${NAME}`` / ``${NAME[*]}``
+    replaced by it; a variable it does not set (a path, a loop's preset, a number of seconds) reads as 1."""
+    text = text.replace("\\\n", " ")
+    values: dict[str, str] = {}
+    assign = r"(?:^|[\s;(])([A-Z][A-Z0-9_]*)=(\([^)]*\)|\"[^\"]*\"|'[^']*'|[^\s;]*)"
+    for m in re.finditer(assign, text, flags=re.M):
+        v = m.group(2).strip("()\"'")
+        own = re.fullmatch(r"\$\{" + m.group(1) + r":-([^}]*)\}", v)  # NAME=${NAME:-default}: the default
+        values.setdefault(m.group(1), own.group(1) if own else v)
+    var = re.compile(r"\$\{(\w+)(?:\[\*\])?(?::-([^}]*))?\}|\$(\w+)")
+
+    def value(m) -> str:  # ${NAME:-default}: the default where the script sets no NAME
+        name = m.group(1) or m.group(3)
+        return values.get(name, m.group(2) if m.group(2) is not None else "1")
+
+    lines = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for _ in range(5):  # nested: STEP holds $GRAPHS, F holds $TR
+            line = var.sub(value, line)
+        lines.append(line.replace('"', "") if "bash -c" not in line else line)
+    return lines
 
 
 def _words(rest: str) -> list[str]:
@@ -315,8 +377,9 @@ def _words(rest: str) -> list[str]:
 
 
 def test_every_documented_command_still_parses(capsys):
-    """Every `cadence serve | generate | eval | bench pipeline|serve|browser|turn|eval|vae` command in README.md
-    and docs/ parses with today's flags (files it names need not exist: parsing checks spellings)."""
+    """Every `cadence serve | generate | eval | bench pipeline|serve|browser|turn|eval|vae|step|attention|cache|
+    fused|linears` command in README.md and docs/, and every part benchmark's command in scripts/device_*.sh,
+    parses with today's flags (files it names need not exist: parsing checks spellings)."""
     from cadence.bench import browser, pipeline, turn, vae
     from cadence.bench import eval as beval
     from cadence.bench import serve as bserve
@@ -350,6 +413,8 @@ def _parses(words, build_parser, parsers, browser, beval, capsys) -> bool:
 
 def _parse(words, build_parser, parsers, browser, beval) -> None:
     """Parse ``words`` with the parser its command runs (SystemExit on a usage error)."""
+    import importlib
+
     if words[:2] == ["bench", "eval"] or words[0] == "eval":
         beval.parse(words[2 if words[0] == "bench" else 1 :], "cadence eval")
     elif words[:2] == ["bench", "browser"]:  # (its parse() also builds the server's spec: files must exist)
@@ -358,7 +423,8 @@ def _parse(words, build_parser, parsers, browser, beval) -> None:
         flags.add_engine_flags(p)
         p.parse_args(words[2:])
     elif words[0] == "bench":
-        parsers[words[1]](words[2:])
+        parse = parsers.get(words[1]) or importlib.import_module(f"cadence.bench.{words[1]}").parse
+        parse(words[2:])
     else:
         build_parser().parse_args(words)
 

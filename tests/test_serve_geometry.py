@@ -173,8 +173,8 @@ def test_engine_twelve_frame_chunks_warmup_and_one_ring_cache_equal_fresh_sessio
     t = time.monotonic()
     warm = eng.warm_up(img, chunks=2, threads=1)
     assert time.monotonic() - t < 20.0
-    assert warm["chunks"] == 2 and len(warm["chunk_ms"]) == 2 and warm["steady_chunk_ms"] > 0
-    assert warm["threads"] == 1 and "thread_trials" not in warm
+    assert warm.chunks == 2 and len(warm.chunk_ms) == 2 and warm.steady_chunk_ms > 0
+    assert warm.threads == 1 and warm.thread_trials is None
     fresh = build_engine(TINY12.with_overrides(stream={"cache": "ring"}), "cpu", FastPath(threads=1))
     expect = _stream_frames(fresh, img, "another prompt", 5, [audio * (i + 1) for i in range(6)])
     caches = []
@@ -221,11 +221,11 @@ def test_engine_capture_filling_warms_up_twice_then_replays_every_chunk_of_a_ses
     eng = _fake_graph_engine(capture_filling=True)
     assert eng.runner.capture_filling and eng.runner.max_graphs == 4 + w
     warm = eng.warm_up(img, threads=1)
-    assert warm["fill_streams"] == 2 and warm["chunks"] == w + 2
+    assert warm.fill_streams == 2 and warm.chunks == w + 2
     # the second stream captures the W-1 fill stages; the steady step was captured by the first
-    assert warm["steps"] == ["capture"] * (w - 1) + ["replay"] * 3
-    assert warm["slowest_chunk_ms"] > 0 and warm["steady_chunk_ms"] > 0
-    assert warm["media_chunk_ms"] == pytest.approx(166.7)
+    assert warm.steps == ["capture"] * (w - 1) + ["replay"] * 3
+    assert warm.slowest_chunk_ms > 0 and warm.steady_chunk_ms > 0
+    assert warm.media_chunk_ms == pytest.approx(166.7)
     fresh = build_engine(
         get_preset("tiny").with_overrides(stream={"cache": "ring"}), "cpu", FastPath(threads=1)
     )
@@ -253,7 +253,7 @@ def test_engine_with_the_length_on_the_device_warms_up_once_and_replays_every_ch
     img = default_reference_image(128, 128)
     eng = _fake_graph_engine(capture_filling=True)
     warm = eng.warm_up(img, threads=1)
-    assert warm["fill_streams"] == 1 and warm["steps"][:2] == ["eager:warmup", "capture"]
+    assert warm.fill_streams == 1 and warm.steps[:2] == ["eager:warmup", "capture"]
     audio = (0.1 * np.sin(np.arange(8000) / 30.0)).astype(np.float32)
     eng.open(img, "a prompt", 4)
     for i in range(3):
@@ -300,11 +300,9 @@ def test_engine_warm_up_says_when_chunks_are_slower_than_real_time(monkeypatch):
     paced = _rows([20.0] * (w - 1) + [60.0] * 2, fill[: w - 1] + ["replay"] * 2)
     _fake_streams(eng, monkeypatch, [first, steady, again, paced])
     warm = eng.warm_up(default_reference_image(128, 128), decode=False, threads=1)
-    assert warm["repeat_stream"] and warm["streams"] == 4
-    assert warm["steady_chunk_ms"] == 60.0 and warm["slowest_chunk_ms"] == 400.0
-    assert warm["first_stream_chunk_ms"] == [ms for ms, _ in first] and warm["chunk_ms"] == [
-        ms for ms, _ in again
-    ]
+    assert warm.repeat_stream and warm.streams == 4
+    assert warm.steady_chunk_ms == 60.0 and warm.slowest_chunk_ms == 400.0
+    assert warm.first_stream_chunk_ms == [ms for ms, _ in first] and warm.chunk_ms == [ms for ms, _ in again]
     assert eng.notes == [
         (
             f"warm-up: {w - 1} chunk(s) of a stream take up to 400 ms, longer than a chunk's "
@@ -330,7 +328,7 @@ def test_engine_warm_up_tells_one_time_work_from_slow_chunks(monkeypatch):
     paced = _rows([90.0] * (w - 1) + [130.0, 130.0], ["replay"] * (w + 1))
     _fake_streams(eng, monkeypatch, [first, steady, again, paced])
     warm = eng.warm_up(default_reference_image(128, 128), decode=False, threads=1)
-    assert warm["repeat_stream"] and warm["slowest_chunk_ms"] == 130.0 and warm["steady_chunk_ms"] == 130.0
+    assert warm.repeat_stream and warm.slowest_chunk_ms == 130.0 and warm.steady_chunk_ms == 130.0
     assert eng.notes == [
         (
             f"warm-up: chunk(s) [{w}] took up to 671 ms in the first stream only (one-time work); "
@@ -340,7 +338,7 @@ def test_engine_warm_up_tells_one_time_work_from_slow_chunks(monkeypatch):
     eng2 = _fake_graph_engine()
     _fake_streams(eng2, monkeypatch, [_rows([5000.0, 900.0] + [100.0] * w, steps), steady, paced])
     warm = eng2.warm_up(default_reference_image(128, 128), decode=False, threads=1)
-    assert not warm["repeat_stream"] and "first_stream_chunk_ms" not in warm and eng2.notes == []
+    assert not warm.repeat_stream and warm.first_stream_chunk_ms is None and eng2.notes == []
 
 
 @torch.no_grad()

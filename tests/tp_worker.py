@@ -452,8 +452,8 @@ def run_agree_rank(rank: int, world: int, port: int, outdir: str) -> None:
 
         warmup._steps_only = fake_steps  # (this process only: a spawned rank)
         warm = eng.warm_up(default_reference_image(cfg.stream.height, cfg.stream.width), decode=False)
-        res["warm_streams"] = warm["streams"]
-        res["repeat_stream"] = warm["repeat_stream"]
+        res["warm_streams"] = warm.streams
+        res["repeat_stream"] = warm.repeat_stream
         res["notes"] = [str(n) for n in eng.notes]
         # teardown: rank 0 (the store's server here) must wait until rank 1 has destroyed its group
         if rank == 1:

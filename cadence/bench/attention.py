@@ -43,9 +43,11 @@ import torch.nn.functional as F
 
 from cadence.bench.common import Timer, git_commit, median, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.engine.flags import add_model_flags
 from cadence.kernels import attention_backends as ab
 from cadence.kernels import fa3_adapter
 from cadence.kernels import ring_attention as ra
+from cadence.model.families import model_config
 
 #: The serving shapes of the device plan: (preset, tp).
 SHAPES = (("w1.3", 1), ("w57", 4), ("w14", 2), ("w57", 2), ("w57", 1), ("w14", 1))
@@ -358,11 +360,10 @@ def measure(var: Variant, inp: Inputs, timer: Timer, iters: int) -> dict:
     )
 
 
-def run_shape(preset: str, tp: int, device: torch.device, args, log=print) -> dict:
-    """Every variant at one serving shape: {variants, best, failed, over_budget, shape, seconds}."""
-    from cadence.config import get_preset
-
-    cfg = get_preset(preset)
+def run_shape(preset: str, tp: int, device: torch.device, args, log=print, cfg=None) -> dict:
+    """Every variant at one serving shape: {variants, best, failed, over_budget, shape, seconds}. ``cfg``: the
+    configuration of ``preset`` (default: the registry's: ``cadence.model.families.model_config``)."""
+    cfg = cfg if cfg is not None else model_config(preset)
     heads = cfg.model.num_heads // tp
     m, n, d = cfg.tokens_per_chunk, cfg.kv_tokens, cfg.model.head_dim
     log(f"[bench attention] {preset} tp{tp}: {heads} heads x {m} q x {n} kv, d {d}")
@@ -490,17 +491,16 @@ RING_BACKENDS = (("bf16", "sdpa"), ("bf16", "cudnn"), ("bf16", "triton"), ("bf16
 RING_BACKENDS += (("fp8", "triton_head"), ("fp8", "fa3"), ("fp8", "auto"), ("bf16", "auto"))
 
 
-def ring_check(preset: str, tp: int, device: torch.device, log=print, chunks: int = 4) -> dict:
+def ring_check(preset: str, tp: int, device: torch.device, log=print, chunks: int = 4, cfg=None) -> dict:
     """A RingCache per (storage, backend) (1 layer, window 3, the shape's heads, tokens and sink) against the
     naive float32 cache on the same q/k/v (rounded to the model dtype for the ring): sink, then `chunks`
     chunks with a non-committing pass before each commit (past one wraparound). Max relative error per
     call, the backend the plan chose, and pass/fail against :data:`BUDGET`."""
     from cadence.cache.naive import NaiveCache
     from cadence.cache.ring import RingCache
-    from cadence.config import get_preset
     from cadence.model.rope import Rope3D
 
-    cfg = get_preset(preset)
+    cfg = cfg if cfg is not None else model_config(preset)
     mc, s = cfg.model, cfg.stream
     heads, fpc, sink = mc.num_heads // tp, s.latent_frames_per_chunk, s.sink_frames
     rope = Rope3D(mc.rope_split, mc.rope_theta, device=device)
@@ -611,7 +611,6 @@ def table_from(paths: list[str]) -> dict:
 # ---- the command ------------------------------------------------------------------------------------------
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cadence bench attention", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny")
     p.add_argument("--tp", type=int, default=1, help="heads are num_heads / tp (one rank's shard)")
     p.add_argument("--all-shapes", action="store_true", help=f"every serving shape: {SHAPES}")
     p.add_argument("--sweep", action="store_true", help="the Triton config space and FA3's num_splits")
@@ -632,7 +631,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--table-from", nargs="+", default=None, help="bench JSONs to build the table from (no run)"
     )
     add_record_flags(p)
-    return p.parse_args(argv)
+    add_model_flags(p, default="tiny", files=False)  # the engine-flag set's --model / --preset: the shape's
+    a = p.parse_args(argv)
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
+    return a
+
+
+def shape_recipes(args, device: torch.device) -> dict:
+    """The recipe of each shape timed ('w57 tp4' -> what ``cadence serve --model w57 --tp 4`` builds on this
+    device: its geometry, the attention backend 'auto' picks from, the kernel switches in effect): printed and
+    recorded with the shape's figures (the variants timed are this benchmark's own, every backend)."""
+    from cadence.engine.recipe import EngineSpec, resolve
+
+    shapes = SHAPES if args.all_shapes else ((args.model, args.tp),)
+    dev = "cuda:0" if device.type == "cuda" else "cpu"
+    return {(name, tp): resolve(EngineSpec(model=name, tp=tp), dev) for name, tp in shapes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -646,53 +660,29 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.table_out).write_text(json.dumps(table_from(args.table_from), indent=1) + "\n")
         print(f"wrote {args.table_out}")
         return 0
-    from cadence.config import get_preset
-    from cadence.telemetry.devices import device_kind
-
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     args.iters = args.iters or (20 if device.type == "cuda" else 3)
-    shapes = SHAPES if args.all_shapes else ((args.preset, args.tp),)
     bad, paths = [], []
     if args.sweep and device.type == "cuda":
         warm(device, args, log=lambda s: print(s, file=sys.stderr))
-    for preset, tp in shapes:
-        res = run_shape(preset, tp, device, args, log=lambda s: print(s, file=sys.stderr))
+    for (name, tp), recipe in shape_recipes(args, device).items():
+        print(recipe.describe().text(), file=sys.stderr)
+        res = run_shape(name, tp, device, args, log=lambda s: print(s, file=sys.stderr), cfg=recipe.config)
         if args.ring_check:
-            res["ring_check"] = ring_check(preset, tp, device, log=lambda s: print(s, file=sys.stderr))
-            bad += [f"{preset} tp{tp} ring {k}" for k, r in res["ring_check"].items() if not r["ok"]]
-        bad += [f"{preset} tp{tp} {k}" for k in res["over_budget"]]
+            res["ring_check"] = ring_check(
+                name, tp, device, log=lambda s: print(s, file=sys.stderr), cfg=recipe.config
+            )
+            bad += [f"{name} tp{tp} ring {k}" for k, r in res["ring_check"].items() if not r["ok"]]
+        bad += [f"{name} tp{tp} {k}" for k in res["over_budget"]]
         sh = res["shape"]
         print_table(
             summarise(res),
-            f"attention {preset} tp{tp}: {sh['heads']} heads, {sh['q_tokens']} q x "
+            f"attention {name} tp{tp}: {sh['heads']} heads, {sh['q_tokens']} q x "
             f"{sh['kv_tokens']} kv, d {sh['head_dim']} ({res['seconds']:.0f} s)",
         )
         if not args.no_record:
-            best8 = max(
-                (r for r in res["best"].values() if r["storage"] == "fp8"),
-                default=None,
-                key=lambda r: r["speedup_vs_cudnn_bf16"] or 0,
-            )
-            head = (
-                f"best FP8 {best8['variant']} {best8['speedup_vs_cudnn_bf16'] or 0:.2f}x cuDNN bf16"
-                if best8
-                else ""
-            )
-            path = record(
-                "attention",
-                preset,
-                tp,
-                device,
-                get_preset(preset).shape_summary(),
-                res,
-                out_dir=results_dir(args),
-                command=command,
-                headline=head,
-                extra={"device_kind": device_kind(device)},
-            )
-            paths.append(str(path))
-            print(f"wrote {path}")
+            paths.append(_record_shape(args, recipe, res, device, command))
     if args.table_out and paths:
         Path(args.table_out).write_text(json.dumps(table_from(paths), indent=1) + "\n")
         print(f"wrote {args.table_out} ({git_commit()})")
@@ -700,6 +690,35 @@ def main(argv: list[str] | None = None) -> int:
         print("error: over budget: " + "; ".join(bad), file=sys.stderr)
         return 1
     return 0
+
+
+def _record_shape(args, recipe, res: dict, device: torch.device, command: str) -> str:
+    """The JSON record of one shape (BENCHMARKS.md, bench "attention"), with the shape's recipe."""
+    from cadence.telemetry.devices import device_kind
+
+    best8 = max(
+        (r for r in res["best"].values() if r["storage"] == "fp8"),
+        default=None,
+        key=lambda r: r["speedup_vs_cudnn_bf16"] or 0,
+    )
+    head = (
+        f"best FP8 {best8['variant']} {best8['speedup_vs_cudnn_bf16'] or 0:.2f}x cuDNN bf16" if best8 else ""
+    )
+    sh = res["shape"]
+    path = record(
+        "attention",
+        sh["preset"],
+        sh["tp"],
+        device,
+        recipe.config.shape_summary(),
+        res,
+        out_dir=results_dir(args),
+        command=command,
+        headline=head,
+        extra={"device_kind": device_kind(device), "recipe": recipe.describe().as_dict()},
+    )
+    print(f"wrote {path}")
+    return str(path)
 
 
 if __name__ == "__main__":

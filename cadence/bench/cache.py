@@ -14,6 +14,7 @@ BENCHMARKS.md under docs/perf/cache/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 
@@ -22,61 +23,86 @@ import torch
 from cadence.bench.attention import run_shape, summarise
 from cadence.bench.common import median, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.bench.step import DTYPES, layers_that_fit, measure_step
-from cadence.config import get_preset
+from cadence.engine.flags import add_fast_path_flags, add_model_flags
+
+#: The three caches timed: the stream overrides and FastPath fields of each (FP8 K/V asked for by name).
+VARIANTS = {
+    "naive": ({"cache": "naive"}, {"kv_fp8": False}),
+    "ring_bf16": ({"cache": "ring"}, {"kv_fp8": False}),
+    "ring_fp8": ({"cache": "ring"}, {"kv_fp8": True}),
+}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    """The benchmark's own flags, then ``--model`` / ``--preset``, ``--dtype`` and ``--attention`` (the ring's
+    backend) from the one engine-flag set."""
     p = argparse.ArgumentParser(prog="cadence bench cache", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny")
     p.add_argument("--layers", type=int, default=None, help="layers to run (scaled to the preset's count)")
-    p.add_argument("--dtype", default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--attn-iters", type=int, default=30)
-    p.add_argument(
-        "--attention",
-        default="auto",
-        help="the ring's attention backend (FastPath.attention: cadence.kernels.attention_backends)",
-    )
     add_record_flags(p)
+    add_model_flags(p, default="tiny", files=False)
+    add_fast_path_flags(p, only=("dtype", "attention"))
     return p.parse_args(argv)
+
+
+def variant_recipes(args, device: torch.device, layers: int | None) -> dict:
+    """Each cache's recipe (``cadence.bench.recipes``): the words' model, dtype and attention backend, the
+    variant's cache and FP8 K/V, no FP8 linears, no graphs (eager steps, as this benchmark has always timed)."""
+    from cadence.bench.recipes import part_fast, part_recipe, part_spec
+
+    over = {"model": {"num_layers": layers}} if layers else {}
+    out = {}
+    for name, (stream, fast) in VARIANTS.items():
+        f = dataclasses.replace(part_fast(args), graphs=False, **fast)
+        out[name] = part_recipe(part_spec(args, {**over, "stream": stream}, f), str(device))
+    return out
 
 
 @torch.no_grad()
 def run(args: argparse.Namespace) -> dict:
+    from cadence.bench.step import layers_that_fit
     from cadence.model.weights import build_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    full = get_preset(args.preset)
-    layers = min(args.layers or layers_that_fit(full, dtype, device), full.model.num_layers)
-    scale = full.model.num_layers / layers
-    base = full.with_overrides(model={"num_layers": layers})
-    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
-    iters = args.iters if args.iters is not None else (10 if device.type == "cuda" else 3)
-    m = full.model
+    full = variant_recipes(args, device, None)["naive"]
+    dtype = getattr(torch, full.fast.dtype)
+    m = full.config.model
+    layers = min(args.layers or layers_that_fit(full.config, dtype, device), m.num_layers)
+    recipes = variant_recipes(args, device, layers)
+    print(recipes["ring_fp8"].describe().text(), file=sys.stderr)
     print(
-        f"[bench cache] {full.name}: attention at {m.num_heads} heads x {full.tokens_per_chunk} q x "
-        f"{full.kv_tokens} kv",
+        f"[bench cache] {full.config.name}: attention at {m.num_heads} heads x {full.config.tokens_per_chunk} q "
+        f"x {full.config.kv_tokens} kv",
         file=sys.stderr,
     )
     opts = argparse.Namespace(sweep=False, iters=args.attn_iters, seed=0, shape_budget_s=600.0)
-    attn = run_shape(args.preset, 1, device, opts, log=lambda s: print(s, file=sys.stderr))
+    attn = run_shape(args.model, 1, device, opts, log=lambda s: print(s, file=sys.stderr), cfg=full.config)
     print(f"[bench cache] steps: {layers}/{m.num_layers} layers, {dtype}", file=sys.stderr)
-    model = build_model(base, device, dtype, seed=0)
-    variants = {
-        "naive": {"cache": "naive", "kv_fp8": False},
-        "ring_bf16": {"cache": "ring", "kv_fp8": False, "attention": args.attention},
-        "ring_fp8": {"cache": "ring", "kv_fp8": True, "attention": args.attention},
-    }
+    model = build_model(recipes["naive"].config, device, dtype, seed=0)
+    steps = time_steps(recipes, model, device, args, m.num_layers / layers)
+    results = summary(steps, attn, layers, m.num_layers, dtype)
+    print_table(
+        _rows(results, steps, attn), f"bench cache: {full.config.name} ({layers}/{m.num_layers} layers)"
+    )
+    if not args.no_record:
+        _record(args, full.config, recipes, results, device)
+    return results
+
+
+def time_steps(recipes: dict, model, device: torch.device, args, scale: float) -> dict[str, dict]:
+    """The steady-state step of each cache on one model (``bench step``'s ``measure_step``), scaled to all
+    layers: step, cache upkeep, attention and linears per step (CUDA-event regions), cache memory."""
+    from cadence.bench.step import measure_step
+
+    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
+    iters = args.iters if args.iters is not None else (10 if device.type == "cuda" else 3)
     steps: dict[str, dict] = {}
-    for name, st in variants.items():
-        cfg = base.with_overrides(stream=st)
-        r = measure_step(cfg, model, device, warmup, iters)
-        step = median(r["times"]) * scale
+    for name, recipe in recipes.items():
+        r = measure_step(recipe.config, model, device, warmup, iters)
         steps[name] = {
-            "step_ms": step,
+            "step_ms": median(r["times"]) * scale,
             "cache_upkeep_ms": r["region"]["cache"] * scale,
             "attention_ms": r["region"]["attention"] * scale,
             "linear_ms": r["region"]["linear"] * scale,
@@ -86,10 +112,15 @@ def run(args: argparse.Namespace) -> dict:
         }
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return steps
+
+
+def summary(steps: dict, attn: dict, layers: int, layers_full: int, dtype: torch.dtype) -> dict:
+    """The JSON's ``results`` (BENCHMARKS.md bench "cache")."""
     nv, rb, rf = steps["naive"], steps["ring_bf16"], steps["ring_fp8"]
     cud = attn["best"].get("sdpa_cudnn_bf16")
     best8 = attn["best"].get("triton_fp8")
-    results = {
+    return {
         "upkeep_naive_ms": nv["cache_upkeep_ms"],
         "upkeep_ring_ms": rf["cache_upkeep_ms"],
         "upkeep_ring_bf16_ms": rb["cache_upkeep_ms"],
@@ -112,15 +143,19 @@ def run(args: argparse.Namespace) -> dict:
         "attention_variants": attn,
         "steps": steps,
         "layers_run": layers,
-        "layers_full": m.num_layers,
-        "scaled": scale != 1.0,
+        "layers_full": layers_full,
+        "scaled": layers != layers_full,
         "dtype": str(dtype).replace("torch.", ""),
     }
-    rows = summarise(attn) + [
+
+
+def _rows(results: dict, steps: dict, attn: dict) -> list[tuple[str, str]]:
+    nv, rb, rf = steps["naive"], steps["ring_bf16"], steps["ring_fp8"]
+    return summarise(attn) + [
         (
             "step naive / ring bf16 / ring fp8",
             f"{nv['step_ms']:.1f} / {rb['step_ms']:.1f} / {rf['step_ms']:.1f} ms"
-            + (" (scaled)" if scale != 1 else ""),
+            + (" (scaled)" if results["scaled"] else ""),
         ),
         (
             "upkeep naive / ring bf16 / ring fp8",
@@ -134,24 +169,30 @@ def run(args: argparse.Namespace) -> dict:
         ("cache memory", ", ".join(f"{k} {v:.1f} GiB" for k, v in results["cache_mem_gib"].items())),
         ("host sync in step", ", ".join(f"{k} {v['host_sync_in_step']}" for k, v in steps.items())),
     ]
-    print_table(rows, f"bench cache: {full.name} ({layers}/{m.num_layers} layers)")
-    if not args.no_record:
-        path = record(
-            "cache",
-            full.name,
-            1,
-            device,
-            full.shape_summary(),
-            results,
-            out_dir=results_dir(args),
-            command=args.command,
-            headline=f"step naive {nv['step_ms']:.0f} -> ring bf16 {rb['step_ms']:.0f} / fp8 "
-            f"{rf['step_ms']:.0f} ms; upkeep {nv['cache_upkeep_ms']:.1f} -> "
-            f"{rb['cache_upkeep_ms']:.1f} / {rf['cache_upkeep_ms']:.1f} ms; FP8 kernel "
-            f"{results['attn_speedup_vs_cudnn_bf16'] or 0:.2f}x cuDNN bf16",
-        )
-        print(f"wrote {path}")
-    return results
+
+
+def _record(args, full, recipes: dict, results: dict, device: torch.device) -> None:
+    """The JSON record, with the recipe of each cache (``recipes``: naive, ring_bf16, ring_fp8)."""
+    from cadence.bench.recipes import recipe_fields
+
+    s = results["steps"]
+    nv, rb, rf = s["naive"], s["ring_bf16"], s["ring_fp8"]
+    path = record(
+        "cache",
+        full.name,
+        1,
+        device,
+        full.shape_summary(),
+        results,
+        out_dir=results_dir(args),
+        command=args.command,
+        extra=recipe_fields(recipes),
+        headline=f"step naive {nv['step_ms']:.0f} -> ring bf16 {rb['step_ms']:.0f} / fp8 "
+        f"{rf['step_ms']:.0f} ms; upkeep {nv['cache_upkeep_ms']:.1f} -> "
+        f"{rb['cache_upkeep_ms']:.1f} / {rf['cache_upkeep_ms']:.1f} ms; FP8 kernel "
+        f"{results['attn_speedup_vs_cudnn_bf16'] or 0:.2f}x cuDNN bf16",
+    )
+    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -209,10 +209,11 @@ def _safe(results: dict, key: str, fn):
 
 @torch.no_grad()
 def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, world: int) -> dict:
+    """One shape in one dtype: the GEMM alone, the all-reduce alone (NCCL, symm-mem two-shot and one-shot),
+    unfused (GEMM + NCCL) and every mode of ``modes``, each output against NCCL's."""
     from cadence.model.layers import Linear
-    from cadence.parallel import fused
     from cadence.parallel.tp import RowParallelLinear
-    from cadence.quant.fp8 import FP8Linear, quantize_rows
+    from cadence.quant.fp8 import FP8Linear
 
     dev = bench.device
     m, n, k = sh["m"], sh["n"], sh["k"]
@@ -233,30 +234,41 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
         "dtype": dt,
         "act_dtype": str(act).replace("torch.", ""),
     }
+    _time_gemms(r, lin, x, dt, modes, bench)
+    _time_allreduces(r, torch.randn(m, n, device=dev, dtype=act, generator=g), bench, group)
+    _time_modes(r, rpl, x, modes, bench)
+    if dt == "fp8":  # did this layer really run torch._scaled_mm (every mode, every call), or fall back?
+        r["fp8_scaled_mm_calls"], r["fp8_fallback_calls"] = lin.scaled_mm_calls, lin.fallback_calls
+        r["fp8_fallback_reason"] = lin.fallback_reason
+    return r
+
+
+def _time_gemms(r: dict, lin, x, dt: str, modes: list[str], bench: Bench) -> None:
+    """``gemm_us`` (the layer), and on CUDA: FP8's activation quantisation alone and its GEMM kernel alone, the
+    tile kernel's GEMM with its exchange off (with mode 'tiles')."""
+    from cadence.quant.fp8 import quantize_rows
 
     r["gemm_us"] = _safe(r, "gemm", lambda: bench.time_us(lambda: lin(x)))
-    if dt == "fp8" and dev.type == "cuda":
+    if dt == "fp8" and bench.cuda:
         from cadence.quant.fp8 import quantize_activations
 
         # the activation quantisation alone (the one-launch Triton kernel where usable): gemm_us is
         # about quant_us + gemm_kernel_us + the layer's Python / launch overhead
         r["quant_us"] = _safe(r, "quant", lambda: bench.time_us(lambda: quantize_activations(x)))
         xq, xs = quantize_rows(x)
-        r["gemm_kernel_us"] = _safe(
-            r,
-            "gemm_kernel",
-            lambda: bench.time_us(
-                lambda: torch._scaled_mm(
-                    xq,
-                    lin.weight_fp8.t(),
-                    scale_a=xs,
-                    scale_b=lin.weight_scale,
-                    out_dtype=torch.bfloat16,
-                    use_fast_accum=True,
-                )
-            ),
-        )
-    if "tiles" in modes and dev.type == "cuda":
+
+        def kernel():
+            return torch._scaled_mm(
+                xq,
+                lin.weight_fp8.t(),
+                scale_a=xs,
+                scale_b=lin.weight_scale,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+
+        r["gemm_kernel_us"] = _safe(r, "gemm_kernel", lambda: bench.time_us(kernel))
+    if "tiles" in modes and bench.cuda:
         # the tile kernel's own GEMM with the exchange switched off: what it hides the all-reduce under
         # (its gap to cuBLAS's gemm_kernel_us is the price of a hand-written GEMM)
         from cadence.kernels import gemm_allreduce as gar
@@ -267,32 +279,42 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
         else:
             args_ = (x, lin.weight, None, None)
         r["tiles_gemm_us"] = _safe(r, "tiles_gemm", lambda: bench.time_us(lambda: gar.gemm_only(*args_)))
-    y0 = torch.randn(m, n, device=dev, dtype=act, generator=g)
+
+
+def _time_allreduces(r: dict, y0, bench: Bench, group) -> None:
+    """The all-reduce of the layer's output alone: NCCL, and symm-mem two-shot / one-shot where usable."""
+    from cadence.parallel import fused
+
+    dev = bench.device
+    m, n = y0.shape
     r["allreduce_us"] = _safe(
         r, "allreduce_nccl", lambda: bench.time_us(lambda: dist.all_reduce(y0, group=group))
     )
-    symm_ok = fused.symm_unavailable_reason(dev, group) is None
-    if symm_ok:
-        gname = fused.group_name(group)
-
-        def symm_buf():
-            b = fused.symm_cache().get(m, n, act, dev, group)[: m * n].view(m, n)
-            b.copy_(y0)
-            return b
-
-        def two_shot() -> float:
-            b = symm_buf()  # one buffer for every timed call
-            return bench.time_us(lambda: torch.ops.symm_mem.two_shot_all_reduce_(b, "sum", gname))
-
-        def one_shot() -> float:
-            b = symm_buf()
-            return bench.time_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(b, "sum", gname))
-
-        r["allreduce_two_shot_us"] = _safe(r, "allreduce_two_shot", two_shot)
-        r["allreduce_one_shot_us"] = _safe(r, "allreduce_one_shot", one_shot)
-    else:
+    if fused.symm_unavailable_reason(dev, group) is not None:
         r["allreduce_two_shot_us"] = r["allreduce_one_shot_us"] = None
+        return
+    gname = fused.group_name(group)
 
+    def symm_buf():
+        b = fused.symm_cache().get(m, n, y0.dtype, dev, group)[: m * n].view(m, n)
+        b.copy_(y0)
+        return b
+
+    def two_shot() -> float:
+        b = symm_buf()  # one buffer for every timed call
+        return bench.time_us(lambda: torch.ops.symm_mem.two_shot_all_reduce_(b, "sum", gname))
+
+    def one_shot() -> float:
+        b = symm_buf()
+        return bench.time_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(b, "sum", gname))
+
+    r["allreduce_two_shot_us"] = _safe(r, "allreduce_two_shot", two_shot)
+    r["allreduce_one_shot_us"] = _safe(r, "allreduce_one_shot", one_shot)
+
+
+def _time_modes(r: dict, rpl, x, modes: list[str], bench: Bench) -> None:
+    """Unfused (GEMM + NCCL) and each fused mode (its error against NCCL's output, whether it fell back),
+    then the best mode and the share of the all-reduce it hides."""
     rpl.comm = "nccl"
     ref = rpl(x)
     r["unfused_us"] = _safe(r, "unfused", lambda: bench.time_us(lambda: rpl(x)))
@@ -319,6 +341,7 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
         r["rel_err"][mode] = err
         if fell:
             r["fell_back"].append(mode)
+    rpl.comm = "nccl"
     usable = {md: t for md, t in r["modes"].items() if t is not None and md not in r["fell_back"]}
     fused_only = {md: t for md, t in usable.items() if md != "nccl"}
     r["best_mode"] = min(usable, key=usable.get) if usable else "nccl"
@@ -328,11 +351,6 @@ def measure_shape(sh: dict, dt: str, modes: list[str], bench: Bench, group, worl
         r["hidden_fraction"] = (r["unfused_us"] - r["fused_us"]) / r["allreduce_us"]
     else:
         r["hidden_fraction"] = None
-    rpl.comm = "nccl"
-    if dt == "fp8":  # did this layer really run torch._scaled_mm (every mode, every call), or fall back?
-        r["fp8_scaled_mm_calls"], r["fp8_fallback_calls"] = lin.scaled_mm_calls, lin.fallback_calls
-        r["fp8_fallback_reason"] = lin.fallback_reason
-    return r
 
 
 @torch.no_grad()
@@ -421,9 +439,20 @@ def print_summary(rows: list[dict], modes: list[str], world: int, sweep) -> None
         )
 
 
+def shape_recipes(args, world: int, device: torch.device) -> dict:
+    """The recipe of each preset whose shapes run ('w57 tp2' -> what ``cadence serve --model w57 --tp 2``
+    builds on this device: its geometry, comm 'auto', the kernel switches in effect, e.g. the CADENCE_TILES_*
+    variants): printed and recorded (``recipes``); the modes and dtypes timed are this benchmark's own."""
+    from cadence.engine.recipe import EngineSpec, resolve
+
+    names = ["tiny"] if args.tiny else [s.strip() for s in args.presets.split(",") if s.strip()]
+    dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
+    return {f"{p} tp{world}": resolve(EngineSpec(model=p, tp=world), dev) for p in names}
+
+
 @torch.no_grad()
 def run(args: argparse.Namespace) -> dict:
-    from cadence.bench.common import device_kind, record
+    from cadence.bench.recipes import print_recipes
     from cadence.parallel import destroy_tp, fused, init_tp
 
     info = init_tp()
@@ -434,97 +463,116 @@ def run(args: argparse.Namespace) -> dict:
         modes = [md.strip() for md in args.modes.split(",") if md.strip()]
         for md in modes:
             fused.parse_mode(md)
-        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         bench = Bench(dev, args.warmup, max(args.reps, 5), timing=args.timing, group=info.group)
+        recipes = shape_recipes(args, world, dev)
         if rank == 0:
+            print_recipes(recipes, sys.stderr)
             print(
                 f"[bench fused] TP={world} {info.backend} on {dev}; torch {torch.__version__}; "
                 f"symm-mem: {fused.symm_unavailable_reason(dev, info.group) or 'available'}",
                 file=sys.stderr,
                 flush=True,
             )
-        rows = []
-        for sh in shapes(args, world):
-            for dt in dtypes:
-                t0 = time.perf_counter()
-                r = measure_shape(sh, dt, modes, bench, info.group, world)
-                rows.append(r)
-                if rank == 0:
-                    print(
-                        f"[bench fused] {sh['name']} {dt}: unfused {_f(r['unfused_us'], 1)} us, best "
-                        f"{r['best_mode']} ({time.perf_counter() - t0:.1f} s)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+        rows = _measure_rows(args, bench, info, modes)
         sweep = None
         if not args.no_sweep:
             sweep = _safe({}, "sweep", lambda: shape_sweep(dev, info.group, world, args.sweep_mode))
-        from cadence.quant import fp8 as fp8_mod
-
-        results = {
-            "shapes": rows,
-            "modes_timed": modes,
-            "timing": bench.timing,
-            "graph_failures": bench.graph_failures,
-            "eager_timed_after_capture_failure": bench.eager_timed,
-            "shape_sweep": sweep,
-            "symm_cache": fused.symm_cache_info(),
-            "fallback_warnings": fused.fallback_warnings(),
-            "fp8_quant_backend": fp8_mod.quant_backend(),
-            "fp8_refused": {" ".join(str(k) for k in key): why for key, why in fp8_mod._op_unusable.items()},
-        }
+        results = _results(rows, modes, bench, sweep)
         if rank == 0:
             print_summary(rows, modes, world, sweep)
         if rank == 0 and not args.no_record:
-            preset = "tiny" if args.tiny else "all"
-            kind = device_kind(dev, world)
-            good = [r for r in rows if r.get("hidden_fraction") is not None]
-            headline = ", ".join(
-                f"{r['name']} {r['dtype']} {r['best_mode']} hidden {r['hidden_fraction']:.2f}"
-                for r in good[:4]
-            )
-            path = record(
-                "fused",
-                preset,
-                world,
-                dev,
-                {"shapes": [{k: s[k] for k in ("name", "m", "n", "k")} for s in shapes(args, world)]},
-                results,
-                out_dir=results_dir(args),
-                world=world,
-                command=getattr(args, "command", None),
-                headline=headline or "no fused mode measured",
-            )
-            print(f"wrote {path}")
-            table = {
-                "kind": "chooser",
-                "device": kind,
-                "world": world,
-                "torch": torch.__version__,
-                "source": str(path.name),
-                "entries": [
-                    {
-                        "m": r["m"],
-                        "n": r["n"],
-                        "k": r["k"],
-                        "dtype": r["dtype"],
-                        "world": world,
-                        "best_mode": r["best_mode"],
-                        "modes_us": r["modes"],
-                        **(
-                            {"fp8_fallback_calls": r.get("fp8_fallback_calls")} if r["dtype"] == "fp8" else {}
-                        ),
-                    }
-                    for r in rows
-                ],
-            }
-            tpath = path.parent / f"chooser-{kind}-tp{world}.json"
-            tpath.write_text(json.dumps(table, indent=2) + "\n")
-            print(f"wrote {tpath}")
-            results["_path"] = str(path)
+            _record_fused(args, results, recipes, dev, world)
         return results
     finally:
         destroy_tp()
+
+
+def _measure_rows(args, bench: Bench, info, modes: list[str]) -> list[dict]:
+    """Every shape in every dtype of ``--dtypes`` (:func:`measure_shape`), rank 0 printing a line per row."""
+    world = info.world_size
+    rows = []
+    for sh in shapes(args, world):
+        for dt in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+            t0 = time.perf_counter()
+            r = measure_shape(sh, dt, modes, bench, info.group, world)
+            rows.append(r)
+            if info.rank == 0:
+                print(
+                    f"[bench fused] {sh['name']} {dt}: unfused {_f(r['unfused_us'], 1)} us, best "
+                    f"{r['best_mode']} ({time.perf_counter() - t0:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return rows
+
+
+def _results(rows: list[dict], modes: list[str], bench: Bench, sweep) -> dict:
+    from cadence.parallel import fused
+    from cadence.quant import fp8 as fp8_mod
+
+    return {
+        "shapes": rows,
+        "modes_timed": modes,
+        "timing": bench.timing,
+        "graph_failures": bench.graph_failures,
+        "eager_timed_after_capture_failure": bench.eager_timed,
+        "shape_sweep": sweep,
+        "symm_cache": fused.symm_cache_info(),
+        "fallback_warnings": fused.fallback_warnings(),
+        "fp8_quant_backend": fp8_mod.quant_backend(),
+        "fp8_refused": {" ".join(str(k) for k in key): why for key, why in fp8_mod._op_unusable.items()},
+    }
+
+
+def _record_fused(args, results: dict, recipes: dict, dev: torch.device, world: int) -> None:
+    """The JSON record (with the recipes) and the chooser's table beside it (read by comm 'auto')."""
+    from cadence.bench.common import device_kind, record
+    from cadence.bench.recipes import recipe_fields
+
+    rows = results["shapes"]
+    kind = device_kind(dev, world)
+    good = [r for r in rows if r.get("hidden_fraction") is not None]
+    headline = ", ".join(
+        f"{r['name']} {r['dtype']} {r['best_mode']} hidden {r['hidden_fraction']:.2f}" for r in good[:4]
+    )
+    path = record(
+        "fused",
+        "tiny" if args.tiny else "all",
+        world,
+        dev,
+        {"shapes": [{k: s[k] for k in ("name", "m", "n", "k")} for s in shapes(args, world)]},
+        results,
+        out_dir=results_dir(args),
+        world=world,
+        command=getattr(args, "command", None),
+        extra=recipe_fields(recipes),
+        headline=headline or "no fused mode measured",
+    )
+    print(f"wrote {path}")
+    table = {
+        "kind": "chooser",
+        "device": kind,
+        "world": world,
+        "torch": torch.__version__,
+        "source": str(path.name),
+        "entries": [
+            {
+                "m": r["m"],
+                "n": r["n"],
+                "k": r["k"],
+                "dtype": r["dtype"],
+                "world": world,
+                "best_mode": r["best_mode"],
+                "modes_us": r["modes"],
+                **({"fp8_fallback_calls": r.get("fp8_fallback_calls")} if r["dtype"] == "fp8" else {}),
+            }
+            for r in rows
+        ],
+    }
+    tpath = path.parent / f"chooser-{kind}-tp{world}.json"
+    tpath.write_text(json.dumps(table, indent=2) + "\n")
+    print(f"wrote {tpath}")
+    results["_path"] = str(path)
 
 
 def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
@@ -662,6 +710,8 @@ def _sweep(fn_of_cfg, cfgs, cuda: bool, warmup: int, reps: int) -> dict:
 
 @torch.no_grad()
 def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, sweep: bool, gemm: bool) -> dict:
+    """One (M, K): eager vs Triton quantisation, plain and modulated (eager calls, graph replays), their
+    parity, the FP8 GEMM for scale (``gemm``), bytes and floors, and with ``sweep`` the launch configs."""
     from cadence.kernels import quant as kq
     from cadence.quant.fp8 import quantize_rows
 
@@ -678,22 +728,38 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
     by = quant_bytes(m, k, x.element_size())
     r["bytes"] = by
     r["floor_us"] = {name: b / (HBM_TBPS * 1e12) * 1e6 for name, b in by.items()}
+    fns = {
+        "eager": lambda: quantize_rows(x),
+        "mod_eager": lambda: kq.quantize_rows_modulated_reference(x3, shift, scale, LN_EPS),
+        "triton": lambda: kq.quantize_rows_triton(x),
+        "triton_hwcast": lambda: kq.quantize_rows_triton(x, grid_round=False),
+        "mod_triton": lambda: kq.quantize_rows_modulated_triton(x3, shift, scale, LN_EPS),
+    }
+    r.update(_time_quant(r, fns, ok, cuda, warmup, reps))
+    if cuda and gemm:
+        r["gemm_fp8_us"] = _safe(r, "gemm_fp8", lambda: _time_fp8_gemm(x, g, warmup, reps))
+    for a, b in (
+        ("eager_us", "triton_us"),
+        ("eager_graph_us", "triton_graph_us"),
+        ("mod_eager_us", "mod_triton_us"),
+        ("mod_eager_graph_us", "mod_triton_graph_us"),
+    ):
+        if r.get(a) and r.get(b):
+            r[f"speedup_{a[:-3]}"] = r[a] / r[b]
+    for name, key in (("triton", "triton_graph_us"), ("mod_triton", "mod_triton_graph_us")):
+        if r.get(key):
+            r[f"{name}_tbps"] = by[name] / (r[key] * 1e-6) / 1e12
+    if sweep and ok:
+        r.update(_quant_sweeps(x, x3, shift, scale, cuda, warmup, reps))
+    return r
 
-    def eager():
-        return quantize_rows(x)
 
-    def mod_eager():
-        return kq.quantize_rows_modulated_reference(x3, shift, scale, LN_EPS)
-
-    def trit():
-        return kq.quantize_rows_triton(x)
-
-    def trit_hw():
-        return kq.quantize_rows_triton(x, grid_round=False)
-
-    def mod_trit():
-        return kq.quantize_rows_modulated_triton(x3, shift, scale, LN_EPS)
-
+def _time_quant(r: dict, fns: dict, ok: bool, cuda: bool, warmup: int, reps: int) -> dict:
+    """The timings of :func:`measure_quant` (``<name>_us`` eager calls, ``<name>_graph_us`` graph replays on
+    CUDA; the Triton ones only where ``ok``) and the parity fields it writes into ``r``."""
+    eager, mod_eager, trit, trit_hw, mod_trit = (
+        fns[n] for n in ("eager", "mod_eager", "triton", "triton_hwcast", "mod_triton")
+    )
     res: dict = {}
     res["eager_us"] = _safe(r, "eager", lambda: _time_calls_us(eager, warmup, reps, cuda))
     res["mod_eager_us"] = _safe(r, "mod_eager", lambda: _time_calls_us(mod_eager, warmup, reps, cuda))
@@ -714,48 +780,46 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
             res["triton_graph_us"] = _safe(r, "triton_graph", lambda: _time_graph_us(trit))
             res["triton_hwcast_graph_us"] = _safe(r, "triton_hwcast_graph", lambda: _time_graph_us(trit_hw))
             res["mod_triton_graph_us"] = _safe(r, "mod_triton_graph", lambda: _time_graph_us(mod_trit))
-        if gemm:
+    return res
 
-            def run_gemm():
-                w = torch.randn(k, k, device=dev, generator=g) * k**-0.5
-                wq, ws = quantize_rows(w)
-                del w
-                xq, xs = quantize_rows(x)
-                wst = ws.t().contiguous()  # [1, K], scale_b's layout (as FP8Linear keeps it)
-                return _time_calls_us(
-                    lambda: torch._scaled_mm(
-                        xq, wq.t(), scale_a=xs, scale_b=wst, out_dtype=torch.bfloat16, use_fast_accum=True
-                    ),
-                    warmup,
-                    reps,
-                    cuda,
-                )
 
-            res["gemm_fp8_us"] = _safe(r, "gemm_fp8", run_gemm)
-    r.update(res)
-    for a, b in (
-        ("eager_us", "triton_us"),
-        ("eager_graph_us", "triton_graph_us"),
-        ("mod_eager_us", "mod_triton_us"),
-        ("mod_eager_graph_us", "mod_triton_graph_us"),
-    ):
-        if r.get(a) and r.get(b):
-            r[f"speedup_{a[:-3]}"] = r[a] / r[b]
-    for name, key in (("triton", "triton_graph_us"), ("mod_triton", "mod_triton_graph_us")):
-        if r.get(key):
-            r[f"{name}_tbps"] = by[name] / (r[key] * 1e-6) / 1e12
-    if sweep and ok:
-        bk = kq.launch_config(k, not cuda)[1]
-        bms = [bm for bm in (1, 2, 4, 8) if bm * bk <= 32768]
-        nws = (4, 8, 16) if cuda else (None,)
-        r["sweep_triton"] = _sweep(
+def _time_fp8_gemm(x, g, warmup: int, reps: int) -> float:
+    """The FP8 GEMM M x K -> K (cuBLAS rowwise, fast accumulation) for scale, in microseconds (CUDA)."""
+    from cadence.quant.fp8 import quantize_rows
+
+    k = x.shape[1]
+    w = torch.randn(k, k, device=x.device, generator=g) * k**-0.5
+    wq, ws = quantize_rows(w)
+    del w
+    xq, xs = quantize_rows(x)
+    wst = ws.t().contiguous()  # [1, K], scale_b's layout (as FP8Linear keeps it)
+    return _time_calls_us(
+        lambda: torch._scaled_mm(
+            xq, wq.t(), scale_a=xs, scale_b=wst, out_dtype=torch.bfloat16, use_fast_accum=True
+        ),
+        warmup,
+        reps,
+        True,
+    )
+
+
+def _quant_sweeps(x, x3, shift, scale, cuda: bool, warmup: int, reps: int) -> dict:
+    """``--quant-sweep``: the quantisation kernels' launch configurations (block rows x warps [x programs per
+    SM for the modulated one])."""
+    from cadence.kernels import quant as kq
+
+    bk = kq.launch_config(x.shape[1], not cuda)[1]
+    bms = [bm for bm in (1, 2, 4, 8) if bm * bk <= 32768]
+    nws = (4, 8, 16) if cuda else (None,)
+    return {
+        "sweep_triton": _sweep(
             lambda block_m, num_warps: kq.quantize_rows_triton(x, block_m=block_m, num_warps=num_warps),
             [{"block_m": bm, "num_warps": nw} for bm in bms for nw in nws],
             cuda,
             warmup,
             reps,
-        )
-        r["sweep_mod_triton"] = _sweep(
+        ),
+        "sweep_mod_triton": _sweep(
             lambda block_m, num_warps, programs_per_sm: kq.quantize_rows_modulated_triton(
                 x3,
                 shift,
@@ -774,8 +838,8 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
             cuda,
             warmup,
             reps,
-        )
-    return r
+        ),
+    }
 
 
 def run_quant(args: argparse.Namespace) -> dict:
@@ -816,7 +880,15 @@ def run_quant(args: argparse.Namespace) -> dict:
                 flush=True,
             )
     print_quant_summary(rows, cuda)
-    results = {"quant": rows, "hbm_tbps_assumed": HBM_TBPS, "ln_eps": LN_EPS}
+    from cadence.engine.recipe import kernel_switches
+
+    # no model's engine here (M x K shapes): the kernel switches in effect (CADENCE_FP8_QUANT, ...) instead
+    results = {
+        "quant": rows,
+        "hbm_tbps_assumed": HBM_TBPS,
+        "ln_eps": LN_EPS,
+        "env": kernel_switches(os.environ),
+    }
     if not args.no_record:
         key = next((r for r in rows if r["m"] == 748 and r["k"] == 8192), rows[0])
         headline = (

@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -624,13 +625,14 @@ def _writer(args, dev: torch.device):
     run killed by its time limit still leaves what it measured), the table as soon as the GEMMs are in, the
     BENCHMARKS.md record at the end."""
     from cadence.bench.common import git_commit, record
+    from cadence.bench.recipes import recipe_fields
     from cadence.telemetry.devices import device_kind
 
     base = results_dir(args) / "linears"
     preset = "tiny" if args.tiny else "all"
     partial = base / f"partial-{device_kind(dev)}-{preset}.json"
 
-    def save(results: dict, gemms: dict, final: bool) -> str:
+    def save(results: dict, gemms: dict, final: bool, recipes: dict | None = None) -> str:
         if args.no_record:
             return ""
         base.mkdir(parents=True, exist_ok=True)
@@ -641,7 +643,8 @@ def _writer(args, dev: torch.device):
                 f"{c['preset']} tp{c['tp']} auto {_f(c['ms'].get('fp8_auto'))} ms" for c in chunks[:3]
             )
             path = record("linears", preset, 1, dev, {"plan": results["plan"]}, results, out_dir=results_dir(args),
-                          command=getattr(args, "command", None), headline=head or "no chunk figure")  # fmt: skip
+                          command=getattr(args, "command", None), headline=head or "no chunk figure",
+                          extra=recipe_fields(recipes or {}))  # fmt: skip
             name = path.name
             partial.unlink(missing_ok=True)
         else:
@@ -657,7 +660,19 @@ def _writer(args, dev: torch.device):
     return save
 
 
+def plan_recipes(pl: list[tuple[str, int]], device: torch.device) -> dict:
+    """The recipe of each (preset, TP) of the plan ('w57 tp4' -> what ``cadence serve --model w57 --tp 4``
+    builds on this device: its geometry, gemm 'auto', the kernel switches in effect, e.g. CADENCE_FP8_QUANT):
+    printed and recorded (``recipes``); the backends and configs timed are this benchmark's own."""
+    from cadence.engine.recipe import EngineSpec, resolve
+
+    dev = "cpu" if device.type != "cuda" else f"cuda:{device.index or 0}"
+    return {f"{p} tp{t}": resolve(EngineSpec(model=p, tp=t), dev) for p, t in pl}
+
+
 def run(args: argparse.Namespace) -> dict:
+    from cadence.bench.recipes import print_recipes
+
     dev = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -666,6 +681,8 @@ def run(args: argparse.Namespace) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     clock = Clock(dev, max(1, args.inner), max(3, args.reps), args.budget_s)
     pl = plan(args)
+    recipes = plan_recipes(pl, dev)
+    print_recipes(recipes, sys.stderr)
     shapes, configs, save = collect_shapes(pl), sweep_configs(args, clock.cuda), _writer(args, dev)
     print(f"[bench linears] {len(shapes)} shapes, {len(configs)} Triton configs on {dev}; torch {torch.__version__}",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -690,13 +707,15 @@ def run(args: argparse.Namespace) -> dict:
     res["elapsed_s"] = time.monotonic() - clock.t0
     print_summary(gemms, res["chunks"], res["tiles"], res["producers"])
     if not args.no_record:
-        res["_path"] = save(res, gemms, True)
+        res["_path"] = save(res, gemms, True, recipes)
         print(f"wrote {res['_path']}" + (" and the GEMM table beside it" if clock.cuda else ""))
     return res
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    args.command = "cadence bench linears " + " ".join(shlex.quote(a) for a in argv)
     if not torch.cuda.is_available():  # the smoke test runs the Triton kernels in the interpreter (set before
         os.environ.setdefault("TRITON_INTERPRET", "1")  # any kernel module is imported: Triton reads it then)
     run(args)

@@ -6,11 +6,17 @@
     cadence bench pipeline --preset w1.3 --chunks 200                 # one H200: decode on its own stream
     cadence bench pipeline --preset w14 --chunks 200 --decode-gpu 1   # 2x H200 (= --decode-device cuda:1)
     cadence bench pipeline --preset w14 --no-graphs --shape-change-every 5
+    cadence bench pipeline --model longlive --device cuda --shape-change-every 0 --prompt-switch-every 10
+    cadence bench pipeline --model self-forcing --weights W.pt --lora L.safetensors:0.8   # as serve / generate
     cadence bench pipeline --preset w1.3 --chunks 60 --decoder taehv --kv-fp8 --fp8 --compile --window 4
 
-Two runs in one process, one model: (1) a steady stream; (2) the same stream with the conditioning
+Up to three runs in one process, one model: (1) a steady stream; (2) the same stream with the conditioning
 length (prompt tokens) changing every ``--shape-change-every`` chunks, cycling through a few lengths,
-which exercises the graph runner's fallback, LRU and recapture bounds. Per run: sustained fps (video
+which exercises the graph runner's fallback, LRU and recapture bounds; (3) with ``--prompt-switch-every N``,
+a new prompt of the same length every N chunks (no step changes shape, so the family's prompt-switch rule is
+timed alone: LongLive's re-cache, a plain swap elsewhere; ``prompt_switch_run``: the latency of the chunks a
+switch lands on against the chunks between). Each run records the peak GPU memory allocated over its stream
+(``peak_mem_gib``, ``torch.cuda.max_memory_allocated`` of the diffusion device; null on the CPU). Per run: sustained fps (video
 frames per second between the first and the last steady-state chunk's frames being ready) and, as a
 separate figure, chunk latency p50/p99 (diffusion start -> frames in host memory); a deadline miss is a
 chunk whose frames are ready after their playout time (chunk 0's diffusion start + ``--lead-ms`` + i chunks
@@ -68,6 +74,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="second run: change the conditioning length every K chunks (0: skip that run)",
     )
     p.add_argument(
+        "--prompt-switch-every",
+        type=int,
+        default=0,
+        help="third run: a new prompt of the SAME conditioning length every K chunks (no step changes shape: "
+        "the family's prompt-switch rule alone is timed, e.g. LongLive's re-cache; default 0: skip that run)",
+    )
+    p.add_argument(
         "--cache",
         default=None,
         choices=["ring", "naive"],
@@ -119,6 +132,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--window must be >= 1, got {a.window}")
     if a.shape_change_every < 0:
         p.error(f"--shape-change-every must be >= 0, got {a.shape_change_every}")
+    if a.prompt_switch_every < 0:
+        p.error(f"--prompt-switch-every must be >= 0, got {a.prompt_switch_every}")
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
     return a
@@ -345,39 +360,21 @@ def _main(args, info) -> int:
 
 def _measure(args, info, recipe, eng, device, rank0) -> int:
     cfg = eng.gen.cfg
-    g = torch.Generator().manual_seed(0)
     n = args.chunks
-    image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
-    t = torch.arange(n * cfg.audio_samples_per_chunk) / 48_000
-    audio = 0.3 * torch.sin(2 * math.pi * 220 * t) + 0.05 * torch.randn(t.shape, generator=g)
+    image, audio = _inputs(cfg, n)
     deadline_ms = 1e3 * cfg.chunk_seconds
     skip = min(n - 2, cfg.stream.window_chunks + 1)
-
-    warm = None
-    if recipe.warmup:
-        warm = eng.warm_up(chunks=recipe.warmup_chunks, decode=True, threads=recipe.fast.threads)
-        if rank0:
-            print(
-                f"warm-up: {warm.streams} streams in {warm.ms / 1e3:.2f} s, cold ttff "
-                f"{warm.first_stream_ttff_ms} ms, paced chunk {warm.steady_chunk_ms} ms, interval "
-                f"{warm.interval_ms} ms, threads {warm.threads}",
-                file=sys.stderr,
-            )
+    warm = _warm_up(eng, recipe, rank0)
     lead_ms, lead_from = args.lead_ms, "--lead-ms"
     if lead_ms is None:
         paced = warm.steady_chunk_ms if warm else None
         lead_ms = max(deadline_ms, paced * 1.15 + 20) if paced else deadline_ms
         lead_from = "auto (warm-up paced chunk x 1.15 + 20 ms)" if paced else "one chunk"
-    outs = run_once(eng, cfg, image, audio, n, seed=0)
-    lr = eng.last_run
-    res = summarize(outs, cfg, deadline_ms, skip, ttff_ms=lr.get("ttff_ms"), lead_ms=lead_ms)
+    run = Run(eng, cfg, image, audio, deadline_ms, skip, lead_ms)
+    outs, res = run.steady(n)
     res.update(
         lead_from=lead_from,
-        graphs=lr.get("graphs"),
         prewarm=warm is not None,
-        session=lr.get("session"),
-        open_ms=lr.get("open_ms"),
-        first_chunk_step=lr.get("first_chunk", {}).get("step"),
         window_chunks=cfg.stream.window_chunks,
         ttff_cold_ms=warm.first_stream_ttff_ms if warm else res["ttff_ms"],
         chunk_paced_ms=warm.steady_chunk_ms if warm else None,
@@ -387,7 +384,7 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     )
     # the same reference image again (a returning character: its latent is remembered, no VAE encode)
     run_once(eng, cfg, image, audio, 1, seed=0)
-    res.update(ttff_repeat_ms=eng.last_run.get("ttff_ms"), open_repeat_ms=eng.last_run.get("open_ms"))
+    res.update(ttff_repeat_ms=eng.last_run.ttff_ms, open_repeat_ms=eng.last_run.open_ms)
     if warm:
         w = warm.as_dict()
         res.update(prewarm_s=warm.ms / 1e3, prewarm_chunks=warm.chunks, prewarm_graphs=w["graphs"], warmup=w)
@@ -401,57 +398,151 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     runs = {"steady conditioning": outs}
     res["shape_changes"] = 0
     if args.shape_change_every:
-        outs2, sc, changes = _shape_change_run(args, eng, cfg, image, audio, deadline_ms, skip, lead_ms)
-        res["shape_changes"] = changes
-        res["shape_change_run"] = sc
+        outs2, res["shape_change_run"], res["shape_changes"] = run.shape_changes(n, args.shape_change_every)
         runs[f"conditioning length changes every {args.shape_change_every} chunks"] = outs2
-    res["per_chunk"] = [
-        dict(
-            i=o.index,
-            **{
-                f: round(getattr(o.timings, f), 3)
-                for f in ("diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")
-            },
-            step=o.timings.step,
+    if args.prompt_switch_every:
+        outs3, res["prompt_switch_run"] = run.prompt_switches(
+            n, args.prompt_switch_every, recipe.prompt_switch
         )
-        for o in outs
-    ]
+        runs[f"a new prompt (same length) every {args.prompt_switch_every} chunks"] = outs3
+    res["per_chunk"] = per_chunk(outs)
     if info is not None:
         res["tp_comm"] = recipe.fast.comm
     if not rank0:
         return 0
-    dtype = recipe.fast.dtype
     print_table(
         _rows(res, eng, info, recipe, lead_ms, lead_from, warm),
-        f"bench pipeline: {cfg.name}, {n} chunks, {device}, {dtype}",
+        f"bench pipeline: {cfg.name}, {n} chunks, {device}, {recipe.fast.dtype}",
     )
-    if args.no_record:
-        return 0
-    _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms, lead_ms)
+    if not args.no_record:
+        _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms, lead_ms)
     return 0
 
 
-def _shape_change_run(args, eng, cfg, image, audio, deadline_ms: float, skip: int, lead_ms: float):
-    """The second run: the conditioning length cycling every ``--shape-change-every`` chunks (the graph
-    runner's fallback, LRU and recapture bounds). Returns (chunks, summary, number of length changes)."""
-    n, k = args.chunks, args.shape_change_every
-    L = cfg.model.text_len
-    lengths = [L, max(1, L // 2), max(1, (3 * L) // 4), max(1, L // 4), L]
-    tg = torch.Generator().manual_seed(1)
-    embs = {x: torch.randn(x, cfg.model.text_dim, generator=tg) for x in set(lengths)}
-    prompts = {i: embs[lengths[(i // k) % len(lengths)]] for i in range(k, n, k)}
-    changes = sum(
-        1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)]
-    )
-    outs2 = run_once(eng, cfg, image, audio, n, seed=0, prompts=prompts)
-    sc = summarize(outs2, cfg, deadline_ms, skip, ttff_ms=eng.last_run.get("ttff_ms"), lead_ms=lead_ms)
-    sc["graphs"] = eng.last_run.get("graphs")
-    # recovery: diffusion time in the last chunk before each change vs the steady run's median
-    before = [outs2[i - 1].timings.diffusion_ms for i in prompts if i - 1 >= skip]
-    sc["diffusion_ms_before_change_p50"] = median(before) if before else None
-    sc["every"] = k
-    sc["lengths"] = lengths
-    return outs2, sc, changes
+def _inputs(cfg, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stream's reference image and ``n`` chunks of audio (a tone in noise), one seed."""
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(3, cfg.stream.height, cfg.stream.width, generator=g) * 2 - 1
+    t = torch.arange(n * cfg.audio_samples_per_chunk) / 48_000
+    audio = 0.3 * torch.sin(2 * math.pi * 220 * t) + 0.05 * torch.randn(t.shape, generator=g)
+    return image, audio
+
+
+def _warm_up(eng, recipe, rank0: bool):
+    """The engine's warm-up (``recipe.warmup``; None without), one line about it on rank 0."""
+    if not recipe.warmup:
+        return None
+    warm = eng.warm_up(chunks=recipe.warmup_chunks, decode=True, threads=recipe.fast.threads)
+    if rank0:
+        print(
+            f"warm-up: {warm.streams} streams in {warm.ms / 1e3:.2f} s, cold ttff "
+            f"{warm.first_stream_ttff_ms} ms, paced chunk {warm.steady_chunk_ms} ms, interval "
+            f"{warm.interval_ms} ms, threads {warm.threads}",
+            file=sys.stderr,
+        )
+    return warm
+
+
+def per_chunk(outs: list) -> list[dict]:
+    """Each chunk's stage times and step kind (the JSON's ``per_chunk``)."""
+    keys = ("diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")
+    return [
+        dict(i=o.index, **{f: round(getattr(o.timings, f), 3) for f in keys}, step=o.timings.step)
+        for o in outs
+    ]
+
+
+def _cuda_devices(eng) -> list[torch.device]:
+    """The CUDA devices the engine diffuses and decodes on (none on the CPU)."""
+    p = eng.placement
+    devs = [torch.device(d) for d in dict.fromkeys((p.diffusion_device, p.decode_device))]
+    return [d for d in devs if d.type == "cuda"]
+
+
+def reset_peak_memory(eng) -> None:
+    """Start :func:`peak_memory_gib`'s count (``torch.cuda.reset_peak_memory_stats`` on each CUDA device)."""
+    for d in _cuda_devices(eng):
+        torch.cuda.reset_peak_memory_stats(d)
+
+
+def peak_memory_gib(eng) -> dict[str, float] | None:
+    """The peak GPU memory allocated since :func:`reset_peak_memory` (``torch.cuda.max_memory_allocated``,
+    GiB) per CUDA device the engine runs on, by device name; None on the CPU."""
+    devs = _cuda_devices(eng)
+    return {str(d): round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in devs} or None
+
+
+class Run:
+    """The timed streams of one engine: the steady one and the two conditioning-change runs, each summarised
+    (:func:`summarize`) with the peak GPU memory over its stream (``peak_mem_gib``: the diffusion device's;
+    ``peak_mem_gib_by_device`` too where the decode has a GPU of its own; None on the CPU)."""
+
+    def __init__(self, eng, cfg, image, audio, deadline_ms: float, skip: int, lead_ms: float):
+        self.eng, self.cfg, self.image, self.audio = eng, cfg, image, audio
+        self.deadline_ms, self.skip, self.lead_ms = deadline_ms, skip, lead_ms
+
+    def stream(self, n: int, prompts=None) -> tuple[list, dict]:
+        reset_peak_memory(self.eng)
+        outs = run_once(self.eng, self.cfg, self.image, self.audio, n, seed=0, prompts=prompts)
+        lr = self.eng.last_run
+        res = summarize(outs, self.cfg, self.deadline_ms, self.skip, ttff_ms=lr.ttff_ms, lead_ms=self.lead_ms)
+        peak = peak_memory_gib(self.eng)
+        res["peak_mem_gib"] = peak[str(torch.device(self.eng.placement.diffusion_device))] if peak else None
+        if peak and len(peak) > 1:
+            res["peak_mem_gib_by_device"] = peak
+        res["graphs"] = lr.graphs
+        return outs, res
+
+    def steady(self, n: int) -> tuple[list, dict]:
+        """The steady stream: one prompt throughout."""
+        outs, res = self.stream(n)
+        lr = self.eng.last_run
+        first = lr.first_chunk or {}
+        res.update(session=lr.session, open_ms=lr.open_ms, first_chunk_step=first.get("step"))
+        return outs, res
+
+    def shape_changes(self, n: int, k: int) -> tuple[list, dict, int]:
+        """The conditioning length cycling every ``k`` chunks (the graph runner's fallback, LRU and recapture
+        bounds). Returns (chunks, summary, number of length changes)."""
+        L = self.cfg.model.text_len
+        lengths = [L, max(1, L // 2), max(1, (3 * L) // 4), max(1, L // 4), L]
+        tg = torch.Generator().manual_seed(1)
+        embs = {x: torch.randn(x, self.cfg.model.text_dim, generator=tg) for x in set(lengths)}
+        prompts = {i: embs[lengths[(i // k) % len(lengths)]] for i in range(k, n, k)}
+        changes = sum(
+            1 for i in prompts if lengths[(i // k) % len(lengths)] != lengths[(i // k - 1) % len(lengths)]
+        )
+        outs, sc = self.stream(n, prompts)
+        # recovery: diffusion time in the last chunk before each change vs the steady run's median
+        before = [outs[i - 1].timings.diffusion_ms for i in prompts if i - 1 >= self.skip]
+        sc["diffusion_ms_before_change_p50"] = median(before) if before else None
+        sc["every"] = k
+        sc["lengths"] = lengths
+        return outs, sc, changes
+
+    def prompt_switches(self, n: int, k: int, rule) -> tuple[list, dict]:
+        """A new prompt of the same conditioning length (a new random embedding of ``text_len`` tokens) every
+        ``k`` chunks: no step changes shape, so what a switch costs is the family's rule alone (``rule``:
+        ``Swap`` takes the new cross-attention K/V; LongLive's ``Recache`` first recomputes the recent chunks'
+        K/V). ``switch_latency_p50_ms`` (the steady chunks a switch lands on) against ``other_latency_p50_ms``
+        (the steady chunks between), ``switch_extra_ms`` their difference."""
+        tg = torch.Generator().manual_seed(2)
+        m = self.cfg.model
+        prompts = {i: torch.randn(m.text_len, m.text_dim, generator=tg) for i in range(k, n, k)}
+        outs, ps = self.stream(n, prompts)
+        steady = outs[self.skip :]
+        at = [o.timings for o in steady if o.index in prompts]
+        others = [o.timings.latency_ms for o in steady if o.index not in prompts]
+        ps.update(
+            every=k, switches=len(prompts), length=m.text_len, rule=repr(rule), switch_chunks=sorted(prompts)
+        )
+        ps["switch_latency_p50_ms"] = median([t.latency_ms for t in at]) if at else None
+        ps["switch_diffusion_p50_ms"] = median([t.diffusion_ms for t in at]) if at else None
+        ps["other_latency_p50_ms"] = median(others) if others else None
+        ps["switch_extra_ms"] = (
+            ps["switch_latency_p50_ms"] - ps["other_latency_p50_ms"] if at and others else None
+        )
+        return outs, ps
 
 
 def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) -> list[tuple[str, str]]:
@@ -485,6 +576,12 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
             f"{res['diffusion_ms']:.1f} / {res['decode_ms']:.1f} / {res['host_copy_ms']:.2f} ms",
         ),
         ("graphs", str(res["graphs"])),
+        (
+            "peak GPU memory",
+            f"{res['peak_mem_gib']:.2f} GiB (over the stream)"
+            if res["peak_mem_gib"] is not None
+            else "n/a (CPU)",
+        ),
     ]
     if "shape_change_run" in res:
         sc = res["shape_change_run"]
@@ -496,6 +593,18 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
                 f"graphs {sc['graphs']}",
             )
         )
+    if "prompt_switch_run" in res:
+        ps = res["prompt_switch_run"]
+        extra = ps["switch_extra_ms"]
+        rows.append(
+            (
+                "prompt-switch run",
+                f"{ps['switches']} switches ({ps['rule']}): latency p50 at a switch "
+                f"{_ms(ps['switch_latency_p50_ms'])} vs {_ms(ps['other_latency_p50_ms'])} between"
+                + (f" ({extra:+.1f} ms)" if extra is not None else "")
+                + f", fps {ps['fps']:.1f}, deadline miss {100 * ps['deadline_miss_rate']:.1f}%",
+            )
+        )
     if info is not None:
         rows.insert(
             1,
@@ -505,6 +614,10 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
             ),
         )
     return rows
+
+
+def _ms(v) -> str:
+    return "n/a" if v is None else f"{v:.1f} ms"
 
 
 def _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms: float, lead_ms: float) -> None:

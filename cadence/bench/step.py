@@ -7,6 +7,14 @@
     cadence bench step --preset w57 --layers 12 --tp 4 --emulate --sequence-parallel --cache ring \
         --kv-fp8 --fp8 --compile --graphs          # rank 0 of four, on one GPU
 
+The words: ``--model`` / ``--preset`` (default tiny; random weights at its geometry) and a step's fast path
+(:data:`FAST_FIELDS`) come from the one engine-flag set (``cadence.engine.flags``: each ``FastPath`` field's
+docstring is its help) and are resolved by the recipe (``cadence.bench.recipes.part_recipe``), printed first
+and recorded (``recipe``). What they meant before stays: FP8 K/V and FP8 linears off unless asked (a bare
+command times the bf16 reference step, not what a bare ``cadence serve`` runs on CUDA), ``--cache naive`` (the
+default) keeps its cache whatever else is asked, graphs on by default only with CUDA and the ring; on the CPU
+``--kv-fp8`` / ``--fp8`` still run (their CPU code paths: a smoke test). The rest is this benchmark's own.
+
 Tensor parallel (``--tp N``, under ``torchrun --nproc_per_node N``): every rank builds only its
 shard (the model is constructed on ``meta``, sharded with ``apply_tp`` there, then allocated with
 ``to_empty`` on its GPU and randomly initialised, so no rank ever holds the full model), draws
@@ -59,6 +67,7 @@ when this checkout has no such module).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shlex
 import sys
@@ -70,17 +79,13 @@ import torch
 from cadence.bench.common import Timer, median, record
 from cadence.bench.floors import chunk_flops  # noqa: F401  (re-exported: the whole chunk's FLOPs)
 from cadence.bench.results import add_record_flags, results_dir
-from cadence.config import CadenceConfig, get_preset
+from cadence.config import CadenceConfig
+from cadence.engine.flags import add_fast_path_flags, add_model_flags
+from cadence.engine.recipe import EngineRecipe
+from cadence.engine.spec import FastPath
 from cadence.errors import InputError, UsageParser
+from cadence.model.families import KVStream
 from cadence.telemetry.spans import SpanRecorder
-
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
 
 
 def fill_cache_random(cache, cfg: CadenceConfig, model, gen: torch.Generator) -> None:
@@ -345,13 +350,34 @@ def measure_step(
     }
 
 
+#: The engine-flag set's fields this benchmark takes (``cadence.engine.flags``: each field's docstring is its
+#: help); the rest of ``FastPath`` (the decoder, warm-up threads, filling captures) has no part in a step.
+FAST_FIELDS = (
+    "dtype",
+    "kv_fp8",
+    "fp8_linears",
+    "graphs",
+    "compile",
+    "comm",
+    "attention",
+    "gemm",
+    "fused_quant",
+    "sequence_parallel",
+)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
+    """The benchmark's own flags, then ``--model`` / ``--preset`` and the fast-path flags of a step from the one
+    engine-flag set (:data:`FAST_FIELDS`; ``--fp8`` is ``--fp8-linears``' other spelling)."""
     p = UsageParser(prog="cadence bench step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--cache", default="naive", choices=["naive", "ring"])
-    p.add_argument("--kv-fp8", action="store_true", help="FP8 K/V (ring: FP8 attention kernel)")
+    p.add_argument(
+        "--cache",
+        default="naive",
+        choices=["naive", "ring"],
+        help="the self-attention cache (default naive: the bf16 baseline; CUDA graphs and the FP8 K/V "
+        "attention kernel need the ring)",
+    )
     p.add_argument("--sink-policy", default="follow", choices=["follow", "absolute"])
-    p.add_argument("--dtype", default=None, help="bf16 (default on CUDA) | fp32 (default on CPU) | fp16")
     p.add_argument(
         "--tp",
         type=int,
@@ -367,27 +393,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--emulate-rank", type=int, default=0, help="with --emulate: which rank (default 0)")
     p.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="with --tp N: sequence parallelism in the replicated regions (cadence.parallel.sp)",
-    )
-    p.add_argument("--fp8", action="store_true", help="FP8 block linears (cadence.quant.fp8.apply_fp8)")
-    p.add_argument(
-        "--fused-quant",
-        action="store_true",
-        help="with --fp8: the norms / GELU before an FP8 linear emit its FP8 input (FastPath.fused_quant)",
-    )
-    p.add_argument(
         "--fp8-quant",
         default=None,
         choices=["auto", "triton", "torch"],
         help="with --fp8: activation quantisation path (auto: the one-launch Triton kernel on CUDA; "
         "torch: the eager reference; default: $CADENCE_FP8_QUANT or auto)",
-    )
-    p.add_argument(
-        "--comm",
-        default="auto",
-        help="row-parallel comm mode with --tp > 1: auto | nccl | two_shot | one_shot | rs_ag | chunkedN",
     )
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     p.add_argument(
@@ -396,18 +406,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="run this many layers and scale to the preset's count (default: all that fit)",
     )
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3 CUDA, 1 CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (default 20 CUDA, 5 CPU)")
     p.add_argument(
         "--profile-iters", type=int, default=3, help="instrumented eager steps for the eager split"
-    )
-    p.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also time the step replayed from one CUDA graph per rank (all passes, all layers) and "
-        "report eager vs graphed (default: on with CUDA and the ring cache; elsewhere --graphs "
-        "falls back to eager with one log line)",
     )
     p.add_argument(
         "--graph-split",
@@ -416,15 +418,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="with graphs: the split of the graph-replayed step (timing events inside one more captured "
         "graph); the eager split otherwise (default: on)",
     )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the per-block elementwise regions (cadence.runtime.compile.apply_compile), "
-        "applied after TP and FP8",
-    )
     add_record_flags(p)
     p.add_argument("--png", action="store_true", help="also draw the breakdown as a PNG beside the JSON")
+    # the engine-flag set: --model/--preset (random weights at its geometry) and a step's fast-path fields.
+    # Here FP8 K/V and FP8 linears are off unless asked (cadence.bench.recipes), CUDA graphs on by default with
+    # CUDA and the ring cache (--graphs with the naive cache or on the CPU: eager, one log line)
+    add_model_flags(p, default="tiny", files=False)
+    add_fast_path_flags(p, only=FAST_FIELDS)
     return p.parse_args(argv)
+
+
+def step_spec(args: argparse.Namespace, layers: int | None = None):
+    """The ``EngineSpec`` of the words: ``--cache`` (the naive cache keeps its FP8 K/V storage when asked, and
+    takes no graphs), ``--sink-policy``, ``layers`` (None: the model's), ``--tp``; FP8 off unless asked."""
+    from cadence.bench.recipes import part_fast, part_spec
+
+    fast = part_fast(args)
+    stream: dict = {"cache": args.cache, "sink_policy": args.sink_policy}
+    if args.cache == "naive":  # the recipe would move FP8 K/V and graphs to the ring: the words say naive
+        stream["kv_fp8"] = bool(fast.kv_fp8)
+        fast = dataclasses.replace(fast, kv_fp8=False, graphs=False)
+    over: dict = {"stream": stream}
+    if layers is not None:
+        over["model"] = {"num_layers": layers}
+    return part_spec(args, over, fast, tp=args.tp)
 
 
 def build_tp_model(
@@ -460,13 +477,41 @@ class Setup:
     info: object  # TPInfo of a real rank under torchrun, else None
     group: object  # what apply_tp gets: a ProcessGroup, an EmulatedGroup, or None (TP=1)
     rank0: bool
-    dtype: torch.dtype
-    full: CadenceConfig
-    cfg: CadenceConfig
+    recipe: EngineRecipe  # what the words build here (cadence.bench.recipes.part_recipe), at the layers run
+    full: CadenceConfig  # the configuration at the model's own layer count (floors, FLOPs, the record)
     scale: float
     warmup: int
     iters: int
+    graphs_asked: bool | None  # --graphs / --no-graphs as given (None: the default)
     fused_quant: object = None  # the FusedQuantReport of apply_fused_quant (FP8 runs), set by _build
+
+    @property
+    def cfg(self) -> CadenceConfig:
+        return self.recipe.config
+
+    @property
+    def fast(self) -> FastPath:
+        return self.recipe.fast
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.fast.dtype)
+
+    @property
+    def cache(self) -> str:
+        return self.cfg.stream.cache
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.cfg.stream.kv_fp8
+
+    @property
+    def fp8(self) -> bool:
+        return bool(self.fast.fp8_linears)
+
+    @property
+    def tp(self) -> int:
+        return self.recipe.tp
 
     @property
     def emulated(self) -> bool:
@@ -486,43 +531,49 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InputError("--emulate stands in for one rank of a group: give --tp N with N >= 2")
     if args.emulate and not 0 <= args.emulate_rank < args.tp:
         raise InputError(f"--emulate-rank {args.emulate_rank} is outside --tp {args.tp}")
-    if args.sequence_parallel and args.tp < 2:
+    if args.fast_sequence_parallel and args.tp < 2:
         raise InputError("--sequence-parallel needs tensor parallelism: --tp N with N >= 2")
     try:
-        parse_mode(args.comm)
+        parse_mode(args.fast_comm or "auto")
     except ValueError as e:
         raise InputError(str(e)) from None
 
 
-def _setup(args: argparse.Namespace) -> Setup:
+def _group(args: argparse.Namespace):
+    """(TPInfo of a real rank under torchrun or None, what apply_tp gets: a ProcessGroup, an EmulatedGroup or
+    None)."""
     import os
 
-    _check_args(args)
-    info = group = None
     if args.tp > 1 and args.emulate:
         from cadence.parallel.emulate import EmulatedGroup
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise InputError("--emulate runs one process: start it without torchrun")
-        group = EmulatedGroup(args.tp, args.emulate_rank)
-    elif args.tp > 1:
-        from cadence.parallel import init_tp
+        return None, EmulatedGroup(args.tp, args.emulate_rank)
+    if args.tp == 1:
+        return None, None
+    from cadence.parallel import init_tp
 
-        if "WORLD_SIZE" not in os.environ:
-            raise InputError(
-                f"--tp {args.tp} runs under torchrun: torchrun --nproc_per_node {args.tp} -m cadence bench "
-                f"step ... --tp {args.tp} (or emulate one rank on one device: --emulate)"
-            )
-        info = init_tp(backend=None if (args.device or "cuda") != "cpu" else "gloo")
-        if info.world_size != args.tp:
-            raise InputError(f"--tp {args.tp} but torchrun started {info.world_size} ranks")
-        logging.basicConfig(
-            level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
+    if "WORLD_SIZE" not in os.environ:
+        raise InputError(
+            f"--tp {args.tp} runs under torchrun: torchrun --nproc_per_node {args.tp} -m cadence bench "
+            f"step ... --tp {args.tp} (or emulate one rank on one device: --emulate)"
         )
-        logging.getLogger("cadence.parallel.fused").setLevel(
-            logging.INFO if info.rank == 0 else logging.WARNING
-        )
-        group = info.group
+    info = init_tp(backend=None if (args.device or "cuda") != "cpu" else "gloo")
+    if info.world_size != args.tp:
+        raise InputError(f"--tp {args.tp} but torchrun started {info.world_size} ranks")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("cadence.parallel.fused").setLevel(logging.INFO if info.rank == 0 else logging.WARNING)
+    return info, info.group
+
+
+def _setup(args: argparse.Namespace) -> Setup:
+    from cadence.bench.recipes import part_recipe
+
+    _check_args(args)
+    info, group = _group(args)
     device = (
         info.device
         if info is not None
@@ -530,50 +581,53 @@ def _setup(args: argparse.Namespace) -> Setup:
     )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda but CUDA is not available")
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    full = get_preset(args.preset).with_overrides(
-        stream={"cache": args.cache, "kv_fp8": args.kv_fp8, "sink_policy": args.sink_policy}
+    full = part_recipe(step_spec(args), str(device))  # the model's own layer count
+    if not isinstance(full.stream, KVStream):
+        raise InputError(f"bench step times a K/V cache's chunk step; {args.model} streams {full.stream!r}")
+    dtype = getattr(torch, full.fast.dtype)
+    layers = min(
+        args.layers or layers_that_fit(full.config, dtype, device, args.tp), full.config.model.num_layers
     )
-    layers = min(args.layers or layers_that_fit(full, dtype, device, args.tp), full.model.num_layers)
     cuda = device.type == "cuda"
     return Setup(
         device=device,
         info=info,
         group=group,
         rank0=info is None or info.rank == 0,
-        dtype=dtype,
-        full=full,
-        cfg=full.with_overrides(model={"num_layers": layers}),
-        scale=full.model.num_layers / layers,
+        recipe=part_recipe(step_spec(args, layers), str(device)),
+        full=full.config,
+        scale=full.config.model.num_layers / layers,
         warmup=args.warmup if args.warmup is not None else (3 if cuda else 1),
         iters=args.iters if args.iters is not None else (20 if cuda else 5),
+        graphs_asked=args.fast_graphs,
     )
 
 
 def _build(args: argparse.Namespace, st: Setup):
-    """The model this rank runs: built (sharded on meta under TP), FP8, compiled. Returns
-    (model, how it was built, FP8 layer count, the compile report)."""
+    """The model this rank runs, as ``build_engine`` applies the recipe's fast path: built (sharded on meta
+    under TP), FP8 linears (with the recipe's GEMM backend), compiled, fused FP8 producers. Returns (model, how
+    it was built, FP8 layer count, the compile report)."""
     from cadence.model.weights import build_model
 
-    built = "full"
+    fast, built = st.fast, "full"
     if st.group is None:
         model = build_model(st.cfg, st.device, st.dtype, seed=0)
     else:
         model, built = build_tp_model(
-            st.cfg, st.device, st.dtype, st.group, args.comm, args.sequence_parallel
+            st.cfg, st.device, st.dtype, st.group, fast.comm, fast.sequence_parallel
         )
     fp8_layers = 0
-    if args.fp8:
+    if fast.fp8_linears:
         from cadence.quant import apply_fp8, set_quant_backend
 
         if args.fp8_quant:
             set_quant_backend(args.fp8_quant)
-        fp8_layers = apply_fp8(model)
+        fp8_layers = apply_fp8(model, gemm=fast.gemm)
     compile_report = None
-    if args.compile:
+    if fast.compile:
         model, compile_report = apply_compile_or_exit(model)
-    if args.fp8 and args.fused_quant:  # as build_engine (FastPath.fused_quant): the norms / GELU before the
-        from cadence.runtime.compile import apply_fused_quant  # FP8 linears emit their FP8 input (CUDA only)
+    if fast.fp8_linears and fast.fused_quant:  # as build_engine: the norms / GELU before the FP8 linears
+        from cadence.runtime.compile import apply_fused_quant  # emit their FP8 input (CUDA only)
 
         st.fused_quant = apply_fused_quant(model)
     return model, built, fp8_layers, compile_report
@@ -592,24 +646,25 @@ def run(args: argparse.Namespace) -> dict:
 
 def _run(args: argparse.Namespace) -> dict:
     st = _setup(args)
+    fast = st.fast
     if st.rank0:
+        print(st.recipe.describe().text(), file=sys.stderr)
         what = ""
         if st.group is not None:
             what = f", tp={args.tp}" + (f" (emulated rank {st.group.rank})" if st.emulated else "")
-            what += f" comm={args.comm}" + (" sequence-parallel" if args.sequence_parallel else "")
+            what += f" comm={fast.comm}" + (" sequence-parallel" if fast.sequence_parallel else "")
         print(
             f"[bench step] {st.full.name}: {st.layers}/{st.full.model.num_layers} layers, {st.dtype}, "
-            f"cache={args.cache}, {st.device}{what}" + (", fp8" if args.fp8 else ""),
+            f"cache={st.cache}, {st.device}{what}" + (", fp8" if st.fp8 else ""),
             file=sys.stderr,
         )
     if st.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(st.device)
     model, built, fp8_layers, compile_report = _build(args, st)
-    graphs_why = graphs_unavailable_reason(st.device, args.cache)
-    graphs = bool(args.graphs if args.graphs is not None else graphs_why is None)
-    if graphs and graphs_why is not None:
+    graphs_why = graphs_unavailable_reason(st.device, st.cache)
+    graphs = bool(fast.graphs) and graphs_why is None
+    if st.graphs_asked and graphs_why is not None:
         logging.getLogger(__name__).warning("--graphs: %s; timing the eager step only", graphs_why)
-        graphs = False
     m = measure_step(
         st.cfg,
         model,
@@ -637,14 +692,14 @@ def _run(args: argparse.Namespace) -> dict:
 def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
     variant = (
         "emu-" if st.emulated else ""
-    ) + f"{args.cache}{'-fp8kv' if args.kv_fp8 else ''}-{results['dtype']}"
-    if args.fp8:
+    ) + f"{st.cache}{'-fp8kv' if st.kv_fp8 else ''}-{results['dtype']}"
+    if st.fp8:
         variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
     if st.group is not None:
-        variant += f"-{args.comm}" + ("-sp" if args.sequence_parallel else "")
+        variant += f"-{st.fast.comm}" + ("-sp" if st.fast.sequence_parallel else "")
     if results["graphs"]["tried"]:
         variant += "-graphs"
-    if args.compile:
+    if st.fast.compile:
         variant += "-compile"
     s, scale = results["step_ms"], st.scale
     path = record(
@@ -658,6 +713,7 @@ def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
         out_dir=results_dir(args),
         world=args.tp if st.info is not None else 1,
         command=getattr(args, "command", None),
+        extra={"recipe": st.recipe.describe().as_dict()},
         headline=f"step {s:.1f} ms ({results['step_mode']}"
         + (f", eager {results['step_eager_ms']:.1f} ms" if results["step_graph_ms"] is not None else "")
         + f"), attention {results['attention_ms']:.1f}, cache {results['cache_upkeep_ms']:.1f}, linear "
@@ -667,7 +723,7 @@ def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
     )
     print(f"wrote {path}")
     if args.png:
-        draw_png(path.with_suffix(".png"), results, f"{st.full.name} step ({results['dtype']}, {args.cache})")
+        draw_png(path.with_suffix(".png"), results, f"{st.full.name} step ({results['dtype']}, {st.cache})")
     results["_path"] = str(path)
 
 

@@ -128,7 +128,7 @@ def _floor_fields(args, st, out: dict) -> dict:
     from cadence.bench.floors import comm_bus_bytes, floors_ms, rank_flops
 
     bus = comm_bus_bytes(out["collectives"], args.tp) if out["collectives"] else 0.0
-    floors = floors_ms(st.full, args.tp, bool(args.sequence_parallel), bool(args.fp8), bool(args.kv_fp8), bus)
+    floors = floors_ms(st.full, args.tp, bool(st.fast.sequence_parallel), st.fp8, st.kv_fp8, bus)
     split = out["split"]
     measured = {p: split[f"{p}_ms"] for p in PARTS}
     if st.emulated:
@@ -165,13 +165,13 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
     graph = m["graph"]
     out = _step_fields(st, m)
     out["graphs"] = {
-        "requested": args.graphs,
+        "requested": st.graphs_asked,
         "tried": graph is not None,
         "used": out["step_graph_ms"] is not None,
         "reason": graphs_why if graph is None else (None if graph["used"] else graph["last"]),
         **({k: v for k, v in graph.items() if k != "times"} if graph is not None else {}),
     }
-    out["compile"] = compile_info(compile_report) if args.compile else None
+    out["compile"] = compile_info(compile_report) if st.fast.compile else None
     out.update(_split_fields(args, st, m))
     out.update(_tp_fields(args, st, m, out))
     out.update(_floor_fields(args, st, out))
@@ -180,12 +180,12 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
     out["tflop_linear"], out["tflop_attention"] = fl["linear"] / 1e12, fl["attention"] / 1e12
     dev = st.device
     out.update(
-        cache=args.cache,
-        kv_fp8=args.kv_fp8,
+        cache=st.cache,
+        kv_fp8=st.kv_fp8,
         cache_mem_gib=m["cache_bytes"] * st.scale / 2**30,
-        fp8=bool(args.fp8),
-        fused=bool(st.group is not None and args.comm != "nccl"),
-        sequence_parallel=bool(args.sequence_parallel),
+        fp8=st.fp8,
+        fused=bool(st.group is not None and st.fast.comm != "nccl"),
+        sequence_parallel=bool(st.fast.sequence_parallel),
         emulated=st.emulated,
         emulated_rank=st.group.rank if st.emulated else None,
         dtype=str(st.dtype).replace("torch.", ""),
@@ -198,7 +198,7 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
         iters=st.iters,
         warmup=st.warmup,
     )
-    if args.fp8:
+    if st.fp8:
         from cadence.quant import fp8 as fp8_mod
 
         out["fp8_layers"] = fp8_layers
@@ -214,7 +214,7 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
         from cadence.parallel import fused
 
         out.update(
-            comm=args.comm,
+            comm=st.fast.comm,
             comm_decisions=fused.chooser_decisions(),
             comm_fallbacks=fused.fallback_warnings(),
             symm_cache=fused.symm_cache_info(),
@@ -306,7 +306,7 @@ def print_report(args, st, r: dict) -> None:
             ),
         ),
     ]
-    if args.fp8:
+    if st.fp8:
         rows.append(
             (
                 "FP8 linears",
@@ -350,13 +350,13 @@ def print_report(args, st, r: dict) -> None:
         who = (
             f" tp{args.tp}"
             + (f" (emulated rank {st.group.rank})" if st.emulated else "")
-            + f" comm={args.comm}"
+            + f" comm={st.fast.comm}"
         )
-        who += " sequence-parallel" if args.sequence_parallel else ""
+        who += " sequence-parallel" if st.fast.sequence_parallel else ""
     print_table(
         rows,
-        f"bench step: {st.full.name}{who or ' tp1'} cache={args.cache}{' fp8 K/V' if args.kv_fp8 else ''} "
-        f"{r['dtype']}{' fp8 linears' if args.fp8 else ''}",
+        f"bench step: {st.full.name}{who or ' tp1'} cache={st.cache}{' fp8 K/V' if st.kv_fp8 else ''} "
+        f"{r['dtype']}{' fp8 linears' if st.fp8 else ''}",
     )
     if r["collectives"]:
         print_table(collective_rows(r), "collectives per chunk (estimated from measured link figures):")

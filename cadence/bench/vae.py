@@ -146,19 +146,19 @@ def build_decoder(args, device: torch.device, dtype: torch.dtype):
     return cfg, model.to(device=device, dtype=dtype).eval(), z, stride
 
 
-@torch.no_grad()
-def run(args: argparse.Namespace) -> dict:
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _dtype(args.dtype, device)
+
+def _prepare(args, device: torch.device, dtype: torch.dtype):
+    """The decoder as the flags ask (``--fast``: the pipeline's decoder fast path, which replaces
+    ``--channels-last`` / ``--compile`` for the Wan decoder). Returns (cfg, model, z, stride, the fast path's
+    report or None, what was compiled)."""
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
     cfg, model, z, stride = build_decoder(args, device, dtype)
     if args.height % stride[1] or args.width % stride[2]:
         raise SystemExit(f"--height/--width must be multiples of {stride[1]} for variant {args.variant}")
-    lh, lw = args.height // stride[1], args.width // stride[2]
     fast_rep = None
     if args.fast is not None and args.decoder == "wan":
         from cadence.runtime.vae_fast import accelerate_decoder
@@ -168,12 +168,15 @@ def run(args: argparse.Namespace) -> dict:
         args.compile = False
     if args.channels_last and fast_rep is None:
         _channels_last(model)
-    compiled = _compile_blocks(model, log) if args.compile else []
+    compiled = _compile_blocks(model, _log) if args.compile else []
+    return cfg, model, z, stride, fast_rep, compiled
 
-    g = torch.Generator(device="cpu").manual_seed(0)
+
+def _time_stream(args, model, lat, timer: Timer, compiled: list) -> tuple[float, list[float], list]:
+    """A warm-up stream (a compile that fails at its first call: eager, one line), then the timed one: its
+    first latent frame, then ``--chunks`` further chunks. Returns (first ms, per-chunk ms, what stayed
+    compiled)."""
     lf = args.latent_frames
-    lat = torch.randn(z, 1 + lf * (args.warmup + args.chunks), lh, lw, generator=g).to(device, dtype)
-    timer = Timer(device)
 
     def warm() -> None:
         st = model.stream()
@@ -186,14 +189,15 @@ def run(args: argparse.Namespace) -> dict:
     except Exception as e:
         if not compiled:
             raise
-        log(f"torch.compile failed at first call ({type(e).__name__}: {str(e).splitlines()[0][:200]}); eager")
+        _log(
+            f"torch.compile failed at first call ({type(e).__name__}: {str(e).splitlines()[0][:200]}); eager"
+        )
         _uncompile(compiled)
         compiled = []
         warm()
     timer.sync()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
+    if timer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(timer.device)
     st = model.stream()
     first = timer.run(lambda: st.decode_chunk(lat[:, :1]), warmup=0, iters=1)[0]
     times: list[float] = []
@@ -202,6 +206,20 @@ def run(args: argparse.Namespace) -> dict:
         times += timer.run(lambda sl=sl: st.decode_chunk(sl), warmup=0, iters=1)
         print(f"\rchunk {i + 1}/{args.chunks} ({times[-1]:.1f} ms)", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
+    return first, times, compiled
+
+
+@torch.no_grad()
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _dtype(args.dtype, device)
+    cfg, model, z, stride, fast_rep, compiled = _prepare(args, device, dtype)
+    lh, lw = args.height // stride[1], args.width // stride[2]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lf = args.latent_frames
+    lat = torch.randn(z, 1 + lf * (args.warmup + args.chunks), lh, lw, generator=g).to(device, dtype)
+    timer = Timer(device)
+    first, times, compiled = _time_stream(args, model, lat, timer, compiled)
     frames_per_chunk = stride[0] * lf
     per = median(times)
     results = {
@@ -229,13 +247,21 @@ def run(args: argparse.Namespace) -> dict:
         "chunk_ms": times,
     }
     if args.compare_diffusers:
-        results.update(_diffusers(args, cfg, model, lat, device, dtype, timer, log))
+        results.update(_diffusers(args, cfg, model, lat, device, dtype, timer, _log))
+    _print(args, results, compiled, fast_rep)
+    if not args.no_record:
+        _record(args, results, compiled, fast_rep, device, z, lh, lw, stride)
+    return results
 
+
+def _print(args, results: dict, compiled: list, fast_rep) -> None:
+    lf, fpc = results["latent_frames_per_chunk"], results["frames_per_chunk"]
     rows = [
-        ("first chunk (1 frame)", f"{first:9.2f} ms"),
+        ("first chunk (1 frame)", f"{results['first_chunk_ms']:9.2f} ms"),
         (
-            f"per further chunk ({frames_per_chunk} frames)",
-            f"{per:9.2f} ms  p99 {results['per_chunk_p99_ms']:.2f}  (deadline {DEADLINE_MS * lf:.1f} ms)",
+            f"per further chunk ({fpc} frames)",
+            f"{results['per_chunk_ms']:9.2f} ms  p99 {results['per_chunk_p99_ms']:.2f}  (deadline "
+            f"{DEADLINE_MS * lf:.1f} ms)",
         ),
     ]
     if results.get("diffusers_per_chunk_ms") is not None:
@@ -251,47 +277,42 @@ def run(args: argparse.Namespace) -> dict:
         f"{' channels_last' if args.channels_last else ''}{' compiled' if compiled else ''}"
         + (f" fast={fast_rep.describe()}" if fast_rep is not None else ""),
     )
-    if not args.no_record:
-        variant = "-".join(
-            [args.variant, args.decoder, results["dtype"]]
-            + (["cl"] if args.channels_last else [])
-            + (["compile"] if compiled else [])
-            + ([f"fast{args.fast}"] if fast_rep is not None else [])
-            + (
-                [os.environ.get("CADENCE_CONV_FP8", "triton")]
-                if fast_rep is not None and args.fast == "fp8"
-                else []
-            )
-            + ([f"lf{lf}"] if lf != 1 else [])
-            + (["cudnnbench"] if args.cudnn_benchmark else [])
+
+
+def _record(args, results: dict, compiled: list, fast_rep, device, z: int, lh: int, lw: int, stride) -> None:
+    """The JSON record (BENCHMARKS.md bench "vae"), with the recipe of the decoder timed."""
+    lf, per = results["latent_frames_per_chunk"], results["per_chunk_ms"]
+    variant = "-".join(
+        [args.variant, args.decoder, results["dtype"]]
+        + (["cl"] if args.channels_last else [])
+        + (["compile"] if compiled else [])
+        + ([f"fast{args.fast}"] if fast_rep is not None else [])
+        + (
+            [os.environ.get("CADENCE_CONV_FP8", "triton")]
+            if fast_rep is not None and args.fast == "fp8"
+            else []
         )
-        shape = {
-            "height": args.height,
-            "width": args.width,
-            "latent": [z, lf, lh, lw],
-            "stride": list(stride),
-        }
-        path = record(
-            "vae",
-            f"wan{args.variant}",
-            1,
-            device,
-            shape,
-            results,
-            variant=variant,
-            out_dir=results_dir(args),
-            command=getattr(args, "command", None),
-            extra={"recipe": args.recipe.as_dict()} if getattr(args, "recipe", None) else None,
-            headline=f"{args.decoder} decode {per:.1f} ms per {frames_per_chunk}-frame chunk"
-            + (
-                f" (diffusers {results['diffusers_per_chunk_ms']:.1f})"
-                if results.get("diffusers_per_chunk_ms") is not None
-                else ""
-            ),
-        )
-        print(f"wrote {path}")
-        results["_path"] = str(path)
-    return results
+        + ([f"lf{lf}"] if lf != 1 else [])
+        + (["cudnnbench"] if args.cudnn_benchmark else [])
+    )
+    shape = {"height": args.height, "width": args.width, "latent": [z, lf, lh, lw], "stride": list(stride)}
+    diff = results.get("diffusers_per_chunk_ms")
+    path = record(
+        "vae",
+        f"wan{args.variant}",
+        1,
+        device,
+        shape,
+        results,
+        variant=variant,
+        out_dir=results_dir(args),
+        command=getattr(args, "command", None),
+        extra={"recipe": args.recipe.as_dict()} if getattr(args, "recipe", None) else None,
+        headline=f"{args.decoder} decode {per:.1f} ms per {results['frames_per_chunk']}-frame chunk"
+        + (f" (diffusers {diff:.1f})" if diff is not None else ""),
+    )
+    print(f"wrote {path}")
+    results["_path"] = str(path)
 
 
 def _diffusers(args, cfg, model, lat, device, dtype, timer, log) -> dict:

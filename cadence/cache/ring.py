@@ -118,6 +118,28 @@ def _sdpa_backend(backend: str):
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
 
+def _check(
+    dtype: str,
+    sink_policy: str,
+    frame_sink_chunks: int,
+    window_chunks: int,
+    frames_per_chunk: int,
+    sink_frames: int,
+) -> None:
+    """One clear error for a ring that cannot be built."""
+    if dtype not in STORAGE:
+        raise ValueError(f"dtype must be one of {STORAGE}, got {dtype!r}")
+    if sink_policy not in SINK_POLICIES:
+        raise ValueError(f"sink_policy must be one of {SINK_POLICIES}, got {sink_policy!r}")
+    if frame_sink_chunks < 0:
+        raise ValueError(f"frame_sink_chunks must be >= 0, got {frame_sink_chunks}")
+    if window_chunks < 1 or frames_per_chunk < 1 or sink_frames < 0:
+        raise ValueError(
+            f"need window_chunks >= 1 ({window_chunks}), frames_per_chunk >= 1 "
+            f"({frames_per_chunk}), sink_frames >= 0 ({sink_frames})"
+        )
+
+
 class RingCache(SelfAttentionCache):
     """[sink | ring of W chunk slots] K/V per layer; RoPE (and FP8) once at write; read in place."""
 
@@ -140,18 +162,8 @@ class RingCache(SelfAttentionCache):
         frame_sink_chunks: int = 0,
         attention: str = "auto",
     ):
-        if dtype not in STORAGE:
-            raise ValueError(f"dtype must be one of {STORAGE}, got {dtype!r}")
-        if sink_policy not in SINK_POLICIES:
-            raise ValueError(f"sink_policy must be one of {SINK_POLICIES}, got {sink_policy!r}")
-        if frame_sink_chunks < 0:
-            raise ValueError(f"frame_sink_chunks must be >= 0, got {frame_sink_chunks}")
+        _check(dtype, sink_policy, frame_sink_chunks, window_chunks, frames_per_chunk, sink_frames)
         self.frame_sink_chunks = frame_sink_chunks
-        if window_chunks < 1 or frames_per_chunk < 1 or sink_frames < 0:
-            raise ValueError(
-                f"need window_chunks >= 1 ({window_chunks}), frames_per_chunk >= 1 "
-                f"({frames_per_chunk}), sink_frames >= 0 ({sink_frames})"
-            )
         self.num_layers, self.window_chunks, self.grid, self.rope = num_layers, window_chunks, grid, rope
         self.device = torch.device(device)
         self.heads, self.head_dim = heads, head_dim
@@ -168,8 +180,6 @@ class RingCache(SelfAttentionCache):
         # FP8: rows padded to 128 (the transposed V's TMA rows must be 16-byte aligned); bf16: exact,
         # so that the steady-state prefix is the whole buffer, contiguous, as cuDNN SDPA wants it
         N = (self.rows + ALIGN - 1) // ALIGN * ALIGN if fp8 else self.rows
-        dev, L, H, D = self.device, num_layers, heads, head_dim
-        store = FP8_DTYPE if fp8 else model_dtype
         # Triton write kernels when they can run here (CUDA, or the interpreter when forced)
         ok, why = ra.triton_usable(self.device, head_dim, allow_interpreter=bool(use_triton))
         self.use_triton = ok if use_triton is None else (use_triton and ok)
@@ -180,6 +190,14 @@ class RingCache(SelfAttentionCache):
                 logging.WARNING if self.device.type == "cuda" else logging.INFO,
             )
         self.plan = self._plan(attention, use_triton, model_dtype)
+        self._allocate(N, FP8_DTYPE if fp8 else model_dtype)
+        self.reset()
+
+    def _allocate(self, N: int, store: torch.dtype) -> None:
+        """The store (``N`` rows per layer and head, in ``store``'s dtype and the plan's layout), allocated once
+        and zeroed (unused rows must hold finite values), and the device-side addressing and RoPE buffers."""
+        dev, L, H, D = self.device, self.num_layers, self.heads, self.head_dim
+        S, T, model_dtype = self.sink_tokens, self.tokens_per_chunk, self.model_dtype
         v_t, head = self.plan.v_transposed, self.plan.scales == "head"
         # ---- the store, allocated once, zeroed (unused rows must hold finite values) ----
         self.k = torch.zeros(L, H, N, D, dtype=store, device=dev)
@@ -189,7 +207,9 @@ class RingCache(SelfAttentionCache):
         # per-head scales without an image sink: set by each layer's first committed chunk (device flag)
         self.scales_frozen = torch.zeros(L, dtype=torch.bool, device=dev)
         self.sink_raw = (
-            torch.zeros(L, S, H, D, dtype=model_dtype, device=dev) if sink_policy == "follow" and S else None
+            torch.zeros(L, S, H, D, dtype=model_dtype, device=dev)
+            if self.sink_policy == "follow" and S
+            else None
         )
         # ---- device-side addressing (static buffers, updated in place) ----
         self.slot = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -208,7 +228,6 @@ class RingCache(SelfAttentionCache):
         self.q_rot = torch.zeros(H, m, D, dtype=store, device=dev)
         self.q_scale = torch.ones(H, m, dtype=torch.float32, device=dev)
         self.q_head_scale = torch.ones(H, dtype=torch.float32, device=dev)
-        self.reset()
 
     def _plan(self, attention: str, use_triton: bool | None, model_dtype: torch.dtype):
         """The attention backend and the layout it reads (``use_triton=False``: the reference path)."""

@@ -699,8 +699,28 @@ class Engine:
         a = audio.float().to(sess.model.device)
         if prompt is not None:
             sess.set_prompt(prompt)
-        # pacing: launch the step once the device has finished all but steps_in_flight - 1 earlier steps
-        # (a host wait between steps, never inside one)
+        job = self._step(sess, index, a, t_recv, t_plan, tag)
+        st.submitted += 1
+        if not decode:
+            if job.ready_event is not None:
+                job.ready_event.synchronize()
+            return
+        if out is not None:
+            job.out = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+            if tuple(job.out.shape) != self.frame_shape or job.out.dtype != torch.uint8:
+                raise InputError(
+                    f"out must be uint8 {list(self.frame_shape)}, got {job.out.dtype} {list(job.out.shape)}"
+                )
+        dec.submit(job)
+        # the first chunk decodes with the device to itself (time to first frame); later ones overlap the next
+        # chunk's diffusion
+        if st.submitted == 1 and self.cfg.first_chunk_alone and self.cfg.overlap:
+            dec.wait_first()
+
+    def _step(self, sess, index: int, a: torch.Tensor, t_recv: float, t_plan: float | None, tag) -> _Job:
+        """The chunk's diffusion step, paced (launched once the device has finished all but
+        ``steps_in_flight - 1`` earlier steps: a host wait between steps, never inside one), timed (CUDA events
+        around it; the host clock on the CPU), as the decoder's job."""
         while len(self._in_flight) >= self.cfg.steps_in_flight:
             self._in_flight.pop(0).synchronize()
         t_recv = max(t_recv, time.monotonic()) if self.cuda else t_recv
@@ -721,38 +741,13 @@ class Engine:
             )
         else:
             lat = sess.step(a, runner=self.runner)
-            job = _Job(
-                index,
-                lat,
-                plan,
-                t_recv,
-                None,
-                None,
-                (time.monotonic() - t_recv) * 1e3,
-                self.runner.last or "eager",
-                None,
-                tag,
-            )
+            ms = (time.monotonic() - t_recv) * 1e3
+            job = _Job(index, lat, plan, t_recv, None, None, ms, self.runner.last or "eager", None, tag)
         if sess.yields_pixels:  # the step made the frames itself; the latent rides along for the caller
             job.pixels, job.latents = job.latents, sess.last_latent
         if sess.step_label is not None:  # the session says how it stepped (a clip)
             job.step = sess.step_label
-        st.submitted += 1
-        if not decode:
-            if self.cuda:
-                ready.synchronize()
-            return
-        if out is not None:
-            job.out = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
-            if tuple(job.out.shape) != self.frame_shape or job.out.dtype != torch.uint8:
-                raise InputError(
-                    f"out must be uint8 {list(self.frame_shape)}, got {job.out.dtype} {list(job.out.shape)}"
-                )
-        dec.submit(job)
-        # the first chunk decodes with the device to itself (time to first frame); later ones overlap the next
-        # chunk's diffusion
-        if st.submitted == 1 and self.cfg.first_chunk_alone and self.cfg.overlap:
-            dec.wait_first()
+        return job
 
     def collect(self, block: bool = False, n: int | None = None) -> list[ChunkResult]:
         """Finished chunks in order: those ready now, or (``block``) every chunk submitted and not yet

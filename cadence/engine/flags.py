@@ -137,10 +137,13 @@ def add_fast_path_flags(parser, only: tuple[str, ...] | None = None) -> None:
         )
 
 
-def add_model_flags(parser, default: str | None = DEFAULT_MODEL) -> None:
-    """``--model`` / ``--preset``, the files, the weights entry."""
+def add_model_flags(parser, default: str | None = DEFAULT_MODEL, files: bool = True) -> None:
+    """``--model`` / ``--preset``, the files, the weights entry (``files=False``: ``--model`` alone, for a
+    benchmark of one part that builds random weights at the model's geometry)."""
     g = parser.add_argument_group(
         "model and weights (default: the model's shipped weights; random weights for those without any)"
+        if files
+        else "model (random weights at its geometry)"
     )
     g.add_argument(
         "--model",
@@ -152,6 +155,8 @@ def add_model_flags(parser, default: str | None = DEFAULT_MODEL) -> None:
         "self-forcing, causvid, longlive, krea-14b, flashtalk); one registry, --preset is the same flag"
         + (f" (default: {default})" if default else ""),
     )
+    if not files:
+        return
     g.add_argument(
         "--weights",
         default=None,

@@ -1,10 +1,10 @@
-"""The engine's reports as dataclasses: :class:`StreamReport` (``Engine.last_run``: one stream) and the mixin
-that lets a report be read like the dict it replaced (``WarmupReport`` in ``cadence.engine.warmup`` too).
+"""The engine's reports as dataclasses: :class:`StreamReport` (``Engine.last_run``: one stream) and the base
+every report shares (``WarmupReport`` in ``cadence.engine.warmup`` too).
 
-A report is a dataclass with a documented field per figure; ``report["key"]``, ``report.get("key")`` and
-``"key" in report`` keep working for the callers that index it, and ``as_dict()`` is what travels (JSON
-records, the worker's ready info). Fields listed in ``OPTIONAL`` exist only when they apply: ``None`` there
-reads as absent (``in`` is False, ``as_dict`` leaves them out).
+A report is a dataclass with a documented field per figure, read by attribute (``report.ttff_ms``);
+``as_dict()`` is what travels (JSON records, the worker's ready info). Fields listed in ``OPTIONAL`` exist only
+when they apply: ``None`` there means absent (``as_dict`` leaves them out, so the JSON keeps the keys it always
+had).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
-class ReportView:
-    """Dict-style reading of a dataclass report."""
+class Report:
+    """The JSON of a dataclass report: ``as_dict()`` (the ``OPTIONAL`` fields left out while None)."""
 
     OPTIONAL: tuple[str, ...] = ()
 
@@ -22,21 +22,9 @@ class ReportView:
         d = dataclasses.asdict(self)
         return {k: v for k, v in d.items() if not (k in self.OPTIONAL and v is None)}
 
-    def __getitem__(self, key: str):
-        if key not in self:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default=None):
-        return getattr(self, key) if key in self else default
-
-    def __contains__(self, key: str) -> bool:
-        fields = self.__dataclass_fields__  # type: ignore[attr-defined]
-        return key in fields and not (key in self.OPTIONAL and getattr(self, key) is None)
-
 
 @dataclass
-class StreamReport(ReportView):
+class StreamReport(Report):
     """One ``Engine.stream`` (``Engine.last_run``), filled in as it runs."""
 
     OPTIONAL = ("ttff_ms", "first_chunk", "graphs", "wall_s")

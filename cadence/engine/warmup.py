@@ -34,15 +34,14 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.engine.messages import ChunkTimings
-from cadence.engine.reports import ReportView
+from cadence.engine.reports import Report
 from cadence.runtime.graphs import filling_shares_steady_graph
 
 
 @dataclass
-class WarmupReport(ReportView):
-    """What a warm-up ran and measured (times in ms). Reads like the dict it replaces (``report["key"]``,
-    ``report.get``, ``"key" in report``: ``cadence.engine.reports``) for the callers that index it;
-    ``as_dict()`` is what travels (the worker's ready info, JSON records)."""
+class WarmupReport(Report):
+    """What a warm-up ran and measured (times in ms), read by attribute; ``as_dict()`` is what travels (the
+    worker's ready info, JSON records: ``cadence.engine.reports``)."""
 
     OPTIONAL = ("thread_trials", "first_stream_chunk_ms")
 
@@ -155,7 +154,7 @@ def _fill_streams(eng, run, n: int, rep: WarmupReport, decode: bool) -> tuple[li
         ran += 1
         rep.fill_streams = ran
         if k == 0:
-            rep.first_stream_ttff_ms = _r(eng.last_run.get("ttff_ms")) if decode else None
+            rep.first_stream_ttff_ms = _r(eng.last_run.ttff_ms) if decode else None
     return per, ran
 
 

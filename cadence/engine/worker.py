@@ -111,82 +111,101 @@ def run_commands(
     decode) and the follower ranks (``reply`` None: they only step). Runs until ``Stop`` (or ``next_msg``
     raises EOFError / OSError: the other side is gone)."""
     rank0 = reply is not None
-    say = reply or (lambda msg: None)
-    sid_open: str | None = None
-
-    def drop(tags) -> None:  # chunks accepted but not decoded: give their slots back
-        for tag in tags:
-            sid, index, slot = tag
-            say(Dropped(sid, index, slot))
-
-    switch: tuple[int, str] | None = None  # a prompt switch waiting for its chunk: (index, prompt)
+    cmds = _Commands(eng, reply or (lambda msg: None), rank0, default_image, ring)
     while True:
         try:
             msg = next_msg()
         except (EOFError, OSError):
             break
         try:
-            match msg:
-                case Stop():
-                    break
-                case OpenSession(sid=sid, image=image, prompt=prompt, seed=seed):
-                    t = time.monotonic()
-                    drop(eng.end_stream())
-                    sid_open = None
-                    img = default_image if image is None else torch.from_numpy(image)
-                    eng.open(img, prompt, seed, key="default" if image is None else None, decode=rank0)
-                    sid_open, switch = sid, None
-                    say(Opened(sid, (time.monotonic() - t) * 1e3, eng.last_open_preopened))
-                case ChunkRequest(sid=sid, index=index, audio=audio, t_plan=t_plan, slot=slot):
-                    if sid != sid_open:  # a chunk for a session already closed: drop it
-                        say(Dropped(sid, index, slot))
-                        continue
-                    out = ring.view(slot) if ring is not None and slot is not None else None
-                    if out is None and slot is not None:  # no ring here: the slot is not used
-                        say(Dropped(sid, index, slot))
-                        slot = None
-                    prompt = None
-                    if switch is not None and index >= switch[0]:  # the new prompt from this chunk on
-                        prompt, switch = switch[1], None
-                    eng.submit(
-                        index,
-                        audio,
-                        out=out,
-                        tag=(sid, index, slot),
-                        t_plan=t_plan,
-                        decode=rank0,
-                        prompt=prompt,
-                    )
-                    del out
-                case SwitchPrompt(sid=sid, index=index, prompt=prompt):
-                    if sid == sid_open:  # (every rank gets it: the followers switch with rank 0)
-                        switch = (index, prompt)
-                case CloseSession(sid=sid):
-                    if sid == sid_open:
-                        drop(eng.end_stream())
-                        sid_open = None
-                    say(Closed(sid))
-                case Preopen():
-                    try:
-                        eng.preopen(default_image, DEFAULT_PROMPT, "default")
-                    except Exception as e:  # only a head start: the next open works as without it
-                        log.warning(
-                            "worker: could not open the next session ahead (%s: %s)", type(e).__name__, e
-                        )
-                case _:
-                    say(Error(None, f"unknown message {type(msg).__name__}"))
+            if not cmds.handle(msg):
+                break
         except (EOFError, OSError, BrokenPipeError):
             break
         except Exception as e:
             sid = getattr(msg, "sid", None)
             if isinstance(msg, OpenSession):
-                sid_open = None
+                cmds.sid_open = None
             if not rank0:  # rank 0 meets the same error on the same input and reports it
                 log.warning("follower: %s failed (%s: %s)", type(msg).__name__, type(e).__name__, e)
             try:
-                say(Error(sid, f"{type(e).__name__}: {e}", getattr(msg, "slot", None)))
+                cmds.say(Error(sid, f"{type(e).__name__}: {e}", getattr(msg, "slot", None)))
             except (EOFError, OSError):
                 break
+
+
+class _Commands:
+    """What :func:`run_commands` does with each message: the open session (``sid_open``), a prompt switch
+    waiting for its chunk (``switch``: (index, prompt)), replies through ``say``."""
+
+    def __init__(self, eng, say: Callable[[object], None], rank0: bool, default_image, ring):
+        self.eng, self.say, self.rank0, self.default_image, self.ring = eng, say, rank0, default_image, ring
+        self.sid_open: str | None = None
+        self.switch: tuple[int, str] | None = None
+
+    def handle(self, msg) -> bool:
+        """Act on ``msg``; False for ``Stop``."""
+        match msg:
+            case Stop():
+                return False
+            case OpenSession(sid=sid, image=image, prompt=prompt, seed=seed):
+                self.open(sid, image, prompt, seed)
+            case ChunkRequest():
+                self.chunk(msg)
+            case SwitchPrompt(sid=sid, index=index, prompt=prompt):
+                if sid == self.sid_open:  # (every rank gets it: the followers switch with rank 0)
+                    self.switch = (index, prompt)
+            case CloseSession(sid=sid):
+                if sid == self.sid_open:
+                    self.drop(self.eng.end_stream())
+                    self.sid_open = None
+                self.say(Closed(sid))
+            case Preopen():
+                try:
+                    self.eng.preopen(self.default_image, DEFAULT_PROMPT, "default")
+                except Exception as e:  # only a head start: the next open works as without it
+                    log.warning("worker: could not open the next session ahead (%s: %s)", type(e).__name__, e)
+            case _:
+                self.say(Error(None, f"unknown message {type(msg).__name__}"))
+        return True
+
+    def drop(self, tags) -> None:
+        """Chunks accepted but not decoded: give their slots back."""
+        for tag in tags:
+            sid, index, slot = tag
+            self.say(Dropped(sid, index, slot))
+
+    def open(self, sid: str, image, prompt, seed) -> None:
+        t = time.monotonic()
+        self.drop(self.eng.end_stream())
+        self.sid_open = None
+        img = self.default_image if image is None else torch.from_numpy(image)
+        self.eng.open(img, prompt, seed, key="default" if image is None else None, decode=self.rank0)
+        self.sid_open, self.switch = sid, None
+        self.say(Opened(sid, (time.monotonic() - t) * 1e3, self.eng.last_open_preopened))
+
+    def chunk(self, msg: ChunkRequest) -> None:
+        sid, index, slot = msg.sid, msg.index, msg.slot
+        if sid != self.sid_open:  # a chunk for a session already closed: drop it
+            self.say(Dropped(sid, index, slot))
+            return
+        out = self.ring.view(slot) if self.ring is not None and slot is not None else None
+        if out is None and slot is not None:  # no ring here: the slot is not used
+            self.say(Dropped(sid, index, slot))
+            slot = None
+        prompt = None
+        if self.switch is not None and index >= self.switch[0]:  # the new prompt from this chunk on
+            prompt, self.switch = self.switch[1], None
+        self.eng.submit(
+            index,
+            msg.audio,
+            out=out,
+            tag=(sid, index, slot),
+            t_plan=msg.t_plan,
+            decode=self.rank0,
+            prompt=prompt,
+        )
+        del out
 
 
 class _Pipe:
@@ -276,51 +295,76 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
     """Rank 0 of a worker group (the process the web side talks to). For a tensor-parallel group it also
     joins the group's process group and broadcasts every command to the followers (``follower_main``)."""
     _setup_process(spec, f"worker {spec.device}")
-    from cadence.engine.shm import FrameRing
-    from cadence.media.image import default_reference_image
-
     _start_line(spec)  # (the recipe's notes are logged by the engine as it applies them)
-    t = time.monotonic()
     pipe = _Pipe(conn)
-    ring = None
-    peers = None
-    devices = spec.devices
+    ring = peers = None
     try:
-        info = _tp_join(0, devices, spec.tp_port) if len(devices) > 1 else None
-        peers = _Peers(info) if info is not None else None
-        eng = _build(spec, 0, info, on_chunk=_chunk_reply(pipe))
-        if spec.shm:
-            sh = spec.shm
-            if tuple(sh["shape"]) != eng.frame_shape:
-                raise ValueError(f"frame ring shape {sh['shape']} != the engine's {list(eng.frame_shape)}")
-            ring = FrameRing.attach(sh["name"], sh["shape"], sh["slots"])
-        cfg = eng.gen.cfg
-        default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
-        build_ms = (time.monotonic() - t) * 1e3
-        with torch.no_grad():
-            warm, preopen_ms = _start_up(eng, spec, default_image, decode=True)
+        eng, ring, peers, default_image, ready = _start_rank0(spec, pipe)
     except Exception as e:
         pipe.send(Error(None, f"worker start failed: {type(e).__name__}: {e}"))
         raise
-    pipe.send(
-        Ready(
-            WorkerInfo(
-                preset=cfg.name,
-                device=spec.device,
-                tp=len(devices),
-                build_ms=round(build_ms, 1),
-                threads=torch.get_num_threads(),
-                fast_path=eng.describe(),
-                notes=list(eng.notes),
-                recipe=spec.recipe.describe().as_dict(),
-                warmup=warm,
-                preopen_ms=round(preopen_ms, 1),
-                frame_transport="shm" if ring is not None else "pipe",
-                frames_per_chunk=cfg.video_frames_per_chunk,
-                audio_samples_per_chunk=cfg.audio_samples_per_chunk,
-            )
+    pipe.send(ready)
+    try:
+        with torch.no_grad():
+            run_commands(eng, _rank0_messages(conn, peers), pipe.send, default_image, ring)
+    finally:
+        log.info("worker: stopping")
+        eng.end_stream()
+        if ring is not None:
+            ring.close()
+        if peers is not None:
+            from cadence.parallel import destroy_tp
+
+            destroy_tp(exiting=True)
+    if peers is not None:  # leave as the followers do (destroy_tp(exiting=True) left the NCCL group as is)
+        _exit_now()
+
+
+def _start_rank0(spec: WorkerSpec, pipe: _Pipe):  # pragma: no cover - other process
+    """Rank 0's start: the group joined (TP), the engine built, the frame ring attached, the start-up run.
+    Returns (engine, ring or None, peers or None, the default reference image, the ``Ready`` message)."""
+    from cadence.engine.shm import FrameRing
+    from cadence.media.image import default_reference_image
+
+    t = time.monotonic()
+    devices = spec.devices
+    info = _tp_join(0, devices, spec.tp_port) if len(devices) > 1 else None
+    peers = _Peers(info) if info is not None else None
+    eng = _build(spec, 0, info, on_chunk=_chunk_reply(pipe))
+    ring = None
+    if spec.shm:
+        sh = spec.shm
+        if tuple(sh["shape"]) != eng.frame_shape:
+            raise ValueError(f"frame ring shape {sh['shape']} != the engine's {list(eng.frame_shape)}")
+        ring = FrameRing.attach(sh["name"], sh["shape"], sh["slots"])
+    cfg = eng.gen.cfg
+    default_image = default_reference_image(cfg.stream.height, cfg.stream.width)
+    build_ms = (time.monotonic() - t) * 1e3
+    with torch.no_grad():
+        warm, preopen_ms = _start_up(eng, spec, default_image, decode=True)
+    ready = Ready(
+        WorkerInfo(
+            preset=cfg.name,
+            device=spec.device,
+            tp=len(devices),
+            build_ms=round(build_ms, 1),
+            threads=torch.get_num_threads(),
+            fast_path=eng.describe(),
+            notes=list(eng.notes),
+            recipe=spec.recipe.describe().as_dict(),
+            warmup=warm,
+            preopen_ms=round(preopen_ms, 1),
+            frame_transport="shm" if ring is not None else "pipe",
+            frames_per_chunk=cfg.video_frames_per_chunk,
+            audio_samples_per_chunk=cfg.audio_samples_per_chunk,
         )
     )
+    return eng, ring, peers, default_image, ready
+
+
+def _rank0_messages(conn, peers) -> Callable[[], object]:  # pragma: no cover - other process
+    """Rank 0's ``next_msg``: the web side's next command (``Stop`` once it is gone), broadcast to the
+    followers; idle after a close, a ``Preopen`` (the next default session opened ahead)."""
     idle_preopen = [False]
 
     def next_msg():
@@ -345,20 +389,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
             idle_preopen[0] = False
         return msg
 
-    try:
-        with torch.no_grad():
-            run_commands(eng, next_msg, pipe.send, default_image, ring)
-    finally:
-        log.info("worker: stopping")
-        eng.end_stream()
-        if ring is not None:
-            ring.close()
-        if peers is not None:
-            from cadence.parallel import destroy_tp
-
-            destroy_tp(exiting=True)
-    if peers is not None:  # leave as the followers do (destroy_tp(exiting=True) left the NCCL group as is)
-        _exit_now()
+    return next_msg
 
 
 def follower_main(rank: int, spec: WorkerSpec) -> None:  # pragma: no cover - other process

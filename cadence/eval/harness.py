@@ -536,10 +536,6 @@ def evaluate(
     plus for compared configurations ``delta``/``threshold``/``differs``; ``verdict``; build and run
     info; skipped ones ``{skipped, verdict}``), ``lipsync_corr_reference``, ``clips``, ``reruns`` and the
     settings."""
-    import gc
-
-    import torch
-
     if reruns < 1:
         raise ValueError(f"reruns must be >= 1, got {reruns}")
     wanted = [CONFIGS[c] if isinstance(c, str) else c for c in configs]
@@ -557,40 +553,23 @@ def evaluate(
             "description": "metrics on the rendered synthetic clips themselves (deterministic: one run, spread 0)",
         }
     }
+    run = dict(
+        clips=clips,
+        reruns=reruns,
+        device=device,
+        drift_seconds=drift_seconds,
+        weights=weights,
+        weights_seed=weights_seed,
+        noise_seed=noise_seed,
+        prompt=prompt,
+        progress=progress,
+    )
     ref_agg = None
     for config in wanted:
-        why = skip_reason(config, cfg)
-        entry: dict = {"description": config.description, "build": config.build_settings()}
-        if why is not None:
-            out_configs[config.name] = {**entry, "skipped": why, "verdict": f"skipped: {why}"}
-            if progress:
-                progress(f"{config.name}: skipped: {why}")
-            continue
-        eng, notes = build(config, cfg, device, weights=weights, weights_seed=weights_seed)
-        entry["build"]["dtype"] = str(eng.gen.model.dtype).replace("torch.", "")
-        entry["build"]["device"] = str(eng.gen.model.device)
-        entry["build"].update(notes)
-        entry["recipe"] = (
-            eng.recipe.describe().as_dict()
-        )  # what this configuration built (cadence.engine.recipe)
-        values, info = run_config(eng, config, clips, reruns, drift_seconds, noise_seed, prompt, progress)
-        eng.close()
-        del eng
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        agg = aggregate(values)
+        out_configs[config.name], agg = _evaluate_one(config, cfg, ref_agg, **run)
         if config.name == REFERENCE:
             ref_agg = agg
-            verdict = "reference"
-        else:
-            verdict, details = compare(ref_agg, agg)
-            for m, d in details.items():
-                agg[m].update(d)
-        out_configs[config.name] = {**agg, "verdict": verdict, **entry, **info}
-        if progress:
-            progress(f"{config.name}: {verdict}")
-    results = {
+    return {
         "configs": out_configs,
         "lipsync_corr_reference": ref_agg["lipsync_corr"]["mean"] if ref_agg else None,
         "lipsync_corr_ground_truth": gt["lipsync_corr"]["mean"],
@@ -610,7 +589,57 @@ def evaluate(
         "rerun_spread_definition": SPREAD_DEFINITION,
         "verdict_rule": VERDICT_RULE,
     }
-    return results
+
+
+def _evaluate_one(
+    config: Config,
+    cfg: CadenceConfig,
+    ref_agg: dict | None,
+    *,
+    clips,
+    reruns: int,
+    device,
+    drift_seconds,
+    weights,
+    weights_seed: int,
+    noise_seed: int,
+    prompt: str,
+    progress,
+) -> tuple[dict, dict | None]:
+    """One configuration of :func:`evaluate`: built, run over the clips, aggregated and compared with the
+    reference's aggregate ``ref_agg`` (None: this is the reference). Returns (its entry, its aggregate; None
+    when skipped)."""
+    import gc
+
+    import torch
+
+    why = skip_reason(config, cfg)
+    entry: dict = {"description": config.description, "build": config.build_settings()}
+    if why is not None:
+        if progress:
+            progress(f"{config.name}: skipped: {why}")
+        return {**entry, "skipped": why, "verdict": f"skipped: {why}"}, None
+    eng, notes = build(config, cfg, device, weights=weights, weights_seed=weights_seed)
+    entry["build"]["dtype"] = str(eng.gen.model.dtype).replace("torch.", "")
+    entry["build"]["device"] = str(eng.gen.model.device)
+    entry["build"].update(notes)
+    entry["recipe"] = eng.recipe.describe().as_dict()  # what this configuration built (cadence.engine.recipe)
+    values, info = run_config(eng, config, clips, reruns, drift_seconds, noise_seed, prompt, progress)
+    eng.close()
+    del eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    agg = aggregate(values)
+    if config.name == REFERENCE:
+        verdict = "reference"
+    else:
+        verdict, details = compare(ref_agg, agg)
+        for m, d in details.items():
+            agg[m].update(d)
+    if progress:
+        progress(f"{config.name}: {verdict}")
+    return {**agg, "verdict": verdict, **entry, **info}, agg
 
 
 __all__ = [

@@ -213,35 +213,11 @@ def launch(
     rank's and the peer's mapping of the peer's), flag_* int32 [>= 2 T] symmetric (zero between
     calls), counter int32 [2] local (zero between calls)."""
     fp8 = sa is not None
-    bm, bn, bk, gm, warps, stages = config or _default_config(fp8)
     m, k = a.shape
     n = b.shape[0]
-    t = tiles(m, n, (bm, bn))
-    if phase != 4 and min(flag_local.numel(), flag_peer.numel()) < 2 * t:
-        raise ValueError(
-            f"flag buffers hold {flag_local.numel()} flags, {bm}x{bn} tiles of {m}x{n} need {2 * t}"
-        )
-    grid = (programs or num_programs(out.device, t),)
+    grid, consts = _launch_setup(a, b, out, flag_local, flag_peer, fp8, phase, config, programs, tma)
     dummy = out  # never read when not FP8
-    if tma is None:  # CADENCE_TILES_TMA=1 on GPUs where usable; the interpreter's tests ask for it explicitly
-        tma = out.device.type == "cuda" and tma_ok(a, b)
-    if tma and out.device.type == "cuda":
-        _set_allocator()
     proto = proto or protocol()
-    consts = dict(
-        FP8=fp8,
-        UPCAST=_interpreting(),
-        PHASE=phase,
-        EVEN_K=(k % bk == 0),
-        TMA=bool(tma),
-        FLUSH=flush_eighths(),
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        GROUP_M=gm,
-        num_warps=warps,
-        num_stages=stages,
-    )
     if proto == "both" and phase != 4:  # phase 4 (the GEMM alone) is the owner kernel's
         _kernel("both")[grid](
             a,
@@ -283,6 +259,40 @@ def launch(
         b.stride(0),
         **consts,
     )
+
+
+def _launch_setup(a, b, out, flag_local, flag_peer, fp8: bool, phase: int, config, programs, tma):
+    """:func:`launch`'s grid and compile-time constants (the tile config, or the default one for the dtype;
+    tensor-descriptor loads where usable unless ``tma`` says), after checking the flag buffers hold two flags
+    per tile."""
+    bm, bn, bk, gm, warps, stages = config or _default_config(fp8)
+    m, k = a.shape
+    n = b.shape[0]
+    t = tiles(m, n, (bm, bn))
+    if phase != 4 and min(flag_local.numel(), flag_peer.numel()) < 2 * t:
+        raise ValueError(
+            f"flag buffers hold {flag_local.numel()} flags, {bm}x{bn} tiles of {m}x{n} need {2 * t}"
+        )
+    grid = (programs or num_programs(out.device, t),)
+    if tma is None:  # CADENCE_TILES_TMA=1 on GPUs where usable; the interpreter's tests ask for it explicitly
+        tma = out.device.type == "cuda" and tma_ok(a, b)
+    if tma and out.device.type == "cuda":
+        _set_allocator()
+    consts = dict(
+        FP8=fp8,
+        UPCAST=_interpreting(),
+        PHASE=phase,
+        EVEN_K=(k % bk == 0),
+        TMA=bool(tma),
+        FLUSH=flush_eighths(),
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_M=gm,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return grid, consts
 
 
 def reference(a_list, b_list, sa_list=None, sb_list=None, out_dtype=torch.bfloat16) -> torch.Tensor:

@@ -298,17 +298,7 @@ def quantize_rows_modulated_triton(
     bm, bk, nw = launch_config(k, interp, block_m, num_warps, modulated=True)
     extra = {} if interp else {"num_warps": nw}
     shared = all((t.stride(0) == 0 or b == 1) and (t.stride(1) == 0 or n == 1) for t in (sh, sc))
-    blocks = triton_cdiv(m, bm)
-    if shared:
-        per_sm = programs_per_sm or PROGRAMS_PER_SM
-        sms = (
-            2
-            if interp
-            else _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
-        )
-        grid = (max(1, min(blocks, sms * per_sm)),)
-    else:
-        grid = (blocks,)
+    grid = _modulated_grid(x.device, triton_cdiv(m, bm), shared, interp, programs_per_sm)
     _kernels()[1][grid](
         x,
         x.stride(0),
@@ -337,6 +327,18 @@ def quantize_rows_modulated_triton(
         **extra,
     )
     return q, s
+
+
+def _modulated_grid(device: torch.device, blocks: int, shared: bool, interp: bool, programs_per_sm) -> tuple:
+    """One program per block of rows; with one modulation row for all (``shared``), ``programs_per_sm`` x SMs
+    programs walking the rows (2 "SMs" under the interpreter)."""
+    if not shared:
+        return (blocks,)
+    per_sm = programs_per_sm or PROGRAMS_PER_SM
+    sms = (
+        2 if interp else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    )
+    return (max(1, min(blocks, sms * per_sm)),)
 
 
 def quantize_rows_modulated(

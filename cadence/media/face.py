@@ -108,79 +108,116 @@ def render_face(
     """One frame (uint8 [H, W, 3]) of face ``p`` with the mouth ``opening`` (0..1) and head ``offset`` px."""
     ss = SUPERSAMPLE
     w, h = width * ss, height * ss
-    s = min(w, h)
     img = (background if background is not None else backdrop(p, height, width)).copy()
-    d = ImageDraw.Draw(img)
-    cx, cy = w / 2 + offset[0] * ss, h * p.center_y + offset[1] * ss
-    fw, fh = p.face_w * s, p.face_h * s
-    skin = np.array(p.skin, np.float64)
+    c = _Canvas(ImageDraw.Draw(img), p, w / 2 + offset[0] * ss, h * p.center_y + offset[1] * ss, min(w, h))
+    c.head()
+    c.eyes(eyes_shut)
+    c.mouth(opening)
+    img = img.resize((width, height), Image.Resampling.BOX)
+    return np.asarray(img, dtype=np.uint8)
 
+
+class _Canvas:
+    """:func:`render_face`'s drawing, in painting order: the head (shoulders, neck, hair, ears, face), the
+    eyes and brows, the nose, cheeks and mouth; ``(cx, cy)`` the face's centre, ``s`` the frame's short side
+    (supersampled pixels)."""
+
+    def __init__(self, d: ImageDraw.ImageDraw, p: FaceParams, cx: float, cy: float, s: float):
+        self.d, self.p, self.cx, self.cy, self.s = d, p, cx, cy, s
+        self.fw, self.fh = p.face_w * s, p.face_h * s
+        self.skin = np.array(p.skin, np.float64)
+
+    @staticmethod
     def shade(c: np.ndarray, k) -> tuple[int, int, int]:
         return tuple(int(np.clip(round(v), 0, 255)) for v in c * np.asarray(k, np.float64))
 
-    def ell(x0: float, y0: float, rx: float, ry: float, **kw) -> None:
-        d.ellipse((x0 - rx, y0 - ry, x0 + rx, y0 + ry), **kw)
+    def ell(self, x0: float, y0: float, rx: float, ry: float, **kw) -> None:
+        self.d.ellipse((x0 - rx, y0 - ry, x0 + rx, y0 + ry), **kw)
 
-    hair = p.hair
-    if p.hair_style == "long":  # hair hanging beside the face, down to the shoulders
-        d.rectangle((cx - fw * 1.15, cy - fh * 0.2, cx + fw * 1.15, cy + fh * 1.05), fill=hair)
-    ell(cx, cy + fh * 1.3, fw * 1.75, fh * 0.6, fill=p.shirt)  # shoulders
-    d.rectangle((cx - fw * 0.35, cy + fh * 0.6, cx + fw * 0.35, cy + fh * 1.0), fill=shade(skin, 0.9))
-    if p.hair_style != "crop":
-        ell(cx, cy - fh * 0.12, fw * 1.12, fh * 1.02, fill=hair)  # hair behind
-    if p.hair_style == "bun":
-        ell(cx, cy - fh * 1.1, fw * 0.45, fh * 0.3, fill=hair)
-    ell(cx - fw, cy, fw * 0.16, fh * 0.2, fill=shade(skin, 0.96))  # ears
-    ell(cx + fw, cy, fw * 0.16, fh * 0.2, fill=shade(skin, 0.96))
-    ell(cx, cy, fw, fh, fill=p.skin)  # face
-    if p.hair_style in ("fringe", "long", "bun"):
-        d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.2), 180, 360, fill=hair)
-    elif p.hair_style == "side_part":
-        d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.35), 180, 360, fill=hair)
-        d.polygon(
-            [
-                (cx - fw * 1.02, cy - fh * 0.5),
-                (cx - fw * 0.1, cy - fh * 0.95),
-                (cx - fw * 0.9, cy - fh * 0.05),
-            ],
-            fill=hair,
+    def head(self) -> None:
+        d, p, cx, cy, fw, fh, ell = self.d, self.p, self.cx, self.cy, self.fw, self.fh, self.ell
+        hair, skin = p.hair, self.skin
+        if p.hair_style == "long":  # hair hanging beside the face, down to the shoulders
+            d.rectangle((cx - fw * 1.15, cy - fh * 0.2, cx + fw * 1.15, cy + fh * 1.05), fill=hair)
+        ell(cx, cy + fh * 1.3, fw * 1.75, fh * 0.6, fill=p.shirt)  # shoulders
+        d.rectangle(
+            (cx - fw * 0.35, cy + fh * 0.6, cx + fw * 0.35, cy + fh * 1.0), fill=self.shade(skin, 0.9)
         )
-    else:  # crop: a thin cap
-        d.chord((cx - fw * 1.0, cy - fh * 1.03, cx + fw * 1.0, cy - fh * 0.55), 180, 360, fill=hair)
-    ey = cy - fh * p.eye_y
-    er = fw * p.eye_size
-    for sx in (-1, 1):
-        ex = cx + sx * fw * p.eye_dx
-        if eyes_shut:
-            d.line((ex - er, ey, ex + er, ey), fill=shade(skin, 0.45), width=max(1, int(s * 0.012)))
-        else:
-            ell(ex, ey, er, er * 0.5, fill=(250, 250, 250))  # eye white
-            ell(ex, ey, er * 0.45, er * 0.45, fill=p.iris)  # iris
-            ell(ex, ey, er * 0.22, er * 0.22, fill=(15, 15, 15))  # pupil
-            ell(ex + er * 0.15, ey - er * 0.15, er * 0.1, er * 0.1, fill=(255, 255, 255))
+        if p.hair_style != "crop":
+            ell(cx, cy - fh * 0.12, fw * 1.12, fh * 1.02, fill=hair)  # hair behind
+        if p.hair_style == "bun":
+            ell(cx, cy - fh * 1.1, fw * 0.45, fh * 0.3, fill=hair)
+        ell(cx - fw, cy, fw * 0.16, fh * 0.2, fill=self.shade(skin, 0.96))  # ears
+        ell(cx + fw, cy, fw * 0.16, fh * 0.2, fill=self.shade(skin, 0.96))
+        ell(cx, cy, fw, fh, fill=p.skin)  # face
+        if p.hair_style in ("fringe", "long", "bun"):
+            d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.2), 180, 360, fill=hair)
+        elif p.hair_style == "side_part":
+            d.chord((cx - fw * 1.05, cy - fh * 1.08, cx + fw * 1.05, cy - fh * 0.35), 180, 360, fill=hair)
+            d.polygon(
+                [
+                    (cx - fw * 1.02, cy - fh * 0.5),
+                    (cx - fw * 0.1, cy - fh * 0.95),
+                    (cx - fw * 0.9, cy - fh * 0.05),
+                ],
+                fill=hair,
+            )
+        else:  # crop: a thin cap
+            d.chord((cx - fw * 1.0, cy - fh * 1.03, cx + fw * 1.0, cy - fh * 0.55), 180, 360, fill=hair)
+
+    def eyes(self, shut: bool) -> None:
+        d, p, cx, cy, fw, fh, s, ell = self.d, self.p, self.cx, self.cy, self.fw, self.fh, self.s, self.ell
+        ey = cy - fh * p.eye_y
+        er = fw * p.eye_size
+        for sx in (-1, 1):
+            ex = cx + sx * fw * p.eye_dx
+            if shut:
+                d.line(
+                    (ex - er, ey, ex + er, ey), fill=self.shade(self.skin, 0.45), width=max(1, int(s * 0.012))
+                )
+            else:
+                ell(ex, ey, er, er * 0.5, fill=(250, 250, 250))  # eye white
+                ell(ex, ey, er * 0.45, er * 0.45, fill=p.iris)  # iris
+                ell(ex, ey, er * 0.22, er * 0.22, fill=(15, 15, 15))  # pupil
+                ell(ex + er * 0.15, ey - er * 0.15, er * 0.1, er * 0.1, fill=(255, 255, 255))
+            d.line(
+                (ex - er, ey - fh * 0.13, ex + er, ey - fh * 0.15),
+                fill=self.shade(np.array(p.hair, float), 0.8),
+                width=max(1, int(s * 0.012)),
+            )  # brow
+
+    def mouth(self, opening: float) -> None:
+        """The nose and cheeks, then the mouth: lips around a dark interior whose height is linear in the
+        opening."""
+        d, p, cx, cy, fw, fh, skin, ell = (
+            self.d,
+            self.p,
+            self.cx,
+            self.cy,
+            self.fw,
+            self.fh,
+            self.skin,
+            self.ell,
+        )
         d.line(
-            (ex - er, ey - fh * 0.13, ex + er, ey - fh * 0.15),
-            fill=shade(np.array(hair, float), 0.8),
-            width=max(1, int(s * 0.012)),
-        )  # brow
-    d.line(
-        (cx, cy + fh * 0.02, cx - fw * 0.08, cy + fh * 0.26, cx + fw * 0.04, cy + fh * 0.28),
-        fill=shade(skin, 0.8),
-        width=max(1, int(s * 0.008)),
-    )  # nose
-    for sx in (-1, 1):
-        ell(
-            cx + sx * fw * 0.62, cy + fh * 0.3, fw * 0.16, fh * 0.08, fill=shade(skin, (1.02, 0.9, 0.9))
-        )  # cheeks
-    # Mouth: lips around a dark interior whose height is linear in the opening.
-    my, mw = cy + fh * p.mouth_y, fw * p.mouth_w
-    lips = shade(skin, (0.72, 0.42, 0.45))
-    inner_h = float(np.clip(opening, 0, 1)) * p.mouth_max * fh
-    lip_t = fh * 0.035
-    if inner_h < 0.5:
-        d.line((cx - mw, my, cx + mw, my), fill=lips, width=max(1, int(lip_t * 1.2)))
-    else:
-        ell(cx, my, mw + lip_t, inner_h / 2 + lip_t, fill=lips)
-        ell(cx, my, mw, inner_h / 2, fill=(38, 10, 16))
-    img = img.resize((width, height), Image.Resampling.BOX)
-    return np.asarray(img, dtype=np.uint8)
+            (cx, cy + fh * 0.02, cx - fw * 0.08, cy + fh * 0.26, cx + fw * 0.04, cy + fh * 0.28),
+            fill=self.shade(skin, 0.8),
+            width=max(1, int(self.s * 0.008)),
+        )  # nose
+        for sx in (-1, 1):
+            ell(
+                cx + sx * fw * 0.62,
+                cy + fh * 0.3,
+                fw * 0.16,
+                fh * 0.08,
+                fill=self.shade(skin, (1.02, 0.9, 0.9)),
+            )  # cheeks
+        my, mw = cy + fh * p.mouth_y, fw * p.mouth_w
+        lips = self.shade(skin, (0.72, 0.42, 0.45))
+        inner_h = float(np.clip(opening, 0, 1)) * p.mouth_max * fh
+        lip_t = fh * 0.035
+        if inner_h < 0.5:
+            d.line((cx - mw, my, cx + mw, my), fill=lips, width=max(1, int(lip_t * 1.2)))
+        else:
+            ell(cx, my, mw + lip_t, inner_h / 2 + lip_t, fill=lips)
+            ell(cx, my, mw, inner_h / 2, fill=(38, 10, 16))

@@ -69,6 +69,13 @@ def clip_vision_keymap(
     its first ``layers - 1`` blocks, names as in its vision transformer). Raises :class:`WeightsError` naming ``source`` for a file that is not such a
     tower (missing, unexpected or mis-shaped keys)."""
     vis = _vision_part(sd)
+    config, dim, layers = _tower_config(vis, source, heads)
+    return config, _renamed(vis, source, dim, layers)
+
+
+def _tower_config(vis: dict, source: str, heads: int | None) -> tuple[dict, int, int]:
+    """The ``CLIPVisionConfig`` kwargs of the tower (its width, patch, grid, blocks, heads), the width and the
+    block count; one ``WeightsError`` for a file that is not such a tower."""
     need = ("patch_embedding.weight", "pos_embedding", "cls_embedding", "pre_norm.weight")
     missing = [k for k in need if k not in vis]
     if missing:
@@ -106,6 +113,12 @@ def clip_vision_keymap(
         layer_norm_eps=1e-5,
         attention_dropout=0.0,
     )
+    return config, dim, layers
+
+
+def _renamed(vis: dict, source: str, dim: int, layers: int) -> dict[str, torch.Tensor]:
+    """The tower's tensors under ``CLIPVisionModel``'s names (the fused qkv split, the last block left out);
+    one ``WeightsError`` listing unexpected keys or a mis-shaped qkv."""
     out: dict[str, torch.Tensor] = {}
     unexpected = []
     for k, v in vis.items():
@@ -143,7 +156,7 @@ def clip_vision_keymap(
         raise WeightsError(
             f"{source}: unexpected key(s) for a Wan CLIP vision tower: {', '.join(unexpected[:8])}"
         )
-    return config, out
+    return out
 
 
 class ClipVision:

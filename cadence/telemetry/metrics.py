@@ -34,7 +34,17 @@ _MS_BUCKETS = (5, 10, 20, 35, 50, 75, 100, 125, 150, 166.7, 200, 250, 333, 500, 
 
 class ServeMetrics:
     def __init__(self) -> None:
-        r = self.session_registry = CollectorRegistry(auto_describe=True)
+        self.session_registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)  # everything else: aggregates
+        self._session_series(self.session_registry)
+        self._aggregates(self.registry)
+        self._fleet_series(self.registry)
+        self.bad_requests = Counter(
+            "cadence_bad_requests", "Requests answered with a 4xx error", ("status",), registry=self.registry
+        )
+
+    def _session_series(self, r: CollectorRegistry) -> None:
+        """The per-session gauges (label ``session``)."""
         s = ("session",)
         self.fps = Gauge(
             "cadence_session_fps", "Generated video frames delivered per second (last 2 s)", s, registry=r
@@ -79,7 +89,9 @@ class ServeMetrics:
             s,
             registry=r,
         )
-        r = self.registry = CollectorRegistry(auto_describe=True)  # everything else: aggregates
+
+    def _aggregates(self, r: CollectorRegistry) -> None:
+        """The server-wide histograms, gauges and counters."""
         self.chunk_latency = Histogram(
             "cadence_chunk_latency_ms",
             "Chunk plan -> frames back in the web process",
@@ -117,6 +129,9 @@ class ServeMetrics:
             ("group", "kind"),
             registry=r,
         )
+
+    def _fleet_series(self, r: CollectorRegistry) -> None:
+        """The fleet's gauges (``cadence serve --ray``)."""
         self.fleet_groups = Gauge(
             "cadence_fleet_groups",
             "Fleet worker groups in the registry, by state (starting, up, draining, restarting, failed)",
@@ -134,9 +149,6 @@ class ServeMetrics:
         )
         self.fleet_restarts_total = Gauge(
             "cadence_fleet_restarts", "Restarts of the fleet's group actors, in all", registry=r
-        )
-        self.bad_requests = Counter(
-            "cadence_bad_requests", "Requests answered with a 4xx error", ("status",), registry=r
         )
 
     _per_session = (

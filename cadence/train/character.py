@@ -276,74 +276,24 @@ def train_dit(
     tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chunks: torch.Tensor, device, log: dict
 ):
     """Phase 3. lat normalised [N, z, 1 + L, h, w] on device; audio_chunks [N, L, 8000] on device."""
-    from cadence.model.audio import AudioFeatures
-    from cadence.model.text import ByteTextEncoder
-    from cadence.model.weights import build_model
-    from cadence.runtime.sampler import Schedule
-
-    model = build_model(cfg, device, torch.float32, seed=tc.seed)
-    if tc.init:
-        from cadence.model.weights import load_weights
-
-        load_weights(model, Path(tc.init) / "dit.safetensors")
-    model.train().requires_grad_(True)  # built for inference (no grad)
-    ema = copy.deepcopy(model).eval()
-    for p in ema.parameters():
-        p.requires_grad_(False)
-    feats = AudioFeatures(cfg, device)
-    texts = torch.stack([ByteTextEncoder(cfg.model)(p) for p in PROMPTS]).to(device)
-    sched = Schedule.from_config(cfg.stream)
-    infer_sigmas = torch.tensor(sched.sigmas[:-1], device=device)
-    W = tc.window or cfg.stream.window_chunks
-    n, _, f_all, h, w = lat.shape
-    L = f_all - 1
-    if L < W:
-        raise ValueError(f"clips have {L} latent frames after the reference; the window needs {W}")
-    tpf = (h // cfg.model.patch[1]) * (w // cfg.model.patch[2])
-    nf = 2 * W
-    pos, mask = sequence_layout(W, tpf, device)
-    silence = feats(torch.zeros(feats.samples_per_frame, device=device))  # [1, A, audio_dim]
+    model, ema, batches = _dit_setup(tc, cfg, lat, audio_chunks, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.dit_lr, weight_decay=0.01, betas=(0.9, 0.99))
-    g = torch.Generator(device=device).manual_seed(tc.seed + 2)
     clock = _Clock(tc.dit_minutes)
     amp = device.type == "cuda"
     losses = []
     step = 0
-    B = tc.dit_batch
+    W = batches.W
     for step in range(tc.dit_steps):
         if clock.done():
             break
-        idx = torch.randint(n, (B,), device=device, generator=g)
-        off = torch.randint(0, L - W + 1, (B,), device=device, generator=g)  # window = latents off+1 .. off+W
-        ar = torch.arange(W, device=device)
-        win_idx = off[:, None] + 1 + ar[None]  # [B, W] latent indices
-        x0 = lat[idx[:, None], :, win_idx].permute(0, 2, 1, 3, 4)  # [B, z, W, h, w]
-        sink = lat[idx, :, :1]  # [B, z, 1, h, w]
-        a = audio_chunks[idx[:, None], win_idx - 1]  # [B, W, 8000]
-        af = feats(a.reshape(-1)).reshape(B, W, *silence.shape[1:])  # [B, W, A, D]
-        # noise levels: half the inference sigmas, half shifted-uniform
-        pick = infer_sigmas[torch.randint(len(infer_sigmas), (B, W), device=device, generator=g)]
-        u = torch.rand(B, W, device=device, generator=g)
-        uni = cfg.stream.shift * u / (1 + (cfg.stream.shift - 1) * u)
-        sig = torch.where(torch.rand(B, W, device=device, generator=g) < 0.5, pick, uni)
-        noise = torch.randn(x0.shape, device=device, generator=g)
-        s5 = sig[:, None, :, None, None]
-        xt = (1 - s5) * x0 + s5 * noise
-        ctx = x0[:, :, : W - 1]
-        if tc.context_noise:
-            amp_ctx = tc.context_noise * torch.rand(B, 1, 1, 1, 1, device=device, generator=g)
-            ctx = ctx + amp_ctx * torch.randn(ctx.shape, device=device, generator=g)
-        x = torch.cat([sink, ctx, xt], 2)
-        t = torch.cat([torch.zeros(B, W, device=device), 1000.0 * sig], 1)
-        aud = torch.cat([silence[None].expand(B, 1, *silence.shape[1:]), af[:, : W - 1], af], 1)
-        text = texts[torch.randint(len(PROMPTS), (B,), device=device, generator=g)]
+        x, t, text, aud, target = batches.draw()
         for group in opt.param_groups:
             group["lr"] = _lr(step, tc.dit_steps, tc.dit_lr)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            out = model.forward_full(x, t, text, aud, mask=mask, frame_positions=pos)
+            out = model.forward_full(x, t, text, aud, mask=batches.mask, frame_positions=batches.pos)
         v = out[:, :, W:].float()
-        loss = F.mse_loss(v, noise - x0)
+        loss = F.mse_loss(v, target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -361,11 +311,95 @@ def train_dit(
         "seconds": clock.elapsed,
         "loss_first": losses[:5],
         "loss_last_100": float(np.mean(losses[-100:])) if losses else None,
-        "batch": B,
-        "sequence_tokens": nf * tpf,
+        "batch": tc.dit_batch,
+        "sequence_tokens": 2 * W * batches.tpf,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
     }
     return ema
+
+
+def _dit_setup(tc: TrainConfig, cfg: CadenceConfig, lat: torch.Tensor, audio_chunks: torch.Tensor, device):
+    """The model to train (random, or ``tc.init``'s weights), its EMA copy, and the batch maker."""
+    from cadence.model.weights import build_model
+
+    model = build_model(cfg, device, torch.float32, seed=tc.seed)
+    if tc.init:
+        from cadence.model.weights import load_weights
+
+        load_weights(model, Path(tc.init) / "dit.safetensors")
+    model.train().requires_grad_(True)  # built for inference (no grad)
+    ema = copy.deepcopy(model).eval()
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    return model, ema, _DitBatches(tc, cfg, lat, audio_chunks, device)
+
+
+class _DitBatches:
+    """Training sequences for :func:`train_dit`: the sink, W - 1 context chunks (clean, or noised by
+    ``tc.context_noise``) and W noisy chunks of a random window of a random clip (``sequence_layout``), at noise
+    levels half the inference sigmas and half shifted-uniform; the target is the flow ``noise - x0``."""
+
+    def __init__(self, tc: TrainConfig, cfg: CadenceConfig, lat, audio_chunks, device):
+        from cadence.model.audio import AudioFeatures
+        from cadence.model.text import ByteTextEncoder
+        from cadence.runtime.sampler import Schedule
+
+        self.tc, self.cfg, self.lat, self.audio_chunks, self.device = tc, cfg, lat, audio_chunks, device
+        self.feats = AudioFeatures(cfg, device)
+        self.texts = torch.stack([ByteTextEncoder(cfg.model)(p) for p in PROMPTS]).to(device)
+        sched = Schedule.from_config(cfg.stream)
+        self.infer_sigmas = torch.tensor(sched.sigmas[:-1], device=device)
+        self.W = W = tc.window or cfg.stream.window_chunks
+        n, _, f_all, h, w = lat.shape
+        self.n, self.L = n, f_all - 1
+        if self.L < W:
+            raise ValueError(f"clips have {self.L} latent frames after the reference; the window needs {W}")
+        self.tpf = (h // cfg.model.patch[1]) * (w // cfg.model.patch[2])
+        self.pos, self.mask = sequence_layout(W, self.tpf, device)
+        self.silence = self.feats(
+            torch.zeros(self.feats.samples_per_frame, device=device)
+        )  # [1, A, audio_dim]
+        self.g = torch.Generator(device=device).manual_seed(tc.seed + 2)
+
+    def draw(self):
+        """One batch: (x, t, text, audio, target)."""
+        tc, cfg, lat, device, g, W, silence = (
+            self.tc,
+            self.cfg,
+            self.lat,
+            self.device,
+            self.g,
+            self.W,
+            self.silence,
+        )
+        B = tc.dit_batch
+        idx = torch.randint(self.n, (B,), device=device, generator=g)
+        off = torch.randint(
+            0, self.L - W + 1, (B,), device=device, generator=g
+        )  # window: latents off+1..off+W
+        ar = torch.arange(W, device=device)
+        win_idx = off[:, None] + 1 + ar[None]  # [B, W] latent indices
+        x0 = lat[idx[:, None], :, win_idx].permute(0, 2, 1, 3, 4)  # [B, z, W, h, w]
+        sink = lat[idx, :, :1]  # [B, z, 1, h, w]
+        a = self.audio_chunks[idx[:, None], win_idx - 1]  # [B, W, 8000]
+        af = self.feats(a.reshape(-1)).reshape(B, W, *silence.shape[1:])  # [B, W, A, D]
+        # noise levels: half the inference sigmas, half shifted-uniform
+        pick = self.infer_sigmas[torch.randint(len(self.infer_sigmas), (B, W), device=device, generator=g)]
+        u = torch.rand(B, W, device=device, generator=g)
+        uni = cfg.stream.shift * u / (1 + (cfg.stream.shift - 1) * u)
+        sig = torch.where(torch.rand(B, W, device=device, generator=g) < 0.5, pick, uni)
+        noise = torch.randn(x0.shape, device=device, generator=g)
+        s5 = sig[:, None, :, None, None]
+        xt = (1 - s5) * x0 + s5 * noise
+        ctx = x0[:, :, : W - 1]
+        if tc.context_noise:
+            amp_ctx = tc.context_noise * torch.rand(B, 1, 1, 1, 1, device=device, generator=g)
+            ctx = ctx + amp_ctx * torch.randn(ctx.shape, device=device, generator=g)
+        x = torch.cat([sink, ctx, xt], 2)
+        t = torch.cat([torch.zeros(B, W, device=device), 1000.0 * sig], 1)
+        aud = torch.cat([silence[None].expand(B, 1, *silence.shape[1:]), af[:, : W - 1], af], 1)
+        text = self.texts[torch.randint(len(PROMPTS), (B,), device=device, generator=g)]
+        return x, t, text, aud, noise - x0
 
 
 def save(out: Path, cfg: CadenceConfig, wan, taehv, dit, lat_mean, lat_std, log: dict) -> None:
