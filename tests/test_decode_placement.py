@@ -32,26 +32,26 @@ def test_serve_groups_leave_the_decode_gpu_out():
 
 
 def test_worker_spec_decodes_on_the_decode_gpu():
-    cfg = ServeConfig(preset="w14", groups=("cuda:0",), decode_gpu=1, decoder="wan")
+    cfg = ServeConfig.from_words(preset="w14", groups=("cuda:0",), decode_gpu=1, decoder="wan")
     spec, _ = worker_spec(cfg, "cuda:0")
     assert spec.decode_device == "cuda:1" and spec.fast.decoder_fast == "compile"
     assert not spec.notes
     # without it: the group's own GPU (its own stream)
-    spec, _ = worker_spec(ServeConfig(preset="w14", groups=("cuda:0",)), "cuda:0")
+    spec, _ = worker_spec(ServeConfig.from_words(preset="w14", groups=("cuda:0",)), "cuda:0")
     assert spec.decode_device == "same"
     # a tensor-parallel group decodes on its own GPUs, with a note; the CPU likewise
-    tp = ServeConfig(preset="w14", groups=("cuda:0+cuda:1",), decode_gpu=2)
+    tp = ServeConfig.from_words(preset="w14", groups=("cuda:0+cuda:1",), decode_gpu=2)
     spec, _ = worker_spec(tp, "cuda:0+cuda:1")
     assert spec.decode_device == "same" and any("tensor-parallel" in n for n in spec.notes)
-    spec, _ = worker_spec(ServeConfig(groups=("cpu",), decode_gpu=0), "cpu")
+    spec, _ = worker_spec(ServeConfig.from_words(groups=("cpu",), decode_gpu=0), "cpu")
     assert spec.decode_device == "same" and spec.fast.decoder_fast == "off" and spec.notes
 
 
 def test_serve_config_refuses_a_decode_gpu_that_is_also_a_group():
     with pytest.raises(ConfigError, match="decode GPU 0"):
-        ServeConfig(groups=("cuda:0", "cuda:1"), decode_gpu=0)
+        ServeConfig.from_words(groups=("cuda:0", "cuda:1"), decode_gpu=0)
     with pytest.raises(ConfigError, match=">= 0"):
-        ServeConfig(groups=("cuda:0",), decode_gpu=-1)
+        ServeConfig.from_words(groups=("cuda:0",), decode_gpu=-1)
     with pytest.raises(ConfigError, match="decoder_fast"):
         FastPath(decoder_fast="turbo")
 

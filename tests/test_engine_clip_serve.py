@@ -25,7 +25,7 @@ def test_a_live_flashtalk_session_gets_clip_frames_and_audio():
     from cadence.media import synthetic_speech
 
     over = {"model": TINY, "stream": HW, "vae": {"base_dim": 4}}
-    srv = ServerThread(ServeConfig(port=0, model="flashtalk", overrides=over)).start()
+    srv = ServerThread(ServeConfig.from_words(port=0, model="flashtalk", overrides=over)).start()
     try:
         res = asyncio.run(run_client(srv.url, 3.0, mic=synthetic_speech(2.0, sample_rate=48000).numpy()))
     finally:

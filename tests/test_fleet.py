@@ -259,7 +259,9 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
         node_b = cluster.add_node(num_cpus=1)
         t_cluster = time.monotonic() - t0
         fleet = FleetConfig(address=cluster.address, groups=2, lease_s=10.0)
-        cfg = ServeConfig(port=0, api_key=KEY, worker_threads=1, timeline_window_s=2.0, fleet=fleet)
+        cfg = ServeConfig.from_words(
+            port=0, api_key=KEY, worker_threads=1, timeline_window_s=2.0, fleet=fleet
+        )
         srv = ServerThread(cfg).start(timeout=240)
         t_up = time.monotonic() - t0
 

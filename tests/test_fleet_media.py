@@ -202,7 +202,9 @@ def group_media_fleet():
         # (loopback candidates, as the single-machine server offers on loopback; the default, 'node', would
         # offer the node's cluster address, which Ray takes from the machine's interface here)
         fleet = FleetConfig(address=cluster.address, groups=1, media="group", media_ice="127.0.0.1")
-        cfg = ServeConfig(port=0, api_key=KEY, worker_threads=1, timeline_window_s=2.0, fleet=fleet)
+        cfg = ServeConfig.from_words(
+            port=0, api_key=KEY, worker_threads=1, timeline_window_s=2.0, fleet=fleet
+        )
         srv = ServerThread(cfg).start(timeout=240)
         print(f"\nfleet media: cluster + front end + group up in {time.monotonic() - t0:.1f} s")
         yield srv

@@ -46,7 +46,7 @@ SESSION = "/sessions/{sid}"
 
 
 def _spec(**cfg) -> dict:
-    return create_app(ServeConfig(preset="tiny", **cfg)).openapi()
+    return create_app(ServeConfig.from_words(preset="tiny", **cfg)).openapi()
 
 
 def _codes(spec, path, method) -> set[int]:
@@ -113,7 +113,9 @@ def test_every_status_code_and_content_type_is_documented():
 def test_405_names_every_method_of_the_path():
     from starlette.testclient import TestClient
 
-    client = TestClient(create_app(ServeConfig(preset="tiny")))  # no lifespan: no workers needed for this
+    client = TestClient(
+        create_app(ServeConfig.from_words(preset="tiny"))
+    )  # no lifespan: no workers needed for this
     for method, path, allow in (
         ("PUT", "/sessions/abc", "DELETE, GET"),
         ("POST", "/sessions/abc", "DELETE, GET"),
@@ -130,7 +132,7 @@ def test_405_names_every_method_of_the_path():
 
 @pytest.fixture(scope="module")
 def srv():
-    s = ServerThread(ServeConfig(preset="tiny", port=0)).start()
+    s = ServerThread(ServeConfig.from_words(preset="tiny", port=0)).start()
     yield s
     s.stop()
 

@@ -121,7 +121,7 @@ def on_video_timeline(sink: Collector) -> np.ndarray:
 
 def test_in_process_the_mouth_moves_with_the_bot_voice_at_24_fps():
     speech = speech_at(TTS_RATE, 3.0)
-    svc = CadenceVideoService(serve_config=ServeConfig(preset="character", worker_threads=2))
+    svc = CadenceVideoService(serve_config=ServeConfig.from_words(preset="character", worker_threads=2))
 
     async def script(queue):
         await asyncio.sleep(1.5)  # nobody speaks: idle motion
@@ -173,7 +173,7 @@ def test_in_process_the_mouth_moves_with_the_bot_voice_at_24_fps():
 
 def test_in_process_barge_in_stops_the_voice_at_once_and_the_mouth_within_the_chunks_in_flight():
     speech = speech_at(TTS_RATE, 4.0, seed=3)
-    svc = CadenceVideoService(serve_config=ServeConfig(preset="character", worker_threads=2))
+    svc = CadenceVideoService(serve_config=ServeConfig.from_words(preset="character", worker_threads=2))
     marks = {}
 
     async def script(queue):
@@ -216,7 +216,7 @@ def test_remote_through_cadence_serve():
     from cadence.serve.server import ServerThread
 
     speech = speech_at(16_000, 2.0)
-    with ServerThread(ServeConfig(preset="tiny", port=0, worker_threads=1)) as srv:
+    with ServerThread(ServeConfig.from_words(preset="tiny", port=0, worker_threads=1)) as srv:
         svc = CadenceVideoService(url=srv.url)
 
         async def script(queue):

@@ -90,7 +90,7 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
     mic = np.concatenate([np.zeros(24_000, np.float32), line, np.zeros(6 * 48_000, np.float32)])
     wav = tmp_path / "user.wav"
     wav.write_bytes(wav_bytes(mic))
-    cfg = ServeConfig(preset="character", worker_threads=2)
+    cfg = ServeConfig.from_words(preset="character", worker_threads=2)
     with (
         AppThread(example.create_app(cfg), start_timeout=180) as url,
         Chromium(chromium, [f"--use-file-for-fake-audio-capture={wav}"]) as cdp,

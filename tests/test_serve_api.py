@@ -36,7 +36,7 @@ def srv():
     # the API mechanics on the fastest preset (random weights); the shipped default is tested by the rtc and
     # browser tests
     s = ServerThread(
-        ServeConfig(
+        ServeConfig.from_words(
             preset="tiny", port=0, max_image_bytes=MAX_IMAGE, max_audio_bytes=400_000, timeline_window_s=1.0
         )
     ).start()

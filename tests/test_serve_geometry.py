@@ -33,13 +33,13 @@ TINY12 = get_preset("tiny").with_overrides(**TWELVE)
 
 
 def test_worker_spec_reference_on_cpu_fast_path_on_cuda():
-    cfg = ServeConfig(preset="tiny")
+    cfg = ServeConfig.from_words(preset="tiny")
     spec, shm = worker_spec(cfg, "cpu", frame_bytes=4 * 128 * 128 * 3)
     f = spec.fast
     assert spec.notes == () and spec.warmup  # every worker warms up (on the CPU: it measures its speed)
     assert f.kv_fp8 is f.fp8_linears is f.graphs is False and f.dtype == "float32"
     assert f.decoder == "standin" and not shm  # the recipe decides: tiny's own; its 196 KB stay on the pipe
-    assert f.compile is False and worker_spec(ServeConfig(compile=True), "cpu")[0].fast.compile
+    assert f.compile is False and worker_spec(ServeConfig.from_words(compile=True), "cpu")[0].fast.compile
     spec, shm = worker_spec(cfg, "cuda:0", frame_bytes=W13_BYTES)
     f = spec.fast
     assert (
@@ -48,7 +48,7 @@ def test_worker_spec_reference_on_cpu_fast_path_on_cuda():
     assert f.decoder == "taehv" and shm  # automatic: the recipe picks (tests/test_engine.py)
     # asked for explicitly on the CPU: off, one line each; a decoder may run anywhere
     spec, shm = worker_spec(
-        ServeConfig(
+        ServeConfig.from_words(
             kv_fp8=True, fp8_linears=True, graphs=True, warmup=False, decoder="taehv", frame_transport="shm"
         ),
         "cpu",
@@ -59,35 +59,39 @@ def test_worker_spec_reference_on_cpu_fast_path_on_cuda():
     )
     assert spec.fast.decoder == "taehv" and shm
     # explicit off on CUDA stays off; a TP group resolves for its devices
-    spec, shm = worker_spec(ServeConfig(graphs=False, kv_fp8=False), "cuda:1+cuda:2", W13_BYTES - 1)
+    spec, shm = worker_spec(
+        ServeConfig.from_words(graphs=False, kv_fp8=False), "cuda:1+cuda:2", W13_BYTES - 1
+    )
     assert not spec.fast.graphs and not spec.fast.kv_fp8 and spec.fast.fp8_linears and shm
     assert spec.devices == ["cuda:1", "cuda:2"]
     assert worker_spec(cfg, "cpu", SHM_MIN_BYTES)[1]
     # capture_filling: opt-in, needs graphs (hence CUDA); one line where it cannot apply
     assert not worker_spec(cfg, "cuda:0", W13_BYTES)[0].fast.capture_filling
-    assert worker_spec(ServeConfig(capture_filling=True), "cuda:0", W13_BYTES)[0].fast.capture_filling
+    assert worker_spec(ServeConfig.from_words(capture_filling=True), "cuda:0", W13_BYTES)[
+        0
+    ].fast.capture_filling
     for dev, kw, why in (
         ("cpu", {}, "this worker runs on cpu"),
         ("cuda:0", {"graphs": False}, "graphs are off"),
     ):
-        spec, _ = worker_spec(ServeConfig(capture_filling=True, **kw), dev)
+        spec, _ = worker_spec(ServeConfig.from_words(capture_filling=True, **kw), dev)
         assert not spec.fast.capture_filling and spec.notes == (
             f"capture_filling: needs CUDA graphs ({why}): off",
         )
     # the CPU's thread count: chosen at warm-up unless given
     assert worker_spec(cfg, "cpu")[0].fast.threads == 0
-    assert worker_spec(ServeConfig(worker_threads=2), "cpu")[0].fast.threads == 2
+    assert worker_spec(ServeConfig.from_words(worker_threads=2), "cpu")[0].fast.threads == 2
     for bad in ({"decoder": "vq"}, {"frame_transport": "tcp"}, {"warmup_chunks": -1}, {"max_in_flight": 0}):
         with pytest.raises(Exception, match=next(iter(bad))):
-            ServeConfig(**bad)
+            ServeConfig.from_words(**bad)
 
 
 def test_geometry_follows_the_preset_and_overrides():
-    e = engine_config(ServeConfig(preset="w1.3"))
+    e = engine_config(ServeConfig.from_words(preset="w1.3"))
     t = MediaTiming.from_config(e)
     assert (t.frames_per_chunk, t.samples_per_chunk, t.chunk_seconds) == (12, 24000, 0.5)
     assert (e.stream.height, e.stream.width) == (480, 832)
-    e = engine_config(ServeConfig(preset="tiny", overrides=TWELVE))
+    e = engine_config(ServeConfig.from_words(preset="tiny", overrides=TWELVE))
     t = MediaTiming.from_config(e)
     assert (t.frames_per_chunk, t.samples_per_chunk, e.stream.height) == (12, 24000, 128)
     buf = AVBuffer(t, 128, 128)
@@ -401,7 +405,7 @@ def test_manager_lead_follows_the_measured_chunk_time():
     pytest.importorskip("prometheus_client")
     from cadence.serve.manager import SessionManager
 
-    mgr = SessionManager(ServeConfig(preset="tiny", overrides=TWELVE, lead_ms=100.0))
+    mgr = SessionManager(ServeConfig.from_words(preset="tiny", overrides=TWELVE, lead_ms=100.0))
     g = mgr.groups[0]
     assert g.frame_shape == (12, 128, 128, 3) and g.slots == 3
     assert not g.shm and g.spec.notes == ()
@@ -413,7 +417,7 @@ def test_manager_lead_follows_the_measured_chunk_time():
     assert latency == pytest.approx(0.41) and interval == pytest.approx(0.3)
     g.info = _info({"steady_chunk_ms": 50.0, "interval_ms": 30.0})
     assert mgr.lead_ms(g) == 100.0  # never below lead_ms
-    mgr.cfg = ServeConfig(preset="tiny", lead_auto=False)
+    mgr.cfg = ServeConfig.from_words(preset="tiny", lead_auto=False)
     g.info = _info({"steady_chunk_ms": 400.0})
     assert mgr.lead_ms(g) == 100.0
 
@@ -426,7 +430,7 @@ def test_speech_goes_into_the_earliest_chunk_not_yet_planned():
     from cadence.serve.session import LiveSession
 
     async def main():
-        mgr = SessionManager(ServeConfig(preset="tiny", overrides=TWELVE, lead_ms=100.0))
+        mgr = SessionManager(ServeConfig.from_words(preset="tiny", overrides=TWELVE, lead_ms=100.0))
         mgr.groups[0].info = _info({"steady_chunk_ms": 30.0, "interval_ms": 30.0})
         sess = LiveSession(mgr, "s0123456789", mgr.groups[0], make_agent("say"), mgr.engine_cfg, "p", 0)
         sent = []
@@ -490,7 +494,7 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
     from cadence.devtools.client import run_client
     from cadence.serve.server import ServerThread
 
-    cfg = ServeConfig(
+    cfg = ServeConfig.from_words(
         preset="tiny",
         port=0,
         overrides=TWELVE,
@@ -552,7 +556,7 @@ def test_a_worker_that_cannot_start_fails_startup_once_and_leaves_nothing_behind
 
     async def main():
         mgr = SessionManager(
-            ServeConfig(
+            ServeConfig.from_words(
                 preset="tiny",
                 groups=("cuda:0",),
                 overrides=TWELVE,

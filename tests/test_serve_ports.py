@@ -119,8 +119,8 @@ def test_the_checker_finds_what_is_missing_or_wrong():
 @pytest.fixture(scope="module")
 def sides():
     """One constructed object of every implementation (nothing started: no process, no Ray)."""
-    cfg = ServeConfig(preset="tiny")
-    fleet_cfg = ServeConfig(preset="tiny", fleet=FleetConfig(address="unused", media="group"))
+    cfg = ServeConfig.from_words(preset="tiny")
+    fleet_cfg = ServeConfig.from_words(preset="tiny", fleet=FleetConfig(address="unused", media="group"))
     loop = asyncio.new_event_loop()
     mgr = SessionManager(cfg)
     wg = mgr.groups[0]
@@ -199,7 +199,7 @@ def test_each_source_says_which_session_class_a_group_gets_and_the_manager_build
     s = sides
     assert s.mgr.source.session_factory(s.wg) is LiveSession
     assert s.fleet.session_factory(s.ray_group) is GroupMediaSession  # --fleet-media group
-    frontend = FleetGroups(ServeConfig(preset="tiny", fleet=FleetConfig(address="unused")))
+    frontend = FleetGroups(ServeConfig.from_words(preset="tiny", fleet=FleetConfig(address="unused")))
     assert frontend.session_factory(RayGroup(frontend, "g", 0)) is LiveSession  # frames through Ray
     # the manager builds a new session with its source's class, whatever that is
     built = []
@@ -258,7 +258,7 @@ def test_the_app_is_built_with_the_source_and_the_routes_it_is_given(sides):
             return {"ok": True}
 
     key = "k" * 40
-    app = create_app(ServeConfig(preset="tiny", api_key=key), source=source, routes=[extra])
+    app = create_app(ServeConfig.from_words(preset="tiny", api_key=key), source=source, routes=[extra])
     mgr = app.state.manager
     assert mgr.source is source and given == [mgr.access]
     assert next(iter(app.openapi()["paths"])) == "/extra"
@@ -266,4 +266,4 @@ def test_the_app_is_built_with_the_source_and_the_routes_it_is_given(sides):
     assert client.get("/extra").status_code == 401
     assert client.get("/extra", headers={"authorization": f"Bearer {key}"}).json() == {"ok": True}
     # and without routes given, a server without a fleet has none beyond its own
-    assert "/extra" not in create_app(ServeConfig(preset="tiny"), source=source).openapi()["paths"]
+    assert "/extra" not in create_app(ServeConfig.from_words(preset="tiny"), source=source).openapi()["paths"]

@@ -57,7 +57,7 @@ MB = 2**20
 @pytest.fixture(scope="module")
 def srv():
     s = ServerThread(
-        ServeConfig(
+        ServeConfig.from_words(
             preset="tiny",
             port=0,
             api_key=KEY,
@@ -600,7 +600,7 @@ def test_serve_refuses_a_public_address_without_a_key(capsys, tmp_path, caplog, 
     from cadence.serve.app import create_app
 
     with caplog.at_level("WARNING", logger="cadence.serve"):
-        create_app(ServeConfig(preset="tiny", host="0.0.0.0", insecure_no_auth=True))
+        create_app(ServeConfig.from_words(preset="tiny", host="0.0.0.0", insecure_no_auth=True))
     assert any("WITHOUT an API key" in r.getMessage() for r in caplog.records)
 
 
@@ -611,7 +611,7 @@ def _manager(groups: int, **cfg):
     """A session manager whose groups look ready (no worker processes): admission only."""
     from cadence.serve.app import SessionManager
 
-    mgr = SessionManager(ServeConfig(preset="tiny", groups=("cpu",) * groups, **cfg))
+    mgr = SessionManager(ServeConfig.from_words(preset="tiny", groups=("cpu",) * groups, **cfg))
     for g in mgr.groups:
         g.ready.set()
     return mgr

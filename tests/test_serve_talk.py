@@ -98,7 +98,7 @@ class FakeOpenAI:
 
 
 def _serve(**kw) -> ServerThread:
-    return ServerThread(ServeConfig(preset="tiny", port=0, worker_threads=1, **kw))
+    return ServerThread(ServeConfig.from_words(preset="tiny", port=0, worker_threads=1, **kw))
 
 
 def test_talk_agent_answers_a_turn_through_the_endpoint():

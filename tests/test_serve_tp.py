@@ -43,7 +43,7 @@ def _tp_server() -> ServerThread:
     # a generous lead; real time is not the point here (on GPUs the group is NCCL over NVLink), the
     # protocol is
     return ServerThread(
-        ServeConfig(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0, overrides=ONE_LAYER)
+        ServeConfig.from_words(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0, overrides=ONE_LAYER)
     ).start()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 
 from cadence.engine.recipe import EngineSpec, WorkerSpec, entry_for, resolve
 from cadence.engine.shm import SHM_MIN_BYTES
@@ -78,11 +78,11 @@ def engine_spec(base: EngineSpec | None = None, **words) -> EngineSpec:
     return dataclasses.replace(spec, **kw) if kw else spec
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class ServeConfig:
-    """``ServeConfig(engine=EngineSpec(...), port=..., ...)``; the engine's knobs may also come as keywords of
-    their own (:data:`ENGINE_WORDS`, e.g. ``ServeConfig(preset="tiny", worker_threads=1)``), folded into
-    ``engine`` by :func:`engine_spec`."""
+    """``ServeConfig(engine=EngineSpec(...), port=..., ...)``; :meth:`from_words` also takes the engine's knobs
+    as keywords of their own (:data:`ENGINE_WORDS`, e.g. ``ServeConfig.from_words(preset="tiny",
+    worker_threads=1)``), folded into ``engine`` by :func:`engine_spec`."""
 
     engine: EngineSpec = field(default_factory=EngineSpec)
     """What every worker group builds (the model, its files, the fast path, the decode placement, the
@@ -179,23 +179,12 @@ class ServeConfig:
     by the ``Fleet`` Protocol of ``cadence.serve.ports``: the app takes its ``group_source(cfg)`` and
     ``routes(source)``, so this layer never imports ``cadence.fleet``. None (the default): one machine."""
 
-    def __init__(self, engine: EngineSpec | None = None, **kw) -> None:
+    @classmethod
+    def from_words(cls, engine: EngineSpec | None = None, **kw) -> ServeConfig:
+        """A config from server fields and engine keywords (:data:`ENGINE_WORDS`) mixed: the latter folded into
+        ``engine`` (default ``EngineSpec()``) by :func:`engine_spec`."""
         words = {k: kw.pop(k) for k in list(kw) if k in ENGINE_WORDS}
-        object.__setattr__(self, "engine", engine_spec(engine, **words))
-        for f in dataclasses.fields(self):
-            if f.name == "engine":
-                continue
-            value = (
-                kw.pop(f.name)
-                if f.name in kw
-                else f.default
-                if f.default is not MISSING
-                else f.default_factory()
-            )
-            object.__setattr__(self, f.name, value)
-        if kw:
-            raise TypeError(f"ServeConfig got unexpected keyword(s) {sorted(kw)}")
-        self.__post_init__()
+        return cls(engine=engine_spec(engine, **words), **kw)
 
     @property
     def preset(self) -> str:
