@@ -43,8 +43,8 @@ if [ "${SMOKE:-0}" = 1 ]; then  # the CPU: tiny preset, the kernels under the in
   B="python3 -m cadence bench attention --preset tiny --sweep --check --ring-check --iters 1"
   run 120 smoke $B --out-dir "$PERF" --table-out "$PERF/attention_table.json"
 else
-  run 60 gpu-tests python3 -m pytest -q -p no:cacheprovider tests/test_ring_kernels.py
-  run 170 bench python3 -m cadence bench attention --all-shapes --sweep --check --ring-check \
+  run 80 gpu-tests python3 -m pytest -q -p no:cacheprovider tests/test_ring_kernels.py
+  run 165 bench python3 -m cadence bench attention --all-shapes --sweep --check --ring-check \
     --shape-budget-s "$SHAPE_S" --out-dir "$PERF" --table-out "$PERF/attention_table.json"
 fi
 echo "=== done in ${SECONDS}s"

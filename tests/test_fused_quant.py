@@ -104,7 +104,12 @@ def test_tiny_model_with_fused_producers(dtype):
     model, inp = _tiny(dtype)
     with torch.no_grad():
         ref = model.forward_full(*inp)
-        for impl, tol in (("torch", 0.0), ("triton", 1e-3)):
+        # torch: the same casts in the same order as the unfused path, so bit-exact on the CPU; on CUDA the
+        # unfused path quantises in a Triton launch whose scale arithmetic (reciprocal, FMA) may round a few
+        # values to the neighbouring e4m3 step (6% apart), 8.5e-4 measured on an H200: 2e-3 there.
+        # triton: that and the fused kernel's own norm reduction order, 1e-3 on the CPU, 2e-3 on CUDA.
+        cuda = DEV == "cuda"
+        for impl, tol in (("torch", 2e-3 if cuda else 0.0), ("triton", 2e-3 if cuda else 1e-3)):
             rep = apply_fused_quant(model, impl=impl)
             blocks = len(model.blocks)
             assert (rep.modulate_blocks, rep.layer_norm_blocks, rep.ffns) == (blocks, blocks, blocks)

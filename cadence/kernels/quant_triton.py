@@ -29,7 +29,8 @@ def _round_grid(y, REL: tl.constexpr, QMIN: tl.constexpr):
     fold the add/sub away, the hardware casts still round to nearest even: the same bytes."""
     bits = y.to(tl.int32, bitcast=True)
     e = (bits & 0x7F800000).to(tl.float32, bitcast=True)
-    q = tl.maximum(e * REL, QMIN)
+    # .to(float32): triton 3.6 types a float constexpr below float32's normal range (bf16's 2^-133) as fp64
+    q = tl.maximum(e * REL, QMIN).to(tl.float32)
     c = q * 12582912.0
     r = (tl.abs(y) + c) - c
     return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
