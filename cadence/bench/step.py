@@ -701,6 +701,8 @@ def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
         variant += "-graphs"
     if st.fast.compile:
         variant += "-compile"
+    if st.fast.attention != "auto":  # runs that differ only in the ring's backend must not share a file
+        variant += f"-attn{st.fast.attention}"
     s, scale = results["step_ms"], st.scale
     path = record(
         "step",
