@@ -623,7 +623,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--shape-budget-s", type=float, default=600.0, help="stop adding variants at a shape after this"
     )
     p.add_argument(
-        "--compile-workers", type=int, default=8, help="spawned processes that compile the Triton variants first"
+        "--compile-workers",
+        type=int,
+        default=8,
+        help="spawned processes that compile the Triton variants first",
     )
     p.add_argument("--check", action="store_true", help="exit 1 if any variant is over its error budget")
     p.add_argument("--ring-check", action="store_true", help="also the RingCache end to end per backend")
