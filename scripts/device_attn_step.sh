@@ -14,8 +14,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .wh
 run 40 gemm-parity python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemm.py tests/test_fused_quant.py
 FAST="--cache ring --kv-fp8 --fp8 --fused-quant --compile --graphs"
 STEP="python3 -m cadence bench step $FAST --warmup 2 --iters 8 --profile-iters 1 --out-dir $PERF"
-for a in auto triton_head fa3; do
-  run 60 "w1.3-$a" $STEP --preset w1.3 --layers 10 --attention $a
-done
+run 60 w1.3-auto $STEP --preset w1.3 --layers 10 --attention auto
+run 60 w1.3-triton_head $STEP --preset w1.3 --layers 10 --attention triton_head
+run 60 w1.3-fa3 $STEP --preset w1.3 --layers 10 --attention fa3
 run 70 w57-tp4-emu-fa3 $STEP --preset w57 --layers 12 --tp 4 --emulate --comm two_shot --attention fa3
 echo "=== done in ${SECONDS}s"
