@@ -204,3 +204,37 @@ def test_text_to_speech_runs_at_a_lower_cpu_priority_than_the_server():
     )
     nice = int(out.stdout.rsplit(")", 1)[1].split()[16])  # field 19 of /proc/PID/stat
     assert TTS_NICE >= 5 and nice == min(19, os.nice(0) + TTS_NICE)
+
+
+def test_cpu_windows_tell_steal_client_and_server_apart():
+    """Two samples 10 s apart on 2 cores (20 core-seconds): 12 busy, 5 idle, 3 stolen; the server used 4 s, the
+    worker 6 s, the client 1 s. A session below the target inside that window carries those figures."""
+    from cadence.bench.soak import cpu_summary, cpu_windows
+
+    def sample(t, busy, idle, steal, srv, wrk, cli):
+        return {
+            "t": t,
+            "mark": None,
+            "machine": {"busy_s": busy, "idle_s": idle, "steal_s": steal},
+            "procs": {"server": {"cpu_s": srv}, "worker-0": {"cpu_s": wrk}},
+            "client": {"cpu_s": cli},
+        }
+
+    samples = [
+        sample(0.0, 100.0, 50.0, 1.0, 10.0, 20.0, 5.0),
+        sample(10.0, 112.0, 55.0, 4.0, 14.0, 26.0, 6.0),
+    ]
+    (w,) = cpu_windows(samples)
+    assert (w["busy"], w["steal"]) == (0.6, 0.15)
+    assert w["cores_per_proc"] == {"server": 0.4, "worker-0": 0.6, "client": 0.1}
+    rows = [
+        {"i": 0, "kind": "plain", "watched_s": 4.0, "fresh_fps": 22.9, "t_span": [2.0, 7.0]},
+        {"i": 1, "kind": "plain", "watched_s": 4.0, "fresh_fps": 24.0, "t_span": [2.0, 7.0]},
+    ]
+    cpu = cpu_summary(rows, samples)
+    assert cpu["steal"] == 0.15 and cpu["steal_window_max"] == 0.15
+    assert cpu["below_target"] == [
+        {"i": 0, "fresh_fps": 22.9, "steal_max": 0.15, "busy_max": 0.6,
+         "cores_max": {"client": 0.1, "server": 0.4, "worker-0": 0.6}}
+    ]  # fmt: skip
+    assert cpu_summary(rows, samples[:1]) == {}  # one sample: no window, nothing claimed

@@ -208,14 +208,75 @@ def _proc_figures(pid: int) -> dict | None:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         fds = len(os.listdir(f"/proc/{pid}/fd"))
+        cpu_s = _cpu_seconds(pid)
     except OSError:
         return None
     return {
         "rss_mb": round(int(st["VmRSS"].split()[0]) / 1024, 1) if "VmRSS" in st else 0.0,
         "threads": int(st.get("Threads", "0").strip() or 0),
         "fds": fds,
+        "cpu_s": cpu_s,
         "cmd": cmd,
     }
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int | str) -> float:
+    """User + system CPU seconds of one process so far (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return round((int(fields[11]) + int(fields[12])) / _TICK, 2)
+
+
+def _machine_cpu() -> dict | None:
+    """The machine's CPU seconds so far, all cores (/proc/stat): busy (user, nice, system, irq, softirq),
+    idle (idle + iowait) and steal (time the hypervisor ran someone else while this VM wanted to run)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    v += [0] * (8 - len(v))
+    return {
+        "busy_s": round((v[0] + v[1] + v[2] + v[5] + v[6]) / _TICK, 2),
+        "idle_s": round((v[3] + v[4]) / _TICK, 2),
+        "steal_s": round(v[7] / _TICK, 2),
+    }
+
+
+def _proc_shares(a: dict, b: dict, dt: float) -> dict:
+    """Cores each process used between samples a and b (1.0 = one core all the time)."""
+    pa = {**a["procs"], "client": a.get("client") or {}}
+    pb = {**b["procs"], "client": b.get("client") or {}}
+    return {
+        k: round((pb[k]["cpu_s"] - f["cpu_s"]) / dt, 3)
+        for k, f in pa.items()
+        if "cpu_s" in f and "cpu_s" in (pb.get(k) or {})
+    }
+
+
+def cpu_windows(samples: list[dict]) -> list[dict]:
+    """Per interval between two samples: the machine's busy and steal share of all its cores' time and each
+    process's CPU share (of one core), the soak's own client included: what a slow stretch can be told by."""
+    out = []
+    for a, b in zip(samples, samples[1:]):
+        ma, mb = a.get("machine"), b.get("machine")
+        dt = b["t"] - a["t"]
+        if not ma or not mb or dt <= 0:
+            continue
+        total = sum(mb[k] - ma[k] for k in ("busy_s", "idle_s", "steal_s"))
+        procs = _proc_shares(a, b, dt)
+        out.append(
+            {
+                "t": b["t"],
+                "busy": round((mb["busy_s"] - ma["busy_s"]) / total, 3) if total > 0 else None,
+                "steal": round((mb["steal_s"] - ma["steal_s"]) / total, 3) if total > 0 else None,
+                "cores_per_proc": procs,
+            }
+        )
+    return out
 
 
 class ProcSampler:
@@ -258,6 +319,11 @@ class ProcSampler:
                 cmd = f.pop("cmd")
                 procs[self._label(p, cmd)] = f
         row = {"t": round(time.monotonic() - self.t0, 2), "mark": what, "procs": procs}
+        row["machine"] = _machine_cpu()
+        try:
+            row["client"] = {"cpu_s": _cpu_seconds("self")}  # the soak's own aiortc clients, same cores
+        except OSError:
+            pass
         with self._lock:
             self.samples.append(row)
         return row
@@ -529,7 +595,11 @@ async def drive(args: argparse.Namespace, url: str, sampler: ProcSampler) -> tup
         async def loop() -> None:
             while time.monotonic() < deadline and not (args.sessions and started[0] >= args.sessions):
                 started[0] += 1
+                t_start = round(
+                    time.monotonic() - sampler.t0, 2
+                )  # the samples' clock: cpu_windows per session
                 row = await run_session(ctx, next(gen))
+                row["t_span"] = [t_start, round(time.monotonic() - sampler.t0, 2)]
                 rows.append(row)
                 sampler.mark(f"after session {row['i']}")
 
@@ -556,9 +626,20 @@ async def _progress(every: float, rows: list[dict], sampler: ProcSampler) -> Non
         ok = sum(r["fresh_fps"] >= TARGET_FPS for r in watched)
         last = sampler.samples[-1]["procs"] if sampler.samples else {}
         rss = ", ".join(f"{k} {v['rss_mb']} MB" for k, v in last.items())
+        recent = (
+            [s for s in sampler.samples if s["t"] >= sampler.samples[-1]["t"] - every]
+            if sampler.samples
+            else []
+        )
+        win = cpu_windows(recent[:1] + recent[-1:]) if len(recent) > 1 else []
+        cpu = ""
+        if win:
+            w = win[-1]
+            cores = " ".join(f"{k} {v:.2f}" for k, v in w["cores_per_proc"].items())
+            cpu = f"; machine busy {w['busy']:.0%} steal {w['steal']:.1%}, cores {cores}"
         print(
             f"  [{time.monotonic() - t0:6.0f} s] {len(rows)} sessions, {ok}/{len(watched)} >= {TARGET_FPS} fresh "
-            f"fps, {sum(r.get('underruns') or 0 for r in watched)} underruns; {rss}",
+            f"fps, {sum(r.get('underruns') or 0 for r in watched)} underruns; {rss}{cpu}",
             file=sys.stderr,
             flush=True,
         )
@@ -641,7 +722,47 @@ def _by_kind(rows: list[dict]) -> dict:
     return out
 
 
-def summarize(rows: list[dict], refusals: list[dict], res_by_proc: dict, minutes: float) -> dict:
+def cpu_summary(rows: list[dict], samples: list[dict]) -> dict:
+    """The machine's busy and steal share over the run and, per session below the target, over the sample
+    windows that overlap it (with each process's cores there): is a slow session the VM, the client or the
+    server?"""
+    win = cpu_windows(samples)
+    if not win:
+        return {}
+
+    def over(t0: float, t1: float) -> dict:
+        sel = [w for w, a in zip(win, samples) if w["t"] >= t0 and a["t"] <= t1]
+        if not sel:
+            return {}
+        procs = sorted({k for w in sel for k in w["cores_per_proc"]})
+        return {
+            "steal_max": max(w["steal"] or 0 for w in sel),
+            "busy_max": max(w["busy"] or 0 for w in sel),
+            "cores_max": {k: max(w["cores_per_proc"].get(k, 0) for w in sel) for k in procs},
+        }
+
+    m0, m1 = samples[0].get("machine"), samples[-1].get("machine")
+    total = sum(m1[k] - m0[k] for k in ("busy_s", "idle_s", "steal_s")) if m0 and m1 else 0
+    below = [
+        r
+        for r in rows
+        if (r.get("watched_s") or 0) >= 1.0 and r["fresh_fps"] < TARGET_FPS and r.get("t_span")
+    ]
+    return {
+        "busy": round((m1["busy_s"] - m0["busy_s"]) / total, 3) if total > 0 else None,
+        "steal": round((m1["steal_s"] - m0["steal_s"]) / total, 4) if total > 0 else None,
+        "steal_window_max": max(w["steal"] or 0 for w in win),
+        "below_target": [{"i": r["i"], "fresh_fps": r["fresh_fps"], **over(*r["t_span"])} for r in below],
+    }
+
+
+def summarize(
+    rows: list[dict],
+    refusals: list[dict],
+    res_by_proc: dict,
+    minutes: float,
+    samples: list[dict] | None = None,
+) -> dict:
     """The run's figures (BENCHMARKS.md bench "soak"); the share is over the sessions watched >= 1 s."""
     watched = [r for r in rows if (r.get("watched_s") or 0) >= 1.0]
     fps = [r["fresh_fps"] for r in watched]
@@ -708,6 +829,7 @@ def summarize(rows: list[dict], refusals: list[dict], res_by_proc: dict, minutes
             k: [r.get("vanish_detect_s") for r in rows if r["kind"] == k] for k in ("vanish", "crash")
         },
         "resources": res_by_proc,
+        "cpu": cpu_summary(rows, samples or []),
         "leaking": leak,
         "errors": len(errors),
         "error_messages": errors[:20],
@@ -759,6 +881,20 @@ def _print(res: dict, args: argparse.Namespace) -> None:
         ("refusals (503/429)", str(res["refusals"]["count"])),
         ("errors", str(res["errors"])),
     ]
+    cpu = res.get("cpu") or {}
+    if cpu.get("busy") is not None:
+        slow = ", ".join(
+            f"#{b['i']} steal {b.get('steal_max', 0):.1%} cores "
+            + " ".join(f"{k} {v:.2f}" for k, v in (b.get("cores_max") or {}).items())
+            for b in cpu["below_target"][:5]
+        )
+        rows.append(
+            (
+                "machine busy / steal",
+                f"{cpu['busy']:.0%} / {cpu['steal']:.2%} (worst window {cpu['steal_window_max']:.1%})"
+                + (f"; below target: {slow}" if slow else ""),
+            )
+        )
     for label, r in res["resources"].items():
         rows.append(
             (
@@ -813,7 +949,7 @@ def main(argv: list[str]) -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    res = summarize(rows, refusals, resources(sampler.samples), args.minutes)
+    res = summarize(rows, refusals, resources(sampler.samples), args.minutes, sampler.samples)
     _print(res, args)
     if not args.no_record:
         _record(args, res, rows, cfg, sampler.samples)
