@@ -238,3 +238,8 @@ def test_cpu_windows_tell_steal_client_and_server_apart():
          "cores_max": {"client": 0.1, "server": 0.4, "worker-0": 0.6}}
     ]  # fmt: skip
     assert cpu_summary(rows, samples[:1]) == {}  # one sample: no window, nothing claimed
+    # a repeated sample (no window between the two) and a later window of 50% steal after the session ended:
+    # the session is judged by the windows it overlaps only
+    later = sample(20.0, 117.0, 55.0, 9.0, 16.0, 28.0, 7.0)
+    cpu = cpu_summary(rows, [samples[0], *samples, later])
+    assert cpu["steal_window_max"] == 0.5 and cpu["below_target"][0]["steal_max"] == 0.15

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 from cadence.bench.results import add_record_flags, results_dir
@@ -92,53 +90,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def _wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> None:
-    from cadence.devtools.browser import get_json
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"`cadence serve` exited with status {proc.returncode} before it was ready")
-        try:
-            if get_json(url + "/healthz").get("ok"):
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server at {url} was not ready within {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 def run(args: argparse.Namespace) -> dict:
     from cadence.devtools.browser import STATS_JS, Chromium, get_json, open_page
-    from cadence.net import free_port
+    from cadence.devtools.testing import ServeProcess, wait_ready
 
-    proc = None
-    url = args.url
-    if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "cadence",
-            "serve",
-            "--port",
-            str(port),
-            *args.engine_words,
-            *args.serve_args.split(),
-        ]
-        print("server: " + " ".join(cmd[1:]), file=sys.stderr)
-        log = tempfile.TemporaryFile(mode="w+")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    server = ServeProcess([*args.engine_words, *args.serve_args.split()]) if args.url is None else None
+    url = server.url if server is not None else args.url
     try:
-        try:
-            _wait_ready(url, args.start_timeout, proc)
-        except RuntimeError:
-            if proc is not None:
-                log.seek(0)
-                print(log.read()[-3000:], file=sys.stderr)
-            raise
+        if server is not None:
+            server.wait_ready(args.start_timeout)
+        else:
+            wait_ready(url, args.start_timeout)
         config = get_json(url + "/config")
         with Chromium() as cdp:
             open_page(cdp, url)
@@ -165,12 +127,8 @@ def run(args: argparse.Namespace) -> dict:
             cdp.eval("window.cadence.stop().then(() => true)", timeout_s=30)
         report = get_json(f"{url}/sessions/{sid}/report", token)
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if server is not None:
+            server.close()
     return summarize(samples, report, config, first_frame_s, rtp)
 
 

@@ -43,9 +43,7 @@ import io
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -270,6 +268,7 @@ def cpu_windows(samples: list[dict]) -> list[dict]:
         procs = _proc_shares(a, b, dt)
         out.append(
             {
+                "t_from": a["t"],
                 "t": b["t"],
                 "busy": round((mb["busy_s"] - ma["busy_s"]) / total, 3) if total > 0 else None,
                 "steal": round((mb["steal_s"] - ma["steal_s"]) / total, 3) if total > 0 else None,
@@ -731,7 +730,7 @@ def cpu_summary(rows: list[dict], samples: list[dict]) -> dict:
         return {}
 
     def over(t0: float, t1: float) -> dict:
-        sel = [w for w, a in zip(win, samples) if w["t"] >= t0 and a["t"] <= t1]
+        sel = [w for w in win if w["t"] >= t0 and w["t_from"] <= t1]
         if not sel:
             return {}
         procs = sorted({k for w in sel for k in w["cores_per_proc"]})
@@ -836,20 +835,12 @@ def summarize(
     }
 
 
-def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, object]:
+def _server(args: argparse.Namespace):
     """`cadence serve` as the README starts it (its own process), with ``--concurrency`` worker groups."""
-    from cadence.net import free_port
+    from cadence.devtools.testing import ServeProcess
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "cadence", "serve", "--port", str(port), "--preset", args.preset]
-    cmd += ["--max-sessions", str(args.concurrency), "--log-level", "warning", *args.serve_args.split()]
-    print("server: " + " ".join(cmd[1:]), file=sys.stderr)
-    log = tempfile.TemporaryFile(mode="w+")
-    return (
-        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True),
-        f"http://127.0.0.1:{port}",
-        log,
-    )
+    words = ["--preset", args.preset, "--max-sessions", str(args.concurrency), "--log-level", "warning"]
+    return ServeProcess(words + args.serve_args.split())
 
 
 def _print(res: dict, args: argparse.Namespace) -> None:
@@ -921,21 +912,14 @@ def _print(res: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    proc = log = None
-    url, pid = args.url, args.server_pid
-    if url is None:
-        from cadence.bench.browser import _wait_ready
-
-        proc, url, log = _start_server(args)
-        pid = proc.pid
+    server = _server(args) if args.url is None else None
+    url, pid = (server.url, server.pid) if server is not None else (args.url, args.server_pid)
     sampler = ProcSampler(pid, args.sample_every)
     try:
-        if proc is not None:
+        if server is not None:
             try:
-                _wait_ready(url, args.start_timeout, proc)
+                server.wait_ready(args.start_timeout)
             except RuntimeError as e:
-                log.seek(0)
-                print(log.read()[-3000:], file=sys.stderr)
                 print(f"error: {e}", file=sys.stderr)
                 return 2
         sampler.start().mark("start")
@@ -943,12 +927,8 @@ def main(argv: list[str]) -> int:
         sampler.mark("end")
     finally:
         sampler.stop()
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if server is not None:
+            server.close()
     res = summarize(rows, refusals, resources(sampler.samples), args.minutes, sampler.samples)
     _print(res, args)
     if not args.no_record:

@@ -84,3 +84,72 @@ class AppThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+def wait_ready(url: str, timeout: float, proc=None) -> None:
+    """Until ``url``'s ``/healthz`` answers ok; RuntimeError when ``proc`` (a Popen) exits first or ``timeout``
+    seconds pass."""
+    import time
+
+    from cadence.devtools.browser import get_json
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"`cadence serve` exited with status {proc.returncode} before it was ready")
+        try:
+            if get_json(url + "/healthz").get("ok"):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server at {url} was not ready within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+class ServeProcess:
+    """``cadence serve WORDS`` in its own process on a free loopback port, as the README starts it (the benches
+    that drive a real server: ``bench browser``, ``bench soak``). Its output goes to a temporary log, whose
+    tail :meth:`wait_ready` prints when the server fails to start; :meth:`close` (or leaving ``with``) stops it:
+    terminate, then kill after 30 s."""
+
+    def __init__(self, words: list[str]):
+        import subprocess
+        import sys
+        import tempfile
+
+        from cadence.net import free_port
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "cadence", "serve", "--port", str(port), *words]
+        print("server: " + " ".join(cmd[1:]), file=sys.stderr)
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.pid = self.proc.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        import sys
+
+        try:
+            wait_ready(self.url, timeout, self.proc)
+        except RuntimeError:
+            self.log.seek(0)
+            print(self.log.read()[-3000:], file=sys.stderr)
+            raise
+
+    def close(self) -> None:
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    def __enter__(self) -> "ServeProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
