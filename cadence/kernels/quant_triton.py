@@ -1,11 +1,30 @@
 """Triton kernels of the FP8 activation quantisation (imported lazily by ``cadence.kernels.quant``;
 see that module's docs). Kept to what triton 3.6 (the GPU machines) and the CPU interpreter both
 accept: plain block loads, ``tl.max`` / ``tl.sum`` row reductions, ``tl.math.div_rn`` /
-``sqrt_rn``, a grid-stride ``range`` loop.
+``sqrt_rn``, a grid-stride ``range`` loop; libdevice (``tanh``) only where compiled.
+
+The kernels reproduce the PyTorch reference of the device they run for: compiled, CUDA tensors (torch's
+CUDA kernels); under the interpreter, CPU tensors (torch's CPU kernels). Two places differ between those
+(:data:`COMPILED` picks, measured on an H200 with torch 2.11, docs/perf/fp8/NOTES.md "GPU parity"):
+
+* the row scale ``amax / 448``: torch on CUDA divides a tensor by a Python scalar as a multiply by the
+  scalar's float32 reciprocal (``amax * fl(1/448)``), on the CPU it divides (``div_rn``). Off by one ulp in
+  about half the rows, so ``1 / scale`` differs too and ~0.1-0.6% of the e4m3 bytes landed one step away.
+* the GELU: compiled, torch's CUDA formula in its order (``0.5 x (1 + tanh(k (x + 0.044715 x^3)))`` with
+  libdevice's ``tanhf``: bitwise torch's float32 on the H200); the interpreter has no libdevice, so there
+  the exp form ``x / (1 + exp(-2u))`` (the same function, a few ulps from torch's CPU ``tanh``).
 """
+
+import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+#: True where the kernels are compiled (CUDA tensors), False under TRITON_INTERPRET=1 (CPU tensors): which
+#: device's torch arithmetic the kernels reproduce (the module docstring). Read once at import, as Triton
+#: itself decides interpretation when the kernels are decorated.
+COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -52,12 +71,17 @@ def _quant_store(
 ):
     """h [BLOCK_M, BLOCK_K] float32 (masked lanes 0) -> e4m3 rows of Q and float32 scales S[rows].
 
-    The reference's arithmetic exactly: amax (max |h|, exact), clamp_min, scale = amax / 448 and its
-    reciprocal both IEEE-rounded (div_rn: Triton's plain '/' on fp32 is an approximate division on
-    NVIDIA), h * (1/scale), clamp to +-448 before the cast (torch 2.11 makes NaN of overflow; the
-    hardware cast saturates anyway), cast round-to-nearest-even."""
+    The reference's arithmetic exactly: amax (max |h|, exact), clamp_min, scale = amax / 448 as torch
+    forms it on the device (compiled / CUDA: amax * float32(1/448), one rounding; interpreter / CPU: the
+    IEEE quotient, div_rn), its reciprocal IEEE-rounded (div_rn, as torch's ``reciprocal`` on both;
+    Triton's plain '/' on fp32 is an approximate division on NVIDIA), h * (1/scale), clamp to +-448 before
+    the cast (torch 2.11 makes NaN of overflow; the hardware cast saturates anyway), cast
+    round-to-nearest-even."""
     amax = tl.maximum(tl.max(tl.abs(h), axis=1), AMAX_MIN)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    if COMPILED:  # torch's CUDA div by a Python scalar: a * (1 / b), the reciprocal rounded to float32
+        scale = amax * (1.0 / FP8_MAX)
+    else:
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
     inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     y = h * inv[:, None]
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
@@ -212,16 +236,23 @@ def gelu_quant_rows_kernel(
     per row like quant_rows_kernel: the FFN's ``F.gelu(fc1(x), approximate="tanh")`` feeding an FP8 fc2,
     one read of the fc1 output, one write of the FP8 rows.
 
-    gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), computed as x / (1 + exp(-2u))
-    (the same function: 1 + tanh(u) = 2 sigmoid(2u)): no cancellation near 0; for large negative x the
-    exponent is capped at 80 (no overflow), leaving a value below 1e-30 in magnitude that the quantisation
-    rounds to -0, the byte torch's -0.0 gives."""
+    gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). Compiled: exactly torch's CUDA
+    expression (x^3 as x * x * x, then u, then 0.5 * x * (1 + tanhf(u)), libdevice's tanhf), so its float32
+    is torch's bit for bit (measured on an H200: 0 ulps over 2.2M bf16 / fp16 inputs, the tails' cancellation
+    to -0.0 included). Interpreter (no libdevice): x / (1 + exp(-2u)) (1 + tanh(u) = 2 sigmoid(2u)), exact
+    division; for large negative x the exponent is capped at 80 (no overflow), leaving a value below 1e-30
+    in magnitude that the quantisation rounds to -0, the byte torch's -0.0 gives."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     rmask = rows < M
     mask = rmask[:, None] & (cols[None, :] < K)
     x = tl.load(X + rows[:, None].to(tl.int64) * sxm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    e = tl.exp(tl.minimum(-2.0 * u, 80.0))  # capped short of overflow: x / (1 + 5.5e34) rounds like -0
-    g = _round_model(x / (1.0 + e), ROUND)
+    if COMPILED:
+        x3 = x * x * x
+        g = 0.5 * x * (1.0 + libdevice.tanh(0.7978845608028654 * (x + 0.044715 * x3)))
+    else:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        e = tl.exp(tl.minimum(-2.0 * u, 80.0))  # capped short of overflow: x / (1 + 5.5e34) rounds like -0
+        g = tl.math.div_rn(x, 1.0 + e)
+    g = _round_model(g, ROUND)
     _quant_store(tl.where(mask, g, 0.0), rows, cols, rmask, mask, Q, sqm, S, AMAX_MIN, FP8_MAX, True)
