@@ -48,8 +48,14 @@ def _round_grid(y, REL: tl.constexpr, QMIN: tl.constexpr):
     fold the add/sub away, the hardware casts still round to nearest even: the same bytes."""
     bits = y.to(tl.int32, bitcast=True)
     e = (bits & 0x7F800000).to(tl.float32, bitcast=True)
-    # .to(float32): triton 3.6 types a float constexpr below float32's normal range (bf16's 2^-133) as fp64
-    q = tl.maximum(e * REL, QMIN).to(tl.float32)
+    if QMIN < 1.1754943508222875e-38:
+        # below float32's normal range (bf16's 2^-133): triton 3.6 types such a float constexpr as fp64, which
+        # cost an fp64 max and two f32 <-> f64 conversions per element (the FP64 units' rate); made in float32
+        # at run time instead, exactly: 2^-66 * (QMIN * 2^66), both factors normal
+        qmin = tl.full(e.shape, 1.3552527156068805e-20, tl.float32) * (QMIN * 7.378697629483821e19)
+    else:
+        qmin = QMIN
+    q = tl.maximum(e * REL, qmin)
     c = q * 12582912.0
     r = (tl.abs(y) + c) - c
     return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
