@@ -91,7 +91,12 @@ def test_rounding_edges_bitwise():
     x = torch.stack([row, row * 2.0**-20, row * 3.0]).to(DEV)
     q, s = kq.quantize_rows_triton(x)
     qr, sr = quantize_rows(x)
-    assert s.flatten().tolist() == [1.0, 2.0**-20, 3.0] and torch.equal(s, sr)
+    assert torch.equal(s, sr)  # the kernel forms the scale as its device's reference does
+    # which is amax / 448 exactly on the CPU; on CUDA torch divides by a Python number as a multiply by its
+    # float32 reciprocal: 1344 * fl(1/448) = 3.0000002, one ulp above 3 (measured on an H200)
+    assert torch.allclose(s.cpu(), torch.tensor([[1.0], [2.0**-20], [3.0]]), rtol=2.0**-22, atol=0)
+    if DEV == "cpu":
+        assert s.flatten().tolist() == [1.0, 2.0**-20, 3.0]
     diff = (_bytes(q) != _bytes(qr)).nonzero().tolist()
     assert not diff, [(x[i, j].item(), q[i, j].float().item(), qr[i, j].float().item()) for i, j in diff[:8]]
 
