@@ -146,6 +146,9 @@ class ServeConfig:
     """How long a closed session's report stays available at GET /sessions/{id}/report."""
     max_reports: int = 256
     """Most closed-session reports kept."""
+    max_report_bytes: int = 8 << 20
+    """Most compressed bytes of closed-session reports kept (``cadence.serve.reports``: ~1.5 KB for a
+    few-second session, ~40 KB at the 1,000 chunks a report holds at most): the oldest go first."""
     ice_addresses: tuple[str, ...] | None = None
     """Host ICE candidates to offer; None = ('127.0.0.1',) when serving on loopback, else aioice's own
     discovery (all non-loopback interfaces)."""

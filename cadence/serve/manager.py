@@ -9,7 +9,8 @@ Retry-After) and for the client's pending offers (429 + Retry-After: at most
 ``max_pending_offers_per_client`` sessions per client address not yet connected) before its image is
 looked at (``cadence.serve.uploads``). An offer that never connects is closed after ``connect_timeout_s``
 (10 s; the session's watchdog). A closed session's report is kept ``report_ttl_s`` (at most
-``max_reports``), and its token opens it for as long.
+``max_reports`` and ``max_report_bytes``, compressed: ``cadence.serve.reports``), and its token opens it for
+as long.
 
 The seams are declared in :mod:`cadence.serve.ports`: the manager takes a ``GroupSource`` (given, or the one
 ``cfg`` names: :func:`group_source`), builds each new session with the source's ``session_factory(group)``
@@ -22,9 +23,7 @@ WebRTC (Pipecat).
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
-import json
 import logging
 import math
 import time
@@ -41,6 +40,7 @@ from cadence.serve.agents import make_agent
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
 from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
 from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
+from cadence.serve.reports import ReportStore, report_json
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession, worker_speed
 from cadence.serve.uploads import ImageDecoder
@@ -96,8 +96,7 @@ class SessionManager:
         self.source = source if source is not None else group_source(cfg)
         self.groups = self.source.groups  # (a fleet's list is kept up to date in place)
         self.sessions: dict[str, SessionPort] = {}
-        self.reports: collections.OrderedDict[str, dict] = collections.OrderedDict()
-        self._report_times: dict[str, float] = {}
+        self.reports = ReportStore(cfg.report_ttl_s, cfg.max_reports, cfg.max_report_bytes)
         self.background: set[asyncio.Task] = set()
         self.started = False
         self.stopping = False
@@ -227,11 +226,10 @@ class SessionManager:
         self.metrics.remove_session(sess.sid)
         self.metrics.sessions.labels(sess.close_reason or "unknown").inc()
         self.metrics.active.set(len(self.sessions))
-        self.reports[sess.sid] = report
-        self._report_times[sess.sid] = time.monotonic()
-        self._expire_reports()
-        if log.isEnabledFor(logging.INFO):  # (not a JSON dump of every report on the loop when not logged)
-            log.info("session report %s", json.dumps(report, default=str))
+        data = report_json(report)
+        self._forget(self.reports.put(sess.sid, data))
+        if log.isEnabledFor(logging.INFO):
+            log.info("session report %s", data.decode())
         asyncio.get_running_loop().call_later(1.0, self._collect_soon)
 
     def _collect_soon(self) -> None:
@@ -250,19 +248,13 @@ class SessionManager:
 
     # ---- open and closed sessions ---------------------------------------------------------------
     def _expire_reports(self) -> None:
-        now = time.monotonic()
-        while self.reports:
-            sid, _ = next(iter(self.reports.items()))
-            if (
-                len(self.reports) > self.cfg.max_reports
-                or now - self._report_times[sid] > self.cfg.report_ttl_s
-            ):
-                self.reports.popitem(last=False)
-                self._report_times.pop(sid, None)
-                if sid not in self.sessions:
-                    self.access.forget(sid)
-            else:
-                break
+        self._forget(self.reports.expire())
+
+    def _forget(self, sids: list[str]) -> None:
+        """Reports dropped: their tokens open nothing any more (unless the session is open again)."""
+        for sid in sids:
+            if sid not in self.sessions:
+                self.access.forget(sid)
 
     def get_open(self, sid: str) -> SessionPort:
         s = self.sessions.get(sid)

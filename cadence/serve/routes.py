@@ -128,8 +128,8 @@ class SessionApi:
 
     async def get_report(self, sid: str, request: Request):
         self.mgr.authorize(sid, bearer(request))
-        if sid in self.mgr.reports:
-            return self.mgr.reports[sid]
+        if sid in self.mgr.reports:  # the stored JSON as it is (no decode and re-encode)
+            return Response(self.mgr.reports.json_bytes(sid), media_type="application/json")
         raise ApiError(409, f"session {sid} is still open; its report is written when it closes")
 
     async def delete_session(self, sid: str, request: Request):

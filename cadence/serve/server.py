@@ -30,6 +30,9 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from cadence.serve.heap import cap_arenas
+
+    cap_arenas()  # before any thread starts: this process is the server's own (cadence.serve.heap)
     app = create_app(cfg)
     where = (
         f"http://{cfg.host}:{cfg.port}/"

@@ -15,8 +15,6 @@ import asyncio
 import base64
 import binascii
 import concurrent.futures
-import ctypes
-import ctypes.util
 import io
 import os
 import tempfile
@@ -27,6 +25,7 @@ import numpy as np
 from cadence.errors import InputError
 from cadence.serve.agent import decode_audio_bytes
 from cadence.serve.guard import ApiError, parse_json, short, str_field
+from cadence.serve.heap import trim_memory
 
 #: Formats a reference image may be in (Pillow plugin names); anything else is a 400 before any decoding.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
@@ -93,27 +92,6 @@ async def _form_body(request, max_image_bytes: int) -> SessionBody:
 
 
 # ---- the reference image -----------------------------------------------------------------------------------
-
-_malloc_trim = None
-
-
-def trim_memory() -> bool:
-    """Give freed heap memory back to the OS (glibc ``malloc_trim(0)``, all arenas); False where unavailable.
-
-    A decoded image lives in a few large allocations, freed right after; glibc keeps what was freed in
-    each thread's arena for reuse, so without this a process that decoded large images once holds that
-    memory for ever (issue 20: rounds of 8 parallel 64 MP uploads left 2 GB behind)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-            _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if not _malloc_trim:
-        return False
-    _malloc_trim(0)
-    return True
 
 
 def image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
