@@ -16,11 +16,11 @@ source "$(dirname "$0")/device_lib.sh"  # env, $OUT/$PERF, run LIMIT_S NAME CMD.
 FAST="--cache ring --kv-fp8 --fp8 --compile --graphs"
 STEP="python3 -m cadence bench step $FAST --warmup 2 --iters 8 --profile-iters 1"
 W57="--preset w57 --layers 12"; EMU="--emulate --comm two_shot"
-LIN=(--presets "w57:1,4" --sweep none --no-chunk --no-tiles)
+LIN="--presets w57:1,4 --sweep none --no-chunk --no-tiles"
 if [[ "$SMOKE" == 1 ]]; then
   export TRITON_INTERPRET=1
   STEP="python3 -m cadence bench step $FAST --device cpu --warmup 0 --iters 1 --profile-iters 1"
-  W57="--preset tiny"; LIN=(--tiny --sweep none --no-chunk --no-tiles)
+  W57="--preset tiny"; LIN="--tiny --sweep none --no-chunk --no-tiles"
 else
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -32,7 +32,7 @@ run 60 w57-tp4-plain2 $STEP $W57 --tp 4 $EMU --out-dir "$PERF/plain-tp4-2"
 run 60 w57-tp1-fq $STEP --fused-quant $W57 --out-dir "$PERF/fq-tp1"
 run 60 w57-tp1-plain $STEP $W57 --out-dir "$PERF/plain-tp1"
 left=$((BUDGET_S - SECONDS - 10))
-run $((left + 5)) producers python3 -m cadence bench linears "${LIN[@]}" --budget-s "$left" --out-dir "$PERF/producers"
+run $((left + 5)) producers python3 -m cadence bench linears $LIN --budget-s "$left" --out-dir "$PERF/producers"
 tar -czf "$OUT/fqbench.tgz" -C "$OUT" perf 2>/dev/null
 echo "=== summary (ms per step, from each run's JSON; split = the graph-replayed instrumented step's parts)"
 python3 - "$PERF" <<'PY'
