@@ -147,9 +147,13 @@ def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_us
         )
         src._route = lambda g, msg: None
 
-        class Hang:  # a group actor whose poll never answers (no replies in this test)
+        class Hang:  # a group actor whose poll never answers (no replies), until the test fails it
+            pending: list = []
+
             def remote(self, *args):
-                return asyncio.get_running_loop().create_future()
+                f = asyncio.get_running_loop().create_future()
+                Hang.pending.append(f)
+                return f
 
         src._actor = lambda name: types.SimpleNamespace(poll=Hang(), send=Hang())
         await src.sync()
@@ -181,8 +185,24 @@ def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_us
         src.release(g, "sid-1")
         await src.sync()
         assert g.ready.is_set() and g.free and state.groups[g.name].restarts == 1
+        # a fast restart: the heartbeat brings the restarted actor before the failed poll reports the death;
+        # the death is the old incarnation's (the one the poll talked to), so the new one serves after release
+        await asyncio.sleep(
+            0.01
+        )  # g2's poll running (started at its acquire), on the incarnation it had then
+        assert any(not f.done() for f in Hang.pending)
+        old = g2.incarnation
+        state.observe(g2.name, 1, {**_ping("inc1-b", "n1"), "info": info}, 2.0)
+        await src.sync()
+        assert g2.incarnation != old
+        for f in Hang.pending:  # g2's poll (the only one still waiting): its actor is gone
+            if not f.done():
+                f.set_exception(RuntimeError("The actor is unavailable"))
+        await asyncio.sleep(0.01)
+        assert not g2.ready.is_set() and g2.state == "restarting" and g2.died_incarnation == old
         src.release(g2, "sid-2")
-        assert state.groups["cadence-group-1"].free
+        await src.sync()  # (the next heartbeat: the registry says the restarted actor is up)
+        assert state.groups["cadence-group-1"].free and g2.ready.is_set() and g2.free
 
     asyncio.run(run())
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()  # no Ray started by the fake

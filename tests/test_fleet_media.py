@@ -286,9 +286,9 @@ def test_group_media_streams_from_the_group_actor_not_the_front_end(group_media_
         monkeypatch.setattr(cls, name, counted)
     dispatch = RayGroup._dispatch
 
-    def dispatch_counted(self, msg):
+    def dispatch_counted(self, msg, *args):
         seen[type(msg).__name__] += 1
-        return dispatch(self, msg)
+        return dispatch(self, msg, *args)
 
     monkeypatch.setattr(RayGroup, "_dispatch", dispatch_counted)
     answers = []

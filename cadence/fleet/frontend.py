@@ -143,25 +143,28 @@ class RayGroup:
             self._poll = None
 
     async def _polling(self) -> None:
-        handle = self.handle
+        # the incarnation this poll talks to: a death it sees is that one's, even when a heartbeat has
+        # meanwhile brought the restarted actor's (a fast restart, seen by the registry before the failed
+        # call came back here); taking the newer one would keep the group from ever being ready again
+        handle, inc = self.handle, self.incarnation
         while True:
             try:
                 msgs = await handle.poll.remote(0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the actor died (or is restarting), or its node left
-                self._dispatch(Died(f"worker group {self.name} failed ({_why(e)}); Ray restarts it"))
+                self._dispatch(Died(f"worker group {self.name} failed ({_why(e)}); Ray restarts it"), inc)
                 return
             for msg in msgs:
-                self._dispatch(msg)
+                self._dispatch(msg, inc)
                 if isinstance(msg, Died):
                     return
 
-    def _dispatch(self, msg) -> None:
+    def _dispatch(self, msg, incarnation: str | None = None) -> None:
         if isinstance(msg, Died):
             self.ready.clear()
             self.state = "restarting"
-            self.died_incarnation = self.incarnation
+            self.died_incarnation = incarnation if incarnation is not None else self.incarnation
         if self.on_message is not None:
             self.on_message(msg)
 
