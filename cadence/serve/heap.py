@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger("cadence.serve")
 
@@ -58,8 +59,6 @@ def trim_memory() -> bool:
 def cap_arenas(n: int = SERVER_ARENAS, environ: dict | None = None) -> bool:
     """At most ``n`` malloc arenas in this process from now on; False (and one log line) where it cannot be
     set, or not set because the environment names its own ``MALLOC_ARENA_MAX``."""
-    import os
-
     env = os.environ if environ is None else environ
     if env.get("MALLOC_ARENA_MAX"):
         log.info("malloc arenas: MALLOC_ARENA_MAX=%s from the environment", env["MALLOC_ARENA_MAX"])
