@@ -7,7 +7,7 @@ Reads the references' JSON (``PERF_DIR/reference/<name>.json``, scripts/referenc
 by ``<name>`` (self-forcing-wan, self-forcing-taehv, causvid, longlive, krea-14b, flashtalk), prints one table
 (fps over the run and steady, time to first frames, per-block / per-chunk time, peak GPU memory, the ratio
 Cadence / reference of steady fps and of time to first frames) and writes it as one JSON in the bench schema
-of BENCHMARKS.md (``bench`` "reference", ``command``, ``device``, ``git``, ``shape``, ``results.rows``) to
+of docs/benchmarks.md (``bench`` "reference", ``command``, ``device``, ``git``, ``shape``, ``results.rows``) to
 ``PERF_DIR/families/side-by-side.json``. A side that is missing (not run, crashed, skipped for time) is a row
 with that side empty, never a number."""
 
