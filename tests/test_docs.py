@@ -1,7 +1,7 @@
 """The repository holds its own documents, and what they state about the code is read from the code.
 
 * No tracked file points at a document the repository does not hold: the briefing files the project was
-  started from (named below in pieces, so this file does not name them) or any ``docs/...md`` path that is
+  started from (named below in pieces, so this file does not name them) or any Markdown path under docs/ that is
   not there; every relative link of a Markdown file resolves.
 * Paths in backticks in README.md and docs/*.md (``cadence/...``, ``tests/...``, ``scripts/...``) exist.
 * docs/benchmarks.md: every ``results`` key it names for a benchmark is one that benchmark's files write (a
@@ -144,3 +144,51 @@ def test_the_workload_table_is_the_presets():
             str(c.kv_tokens),
         ]
         assert cells == want, (name, cells, want)
+
+
+# ---- the README: read in one screen -----------------------------------------------------------------------
+
+SCREEN = 60  # lines a newcomer reads before scrolling
+
+
+def _fenced_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every line inside a fenced code block."""
+    out, inside = [], False
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            inside = not inside
+        elif inside:
+            out.append((i, line.strip()))
+    return out
+
+
+def _readme_commands() -> tuple[tuple[int, str], tuple[int, str]]:
+    """The README's run command (installs, then `cadence serve`) and test command (installs, then pytest)."""
+    lines = _fenced_lines((ROOT / "README.md").read_text())
+    run = [(i, ln) for i, ln in lines if "pip install" in ln and ln.endswith("&& cadence serve")]
+    test = [(i, ln) for i, ln in lines if "pip install" in ln and "&& python3 -m pytest -q" in ln]
+    assert run and test, "the README's run and test commands (each: installs && the command) are not there"
+    return run[0], test[0]
+
+
+def _normal(cmd: str) -> str:
+    return " ".join(cmd.replace("python3 -m pip", "pip").replace("pip install -q", "pip install").split())
+
+
+def test_the_readme_gives_set_up_run_and_test_on_its_first_screen():
+    text = (ROOT / "README.md").read_text()
+    (i_run, run), (i_test, test) = _readme_commands()
+    assert i_run <= SCREEN and i_test <= SCREEN, (i_run, i_test)
+    before = "\n".join(text.splitlines()[: min(i_run, i_test)])
+    assert "git clone" in before and "python3 -m venv" in before  # the two steps before them, named
+    assert "'.[serve]'" in run and "'.[test]'" in test
+    assert len(text.splitlines()) <= 120, "the README grew past a screen or two: move details to docs/"
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run installs torch its own way (from local disk), then runs the README's test command's other parts."""
+    (_, test) = _readme_commands()[1]
+    ci = _normal((ROOT / ".ci" / "run").read_text())
+    parts = [p.strip() for p in test.split("&&") if "pip install torch" not in p]
+    assert len(parts) == 2, parts
+    assert _normal(" && ".join(parts)) in ci, (parts, "not in .ci/run")
