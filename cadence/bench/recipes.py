@@ -6,7 +6,7 @@ words go through the one engine-flag set (``cadence.engine.flags``) into an ``En
     spec = part_spec(args, overrides={"stream": {"cache": "ring"}})   # the parsed flags of add_part_flags
     recipe = part_recipe(spec, "cuda:0")                             # what these words build on this device
 
-Two rules make a part benchmark keep the meaning its words always had (README, docs/perf, scripts/device_*.sh):
+Two rules make a part benchmark keep the meaning its words always had (README, docs/perf, scripts/device_plans.toml):
 
 * **FP8 is off unless asked** (:data:`OFF_UNLESS_ASKED`: ``kv_fp8``, ``fp8_linears``): a bare
   ``cadence bench step`` times the bf16 reference step, as it always did, where ``cadence serve`` on CUDA turns

@@ -6,7 +6,7 @@ latent frame, then N further chunks through one :class:`StreamingDecoder`, each 
 events (host clock on CPU). bf16 on a GPU, float32 on CPU (use a tiny --height/--width/--base-dim
 there). With --compare-diffusers, diffusers' ``AutoencoderKLWan.decode`` of a whole latent of 1 and
 1 + K frames gives its per-chunk cost (the slope); skipped with one log line where diffusers is not
-installed. Reference: BENCHMARKS.md measured diffusers at ~170 ms per further chunk at 704x1088 on
+installed. Reference: docs/benchmarks.md measured diffusers at ~170 ms per further chunk at 704x1088 on
 an H200; the deadline is 166.7 ms per 4-frame chunk at 24 fps.
 """
 
@@ -280,7 +280,7 @@ def _print(args, results: dict, compiled: list, fast_rep) -> None:
 
 
 def _record(args, results: dict, compiled: list, fast_rep, device, z: int, lh: int, lw: int, stride) -> None:
-    """The JSON record (BENCHMARKS.md bench "vae"), with the recipe of the decoder timed."""
+    """The JSON record (docs/benchmarks.md bench "vae"), with the recipe of the decoder timed."""
     lf, per = results["latent_frames_per_chunk"], results["per_chunk_ms"]
     variant = "-".join(
         [args.variant, args.decoder, results["dtype"]]
