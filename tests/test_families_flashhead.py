@@ -300,3 +300,61 @@ def test_other_families_weights_are_refused():
         load_flashhead_model(
             Path(__file__).parent / "fixtures" / "flashtalk" / "flashtalk_tiny", "cpu", torch.float32
         )
+
+
+@pytest.mark.parametrize("variant", ["pro", "lite"])
+def test_pass_flops_count_what_runs(models, variant, monkeypatch):
+    """The analytic count against what the pass runs: GEMMs as torch's FLOP counter counts them, attention from
+    the shapes every attention call sees (4 B H Nq Nk D: QK^T and AV)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import cadence.model.dit as dit
+    import cadence.model.full as full
+    from cadence.model.flashhead import pass_flops
+
+    seen = []
+
+    def counting(real):
+        def attention(q, k, v, mask=None):
+            seen.append(4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3])
+            return real(q, k, v, mask)
+
+        return attention
+
+    monkeypatch.setattr(dit, "attention", counting(dit.attention))
+    monkeypatch.setattr(full, "attention", counting(full.attention))
+    d = DATA[f"forward_{variant}"]
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        models[variant](d["x"], d["t"], d["audio"], d["y"])
+    want = pass_flops(models[variant].fcfg, 33, PIXELS[variant], PIXELS[variant])
+    assert want["linear"] == fc.get_total_flops() and want["attention"] == sum(seen)
+    assert want["tokens"] == (36 if variant == "pro" else 20)
+
+
+def test_sample_clip_rounds_timesteps_as_their_bf16_pipeline():
+    """Their pipeline casts each timestep to the model's dtype before the model embeds it, and t / 1000 before
+    the x0 / re-noise arithmetic: in bf16 937.5 stays, 833.3 -> 832, 625 -> 624 (and 0.8333 -> 0.832). A stub
+    model (zero flow) shows both: the timesteps it is given, and the latent as the re-noising chain of the draws
+    with the rounded coefficients. The motion latents are pinned."""
+
+    class Stub:
+        dtype, device, seen = torch.bfloat16, torch.device("cpu"), []
+
+        def __call__(self, x, t, ctx, ref):
+            self.seen.append(t)
+            return torch.zeros_like(x)
+
+    ts = flashhead_timesteps(4, 5.0)
+    draws = [torch.randn(2, 3, 2, 2, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    motion = torch.ones(2, 1, 2, 2)
+    model = Stub()
+    got = sample_clip(model, draws, motion, torch.zeros(2, 3, 2, 2), object(), ts)
+    assert [float(t) for t in model.seen] == [1000.0, 936.0, 832.0, 624.0]
+    assert all(t.dtype == torch.bfloat16 for t in model.seen)
+    c = (ts / 1000).to(torch.bfloat16).float()
+    want = draws[0].clone()
+    for i in range(4):
+        want[:, :1] = 1.0
+        want = (1 - c[i + 1]) * want + c[i + 1] * draws[i + 1]
+    want[:, :1] = 1.0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

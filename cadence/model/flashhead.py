@@ -253,6 +253,29 @@ def check_shapes(cfg: FlashHeadConfig, shapes: dict[str, tuple[int, ...]], where
         raise WeightsError(f"FlashHead {where}: config.json does not fit the weights: {'; '.join(wrong)}")
 
 
+def pass_flops(cfg: FlashHeadConfig, video_frames: int, height: int, width: int) -> dict[str, int]:
+    """FLOPs of one model pass over a clip (2 per multiply-add; GEMMs and attention only, as
+    ``torch.utils.flop_counter`` counts them): ``linear`` (patch embedding, the blocks' projections and FFNs,
+    the head, the audio projection), ``attention`` (self-attention over all the clip's tokens, each latent
+    frame's cross-attention to its audio tokens) and their ``total``; ``tokens`` for the record."""
+    n, d, f = cfg.tokens(video_frames, height, width), cfg.dim, cfg.latent_frames(video_frames)
+    ctx = f * cfg.audio_tokens
+    audio = (
+        cfg.audio_window * cfg.audio_frame_width
+        + (f - 1) * (cfg.audio_window + cfg.vae_scale - 1) * cfg.audio_frame_width
+    )
+    audio = 2 * cfg.audio_hidden * audio + 2 * f * cfg.audio_hidden * (
+        cfg.audio_hidden + ctx // f * cfg.audio_width
+    )
+    per_layer = 2 * n * (4 * d * d + 2 * d * d + 2 * d * cfg.ffn_dim) + 2 * ctx * 2 * cfg.audio_width * d
+    linear = (
+        2 * n * math.prod(cfg.patch) * (cfg.in_dim + cfg.out_dim) * d + cfg.num_layers * per_layer + audio
+    )
+    linear += 2 * (cfg.freq_dim * d + d * d + d * 6 * d)  # the timestep MLP and its 6-way projection
+    attention = cfg.num_layers * (4 * n * n * d + 4 * n * cfg.audio_tokens * d)
+    return {"tokens": n, "linear": linear, "attention": attention, "total": linear + attention}
+
+
 # ---- the model --------------------------------------------------------------------------------------
 
 
