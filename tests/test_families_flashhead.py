@@ -20,6 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from family_fixtures import rel
@@ -358,3 +359,27 @@ def test_sample_clip_rounds_timesteps_as_their_bf16_pipeline():
         want = (1 - c[i + 1]) * want + c[i + 1] * draws[i + 1]
     want[:, :1] = 1.0
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_face_crop_geometry_matches_process_image(caplog):
+    """Their ``use_face_crop`` with the detector's answer given (MediaPipe is not a dependency): the crop around
+    the box (2x its width, 55 % above its centre, clamped at the edges) resized, pixel for pixel."""
+    from PIL import Image
+
+    from cadence.media.face_crop import crop_around_box, face_crop
+
+    fc = DATA["face_crop"]
+    image = Image.open(FIX / "image.png").convert("RGB")
+    for box, want in zip(fc["boxes"].tolist(), fc["crops"]):
+        got = torch.from_numpy(np.array(crop_around_box(image, box, 2.0, (24, 20))))
+        assert torch.equal(got, want)
+        assert torch.equal(
+            torch.from_numpy(np.array(face_crop(image, 2.0, (24, 20), lambda im, box=box: box))), want
+        )
+    assert face_crop(image, detector=lambda im: None) is not image  # converted copy, uncropped
+    assert face_crop(image, detector=lambda im: None).size == image.size and "no face" in caplog.text
+
+    def missing(im):
+        raise ImportError("No module named 'mediapipe'")
+
+    assert face_crop(image, detector=missing).size == image.size and "mediapipe" in caplog.text
