@@ -16,6 +16,7 @@ re-encoded frames; measured <= 6e-6). The audio regrouping per latent frame is e
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -173,11 +174,33 @@ def pro_codec():
     return WanClipCodec(load_wan_vae(WAN_VAE))
 
 
+def test_pro_clips_from_their_motion_latents(models):
+    """The Pro sampler alone (no VAE): each clip from the motion latents their run started it from, the
+    reference latent of their ``prepare_params`` and one generator seeded as theirs (its draws in their order:
+    clip 1's initial noise follows clip 0's five draws)."""
+    s = DATA["stream_pro"]
+    gen = torch.Generator().manual_seed(SEED)
+    ts = flashhead_timesteps(4, 5.0)
+    assert torch.equal(
+        torch.randn(s["draws"][0].shape, generator=torch.Generator().manual_seed(SEED)), s["draws"][0]
+    )
+    errs = []
+    for k in range(2):
+        ctx = models["pro"].audio_context(s["windows"][k][None])
+        errs.append(
+            rel(sample_clip(models["pro"], gen, s["motion"][k], s["ref_latent"], ctx, ts), s["latents"][k])
+        )
+    assert s["motion"][0].shape[1] == 1 and s["motion"][1].shape[1] == 2  # the image's latent, then 5 frames'
+    assert max(errs) <= 1e-4, errs
+
+
+@pytest.mark.slow
 def test_pro_stream_two_clips(models):
     """Their ``generate`` twice on the Pro model with the tiny Wan VAE: the reference latent (the image repeated
     over 33 frames, encoded), clip 0 from its first latent frame, decoded, colour-matched and its last 5 frames
     re-encoded into clip 1's motion latents; the seeded generator's draws in their order. Clip 1's own decode is
-    the same step again (the slow test below runs the whole stream)."""
+    the same step again (the next test runs the whole stream). ~5-10 s on two cores: three tiny Wan VAE
+    passes."""
     import hashlib
 
     from PIL import Image
@@ -383,3 +406,80 @@ def test_face_crop_geometry_matches_process_image(caplog):
         raise ImportError("No module named 'mediapipe'")
 
     assert face_crop(image, detector=missing).size == image.size and "mediapipe" in caplog.text
+
+
+def released_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes a released folder of ``cfg`` holds (their module names; the keys the loader reads),
+    with their hard-coded audio projection: 5 x 12 x 768 features -> 512 -> 32 tokens of 1536."""
+    d, s = cfg["dim"], cfg["vae_stride"][0]
+    shapes = {
+        "patch_embedding.weight": (d, cfg["in_dim"], *cfg["patch_size"]),
+        "head.head.weight": (cfg["out_dim"] * math.prod(cfg["patch_size"]), d),
+        "time_embedding.0.weight": (d, cfg["freq_dim"]),
+        "audio_proj.proj1.weight": (512, 5 * 12 * 768),
+        "audio_proj.proj1_vf.weight": (512, (5 + s - 1) * 12 * 768),
+        "audio_proj.proj3.weight": (32 * 1536, 512),
+        "audio_proj.norm.weight": (1536,),
+    }
+    for i in range(cfg["num_layers"]):
+        shapes[f"blocks.{i}.ffn.0.weight"] = (cfg["ffn_dim"], d)
+        shapes[f"blocks.{i}.cross_attn.k.weight"] = (d, d)
+    return shapes
+
+
+def test_released_geometry():
+    """Pro and Lite as released (config.json as their ``WanModelAudioProject`` takes it: Wan2.1-1.3B's sizes; Lite
+    on the LTX-Video VAE's 128 channels, 8 x 32 x 32, one token per latent position), 512 x 512, 33 frames."""
+    from cadence.model.flashhead import pass_flops
+
+    wan13 = dict(dim=1536, num_heads=12, num_layers=30, ffn_dim=8960, freq_dim=256, eps=1e-6, text_dim=4096)
+    pro = dict(
+        wan13, in_dim=32, out_dim=16, patch_size=[1, 2, 2], vae_stride=[4, 8, 8], has_image_input=False
+    )
+    lite = dict(wan13, in_dim=256, out_dim=128, patch_size=[1, 1, 1], vae_stride=[8, 32, 32])
+    got = {}
+    for name, raw in (("pro", pro), ("lite", lite)):
+        c = FlashHeadConfig.from_config(raw, released_shapes(raw))
+        assert (c.audio_window, c.audio_frame_width, c.audio_hidden, c.audio_tokens, c.audio_width) == (
+            5,
+            12 * 768,
+            512,
+            32,
+            1536,
+        )
+        got[name] = (
+            c.latent_frames(33),
+            c.tokens(33, 512, 512),
+            c.motion_frames(),
+            pass_flops(c, 33, 512, 512),
+        )
+    assert got["pro"][:3] == (9, 9 * 32 * 32, 5) and got["lite"][:3] == (5, 5 * 16 * 16, 9)
+    assert 38e12 < got["pro"][3]["total"] < 39e12 and 3.5e12 < got["lite"][3]["total"] < 3.6e12  # per pass
+
+
+def test_sessions_batch_into_one_pass(models):
+    """Two clips (two sessions' latents, references, timesteps and audio) in one pass equal each alone: the
+    cross-attention reads each sample's own frames' audio tokens."""
+    d = DATA["forward_pro"]
+    m = models["pro"]
+    g = torch.Generator().manual_seed(3)
+    x2, y2, a2 = (torch.randn(t.shape, generator=g) for t in (d["x"], d["y"], d["audio"]))
+    t = torch.tensor([937.5, 625.0])
+    with torch.no_grad():
+        both = m(torch.cat([d["x"], x2]), t, torch.cat([d["audio"], a2]), torch.cat([d["y"], y2]))
+        one = m(d["x"], t[:1], d["audio"], d["y"])
+        two = m(x2, t[1:], a2, y2)
+    assert rel(both[:1], one) <= 1e-5 and rel(both[1:], two) <= 1e-5
+
+
+def test_random_build_at_the_released_size_is_cheap():
+    from cadence.model.flashhead import build_flashhead, released_config
+
+    c = released_config("lite")
+    small = dict(num_layers=1, dim=64, num_heads=2, ffn_dim=128, audio_frame_width=16, audio_hidden=8)
+    small = FlashHeadConfig(**{**c.__dict__, **small, "audio_tokens": 4, "audio_width": 64})
+    m = build_flashhead(small, "cpu", torch.float32, seed=0)
+    assert m.patch_embed.weight.shape == (64, 256) and m.head.proj.weight.shape == (128, 64)
+    assert torch.isfinite(m.patch_embed.weight).all() and m.blocks[0].modulation.std() > 0
+    with pytest.raises(ConfigError, match="choose 'pro' or 'lite'"):
+        released_config("max")

@@ -390,6 +390,42 @@ class FlashHeadDiT(nn.Module):
         return self.unpatchify(self.head(tokens, temb), f, h, w)
 
 
+#: The released geometry (config.json as their ``WanModelAudioProject`` takes it, inferred: Wan2.1-1.3B's sizes;
+#: Lite on the LTX-Video VAE's 128 channels at 8 x 32 x 32 with one token per latent position, the "8192 : 1
+#: pixel-to-token ratio" of their report) with their hard-coded audio projection (5 x 12 x 768 -> 512 -> 32 x 1536).
+RELEASED = {
+    "pro": dict(in_dim=32, out_dim=16, patch=(1, 2, 2), vae_stride=(4, 8, 8)),
+    "lite": dict(in_dim=256, out_dim=128, patch=(1, 1, 1), vae_stride=(8, 32, 32)),
+}
+
+
+def released_config(variant: str) -> FlashHeadConfig:
+    """The geometry of a released variant ('pro' / 'lite') for random-weight runs (benchmarks); a real folder
+    is read by :meth:`FlashHeadConfig.from_folder`."""
+    if variant not in RELEASED:
+        raise ConfigError(f"FlashHead variant {variant!r}: choose 'pro' or 'lite'")
+    base = dict(dim=1536, num_heads=12, num_layers=30, ffn_dim=8960, freq_dim=256, eps=1e-6)
+    return FlashHeadConfig(**base, **RELEASED[variant])
+
+
+def build_flashhead(
+    cfg: FlashHeadConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> FlashHeadDiT:
+    """A randomly initialised DiT of ``cfg`` on ``device`` (``cadence.model.weights.init_random``'s scheme),
+    built on ``meta`` first: no CPU copy of a 1.5B model."""
+    from cadence.model.weights import init_random
+
+    with torch.device("meta"):
+        model = FlashHeadDiT(cfg, device="meta", dtype=dtype)
+    model = model.to_empty(device=torch.device(device))
+    model.rope.to(device)
+    init_random(model, seed)
+    return model.eval().requires_grad_(False)
+
+
 # ---- loading -------------------------------------------------------------------------------------------
 
 
