@@ -561,7 +561,9 @@ class LTXVideoVAE(nn.Module):
     def from_config(cls, cfg: dict | LTXVAEConfig, device="cpu", dtype=torch.float32) -> LTXVideoVAE:
         """Random weights at a config (benchmarks; tests). ``cfg``: a diffusers config dict or a parsed one."""
         cfg = cfg if isinstance(cfg, LTXVAEConfig) else LTXVAEConfig.from_dict(cfg)
-        return cls(cfg).to(device=device, dtype=dtype).eval()
+        with torch.device(device):  # initialised where it will run (the released size: 419M parameters)
+            vae = cls(cfg)
+        return vae.to(dtype=dtype).eval()
 
     @classmethod
     def from_folder(cls, path: str | Path, device="cpu", dtype=torch.float32) -> LTXVideoVAE:
