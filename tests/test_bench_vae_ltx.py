@@ -16,7 +16,7 @@ FIX = Path(__file__).parent / "fixtures" / "flashhead" / "ltx" / "VAE_LTX"
 
 
 def test_bench_ltx_records_every_round_of_every_mode(tmp_path, capsys):
-    assert bv.main([*TINY, "--modes", "off,cl", "--out-dir", str(tmp_path)]) == 0
+    assert bv.main([*TINY, "--modes", "off,cl", "--error", "--out-dir", str(tmp_path)]) == 0
     (path,) = (tmp_path / "vae").glob("*.json")
     assert path.name.endswith("-cpu-flashhead-lite-tp1-ltx-float32-off-cl-random.json")
     doc = json.loads(path.read_text())
@@ -38,7 +38,17 @@ def test_bench_ltx_records_every_round_of_every_mode(tmp_path, capsys):
     w = r["work"]
     assert w["decode_gmac"] > 0 and w["encode_clip_gmac"] > w["encode_motion_gmac"] > 0
     assert 0 < w["stream_first_chunk_work_share"] < 1
+    err = r["decode_error_vs_fp32"]
+    assert err["off"] == {"rel_l2": 0.0, "psnr_db": None} and err["cl"]["rel_l2"] < 1e-5
     assert "bench vae --decoder ltx: 17x32x32 float32" in capsys.readouterr().out
+
+
+def test_bench_ltx_eager_runs_a_compile_mode_without_compiling(tmp_path):
+    assert bv.main([*TINY, "--modes", "compile", "--eager", "--rounds", "1", "--out-dir", str(tmp_path)]) == 0
+    (path,) = (tmp_path / "vae").glob("*.json")
+    r = json.loads(path.read_text())["results"]
+    assert path.name.endswith("-ltx-float32-compile-eager-random.json") and r["eager"] is True
+    assert r["modes"] == {"compile": "channels_last (compile skipped (--eager))"}
 
 
 def test_bench_ltx_reads_the_released_folder_format(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -59,6 +60,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="the modes' layouts / FP8 convs without torch.compile (e.g. FP8's error on a CPU, where compiling "
+        "takes minutes)",
+    )
+    p.add_argument(
+        "--error",
+        action="store_true",
+        help="also each mode's decode error vs the plain module in float32 (relative L2, PSNR over [-1, 1])",
+    )
     add_record_flags(p)
     a = p.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
@@ -158,9 +170,29 @@ def prepare(args, device, dtype) -> tuple[LTXVideoVAE, dict, dict]:
     vaes, described = {}, {}
     for mode in args.modes:
         v = base if mode == "off" and len(args.modes) == 1 else copy.deepcopy(base)
-        described[mode] = accelerate_ltx(v, mode).describe()
+        rep = accelerate_ltx(v, mode)
+        if args.eager and "compile" in rep.applied:
+            for part in (v.decoder, v.encoder):
+                part.forward = part.forward.eager
+            rep.applied.remove("compile")
+            rep.notes.append("compile skipped (--eager)")
+        described[mode] = rep.describe()
         vaes[mode] = v
     return base, vaes, described
+
+
+def decode_error(base: LTXVideoVAE, vaes: dict, lat: torch.Tensor) -> dict:
+    """Each mode's decode of ``lat`` vs the plain module in float32 (same weights): relative L2 and PSNR."""
+    ref_vae = copy.deepcopy(base).float()
+    ref = ref_vae.decode(lat.float())
+    del ref_vae
+    out = {}
+    for m, v in vaes.items():
+        d = v.decode(lat).float() - ref
+        mse = float(d.pow(2).mean())
+        psnr = 10 * math.log10(4 / mse) if mse > 0 else None  # None: identical
+        out[m] = {"rel_l2": float(d.norm() / ref.norm()), "psnr_db": psnr}
+    return out
 
 
 def _time_rounds(args, vaes: dict, lat, clip, timer: Timer) -> dict:
@@ -229,6 +261,7 @@ def run(args) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = _time_rounds(args, vaes, lat, clip, timer)
+    error = decode_error(base, vaes, lat) if args.error else None
     results = {
         "modes": described,
         "dtype": str(dtype).replace("torch.", ""),
@@ -241,6 +274,8 @@ def run(args) -> dict:
         "config": base.config.__dict__,
         "work": work,
         "per_mode": summarise(times),
+        "decode_error_vs_fp32": error,
+        "eager": args.eager,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
     _print(args, results)
@@ -263,6 +298,9 @@ def _print(args, results: dict) -> None:
             f"encode {args.frames} frames {w['encode_clip_gmac']:.4g}",
         )
     )
+    for m, e in (results["decode_error_vs_fp32"] or {}).items():
+        db = "identical" if e["psnr_db"] is None else f"{e['psnr_db']:.1f} dB"
+        rows.append((f"{m} decode vs fp32", f"{100 * e['rel_l2']:.2f}% rel L2, {db}"))
     if "stream_first_chunk_work_share" in w:
         rows.append(
             ("stream: work before 1st chunk", f"{100 * w['stream_first_chunk_work_share']:.1f}% of decode")
@@ -271,7 +309,11 @@ def _print(args, results: dict) -> None:
 
 
 def _record(args, results: dict, device: torch.device) -> None:
-    variant = "-".join(["ltx", results["dtype"], *args.modes] + ([] if args.weights else ["random"]))
+    variant = "-".join(
+        ["ltx", results["dtype"], *args.modes]
+        + (["eager"] if args.eager else [])
+        + ([] if args.weights else ["random"])
+    )
     shape = {"height": args.height, "width": args.width, "frames": args.frames, "latent": results["latent"]}
     dec = results["per_mode"]
     best = min(dec, key=lambda m: dec[m]["decode_ms"]["median"])

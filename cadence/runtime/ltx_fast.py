@@ -15,16 +15,18 @@ is tested against (tests/test_ltx_fast.py, CPU, float32):
   per clip) of ``encoder.forward`` and ``decoder.forward``: the pixel norm + SiLU + time pad before each conv
   fuse into one pass. FlashHead's own pipeline compiles ``encode`` / ``decode`` the same way.
 * ``fp8`` (opt-in, not a default anywhere): ``compile`` + the 3x3x3 convs of the decoder's full-rate
-  residual blocks (the last up block: 8 convs, 52% of the decode's multiply-adds at the released widths) in
+  residual blocks (the last up block: 8 convs, 50% of the decode's multiply-adds at the released widths) in
   FP8 e4m3 with float32 accumulation (``cadence.kernels.conv_fp8``; weight scale per output channel,
   activation scale per call; input channels a multiple of 128 on the GPU: 128 at the released widths).
-  Everything else stays in the weights' dtype: on the CPU (reference backend, random weights, decode vs
-  float32) FP8 in every up-block conv costs 15.9% relative L2 / 32.0 dB PSNR (bf16 alone: 2.3% / 48.9 dB),
-  any one up block 4.7-9.2%, these 8 convs 6.6% / 39.6 dB (docs/perf/vae/LTX_NOTES.md). Random weights are not
-  the trained VAE; whether the speed pays for it is measured on the GPU (``cadence bench vae --decoder
-  ltx``). Backend from ``CADENCE_CONV_FP8``
-  (``triton`` default | ``cudnn`` | ``reference``); one that cannot run here leaves the convs as they are,
-  one log line; a conv that raises at a call runs plain from then on, one log line.
+  Everything else stays in the weights' dtype. Image error on the CPU (reference backend, random weights,
+  released structure at widths 32/64/128/128, 17 x 128 x 128, decode vs the plain module in float32;
+  ``bench vae --decoder ltx --eager --error``): these 8 convs 6.6% relative L2 / 39.6 dB PSNR (with bf16
+  elsewhere 6.9% / 39.2 dB; bf16 alone 2.1% / 49.7 dB); FP8 in every up-block conv (``where=
+  vae.decoder.up_blocks``) 15.9% / 32.0 dB, so it is not the default selection (docs/perf/vae/LTX_NOTES.md).
+  Random weights are not the trained VAE; whether the speed pays for the error is measured on the GPU.
+  Backend from ``CADENCE_CONV_FP8`` (``triton`` default | ``cudnn`` | ``reference``); one that cannot run
+  here leaves the convs as they are, one log line; a conv that raises at a call runs plain from then on,
+  one log line.
 
 The streaming decode (:class:`cadence.model.ltx_vae.LTXDecodeStream`) calls the conv modules itself, so
 ``cl`` and ``fp8`` apply to it and ``compile`` does not (its pieces change shape call to call).
@@ -80,7 +82,7 @@ def fp8_decoder_convs(
     vae: LTXVideoVAE, backend: str, multiple: int | None = None, where: torch.nn.Module | None = None
 ) -> int:
     """Turn the convs under ``where`` (default: the residual blocks of the decoder's last, full-rate up block:
-    8 of the released decoder's convs, 52% of its multiply-adds) that the FP8 path takes into
+    8 of the released decoder's convs, 50% of its multiply-adds) that the FP8 path takes into
     :class:`Fp8Conv3d` (per-call activation scales); returns how many. ``multiple``: input channels must be a
     multiple of it (as ``cadence.runtime.vae_fast.fp8_convs``: 128 for Triton on a GPU, 16 interpreted /
     cuDNN, 1 reference)."""
