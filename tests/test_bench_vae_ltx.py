@@ -10,8 +10,9 @@ import pytest
 
 from cadence.bench import vae as bv
 
-TINY = ["--decoder", "ltx", "--height", "32", "--width", "32", "--frames", "17", "--widths", "8,16,32,32", "--latent-channels",
-        "8", "--layers", "1,1,1,1,1", "--rounds", "2", "--warmup", "0", "--stream-chunk", "4"]  # fmt: skip
+TINY = ["--decoder", "ltx", "--height", "32", "--width", "32", "--frames", "17", "--widths", "8,16,32,32",
+        "--latent-channels", "8", "--layers", "1,1,1,1,1", "--rounds", "2", "--warmup", "0",
+        "--stream-chunk", "4"]  # fmt: skip
 FIX = Path(__file__).parent / "fixtures" / "flashhead" / "ltx" / "VAE_LTX"
 
 

@@ -51,7 +51,8 @@ sampler produces them gains nothing. What streaming does give is early output wi
 clip's latents are in, the low-rate stages (cheap) finish and the full-rate stages run chunk by chunk, so the
 first frames leave before the last frames' full-rate convs run. At 512x512, counting multiply-adds on the
 meta device (``cadence bench vae --decoder ltx`` prints it), the first chunk is final after 44-46% of the
-decode's work and the first 8 frames after 61-65% (pieces of 1-8 frames) (docs/perf/vae/LTX_NOTES.md). Smaller chunks run smaller convs (slower per frame on a GPU); the engine chooses.
+decode's work and the first 8 frames after 61-65% (pieces of 1-8 frames; docs/perf/vae/LTX_NOTES.md).
+Smaller pieces run smaller convs (slower per frame on a GPU); the engine chooses.
 The encoder is causal and could stream too, but FlashHead encodes a whole 9-frame tail after the clip is
 decoded, so nothing waits on it.
 
