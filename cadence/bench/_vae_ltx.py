@@ -61,6 +61,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
     p.add_argument(
+        "--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True (process-wide)"
+    )
+    p.add_argument(
         "--eager",
         action="store_true",
         help="the modes' layouts / FP8 convs without torch.compile (e.g. FP8's error on a CPU, where compiling "
@@ -246,6 +249,8 @@ def summarise(times: dict) -> dict:
 def run(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype, device)
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
     base, vaes, described = prepare(args, device, dtype)
     s = base.spatial_stride
     if args.height % s or args.width % s:
@@ -276,6 +281,7 @@ def run(args) -> dict:
         "per_mode": summarise(times),
         "decode_error_vs_fp32": error,
         "eager": args.eager,
+        "cudnn_benchmark": args.cudnn_benchmark,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
     _print(args, results)
@@ -312,6 +318,7 @@ def _record(args, results: dict, device: torch.device) -> None:
     variant = "-".join(
         ["ltx", results["dtype"], *args.modes]
         + (["eager"] if args.eager else [])
+        + (["cudnnbench"] if args.cudnn_benchmark else [])
         + ([] if args.weights else ["random"])
     )
     shape = {"height": args.height, "width": args.width, "frames": args.frames, "latent": results["latent"]}
