@@ -239,6 +239,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
         ({"patch_size_t": 2}, "patch_size_t"),
         ({"layers_per_block": [1, 2, 1]}, "layers_per_block has 3 entries; need 5"),
         ({"block_out_channels": [2, 4, "8", 8]}, "block_out_channels"),
+        ({"decoder_inject_noise": True}, "not a value"),
         ({"mystery_option": 1}, "mystery_option"),
         ({"_class_name": "AutoencoderKLWan"}, "AutoencoderKLWan"),
         ({"spatial_compression_ratio": 32}, "spatial_compression_ratio=32"),

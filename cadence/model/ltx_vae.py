@@ -108,7 +108,7 @@ _OPTIONAL = {
     "out_channels": 3,
     "patch_size_t": 1,
     "resnet_norm_eps": 1e-6,
-    "scaling_factor": 1.0,
+    "scaling_factor": 1.0,  # read by nobody: FlashHead's wrapper normalises with latents_mean / latents_std
     "encoder_causal": True,
     "decoder_causal": False,
     "decoder_block_out_channels": None,
@@ -142,14 +142,21 @@ def _check_keys(d: dict) -> None:
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(unknown)} (not an LTX-Video 0.9.x VAE config)")
     for key, (ok, what) in _FEATURES.items():
-        if key in d and not ok(d[key]):
+        if key not in d:
+            continue
+        try:
+            fine = ok(d[key])
+        except (TypeError, ValueError):  # not even the right kind of value
+            raise ConfigError(f"{key}={d[key]!r} is not a value an LTX-Video VAE config takes") from None
+        if not fine:
             raise ConfigError(f"{key}={d[key]!r} asks for {what}, which FlashHead's VAE does not use")
 
 
-def _ints(d: dict, key: str, n: int | None = None) -> tuple[int, ...]:
+def _ints(d: dict, key: str, n: int | None = None, least: int = 1) -> tuple[int, ...]:
     v = d[key]
-    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, int) and x > 0 for x in v):
-        raise ConfigError(f"{key} must be a list of positive integers, got {v!r}")
+    ok = isinstance(v, (list, tuple)) and v
+    if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x >= least for x in v):
+        raise ConfigError(f"{key} must be a list of integers >= {least}, got {v!r}")
     if n is not None and len(v) != n:
         raise ConfigError(f"{key} has {len(v)} entries; need {n}")
     return tuple(v)
@@ -194,7 +201,7 @@ class LTXVAEConfig:
                 raise ConfigError(f"{key} must be a positive integer, got {o[key]!r}")
         boc = _ints(d, "block_out_channels")
         sizes = {"block_out_channels": boc}
-        sizes["layers_per_block"] = _ints(d, "layers_per_block", len(boc) + 1)
+        sizes["layers_per_block"] = _ints(d, "layers_per_block", len(boc) + 1, least=0)
         sizes["spatio_temporal_scaling"] = _bools(d, "spatio_temporal_scaling", len(boc))
         # absent decoder sizes: the decoder mirrors the encoder (0.9.0, and FlashHead's one block list)
         dd = {
@@ -203,7 +210,7 @@ class LTXVAEConfig:
         }
         dboc = _ints(dd, "decoder_block_out_channels")
         sizes["decoder_block_out_channels"] = dboc
-        sizes["decoder_layers_per_block"] = _ints(dd, "decoder_layers_per_block", len(dboc) + 1)
+        sizes["decoder_layers_per_block"] = _ints(dd, "decoder_layers_per_block", len(dboc) + 1, least=0)
         sizes["decoder_spatio_temporal_scaling"] = _bools(dd, "decoder_spatio_temporal_scaling", len(dboc))
         if sum(sizes["decoder_spatio_temporal_scaling"]) != sum(sizes["spatio_temporal_scaling"]):
             raise ConfigError(
