@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import shlex
 import sys
@@ -295,6 +296,7 @@ def measure_step(
     group=None,
     collectives: bool = False,
     graph_split: bool = True,
+    profile: dict | None = None,
 ) -> dict:
     """Time the steady-state chunk step of `cfg` (its cache choice) on a built model: median over
     `iters` uninstrumented eager steps, the region split from `profile_iters` instrumented ones (eager:
@@ -302,7 +304,8 @@ def measure_step(
     replayed from a CUDA graph (:func:`measure_graphed`; ``graph`` in the result, None without) and, with
     `graph_split`, its region split (:func:`measure_graph_split`). `collectives`: one more eager step with
     every collective recorded (``log``: a ``cadence.parallel.group.CollectiveLog``). `group`: the group
-    whose ranks must agree on a graph capture (None: this process alone)."""
+    whose ranks must agree on a graph capture (None: this process alone). `profile` ({"scale", "floors",
+    "replays"}): every kernel of the step named (``cadence.bench.step_profile``; ``profile`` in the result)."""
     from cadence.engine.session import StreamGenerator
     from cadence.parallel.group import CollectiveLog
 
@@ -338,7 +341,14 @@ def measure_step(
     gsplit = None
     if graph is not None and graph["used"] and graph_split:
         gsplit = measure_graph_split(sess, audio, device, group)
+    prof = None
+    if profile is not None:
+        from cadence.bench.step_profile import profile_step
+
+        use_graphs = bool(graph is not None and graph["used"])
+        prof = profile_step(sess, audio, device, model, graphs=use_graphs, group=group, **profile)
     return {
+        "profile": prof,
         "times": times,
         "region": _split_regions(splits),
         "totals": totals,
@@ -411,6 +421,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--profile-iters", type=int, default=3, help="instrumented eager steps for the eager split"
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="name every kernel of the step (graph-replayed where graphs run): per part count, time, work and "
+        "floor (cadence.bench.step_profile); written beside the JSON as <name>-profile.json",
+    )
+    p.add_argument("--profile-replays", type=int, default=3, help="with --profile: graph replays profiled")
     p.add_argument(
         "--graph-split",
         action=argparse.BooleanOptionalAction,
@@ -677,6 +694,7 @@ def _run(args: argparse.Namespace) -> dict:
         group=st.info.group if st.info is not None else None,  # an emulated rank agrees with itself
         collectives=st.group is not None,
         graph_split=args.graph_split,
+        profile=_profile_args(args, st),
     )
     from cadence.bench import step_report as rep
 
@@ -687,6 +705,16 @@ def _run(args: argparse.Namespace) -> dict:
     if not args.no_record:
         _record(args, st, results)
     return results
+
+
+def _profile_args(args: argparse.Namespace, st: Setup) -> dict | None:
+    """What ``measure_step`` needs for ``--profile`` (None without it): the layer scale and the part floors."""
+    if not args.profile:
+        return None
+    from cadence.bench.floors import part_work
+
+    floors = part_work(st.full, args.tp, bool(st.fast.sequence_parallel), st.fp8, st.kv_fp8)
+    return {"scale": st.scale, "floors": floors, "replays": max(1, args.profile_replays)}
 
 
 def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
@@ -704,6 +732,9 @@ def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
     if st.fast.attention != "auto":  # runs that differ only in the ring's backend must not share a file
         variant += f"-attn{st.fast.attention}"
     s, scale = results["step_ms"], st.scale
+    prof = results.pop("profile", None)  # written beside, in its own file; its part times in this one
+    if prof is not None:
+        results["profile_parts_ms"] = {p: v["ms"] for p, v in prof["parts"].items()}
     path = record(
         "step",
         st.full.name,
@@ -724,6 +755,15 @@ def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
         + (f" (scaled from {st.layers} layers)" if scale != 1 else ""),
     )
     print(f"wrote {path}")
+    if prof is not None:
+        results["profile"] = prof
+        ppath = path.with_name(path.stem + "-profile.json")
+        doc = json.loads(path.read_text())
+        doc["bench"], doc["results"] = "step-profile", prof
+        doc["step_json"] = path.name
+        ppath.write_text(json.dumps(doc, indent=2) + "\n")
+        results["_profile_path"] = str(ppath)
+        print(f"wrote {ppath}")
     if args.png:
         draw_png(path.with_suffix(".png"), results, f"{st.full.name} step ({results['dtype']}, {st.cache})")
     results["_path"] = str(path)

@@ -172,6 +172,7 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
         **({k: v for k, v in graph.items() if k != "times"} if graph is not None else {}),
     }
     out["compile"] = compile_info(compile_report) if st.fast.compile else None
+    out["profile"] = m.get("profile")
     out.update(_split_fields(args, st, m))
     out.update(_tp_fields(args, st, m, out))
     out.update(_floor_fields(args, st, out))
@@ -333,7 +334,27 @@ def print_report(args, st, r: dict) -> None:
                 _ms(r["comm_estimate"]["total_ms_symm_halves"])
                 + "   (comm if each reduce-scatter / all-gather cost half a two-shot: a model)",
             ),
+            (
+                "  cheapest per size",
+                _ms(r["comm_estimate"].get("total_ms_cheapest"))
+                + "   (every all-reduce in the algorithm the link table prices lowest for its size)",
+            ),
+            (
+                "  FP8 all-gather half",
+                _ms(r["comm_estimate"].get("total_ms_fp8_gather"))
+                + "   (all-reduces > 1 MB as two-shot with an e4m3 all-gather half: a model, not built)",
+            ),
         ]
+        for a, f in r["comm_estimate"].get("links_used", {}).items():
+            lo, hi = f["measured_bytes"]
+            ext = f"; extrapolated for {', '.join(f['extrapolated_for'])}" if f["extrapolated_for"] else ""
+            rows.append(
+                (
+                    f"  link figure {a}",
+                    f"{f['fixed_us']:.1f} us + {f['us_per_mb']:.2f} us/bus MB (measured {lo / 1e6:.1f}-"
+                    f"{hi / 1e6:.1f} MB at {2} GPUs{ext})",
+                )
+            )
         if st.emulated:
             rows.append(("stand-ins alone", _ms(r["standin_ms"]) + "   (graph-replayed)"))
     rows += [
@@ -360,5 +381,11 @@ def print_report(args, st, r: dict) -> None:
     )
     if r["collectives"]:
         print_table(collective_rows(r), "collectives per chunk (estimated from measured link figures):")
+    if r.get("profile") is not None:
+        from cadence.bench.step_profile import rows as profile_rows
+
+        print_table(
+            profile_rows(r["profile"]), "every kernel of the step, by part (ms per chunk, all layers):"
+        )
     for shape, d in r.get("comm_decisions", {}).items():
         print(f"  comm {shape}: {d['mode']} ({d['why']})")
