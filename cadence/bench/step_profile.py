@@ -58,7 +58,7 @@ PARTS = {
     "qk_norm": "q/k RMS norms (local halves)",
     "norm_mod": "norms + modulation (adaLN, affine LN)",
     "residual": "residual adds + gates (+ modulation rows)",
-    "bias": "row-parallel bias adds",
+    "bias": "row-parallel bias adds (after the sum)",
     "gelu": "GELU",
     "linear_glue": "casts / copies around the linears",
     "attn_glue": "copies inside attention modules",
@@ -118,6 +118,8 @@ def part_of(labels: tuple[str, ...] | list[str], name: str) -> str:
         )
     if "region:cache" in s:
         return "cache" if "fn:model" in s else "rope_table"
+    if "region:bias" in s:
+        return "bias"
     return _part_by_scope(s)
 
 
@@ -129,7 +131,7 @@ def _part_by_scope(s: set) -> str:
     if "op:gate_residual" in s:
         return "residual"
     for mod, part in (
-        ("mod:rowpar", "bias"),
+        ("mod:rowpar", "linear_glue"),
         ("mod:ffn", "gelu"),
         ("mod:self_attn", "attn_glue"),
         ("mod:cross_attn", "attn_glue"),

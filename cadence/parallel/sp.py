@@ -199,5 +199,6 @@ def row_scatter(linear, x: torch.Tensor, bias, tokens: ShardedTokens, label: str
     with region("allreduce"):
         group.reduce_scatter(out, buf, label=label)
     if bias_after(bias) is not None:  # the reference path (CADENCE_TP_BIAS=after)
-        out.add_(bias.to(out.dtype))
+        with region("bias"):
+            out.add_(bias.to(out.dtype))
     return out.to(x.dtype).view(b, p, out_f)
