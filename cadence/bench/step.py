@@ -80,6 +80,7 @@ import torch
 from cadence.bench.common import Timer, median, record
 from cadence.bench.floors import chunk_flops  # noqa: F401  (re-exported: the whole chunk's FLOPs)
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.bench.step_profile import primed_stream as _primed_stream
 from cadence.config import CadenceConfig
 from cadence.engine.flags import add_fast_path_flags, add_model_flags
 from cadence.engine.recipe import EngineRecipe
@@ -156,18 +157,6 @@ def graphs_unavailable_reason(device: torch.device, cache: str) -> str | None:
     if cache != "ring":
         return f"CUDA graphs need the ring cache (got {cache}: host-side state per chunk)"
     return None
-
-
-def _primed_stream(sess, audio, device: torch.device):
-    """A new stream for a capture, with one eager step run on it first: lazy per-stream library state
-    (cuBLAS workspaces) must exist before the capture."""
-    stream = torch.cuda.Stream(device=device)
-    cur = torch.cuda.current_stream(device)
-    stream.wait_stream(cur)
-    with torch.cuda.stream(stream):
-        sess.step(audio)
-    cur.wait_stream(stream)
-    return stream
 
 
 def measure_graphed(

@@ -469,6 +469,18 @@ def attribute_graph(graph_ks: list[Kernel], eager_ks: list[Kernel]) -> dict:
 STEP = "cadence:step"
 
 
+def primed_stream(sess, audio, device: torch.device):
+    """A new stream for a capture, with one eager step run on it first: lazy per-stream library state
+    (cuBLAS workspaces) must exist before the capture."""
+    stream = torch.cuda.Stream(device=device)
+    cur = torch.cuda.current_stream(device)
+    stream.wait_stream(cur)
+    with torch.cuda.stream(stream):
+        sess.step(audio)
+    cur.wait_stream(stream)
+    return stream
+
+
 def _profiler(device: torch.device):
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -503,11 +515,10 @@ def graph_profile(sess, audio, device, model, group=None, replays: int = 3) -> t
     """`replays` graph-replayed steps under the profiler (labels on, for the eager work around the replay):
     a list of (kernels, wall ms) per replay, or ([], why) when no graph could be captured or the profiler saw
     none of its kernels."""
-    from cadence.bench.step import _primed_stream
     from cadence.parallel.graphs import agreeing_capture
     from cadence.runtime.graphs import GraphRunner
 
-    stream = _primed_stream(sess, audio, device)
+    stream = primed_stream(sess, audio, device)
     runner = GraphRunner(
         max_graphs=1, warmup=1, max_captures_per_key=1, capture=agreeing_capture(group, stream=stream)
     )

@@ -287,6 +287,51 @@ def collective_rows(r: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def tp_rows(r: dict, emulated: bool) -> list[tuple[str, str]]:
+    """The rows of a TP run: per-rank compute, the comm estimate, its alternatives and the link figures used."""
+    est = r["comm_estimate"]
+    rows = [
+        (
+            "compute per rank",
+            _ms(r["compute_ms"]) + f"   (step less {r['comm_in_step_ms']:.2f} ms of collectives in it)",
+        ),
+        (
+            "comm estimate",
+            _ms(r["comm_estimate_ms"]) + f"   ({len(r['collectives'])} kinds; link figures below)",
+        ),
+        ("step estimate", _ms(r["step_estimate_ms"]) + "   (compute + comm estimate, no overlap)"),
+        (
+            "  RS/AG over symm-mem",
+            _ms(est["total_ms_symm_halves"])
+            + "   (each reduce-scatter / all-gather as half a two-shot: a model)",
+        ),
+        (
+            "  cheapest per size",
+            _ms(est.get("total_ms_cheapest"))
+            + "   (every all-reduce in the algorithm the table prices lowest)",
+        ),
+        (
+            "  FP8 all-gather half",
+            _ms(est.get("total_ms_fp8_gather"))
+            + "   (all-reduces > 1 MB with an e4m3 all-gather half: a model)",
+        ),
+    ]
+    for a, f in est.get("links_used", {}).items():
+        lo, hi = f["measured_bytes"]
+        ext = f"; extrapolated for {', '.join(f['extrapolated_for'])}" if f["extrapolated_for"] else ""
+        rows.append(
+            (
+                f"  link figure {a}",
+                f"{f['fixed_us']:.1f} us + {f['us_per_mb']:.2f} us/bus MB (measured {lo / 1e6:.1f}-{hi / 1e6:.1f} "
+                f"MB at 2 GPUs{ext})",
+            )
+        )
+    rows.append(("  link source", est["source"][:100] + "..."))
+    if emulated:
+        rows.append(("stand-ins alone", _ms(r["standin_ms"]) + "   (graph-replayed)"))
+    return rows
+
+
 def print_report(args, st, r: dict) -> None:
     s, scale = r["step_ms"], st.scale
     g = r["graphs"]
@@ -318,45 +363,7 @@ def print_report(args, st, r: dict) -> None:
         )
     rows += split_rows(r, st.emulated)
     if st.group is not None:
-        rows += [
-            (
-                "compute per rank",
-                _ms(r["compute_ms"]) + f"   (step less {r['comm_in_step_ms']:.2f} ms of collectives in it)",
-            ),
-            (
-                "comm estimate",
-                _ms(r["comm_estimate_ms"])
-                + f"   ({len(r['collectives'])} kinds; links: {r['comm_estimate']['source'][:60]}...)",
-            ),
-            ("step estimate", _ms(r["step_estimate_ms"]) + "   (compute + comm estimate, no overlap)"),
-            (
-                "  RS/AG over symm-mem",
-                _ms(r["comm_estimate"]["total_ms_symm_halves"])
-                + "   (comm if each reduce-scatter / all-gather cost half a two-shot: a model)",
-            ),
-            (
-                "  cheapest per size",
-                _ms(r["comm_estimate"].get("total_ms_cheapest"))
-                + "   (every all-reduce in the algorithm the link table prices lowest for its size)",
-            ),
-            (
-                "  FP8 all-gather half",
-                _ms(r["comm_estimate"].get("total_ms_fp8_gather"))
-                + "   (all-reduces > 1 MB as two-shot with an e4m3 all-gather half: a model, not built)",
-            ),
-        ]
-        for a, f in r["comm_estimate"].get("links_used", {}).items():
-            lo, hi = f["measured_bytes"]
-            ext = f"; extrapolated for {', '.join(f['extrapolated_for'])}" if f["extrapolated_for"] else ""
-            rows.append(
-                (
-                    f"  link figure {a}",
-                    f"{f['fixed_us']:.1f} us + {f['us_per_mb']:.2f} us/bus MB (measured {lo / 1e6:.1f}-"
-                    f"{hi / 1e6:.1f} MB at {2} GPUs{ext})",
-                )
-            )
-        if st.emulated:
-            rows.append(("stand-ins alone", _ms(r["standin_ms"]) + "   (graph-replayed)"))
+        rows += tp_rows(r, st.emulated)
     rows += [
         ("TFLOP / rank / chunk", f"{r['tflop_per_rank']:9.2f}  ({r['tflops_per_gpu']:.0f} TFLOP/s)"),
         (
