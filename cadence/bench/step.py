@@ -209,8 +209,25 @@ def measure_graphed(
     }
     if used:
         res["host_sync_in_step"] = _sync_check(device, step)
+        res["rounds"] = _eager_graph_rounds(sess, audio, timer, runner)
     runner.clear()
     return res
+
+
+def _eager_graph_rounds(sess, audio, timer, runner, n_rounds: int = 5) -> dict | None:
+    """The graph speedup from interleaved rounds (``cadence.bench.rounds``): one eager step, one replayed
+    step, alternating, `n_rounds` rounds; the ratio eager / graph per round, its median and min-max."""
+    from cadence.bench.rounds import compare, interleave
+
+    times = interleave(
+        {
+            "eager": lambda: timer.run(lambda: sess.step(audio), 0, 1)[0],
+            "graph": lambda: timer.run(lambda: sess.step(audio, runner=runner), 0, 1)[0],
+        },
+        n_rounds,
+    )
+    r = compare(times, "eager", "graph")
+    return r.as_dict() if r is not None else None
 
 
 REGIONS = ("attention", "cache", "linear", "quant", "allreduce", "linear_comm")

@@ -613,11 +613,17 @@ def _side_stream(device: torch.device):
 def gemm_bias(linear, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2 @ W^T (+ `bias`, in the GEMM's epilogue) for the inner linear of a row-parallel layer (which has
     no bias of its own): a fresh [M, N] tensor in the GEMM's output dtype (bf16 for FP8 on CUDA)."""
+    from cadence.quant.fp8 import FP8Linear, quantize_activations
+
     if bias is None:
         return linear(x2)
-    y = torch.empty(x2.shape[0], linear.out_features, dtype=gemm_out_dtype(linear, x2), device=x2.device)
-    gemm_into(linear, x2, y, bias=bias)
-    return y
+    dt = gemm_out_dtype(linear, x2)
+    with region("linear"):
+        if isinstance(linear, FP8Linear):  # as FP8Linear.forward runs a biased layer (the column-parallel ones)
+            with region("quant"):
+                xq, xs = quantize_activations(x2)
+            return linear.matmul(xq, xs, bias.to(dt), dt)
+        return torch.nn.functional.linear(x2, linear.weight, bias.to(linear.weight.dtype))
 
 
 def bias_in_epilogue(bias: torch.Tensor | None, group) -> torch.Tensor | None:
