@@ -187,3 +187,40 @@ def test_interleaved_rounds_rotate_and_judge_by_the_extremes():
     assert rounds.compare({"a": [1.0] * 5, "b": [2.0] * 5}, "a", "b").verdict == "slower"
     assert rounds.compare({"a": [1.0], "b": []}, "a", "b") is None
     assert set(rounds.compare_all(close, "a")) == {"b"}
+
+
+@pytest.mark.timeout(120)
+def test_flashtalk_clip_step_as_an_emulated_rank():
+    """``bench step --model flashtalk``'s clip path (cadence.bench.step_clip) at the flashtalk fixture's tiny
+    geometry: rank 0 of TP=2 builds (the I2V image K/V sharded with the heads), runs whole clips, records its
+    collectives (the image K's norm is per session: not in a clip) and a profile with no unnamed rest; the
+    floors count the whole clip (9 latent frames, keys = the clip's tokens)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_families_flashtalk import HW, TINY
+
+    from cadence.bench import step_clip
+    from cadence.bench.floors import part_work
+    from cadence.model.families import family_config
+    from cadence.parallel.emulate import EmulatedGroup
+
+    cfg = family_config("flashtalk", model=TINY, stream=HW)
+    full = step_clip.clip_config(cfg, 33)
+    assert full.tokens_per_chunk == full.kv_tokens == cfg.tokens_per_chunk * 9 // 7
+    dev = torch.device("cpu")
+    model, how = bench_step.build_tp_model(cfg, dev, torch.float32, EmulatedGroup(2), "auto")
+    assert how == "meta" and model.blocks[0].cross_attn.kv_img.out_features == cfg.model.dim  # 2 x dim / 2
+    floors = part_work(full, 2, False, False, False)
+    m = step_clip.measure_clip(
+        cfg, model, dev, 1, 1, clip_frames=33, motion_frames=5, collectives=True,
+        profile={"scale": 1.0, "floors": floors}, progress=None,
+    )  # fmt: skip
+    labels = {c["label"] for c in m["log"].summary()}
+    assert "self_attn.norm_qk" in labels and "ffn.fc2" in labels and "cross_attn.norm_k_img" not in labels
+    prof = m["profile"]
+    assert prof["unnamed_share"] <= 0.05 and prof["parts"]["comm"]["count"] > 0
+    assert prof["parts"]["linear"]["ms"] > 0 and prof["parts"]["attention"]["ms"] > 0

@@ -507,6 +507,9 @@ class Setup:
     iters: int
     graphs_asked: bool | None  # --graphs / --no-graphs as given (None: the default)
     fused_quant: object = None  # the FusedQuantReport of apply_fused_quant (FP8 runs), set by _build
+    clip: tuple[int, int] | None = (
+        None  # a clip family (FlashTalk): (clip frames, motion frames); cadence.bench.step_clip
+    )
 
     @property
     def cfg(self) -> CadenceConfig:
@@ -605,12 +608,9 @@ def _setup(args: argparse.Namespace) -> Setup:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda but CUDA is not available")
     full = part_recipe(step_spec(args), str(device))  # the model's own layer count
-    if not isinstance(full.stream, KVStream):
-        raise InputError(f"bench step times a K/V cache's chunk step; {args.model} streams {full.stream!r}")
+    clip, full_cfg = _clip_of(args, full)
     dtype = getattr(torch, full.fast.dtype)
-    layers = min(
-        args.layers or layers_that_fit(full.config, dtype, device, args.tp), full.config.model.num_layers
-    )
+    layers = min(args.layers or layers_that_fit(full_cfg, dtype, device, args.tp), full_cfg.model.num_layers)
     cuda = device.type == "cuda"
     return Setup(
         device=device,
@@ -618,12 +618,30 @@ def _setup(args: argparse.Namespace) -> Setup:
         group=group,
         rank0=info is None or info.rank == 0,
         recipe=part_recipe(step_spec(args, layers), str(device)),
-        full=full.config,
-        scale=full.config.model.num_layers / layers,
+        full=full_cfg,
+        scale=full_cfg.model.num_layers / layers,
         warmup=args.warmup if args.warmup is not None else (3 if cuda else 1),
         iters=args.iters if args.iters is not None else (20 if cuda else 5),
         graphs_asked=args.fast_graphs,
+        clip=clip,
     )
+
+
+def _clip_of(args: argparse.Namespace, full) -> tuple[tuple[int, int] | None, CadenceConfig]:
+    """(clip frames, motion frames) of a clip family, None for a K/V stream; and the configuration the floors
+    count (a clip family's: the whole clip, ``cadence.bench.step_clip.clip_config``)."""
+    from cadence.model.families import ClipStream
+
+    if isinstance(full.stream, ClipStream):
+        from cadence.bench.step_clip import clip_config
+
+        clip = (full.stream.clip_frames, full.stream.motion_frames)
+        return clip, clip_config(full.config, clip[0])
+    if not isinstance(full.stream, KVStream):
+        raise InputError(
+            f"bench step times a K/V cache's chunk step or a clip; {args.model} streams {full.stream!r}"
+        )
+    return None, full.config
 
 
 def _build(args: argparse.Namespace, st: Setup):
@@ -685,9 +703,20 @@ def _run(args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats(st.device)
     model, built, fp8_layers, compile_report = _build(args, st)
     graphs_why = graphs_unavailable_reason(st.device, st.cache)
+    if st.clip is not None:
+        graphs_why = "a clip step runs eagerly (no K/V cache, no CUDA graphs)"
     graphs = bool(fast.graphs) and graphs_why is None
     if st.graphs_asked and graphs_why is not None:
         logging.getLogger(__name__).warning("--graphs: %s; timing the eager step only", graphs_why)
+    if st.clip is not None:
+        from cadence.bench.step_clip import measure_clip
+
+        m = measure_clip(
+            st.cfg, model, st.device, st.warmup, st.iters, clip_frames=st.clip[0], motion_frames=st.clip[1],
+            profile_iters=args.profile_iters, collectives=st.group is not None, profile=_profile_args(args, st),
+            progress="clips" if st.rank0 else None,
+        )  # fmt: skip
+        return _report(args, st, model, m, graphs_why, built, fp8_layers, compile_report)
     m = measure_step(
         st.cfg,
         model,
@@ -702,6 +731,10 @@ def _run(args: argparse.Namespace) -> dict:
         graph_split=args.graph_split,
         profile=_profile_args(args, st),
     )
+    return _report(args, st, model, m, graphs_why, built, fp8_layers, compile_report)
+
+
+def _report(args, st: Setup, model, m: dict, graphs_why, built, fp8_layers, compile_report) -> dict:
     from cadence.bench import step_report as rep
 
     results = rep.results(args, st, model, m, graphs_why, built, fp8_layers, compile_report)
@@ -724,9 +757,9 @@ def _profile_args(args: argparse.Namespace, st: Setup) -> dict | None:
 
 
 def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
-    variant = (
-        "emu-" if st.emulated else ""
-    ) + f"{st.cache}{'-fp8kv' if st.kv_fp8 else ''}-{results['dtype']}"
+    variant = ("emu-" if st.emulated else "") + (
+        "clip-" if st.clip else f"{st.cache}{'-fp8kv' if st.kv_fp8 else ''}-"
+    ) + results["dtype"]
     if st.fp8:
         variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
     if st.group is not None:

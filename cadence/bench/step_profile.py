@@ -232,6 +232,7 @@ class Labels:
             if hasattr(mod, "ops") and not isinstance(mod.ops, _LabelledOps):
                 self._swap(mod, "ops", _LabelledOps(mod.ops))
         wraps = [(self.model, "forward_chunk", "fn:model"), (self.model, "time_embedding", "fn:timestep")]
+        wraps.append((self.model, "forward_full", "fn:model"))  # a clip step (FlashTalk) runs whole clips
         wraps.append((self.model, "embed_audio", "fn:audio_embed"))
         if self.session is not None:
             s = self.session
@@ -493,13 +494,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def eager_profile(sess, audio, device: torch.device, model) -> tuple[list[Kernel], float]:
-    """One labelled eager step under the profiler: its kernels (ops on the CPU) with parts, and its wall ms."""
+def eager_profile(run, device: torch.device, model, sess=None) -> tuple[list[Kernel], float]:
+    """One labelled eager step (``run()``) under the profiler: its kernels (ops on the CPU) with parts, and its
+    wall ms. `sess`: the session whose methods are labelled too (None: a clip step without one)."""
     with Labels(model, sess):
         _sync(device)
         with _profiler(device) as prof:
             with torch.profiler.record_function(STEP):
-                sess.step(audio)
+                run()
             _sync(device)
     tr = read_trace(prof)
     ks = labelled_kernels(tr, STEP)
@@ -628,7 +630,7 @@ def profile_step(sess, audio, device: torch.device, model, *, graphs: bool, scal
     """The profile of module docstring: the labelled eager step, then (with `graphs`) `replays` graph-replayed
     steps whose kernels take the eager step's parts; the summary of the median replay (by wall) with every
     replay's part times beside it."""
-    eager, eager_wall = eager_profile(sess, audio, device, model)
+    eager, eager_wall = eager_profile(lambda: sess.step(audio), device, model, sess)
     mode = "cpu" if device.type != "cuda" else "eager"
     why = None if graphs else "graphs off"
     runs = []
@@ -651,6 +653,14 @@ def profile_step(sess, audio, device: torch.device, model, *, graphs: bool, scal
     best["eager"] = {p: v["ms"] for p, v in out_eager["parts"].items()}
     best["eager_step_ms"] = out_eager["step_ms"]
     return best
+
+
+def profile_run(run, device: torch.device, model, *, scale: float, floors: dict | None) -> dict:
+    """The profile of one eager step given as a callable (a clip step: no session, no graphs)."""
+    ks, wall = eager_profile(run, device, model)
+    out = summarise(ks, wall, scale, floors, "cpu" if device.type != "cuda" else "eager")
+    out["graph_unavailable"] = "a clip step runs eagerly (no CUDA graphs)"
+    return out
 
 
 def rows(prof: dict) -> list[tuple[str, str]]:

@@ -300,6 +300,9 @@ def _shard_attention(
     else:  # cross / audio attention: q from the tokens, fused [k; v] from the (replicated) context
         attn.q = _column(_take_rows(attn.q, _rows(1, dim, rank, world, dev)), tokens, f"{name}.q")
         attn.kv = _take_rows(attn.kv, _rows(2, dim, rank, world, dev))
+        if getattr(attn, "kv_img", None) is not None:  # an I2V model's image-token K/V: the rank's heads too
+            attn.kv_img = _take_rows(attn.kv_img, _rows(2, dim, rank, world, dev))
+            attn.norm_k_img = _norm(attn.norm_k_img, group, f"{name}.norm_k_img")
     if attn.norm_q is not None:  # (InfiniteTalk's audio attention has no q/k norms)
         attn.norm_q = _norm(attn.norm_q, group, f"{name}.norm_q", pair, 0)
         attn.norm_k = _norm(attn.norm_k, group, f"{name}.norm_k", pair, 1)
