@@ -81,6 +81,8 @@ from cadence.bench.common import Timer, median, record
 from cadence.bench.floors import chunk_flops  # noqa: F401  (re-exported: the whole chunk's FLOPs)
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.bench.step_profile import primed_stream as _primed_stream
+from cadence.bench.step_report import REGIONS  # noqa: F401
+from cadence.bench.step_report import split_regions as _split_regions
 from cadence.config import CadenceConfig
 from cadence.engine.flags import add_fast_path_flags, add_model_flags
 from cadence.engine.recipe import EngineRecipe
@@ -228,13 +230,6 @@ def _eager_graph_rounds(sess, audio, timer, runner, n_rounds: int = 5) -> dict |
     )
     r = compare(times, "eager", "graph")
     return r.as_dict() if r is not None else None
-
-
-REGIONS = ("attention", "cache", "linear", "quant", "allreduce", "linear_comm")
-
-
-def _split_regions(splits: list[dict[str, float]]) -> dict[str, float]:
-    return {k: median([s.get(k, 0.0) for s in splits]) for k in REGIONS}
 
 
 def measure_graph_split(
@@ -757,9 +752,11 @@ def _profile_args(args: argparse.Namespace, st: Setup) -> dict | None:
 
 
 def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
-    variant = ("emu-" if st.emulated else "") + (
-        "clip-" if st.clip else f"{st.cache}{'-fp8kv' if st.kv_fp8 else ''}-"
-    ) + results["dtype"]
+    variant = (
+        ("emu-" if st.emulated else "")
+        + ("clip-" if st.clip else f"{st.cache}{'-fp8kv' if st.kv_fp8 else ''}-")
+        + results["dtype"]
+    )
     if st.fp8:
         variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
     if st.group is not None:

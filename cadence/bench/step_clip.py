@@ -80,7 +80,7 @@ def measure_clip(cfg, model, device, warmup: int, iters: int, *, clip_frames: in
     instrumented ones, the collectives of one clip (`collectives`) and, with `profile`, every kernel named
     (``cadence.bench.step_profile.profile_run``). The keys of ``cadence.bench.step.measure_step``'s result."""
     from cadence.bench.common import Timer
-    from cadence.bench.step import _split_regions
+    from cadence.bench.step_report import split_regions
     from cadence.model.flashtalk import sample_clip
     from cadence.parallel.group import CollectiveLog
     from cadence.telemetry.spans import SpanRecorder
@@ -111,7 +111,7 @@ def measure_clip(cfg, model, device, warmup: int, iters: int, *, clip_frames: in
         prof = profile_run(step, device, model, scale=profile["scale"], floors=profile["floors"])
     return {
         "times": times,
-        "region": _split_regions(splits),
+        "region": split_regions(splits),
         "totals": totals,
         "host_sync": None,
         "cache_bytes": 0,

@@ -27,6 +27,14 @@ import logging
 from cadence.bench.common import CEILING, median, p99, print_table
 
 PARTS = ("linear", "quant", "attention", "cache", "elementwise", "comm")
+REGIONS = ("attention", "cache", "linear", "quant", "allreduce", "linear_comm")
+
+
+def split_regions(splits: list[dict[str, float]]) -> dict[str, float]:
+    """The median per region of instrumented steps' region totals."""
+    return {k: median([s.get(k, 0.0) for s in splits]) for k in REGIONS}
+
+
 PART_NAMES = {
     "linear": "linears (GEMMs)",
     "quant": "FP8 quantisation",
