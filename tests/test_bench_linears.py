@@ -49,7 +49,9 @@ def test_smoke_run_writes_json(tmp_path):
         name = "triton:" + kg.INTERPRETER.text()
         assert isinstance(g["err"][name], float) and g["err"][name] <= bl.OK_REL, g
         assert g["backend"] in ("cublas", "triton")
-        q = g["rounds"]  # cuBLAS against the best Triton config, interleaved; Triton only where it is "faster"
+        q = g[
+            "rounds"
+        ]  # cuBLAS against the best Triton config, interleaved; Triton only where it is "faster"
         assert q["rounds"] >= 5 and q["lo"] <= q["median"] <= q["hi"]
         assert (g["backend"] == "triton") == (q["verdict"] == "faster")
     c = doc["results"]["chunks"][0]

@@ -252,11 +252,11 @@ def _emulated_symm_modes(
     """Every mode through the symmetric-memory code paths with gloo-emulated ops and a CPU buffer
     allocator, against nccl (model level, float32 and FP8), and a token-count sequence in two_shot
     with a small buffer cache (bounded, buffers reused)."""
+    import os
+
     from cadence.model.weights import build_model
     from cadence.parallel import apply_tp, fused, set_comm
     from cadence.quant import apply_fp8
-
-    import os
 
     ops = _GlooSymmOps(group)
     saved = (fused._ops, fused.symm_unavailable_reason, fused._prepare, fused._CACHE, fused._SMALL_CACHE)
