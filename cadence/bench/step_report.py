@@ -228,8 +228,13 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
             "reference_path_reasons": sorted(fp8_mod._quant_logged),
         }
     if st.group is not None:
+        import os
+
         from cadence.parallel import fused
 
+        out["tp_env"] = {
+            k: os.environ.get(k) for k in ("CADENCE_TP_BIAS", "CADENCE_TP_QK_PAIR", "CADENCE_TP_SMALL_COMM")
+        }
         out.update(
             comm=st.fast.comm,
             comm_decisions=fused.chooser_decisions(),
