@@ -224,3 +224,4 @@ def test_flashtalk_clip_step_as_an_emulated_rank():
     prof = m["profile"]
     assert prof["unnamed_share"] <= 0.05 and prof["parts"]["comm"]["count"] > 0
     assert prof["parts"]["linear"]["ms"] > 0 and prof["parts"]["attention"]["ms"] > 0
+    assert prof["parts"]["rope"]["count"] > 0  # the whole-clip path rotates q and k outside any cache

@@ -181,6 +181,7 @@ def _per_layer_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bo
             w["audio_attention"] += 4 * t * per_frame * d / n
         # the chunk's q, k and v through RoPE (q, k) into the ring / the query scratch: read bf16, write the store
         w["cache"] += 3 * t * d / n * (el + (1 if kv_fp8 else el))
+        w["rope"] += 2 * t * d / n * el * 2  # q and k rotated on the whole-sequence path: read + write
         w["qk_norm"] += t * d / n * el * 3 * (3 + (1 if audio else 0))  # read, read, write per q/k site
         w["norm_mod"] += rows * d * el * 2 * (2 + branches)  # adaLN x2, affine LN per branch: read + write
         w["residual"] += rows * d * el * 3 * (2 + branches)  # gated x2, plain per branch: read 2, write 1

@@ -14,8 +14,9 @@ shard of the DiT with every collective a stand-in (``cadence.parallel.emulate``)
 step; the collectives, the comm estimate, the split, the floors and ``--profile`` are the same report.
 
 Floors count the clip (:func:`clip_config`: a config whose "chunk" is the whole clip and whose keys are the
-clip's own tokens), not the 7 new latent frames. No CUDA graphs (the engine runs clips eagerly; each pass is
-~100 ms of large kernels at W14 widths, so launch gaps are a small share).
+clip's own tokens), not the 7 new latent frames. ``--graphs`` (CUDA) also replays the clip from one CUDA graph
+(its noise drawn beforehand: ``sample_clip`` takes the draws): the engine runs clips eagerly today, and at TP=4
+the eager clip leaves the GPU idle between small kernels for a measurable share (the profile's "gaps").
 """
 
 from __future__ import annotations
@@ -72,13 +73,56 @@ def clip_inputs(
     }
 
 
+def graphed_clip(step, device: torch.device, warmup: int, iters: int, rounds_of=None) -> dict:
+    """The clip step `step` (static inputs: pre-drawn noise) captured in one CUDA graph and replayed: its times,
+    and with `rounds_of` (the eager step) the graph speedup from interleaved rounds (``cadence.bench.rounds``).
+    A capture that fails (an op that syncs with the host, ...) is reported, not raised: ``used`` False."""
+    from cadence.bench.common import Timer
+    from cadence.bench.rounds import compare, interleave
+
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+    except RuntimeError as e:
+        torch.cuda.synchronize(device)
+        return {
+            "used": False,
+            "last": f"capture failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+        }
+    timer = Timer(device)
+    res = {
+        "used": True,
+        "times": timer.run(g.replay, warmup, iters),
+        "captures": 1,
+        "last": "replay",
+        "graph": g,
+    }
+    if rounds_of is not None:
+        t = interleave(
+            {"eager": lambda: timer.run(rounds_of, 0, 1)[0], "graph": lambda: timer.run(g.replay, 0, 1)[0]}
+        )
+        r = compare(t, "eager", "graph")
+        res["rounds"] = r.as_dict() if r is not None else None
+    return res
+
+
 @torch.no_grad()
 def measure_clip(cfg, model, device, warmup: int, iters: int, *, clip_frames: int, motion_frames: int,
                  profile_iters: int = 1, collectives: bool = False, profile: dict | None = None,
-                 progress: str | None = "clips") -> dict:  # fmt: skip
+                 progress: str | None = "clips", graphs: bool = False) -> dict:  # fmt: skip
     """Time ``sample_clip`` (median over `iters` eager clips), its region split from `profile_iters`
-    instrumented ones, the collectives of one clip (`collectives`) and, with `profile`, every kernel named
-    (``cadence.bench.step_profile.profile_run``). The keys of ``cadence.bench.step.measure_step``'s result."""
+    instrumented ones, the collectives of one clip (`collectives`), with `graphs` (CUDA) the same clip replayed
+    from one CUDA graph (:func:`graphed_clip`: its noise drawn beforehand), and with `profile` every kernel
+    named (``cadence.bench.step_profile``: of the graph replay where it ran). The keys of
+    ``cadence.bench.step.measure_step``'s result."""
     from cadence.bench.common import Timer
     from cadence.bench.step_report import split_regions
     from cadence.model.flashtalk import sample_clip
@@ -104,18 +148,29 @@ def measure_clip(cfg, model, device, warmup: int, iters: int, *, clip_frames: in
     if collectives:
         with CollectiveLog() as log:
             step()
+    graph = None
+    if graphs and device.type == "cuda":
+        draws = [torch.randn(inp["motion"].shape[0], *inp["cond"].shape[1:], generator=noise, device=device).to(
+            inp["cond"].dtype) for _ in range(len(inp["timesteps"]))]  # fmt: skip
+        args = (draws, inp["motion"], inp["cond"], inp["context"], inp["audio"], inp["timesteps"])
+        graph = graphed_clip(lambda: sample_clip(model, *args), device, warmup, iters, rounds_of=step)
     prof = None
     if profile is not None:
         from cadence.bench.step_profile import profile_run
 
-        prof = profile_run(step, device, model, scale=profile["scale"], floors=profile["floors"])
+        replay = graph["graph"].replay if graph and graph["used"] else None
+        prof = profile_run(
+            step, device, model, scale=profile["scale"], floors=profile["floors"], replay=replay
+        )
+    if graph is not None:
+        graph.pop("graph", None)
     return {
         "times": times,
         "region": split_regions(splits),
         "totals": totals,
         "host_sync": None,
         "cache_bytes": 0,
-        "graph": None,
+        "graph": graph,
         "graph_split": None,
         "log": log,
         "profile": prof,

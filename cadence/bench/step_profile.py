@@ -37,6 +37,8 @@ Written beside the step JSON as ``<step json>-profile.json`` (schema: :func:`sum
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
@@ -54,6 +56,7 @@ PARTS = {
     "cross_attention": "text cross-attention",
     "audio_attention": "audio cross-attention",
     "cache": "cache writes (q/k RoPE + FP8 at write)",
+    "rope": "RoPE of q/k (whole-sequence path, float32)",
     "rope_table": "RoPE table + ring slot (per chunk)",
     "qk_norm": "q/k RMS norms (local halves)",
     "norm_mod": "norms + modulation (adaLN, affine LN)",
@@ -116,6 +119,8 @@ def part_of(labels: tuple[str, ...] | list[str], name: str) -> str:
             if "mod:cross_attn" in s
             else "attention"
         )
+    if "fn:rope" in s:
+        return "rope"
     if "region:cache" in s:
         return "cache" if "fn:model" in s else "rope_table"
     if "region:bias" in s:
@@ -238,6 +243,9 @@ class Labels:
             s = self.session
             wraps += [(s, "prepare_step", "fn:prepare"), (s, "_audio_feats", "fn:audio_frontend")]
             wraps.append((s, "denoise", "fn:denoise"))
+        import cadence.model.full as full  # its attend's RoPE (a module function: labelled where it is looked up)
+
+        wraps.append((full, "apply_rope", "fn:rope"))
         for obj, attr, label in wraps:
             if hasattr(obj, attr):
                 self._wrap(obj, attr, label)
@@ -516,30 +524,49 @@ def eager_profile(run, device: torch.device, model, sess=None) -> tuple[list[Ker
 def graph_profile(sess, audio, device, model, group=None, replays: int = 3) -> tuple[list, str | None]:
     """`replays` graph-replayed steps under the profiler (labels on, for the eager work around the replay):
     a list of (kernels, wall ms) per replay, or ([], why) when no graph could be captured or the profiler saw
-    none of its kernels."""
+    none of its kernels. The graph is captured before the profiler starts; where the profiler then sees no
+    kernel of its replays, it is captured again with the profiler running (what some CUPTI versions need)."""
     from cadence.parallel.graphs import agreeing_capture
     from cadence.runtime.graphs import GraphRunner
 
-    stream = primed_stream(sess, audio, device)
-    runner = GraphRunner(
-        max_graphs=1, warmup=1, max_captures_per_key=1, capture=agreeing_capture(group, stream=stream)
-    )
-    for _ in range(2):  # the runner's eager warm-up, then the capture (and its first replay)
-        sess.step(audio, runner=runner)
-    if not runner.stats.captures or runner.last != "replay":
-        runner.clear()
-        return [], f"no graph captured ({runner.last})"
-    try:
-        with Labels(model, sess):
+    why = None
+    for inside in (False, True):
+        stream = primed_stream(sess, audio, device)
+        runner = GraphRunner(
+            max_graphs=1, warmup=1, max_captures_per_key=1, capture=agreeing_capture(group, stream=stream)
+        )
+        prof = _profiler(device) if inside else None
+        try:
+            if prof is not None:
+                prof.start()
+            for _ in range(2):  # the runner's eager warm-up, then the capture (and its first replay)
+                sess.step(audio, runner=runner)
+            if not runner.stats.captures:
+                if prof is not None:
+                    prof.stop()
+                return [], f"no graph captured ({runner.last})"
+            replay = functools.partial(sess.step, audio, runner=runner)
+            out, why = replay_profile(replay, device, model, sess, replays, prof)
+        finally:
+            runner.clear()
+        if out:
+            return out, None
+    return [], why
+
+
+def replay_profile(replay, device, model, sess, replays: int, prof=None) -> tuple[list, str | None]:
+    """`replays` calls of `replay` (a step that replays a CUDA graph), each inside ``cadence:replay<i>``, under
+    the profiler (`prof`: one already running, else a new one): (kernels, wall ms) per replay."""
+    with Labels(model, sess):
+        _sync(device)
+        with contextlib.nullcontext(prof) if prof is not None else _profiler(device) as p:
+            for i in range(replays):
+                with torch.profiler.record_function(f"cadence:replay{i}"):
+                    replay()
             _sync(device)
-            with _profiler(device) as prof:
-                for i in range(replays):
-                    with torch.profiler.record_function(f"cadence:replay{i}"):
-                        sess.step(audio, runner=runner)
-                _sync(device)
-    finally:
-        runner.clear()
-    tr = read_trace(prof)
+    if prof is not None:
+        prof.stop()
+    tr = read_trace(p)
     out = []
     for i in range(replays):
         ks = labelled_kernels(tr, f"cadence:replay{i}")
@@ -640,6 +667,11 @@ def profile_step(sess, audio, device: torch.device, model, *, graphs: bool, scal
     if not runs:
         out_eager["graph_unavailable"] = why
         return out_eager
+    return _graph_summary(runs, eager, out_eager, scale, floors)
+
+
+def _graph_summary(runs: list, eager: list, out_eager: dict, scale: float, floors: dict | None) -> dict:
+    """The median replay's summary (parts from the eager kernels), every replay's part times beside it."""
     summaries = []
     for ks, wall in runs:
         match = attribute_graph(ks, eager)
@@ -655,12 +687,19 @@ def profile_step(sess, audio, device: torch.device, model, *, graphs: bool, scal
     return best
 
 
-def profile_run(run, device: torch.device, model, *, scale: float, floors: dict | None) -> dict:
-    """The profile of one eager step given as a callable (a clip step: no session, no graphs)."""
+def profile_run(run, device: torch.device, model, *, scale: float, floors: dict | None, replay=None) -> dict:
+    """The profile of a step given as callables (a clip step: no session): the labelled eager `run`, and where
+    `replay` (a captured graph's replay) is given, the replays with the eager kernels' parts."""
     ks, wall = eager_profile(run, device, model)
     out = summarise(ks, wall, scale, floors, "cpu" if device.type != "cuda" else "eager")
-    out["graph_unavailable"] = "a clip step runs eagerly (no CUDA graphs)"
-    return out
+    if replay is None:
+        out["graph_unavailable"] = "no graph of the clip (eager)"
+        return out
+    runs, why = replay_profile(replay, device, model, None, 3)
+    if not runs:
+        out["graph_unavailable"] = why
+        return out
+    return _graph_summary(runs, ks, out, scale, floors)
 
 
 def rows(prof: dict) -> list[tuple[str, str]]:
