@@ -225,3 +225,21 @@ def test_flashtalk_clip_step_as_an_emulated_rank():
     assert prof["unnamed_share"] <= 0.05 and prof["parts"]["comm"]["count"] > 0
     assert prof["parts"]["linear"]["ms"] > 0 and prof["parts"]["attention"]["ms"] > 0
     assert prof["parts"]["rope"]["count"] > 0  # the whole-clip path rotates q and k outside any cache
+
+
+def test_replay_labels_leave_no_recorder_for_the_graph_runner():
+    """A graph replay profiled with the timing regions as ranges would not replay: GraphRunner runs eagerly
+    while a span recorder is active (found on the H200: every W57 replay ran eagerly under the profile). The
+    replay labels keep the recorder off and the method labels on; the eager step's labels have both."""
+    import torch
+
+    from cadence.config import get_preset
+    from cadence.model.weights import build_model
+    from cadence.telemetry import spans
+
+    model = build_model(get_preset("tiny"), "cpu", torch.float32, seed=0)
+    with sp.Labels(model, None, regions=False):
+        assert spans._active is None and "forward_chunk" in vars(model)
+    with sp.Labels(model, None):
+        assert spans._active is not None
+    assert spans._active is None and "forward_chunk" not in vars(model)

@@ -121,6 +121,8 @@ def part_of(labels: tuple[str, ...] | list[str], name: str) -> str:
         )
     if "fn:rope" in s:
         return "rope"
+    if "fn:begin_chunk" in s:
+        return "rope_table"
     if "region:cache" in s:
         return "cache" if "fn:model" in s else "rope_table"
     if "region:bias" in s:
@@ -223,10 +225,13 @@ def _module_label(name: str, mod) -> str | None:
 
 class Labels:
     """Everything :func:`part_of` reads, installed on a built model and its session for one profiled step, and
-    removed after (``with Labels(model, session): ...``)."""
+    removed after (``with Labels(model, session): ...``). ``regions=False`` leaves the timing regions alone:
+    a graph-replayed step must not see an active recorder (``cadence.runtime.graphs.GraphRunner`` runs
+    eagerly while one is: its events could not be captured), and its graph's kernels take their parts from
+    the eager step anyway; the session's own eager work keeps its method labels."""
 
-    def __init__(self, model, session=None):
-        self.model, self.session = model, session
+    def __init__(self, model, session=None, regions: bool = True):
+        self.model, self.session, self.regions = model, session, regions
         self._undo: list = []
 
     def __enter__(self) -> Labels:
@@ -243,17 +248,20 @@ class Labels:
             s = self.session
             wraps += [(s, "prepare_step", "fn:prepare"), (s, "_audio_feats", "fn:audio_frontend")]
             wraps.append((s, "denoise", "fn:denoise"))
+            if getattr(s, "cache", None) is not None:
+                wraps.append((s.cache, "begin_chunk", "fn:begin_chunk"))
         import cadence.model.full as full  # its attend's RoPE (a module function: labelled where it is looked up)
 
         wraps.append((full, "apply_rope", "fn:rope"))
         for obj, attr, label in wraps:
             if hasattr(obj, attr):
                 self._wrap(obj, attr, label)
-        self._rec = _RangeRecorder().__enter__()
+        self._rec = _RangeRecorder().__enter__() if self.regions else None
         return self
 
     def __exit__(self, *exc) -> None:
-        self._rec.__exit__(*exc)
+        if self._rec is not None:
+            self._rec.__exit__(*exc)
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
@@ -557,7 +565,7 @@ def graph_profile(sess, audio, device, model, group=None, replays: int = 3) -> t
 def replay_profile(replay, device, model, sess, replays: int, prof=None) -> tuple[list, str | None]:
     """`replays` calls of `replay` (a step that replays a CUDA graph), each inside ``cadence:replay<i>``, under
     the profiler (`prof`: one already running, else a new one): (kernels, wall ms) per replay."""
-    with Labels(model, sess):
+    with Labels(model, sess, regions=False):
         _sync(device)
         with contextlib.nullcontext(prof) if prof is not None else _profiler(device) as p:
             for i in range(replays):
