@@ -182,7 +182,10 @@ def _per_layer_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bo
         # the chunk's q, k and v through RoPE (q, k) into the ring / the query scratch: read bf16, write the store
         w["cache"] += 3 * t * d / n * (el + (1 if kv_fp8 else el))
         w["rope"] += 2 * t * d / n * el * 2  # q and k rotated on the whole-sequence path: read + write
-        w["qk_norm"] += t * d / n * el * 3 * (3 + (1 if audio else 0))  # read, read, write per q/k site
+        # q/k norm sites on the chunk's tokens: self q, k, cross q (+ the audio q where that attention has q/k
+        # norms: not InfiniteTalk's); split over ranks a norm reads its input twice (local sum, then scaling)
+        sites = 3 + (1 if audio and m.audio_arch != "multitalk" else 0)
+        w["qk_norm"] += t * d / n * el * (3 if n > 1 else 2) * sites
         w["norm_mod"] += rows * d * el * 2 * (2 + branches)  # adaLN x2, affine LN per branch: read + write
         w["residual"] += rows * d * el * 3 * (2 + branches)  # gated x2, plain per branch: read 2, write 1
         w["gelu"] += t * f / n * el * 2
