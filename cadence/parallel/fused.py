@@ -622,7 +622,9 @@ def gemm_bias(linear, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
         return linear(x2)
     dt = gemm_out_dtype(linear, x2)
     with region("linear"):
-        if isinstance(linear, FP8Linear):  # as FP8Linear.forward runs a biased layer (the column-parallel ones)
+        if isinstance(
+            linear, FP8Linear
+        ):  # as FP8Linear.forward runs a biased layer (the column-parallel ones)
             with region("quant"):
                 xq, xs = quantize_activations(x2)
             return linear.matmul(xq, xs, bias.to(dt), dt)
