@@ -392,7 +392,9 @@ def measure_check(args, argv, prog: str) -> int:
             )
     print(
         f"runtime at {runtime['size']} ({runtime['tracker']}): tracker {runtime['tracker_fps']:.1f} frames/s, "
-        f"tracker + drift {runtime['measure_fps']:.1f} frames/s"
+        f"tracker + drift {runtime['measure_fps']:.1f} frames/s (wall, load average "
+        f"{runtime['load_average_1min'][0]:.1f}); per CPU second {runtime['tracker_fps_per_cpu_second']:.1f} / "
+        f"{runtime['measure_fps_per_cpu_second']:.1f}"
     )
     if not args.no_record:
         from cadence.bench.common import record

@@ -14,7 +14,9 @@ Three checks, on two kinds of faces whose mouth follows the audio by constructio
 2. **Confidence separates**: matched audio (k = 0) against mismatched audio (the next clip's speech) and
    silence; both distributions are reported (min, quartiles, max, all values).
 3. **Runtime**: frames per second of the landmark tracker alone and of the whole per-stream measure (tracker
-   + sync + drift) on this machine at ``size`` x ``size``.
+   + sync + drift) on this machine at ``size`` x ``size``: per wall-clock second (what this machine did, with
+   whatever else ran on it: the 1-minute load average before and after is recorded) and per CPU second of
+   this process, all its threads (what a machine with one free core does, whatever the load).
 
 Library only; ``cadence.bench.eval`` prints and records.
 """
@@ -22,6 +24,7 @@ Library only; ``cadence.bench.eval`` prints and records.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -92,18 +95,21 @@ def synthetic(n: int, seconds: float, size: int, split_seed: int = 0, progress=N
     from cadence.eval.drift import DriftMeter
     from cadence.train.data import held_out_split
 
-    tracks, t_track, t_drift, frames = [], 0.0, 0.0, 0
+    tracks, t_track, t_drift, frames, cpu_track, cpu_drift = [], 0.0, 0.0, 0, 0.0, 0.0
+    load0 = os.getloadavg()
     for i, spec in enumerate(held_out_split(0, n, seed=split_seed)[1]):
         clip = spec.make(seconds, height=size, width=size)
         tr = FaceTracker(clip.face_box)
         try:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             faces = tr.track(clip.frames)
-            t1 = time.perf_counter()
+            c1, t1 = time.process_time(), time.perf_counter()
             meter = DriftMeter(clip.reference, tr, clip.fps, clip.face_box)
-            t2 = time.perf_counter()
+            c2, t2 = time.process_time(), time.perf_counter()
             meter.add(clip.frames, faces)
             t_drift += time.perf_counter() - t2
+            cpu_drift += time.process_time() - c2
+            cpu_track += c1 - c0
         finally:
             tr.close()
         t_track += t1 - t0
@@ -120,6 +126,9 @@ def synthetic(n: int, seconds: float, size: int, split_seed: int = 0, progress=N
         "frames": frames,
         "tracker_fps": frames / t_track if t_track else math.nan,
         "measure_fps": frames / (t_track + t_drift) if t_track else math.nan,
+        "tracker_fps_per_cpu_second": frames / cpu_track if cpu_track else math.nan,
+        "measure_fps_per_cpu_second": frames / (cpu_track + cpu_drift) if cpu_track else math.nan,
+        "load_average_1min": [load0[0], os.getloadavg()[0]],
         "tracker": tr.tracker,
     }
     return checks, runtime
