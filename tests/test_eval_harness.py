@@ -251,3 +251,53 @@ def test_harness_lists_the_issue_configurations():
     )
     assert c["fp8_ring_graphs"].graphs and not c["fp8_ring"].graphs and c["fp8_ring_tp_fused"].tp
     assert harness.PER_HEAD == ("fa3", "triton_head")
+
+
+def test_compare_does_not_flag_a_delta_equal_to_the_spread_up_to_rounding():
+    # -1 + 1/12 is 1/12 above -1 and the spread is 1/12, but the float difference is 4e-17 larger
+    ref = {"m": {"mean": -1.0, "rerun_spread": 1 / 12}}
+    other = {"m": {"mean": -11 / 12, "rerun_spread": 0.0}}
+    assert abs(other["m"]["mean"] - ref["m"]["mean"]) > 1 / 12  # the rounding the rule must not count
+    assert compare(ref, other)[0] == "within rerun spread"
+    assert compare(ref, {"m": {"mean": -0.9, "rerun_spread": 0.0}})[0].startswith("DIFFERS")
+
+
+def test_evaluate_runs_a_model_family():
+    """Any family through the public spec: Self-Forcing (text-to-video, 16 fps, no image sink) at the tiny
+    geometry of its parity fixture, with the fixture's weights file: the clips follow its size and fps."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_families_self_forcing import CKPT, HW, TINY_MODEL
+
+    from cadence.eval.clips import prepare_clips
+
+    spec = EngineSpec(
+        model="self-forcing", overrides={"model": dict(TINY_MODEL, weights=str(CKPT)), "stream": dict(HW)}
+    )
+    cfg = spec.config()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clips = prepare_clips(cfg, 1, 2.5)
+        r = harness.evaluate(spec, ["reference", "ring_token"], clips, 2, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert (
+        clips[0].reference.shape == (HW["height"], HW["width"], 3)
+        and r["fps"] == 16
+        and r["frames_per_clip"] == 40
+    )
+    ref = r["configs"]["reference"]
+    assert ref["recipe"]["family"] == "self-forcing" and ref["recipe"]["weights"] == str(CKPT)
+    assert r["configs"]["ring_token"]["recipe"]["cache"] == "ring"
+    assert (
+        r["configs"]["ground_truth"]["sync_offset_frames"]["mean"] == 0
+    )  # the clip's own animation, at 32x48
+    for c in ("reference", "ring_token"):
+        assert (
+            len(r["configs"][c]["curves"]["sharpness"]) == 3 and r["configs"][c]["verdict"]
+        )  # 2.5 s: 3 seconds

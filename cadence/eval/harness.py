@@ -26,7 +26,8 @@ rerun), ``rerun_spread = max_r - min_r`` of the per-rerun means. The range, not 
 the 2-3 reruns one can afford it is exactly the largest change rerunning the same configuration produced.
 
 Verdict (:func:`compare`): a configuration differs on a metric when ``|mean_c - mean_ref| >
-max(rerun_spread_ref, rerun_spread_c)``; ``"within rerun spread"`` when no metric differs, else ``"DIFFERS
+max(rerun_spread_ref, rerun_spread_c)`` (beyond float rounding: a delta of one clip's offset frame over 6
+clips equals a spread of the same size, and is not more); ``"within rerun spread"`` when no metric differs, else ``"DIFFERS
 (<metric> <delta> > spread <thr>; ...)"``. A per-head attention configuration whose ring did not run with
 per-head scales here (the CPU, or a GPU without the kernel: it fell back) is reported ``"not judged"``:
 its numbers are those of the fallback. :func:`attention_verdict` turns the two per-head configurations'
@@ -178,7 +179,7 @@ def compare(reference: Mapping[str, dict], other: Mapping[str, dict]) -> tuple[s
             continue
         delta = o["mean"] - ref["mean"]
         thr = max(ref["rerun_spread"] or 0.0, o["rerun_spread"] or 0.0)
-        differs = bool(abs(delta) > thr)
+        differs = bool(abs(delta) > thr + 1e-9 * max(1.0, abs(thr)))  # equal up to rounding is not more
         details[m] = {"delta": float(delta), "threshold": float(thr), "differs": differs}
         if differs:
             flagged.append(f"{m} {delta:+.4g} > spread {thr:.4g}")

@@ -36,7 +36,7 @@ class StreamMeasure:
 
     def __init__(self, reference: np.ndarray, fps: float, face_box=None, tracker: str = "auto"):
         self.fps = float(fps)
-        self.tracker = FaceTracker(face_box, prefer=tracker)
+        self.tracker = FaceTracker(face_box, prefer=tracker, blendshapes=False)  # jawOpen: not used here
         self.drift = DriftMeter(reference, self.tracker, fps, face_box)
         self._mouth: list[np.ndarray] = []
         self._found: list[np.ndarray] = []

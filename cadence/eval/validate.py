@@ -99,7 +99,7 @@ def synthetic(n: int, seconds: float, size: int, split_seed: int = 0, progress=N
     load0 = os.getloadavg()
     for i, spec in enumerate(held_out_split(0, n, seed=split_seed)[1]):
         clip = spec.make(seconds, height=size, width=size)
-        tr = FaceTracker(clip.face_box)
+        tr = FaceTracker(clip.face_box, blendshapes=False)  # as StreamMeasure runs it
         try:
             c0, t0 = time.process_time(), time.perf_counter()
             faces = tr.track(clip.frames)
