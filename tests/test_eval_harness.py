@@ -301,3 +301,8 @@ def test_evaluate_runs_a_model_family():
         assert (
             len(r["configs"][c]["curves"]["sharpness"]) == 3 and r["configs"][c]["verdict"]
         )  # 2.5 s: 3 seconds
+
+
+def test_cli_old_drift_seconds_flag_is_accepted_with_a_note():
+    a = __import__("cadence.bench.eval", fromlist=["parse"]).parse(["--seconds", "8", "--drift-seconds", "1,8"])
+    assert a.drift_seconds == "1,8" and a.seconds == 8.0 and a.clips == 50

@@ -99,6 +99,8 @@ def _add_run_flags(p) -> None:
         "--weights-seed", type=int, default=0, help="random weights' seed, without --weights (default: 0)"
     )
     p.add_argument("--png", default=None, help="write the picture here (default: beside the JSON record)")
+    # issue 7's flag, in the README's command: drift is now measured every second (a note says so)
+    p.add_argument("--drift-seconds", default=None, help=argparse.SUPPRESS)
 
 
 def parse(argv: list[str], prog: str = "cadence bench eval") -> argparse.Namespace:
@@ -275,6 +277,12 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
     from cadence.engine.recipe import resolve
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+    if args.drift_seconds is not None:
+        print(
+            "note: --drift-seconds is no longer used: drift is measured every second (curves in the JSON and PNG); "
+            "--long SECONDS adds long streams",
+            file=sys.stderr,
+        )
     if args.measure_check:
         return measure_check(args, argv, prog)
     spec = spec_from_args(args, seed=args.weights_seed)  # files checked, one clear error for a bad name

@@ -20,8 +20,8 @@ The mouth track: the inner-lip gap (mesh points 13 and 14) divided by the distan
 corners (33 and 263): scale-free, so it compares across resolutions and faces, and the eye corners do not
 move with speech. On the synthetic test faces (``cadence.train.data``, whose mouth interior is drawn from
 the audio) its correlation with the drawn opening is 0.88-0.94 per clip at 128x128 and 256x256 (8 clips
-each; the ``jawOpen`` blendshape reaches only 0.32-0.91 on these cartoon faces, so it is recorded, not
-used). The detector finds every one of the 48 synthetic faces (two splits, mouth shut and open, 128 and 256
+each; the ``jawOpen`` blendshape reaches only 0.32-0.91 on these cartoon faces: ``FrameFaces.jaw_open``
+has it when blendshapes are asked for, the measure does not use it). The detector finds every one of the 48 synthetic faces (two splits, mouth shut and open, 128 and 256
 pixels) it was tried on, the shipped character's reference included.
 
 Per frame a tracker also gives what the drift curves need (``cadence.eval.drift``): the face box (the
