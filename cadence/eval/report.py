@@ -13,6 +13,7 @@ verdict.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -167,10 +168,11 @@ def render_png(results: dict, path: str | Path, title: str = "") -> Path:
         long_v = results.get("long", {}).get("configs", {}).get(name, {}).get("verdict")
         if long_v and name != "ground_truth":
             line += f"  | long: {long_v}"
-        d.text((40, y), line[:190], fill=colours.get(name, (120, 120, 120)), font=f)
-        y += 20
-        if y > H - 20:
-            break
+        for part in textwrap.wrap(line, 170, subsequent_indent="    ")[:3]:
+            if y > H - 20:
+                break
+            d.text((40, y), part, fill=colours.get(name, (120, 120, 120)), font=f)
+            y += 19
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
