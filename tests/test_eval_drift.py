@@ -128,3 +128,13 @@ def test_tracker_falls_back_to_pixels_with_one_warning(monkeypatch, caplog, clip
     assert faces.found.all() and np.corrcoef(faces.mouth, clip.mouth_open[:24])[0, 1] > 0.8
     with pytest.raises(RuntimeError, match="cannot run"):
         FaceTracker(prefer="landmarks")
+
+
+def test_astronaut_reference_is_found_at_every_family_size(landmarks_ok):
+    pytest.importorskip("skimage")  # the `eval` extra's; `--images astronaut`
+    from cadence.eval.clips import load_image
+
+    with FaceTracker(prefer="landmarks") as tr:
+        for hw in ((128, 128), (480, 832), (768, 448)):  # the character, Self-Forcing, FlashTalk
+            im = load_image("astronaut", *hw)
+            assert im.shape == (*hw, 3) and tr.track(im[None]).found[0], hw
