@@ -5,6 +5,7 @@
 # .ref/<name>/ with the commit in .ref/<name>/COMMIT. Small enough to carry to the GPU machine (~2 MB in all).
 # Where it belongs: run by hand before the families-* device plans (scripts/device_plans.toml carry .ref).
 #   Usage (repo root):  MIRROR=/path/to/mirrors bash scripts/reference_checkouts.sh
+#   ONLY="SoulX-FlashHead taehv" makes those checkouts alone (names as in the first column below).
 # MIRROR holds one bare git dir per repository, <owner>+<name>/repo (what the session's fetch tool makes);
 # with GIT_URL=1 the repositories are cloned from GitHub instead (a machine with internet).
 set -euo pipefail
@@ -18,9 +19,11 @@ REFS=(
   "realtime-video krea-ai/realtime-video acf4b7b4e1a3049a0e04782e751d12203334038d"     # the Krea fixture's
   "SoulX-FlashTalk Soul-AILab/SoulX-FlashTalk 688982effe0e77eb21796e3e6848b3792b391c3e" # the fixture's
   "taehv madebyollin/taehv 1f14a568f24bf8811e0a0ac601613e04fc1581e8"                   # the TAEHV fixture's
+  "SoulX-FlashHead Soul-AILab/SoulX-FlashHead 12467cef31a9554cd9682a0521e6e87deaef9810" # the fixtures' (HEAD)
 )
 for line in "${REFS[@]}"; do
   read -r name repo commit <<<"$line"
+  if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then continue; fi
   if [[ ${GIT_URL:-0} == 1 ]]; then
     gd=$(mktemp -d)/repo
     git clone --quiet --bare "https://github.com/$repo" "$gd"

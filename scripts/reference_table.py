@@ -1,16 +1,17 @@
 """The side-by-side table of one device call (not part of Cadence; run by hand on the
-merged perf/ folders of the plans families-ref and families-cadence, scripts/device_plans.toml).
+merged perf/ folders of the plans families-ref and families-cadence, and the step of the plan flashhead;
+scripts/device_plans.toml).
 
     python scripts/reference_table.py PERF_DIR [--git SHA] [--command "..."]
 
 Reads the references' JSON (``PERF_DIR/reference/<name>.json``, scripts/reference_*_bench.py) and Cadence's
 (``PERF_DIR/cadence/<name>/**.json``, ``bench pipeline`` through scripts/reference_cadence_run.py), pairs them
-by ``<name>`` (self-forcing-wan, self-forcing-taehv, causvid, longlive, krea-14b, flashtalk), prints one table
-(fps over the run and steady, time to first frames, per-block / per-chunk time, peak GPU memory, the ratio
-Cadence / reference of steady fps and of time to first frames) and writes it as one JSON in the bench schema
-of docs/benchmarks.md (``bench`` "reference", ``command``, ``device``, ``git``, ``shape``, ``results.rows``) to
-``PERF_DIR/families/side-by-side.json``. A side that is missing (not run, crashed, skipped for time) is a row
-with that side empty, never a number."""
+by ``<name>`` (self-forcing-wan, self-forcing-taehv, causvid, longlive, krea-14b, flashtalk, flashhead-lite,
+flashhead-pro), prints one table (fps over the run and steady, time to first frames, per-block / per-chunk
+time, peak GPU memory, the ratio Cadence / reference of steady fps and of time to first frames) and writes it
+as one JSON in the bench schema of docs/benchmarks.md (``bench`` "reference", ``command``, ``device``, ``git``,
+``shape``, ``results.rows``) to ``PERF_DIR/families/side-by-side.json``. A side that is missing (not run,
+crashed, skipped for time) is a row with that side empty, never a number."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def ref_row(r: dict) -> dict:
         fps_video=r.get("fps_video"),
         fps_steady=r.get("fps_steady"),
         ttff_ms=r.get("ttff_ms"),
+        ttff_with_prepare_ms=r.get("ttff_with_prepare_ms"),  # FlashHead: + prepare_params (before its loop)
         block_ms=r.get("block_ms_median_steady"),
         peak_mem_gib=r.get("peak_mem_gib"),
         compile=r.get("compile"),
