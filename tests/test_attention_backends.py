@@ -26,6 +26,7 @@ from cadence.kernels import attention_backends as ab
 from cadence.kernels import fa3_adapter
 from cadence.kernels import ring_attention as ra
 from cadence.model.rope import Rope3D
+from cadence.telemetry import logs
 
 CPU = torch.device("cpu")
 GRID = (2, 3)
@@ -42,7 +43,7 @@ def rel(a, b) -> float:
 @pytest.fixture(autouse=True)
 def fresh_logs(monkeypatch):
     """Each test sees its own one-line-per-fallback log (warn_once keeps a process-wide set)."""
-    monkeypatch.setattr(ra, "_warned", set())
+    logs.forget()
     fa3_adapter.forget()
     yield
     fa3_adapter.forget()

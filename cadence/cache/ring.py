@@ -187,7 +187,7 @@ class RingCache(SelfAttentionCache):
             ra.warn_once(
                 f"ring-{self.device.type}-{why}",
                 f"ring cache: using the PyTorch reference path ({why or 'requested'})",
-                logging.WARNING if self.device.type == "cuda" else logging.INFO,
+                level=logging.WARNING if self.device.type == "cuda" else logging.INFO,
             )
         self.plan = self._plan(attention, use_triton, model_dtype)
         self._allocate(N, FP8_DTYPE if fp8 else model_dtype)
@@ -251,7 +251,7 @@ class RingCache(SelfAttentionCache):
             f"ring-plan-{self.device.type}-{p.backend}-{p.storage}-{self.heads}-{self.tokens_per_chunk}",
             f"ring attention: {p.backend} over {p.storage} K/V ({p.scales} scales; {self.heads} heads x "
             f"{self.tokens_per_chunk} q x {self.rows} kv; {p.why})",
-            logging.INFO,
+            level=logging.INFO,
         )
         return p
 

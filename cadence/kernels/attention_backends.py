@@ -266,7 +266,7 @@ def plan(
                 f"attention-{device.type}-{requested}-{storage}-{backend}-{len(skipped)}",
                 f"ring attention ({storage} K/V, {heads} heads x {q_tokens} q x {kv_tokens} kv): using {backend}; "
                 + "; ".join(skipped),
-                logging.WARNING if asked and device.type == "cuda" else logging.INFO,
+                level=logging.WARNING if asked and device.type == "cuda" else logging.INFO,
             )
         return AttentionPlan(backend, storage, v_t, scales, on_dev, dict(cfg), why)
     raise AssertionError("unreachable: the last fallback always runs")  # pragma: no cover
