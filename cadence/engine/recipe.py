@@ -387,6 +387,11 @@ def recipe_for(
     rules = session_rules(cfg)
     fast, notes = fast_for(cfg, fast or FastPath(), devices[0], rules)
     cfg, fast = fold_shapes(cfg, fast, devices[0].startswith("cuda"), exists or os.path.isfile)
+    if fast.attention != "auto" and cfg.stream.cache != "ring":  # only the ring has an attention backend
+        notes.append(
+            f"attention: {fast.attention} reads the ring cache (this one runs the naive cache): auto"
+        )
+        fast = dataclasses.replace(fast, attention="auto")
     decode, more = decode_for(decode_device, devices[0], tp)
     cfg, entry = entry_for(cfg, weights_entry)
     window = cfg.stream.window_chunks
@@ -476,8 +481,8 @@ def fold_shapes(
         stream.update(cache="ring", kv_fp8=True)
     if fast.graphs and cfg.stream.cache != "ring":
         stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
-    if fast.attention != "auto":
-        stream["attention"] = fast.attention  # the ring's kernel (cadence.kernels.attention_backends)
+    if fast.attention != "auto" and stream.get("cache", cfg.stream.cache) == "ring":
+        stream["attention"] = fast.attention  # the ring's kernel (cadence.kernels.attention_registry)
     decoder = fast.decoder or choose_decoder(cfg, cuda, exists)
     over: dict = {"stream": stream} if stream else {}
     if decoder != cfg.vae.decoder:
