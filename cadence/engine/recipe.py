@@ -48,11 +48,17 @@ from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.model.families import (
     ClipStream,
+    ClipVisionImage,
     KVStream,
+    LogMelAudio,
+    ModelFamily,
     Rebuild,
     Recache,
     Swap,
-    get_family,
+    VaeSinkImage,
+    WanDecoder,
+    Wav2Vec2Audio,
+    entry_of,
     get_model,
     model_config,
 )
@@ -203,11 +209,15 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class SessionRules:
-    """The rules a session is built from (``cadence.engine.session.session_type``: one ``match``)."""
+    """The rules a stream is built from: its session class (the stream kind's, ``session_type``), its policies,
+    and the front ends the generator builds for it (the family's, whatever session runs)."""
 
     stream: KVStream | ClipStream
     prompt_switch: Swap | Recache
     rebuild: Rebuild | None
+    audio: LogMelAudio | Wav2Vec2Audio = field(default_factory=LogMelAudio)
+    image: VaeSinkImage | ClipVisionImage = field(default_factory=VaeSinkImage)
+    decoder: WanDecoder = field(default_factory=WanDecoder)
 
 
 @dataclass(frozen=True)
@@ -226,8 +236,9 @@ class EngineRecipe:
     tp: int
     decode_device: str
     """'same' or another device (``PipelineConfig.decode_device``)."""
-    stream: KVStream | ClipStream
-    prompt_switch: Swap | Recache
+    entry: ModelFamily
+    """The registry entry it was resolved from: its stream kind and session, prompt switch, front ends
+    (audio, image, decoder) and checkpoint format, read from here by the builders and loaders."""
     rebuild: Rebuild | None
     """The context rebuild (Krea), or None: the committed K/V stay."""
     weights_entry: str | None
@@ -243,8 +254,16 @@ class EngineRecipe:
         return self.config.model.family
 
     @property
+    def stream(self) -> KVStream | ClipStream:
+        return self.entry.streaming
+
+    @property
+    def prompt_switch(self) -> Swap | Recache:
+        return self.entry.prompt_switch
+
+    @property
     def rules(self) -> SessionRules:
-        return SessionRules(self.stream, self.prompt_switch, self.rebuild)
+        return rules_of(self.entry, self.rebuild)
 
     @property
     def devices(self) -> list[str]:
@@ -384,7 +403,8 @@ def recipe_for(
     device = str(device)
     devices = device.split("+")
     tp = len(devices) if len(devices) > 1 else tp
-    rules = session_rules(cfg)
+    family = entry_of(cfg)
+    rules = rules_of(family, rebuild_of(cfg))
     fast, notes = fast_for(cfg, fast or FastPath(), devices[0], rules)
     cfg, fast = fold_shapes(cfg, fast, devices[0].startswith("cuda"), exists or os.path.isfile)
     if fast.attention != "auto" and cfg.stream.cache != "ring":  # only the ring has an attention backend
@@ -402,8 +422,7 @@ def recipe_for(
         device=device,
         tp=tp,
         decode_device=decode,
-        stream=rules.stream,
-        prompt_switch=rules.prompt_switch,
+        entry=family,
         rebuild=rules.rebuild,
         weights_entry=entry,
         seed=seed,
@@ -414,14 +433,22 @@ def recipe_for(
 
 
 def session_rules(cfg: CadenceConfig) -> SessionRules:
-    """The rules of ``cfg``'s session: its family's stream kind and prompt switch (a preset: a K/V stream whose
-    prompt is used as given), and the context rebuild its stream configuration carries."""
-    fam = get_family(cfg.model.family) if cfg.model.family else None
+    """The rules of ``cfg``'s session: its registry entry's (a preset: a K/V stream whose prompt is used as
+    given), and the context rebuild its stream configuration carries."""
+    return rules_of(entry_of(cfg), rebuild_of(cfg))
+
+
+def rules_of(entry: ModelFamily, rebuild: Rebuild | None) -> SessionRules:
+    """A registry entry's rules and front ends, with the configuration's context rebuild."""
+    return SessionRules(
+        entry.streaming, entry.prompt_switch, rebuild, entry.audio_encoder, entry.image_encoder, entry.decoder
+    )
+
+
+def rebuild_of(cfg: CadenceConfig) -> Rebuild | None:
+    """The context rebuild ``cfg``'s stream section carries (a family's ``Rebuild`` is folded in there)."""
     s = cfg.stream
-    rebuild = Rebuild(frames=s.kv_rebuild, keep_first_frame=s.keep_first_frame) if s.kv_rebuild else None
-    if fam is None:
-        return SessionRules(KVStream(), Swap(pad=False), rebuild)
-    return SessionRules(fam.streaming, fam.prompt_switch, rebuild)
+    return Rebuild(frames=s.kv_rebuild, keep_first_frame=s.keep_first_frame) if s.kv_rebuild else None
 
 
 def fast_for(
@@ -432,8 +459,9 @@ def fast_for(
     fast, notes = fast.resolve(device)
     name = cfg.model.family or cfg.name
     off: list[str] = []
+    decoder = rules.decoder.pinned
     match rules.stream:
-        case ClipStream(decoder=decoder):
+        case ClipStream():
             off = [n for n in ("graphs", "kv_fp8", "capture_filling") if getattr(fast, n)]
             if fast.decoder not in (None, decoder):
                 off.append(f"decoder {fast.decoder}")
@@ -509,12 +537,13 @@ def entry_for(cfg: CadenceConfig, asked: str | None) -> tuple[CadenceConfig, str
     """The checkpoint entry served: the one asked for, else the family's default (its authors' choice), for a
     family whose files hold several; None for random weights and single-state-dict files. Written into the
     configuration (``model.weights_entry``) so the loader reads exactly it."""
-    fam = get_family(cfg.model.family) if cfg.model.family else None
-    ck = fam.checkpoint if fam is not None else None
-    entries = bool(ck and ck.state_keys)
+    entry = entry_of(cfg)
+    ck = entry.checkpoint
+    entries = bool(ck.state_keys)
     if asked is not None:
         if not entries:
-            what = f"family {fam.name}'s checkpoint is" if fam is not None else f"preset {cfg.name} loads"
+            fam = entry.kind == "family"
+            what = f"family {entry.name}'s checkpoint is" if fam else f"preset {cfg.name} loads"
             raise ConfigError(f"--weights-entry {asked}: {what} one state dict (no entries to choose from)")
         if not cfg.model.weights:
             raise ConfigError(f"--weights-entry {asked} needs --weights (random weights have no entries)")
