@@ -393,7 +393,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     print(json.dumps(desc.as_dict(), indent=1) if args.json else desc.text())
     if args.env:
         for sw in KERNEL_SWITCHES:
-            v = desc.env[sw.name]
+            v = desc.as_dict()["env"][sw.name]
             now = f"= {v['value']}" if v["set"] else "unset"
             print(f"  {sw.name} {now} (default {sw.default or 'unset'}; {sw.module}): {sw.what}")
     return 0
@@ -408,9 +408,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cadence.fleet.config import fleet_from_args
     from cadence.serve.config import ServeConfig, serve_groups
 
-    spec = spec_from_args(
-        args
-    )  # a clear error for an unknown model or a missing file, before anything starts
+    spec = spec_from_args(args)  # a clear error for an unknown model or a missing file, before anything starts
     if args.device not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
@@ -445,13 +443,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         agent_tts_model=args.agent_tts_model,
         frame_transport=args.frame_transport,
     )
-    from cadence.engine.recipe import resolve
     from cadence.serve.server import run
 
-    print(
-        resolve(spec, groups[0]).describe().text(), file=sys.stderr
-    )  # what group 0 builds (each logs its own)
-    run(cfg, log_level=args.log_level)
+    run(cfg, log_level=args.log_level)  # prints what group 0 builds: the recipe its groups are made with
     return 0
 
 

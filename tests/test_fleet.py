@@ -22,6 +22,8 @@ import types
 import pytest
 from fleet_support import FakeRemote, needs_ray, wait_for
 
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.fleet.capacity import CapacityModel, gpus_needed, simulate
 from cadence.fleet.config import FleetConfig, fleet_device
@@ -279,8 +281,12 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
         node_b = cluster.add_node(num_cpus=1)
         t_cluster = time.monotonic() - t0
         fleet = FleetConfig(address=cluster.address, groups=2, lease_s=10.0)
-        cfg = ServeConfig.from_words(
-            port=0, api_key=KEY, worker_threads=1, timeline_window_s=2.0, fleet=fleet
+        cfg = ServeConfig(
+            engine=EngineSpec(fast=FastPath(threads=1)),
+            port=0,
+            api_key=KEY,
+            timeline_window_s=2.0,
+            fleet=fleet,
         )
         srv = ServerThread(cfg).start(timeout=240)
         t_up = time.monotonic() - t0

@@ -37,6 +37,7 @@ once, in :data:`KERNEL_SWITCHES` (name, default, what it does); ``describe`` rep
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -270,92 +271,76 @@ class EngineRecipe:
         return self.device.split("+")
 
     def describe(self, env: Mapping[str, str] | None = None) -> RecipeDescription:
-        """The recipe as a report: a dataclass for JSON records (``as_dict``) and one printed block (``text``);
+        """The recipe as a report: one plain record for JSON (``as_dict``) and one printed block (``text``);
         ``env`` (default: this process's environment) gives the kernel switches' values in effect."""
         c = self.config
         return RecipeDescription(
-            model=self.model,
-            family=self.family,
-            device=self.device,
-            tp=self.tp,
-            decode_device=self.decode_device,
-            fast=dataclasses.asdict(self.fast),
-            cache=c.stream.cache,
-            kv_fp8=c.stream.kv_fp8,
-            decoder=c.vae.decoder,
-            stream=repr(self.stream),
-            prompt_switch=repr(self.prompt_switch),
-            rebuild=repr(self.rebuild) if self.rebuild is not None else None,
-            weights=c.model.weights,
-            weights_entry=self.weights_entry,
-            vae_weights=c.vae.weights,
-            seed=self.seed,
-            warmup=self.warmup,
-            warmup_chunks=self.warmup_chunks,
-            geometry=c.shape_summary(),
-            notes=list(self.notes),
-            env=kernel_switches(os.environ if env is None else env),
+            {
+                "model": self.model,
+                "family": self.family,
+                "device": self.device,
+                "tp": self.tp,
+                "decode_device": self.decode_device,
+                "fast": dataclasses.asdict(
+                    self.fast
+                ),  # every FastPath field, resolved (new ones by themselves)
+                "cache": c.stream.cache,
+                "kv_fp8": c.stream.kv_fp8,
+                "decoder": c.vae.decoder,
+                "stream": repr(self.stream),
+                "prompt_switch": repr(self.prompt_switch),
+                "rebuild": repr(self.rebuild) if self.rebuild is not None else None,
+                "weights": c.model.weights,
+                "weights_entry": self.weights_entry,
+                "vae_weights": c.vae.weights,
+                "seed": self.seed,
+                "warmup": self.warmup,
+                "warmup_chunks": self.warmup_chunks,
+                "geometry": c.shape_summary(),
+                "notes": list(self.notes),
+                "env": kernel_switches(os.environ if env is None else env),  # each: value here, default, set
+            }
         )
 
 
 @dataclass(frozen=True)
 class RecipeDescription:
-    """What :meth:`EngineRecipe.describe` reports (every field plain data, fit for JSON)."""
+    """What :meth:`EngineRecipe.describe` reports: the recipe's record (every value plain data, fit for JSON),
+    written once there, and the block a terminal prints from it."""
 
-    model: str
-    family: str | None
-    device: str
-    tp: int
-    decode_device: str
-    fast: dict
-    """Every ``FastPath`` field, resolved (new fields appear here by themselves)."""
-    cache: str
-    kv_fp8: bool
-    decoder: str
-    stream: str
-    prompt_switch: str
-    rebuild: str | None
-    weights: str | None
-    weights_entry: str | None
-    vae_weights: str | None
-    seed: int
-    warmup: bool
-    warmup_chunks: int
-    geometry: dict
-    notes: list[str]
-    env: dict
-    """Every kernel switch: its value here (None: unset), its default, whether it is set."""
+    record: dict
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return copy.deepcopy(self.record)
 
     def text(self) -> str:
         """One block for a terminal: the model, the fast path, the rules, the weights, the switches set."""
-        fast = ", ".join(f"{k} {_on(v)}" for k, v in self.fast.items())
-        g = self.geometry
-        if self.weights:
-            entry = f", entry {self.weights_entry}" if self.weights_entry else ""
-            weights = f"{self.weights}{entry}"
+        r = self.record
+        fast = ", ".join(f"{k} {_on(v)}" for k, v in r["fast"].items())
+        g = r["geometry"]
+        if r["weights"]:
+            entry = f", entry {r['weights_entry']}" if r["weights_entry"] else ""
+            weights = f"{r['weights']}{entry}"
         else:
-            weights = f"random (seed {self.seed})"
+            weights = f"random (seed {r['seed']})"
         lines = [
-            f"recipe: {self.model}"
-            + (f" (family {self.family})" if self.family else "")
-            + f" on {self.device}, tp {self.tp}, decode {self.decode_device}",
+            f"recipe: {r['model']}"
+            + (f" (family {r['family']})" if r["family"] else "")
+            + f" on {r['device']}, tp {r['tp']}, decode {r['decode_device']}",
             f"  geometry: {g['width']}x{g['height']}, {g['tokens_per_chunk']} tokens per chunk, "
             f"{g['layers']} layers, window {g['window_chunks']}",
             f"  fast path: {fast}",
-            f"  stream: {self.stream}, cache {self.cache}{' (FP8 K/V)' if self.kv_fp8 else ''}, decoder "
-            f"{self.decoder}; prompt switch {self.prompt_switch}; context {self.rebuild or 'committed K/V'}",
-            f"  weights: {weights}" + (f"; VAE {self.vae_weights}" if self.vae_weights else ""),
-            f"  warm-up: {f'{self.warmup_chunks} chunks' if self.warmup else 'off'}",
+            f"  stream: {r['stream']}, cache {r['cache']}{' (FP8 K/V)' if r['kv_fp8'] else ''}, decoder "
+            f"{r['decoder']}; prompt switch {r['prompt_switch']}; context {r['rebuild'] or 'committed K/V'}",
+            f"  weights: {weights}" + (f"; VAE {r['vae_weights']}" if r["vae_weights"] else ""),
+            "  warm-up: " + (f"{r['warmup_chunks']} chunks" if r["warmup"] else "off"),
         ]
         env = [
-            f"{k}={v['value']} (default {v['default'] or 'unset'})" for k, v in self.env.items() if v["set"]
+            f"{k}={v['value']} (default {v['default'] or 'unset'})" for k, v in r["env"].items() if v["set"]
         ]
         if env:
             lines.append("  kernel switches set: " + ", ".join(env))
-        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  note: {n}" for n in r["notes"]]
         return "\n".join(lines)
 
 
@@ -567,39 +552,3 @@ class WorkerSpec:
     """The frame ring to attach ({'name', 'shape', 'slots'}), or None: frames travel through the pipe."""
     tp_port: int | None = None
     """Rendezvous port of a tensor-parallel group."""
-
-    @property
-    def device(self) -> str:
-        return self.recipe.device
-
-    @property
-    def devices(self) -> list[str]:
-        return self.recipe.devices
-
-    @property
-    def fast(self) -> FastPath:
-        return self.recipe.fast
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        return self.recipe.notes
-
-    @property
-    def decode_device(self) -> str:
-        return self.recipe.decode_device
-
-    @property
-    def warmup(self) -> bool:
-        return self.recipe.warmup
-
-    @property
-    def warmup_chunks(self) -> int:
-        return self.recipe.warmup_chunks
-
-    @property
-    def seed(self) -> int:
-        return self.recipe.seed
-
-    def config(self) -> CadenceConfig:
-        """The engine configuration this worker builds."""
-        return self.recipe.config

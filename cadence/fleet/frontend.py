@@ -180,15 +180,15 @@ class FleetGroups:
     fleet = True
 
     def __init__(self, cfg):
-        from cadence.serve.config import engine_config, worker_spec
+        from cadence.serve.config import frame_shape, worker_spec
 
         self.cfg, self.fleet_cfg = cfg, cfg.fleet
         self.metrics = None  # the manager's (``start``): the fleet's gauges go there
-        e = engine_config(cfg)
-        self.frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
-        frame_bytes = self.frame_shape[0] * self.frame_shape[1] * self.frame_shape[2] * 3
-        self.spec, self.shm = worker_spec(cfg, self.fleet_cfg.device, frame_bytes)
-        self.preset = e.name
+        # resolved once for the fleet's group device; the sessions' geometry is this recipe's
+        self.spec, self.shm = worker_spec(cfg, self.fleet_cfg.device)
+        self.recipe = self.spec.recipe
+        self.frame_shape = frame_shape(self.recipe.config)
+        self.preset = self.recipe.config.name
         self.media_on_group = self.fleet_cfg.media == "group"
         self.media_settings = None
         if self.media_on_group:

@@ -4,85 +4,32 @@ What every worker group builds is one :class:`~cadence.engine.recipe.EngineSpec`
 model, its files, the fast path, the decode placement, the warm-up), the same object ``cadence bench
 pipeline`` and every other entry point build from the same words (``cadence.engine.flags``). Each fast-path
 option is ``None`` = automatic (on for CUDA worker groups, off on the CPU, so the CPU path is exactly the
-reference one). :func:`worker_spec` resolves the spec for one group's devices
+reference one). :func:`worker_spec` resolves the spec once per group, for its devices
 (``cadence.engine.recipe.resolve``: the family's rules applied, one note per option that cannot apply there;
-the worker logs each note once and reports them in its ready info, ``GET /config`` -> ``workers``).
+the worker logs each note once and reports them in its ready info, ``GET /config`` -> ``workers``); the web
+side reads the group's geometry (frame shape, fps, image size) from that same recipe.
 
 The rest of the fields are the server's own: listening, sessions, limits, access, the ``talk`` agent.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 from dataclasses import dataclass, field
 
-from cadence.engine.recipe import EngineSpec, WorkerSpec, entry_for, resolve
+from cadence.config import CadenceConfig
+from cadence.engine.recipe import EngineSpec, WorkerSpec, resolve
 from cadence.engine.shm import SHM_MIN_BYTES
 from cadence.engine.spec import DEFAULT_PROMPT
 from cadence.errors import ConfigError, InputError
 from cadence.serve.ports import Fleet
 
-__all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "serve_groups", "worker_spec"]
-
-#: ``ServeConfig`` keywords of callers written before ``ServeConfig.engine`` (folded into it by
-#: :func:`engine_spec`): the engine's own knobs, once copied here field by field.
-ENGINE_WORDS = (
-    "preset",
-    "model",
-    "overrides",
-    "seed",
-    "decoder",
-    "kv_fp8",
-    "fp8_linears",
-    "graphs",
-    "capture_filling",
-    "compile",
-    "decoder_fast",
-    "worker_threads",
-    "decode_gpu",
-    "warmup",
-    "warmup_chunks",
-)
-
-
-def engine_spec(base: EngineSpec | None = None, **words) -> EngineSpec:
-    """``base`` (default ``EngineSpec()``) with the engine keywords of :data:`ENGINE_WORDS` applied: ``model``
-    (or ``preset``: the same registry), ``overrides``, ``seed``, the fast-path options (``worker_threads`` is
-    ``FastPath.threads``), ``decode_gpu`` K (decode on cuda:K), ``warmup`` (None: on), ``warmup_chunks``."""
-    bad = set(words) - set(ENGINE_WORDS)
-    if bad:
-        raise TypeError(f"unknown engine keyword(s) {sorted(bad)}")
-    spec = base or EngineSpec()
-    kw: dict = {}
-    name = words.pop("model", None) or words.pop("preset", None)
-    words.pop("preset", None)
-    if name:
-        kw["model"] = name
-    for k in ("overrides", "seed", "warmup_chunks"):
-        if words.get(k) is not None:
-            kw[k] = dict(words.pop(k)) if k == "overrides" else words.pop(k)
-    if words.get("warmup") is not None:
-        kw["warmup"] = bool(words.pop("warmup"))
-    gpu = words.pop("decode_gpu", None)
-    if gpu is not None:
-        if gpu < 0:
-            raise ConfigError(f"decode_gpu must be >= 0, got {gpu}")
-        kw["decode_device"] = f"cuda:{gpu}"
-    threads = words.pop("worker_threads", None)
-    fast = {k: v for k, v in words.items() if v is not None}
-    if threads:
-        fast["threads"] = threads
-    if fast:
-        kw["fast"] = dataclasses.replace(spec.fast, **fast)
-    return dataclasses.replace(spec, **kw) if kw else spec
-
+__all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "frame_shape", "serve_groups", "worker_spec"]
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """``ServeConfig(engine=EngineSpec(...), port=..., ...)``; :meth:`from_words` also takes the engine's knobs
-    as keywords of their own (:data:`ENGINE_WORDS`, e.g. ``ServeConfig.from_words(preset="tiny",
-    worker_threads=1)``), folded into ``engine`` by :func:`engine_spec`."""
+    """``ServeConfig(engine=EngineSpec(...), port=..., ...)``: the engine's knobs are the spec's (one spelling,
+    the one every entry point and its flags use), the rest the server's own."""
 
     engine: EngineSpec = field(default_factory=EngineSpec)
     """What every worker group builds (the model, its files, the fast path, the decode placement, the
@@ -181,13 +128,6 @@ class ServeConfig:
     processes (``groups`` is then unused). A ``cadence.fleet.config.FleetConfig`` (the CLI builds it), typed
     by the ``Fleet`` Protocol of ``cadence.serve.ports``: the app takes its ``group_source(cfg)`` and
     ``routes(source)``, so this layer never imports ``cadence.fleet``. None (the default): one machine."""
-
-    @classmethod
-    def from_words(cls, engine: EngineSpec | None = None, **kw) -> ServeConfig:
-        """A config from server fields and engine keywords (:data:`ENGINE_WORDS`) mixed: the latter folded into
-        ``engine`` (default ``EngineSpec()``) by :func:`engine_spec`."""
-        words = {k: kw.pop(k) for k in list(kw) if k in ENGINE_WORDS}
-        return cls(engine=engine_spec(engine, **words), **kw)
 
     @property
     def preset(self) -> str:
@@ -297,20 +237,24 @@ def check_api_key(key: str) -> str:
     return key
 
 
-def engine_config(cfg: ServeConfig):
-    """The model's configuration with the overrides and the weights entry served: the geometry every session
-    and worker follows (the per-device choices, decoder and cache, are each group's recipe's)."""
-    return entry_for(cfg.engine.config(), cfg.engine.weights_entry)[0]
+def frame_shape(config: CadenceConfig) -> tuple[int, int, int, int]:
+    """One chunk's frames [F, H, W, 3] (uint8) of a recipe's configuration."""
+    return (config.video_frames_per_chunk, config.stream.height, config.stream.width, 3)
 
 
-def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[WorkerSpec, bool]:
-    """What the worker group on ``device`` builds: ``(spec, shm)``. ``spec.recipe`` is ``cfg.engine`` resolved
-    for the group's devices (automatic options on for CUDA groups, off on the CPU; the family's rules;
-    ``recipe.notes`` one line per option that cannot apply there); ``shm``: frames come back through shared
-    memory (``frame_transport`` 'shm', or 'auto' and a chunk of >= 1 MiB). Pure: no torch, no processes."""
+def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int | None = None) -> tuple[WorkerSpec, bool]:
+    """What the worker group on ``device`` builds, resolved once for the group: ``(spec, shm)``. ``spec.recipe``
+    is ``cfg.engine`` resolved for the group's devices (automatic options on for CUDA groups, off on the CPU;
+    the family's rules; ``recipe.notes`` one line per option that cannot apply there): the web side reads the
+    group's geometry from it too. ``shm``: frames come back through shared memory (``frame_transport`` 'shm',
+    or 'auto' and a chunk of >= 1 MiB; ``frame_bytes`` None: the recipe's chunk). Pure: no torch, no processes."""
+    recipe = resolve(cfg.engine, device)
+    if frame_bytes is None:
+        f, h, w, c = frame_shape(recipe.config)
+        frame_bytes = f * h * w * c
     t = cfg.frame_transport
     shm = t == "shm" or (t == "auto" and frame_bytes >= SHM_MIN_BYTES)
-    return WorkerSpec(resolve(cfg.engine, device)), shm
+    return WorkerSpec(recipe), shm
 
 
 def serve_groups(

@@ -37,7 +37,7 @@ from cadence.engine.messages import Died
 from cadence.errors import InputError
 from cadence.serve.agent import espeak_binary
 from cadence.serve.agents import make_agent
-from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
+from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, frame_shape, worker_spec
 from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
 from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
 from cadence.serve.reports import ReportStore, report_json
@@ -74,13 +74,11 @@ def group_source(cfg: ServeConfig) -> GroupSource:
     :class:`~cadence.serve.workers.WorkerGroup` per entry of ``cfg.groups``."""
     if cfg.fleet is not None:
         return cfg.fleet.group_source(cfg)
-    e = engine_config(cfg)
-    frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
-    frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
     groups = []
     for i, dev in enumerate(cfg.groups):
-        spec, shm = worker_spec(cfg, dev, frame_bytes)
-        groups.append(WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm))
+        spec, shm = worker_spec(cfg, dev)  # resolved once for the group; its frames' shape is its recipe's
+        shape = frame_shape(spec.recipe.config)
+        groups.append(WorkerGroup(i, spec, frame_shape=shape, slots=cfg.max_in_flight + 1, shm=shm))
     return LocalGroups(groups, LiveSession)
 
 
@@ -90,10 +88,10 @@ class SessionManager:
 
     def __init__(self, cfg: ServeConfig, source: GroupSource | None = None):
         self.cfg = cfg
-        self.engine_cfg = e = engine_config(cfg)
         self.metrics = ServeMetrics()
         self.metrics.groups.set(len(cfg.groups))
         self.source = source if source is not None else group_source(cfg)
+        self.engine_cfg = e = self.source.recipe.config  # the geometry every session follows: its groups' recipe
         self.groups = self.source.groups  # (a fleet's list is kept up to date in place)
         self.sessions: dict[str, SessionPort] = {}
         self.reports = ReportStore(cfg.report_ttl_s, cfg.max_reports, cfg.max_report_bytes)

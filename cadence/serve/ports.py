@@ -220,6 +220,10 @@ class GroupSource(Protocol):
     def groups(self) -> Sequence[GroupPort]:
         """The groups (a fleet's list is kept up to date in place)."""
 
+    @property
+    def recipe(self) -> Any:
+        """What its groups build (a ``cadence.engine.recipe.EngineRecipe``): the sessions' geometry is its config."""
+
     async def start(self, route: Route, metrics: Any, timeout_s: float) -> None:
         """Start (or join) the groups, send every reply to ``route``, export to ``metrics``; return when
         they are ready (RuntimeError when none can be)."""
