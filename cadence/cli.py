@@ -111,8 +111,7 @@ def _add_generate(sub) -> None:
 
 def _add_serve(sub) -> None:
     from cadence.engine.flags import add_engine_flags  # torch-free, no serving packages
-    from cadence.fleet.config import add_fleet_flags
-    from cadence.serve.config import add_serve_flags
+    from cadence.serve.config import add_deployment_flags, add_serve_flags
 
     s = sub.add_parser(
         "serve",
@@ -159,7 +158,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
     add_serve_flags(s)
-    add_fleet_flags(s)
+    add_deployment_flags(s)  # --deploy local|ray and each deployment's own (--ray ADDR, --fleet-*)
     s.set_defaults(func=cmd_serve)
 
 
@@ -405,27 +404,17 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.engine.flags import spec_from_args
-    from cadence.fleet.config import fleet_from_args
-    from cadence.serve.config import ServeConfig, serve_groups
+    from cadence.serve.config import ServeConfig, deployment_from_args
 
-    spec = spec_from_args(args)  # a clear error for an unknown model or a missing file, before anything starts
+    spec = spec_from_args(
+        args
+    )  # a clear error for an unknown model or a missing file, before anything starts
     if args.device not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
         raise InputError(f"--max-sessions must be >= 1, got {args.max_sessions}")
-    fleet = fleet_from_args(args)  # --ray: the groups are a Ray fleet's, not this machine's (cadence.fleet)
-    n = 0
-    if args.device == "cuda" and fleet is None:
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise InputError("--device cuda requested but CUDA is not available")
-    groups = (
-        serve_groups(args.device, spec.tp, args.max_sessions, n, spec.decode_gpu)
-        if fleet is None
-        else (fleet.device,)
-    )
+    deployment = deployment_from_args(args)  # local (this machine) or ray (a fleet's groups): by name
+    groups = deployment.placements(args.device, spec.tp, args.max_sessions, spec.decode_gpu)
     cfg = ServeConfig(
         engine=spec,
         host=args.host,
@@ -436,7 +425,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lead_ms=args.lead_ms,
         api_key=_api_key(args),
         insecure_no_auth=args.insecure_no_auth,
-        fleet=fleet,
+        deployment=deployment,
         agent_url=args.agent_url,
         agent_model=args.agent_model,
         agent_stt_model=args.agent_stt_model,

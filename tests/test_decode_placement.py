@@ -21,11 +21,11 @@ from cadence.serve.config import ServeConfig, serve_groups, worker_spec
 
 
 def test_serve_groups_leave_the_decode_gpu_out():
-    assert serve_groups("cuda", 1, None, 2, decode_gpu=1) == ("cuda:0",)
-    assert serve_groups("cuda", 1, None, 2, decode_gpu=0) == ("cuda:1",)
-    assert serve_groups("cuda", 1, None, 4, decode_gpu=1) == ("cuda:0", "cuda:2", "cuda:3")
-    assert serve_groups("cuda", 2, None, 3, decode_gpu=2) == ("cuda:0+cuda:1",)
-    assert serve_groups("cuda", 1, None, 2) == ("cuda:0", "cuda:1")  # unchanged without it
+    assert tuple(map(str, serve_groups("cuda", 1, None, 2, decode_gpu=1))) == ("cuda:0",)
+    assert tuple(map(str, serve_groups("cuda", 1, None, 2, decode_gpu=0))) == ("cuda:1",)
+    assert tuple(map(str, serve_groups("cuda", 1, None, 4, decode_gpu=1))) == ("cuda:0", "cuda:2", "cuda:3")
+    assert tuple(map(str, serve_groups("cuda", 2, None, 3, decode_gpu=2))) == ("cuda:0+cuda:1",)
+    assert tuple(map(str, serve_groups("cuda", 1, None, 2))) == ("cuda:0", "cuda:1")  # unchanged without it
     with pytest.raises(InputError, match="decode-gpu 2"):
         serve_groups("cuda", 1, None, 2, decode_gpu=2)
     with pytest.raises(InputError, match="besides decode GPU 1"):

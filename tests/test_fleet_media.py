@@ -209,7 +209,7 @@ def group_media_fleet():
             port=0,
             api_key=KEY,
             timeline_window_s=2.0,
-            fleet=fleet,
+            deployment=fleet,
         )
         srv = ServerThread(cfg).start(timeout=240)
         print(f"\nfleet media: cluster + front end + group up in {time.monotonic() - t0:.1f} s")

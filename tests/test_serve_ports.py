@@ -30,7 +30,7 @@ from cadence.fleet.remote import GroupMediaSession, RemoteAgent
 from cadence.serve import ports
 from cadence.serve.agent import Agent
 from cadence.serve.agents import make_agent
-from cadence.serve.config import ServeConfig
+from cadence.serve.config import LOCAL, Local, ServeConfig
 from cadence.serve.manager import SessionManager
 from cadence.serve.openapi import CREATED
 from cadence.serve.session import LiveSession
@@ -122,7 +122,7 @@ def sides():
     """One constructed object of every implementation (nothing started: no process, no Ray)."""
     cfg = ServeConfig(engine=EngineSpec(model="tiny"))
     fleet_cfg = ServeConfig(
-        engine=EngineSpec(model="tiny"), fleet=FleetConfig(address="unused", media="group")
+        engine=EngineSpec(model="tiny"), deployment=FleetConfig(address="unused", media="group")
     )
     loop = asyncio.new_event_loop()
     mgr = SessionManager(cfg)
@@ -180,7 +180,8 @@ def test_every_implementation_has_its_protocols_members(sides):
         (ports.SessionAgent, RemoteAgent, s.remote.agent),
         (ports.SessionSettings, ServeConfig, s.cfg),
         (ports.SessionSettings, MediaSettings, MediaSettings()),
-        (ports.Fleet, FleetConfig, FleetConfig(address="unused")),
+        (ports.Deployment, FleetConfig, FleetConfig(address="unused")),
+        (ports.Deployment, Local, LOCAL),
     ]
     tested = {
         (p.__name__, f"{impl.__module__.removeprefix('cadence.')}.{impl.__name__}") for p, impl, _ in cases
@@ -202,7 +203,9 @@ def test_each_source_says_which_session_class_a_group_gets_and_the_manager_build
     s = sides
     assert s.mgr.source.session_factory(s.wg) is LiveSession
     assert s.fleet.session_factory(s.ray_group) is GroupMediaSession  # --fleet-media group
-    frontend = FleetGroups(ServeConfig(engine=EngineSpec(model="tiny"), fleet=FleetConfig(address="unused")))
+    frontend = FleetGroups(
+        ServeConfig(engine=EngineSpec(model="tiny"), deployment=FleetConfig(address="unused"))
+    )
     assert frontend.session_factory(RayGroup(frontend, "g", 0)) is LiveSession  # frames through Ray
     # the manager builds a new session with its source's class, whatever that is
     built = []

@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from cadence.config import CadenceConfig, PipelineConfig, resolve_asset
+from cadence.engine.placement import Placement
 from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.model.families import (
@@ -267,8 +268,13 @@ class EngineRecipe:
         return rules_of(self.entry, self.rebuild)
 
     @property
+    def placement(self) -> Placement:
+        """The devices it runs on, typed (``device`` is its text, as recorded)."""
+        return Placement.of(self.device)
+
+    @property
     def devices(self) -> list[str]:
-        return self.device.split("+")
+        return list(self.placement.devices)
 
     def describe(self, env: Mapping[str, str] | None = None) -> RecipeDescription:
         """The recipe as a report: one plain record for JSON (``as_dict``) and one printed block (``text``);
@@ -351,7 +357,9 @@ def _on(v) -> str:
 # ---- resolve ------------------------------------------------------------------------------------------------
 
 
-def resolve(spec: EngineSpec, device: str, exists: Callable[[str], bool] | None = None) -> EngineRecipe:
+def resolve(
+    spec: EngineSpec, device: str | Placement, exists: Callable[[str], bool] | None = None
+) -> EngineRecipe:
     """What ``spec`` builds on ``device`` ('cpu', 'cuda:N', or a tensor-parallel group 'cuda:0+cuda:1').
     Pure but for ``exists`` (default ``os.path.isfile``: is a trained tiny decoder beside the VAE weights?)."""
     return recipe_for(

@@ -269,7 +269,9 @@ def _start_line(spec: WorkerSpec) -> None:
     )
     start = logging.getLogger("cadence.serve.worker")
     start.setLevel(logging.INFO)
-    start.info("worker %s: %s (%s), %s, decoder %s", spec.recipe.device, r.model, c.name, weights, c.vae.decoder)
+    start.info(
+        "worker %s: %s (%s), %s, decoder %s", spec.recipe.device, r.model, c.name, weights, c.vae.decoder
+    )
 
 
 def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict | None, float]:
@@ -281,7 +283,9 @@ def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict 
     import gc
 
     warm = (
-        eng.warm_up(default_image, spec.recipe.warmup_chunks, decode=decode, threads=spec.recipe.fast.threads).as_dict()
+        eng.warm_up(
+            default_image, spec.recipe.warmup_chunks, decode=decode, threads=spec.recipe.fast.threads
+        ).as_dict()
         if spec.recipe.warmup
         else None
     )

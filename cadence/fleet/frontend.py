@@ -182,10 +182,10 @@ class FleetGroups:
     def __init__(self, cfg):
         from cadence.serve.config import frame_shape, worker_spec
 
-        self.cfg, self.fleet_cfg = cfg, cfg.fleet
+        self.cfg, self.fleet_cfg = cfg, cfg.deployment
         self.metrics = None  # the manager's (``start``): the fleet's gauges go there
         # resolved once for the fleet's group device; the sessions' geometry is this recipe's
-        self.spec, self.shm = worker_spec(cfg, self.fleet_cfg.device)
+        self.spec, self.shm = worker_spec(cfg, self.fleet_cfg.placement)
         self.recipe = self.spec.recipe
         self.frame_shape = frame_shape(self.recipe.config)
         self.preset = self.recipe.config.name
@@ -327,7 +327,7 @@ class FleetGroups:
                 d["restarts"],
             )
             g.start_error, g._pid = d.get("start_error"), d.get("pid")
-            g._device = info.get("device", self.fleet_cfg.device)
+            g._device = info.get("device", str(self.fleet_cfg.placement))
             g.info = WorkerInfo(**info) if info else None
             claim = d.get("claim")
             g.claimed_elsewhere = claim is not None and claim[0] != self.frontend_id

@@ -37,14 +37,13 @@ from cadence.engine.messages import Died
 from cadence.errors import InputError
 from cadence.serve.agent import espeak_binary
 from cadence.serve.agents import make_agent
-from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, frame_shape, worker_spec
+from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint
 from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
 from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
 from cadence.serve.reports import ReportStore, report_json
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession, worker_speed
 from cadence.serve.uploads import ImageDecoder
-from cadence.serve.workers import LocalGroups, WorkerGroup
 from cadence.telemetry.metrics import ServeMetrics
 
 log = logging.getLogger("cadence.serve")
@@ -70,16 +69,8 @@ class SessionCreated:
 
 
 def group_source(cfg: ServeConfig) -> GroupSource:
-    """The groups ``cfg`` names: a fleet's (``cfg.fleet``: ``cadence serve --ray``), else this machine's, one
-    :class:`~cadence.serve.workers.WorkerGroup` per entry of ``cfg.groups``."""
-    if cfg.fleet is not None:
-        return cfg.fleet.group_source(cfg)
-    groups = []
-    for i, dev in enumerate(cfg.groups):
-        spec, shm = worker_spec(cfg, dev)  # resolved once for the group; its frames' shape is its recipe's
-        shape = frame_shape(spec.recipe.config)
-        groups.append(WorkerGroup(i, spec, frame_shape=shape, slots=cfg.max_in_flight + 1, shm=shm))
-    return LocalGroups(groups, LiveSession)
+    """The groups ``cfg`` names, where its deployment runs them (``cfg.deployment``: this machine's, a fleet's)."""
+    return cfg.deployment.group_source(cfg)
 
 
 class SessionManager:
@@ -91,7 +82,9 @@ class SessionManager:
         self.metrics = ServeMetrics()
         self.metrics.groups.set(len(cfg.groups))
         self.source = source if source is not None else group_source(cfg)
-        self.engine_cfg = e = self.source.recipe.config  # the geometry every session follows: its groups' recipe
+        self.engine_cfg = e = (
+            self.source.recipe.config
+        )  # the geometry every session follows: its groups' recipe
         self.groups = self.source.groups  # (a fleet's list is kept up to date in place)
         self.sessions: dict[str, SessionPort] = {}
         self.reports = ReportStore(cfg.report_ttl_s, cfg.max_reports, cfg.max_report_bytes)
@@ -120,7 +113,7 @@ class SessionManager:
             "cadence serve: preset %s, %d group(s) %s, lead %s ms",
             self.cfg.preset,
             len(self.groups),
-            list(self.cfg.groups),
+            [str(g) for g in self.cfg.groups],
             [round(self.lead_ms(g), 1) for g in self.groups],
         )
 
