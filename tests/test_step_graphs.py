@@ -48,6 +48,23 @@ def _session(model, cfg=TINY_RING):
     return sess, audio
 
 
+@pytest.fixture
+def fp8_on_the_cpu(monkeypatch):
+    """The FP8 linears' CPU code path, forced for these tests: ``--fp8`` on the CPU resolves off (needs a CUDA
+    worker: what ``cadence serve`` builds there), and what is tested is what bench step does with them."""
+    import dataclasses
+
+    from cadence.engine import recipe as rec
+
+    real = rec.resolve
+
+    def resolve(spec, device, exists=None):
+        r = real(spec, device, exists)
+        return dataclasses.replace(r, fast=dataclasses.replace(r.fast, fp8_linears=True), notes=())
+
+    monkeypatch.setattr(rec, "resolve", resolve)
+
+
 @pytest.mark.timeout(60)
 def test_cpu_graphs_flag_falls_back_to_eager_with_one_log_line(caplog):
     caplog.set_level(logging.INFO)
@@ -69,7 +86,7 @@ def test_cpu_default_is_eager_without_log_line(caplog):
 
 
 @pytest.mark.timeout(60)
-def test_fp8_counts_in_the_json(tmp_path):
+def test_fp8_counts_in_the_json(tmp_path, fp8_on_the_cpu):
     r = bench_step.run(bench_step.parse([*QUICK, "--fp8", "--out-dir", str(tmp_path)]))
     doc = json.loads(Path(r["_path"]).read_text())
     c = doc["results"]["fp8_counts"]
@@ -216,7 +233,7 @@ def test_capture_is_agreed_across_tp_ranks(tmp_path):
 # ---- --compile ------------------------------------------------------------------------------------------
 
 
-def test_compile_flag_applies_after_fp8_and_records_the_report(monkeypatch):
+def test_compile_flag_applies_after_fp8_and_records_the_report(monkeypatch, fp8_on_the_cpu):
     import types
 
     from cadence.quant.fp8 import FP8Linear

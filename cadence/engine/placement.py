@@ -26,17 +26,15 @@ class Placement:
 
     def __post_init__(self) -> None:
         d = self.devices
-        if not d or not all(isinstance(x, str) and _DEVICE.fullmatch(x) for x in d):
+        valid = bool(d) and all(isinstance(x, str) and _DEVICE.fullmatch(x) for x in d)
+        if len(d) <= 1 and not valid:
             raise ConfigError(
                 f"a worker group is 'cpu', 'cuda:N' or several joined by '+', got {str(self)!r}"
             )
-        if len(d) > 1:
-            if {x == "cpu" for x in d} != {True} and not all(x.startswith("cuda:") for x in d):
-                raise ConfigError(
-                    f"a tensor-parallel group is 'cpu+cpu+...' or 'cuda:I+cuda:J+...', got {self}"
-                )
-            if d[0] != "cpu" and len(set(d)) != len(d):
-                raise ConfigError(f"a tensor-parallel group needs distinct GPUs, got {self}")
+        if len(d) > 1 and not (valid and (d == ("cpu",) * len(d) or all(x.startswith("cuda:") for x in d))):
+            raise ConfigError(f"a tensor-parallel group is 'cpu+cpu+...' or 'cuda:I+cuda:J+...', got {self}")
+        if len(d) > 1 and d[0] != "cpu" and len(set(d)) != len(d):
+            raise ConfigError(f"a tensor-parallel group needs distinct GPUs, got {self}")
 
     @classmethod
     def of(cls, where: Placement | str | Sequence[str]) -> Placement:
