@@ -331,7 +331,7 @@ class CadenceConfig:
         return replace(self, **kw)
 
     def shape_summary(self) -> dict:
-        """The `shape` block of benchmark JSON files (BENCHMARKS.md)."""
+        """The `shape` block of benchmark JSON files (docs/benchmarks.md)."""
         return {
             "tokens_per_chunk": self.tokens_per_chunk,
             "window_chunks": self.stream.window_chunks,

@@ -1,5 +1,8 @@
 """The Ray path's costs on this machine (docs/fleet.md, "Measured"): run from the repository root.
 
+Where it belongs: a measurement run by hand on a CPU machine (not part of the package, not a device plan); its
+figures and records: docs/fleet.md and docs/perf/fleet/.
+
     python3 scripts/fleet_costs.py hop plain|ray     # one session: worker frames ready -> front end (ms)
     python3 scripts/fleet_costs.py cpu plain|ray     # two sessions: CPU of each kind of process (/proc)
     python3 scripts/fleet_costs.py media frontend|group [--sessions N] [--seconds S] [--record]

@@ -1,5 +1,8 @@
 """Are a decoder's cuDNN timings kept from stream to stream? (one GPU, ~2 min per mode)
 
+Where it belongs: a one-GPU probe (not part of the package), run by the plan `probes` of
+scripts/device_plans.toml; what it found: docs/perf/pipeline/NOTES.md and docs/perf/vae/NOTES.md.
+
 Seven streams of the Wan 2.1 decoder at 480x832 (random weights, bf16) in ONE thread: each stream's first
 1-frame chunk, then four 12-frame chunks, timed with a device sync around each. ``bench`` sets
 ``cudnn.benchmark`` (the ``--decoder-fast bench`` path), ``compile`` leaves it off. A small allocation

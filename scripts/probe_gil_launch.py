@@ -1,5 +1,8 @@
 """Does a decode thread's blocked kernel launch hold up the diffusion thread? (one GPU, ~20 s)
 
+Where it belongs: a one-GPU probe (not part of the package), run by the plan `probes` of
+scripts/device_plans.toml; what it found: docs/perf/pipeline/NOTES.md.
+
 The engine's decode thread enqueues a chunk's decode (hundreds of kernels) behind a stream wait on the
 step that makes its latent. Once the device's launch queue is full, a launch blocks in the driver, and
 PyTorch keeps the GIL through a launch. The diffusion thread wakes when that step ends, to launch the

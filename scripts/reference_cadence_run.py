@@ -1,5 +1,6 @@
 """Cadence's side of a side-by-side: one ``cadence`` command run in this process, then the process's peak GPU
-memory added to the JSON it wrote (not part of Cadence; scripts/device_families.sh calls it).
+memory added to the JSON it wrote (not part of Cadence: the plans families-cadence and families-attention of
+scripts/device_plans.toml call it).
 
     python scripts/reference_cadence_run.py bench pipeline --model self-forcing --device cuda:0 ... --out-dir DIR
 

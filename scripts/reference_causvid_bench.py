@@ -1,4 +1,4 @@
-"""CausVid's own autoregressive inference, timed (issue 29's side-by-side; not part of Cadence).
+"""CausVid's own autoregressive inference, timed (the families' side-by-side; not part of Cadence).
 
     python scripts/reference_causvid_bench.py --ref /path/to/CausVid [--repeats 2] [--out ref.json] [--small]
 

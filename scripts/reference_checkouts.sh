@@ -3,6 +3,7 @@
 # each family's own code at the commit its fixtures and timings name, source files only (Python, configs,
 # shell, README / LICENSE; nothing over 150 kB: no prompt lists, notebooks, weights or wheels), written to
 # .ref/<name>/ with the commit in .ref/<name>/COMMIT. Small enough to carry to the GPU machine (~2 MB in all).
+# Where it belongs: run by hand before the families-* device plans (scripts/device_plans.toml carry .ref).
 #   Usage (repo root):  MIRROR=/path/to/mirrors bash scripts/reference_checkouts.sh
 # MIRROR holds one bare git dir per repository, <owner>+<name>/repo (what the session's fetch tool makes);
 # with GIT_URL=1 the repositories are cloned from GitHub instead (a machine with internet).

@@ -1,4 +1,4 @@
-"""SoulX-FlashTalk's own streaming clip loop on one GPU, timed (issue 29's side-by-side; not part of Cadence).
+"""SoulX-FlashTalk's own streaming clip loop on one GPU, timed (the families' side-by-side; not part of Cadence).
 
     python scripts/reference_flashtalk_bench.py --ref /path/to/SoulX-FlashTalk [--compile] [--clips 3] \
         [--repeats 2] [--out ref.json] [--small]

@@ -1,4 +1,4 @@
-"""Krea Realtime 14B's own server loop (its per-block K/V rebuild), timed (issue 29's side-by-side; not part
+"""Krea Realtime 14B's own server loop (its per-block K/V rebuild), timed (the families' side-by-side; not part
 of Cadence).
 
     python scripts/reference_krea_bench.py --ref /path/to/realtime-video [--compile] [--blocks 6] \

@@ -1,5 +1,5 @@
 """LongLive's own interactive inference (local window + frame sink, a prompt switch and its K/V re-cache),
-timed (issue 29's side-by-side; not part of Cadence).
+timed (the families' side-by-side; not part of Cadence).
 
     python scripts/reference_longlive_bench.py --ref /path/to/LongLive [--blocks 12] [--switch 18] \
         [--repeats 2] [--out ref.json] [--small]

@@ -1,5 +1,5 @@
-"""Self-Forcing's own streaming loop, timed (issue 15's side-by-side; run by hand or by
-scripts/device_sf_side_by_side.sh, not part of Cadence).
+"""Self-Forcing's own streaming loop, timed (the families' side-by-side; run by hand or by the
+plan families-ref of scripts/device_plans.toml; not part of Cadence).
 
     python scripts/reference_self_forcing_bench.py --ref /path/to/Self-Forcing --commit SHA \
         [--decoder wan|taehv|both] [--compile] [--repeats 2] [--out ref-{decoder}.json] [--small]

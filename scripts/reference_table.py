@@ -1,4 +1,5 @@
-"""The side-by-side table of one device call (not part of Cadence; scripts/device_families.sh runs it last).
+"""The side-by-side table of one device call (not part of Cadence; run by hand on the
+merged perf/ folders of the plans families-ref and families-cadence, scripts/device_plans.toml).
 
     python scripts/reference_table.py PERF_DIR [--git SHA] [--command "..."]
 
@@ -7,7 +8,7 @@ Reads the references' JSON (``PERF_DIR/reference/<name>.json``, scripts/referenc
 by ``<name>`` (self-forcing-wan, self-forcing-taehv, causvid, longlive, krea-14b, flashtalk), prints one table
 (fps over the run and steady, time to first frames, per-block / per-chunk time, peak GPU memory, the ratio
 Cadence / reference of steady fps and of time to first frames) and writes it as one JSON in the bench schema
-of BENCHMARKS.md (``bench`` "reference", ``command``, ``device``, ``git``, ``shape``, ``results.rows``) to
+of docs/benchmarks.md (``bench`` "reference", ``command``, ``device``, ``git``, ``shape``, ``results.rows``) to
 ``PERF_DIR/families/side-by-side.json``. A side that is missing (not run, crashed, skipped for time) is a row
 with that side empty, never a number."""
 
@@ -62,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("perf", type=Path)
     ap.add_argument("--git", default="")
-    ap.add_argument("--command", default="scripts/device_families.sh")
+    ap.add_argument("--command", default="python3 scripts/device_plan.py run families-ref / families-cadence")
     a = ap.parse_args()
     refs = {f.stem: json.loads(f.read_text()) for f in sorted((a.perf / "reference").glob("*.json"))}
     cads = {}

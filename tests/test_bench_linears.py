@@ -1,5 +1,5 @@
 """``cadence bench linears`` on CPU (the Triton interpreter, the tiny preset): every section runs, checks its
-outputs and writes its JSON (timings on a CPU mean nothing; the GPU plan is scripts/device_linears.sh)."""
+outputs and writes its JSON (timings on a CPU mean nothing; the GPU plan: `linears` in scripts/device_plans.toml)."""
 
 from __future__ import annotations
 

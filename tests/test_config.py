@@ -1,4 +1,4 @@
-"""Presets carry the MISSION.md shapes; invalid configurations fail with messages naming the numbers."""
+"""Presets carry the docs/workloads.md shapes; invalid configurations fail with messages naming the numbers."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_w57_shapes():
     # (1 sink + 20 window) x 748 keys for 748 queries
     assert c.kv_tokens == 15708
     assert c.stream.passes == 4
-    # 60 layers x 4 passes = 240 attention calls per step (MISSION)
+    # 60 layers x 4 passes = 240 attention calls per step (docs/workloads.md)
     assert m.num_layers * c.stream.passes == 240
     # 4 video frames per chunk at 24 fps = 166.7 ms = 8000 samples at 48 kHz
     assert c.video_frames_per_chunk == 4

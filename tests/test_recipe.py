@@ -324,15 +324,13 @@ BENCH_FLAG_SET = {
     "fused",
     "linears",
 }
-#: The scripts' commands checked (the part benchmarks the device plans run).
-SCRIPT_BENCHES = {"step", "attention", "cache", "fused", "linears"}
 _COMMAND = re.compile(r"(?:^|\s)(?:python3? -m |-m )?cadence ((?:bench )?[a-z]+)(.*)")
 
 
 def _documented_commands() -> list[tuple[str, list[str]]]:
     """`cadence <cmd> ...` in README.md and docs/**/*.md (fenced blocks line by line, inline code spans) that use
     the flag set, normalised from their synopsis form: ``[--x]`` -> ``--x``, ``a|b`` -> ``a``, ``...`` dropped;
-    and the part benchmarks' commands of scripts/device_*.sh (:func:`_script_commands`)."""
+    and every benchmark command of the device plans, scripts/device_plans.toml (:func:`_plan_commands`)."""
     out = []
     for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         text = path.read_text()
@@ -342,10 +340,25 @@ def _documented_commands() -> list[tuple[str, list[str]]]:
             " ".join(s.split()) for s in spans
         ]
         out += _commands_in(path.relative_to(REPO), lines, BENCH_FLAG_SET)
-    for path in sorted((REPO / "scripts").glob("device_*.sh")):
-        out += _commands_in(
-            path.relative_to(REPO), _script_lines(path.read_text()), SCRIPT_BENCHES, scripts=True
-        )
+    return out + _plan_commands()
+
+
+def _plan_commands() -> list[tuple[str, list[str]]]:
+    """The `cadence bench ...` commands of every device plan as the GPU runs it and as ``--smoke`` runs it on a
+    CPU, expanded by the plan runner itself (scripts/device_plan.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_plan", REPO / "scripts" / "device_plan.py")
+    runner = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = runner  # (dataclasses look their module up)
+    spec.loader.exec_module(runner)
+    out = []
+    for name in runner.load_table():
+        for smoke in (False, True):
+            for step in runner.plan(name, smoke=smoke).steps:
+                where = f"scripts/device_plans.toml: {name}{' --smoke' if smoke else ''} {step.name}"
+                out += _commands_in(where, [step.command], BENCH_FLAG_SET, scripts=True)
+    assert len(out) >= 40, len(out)
     return out
 
 
@@ -369,33 +382,6 @@ def _commands_in(
     return out
 
 
-def _script_lines(text: str) -> list[str]:
-    """A device script's lines (continuations joined) with its variables expanded: each ``NAME=value`` /
-    ``NAME=(words)`` the script sets (the first one: the GPU plan's), ``$NAME`` / ``${NAME}`` / ``${NAME[*]}``
-    replaced by it; a variable it does not set (a path, a loop's preset, a number of seconds) reads as 1."""
-    text = text.replace("\\\n", " ")
-    values: dict[str, str] = {}
-    assign = r"(?:^|[\s;(])([A-Z][A-Z0-9_]*)=(\([^)]*\)|\"[^\"]*\"|'[^']*'|[^\s;]*)"
-    for m in re.finditer(assign, text, flags=re.M):
-        v = m.group(2).strip("()\"'")
-        own = re.fullmatch(r"\$\{" + m.group(1) + r":-([^}]*)\}", v)  # NAME=${NAME:-default}: the default
-        values.setdefault(m.group(1), own.group(1) if own else v)
-    var = re.compile(r"\$\{(\w+)(?:\[\*\])?(?::-([^}]*))?\}|\$(\w+)")
-
-    def value(m) -> str:  # ${NAME:-default}: the default where the script sets no NAME
-        name = m.group(1) or m.group(3)
-        return values.get(name, m.group(2) if m.group(2) is not None else "1")
-
-    lines = []
-    for line in text.splitlines():
-        if line.lstrip().startswith("#"):
-            continue
-        for _ in range(5):  # nested: STEP holds $GRAPHS, F holds $TR
-            line = var.sub(value, line)
-        lines.append(line.replace('"', "") if "bash -c" not in line else line)
-    return lines
-
-
 def _words(rest: str) -> list[str]:
     rest = rest.replace("[", " ").replace("]", " ").replace("\\|", "|")
     try:
@@ -410,7 +396,7 @@ def _words(rest: str) -> list[str]:
 
 def test_every_documented_command_still_parses(capsys):
     """Every `cadence serve | generate | eval | bench pipeline|serve|browser|turn|eval|vae|step|attention|cache|
-    fused|linears` command in README.md and docs/, and every part benchmark's command in scripts/device_*.sh,
+    fused|linears` command in README.md and docs/, and every benchmark command of the device plans,
     parses with today's flags (files it names need not exist: parsing checks spellings)."""
     from cadence.bench import browser, pipeline, turn, vae
     from cadence.bench import eval as beval

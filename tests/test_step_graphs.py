@@ -8,7 +8,7 @@
   rank to launch graphs derived from one collective capture; the symmetric-memory all-reduce needs
   both ranks on the same buffer), and the ranks still agree bitwise;
 * the FP8 counts (how many FP8 linears ran ``torch._scaled_mm`` vs fell back) are in the JSON, and a
-  row slice of a quantised activation (a misaligned scale pointer, BENCHMARKS.md's trap) reaches
+  row slice of a quantised activation (a misaligned scale pointer, docs/benchmarks.md's trap) reaches
   ``torch._scaled_mm`` 16-byte aligned.
 """
 

@@ -72,7 +72,7 @@ def test_w57_on_meta_fast_and_57b():
     # 56.96B transformer + 4.1B of audio cross-attention (every 4th of 60 blocks) = 61.06B
     assert 5.3e10 < n < 6.3e10, n
     assert all(p.device.type == "meta" for p in model.parameters())
-    # the transformer without the audio branch is MISSION's ~57B model
+    # the transformer without the audio branch is the published ~57B model (docs/workloads.md)
     bare = build_model(
         get_preset("w57").with_overrides(model={"audio_every": 0}), "meta", torch.bfloat16, seed=None
     )

@@ -24,7 +24,7 @@ Each row: median ms (CUDA events), TFLOP/s (4 M N D H / t), speedup vs cuDNN bf1
 that fails to compile or run is reported and skipped. ``--check``: every variant within its budget (a
 backend's registry entry; :data:`BUDGET` for the comparisons) or exit 1. ``--ring-check``: a RingCache per
 backend (1 layer, window 3, the shape's heads and tokens) against the naive float32 cache, end to end. JSON
-(BENCHMARKS.md) under <out>/attention/.
+(docs/benchmarks.md) under <out>/attention/.
 """
 
 from __future__ import annotations
@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _record_shape(args, recipe, res: dict, device: torch.device, command: str) -> str:
-    """The JSON record of one shape (BENCHMARKS.md, bench "attention"), with the shape's recipe."""
+    """The JSON record of one shape (docs/benchmarks.md, bench "attention"), with the shape's recipe."""
     from cadence.telemetry.devices import device_kind
 
     best8 = max(

@@ -9,7 +9,7 @@ the fake microphone of Chromium drives the ``mirror`` agent), and every second r
 video frames decoded (``getStats`` inbound-rtp), frames presented on screen (``requestVideoFrameCallback``),
 audio samples received, and the fps and the "reduced" flag the page shows. After ``--seconds`` it stops
 the session (the page's Stop: DELETE) and reads the server's report for that session. Results per
-BENCHMARKS.md bench "serve" keys where they apply (``fps_mean``, ``fps_min``, ``share_seconds_ge_23_5fps``,
+docs/benchmarks.md bench "serve" keys where they apply (``fps_mean``, ``fps_min``, ``share_seconds_ge_23_5fps``,
 ``underruns``, ...) plus the per-second series, and the machine's CPU (model, cores, AVX2 / AVX-512 / AMX)
 so that a figure is read with the machine it came from. Loopback only.
 

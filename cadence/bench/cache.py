@@ -8,7 +8,7 @@ Measures, with the same random weights and inputs: the steady-state chunk step w
 the ring cache with FP8 K/V (Triton FP8 attention kernel): step time, cache upkeep and attention per
 step (CUDA-event regions), cache memory; and, at the same attention shape, cuDNN bf16 SDPA against
 the FP8 and bf16 ring kernels (TFLOP/s, relative error against a float64 reference). JSON per
-BENCHMARKS.md under docs/perf/cache/.
+docs/benchmarks.md under docs/perf/cache/.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def time_steps(recipes: dict, model, device: torch.device, args, scale: float) -
 
 
 def summary(steps: dict, attn: dict, layers: int, layers_full: int, dtype: torch.dtype) -> dict:
-    """The JSON's ``results`` (BENCHMARKS.md bench "cache")."""
+    """The JSON's ``results`` (docs/benchmarks.md bench "cache")."""
     nv, rb, rf = steps["naive"], steps["ring_bf16"], steps["ring_fp8"]
     cud = attn["best"].get("sdpa_cudnn_bf16")
     best8 = attn["best"].get("triton_fp8")

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: device description, timing, JSON records (BENCHMARKS.md)."""
+"""Shared pieces of the benchmarks: device description, timing, JSON records (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from cadence.telemetry.devices import cpu_info, device_kind
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Ceilings measured on the H200s (BENCHMARKS.md), TFLOP/s: used for the floor and efficiency.
+# Ceilings measured on the H200s (docs/benchmarks.md), TFLOP/s: used for the floor and efficiency.
 CEILING = {"fp8_gemm": 1200.0, "fp8_attn": 1000.0, "bf16_gemm": 790.0, "bf16_attn": 540.0}
 
 

@@ -10,7 +10,7 @@ bf16 + naive-cache reference, FP8 + ring, + CUDA graphs, + TP fused), ``--reruns
 clip, and reports per metric the mean and the rerun spread (range of the per-rerun clip-means), and a
 verdict per configuration: it DIFFERS when |mean - reference mean| > max(both rerun spreads) on any
 metric. A ground-truth row gives the metrics of the clips' own frames (the lip-sync ceiling). See
-``cadence.eval.harness`` for the definitions. Results per BENCHMARKS.md (bench "eval"); a table last.
+``cadence.eval.harness`` for the definitions. Results per docs/benchmarks.md (bench "eval"); a table last.
 
 Under torchrun every rank runs every configuration (the same seeds, so the same numbers; the
 tensor-parallel ones need all ranks); rank 0 prints and records.
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None, prog: str = "cadence bench eval") -> int
 
 
 def _record(args, argv, prog: str, cfg, device, info, results: dict, recipe) -> None:
-    """The JSON record (BENCHMARKS.md bench "eval", with the recipe of the words) and its README line."""
+    """The JSON record (docs/benchmarks.md bench "eval", with the recipe of the words) and its README line."""
     from cadence.bench.common import record
     from cadence.eval import harness
 

@@ -2,7 +2,7 @@
 
 Count first, then time: for each part of the split the step benchmark reports, the work a rank does in one
 chunk (all passes, all layers) and the time that work takes at the ceilings measured on an H200
-(BENCHMARKS.md), so that every measured part stands beside its floor:
+(docs/benchmarks.md), so that every measured part stands beside its floor:
 
 ============== ============================================================== =========================
 part           work counted per rank                                           at
@@ -12,7 +12,7 @@ linears        2 M K N of every linear: the block linears' 1/N shards, the    12
 attention      4 q kv d of self / cross / audio attention over the rank's     1000 TFLOP/s FP8 K/V
                heads                                                           (540 bf16, cuDNN)
 quantisation   every FP8 linear's activation quantised in front of it:        4.2 TB/s (HBM, read +
-               read bf16, write e4m3 (3 B an element; SP: the gathered        write: BENCHMARKS.md's
+               read bf16, write e4m3 (3 B an element; SP: the gathered        write: docs/benchmarks.md's
                column inputs are quantised on the rank's P rows only)          device copy)
 elementwise    the fused per-token ops between them (adaLN norm + modulation  4.2 TB/s
                2 x 4 B, gated residuals 2 x 6 B, the affine norm + residual
@@ -37,7 +37,7 @@ import math
 
 from cadence.config import CadenceConfig
 
-HBM_BYTES_S = 4.2e12  # BENCHMARKS.md: device copy 4.2 TB/s (read + write), one H200
+HBM_BYTES_S = 4.2e12  # docs/benchmarks.md: device copy 4.2 TB/s (read + write), one H200
 NVLINK_BYTES_S = 450e9  # H200 NVLink 4, one direction (18 links x 25 GB/s): the spec, not a measurement
 TFLOPS = {
     "fp8_gemm": 1200.0,

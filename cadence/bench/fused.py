@@ -19,7 +19,7 @@ output is also compared with the NCCL reference (`rel_err`), and a mode that fel
 marked and never "best". A shape sweep (token counts 64 .. 1496, twice) checks that changing M
 neither fails, nor disagrees with NCCL, nor grows memory, nor outgrows the buffer cache.
 
-Writes (rank 0, unless --no-record): docs/perf/fused/<date>-<kind>-all-tp<N>.json per BENCHMARKS.md
+Writes (rank 0, unless --no-record): docs/perf/fused/<date>-<kind>-all-tp<N>.json per docs/benchmarks.md
 and the chooser's table docs/perf/fused/chooser-<kind>-tp<N>.json (read by comm="auto").
 
 ``--quant`` (one process, no torchrun): the FP8 activation quantisation before the FP8 GEMMs
@@ -596,7 +596,7 @@ QUANT_M = (748, 4680)
 QUANT_K = (1536, 5120, 8192, 12288)
 TINY_QUANT_M = (64,)
 TINY_QUANT_K = (128, 320)
-HBM_TBPS = 4.2  # BENCHMARKS.md: device copy, read + write
+HBM_TBPS = 4.2  # docs/benchmarks.md: device copy, read + write
 LN_EPS = 1e-6
 
 

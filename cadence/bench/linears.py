@@ -38,7 +38,7 @@ out; the JSON is always written):
 Timing: CUDA events around replays of a CUDA graph of ``--inner`` calls (GPU time only, as the graphed step
 pays it; ``cadence.bench.fused``'s helpers), median of ``--reps`` replays. CPU: host-timed eager calls at the
 tiny preset (a smoke test: CPU numbers mean nothing). Writes <out>/linears/<date>-<kind>-<all|tiny>-tp1.json
-(BENCHMARKS.md schema) and the table beside it.
+(docs/benchmarks.md schema) and the table beside it.
 """
 
 from __future__ import annotations
@@ -623,7 +623,7 @@ def tile_keys(pl: list[tuple[str, int]]) -> list[tuple]:
 def _writer(args, dev: torch.device):
     """save(results, gemms, final) -> the record's path: a partial JSON after every section (overwritten; a
     run killed by its time limit still leaves what it measured), the table as soon as the GEMMs are in, the
-    BENCHMARKS.md record at the end."""
+    docs/benchmarks.md record at the end."""
     from cadence.bench.common import git_commit, record
     from cadence.bench.recipes import recipe_fields
     from cadence.telemetry.devices import device_kind

@@ -23,7 +23,7 @@ chunk whose frames are ready after their playout time (chunk 0's diffusion start
 of media; ``latency_over_chunk_rate`` keeps the old count of latencies above one chunk),
 time to first frame, and the per-stage medians (diffusion, decode, host copy). Steady state = chunks
 after the ring has filled plus one warm-up / capture chunk (all chunks are in ``per_chunk``).
-Results per BENCHMARKS.md (bench "pipeline"); a PNG of the per-chunk timeline beside the JSON when
+Results per docs/benchmarks.md (bench "pipeline"); a PNG of the per-chunk timeline beside the JSON when
 matplotlib is importable. Imports only torch (+ matplotlib if present).
 
 It measures the engine ``cadence serve`` runs: the words go through the same flag set
@@ -190,7 +190,7 @@ def latency_fields(timings: list, chunk_ms: float, lead_ms: float, skip: int) ->
 def summarize(
     outs: list, cfg, deadline_ms: float, skip: int, ttff_ms: float | None = None, lead_ms: float | None = None
 ) -> dict:
-    """The BENCHMARKS.md `pipeline` keys from one run's chunks (`skip`: non-steady chunks at the start).
+    """The docs/benchmarks.md `pipeline` keys from one run's chunks (`skip`: non-steady chunks at the start).
     Throughput (``fps``) and latency (``latency_*``, diffusion start -> frames on the host) are separate
     figures; ``deadline_miss_rate`` counts chunks ready after their playout time at ``lead_ms`` (default:
     one chunk of media); ``latency_over_chunk_rate`` is the old figure (latency above one chunk)."""
@@ -621,7 +621,7 @@ def _ms(v) -> str:
 
 
 def _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms: float, lead_ms: float) -> None:
-    """The JSON record (BENCHMARKS.md bench "pipeline", with the recipe) and the timeline PNG."""
+    """The JSON record (docs/benchmarks.md bench "pipeline", with the recipe) and the timeline PNG."""
     fast, stream = recipe.fast, cfg.stream
     decoder = cfg.vae.decoder
     variant = "-".join(

@@ -13,7 +13,7 @@ frame (client: POST -> first decoded frame), A/V offset (server: video minus aud
 underruns. The fps figures and the share of sessions at >= 23.5 fps are *fresh* frames at the
 client (``fps_mean``: frames whose pixels differ from the one before, per second of stream:
 ``ClientResult.fresh``), beside the frames decoded (``decoded_fps_mean``) and the server's own count
-(``server_fps_mean``). Results per BENCHMARKS.md (bench "serve"). Without ``--url`` the server runs
+(``server_fps_mean``). Results per docs/benchmarks.md (bench "serve"). Without ``--url`` the server runs
 in this process (its worker groups in their own processes): ``--sessions`` CPU slots, or one per GPU
 with ``--device cuda``; on CUDA the workers run the engine's fast path (TAEHV decoder, ring cache
 with FP8 K/V, FP8 linears, CUDA graphs) and warm up before the server accepts sessions (the warm-up
@@ -353,7 +353,7 @@ def _start_server(args):
 
 
 def _results(args, cfg: dict, results, srv, url: str) -> tuple[dict, list, list[str]]:
-    """The BENCHMARKS.md ``serve`` keys (and more) over the sessions: ``(results, sessions ok, errors)``."""
+    """The docs/benchmarks.md ``serve`` keys (and more) over the sessions: ``(results, sessions ok, errors)``."""
     errors = [r.error or f"HTTP {r.status_code}" for r in results if r.error or r.status_code != 201]
     ok = [r for r in results if not (r.error or r.status_code != 201)]
     # what the viewer got: fresh frames (pixels differing from the frame before) per second of stream, at the

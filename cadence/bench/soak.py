@@ -5,7 +5,7 @@
     cadence bench soak --minutes 5 --concurrency 2        # two at a time (the server gets 2 worker groups)
     cadence bench soak --url http://127.0.0.1:8000 --server-pid PID --minutes 5   # a running server
 
-The published figure (MISSION.md): the worker averaged above 23.5 fps in 99.5% of the sessions that
+The published figure (docs/workloads.md): the worker averaged above 23.5 fps in 99.5% of the sessions that
 streamed at least a second. Here each session is an aiortc client (``cadence.devtools.client``) offering what
 the page offers; ``--concurrency`` of them run at once, each starting its next session as soon as its last
 one ended, until ``--minutes`` are up (or ``--sessions`` were started). Every session draws, from a seeded
@@ -31,7 +31,7 @@ server process and its workers are sampled every ``--sample-every`` seconds from
 open file descriptors, over time and as a slope, and after the first and the last session (no leak: RSS
 within 10% of the first session's after the last).
 
-Results per BENCHMARKS.md (bench "soak"); ``--record`` writes them under ``docs/perf/soak/``. The target
+Results per docs/benchmarks.md (bench "soak"); ``--record`` writes them under ``docs/perf/soak/``. The target
 line: >= 99.5% of >= 200 sessions above 23.5 fresh fps, no leak (``docs/perf/soak/NOTES.md``). Loopback only.
 """
 
@@ -762,7 +762,7 @@ def summarize(
     minutes: float,
     samples: list[dict] | None = None,
 ) -> dict:
-    """The run's figures (BENCHMARKS.md bench "soak"); the share is over the sessions watched >= 1 s."""
+    """The run's figures (docs/benchmarks.md bench "soak"); the share is over the sessions watched >= 1 s."""
     watched = [r for r in rows if (r.get("watched_s") or 0) >= 1.0]
     fps = [r["fresh_fps"] for r in watched]
     per = [x for r in watched for x in r.get("per_second") or []]

@@ -38,10 +38,10 @@ a real TP=2 run checks the estimate against the measured comm.
 
 One step = the passes of one chunk (plus the clean pass if the config commits that way) through a
 cache holding the sink and a full window of random K/V, with random weights initialised on the
-device. Reported (BENCHMARKS.md): step median / p99 (CUDA events), the split into attention, cache
+device. Reported (docs/benchmarks.md): step median / p99 (CUDA events), the split into attention, cache
 upkeep, linear layers, FP8 quantisation, comm and elementwise (from separately instrumented steps:
 region events per layer; ``cadence.bench.step_report`` lists the fields), each part beside its floor,
-TFLOP per chunk, the floor (FP8 ceilings, as BENCHMARKS.md defines it; the bf16 floor too),
+TFLOP per chunk, the floor (FP8 ceilings, as docs/benchmarks.md defines it; the bf16 floor too),
 efficiency, peak memory, and whether the step made a host sync (checked with torch's sync debug
 mode on CUDA).
 

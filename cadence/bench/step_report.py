@@ -1,6 +1,6 @@
 """The results of ``cadence bench step``: its JSON fields and its printed table (the measuring is step.py's).
 
-Fields beyond BENCHMARKS.md's ``step`` schema (every time is per chunk, one rank, scaled to all layers):
+Fields beyond docs/benchmarks.md's ``step`` schema (every time is per chunk, one rank, scaled to all layers):
 
 * ``split_mode`` 'graph' (the split of the graph-replayed step: ``step.measure_graph_split``) or 'eager' (of
   instrumented eager steps, which carry launch gaps); ``split`` that split: ``linear_ms`` (the GEMMs),
@@ -157,7 +157,7 @@ def _floor_fields(args, st, out: dict) -> dict:
 
 
 def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, compile_report) -> dict:
-    """Every field of the JSON's ``results`` (BENCHMARKS.md's step schema plus the module docstring's)."""
+    """Every field of the JSON's ``results`` (docs/benchmarks.md's step schema plus the module docstring's)."""
     import torch
 
     from cadence.bench.floors import chunk_flops

@@ -24,7 +24,7 @@ a real voice from espeak-ng when installed); the page's own clock times the firs
 first frame it presents with the mouth open (``cadence.eval``'s mouth opening over half-way between the
 page's idle and speaking levels: ``audio_to_frame_shown_ms``), against the server's wall-clock stamps.
 
-Loopback only. Results per BENCHMARKS.md conventions (bench "turn"), with the machine's CPU.
+Loopback only. Results per docs/benchmarks.md conventions (bench "turn"), with the machine's CPU.
 """
 
 from __future__ import annotations

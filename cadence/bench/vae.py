@@ -6,7 +6,8 @@ latent frame, then N further chunks through one :class:`StreamingDecoder`, each 
 events (host clock on CPU). bf16 on a GPU, float32 on CPU (use a tiny --height/--width/--base-dim
 there). With --compare-diffusers, diffusers' ``AutoencoderKLWan.decode`` of a whole latent of 1 and
 1 + K frames gives its per-chunk cost (the slope); skipped with one log line where diffusers is not
-installed. Reference: BENCHMARKS.md measured diffusers at ~170 ms per further chunk at 704x1088 on
+installed. ``--decoder ltx`` times FlashHead Lite's LTX-Video VAE instead (whole 33-frame clips, per fast
+mode, interleaved rounds: ``cadence.bench._vae_ltx``). Reference: docs/benchmarks.md measured diffusers at ~170 ms per further chunk at 704x1088 on
 an H200; the deadline is 166.7 ms per 4-frame chunk at 24 fps.
 """
 
@@ -29,7 +30,12 @@ DEADLINE_MS = 4 / 24 * 1e3
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cadence bench vae", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="cadence bench vae",
+        description=__doc__.split("\n\n")[0],
+        epilog="--decoder ltx: FlashHead Lite's LTX-Video VAE instead, with its own flags "
+        "(cadence bench vae --decoder ltx --help)",
+    )
     p.add_argument("--variant", choices=["2.1", "2.2"], default="2.2", help="Wan VAE geometry")
     p.add_argument("--height", type=int, default=704)
     p.add_argument("--width", type=int, default=1088)
@@ -280,7 +286,7 @@ def _print(args, results: dict, compiled: list, fast_rep) -> None:
 
 
 def _record(args, results: dict, compiled: list, fast_rep, device, z: int, lh: int, lw: int, stride) -> None:
-    """The JSON record (BENCHMARKS.md bench "vae"), with the recipe of the decoder timed."""
+    """The JSON record (docs/benchmarks.md bench "vae"), with the recipe of the decoder timed."""
     lf, per = results["latent_frames_per_chunk"], results["per_chunk_ms"]
     variant = "-".join(
         [args.variant, args.decoder, results["dtype"]]
@@ -331,8 +337,23 @@ def _diffusers(args, cfg, model, lat, device, dtype, timer, log) -> dict:
     return {"diffusers_first_ms": t1, f"diffusers_1p{k}_ms": tk, "diffusers_per_chunk_ms": (tk - t1) / k}
 
 
+def _ltx(argv: list[str]) -> list[str] | None:
+    """``argv`` without ``--decoder ltx`` when it asks for the LTX VAE (its own flags), else None."""
+    for i, a in enumerate(argv):
+        if a == "--decoder=ltx":
+            return argv[:i] + argv[i + 1 :]
+        if a == "--decoder" and i + 1 < len(argv) and argv[i + 1] == "ltx":
+            return argv[:i] + argv[i + 2 :]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    rest = _ltx(argv)
+    if rest is not None:  # FlashHead Lite's LTX-Video VAE: whole-clip decode / encode per fast mode
+        from cadence.bench._vae_ltx import run_cli
+
+        return run_cli(rest)
     args = parse(argv)
     args.command = "cadence bench vae " + " ".join(shlex.quote(a) for a in argv)
     try:

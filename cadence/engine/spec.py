@@ -75,9 +75,9 @@ class FastPath:
     decoder_fast: str | None = None
     """The full Wan decoder's fast path on its decode device (``cadence.runtime.vae_fast``): 'off', 'cl'
     (channels-last), 'compile' (cl + torch.compile of the decoder, compiled during the
-    warm-up), 'bench' (compile + cudnn.benchmark: faster steady chunks, a slow first chunk per stream), 'fold' (compile + temporal convs as one conv2d: measured slower) or 'up' (compile + the spatial
-    upsamplers' convs at the low resolution, 2.25x fewer multiply-adds there: not measured yet) or 'fp8' (compile + the up blocks' big convs in FP8:
-    faster, with a larger image error: docs/perf/vae/NOTES.md). None: 'compile' on CUDA, 'off' on the CPU. Only the 'wan'
+    warm-up), 'bench' (compile + cudnn.benchmark, for throughput-only runs), 'fold' (compile + temporal convs as one conv2d) or 'up' (compile + the spatial
+    upsamplers' convs at the low resolution, 2.25x fewer multiply-adds there) or 'fp8' (compile + the up blocks' big convs in FP8,
+    with a larger image error; each mode's measurements: docs/perf/vae/NOTES.md). None: 'compile' on CUDA, 'off' on the CPU. Only the 'wan'
     decoder has one; a compile that fails falls back to eager with one log line."""
     comm: str = "auto"
     """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""
@@ -93,7 +93,7 @@ class FastPath:
     fused_quant: bool = False
     """With FP8 linears on CUDA: the norms / modulation / GELU that feed an FP8 linear emit its FP8 input and
     per-token scales in one launch (``cadence.runtime.compile.apply_fused_quant``) instead of a separate
-    quantisation per linear. Off until a GPU run has measured it (docs/perf/fp8/NOTES.md)."""
+    quantisation per linear. Off unless asked (its measurements: docs/perf/fp8/NOTES.md)."""
     sequence_parallel: bool = False
     """Under tensor parallelism (tp > 1), run the per-token work between the sharded linears (norms,
     modulation, gates, residual adds) on each rank's share of the tokens: an all-gather before each

@@ -532,7 +532,7 @@ def evaluate(
 ) -> dict:
     """Run ``configs`` (names or :class:`Config`; the reference is added first when missing) over
     ``clips`` with ``reruns`` noise seeds each; return the ``results`` block of the ``eval`` bench
-    (BENCHMARKS.md): ``configs`` (per configuration: each metric's ``{mean, rerun_spread, per_rerun}``,
+    (docs/benchmarks.md): ``configs`` (per configuration: each metric's ``{mean, rerun_spread, per_rerun}``,
     plus for compared configurations ``delta``/``threshold``/``differs``; ``verdict``; build and run
     info; skipped ones ``{skipped, verdict}``), ``lipsync_corr_reference``, ``clips``, ``reruns`` and the
     settings."""

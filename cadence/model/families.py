@@ -12,7 +12,7 @@ names, a LoRA to merge) and the encoders it needs.
     model = build_model(cfg, "cuda", torch.bfloat16, seed=None)
     load_family_weights(model, cfg.model.weights, "self-forcing")   # cadence.model.weights
 
-Families (their reference code: REFERENCES.md; parity fixtures: ``tests/fixtures/<family>/``):
+Families (their reference code: docs/references.md; parity fixtures: ``tests/fixtures/<family>/``):
 
 * ``self-forcing`` (guandeh17/Self-Forcing): Wan2.1-T2V-1.3B made block-causal, 3 latent frames per
   block, 4 passes at 1000/750/500/250 warped through the shift-5 table, x0 re-noised between passes,

@@ -57,22 +57,41 @@ class AudioProjection(nn.Module):
 
     def __init__(self, m: ModelConfig, device=None, dtype=None):
         super().__init__()
-        per_frame = m.audio_layers * m.audio_dim
-        self.tokens, self.width = m.audio_tokens_per_frame, m.audio_context_dim
-        self.proj1 = Linear(m.audio_window * per_frame, m.audio_hidden, device=device, dtype=dtype)
-        self.proj1_vf = Linear(
-            (m.audio_window + VAE_SCALE - 1) * per_frame, m.audio_hidden, device=device, dtype=dtype
-        )
-        self.proj2 = Linear(m.audio_hidden, m.audio_hidden, device=device, dtype=dtype)
-        self.proj3 = Linear(m.audio_hidden, self.tokens * self.width, device=device, dtype=dtype)
-        self.norm = (
-            nn.LayerNorm(self.width, eps=1e-5, device=device, dtype=torch.float32)
-            if m.audio_norm_out
-            else None
+        self._build(
+            m.audio_window,
+            m.audio_layers * m.audio_dim,
+            m.audio_hidden,
+            m.audio_tokens_per_frame,
+            m.audio_context_dim,
+            m.audio_norm_out,
+            VAE_SCALE,
+            device,
+            dtype,
         )
 
+    def _build(
+        self,
+        window: int,
+        frame_width: int,
+        hidden: int,
+        tokens: int,
+        width: int,
+        norm: bool,
+        vae_scale: int,
+        device=None,
+        dtype=None,
+    ) -> None:
+        """The layers at explicit sizes (``frame_width``: one video frame's features, layers x channels;
+        ``vae_scale``: video frames per later latent frame; SoulX-FlashHead's Lite model has 8)."""
+        self.tokens, self.width = tokens, width
+        self.proj1 = Linear(window * frame_width, hidden, device=device, dtype=dtype)
+        self.proj1_vf = Linear((window + vae_scale - 1) * frame_width, hidden, device=device, dtype=dtype)
+        self.proj2 = Linear(hidden, hidden, device=device, dtype=dtype)
+        self.proj3 = Linear(hidden, tokens * width, device=device, dtype=dtype)
+        self.norm = nn.LayerNorm(width, eps=1e-5, device=device, dtype=torch.float32) if norm else None
+
     def forward(self, first: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
-        """first [B, 1, W, layers, C], later [B, n, W + 3, layers, C] -> [B, 1 + n, tokens, width]."""
+        """first [B, 1, W, layers, C], later [B, n, W + vae_scale - 1, layers, C] -> [B, 1 + n, tokens, width]."""
         h = torch.cat([F.relu(self.proj1(first.flatten(2))), F.relu(self.proj1_vf(later.flatten(2)))], dim=1)
         tokens = self.proj3(F.relu(self.proj2(h))).unflatten(-1, (self.tokens, self.width))
         if self.norm is not None:

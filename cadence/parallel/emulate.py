@@ -100,7 +100,7 @@ LINKS_SOURCE = (
     "all-reduce of bf16 [M, N] tensors on 2x H200 (NVLink NV18, torch 2.11.0+cu130, NCCL 2.28.9), CUDA-graph "
     "timed medians, `cadence bench fused --modes two_shot,tiles` at commit 1e78c56: "
     "docs/perf/fused/2026-11-30-nvidia-h200-x2-all-tp2-tiles.json (its table: docs/perf/fused/NOTES.md, "
-    "session 6; the same figures as BENCHMARKS.md's 'Row-parallel projection + all-reduce at M=748', which "
+    "session 6; the same figures as docs/benchmarks.md's 'Row-parallel projection + all-reduce at M=748', which "
     "were timed eagerly)"
 )
 

@@ -18,7 +18,7 @@
                 :mod:`cadence.kernels.gemm_allreduce` has the protocol). Its own GEMM, not cuBLAS.
 ``"chunked"``   the GEMM split along N into c chunks (``"chunked4"``: c = 4; plain ``"chunked"``: 2) on
                 the main stream; each finished chunk is two-shot all-reduced on a side stream.
-                Measured in BENCHMARKS.md's spirit: assume nothing, ``cadence bench fused`` times it.
+                Measured in docs/benchmarks.md's spirit: assume nothing, ``cadence bench fused`` times it.
 ``"auto"``      :func:`choose_mode` per shape (env CADENCE_TP_COMM=<mode> overrides "auto" process-wide,
                 e.g. CADENCE_TP_COMM=nccl as a kill switch).
 

@@ -16,7 +16,7 @@ gives each rank a share of the tokens there instead:
   [r P, (r+1) P) of the tokens padded to world x P; P is ceil(N / world) rounded up to a multiple of 4
   (748 tokens: P = 188 at TP=4 and TP=2, 4 padding rows; tiny's 64: P = 16 / 32, none) so that each rank's
   block of a gathered FP8 activation, and its [rows, 1] float32 scales, start 16-byte aligned (cuBLAS's
-  rowwise-scaled FP8 GEMM refuses a scale pointer that is not: BENCHMARKS.md's trap). Padding rows are
+  rowwise-scaled FP8 GEMM refuses a scale pointer that is not: docs/benchmarks.md's trap). Padding rows are
   zeros; they flow through the norms and residuals of the last rank (finite, never read) and are dropped
   before any attention (the gather returns the first N rows) and after the last block.
 * :class:`ColumnParallelLinear` wraps a column-parallel shard (qkv, cross / audio q, fc1): it all-gathers

@@ -178,7 +178,7 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a copy of it when its data pointer is not 16-byte aligned. cuBLAS's rowwise-scaled FP8
     GEMM refuses (CUBLAS_STATUS_NOT_SUPPORTED) a scale (or operand) pointer off 16 bytes: a row slice
     of a quantised activation starting at a row that is not a multiple of 4 puts its float32 [M, 1]
-    scale there (BENCHMARKS.md's trap). A host-side check; the copy is [M, 1] floats."""
+    scale there (docs/benchmarks.md's trap). A host-side check; the copy is [M, 1] floats."""
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 

@@ -1,6 +1,6 @@
 """WebRTC adapters (aiortc): the two outgoing tracks, the microphone reader, the loopback ICE switch.
 
-The tracks only pace and stamp (DESIGN.md): frame/audio *selection* is ``AVBuffer``'s, timing is
+The tracks only pace and stamp: frame/audio *selection* is ``AVBuffer``'s, timing is
 ``pacing.next_video_frame`` / ``next_audio_frame`` on the session's shared :class:`MediaClock`.
 Whichever track the sender asks first starts the clock, so both start together. A track receives what
 it reads (a :class:`MediaFeed`), not the session.
