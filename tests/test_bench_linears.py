@@ -49,6 +49,11 @@ def test_smoke_run_writes_json(tmp_path):
         name = "triton:" + kg.INTERPRETER.text()
         assert isinstance(g["err"][name], float) and g["err"][name] <= bl.OK_REL, g
         assert g["backend"] in ("cublas", "triton")
+        q = g[
+            "rounds"
+        ]  # cuBLAS against the best Triton config, interleaved; Triton only where it is "faster"
+        assert q["rounds"] >= 5 and q["lo"] <= q["median"] <= q["hi"]
+        assert (g["backend"] == "triton") == (q["verdict"] == "faster")
     c = doc["results"]["chunks"][0]
     assert all(isinstance(c["ms"][v], float) and c["ms"][v] > 0 for v in bl.CHUNK_VARIANTS), c
     assert not list(tmp_path.rglob("gemm-*.json"))  # no table from a CPU run

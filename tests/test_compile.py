@@ -56,6 +56,7 @@ def test_ops_match_reference(backend):
         (ops.rms_norm(x, w, 1e-6), L.rms_norm(x, w, 1e-6)),
         # the sharded norm's halves, as one rank of two sees them (its 32 of 64 channels, the full sum)
         (ops.sum_squares(x[..., :32]), L.sum_squares(x[..., :32])),
+        (ops.sum_squares_pair(x[..., :32], y[..., 32:]), L.sum_squares_pair(x[..., :32], y[..., 32:])),
         (ops.rms_scale(x[..., :32], L.sum_squares(x), w[:32], 64, 1e-6), L.rms_norm(x, w, 1e-6)[..., :32]),
     ]
     for got, ref in pairs:
@@ -94,7 +95,11 @@ def test_model_stream_matches_reference(backend):
         )
         got = stream(gen)
     st = rep.status()
-    sharded = ("sum_squares", "rms_scale")  # only tensor-parallel sharded norms call these (tests/test_tp.py)
+    sharded = (
+        "sum_squares",
+        "sum_squares_pair",
+        "rms_scale",
+    )  # only TP-sharded norms call these (test_tp.py)
     assert all(
         v.startswith("compiled") and not v.startswith("compiled (0")
         for k, v in st.items()

@@ -366,6 +366,11 @@ def test_bench_fused_quant_smoke(tmp_path):
         assert r["triton_usable"] and r["parity"]["bytes_differ"] == 0 and r["parity"]["scales_equal"]
         assert r["parity_modulated"]["max_steps_off"] <= 1.0
         assert r["eager_us"] > 0 and r["triton_us"] > 0 and r["mod_triton_us"] > 0
+        for name in ("eager", "mod_eager"):  # every "x faster" from >= 5 interleaved rounds (bench.rounds)
+            q = r["rounds"][name]
+            assert (
+                q["rounds"] >= 5 and q["lo"] <= q["median"] <= q["hi"] and r[f"speedup_{name}"] == q["median"]
+            )
         el = {"bfloat16": 2, "float32": 4}[r["dtype"]]
         assert r["bytes"]["triton"] == (el + 1) * r["m"] * r["k"]
         assert r["bytes"]["eager"] == (2 * el + 17) * r["m"] * r["k"]  # bf16: 21 bytes an element

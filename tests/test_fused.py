@@ -222,6 +222,7 @@ def test_symm_code_paths_with_emulated_ops(results):
             "two_shot_all_reduce_out",
             "two_shot_all_reduce_",
             "one_shot_all_reduce",
+            "one_shot_small",  # the q/k norms' sums through fused.small_all_reduce
             "fused_matmul_reduce_scatter",
             "fused_scaled_matmul_reduce_scatter",
         ):

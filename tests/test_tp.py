@@ -92,10 +92,14 @@ def test_compile_composes_with_tp(results):
     traces the same float32 ops: within 1e-6 relative)."""
     m = get_preset("tiny").model
     qk_norms = 2 * 2 * m.num_layers + sum(2 for i in range(m.num_layers) if m.has_audio(i))
+    qk_norms += (
+        m.num_layers
+    )  # each self-attention's qkv + paired q/k sums (tp.QKVNormStats): an ops holder too
     for r in range(WORLD):
         c = results[r]["compiled"]
         assert (c["blocks"], c["norms"]) == (m.num_layers, qk_norms)
         assert "compiled (0 calls)" not in (c["status"]["sum_squares"], c["status"]["rms_scale"])
+        assert "compiled (0 calls)" != c["status"]["sum_squares_pair"]
         assert all(v.startswith("compiled") for v in c["status"].values()), c["status"]
         assert tp_worker.rel_err(c["full"], results[r]["tp"]["full"]) < 1e-6
 

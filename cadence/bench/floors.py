@@ -34,6 +34,7 @@ Bytes are those of a kernel that reads its inputs and writes its output once in 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 from cadence.config import CadenceConfig
 
@@ -156,3 +157,78 @@ def comm_bus_bytes(summary: list[dict], world: int) -> float:
     from cadence.parallel.emulate import bus_factor
 
     return sum(c["nbytes"] * c["count"] * bus_factor(c["kind"], c["algo"], world) for c in summary)
+
+
+def _per_layer_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bool, el: int) -> dict:
+    """Work of the per-layer parts of :data:`cadence.bench.step_profile.PARTS`, one chunk, one rank, summed
+    over the model's layers and passes: part -> (amount, 'flop' | 'byte')."""
+    from cadence.parallel.sp import rows_per_rank
+
+    m, n = cfg.model, max(tp, 1)
+    d, f, t, kv = m.dim, m.ffn_dim, cfg.tokens_per_chunk, cfg.kv_tokens
+    rows = rows_per_rank(t, n) if sp and n > 1 else t
+    per_frame, a = _audio_tokens(cfg)
+    ctx = m.audio_context_dim if m.audio_arch == "multitalk" else d
+    w: dict = defaultdict(float)
+    for i in range(m.num_layers):
+        audio = m.has_audio(i)
+        branches = 2 if audio else 1
+        w["linear"] += 2 * t * d * (4 * d + 2 * d + 2 * m.ffn_dim) / n
+        w["attention"] += 4 * t * kv * d / n
+        w["cross_attention"] += 4 * t * m.text_len * d / n
+        if audio:
+            w["linear"] += (2 * t * d * 2 * d + 2 * a * ctx * 2 * d) / n
+            w["audio_attention"] += 4 * t * per_frame * d / n
+        # the chunk's q, k and v through RoPE (q, k) into the ring / the query scratch: read bf16, write the store
+        w["cache"] += 3 * t * d / n * (el + (1 if kv_fp8 else el))
+        w["rope"] += 2 * t * d / n * el * 2  # q and k rotated on the whole-sequence path: read + write
+        # q/k norm sites on the chunk's tokens: self q, k, cross q (+ the audio q where that attention has q/k
+        # norms: not InfiniteTalk's); split over ranks a norm reads its input twice (local sum, then scaling)
+        sites = 3 + (1 if audio and m.audio_arch != "multitalk" else 0)
+        w["qk_norm"] += t * d / n * el * (3 if n > 1 else 2) * sites
+        w["norm_mod"] += rows * d * el * 2 * (2 + branches)  # adaLN x2, affine LN per branch: read + write
+        w["residual"] += rows * d * el * 3 * (2 + branches)  # gated x2, plain per branch: read 2, write 1
+        w["gelu"] += t * f / n * el * 2
+    by = rank_bytes(cfg, tp, sp, fp8, kv_fp8, el)
+    p = _passes(cfg)
+    out = {k: (v * p, "byte") for k, v in w.items()}
+    for k in ("linear", "attention", "cross_attention", "audio_attention"):
+        out[k] = (w[k] * p, "flop")
+    out["quant"] = (by["quant"], "byte")
+    out["bias"] = out["linear_glue"] = out["attn_glue"] = (0.0, "byte")  # a fused epilogue moves nothing more
+    return out
+
+
+def part_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bool, el: int = 2) -> dict:
+    """Per part of the step profile (``cadence.bench.step_profile``): the work one rank does in one chunk and
+    its floor at the H200 ceilings: part -> {amount, unit ('flop' | 'byte'), floor_ms, at}. Parts whose floor
+    is 0 are work a fused kernel would not do (bias adds into a GEMM epilogue, copies). Not counted (floor
+    None): the audio front end, the collectives' stand-ins (their link floor is the ``comm`` part of
+    :func:`floors_ms`), gaps, the unnamed rest."""
+    m, p = cfg.model, _passes(cfg)
+    _, a = _audio_tokens(cfg)
+    t = cfg.tokens_per_chunk
+    work = _per_layer_work(cfg, tp, sp, fp8, kv_fp8, el)
+    patch = m.in_channels * math.prod(m.patch)
+    # per pass: the float32 time MLP + projection weights read once (a GEMV is bound by them); patch embedding
+    # and head (bf16 GEMMs, every rank); the audio embedder; the sampler's latent updates (read x, v; write x)
+    work["timestep"] = ((m.freq_dim * m.dim + m.dim * m.dim + m.dim * 6 * m.dim) * 4 * p, "byte")
+    work["embed_head"] = (2 * t * patch * m.dim * 2 * p, "flop")
+    work["audio_embed"] = (
+        2 * a * (m.audio_dim * m.dim + m.dim * m.dim) * p if m.audio_every else 0.0,
+        "flop",
+    )
+    lat = t * patch
+    work["sampler"] = (lat * 4 * 3 * p, "byte")
+    work["rope_table"] = (t * m.head_dim * 4 * 2, "byte")
+    out = {}
+    for k, (amount, unit) in work.items():
+        if unit == "flop":
+            rate = TFLOPS["fp8_gemm" if fp8 and k == "linear" else "bf16_gemm"] * 1e12
+            if k.endswith("attention"):
+                rate = TFLOPS["fp8_attn" if kv_fp8 and k == "attention" else "bf16_attn"] * 1e12
+            at = f"{rate / 1e12:.0f} TFLOP/s"
+        else:
+            rate, at = HBM_BYTES_S, f"{HBM_BYTES_S / 1e12:.1f} TB/s"
+        out[k] = {"amount": amount, "unit": unit, "floor_ms": amount / rate * 1e3, "at": at}
+    return out

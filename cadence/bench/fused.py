@@ -738,14 +738,8 @@ def measure_quant(m: int, k: int, dev: torch.device, warmup: int, reps: int, swe
     r.update(_time_quant(r, fns, ok, cuda, warmup, reps))
     if cuda and gemm:
         r["gemm_fp8_us"] = _safe(r, "gemm_fp8", lambda: _time_fp8_gemm(x, g, warmup, reps))
-    for a, b in (
-        ("eager_us", "triton_us"),
-        ("eager_graph_us", "triton_graph_us"),
-        ("mod_eager_us", "mod_triton_us"),
-        ("mod_eager_graph_us", "mod_triton_graph_us"),
-    ):
-        if r.get(a) and r.get(b):
-            r[f"speedup_{a[:-3]}"] = r[a] / r[b]
+    if ok:
+        r.update(_quant_ratios(r, fns, cuda, reps))
     for name, key in (("triton", "triton_graph_us"), ("mod_triton", "mod_triton_graph_us")):
         if r.get(key):
             r[f"{name}_tbps"] = by[name] / (r[key] * 1e-6) / 1e12
@@ -781,6 +775,36 @@ def _time_quant(r: dict, fns: dict, ok: bool, cuda: bool, warmup: int, reps: int
             res["triton_hwcast_graph_us"] = _safe(r, "triton_hwcast_graph", lambda: _time_graph_us(trit_hw))
             res["mod_triton_graph_us"] = _safe(r, "mod_triton_graph", lambda: _time_graph_us(mod_trit))
     return res
+
+
+def _quant_ratios(r: dict, fns: dict, cuda: bool, reps: int, n_rounds: int = 5) -> dict:
+    """Every "x faster" of :func:`measure_quant` from interleaved rounds (``cadence.bench.rounds``: eager and
+    Triton alternating, >= 5 rounds, each round one graph capture's replays on CUDA / a few calls on the CPU):
+    ``speedup_<name>`` is the median of the per-round ratios, ``rounds[<name>]`` has its min-max and the
+    verdict (faster only where the Triton kernel's worst round beats the eager path's best)."""
+    from cadence.bench.rounds import compare, interleave
+
+    out: dict = {"rounds": {}}
+    pairs = [("eager", "eager", "triton"), ("mod_eager", "mod_eager", "mod_triton")]
+    if cuda:
+        pairs += [("eager_graph", "eager", "triton"), ("mod_eager_graph", "mod_eager", "mod_triton")]
+    for name, base, var in pairs:
+        variants = {
+            n: functools.partial(_one_round, fns[n], name.endswith("_graph"), cuda, reps) for n in (base, var)
+        }
+        times = _safe(r, f"rounds_{name}", functools.partial(interleave, variants, n_rounds))
+        ratio = compare(times, base, var) if isinstance(times, dict) else None
+        if ratio is not None:
+            out["rounds"][name] = ratio.as_dict()
+            out[f"speedup_{name}"] = ratio.median
+    return out
+
+
+def _one_round(fn, graph: bool, cuda: bool, reps: int) -> float:
+    """One round of an interleaved comparison: a graph capture's replays (GPU time) or a few calls."""
+    if graph:
+        return _time_graph_us(fn, replays=max(5, reps // 4))
+    return _time_calls_us(fn, 1, max(3, reps // 4), cuda)
 
 
 def _time_fp8_gemm(x, g, warmup: int, reps: int) -> float:
@@ -945,9 +969,16 @@ def print_quant_summary(rows: list[dict], cuda: bool) -> None:
         )
         print(f"{r['m']:>6}{r['k']:>7}{cells}   {par}")
     print(
-        "_g = replayed from a CUDA graph (GPU time only); floor = Triton bytes at 4.2 TB/s; x = eager / triton; "
-        "gemm = FP8 GEMM M x K -> K" + ("" if cuda else "  [CPU: interpreter smoke test]")
+        "_g = replayed from a CUDA graph (GPU time only); floor = Triton bytes at 4.2 TB/s; x = eager / triton, "
+        "median of interleaved rounds (min-max below); gemm = FP8 GEMM M x K -> K"
+        + ("" if cuda else "  [CPU: interpreter smoke test]")
     )
+    for r in rows:
+        for name, q in (r.get("rounds") or {}).items():
+            print(
+                f"  {r['m']:>6} x {r['k']:>5} {name:>16}: {q['median']:.2f}x ({q['lo']:.2f}-{q['hi']:.2f}x, "
+                f"{q['rounds']} rounds): {q['verdict']}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import shlex
 import sys
@@ -79,6 +80,9 @@ import torch
 from cadence.bench.common import Timer, median, record
 from cadence.bench.floors import chunk_flops  # noqa: F401  (re-exported: the whole chunk's FLOPs)
 from cadence.bench.results import add_record_flags, results_dir
+from cadence.bench.step_profile import primed_stream as _primed_stream
+from cadence.bench.step_report import REGIONS  # noqa: F401
+from cadence.bench.step_report import split_regions as _split_regions
 from cadence.config import CadenceConfig
 from cadence.engine.flags import add_fast_path_flags, add_model_flags
 from cadence.engine.recipe import EngineRecipe
@@ -157,18 +161,6 @@ def graphs_unavailable_reason(device: torch.device, cache: str) -> str | None:
     return None
 
 
-def _primed_stream(sess, audio, device: torch.device):
-    """A new stream for a capture, with one eager step run on it first: lazy per-stream library state
-    (cuBLAS workspaces) must exist before the capture."""
-    stream = torch.cuda.Stream(device=device)
-    cur = torch.cuda.current_stream(device)
-    stream.wait_stream(cur)
-    with torch.cuda.stream(stream):
-        sess.step(audio)
-    cur.wait_stream(stream)
-    return stream
-
-
 def measure_graphed(
     sess,
     audio,
@@ -219,15 +211,25 @@ def measure_graphed(
     }
     if used:
         res["host_sync_in_step"] = _sync_check(device, step)
+        res["rounds"] = _eager_graph_rounds(sess, audio, timer, runner)
     runner.clear()
     return res
 
 
-REGIONS = ("attention", "cache", "linear", "quant", "allreduce", "linear_comm")
+def _eager_graph_rounds(sess, audio, timer, runner, n_rounds: int = 5) -> dict | None:
+    """The graph speedup from interleaved rounds (``cadence.bench.rounds``): one eager step, one replayed
+    step, alternating, `n_rounds` rounds; the ratio eager / graph per round, its median and min-max."""
+    from cadence.bench.rounds import compare, interleave
 
-
-def _split_regions(splits: list[dict[str, float]]) -> dict[str, float]:
-    return {k: median([s.get(k, 0.0) for s in splits]) for k in REGIONS}
+    times = interleave(
+        {
+            "eager": lambda: timer.run(lambda: sess.step(audio), 0, 1)[0],
+            "graph": lambda: timer.run(lambda: sess.step(audio, runner=runner), 0, 1)[0],
+        },
+        n_rounds,
+    )
+    r = compare(times, "eager", "graph")
+    return r.as_dict() if r is not None else None
 
 
 def measure_graph_split(
@@ -295,6 +297,7 @@ def measure_step(
     group=None,
     collectives: bool = False,
     graph_split: bool = True,
+    profile: dict | None = None,
 ) -> dict:
     """Time the steady-state chunk step of `cfg` (its cache choice) on a built model: median over
     `iters` uninstrumented eager steps, the region split from `profile_iters` instrumented ones (eager:
@@ -302,7 +305,8 @@ def measure_step(
     replayed from a CUDA graph (:func:`measure_graphed`; ``graph`` in the result, None without) and, with
     `graph_split`, its region split (:func:`measure_graph_split`). `collectives`: one more eager step with
     every collective recorded (``log``: a ``cadence.parallel.group.CollectiveLog``). `group`: the group
-    whose ranks must agree on a graph capture (None: this process alone)."""
+    whose ranks must agree on a graph capture (None: this process alone). `profile` ({"scale", "floors",
+    "replays"}): every kernel of the step named (``cadence.bench.step_profile``; ``profile`` in the result)."""
     from cadence.engine.session import StreamGenerator
     from cadence.parallel.group import CollectiveLog
 
@@ -338,7 +342,14 @@ def measure_step(
     gsplit = None
     if graph is not None and graph["used"] and graph_split:
         gsplit = measure_graph_split(sess, audio, device, group)
+    prof = None
+    if profile is not None:
+        from cadence.bench.step_profile import profile_step
+
+        use_graphs = bool(graph is not None and graph["used"])
+        prof = profile_step(sess, audio, device, model, graphs=use_graphs, group=group, **profile)
     return {
+        "profile": prof,
         "times": times,
         "region": _split_regions(splits),
         "totals": totals,
@@ -411,6 +422,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--profile-iters", type=int, default=3, help="instrumented eager steps for the eager split"
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="name every kernel of the step (graph-replayed where graphs run): per part count, time, work and "
+        "floor (cadence.bench.step_profile); written beside the JSON as <name>-profile.json",
+    )
+    p.add_argument("--profile-replays", type=int, default=3, help="with --profile: graph replays profiled")
     p.add_argument(
         "--graph-split",
         action=argparse.BooleanOptionalAction,
@@ -485,6 +503,9 @@ class Setup:
     iters: int
     graphs_asked: bool | None  # --graphs / --no-graphs as given (None: the default)
     fused_quant: object = None  # the FusedQuantReport of apply_fused_quant (FP8 runs), set by _build
+    clip: tuple[int, int] | None = (
+        None  # a clip family (FlashTalk): (clip frames, motion frames); cadence.bench.step_clip
+    )
 
     @property
     def cfg(self) -> CadenceConfig:
@@ -583,12 +604,9 @@ def _setup(args: argparse.Namespace) -> Setup:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda but CUDA is not available")
     full = resolve(step_spec(args), str(device))  # the model's own layer count
-    if not isinstance(full.stream, KVStream):
-        raise InputError(f"bench step times a K/V cache's chunk step; {args.model} streams {full.stream!r}")
+    clip, full_cfg = _clip_of(args, full)
     dtype = getattr(torch, full.fast.dtype)
-    layers = min(
-        args.layers or layers_that_fit(full.config, dtype, device, args.tp), full.config.model.num_layers
-    )
+    layers = min(args.layers or layers_that_fit(full_cfg, dtype, device, args.tp), full_cfg.model.num_layers)
     cuda = device.type == "cuda"
     return Setup(
         device=device,
@@ -596,12 +614,30 @@ def _setup(args: argparse.Namespace) -> Setup:
         group=group,
         rank0=info is None or info.rank == 0,
         recipe=resolve(step_spec(args, layers), str(device)),
-        full=full.config,
-        scale=full.config.model.num_layers / layers,
+        full=full_cfg,
+        scale=full_cfg.model.num_layers / layers,
         warmup=args.warmup if args.warmup is not None else (3 if cuda else 1),
         iters=args.iters if args.iters is not None else (20 if cuda else 5),
         graphs_asked=args.fast_graphs,
+        clip=clip,
     )
+
+
+def _clip_of(args: argparse.Namespace, full) -> tuple[tuple[int, int] | None, CadenceConfig]:
+    """(clip frames, motion frames) of a clip family, None for a K/V stream; and the configuration the floors
+    count (a clip family's: the whole clip, ``cadence.bench.step_clip.clip_config``)."""
+    from cadence.model.families import ClipStream
+
+    if isinstance(full.stream, ClipStream):
+        from cadence.bench.step_clip import clip_config
+
+        clip = (full.stream.clip_frames, full.stream.motion_frames)
+        return clip, clip_config(full.config, clip[0])
+    if not isinstance(full.stream, KVStream):
+        raise InputError(
+            f"bench step times a K/V cache's chunk step or a clip; {args.model} streams {full.stream!r}"
+        )
+    return None, full.config
 
 
 def _build(args: argparse.Namespace, st: Setup):
@@ -663,9 +699,20 @@ def _run(args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats(st.device)
     model, built, fp8_layers, compile_report = _build(args, st)
     graphs_why = graphs_unavailable_reason(st.device, st.cache)
+    if st.clip is not None:  # only --graphs asks for the graphed clip (the engine runs clips eagerly)
+        graphs_why = None if st.device.type == "cuda" and args.fast_graphs else "a clip step runs eagerly"
     graphs = bool(fast.graphs) and graphs_why is None
     if st.graphs_asked and graphs_why is not None:
         logging.getLogger(__name__).warning("--graphs: %s; timing the eager step only", graphs_why)
+    if st.clip is not None:
+        from cadence.bench.step_clip import measure_clip
+
+        m = measure_clip(
+            st.cfg, model, st.device, st.warmup, st.iters, clip_frames=st.clip[0], motion_frames=st.clip[1],
+            profile_iters=args.profile_iters, collectives=st.group is not None, profile=_profile_args(args, st),
+            progress="clips" if st.rank0 else None, graphs=graphs_why is None,
+        )  # fmt: skip
+        return _report(args, st, model, m, graphs_why, built, fp8_layers, compile_report)
     m = measure_step(
         st.cfg,
         model,
@@ -678,7 +725,12 @@ def _run(args: argparse.Namespace) -> dict:
         group=st.info.group if st.info is not None else None,  # an emulated rank agrees with itself
         collectives=st.group is not None,
         graph_split=args.graph_split,
+        profile=_profile_args(args, st),
     )
+    return _report(args, st, model, m, graphs_why, built, fp8_layers, compile_report)
+
+
+def _report(args, st: Setup, model, m: dict, graphs_why, built, fp8_layers, compile_report) -> dict:
     from cadence.bench import step_report as rep
 
     results = rep.results(args, st, model, m, graphs_why, built, fp8_layers, compile_report)
@@ -690,10 +742,22 @@ def _run(args: argparse.Namespace) -> dict:
     return results
 
 
+def _profile_args(args: argparse.Namespace, st: Setup) -> dict | None:
+    """What ``measure_step`` needs for ``--profile`` (None without it): the layer scale and the part floors."""
+    if not args.profile:
+        return None
+    from cadence.bench.floors import part_work
+
+    floors = part_work(st.full, args.tp, bool(st.fast.sequence_parallel), st.fp8, st.kv_fp8)
+    return {"scale": st.scale, "floors": floors, "replays": max(1, args.profile_replays)}
+
+
 def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
     variant = (
-        "emu-" if st.emulated else ""
-    ) + f"{st.cache}{'-fp8kv' if st.kv_fp8 else ''}-{results['dtype']}"
+        ("emu-" if st.emulated else "")
+        + ("clip-" if st.clip else f"{st.cache}{'-fp8kv' if st.kv_fp8 else ''}-")
+        + results["dtype"]
+    )
     if st.fp8:
         variant += "-fp8" + (f"-q{args.fp8_quant}" if args.fp8_quant and args.fp8_quant != "auto" else "")
     if st.group is not None:
@@ -705,6 +769,9 @@ def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
     if st.fast.attention != "auto":  # runs that differ only in the ring's backend must not share a file
         variant += f"-attn{st.fast.attention}"
     s, scale = results["step_ms"], st.scale
+    prof = results.pop("profile", None)  # written beside, in its own file; its part times in this one
+    if prof is not None:
+        results["profile_parts_ms"] = {p: v["ms"] for p, v in prof["parts"].items()}
     path = record(
         "step",
         st.full.name,
@@ -725,6 +792,15 @@ def _record(args: argparse.Namespace, st: Setup, results: dict) -> None:
         + (f" (scaled from {st.layers} layers)" if scale != 1 else ""),
     )
     print(f"wrote {path}")
+    if prof is not None:
+        results["profile"] = prof
+        ppath = path.with_name(path.stem + "-profile.json")
+        doc = json.loads(path.read_text())
+        doc["bench"], doc["results"] = "step-profile", prof
+        doc["step_json"] = path.name
+        ppath.write_text(json.dumps(doc, indent=2) + "\n")
+        results["_profile_path"] = str(ppath)
+        print(f"wrote {ppath}")
     if args.png:
         draw_png(path.with_suffix(".png"), results, f"{st.full.name} step ({results['dtype']}, {st.cache})")
     results["_path"] = str(path)

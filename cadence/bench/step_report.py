@@ -27,6 +27,14 @@ import logging
 from cadence.bench.common import CEILING, median, p99, print_table
 
 PARTS = ("linear", "quant", "attention", "cache", "elementwise", "comm")
+REGIONS = ("attention", "cache", "linear", "quant", "allreduce", "linear_comm")
+
+
+def split_regions(splits: list[dict[str, float]]) -> dict[str, float]:
+    """The median per region of instrumented steps' region totals."""
+    return {k: median([s.get(k, 0.0) for s in splits]) for k in REGIONS}
+
+
 PART_NAMES = {
     "linear": "linears (GEMMs)",
     "quant": "FP8 quantisation",
@@ -54,6 +62,14 @@ def split_of(region: dict, total_ms: float, scale: float) -> dict:
     return out
 
 
+def _graph_speedup(graph, eager_ms: float, graph_ms: float | None) -> float | None:
+    """eager / graphed: the median of the interleaved rounds' ratios where they ran, else of the two medians."""
+    if graph_ms is None:
+        return None
+    rounds = graph.get("rounds") if graph else None
+    return rounds["median"] if rounds else eager_ms / graph_ms
+
+
 def _step_fields(st, m: dict) -> dict:
     times, graph, scale = m["times"], m["graph"], st.scale
     eager_ms = median(times)
@@ -68,7 +84,7 @@ def _step_fields(st, m: dict) -> dict:
         "step_eager_p99_ms": p99(times) * scale,
         "step_graph_ms": graph_ms * scale if graph_ms is not None else None,
         "step_graph_p99_ms": p99(graph["times"]) * scale if graph_ms is not None else None,
-        "graph_speedup": eager_ms / graph_ms if graph_ms is not None else None,
+        "graph_speedup": _graph_speedup(graph, eager_ms, graph_ms),
         "raw_step_ms_unscaled": times,
         "raw_graph_step_ms_unscaled": graph["times"] if graph is not None else None,
     }
@@ -172,6 +188,7 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
         **({k: v for k, v in graph.items() if k != "times"} if graph is not None else {}),
     }
     out["compile"] = compile_info(compile_report) if st.fast.compile else None
+    out["profile"] = m.get("profile")
     out.update(_split_fields(args, st, m))
     out.update(_tp_fields(args, st, m, out))
     out.update(_floor_fields(args, st, out))
@@ -211,8 +228,13 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
             "reference_path_reasons": sorted(fp8_mod._quant_logged),
         }
     if st.group is not None:
+        import os
+
         from cadence.parallel import fused
 
+        out["tp_env"] = {
+            k: os.environ.get(k) for k in ("CADENCE_TP_BIAS", "CADENCE_TP_QK_PAIR", "CADENCE_TP_SMALL_COMM")
+        }
         out.update(
             comm=st.fast.comm,
             comm_decisions=fused.chooser_decisions(),
@@ -243,6 +265,10 @@ def compile_info(report) -> dict:
     except (TypeError, ValueError):
         info = {"applied": True, "report": repr(report)}
     return info
+
+
+def _rounds_text(q: dict | None) -> str:
+    return f", {q['lo']:.2f}-{q['hi']:.2f} over {q['rounds']} interleaved rounds" if q else ""
 
 
 def _ms(v) -> str:
@@ -286,6 +312,51 @@ def collective_rows(r: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def tp_rows(r: dict, emulated: bool) -> list[tuple[str, str]]:
+    """The rows of a TP run: per-rank compute, the comm estimate, its alternatives and the link figures used."""
+    est = r["comm_estimate"]
+    rows = [
+        (
+            "compute per rank",
+            _ms(r["compute_ms"]) + f"   (step less {r['comm_in_step_ms']:.2f} ms of collectives in it)",
+        ),
+        (
+            "comm estimate",
+            _ms(r["comm_estimate_ms"]) + f"   ({len(r['collectives'])} kinds; link figures below)",
+        ),
+        ("step estimate", _ms(r["step_estimate_ms"]) + "   (compute + comm estimate, no overlap)"),
+        (
+            "  RS/AG over symm-mem",
+            _ms(est["total_ms_symm_halves"])
+            + "   (each reduce-scatter / all-gather as half a two-shot: a model)",
+        ),
+        (
+            "  cheapest per size",
+            _ms(est.get("total_ms_cheapest"))
+            + "   (every all-reduce in the algorithm the table prices lowest)",
+        ),
+        (
+            "  FP8 all-gather half",
+            _ms(est.get("total_ms_fp8_gather"))
+            + "   (all-reduces > 1 MB with an e4m3 all-gather half: a model)",
+        ),
+    ]
+    for a, f in est.get("links_used", {}).items():
+        lo, hi = f["measured_bytes"]
+        ext = f"; extrapolated for {', '.join(f['extrapolated_for'])}" if f["extrapolated_for"] else ""
+        rows.append(
+            (
+                f"  link figure {a}",
+                f"{f['fixed_us']:.1f} us + {f['us_per_mb']:.2f} us/bus MB (measured {lo / 1e6:.1f}-{hi / 1e6:.1f} "
+                f"MB at 2 GPUs{ext})",
+            )
+        )
+    rows.append(("  link source", est["source"][:100] + "..."))
+    if emulated:
+        rows.append(("stand-ins alone", _ms(r["standin_ms"]) + "   (graph-replayed)"))
+    return rows
+
+
 def print_report(args, st, r: dict) -> None:
     s, scale = r["step_ms"], st.scale
     g = r["graphs"]
@@ -300,7 +371,7 @@ def print_report(args, st, r: dict) -> None:
             "eager / graphed",
             f"{r['step_eager_ms']:9.2f} ms / "
             + (
-                f"{r['step_graph_ms']:.2f} ms  (x{r['graph_speedup']:.2f})"
+                f"{r['step_graph_ms']:.2f} ms  (x{r['graph_speedup']:.2f}{_rounds_text(g.get('rounds'))})"
                 if r["step_graph_ms"] is not None
                 else f"n/a ({g['reason']})"
             ),
@@ -317,25 +388,7 @@ def print_report(args, st, r: dict) -> None:
         )
     rows += split_rows(r, st.emulated)
     if st.group is not None:
-        rows += [
-            (
-                "compute per rank",
-                _ms(r["compute_ms"]) + f"   (step less {r['comm_in_step_ms']:.2f} ms of collectives in it)",
-            ),
-            (
-                "comm estimate",
-                _ms(r["comm_estimate_ms"])
-                + f"   ({len(r['collectives'])} kinds; links: {r['comm_estimate']['source'][:60]}...)",
-            ),
-            ("step estimate", _ms(r["step_estimate_ms"]) + "   (compute + comm estimate, no overlap)"),
-            (
-                "  RS/AG over symm-mem",
-                _ms(r["comm_estimate"]["total_ms_symm_halves"])
-                + "   (comm if each reduce-scatter / all-gather cost half a two-shot: a model)",
-            ),
-        ]
-        if st.emulated:
-            rows.append(("stand-ins alone", _ms(r["standin_ms"]) + "   (graph-replayed)"))
+        rows += tp_rows(r, st.emulated)
     rows += [
         ("TFLOP / rank / chunk", f"{r['tflop_per_rank']:9.2f}  ({r['tflops_per_gpu']:.0f} TFLOP/s)"),
         (
@@ -360,5 +413,11 @@ def print_report(args, st, r: dict) -> None:
     )
     if r["collectives"]:
         print_table(collective_rows(r), "collectives per chunk (estimated from measured link figures):")
+    if r.get("profile") is not None:
+        from cadence.bench.step_profile import rows as profile_rows
+
+        print_table(
+            profile_rows(r["profile"]), "every kernel of the step, by part (ms per chunk, all layers):"
+        )
     for shape, d in r.get("comm_decisions", {}).items():
         print(f"  comm {shape}: {d['mode']} ({d['why']})")

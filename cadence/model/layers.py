@@ -50,6 +50,12 @@ def sum_squares(x: torch.Tensor) -> torch.Tensor:
     return x.float().pow(2).sum(-1, keepdim=True)
 
 
+def sum_squares_pair(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Both float32 sums of squares over the last dim in one [..., 2] tensor (q's, then k's): what the two
+    q/k norms of a self-attention split across ranks reduce together (one collective, not two)."""
+    return torch.cat([sum_squares(q), sum_squares(k)], dim=-1)
+
+
 def rms_scale(x: torch.Tensor, ss: torch.Tensor, weight: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     """The rest of that RMS norm, from the (reduced) sum of squares ``ss`` over ``dim`` channels:
     ``rms_scale(x, sum_squares(x), w, x.shape[-1], eps)`` is ``rms_norm(x, w, eps)``."""
@@ -86,6 +92,7 @@ class ElementwiseOps:
 
     rms_norm = staticmethod(rms_norm)
     sum_squares = staticmethod(sum_squares)
+    sum_squares_pair = staticmethod(sum_squares_pair)
     rms_scale = staticmethod(rms_scale)
     norm_modulate = staticmethod(norm_modulate)
     layer_norm_cast = staticmethod(layer_norm_cast)

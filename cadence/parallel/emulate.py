@@ -189,28 +189,79 @@ def half_two_shot_us(nbytes: int, world: int) -> float:
     return f.fixed_us / 2 + f.us_per_mb * nbytes / 1e6 * bus_factor("all_gather", "two_shot", world)
 
 
+def measured_range(algo: str) -> tuple[int, int]:
+    """Smallest and largest tensor (bytes) of an algorithm's LINKS rows: outside it the fit extrapolates."""
+    sizes = [b for b, _ in LINKS[algo]]
+    return min(sizes), max(sizes)
+
+
+def cheapest_all_reduce(nbytes: int, world: int) -> tuple[str, float]:
+    """The all-reduce algorithm of the measured table that prices a tensor of `nbytes` lowest, and its us."""
+    return min(((a, estimate_us("all_reduce", a, nbytes, world)) for a in LINKS), key=lambda x: x[1])
+
+
+def fp8_gather_two_shot_us(nbytes: int, world: int) -> float:
+    """A MODEL (not built, not measured): a two-shot all-reduce whose all-gather half moves the reduced rows as
+    e4m3 bytes + a float32 scale per row instead of bf16 (half the bytes of that half): the two-shot fit's
+    fixed cost, its cost per bus byte, the reduce-scatter half as measured. Numerically the sum then carries
+    one e4m3 rounding (~2^-4 relative per element), which the residual stream would add up: a quality
+    question before any speed."""
+    f = fit("two_shot")
+    half = nbytes * bus_factor("all_gather", "two_shot", world)
+    return f.fixed_us + f.us_per_mb * (half + half / 2) / 1e6
+
+
+def _links_used(rows: list[dict]) -> dict:
+    """Per link figure used: the fit, the tensor sizes it was measured at, and which collectives fall outside
+    that range (their estimate extrapolates the fit)."""
+    out = {}
+    for a in sorted({r["link_algo"] for r in rows}):
+        lo, hi = measured_range(a)
+        outside = sorted({r["label"] for r in rows if r["link_algo"] == a and not lo <= r["nbytes"] <= hi})
+        out[a] = {**vars(fit(a)), "measured_bytes": [lo, hi], "extrapolated_for": outside}
+    return out
+
+
 def comm_estimate(summary: list[dict], world: int) -> dict:
     """Estimate the link time of a per-chunk collective list (``CollectiveLog.summary()``): total ms, per
-    collective (us each, ms in all), per kind, and the fits used with their source. ``total_ms_symm_halves``:
-    the same list with every reduce-scatter / all-gather priced by :func:`half_two_shot_us` instead."""
-    rows, by_kind, alt = [], {}, 0.0
+    collective (us each, ms in all), per kind, and the link figures used (``links_used``: the fit per
+    algorithm, the sizes it was measured at, and the collectives it is extrapolated for) with their source.
+    Alternatives, same list: ``total_ms_symm_halves`` (every reduce-scatter / all-gather priced by
+    :func:`half_two_shot_us`), ``total_ms_cheapest`` (every all-reduce in the algorithm the table prices
+    lowest for its size), ``total_ms_fp8_gather`` (every all-reduce over 1 MB as :func:`fp8_gather_two_shot_us`,
+    a model)."""
+    rows, by_kind, alt, cheap, fp8g = [], {}, 0.0, 0.0, 0.0
     for c in summary:
         us = estimate_us(c["kind"], c["algo"], c["nbytes"], world)
         ms = us * c["count"] / 1e3
-        rows.append({**c, "link_algo": link_algo(c["kind"], c["algo"]), "est_us": us, "est_ms": ms})
+        la = link_algo(c["kind"], c["algo"])
+        lo, hi = measured_range(la)
+        rows.append(
+            {**c, "link_algo": la, "est_us": us, "est_ms": ms, "extrapolated": not lo <= c["nbytes"] <= hi}
+        )
         by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + ms
-        alt += ms if c["kind"] == "all_reduce" else half_two_shot_us(c["nbytes"], world) * c["count"] / 1e3
-    fits = {a: vars(fit(a)) for a in sorted({r["link_algo"] for r in rows})}
+        if c["kind"] != "all_reduce":
+            alt += half_two_shot_us(c["nbytes"], world) * c["count"] / 1e3
+            cheap, fp8g = cheap + ms, fp8g + ms
+            continue
+        alt += ms
+        cheap += cheapest_all_reduce(c["nbytes"], world)[1] * c["count"] / 1e3
+        big = c["nbytes"] > 1_000_000
+        fp8g += (fp8_gather_two_shot_us(c["nbytes"], world) if big else us) * c["count"] / 1e3
     return {
         "total_ms": sum(r["est_ms"] for r in rows),
         "total_ms_symm_halves": alt,
+        "total_ms_cheapest": cheap,
+        "total_ms_fp8_gather": fp8g,
         "by_kind_ms": by_kind,
         "collectives": rows,
-        "fits": fits,
+        "fits": {a: vars(fit(a)) for a in sorted({r["link_algo"] for r in rows})},
+        "links_used": _links_used(rows),
         "source": LINKS_SOURCE,
         "world": world,
         "assumed": "no overlap with compute; link bandwidth and fixed cost per collective as measured at "
-        f"{LINKS_WORLD} GPUs; reduce-scatter / all-gather as NCCL all-reduce per bus byte",
+        f"{LINKS_WORLD} GPUs; reduce-scatter / all-gather as NCCL all-reduce per bus byte; a collective "
+        "outside its figure's measured sizes (extrapolated) at the fit's fixed cost + slope",
     }
 
 

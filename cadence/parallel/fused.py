@@ -1,7 +1,10 @@
 """The row-parallel projection's communication: local GEMM + sum over the TP group, several ways.
 
 ``row_parallel(linear, x, bias, group, mode)`` computes ``all_reduce_sum(x @ W_local^T) + bias``
-(every rank gets the full [M, N] output). Modes:
+(every rank gets the full [M, N] output). The bias is in rank 0's GEMM epilogue where the mode's GEMM is the
+whole layer's (nccl, two_shot, one_shot), so the sum carries it once and no separate add runs after it
+(``CADENCE_TP_BIAS=after``: the add after the sum on every rank, the reference path); the other modes add it
+after. Small sums (the q/k norms': :func:`small_all_reduce`) take the one-shot over symmetric memory. Modes:
 
 ``"nccl"``      reference: local GEMM, then ``dist.all_reduce`` (NCCL on CUDA, gloo on CPU).
 ``"two_shot"``  the GEMM writes straight into a symmetric-memory buffer (no copy), then
@@ -431,6 +434,64 @@ def reset_chooser() -> None:
     _table_cache.clear()
 
 
+# ---- small all-reduces (the q/k norms' sums of squares) ----------------------------------------
+# a payload at most this big takes the one-shot: by the link fits (cadence.parallel.emulate.LINKS) a one-shot
+# beats NCCL's all-reduce below ~1 MB at 4 ranks (8.9 + 15.7 us/MB against 21.7 + 5.5 us/MB of tensor); kept well
+# under that (the fits are extrapolated below their 7.7 MB smallest point): the q/k sums are 3-100 KB
+SMALL_BYTES = 256 * 1024
+_SMALL_CACHE = SymmBufferCache(int(os.environ.get("CADENCE_SYMM_SMALL_CACHE", "4")))
+
+
+def small_mode(t: torch.Tensor) -> str:
+    """How a small sum is reduced: 'one_shot' (symmetric memory: every rank reads every peer's copy once, one
+    kernel; what the link table prices lowest below ~1 MB: fixed 8.9 us against NCCL's 21.7) for a CUDA
+    payload of at most :data:`SMALL_BYTES`, else 'nccl' (the group's all-reduce). ``CADENCE_TP_SMALL_COMM``
+    = one_shot | nccl forces either (nccl: the reference path)."""
+    forced = os.environ.get("CADENCE_TP_SMALL_COMM", "auto")
+    if forced in ("one_shot", "nccl"):
+        return forced
+    small = t.numel() * t.element_size() <= SMALL_BYTES
+    return "one_shot" if t.device.type == "cuda" and small else "nccl"
+
+
+def small_all_reduce(t: torch.Tensor, group, label: str = "") -> torch.Tensor:
+    """t <- SUM over the group of t, in place (t contiguous), for small payloads (:func:`small_mode`). The
+    one-shot copies t into a symmetric buffer (:data:`_SMALL_CACHE`, its own LRU: the GEMM buffers stay
+    cached), reduces it and copies the sum back; where it cannot run (CPU / gloo, no symmetric memory, an
+    op that raises) the group's all-reduce does, with one warning per reason. An emulated group records the
+    algorithm the real rank would run and runs its stand-in."""
+    from cadence.parallel.group import as_group
+
+    tg = as_group(group)
+    if tg.world <= 1:
+        return t
+    mode = small_mode(t)
+    if mode == "nccl" or tg.emulated:
+        tg.all_reduce(t, label=label, algo=mode)
+        return t
+    why = symm_unavailable_reason(t.device, tg.process_group)
+    ukey = ("small", tuple(t.shape), t.dtype)
+    why = why or _unusable.get(ukey) or (None if (t.numel() * t.element_size()) % 16 == 0 else "not 16-byte")
+    if why is None:
+        try:
+            flat = _SMALL_CACHE.get(
+                t.numel() // t.shape[-1], t.shape[-1], t.dtype, t.device, tg.process_group
+            )
+            buf = flat[: t.numel()]
+            buf.copy_(t.reshape(-1))
+            out = _ops().one_shot_all_reduce(buf, "sum", group_name(tg.process_group))
+            t.copy_(out.view(t.shape))
+            tg.note("all_reduce", t.shape, t.dtype, label, "one_shot")
+            return t
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError) as e:
+            why = _unusable[ukey] = "one_shot failed: " + (
+                str(e).splitlines()[0] if str(e) else type(e).__name__
+            )
+    warn_once(f"small:{why[:60]}", "small all-reduce %s falls back to the group's all-reduce: %s", label, why)
+    tg.all_reduce(t, label=label)
+    return t
+
+
 # ---- GEMM into a given buffer ----------------------------------------------------------------
 def gemm_out_dtype(linear, x: torch.Tensor) -> torch.dtype:
     from cadence.quant.fp8 import FP8Linear
@@ -447,11 +508,17 @@ def _fp8_fast(linear, x: torch.Tensor) -> bool:
 
 
 def gemm_into(
-    linear, x2: torch.Tensor, out: torch.Tensor, rows: slice | None = None, timed: bool = True
+    linear,
+    x2: torch.Tensor,
+    out: torch.Tensor,
+    rows: slice | None = None,
+    timed: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """out [M, n] <- x2 [M, K] @ W^T without bias (W: the layer's weight, or its output rows `rows`).
-    Writes straight into `out` (cuBLAS epilogue); where that is not possible, computes and copies.
-    Timed under the "linear" region unless `timed` is False (caller inside another region)."""
+    """out [M, n] <- x2 [M, K] @ W^T (+ `bias` in the GEMM's epilogue; whole layers only) (W: the layer's
+    weight, or its output rows `rows`). Writes straight into `out` (cuBLAS epilogue); where that is not
+    possible, computes and copies. Timed under the "linear" region unless `timed` is False (caller inside
+    another region)."""
     from cadence.quant.fp8 import FP8Linear, aligned16, quantize_activations
 
     ctx = region("linear") if timed else contextlib.nullcontext()
@@ -465,7 +532,8 @@ def gemm_into(
                             pre = quantize_activations(x2)
                     xq, xs = pre
                     if rows is None:  # the whole layer: through its GEMM backend seam (cuBLAS or Triton)
-                        linear.matmul(xq, xs, None, out.dtype, out=out)
+                        b = None if bias is None else bias.to(out.dtype)
+                        linear.matmul(xq, xs, b, out.dtype, out=out)
                         return
                     torch._scaled_mm(
                         aligned16(xq),
@@ -481,7 +549,10 @@ def gemm_into(
         elif x2.dtype == linear.weight.dtype == out.dtype:
             with ctx:
                 w = linear.weight if rows is None else linear.weight[rows]
-                torch.mm(x2, w.t(), out=out)
+                if bias is not None and rows is None:
+                    torch.addmm(bias.to(out.dtype), x2, w.t(), out=out)
+                else:
+                    torch.mm(x2, w.t(), out=out)
             return
     except torch.OutOfMemoryError:
         raise
@@ -492,7 +563,7 @@ def gemm_into(
             str(e).splitlines()[0] if str(e) else type(e).__name__,
         )
     y = _plain_gemm(linear, x2, rows)
-    out.copy_(y)
+    out.copy_(y if bias is None or rows is not None else y + bias.to(y.dtype))
 
 
 def _plain_gemm(linear, x2: torch.Tensor, rows: slice | None) -> torch.Tensor:
@@ -530,9 +601,43 @@ def _side_stream(device: torch.device):
     return s
 
 
-def _nccl(linear, x2, group, label: str = "", algo: str = "nccl"):
-    """GEMM, then the group's all-reduce (`group` a TPGroup; `algo`: what a real rank would run, recorded)."""
-    y = linear(x2)
+def gemm_bias(linear, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 @ W^T (+ `bias`, in the GEMM's epilogue) for the inner linear of a row-parallel layer (which has
+    no bias of its own): a fresh [M, N] tensor in the GEMM's output dtype (bf16 for FP8 on CUDA)."""
+    from cadence.quant.fp8 import FP8Linear, quantize_activations
+
+    if bias is None:
+        return linear(x2)
+    dt = gemm_out_dtype(linear, x2)
+    with region("linear"):
+        if isinstance(
+            linear, FP8Linear
+        ):  # as FP8Linear.forward runs a biased layer (the column-parallel ones)
+            with region("quant"):
+                xq, xs = quantize_activations(x2)
+            return linear.matmul(xq, xs, bias.to(dt), dt)
+        return torch.nn.functional.linear(x2, linear.weight, bias.to(linear.weight.dtype))
+
+
+def bias_in_epilogue(bias: torch.Tensor | None, group) -> torch.Tensor | None:
+    """The bias this rank adds in its GEMM's epilogue: rank 0's partial carries it, so the sum over the group
+    holds it once (no separate add after the reduction: a bf16 [M, N] read + write per call, on a
+    broadcasting path that runs at ~1/3 of HBM speed). ``CADENCE_TP_BIAS=after`` adds it after the sum on
+    every rank instead (the reference path). None on the other ranks."""
+    if bias is None or os.environ.get("CADENCE_TP_BIAS", "epilogue") == "after":
+        return None
+    return bias if group.rank == 0 else None
+
+
+def bias_after(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias to add after the sum, on every rank (the reference path, ``CADENCE_TP_BIAS=after``), else None."""
+    return bias if bias is not None and os.environ.get("CADENCE_TP_BIAS", "epilogue") == "after" else None
+
+
+def _nccl(linear, x2, group, label: str = "", algo: str = "nccl", bias=None):
+    """GEMM (+ this rank's epilogue bias), then the group's all-reduce (`group` a TPGroup; `algo`: what a real
+    rank would run, recorded)."""
+    y = gemm_bias(linear, x2, bias)
     with region("allreduce"):
         y = y.contiguous()
         group.all_reduce(y, label=label, algo=algo)
@@ -567,16 +672,16 @@ def _symm_gemm_buffer(linear, x2, group, m, n):
     return flat[: m * n].view(m, n)
 
 
-def _two_shot(linear, x2, group, m, n):
+def _two_shot(linear, x2, group, m, n, bias=None):
     buf = _symm_gemm_buffer(linear, x2, group, m, n)
-    gemm_into(linear, x2, buf)
+    gemm_into(linear, x2, buf, bias=bias)
     with region("allreduce"):
         return _two_shot_reduce(buf, group_name(group))
 
 
-def _one_shot(linear, x2, group, m, n):
+def _one_shot(linear, x2, group, m, n, bias=None):
     buf = _symm_gemm_buffer(linear, x2, group, m, n)
-    gemm_into(linear, x2, buf)
+    gemm_into(linear, x2, buf, bias=bias)
     with region("allreduce"):
         return _ops().one_shot_all_reduce(buf, "sum", group_name(group))
 
@@ -823,79 +928,93 @@ def row_parallel(
     """all_reduce_sum(x @ W_local^T) + bias over `group` in the given comm mode ([..., K] -> [..., N]).
     The output is replicated on every rank and never aliases a symmetric buffer. `group`: a
     :class:`cadence.parallel.group.TPGroup` or a ProcessGroup (None: the default group); on an emulated
-    group every mode takes the group's all-reduce stand-in, recorded as the mode the real rank would run."""
+    group every mode takes the group's all-reduce stand-in, recorded as the mode the real rank would run.
+    The bias rides in rank 0's GEMM epilogue where the mode's GEMM is a whole-layer one (nccl, two_shot,
+    one_shot: :func:`bias_in_epilogue`), else it is added after the sum."""
     from cadence.parallel.group import as_group
 
     tg = as_group(group)
-    group = tg.process_group
     lead = x.shape[:-1]
     k, n = linear.in_features, linear.out_features
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
-    world = tg.world
+    name, chunks = _mode_for(linear, x2, mode, tg.world, m, n, k)
+    algo = name + (str(chunks) if name == "chunked" else "")
+    bias0 = bias_in_epilogue(bias, tg)
+    after = bias_after(bias)
+    if name != "nccl" and tg.world > 1 and m > 0 and tg.emulated:
+        return _finish(_nccl(linear, x2, tg, label, algo, bias0), after, x.dtype, lead, n)
+    y = None
+    if name != "nccl" and tg.world > 1 and m > 0:
+        y, epilogue = _symm_mode(name, chunks, linear, x2, tg, m, n, k, bias0)
+        if y is not None and not epilogue:  # the mode's GEMM took no bias: add it after the sum
+            after = bias
+    if y is None:
+        y = _nccl(linear, x2, tg, label, bias=bias0)
+    else:
+        tg.note("all_reduce", (m, n), y.dtype, label, algo)  # a symmetric-memory mode ran it
+    return _finish(y, after, x.dtype, lead, n)
+
+
+def _mode_for(linear, x2, mode: str, world: int, m: int, n: int, k: int) -> tuple[str, int]:
     name, chunks = parse_mode(mode)
     if name == "auto" and os.environ.get("CADENCE_TP_COMM", "auto") != "auto":
         name, chunks = parse_mode(os.environ["CADENCE_TP_COMM"])  # process-wide override of "auto"
     if name == "auto":
-        dk = dtype_key(linear, x2.dtype)
-        picked = choose_mode(m, n, k, dk, world, x2.device.type)
+        picked = choose_mode(m, n, k, dtype_key(linear, x2.dtype), world, x2.device.type)
         name, chunks = parse_mode(picked)
-    y = None
-    algo = name + (str(chunks) if name == "chunked" else "")
-    if name != "nccl" and world > 1 and m > 0 and tg.emulated:
-        return _finish(_nccl(linear, x2, tg, label, algo), bias, x.dtype, lead, n)
-    if name != "nccl" and world > 1 and m > 0:
-        why = symm_unavailable_reason(x2.device, group)
-        if why is not None:
-            warn_once(f"unavailable:{why}", "row-parallel comm %r falls back to nccl: %s", mode, why)
-        else:
-            dt = gemm_out_dtype(linear, x2)
-            ukey = (name, chunks, m, n, dt, dtype_key(linear, x2.dtype))
-            why = _unusable.get(ukey) or _precheck(name, chunks, m, n, dt, world)
-            if why is None:
-                try:
-                    if name == "two_shot":
-                        y = _two_shot(linear, x2, group, m, n)
-                    elif name == "one_shot":
-                        y = _one_shot(linear, x2, group, m, n)
-                    elif name == "rs_ag":
-                        y = _rs_ag(linear, x2, group, m, n, world)
-                    elif name == "tiles":
-                        y = _tiles(linear, x2, group, m, n, world)
-                    elif name == "chunked":
-                        y = (
-                            _chunked(linear, x2, group, m, n, chunks)
-                            if chunks > 1
-                            else _two_shot(linear, x2, group, m, n)
-                        )
-                except torch.OutOfMemoryError:
-                    raise
-                except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError) as e:
-                    why = f"{name} failed: " + (str(e).splitlines()[0] if str(e) else type(e).__name__)
-                    _unusable[ukey] = why
-                    y = None
-            if y is None:
-                warn_once(
-                    f"mode:{name}:{why[:60]}",
-                    "row-parallel comm %s for %dx%d->%d falls back to nccl: %s",
-                    name,
-                    m,
-                    k,
-                    n,
-                    why,
-                )
+    return name, chunks
+
+
+def _symm_mode(name, chunks, linear, x2, tg, m, n, k, bias0) -> tuple[torch.Tensor | None, bool]:
+    """One symmetric-memory mode: (the sum, or None when it could not run: then nccl; whether its GEMM added
+    `bias0`)."""
+    why = symm_unavailable_reason(x2.device, tg.process_group)
+    if why is not None:
+        warn_once(f"unavailable:{why}", "row-parallel comm %r falls back to nccl: %s", name, why)
+        return None, False
+    group, world = tg.process_group, tg.world
+    dt = gemm_out_dtype(linear, x2)
+    ukey = (name, chunks, m, n, dt, dtype_key(linear, x2.dtype))
+    why = _unusable.get(ukey) or _precheck(name, chunks, m, n, dt, world)
+    y, epilogue = None, False
+    if why is None:
+        try:
+            if name == "two_shot" or (name == "chunked" and chunks == 1):
+                y, epilogue = _two_shot(linear, x2, group, m, n, bias0), True
+            elif name == "one_shot":
+                y, epilogue = _one_shot(linear, x2, group, m, n, bias0), True
+            elif name == "rs_ag":
+                y = _rs_ag(linear, x2, group, m, n, world)
+            elif name == "tiles":
+                y = _tiles(linear, x2, group, m, n, world)
+            elif name == "chunked":
+                y = _chunked(linear, x2, group, m, n, chunks)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError) as e:
+            why = f"{name} failed: " + (str(e).splitlines()[0] if str(e) else type(e).__name__)
+            _unusable[ukey] = why
+            y = None
     if y is None:
-        y = _nccl(linear, x2, tg, label)
-    else:
-        tg.note("all_reduce", (m, n), y.dtype, label, algo)  # a symmetric-memory mode ran it
-    return _finish(y, bias, x.dtype, lead, n)
+        warn_once(
+            f"mode:{name}:{why[:60]}",
+            "row-parallel comm %s for %dx%d->%d falls back to nccl: %s",
+            name,
+            m,
+            k,
+            n,
+            why,
+        )
+    return y, epilogue
 
 
 def _finish(y: torch.Tensor, bias, dtype: torch.dtype, lead, n: int) -> torch.Tensor:
     if bias is not None:
-        y = y.add_(bias.to(y.dtype))  # y is always a fresh tensor here (never a symmetric buffer)
+        with region("bias"):  # (a profile names it; the step's split keeps it with the elementwise work)
+            y = y.add_(bias.to(y.dtype))  # y is always a fresh tensor here (never a symmetric buffer)
     if y.dtype != dtype:
         y = y.to(dtype)
     return y.reshape(*lead, n)

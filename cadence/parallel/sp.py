@@ -27,7 +27,8 @@ gives each rank a share of the tokens there instead:
   norm + quantisation kernel) is gathered as it is.
 * A sequence-parallel :class:`cadence.parallel.tp.RowParallelLinear` (out of every attention, fc2)
   writes its partial product into a [world x P, dim] buffer and reduce-scatters it (:func:`row_scatter`),
-  then adds the bias to its own P rows: one reduce-scatter where TP had one all-reduce.
+  with the bias in rank 0's GEMM epilogue (so every rank's rows hold it once; ``CADENCE_TP_BIAS=after``: added
+  to the rank's P rows after the sum, the reference): one reduce-scatter where TP had one all-reduce.
 
 Per block: the all-reduces of TP (one per row-parallel layer) become an all-gather + a reduce-scatter each;
 a ring moves (world-1)/world of the tensor per rank in each, the all-reduce twice that, so the bytes on
@@ -175,7 +176,7 @@ class ColumnParallelLinear(nn.Module):
 def row_scatter(linear, x: torch.Tensor, bias, tokens: ShardedTokens, label: str) -> torch.Tensor:
     """Row-parallel GEMM + reduce-scatter: x [B, N, K/world] (every token) -> this rank's rows [B, P, out]
     of the sum over the group, plus the bias (added once, after the sum, to the rank's rows)."""
-    from cadence.parallel.fused import gemm_into, gemm_out_dtype
+    from cadence.parallel.fused import bias_after, bias_in_epilogue, gemm_bias, gemm_into, gemm_out_dtype
 
     b, n, k = x.shape
     if n != tokens.tokens:
@@ -185,17 +186,19 @@ def row_scatter(linear, x: torch.Tensor, bias, tokens: ShardedTokens, label: str
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     dt = gemm_out_dtype(linear, x2)
+    bias0 = bias_in_epilogue(bias, group)  # rank 0's partial carries the bias: every rank's rows get it once
     if b == 1:  # the stream: the GEMM writes straight into the padded buffer's first N rows
         buf = torch.empty(tokens.padded, out_f, dtype=dt, device=x.device)
-        gemm_into(linear, x2, buf[:n])
+        gemm_into(linear, x2, buf[:n], bias=bias0)
         buf[n:].zero_()
     else:
-        y = linear(x2).to(dt).view(b, n, out_f)
+        y = gemm_bias(linear, x2, bias0).to(dt).view(b, n, out_f)
         y = torch.cat([y, y.new_zeros(b, tokens.padded - n, out_f)], dim=1)
         buf = y.view(b, group.world, p, out_f).transpose(0, 1).reshape(group.world * b * p, out_f)
     out = torch.empty(b * p, out_f, dtype=dt, device=x.device)
     with region("allreduce"):
         group.reduce_scatter(out, buf, label=label)
-    if bias is not None:
-        out.add_(bias.to(out.dtype))
+    if bias_after(bias) is not None:  # the reference path (CADENCE_TP_BIAS=after)
+        with region("bias"):
+            out.add_(bias.to(out.dtype))
     return out.to(x.dtype).view(b, p, out_f)

@@ -16,7 +16,12 @@ Per block::
     heads       H -> H / N in every attention module
 
 So one block costs four all-reduces of the [tokens, dim] activations (self out, cross out, audio
-out, fc2) plus four tiny ones of a [tokens, 1] sum of squares per q/k norm. The K/V cache needs no
+out, fc2) plus the tiny ones of the q/k norms' sums of squares: the self-attention's q and k sums reduced
+together, one [tokens, 2] (:class:`QKVNormStats`: the qkv projection computes both local sums and reduces
+them once; ``CADENCE_TP_QK_PAIR=0``: one [tokens, 1] per norm, the reference), the cross-attention's q (its
+k is the text's, once per session) and the audio attention's q and k (the audio K/V is computed before its
+q, so they cannot share one). Small sums take the one-shot over symmetric memory on CUDA
+(``cadence.parallel.fused.small_all_reduce``). The row-parallel biases ride in rank 0's GEMM epilogue. The K/V cache needs no
 change: it stores whatever [B, tokens, heads, head_dim] it is handed, here H/N heads per rank.
 The text and audio K/V are computed after sharding, so they are per-rank too.
 
@@ -125,19 +130,96 @@ class RowParallelLinear(nn.Module):
 class ShardedRMSNorm(nn.Module):
     """RMS norm over a channel dimension split across the TP group (same math as
     :class:`cadence.model.layers.RMSNorm` over the full `full_dim`): the local sum of squares is
-    all-reduced (SUM) and divided by the full width. `weight` is this rank's slice."""
+    all-reduced (SUM; :func:`cadence.parallel.fused.small_all_reduce`) and divided by the full width.
+    `weight` is this rank's slice. With `pair` (a self-attention's :class:`QKStats`) the sum was already
+    reduced together with the other norm's by the qkv projection (:class:`QKVNormStats`): this norm takes
+    its column of it and issues no collective."""
 
-    def __init__(self, weight: torch.Tensor, full_dim: int, eps: float, group, label: str = ""):
+    def __init__(
+        self, weight: torch.Tensor, full_dim: int, eps: float, group, label: str = "", pair=None, which=0
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
         self.full_dim, self.eps, self.group, self.label = full_dim, eps, as_group(group), label
         self.ops = PLAIN_OPS  # the two local halves; apply_compile swaps in fused ones (not the all-reduce)
+        self.__dict__["pair"] = pair  # shared with the qkv projection and the other norm (not a submodule)
+        self.which = which
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ss = self.ops.sum_squares(x)
-        with region("allreduce"):
-            self.group.all_reduce(ss, label=self.label)
+        ss = self.pair.take(self.which, x) if self.pair is not None else None
+        if ss is None:
+            from cadence.parallel.fused import small_all_reduce
+
+            ss = self.ops.sum_squares(x)
+            with region("allreduce"):
+                small_all_reduce(ss, self.group, self.label)
         return self.ops.rms_scale(x, ss, self.weight, self.full_dim, self.eps)
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class QKStats:
+    """The q and k sums of squares of one self-attention's pass, reduced together (one [.., 2] all-reduce
+    instead of two [.., 1]): set by :class:`QKVNormStats`, taken by the two :class:`ShardedRMSNorm`. A norm
+    takes its column only when its input is exactly the slice of the qkv output the sums were made from
+    (same storage, shape, strides, dtype); otherwise (a model that normalises something else) it reduces
+    its own sum, with one log line."""
+
+    def __init__(self):
+        self.sigs: tuple = ()
+        self.ss: torch.Tensor | None = None
+        self.left = 0
+        self.missed = False
+
+    def put(self, q: torch.Tensor, k: torch.Tensor, ss: torch.Tensor) -> None:
+        self.sigs, self.ss, self.left = (_signature(q), _signature(k)), ss, 2
+
+    def take(self, which: int, x: torch.Tensor) -> torch.Tensor | None:
+        if self.ss is None or self.sigs[which] != _signature(x):
+            if not self.missed:
+                self.missed = True
+                import logging
+
+                logging.getLogger(__name__).info(
+                    "q/k norm: input is not the qkv output's slice; its sum is reduced on its own"
+                )
+            return None
+        ss = self.ss[..., which : which + 1]
+        self.left -= 1
+        if self.left <= 0:
+            self.ss, self.sigs = None, ()
+        return ss
+
+
+class QKVNormStats(nn.Module):
+    """A self-attention's column-parallel qkv projection followed by the q/k norms' local sums of squares and
+    ONE small all-reduce of both (:class:`QKStats`): 1 collective per self-attention call instead of 2. The
+    output is the projection's, unchanged."""
+
+    def __init__(self, qkv: nn.Module, group: TPGroup, pair: QKStats, label: str):
+        super().__init__()
+        self.qkv = qkv
+        self.group, self.label = group, label
+        self.__dict__["pair"] = pair
+        self.ops = PLAIN_OPS  # sum_squares_pair; apply_compile swaps in the compiled one
+        self.in_features, self.out_features = qkv.in_features, qkv.out_features
+
+    @property
+    def qkv_linear(self) -> nn.Module:
+        return self.qkv
+
+    def forward(self, x) -> torch.Tensor:
+        from cadence.parallel.fused import small_all_reduce
+
+        y = self.qkv(x)
+        q, k, _ = y.chunk(3, dim=-1)
+        ss = self.ops.sum_squares_pair(q, k)
+        with region("allreduce"):
+            small_all_reduce(ss, self.group, self.label)
+        self.pair.put(q, k, ss)
+        return y
 
     def extra_repr(self) -> str:
         return f"local={self.weight.numel()}, full_dim={self.full_dim}, eps={self.eps}"
@@ -189,12 +271,11 @@ def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     return lin
 
 
-def _norm(norm: RMSNorm, group: TPGroup, label: str) -> ShardedRMSNorm:
+def _norm(norm: RMSNorm, group: TPGroup, label: str, pair=None, which: int = 0) -> ShardedRMSNorm:
     full = norm.weight.numel()
     per = full // group.world
-    return ShardedRMSNorm(
-        norm.weight[group.rank * per : (group.rank + 1) * per], full, norm.eps, group, label
-    )
+    w = norm.weight[group.rank * per : (group.rank + 1) * per]
+    return ShardedRMSNorm(w, full, norm.eps, group, label, pair, which)
 
 
 def _column(lin: nn.Module, tokens, label: str) -> nn.Module:
@@ -210,16 +291,31 @@ def _shard_attention(
     attn: nn.Module, group: TPGroup, dim: int, dev: torch.device, comm: str, name: str, tokens
 ) -> None:
     rank, world = group.rank, group.world
+    pair = None
     if hasattr(attn, "qkv"):  # self-attention: fused [q; k; v]
         attn.qkv = _column(_take_rows(attn.qkv, _rows(3, dim, rank, world, dev)), tokens, f"{name}.qkv")
+        if attn.norm_q is not None and pair_qk_norms():  # both norms' sums in one collective
+            pair = QKStats()
+            attn.qkv = QKVNormStats(attn.qkv, group, pair, f"{name}.norm_qk")
     else:  # cross / audio attention: q from the tokens, fused [k; v] from the (replicated) context
         attn.q = _column(_take_rows(attn.q, _rows(1, dim, rank, world, dev)), tokens, f"{name}.q")
         attn.kv = _take_rows(attn.kv, _rows(2, dim, rank, world, dev))
+        if getattr(attn, "kv_img", None) is not None:  # an I2V model's image-token K/V: the rank's heads too
+            attn.kv_img = _take_rows(attn.kv_img, _rows(2, dim, rank, world, dev))
+            attn.norm_k_img = _norm(attn.norm_k_img, group, f"{name}.norm_k_img")
     if attn.norm_q is not None:  # (InfiniteTalk's audio attention has no q/k norms)
-        attn.norm_q = _norm(attn.norm_q, group, f"{name}.norm_q")
-        attn.norm_k = _norm(attn.norm_k, group, f"{name}.norm_k")
+        attn.norm_q = _norm(attn.norm_q, group, f"{name}.norm_q", pair, 0)
+        attn.norm_k = _norm(attn.norm_k, group, f"{name}.norm_k", pair, 1)
     attn.out = RowParallelLinear(*_take_cols(attn.out, rank, world), group, comm, f"{name}.out", tokens)
     attn.heads //= world
+
+
+def pair_qk_norms() -> bool:
+    """Whether ``apply_tp`` reduces a self-attention's q and k norm sums in one collective (default; the
+    reference path, one each, with ``CADENCE_TP_QK_PAIR=0``)."""
+    import os
+
+    return os.environ.get("CADENCE_TP_QK_PAIR", "1") != "0"
 
 
 def check_tp_size(mcfg, world: int) -> None:

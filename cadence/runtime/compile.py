@@ -65,7 +65,15 @@ from cadence.model.dit import Block
 
 log = logging.getLogger("cadence.compile")
 
-OPS = ("rms_norm", "sum_squares", "rms_scale", "norm_modulate", "layer_norm_cast", "gate_residual")
+OPS = (
+    "rms_norm",
+    "sum_squares",
+    "sum_squares_pair",
+    "rms_scale",
+    "norm_modulate",
+    "layer_norm_cast",
+    "gate_residual",
+)
 
 
 def _compiler_problem(device: torch.device) -> str | None:
@@ -446,7 +454,8 @@ def _block_plan(blk: Block, fp8_cls) -> tuple[bool, bool, bool, list[str]]:
     """(modulate, layer_norm, gelu, reasons not) for one block: a producer is fused only where every
     consumer of its output is an FP8Linear taking the activation directly."""
     why: list[str] = []
-    modulate = isinstance(blk.self_attn.qkv, fp8_cls) and isinstance(blk.ffn.fc1, fp8_cls)
+    qkv = getattr(blk.self_attn.qkv, "qkv_linear", blk.self_attn.qkv)  # through tp.QKVNormStats
+    modulate = isinstance(qkv, fp8_cls) and isinstance(blk.ffn.fc1, fp8_cls)
     if not modulate:
         why.append("qkv / fc1 not both FP8Linear")
     sites = []
