@@ -1,4 +1,4 @@
-"""Summary of a scripts/device_step_rank.sh call: per run the step, compute, comm estimate and the profile's parts
+"""Summary of a `scripts/device_plan.py run step-rank` call: per run the step, compute, comm estimate and the profile's parts
 (ms per chunk or clip, scaled to all layers), and the W57 TP=4 before -> after deltas. Usage: python3
 scripts/step_rank_summary.py <perf dir>."""
 

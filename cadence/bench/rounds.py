@@ -1,4 +1,4 @@
-"""Interleaved rounds: how every "x faster" of a benchmark is measured (BENCHMARKS.md: a ratio is a distribution).
+"""Interleaved rounds: how every "x faster" of a benchmark is measured (docs/benchmarks.md: a ratio is a distribution).
 
     from cadence.bench.rounds import interleave, compare
     times = interleave({"cublas": t_cublas, "triton": t_triton}, rounds=5)   # A B, B A, A B, ...

@@ -30,6 +30,13 @@ DEADLINE_MS = 4 / 24 * 1e3
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    """The flags of ``cadence bench vae``; with ``--decoder ltx`` the LTX-Video VAE's own
+    (``cadence.bench._vae_ltx.parse``)."""
+    rest = _ltx(argv)
+    if rest is not None:
+        from cadence.bench._vae_ltx import parse as parse_ltx
+
+        return parse_ltx(rest)
     p = argparse.ArgumentParser(
         prog="cadence bench vae",
         description=__doc__.split("\n\n")[0],

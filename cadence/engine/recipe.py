@@ -126,6 +126,28 @@ KERNEL_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("CADENCE_SYMM_CACHE", "4", "cadence.parallel.fused", "symmetric buffers kept per process"),
     EnvSwitch("CADENCE_TILE_CACHE", "8", "cadence.parallel.fused", "'tiles' comm states kept per process"),
     EnvSwitch(
+        "CADENCE_SYMM_SMALL_CACHE", "4", "cadence.parallel.fused", "symmetric buffers kept for the small sums"
+    ),
+    EnvSwitch(
+        "CADENCE_TP_SMALL_COMM",
+        "auto",
+        "cadence.parallel.fused",
+        "small all-reduces (the q/k norm sums): auto (one-shot symmetric memory up to SMALL_BYTES on CUDA) "
+        "or nccl",
+    ),
+    EnvSwitch(
+        "CADENCE_TP_BIAS",
+        "epilogue",
+        "cadence.parallel.fused",
+        "row-parallel bias: epilogue (rank 0's GEMM adds it) or after (every rank after the sum, the reference)",
+    ),
+    EnvSwitch(
+        "CADENCE_TP_QK_PAIR",
+        "1",
+        "cadence.parallel.tp",
+        "1: the q and k norm sums of a self-attention in one all-reduce; 0: one each (the reference)",
+    ),
+    EnvSwitch(
         "CADENCE_TILES_PROTOCOL",
         "owner",
         "cadence.kernels.gemm_allreduce",
