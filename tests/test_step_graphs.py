@@ -48,23 +48,6 @@ def _session(model, cfg=TINY_RING):
     return sess, audio
 
 
-@pytest.fixture
-def fp8_on_the_cpu(monkeypatch):
-    """The FP8 linears' CPU code path, forced for these tests: ``--fp8`` on the CPU resolves off (needs a CUDA
-    worker: what ``cadence serve`` builds there), and what is tested is what bench step does with them."""
-    import dataclasses
-
-    from cadence.engine import recipe as rec
-
-    real = rec.resolve
-
-    def resolve(spec, device, exists=None):
-        r = real(spec, device, exists)
-        return dataclasses.replace(r, fast=dataclasses.replace(r.fast, fp8_linears=True), notes=())
-
-    monkeypatch.setattr(rec, "resolve", resolve)
-
-
 @pytest.mark.timeout(60)
 def test_cpu_graphs_flag_falls_back_to_eager_with_one_log_line(caplog):
     caplog.set_level(logging.INFO)
