@@ -58,7 +58,7 @@ from cadence.model.families import (
     Recache,
     Swap,
     VaeSinkImage,
-    WanDecoder,
+    DecoderRule,
     Wav2Vec2Audio,
     entry_of,
     get_model,
@@ -241,7 +241,7 @@ class SessionRules:
     rebuild: Rebuild | None
     audio: LogMelAudio | Wav2Vec2Audio = field(default_factory=LogMelAudio)
     image: VaeSinkImage | ClipVisionImage = field(default_factory=VaeSinkImage)
-    decoder: WanDecoder = field(default_factory=WanDecoder)
+    decoder: DecoderRule = field(default_factory=DecoderRule)
 
 
 @dataclass(frozen=True)

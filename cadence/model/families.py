@@ -55,7 +55,7 @@ Each family declares what it changes in the engine with typed objects (data only
 * the front ends: ``audio_encoder`` (:class:`LogMelAudio`, Cadence's stand-in, or :class:`Wav2Vec2Audio`),
   ``image_encoder`` (:class:`VaeSinkImage`: the reference image as the cache's sink, or
   :class:`ClipVisionImage`), each built by ``cadence.model.encoders`` from the recipe and finding its files
-  beside the weights (:class:`Beside`); ``decoder`` (:class:`WanDecoder`: the VAE variant, and a decoder the
+  beside the weights (:class:`Beside`); ``decoder`` (:class:`DecoderRule`: the VAE variant, and a decoder the
   stream pins); ``checkpoint`` (:class:`CheckpointFormat`, read by ``cadence.model.weights``).
 
 A new family is an entry here and its own files (docs/architecture.md, "Adding a family").
@@ -98,7 +98,7 @@ class KVStream:
 @dataclass(frozen=True)
 class ClipStream:
     """Bidirectional clips (FlashTalk: ``cadence.engine.flashtalk.ClipSession``): each clip of ``clip_frames``
-    video frames is generated whole, decoded by the family's pinned decoder (:class:`WanDecoder`) and its last
+    video frames is generated whole, decoded by the family's pinned decoder (:class:`DecoderRule`) and its last
     ``motion_frames`` re-encoded before the next starts, inside the step. No K/V cache: no ring cache, no FP8
     K/V, no CUDA graphs, and the decoder's fast paths do not apply (the recipe turns them off with one note)."""
 
@@ -237,14 +237,15 @@ class ClipVisionImage:
 
 
 @dataclass(frozen=True)
-class WanDecoder:
+class DecoderRule:
     """The VAE a family's latents belong to, and the decoder its stream needs."""
 
     variant: str = "2.1"
-    """The Wan VAE its latents belong to ('2.1': 4x8x8, z=16; '2.2': 4x16x16, z=48)."""
+    """The VAE its latents belong to ('2.1': Wan 2.1's, 4x8x8, z=16; '2.2': Wan 2.2's, 4x16x16, z=48)."""
     pinned: str | None = None
-    """The decoder its stream needs whatever was asked ('wan': FlashTalk decodes and re-encodes every clip),
-    or None: ``FastPath.decoder`` (automatic: ``cadence.engine.recipe.choose_decoder``)."""
+    """The engine decoder its stream needs whatever was asked ('wan': FlashTalk decodes and re-encodes every
+    clip with it), or None: ``FastPath.decoder`` (automatic: ``cadence.engine.recipe.choose_decoder``). A
+    clip family whose session decodes with a VAE of its own leaves it None."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ class ModelFamily:
     """Its audio front end (built by the engine from the recipe, whatever session streams it)."""
     image_encoder: VaeSinkImage | ClipVisionImage = field(default_factory=VaeSinkImage)
     """Its reference-image front end."""
-    decoder: WanDecoder = field(default_factory=WanDecoder)
+    decoder: DecoderRule = field(default_factory=DecoderRule)
     """The VAE its latents belong to and the decoder its stream needs."""
     reference_window: str = ""
     """The reference code's own attention settings, for the record (``local_attn_size`` / ``sink_size``
@@ -501,7 +502,7 @@ FAMILIES["flashtalk"] = ModelFamily(
     image_encoder=ClipVisionImage(
         "CLIP ViT-H/14 (Wan's open-clip xlm-roberta-large-vit-huge-14, penultimate layer)"
     ),
-    decoder=WanDecoder("2.1", pinned="wan"),
+    decoder=DecoderRule("2.1", pinned="wan"),
     reference_window="bidirectional within a 33-frame clip (frame_num 33, motion_frames_num 5: "
     "flash_talk/configs/infer_params.yaml)",
     status="parity",
