@@ -51,6 +51,7 @@ from cadence.errors import ConfigError
 from cadence.model.families import (
     ClipStream,
     ClipVisionImage,
+    DecoderRule,
     KVStream,
     LogMelAudio,
     ModelFamily,
@@ -58,7 +59,6 @@ from cadence.model.families import (
     Recache,
     Swap,
     VaeSinkImage,
-    DecoderRule,
     Wav2Vec2Audio,
     entry_of,
     get_model,
