@@ -50,8 +50,8 @@ from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.model.families import (
     ClipStream,
-    ClipVisionImage,
     DecoderRule,
+    FrontEnd,
     KVStream,
     LogMelAudio,
     ModelFamily,
@@ -59,7 +59,6 @@ from cadence.model.families import (
     Recache,
     Swap,
     VaeSinkImage,
-    Wav2Vec2Audio,
     entry_of,
     get_model,
     model_config,
@@ -239,8 +238,8 @@ class SessionRules:
     stream: KVStream | ClipStream
     prompt_switch: Swap | Recache
     rebuild: Rebuild | None
-    audio: LogMelAudio | Wav2Vec2Audio = field(default_factory=LogMelAudio)
-    image: VaeSinkImage | ClipVisionImage = field(default_factory=VaeSinkImage)
+    audio: FrontEnd = field(default_factory=LogMelAudio)
+    image: FrontEnd = field(default_factory=VaeSinkImage)
     decoder: DecoderRule = field(default_factory=DecoderRule)
 
 

@@ -397,7 +397,7 @@ def plan(
             skipped.append(f"{backend}: {reason}")
             continue
         if skipped:
-            asked = requested != "auto" or device.type == "cuda" and backend == "reference"
+            asked = requested != "auto" or device.type == "cuda" and not registry.get(backend).choosable
             ra.warn_once(
                 f"attention-{device.type}-{requested}-{storage}-{backend}-{len(skipped)}",
                 f"ring attention ({storage} K/V, {heads} heads x {q_tokens} q x {kv_tokens} kv): using {backend}; "

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from cadence.config import PRESETS, CadenceConfig, get_preset
 from cadence.errors import ConfigError
@@ -180,6 +181,19 @@ class Beside:
         if self.folder_with:
             return path.is_dir() and (path / self.folder_with).is_file()
         return path.is_file()
+
+
+class FrontEnd(Protocol):
+    """An audio or image front end a family declares: plain data here, built by the engine from the recipe
+    (``cadence.model.encoders.build_front_ends``). A family may bring a type of its own (its own module)."""
+
+    about: str
+    """What it is (logged; named in errors)."""
+    beside: Beside | None
+    """The file or folder it reads beside the weights (None: nothing)."""
+
+    def build(self, cfg: CadenceConfig, device, dtype, path=None):
+        """The built encoder (``path``: its file found beside the weights; None without weights)."""
 
 
 @dataclass(frozen=True)
@@ -301,9 +315,9 @@ class ModelFamily:
     """How the transformer's file is laid out."""
     text_encoder: str = "umt5-xxl"
     """The prompt encoder it needs ('umt5-xxl': Wan's umT5-XXL encoder, 512 tokens of 4096)."""
-    audio_encoder: LogMelAudio | Wav2Vec2Audio = field(default_factory=LogMelAudio)
+    audio_encoder: FrontEnd = field(default_factory=LogMelAudio)
     """Its audio front end (built by the engine from the recipe, whatever session streams it)."""
-    image_encoder: VaeSinkImage | ClipVisionImage = field(default_factory=VaeSinkImage)
+    image_encoder: FrontEnd = field(default_factory=VaeSinkImage)
     """Its reference-image front end."""
     decoder: DecoderRule = field(default_factory=DecoderRule)
     """The VAE its latents belong to and the decoder its stream needs."""
