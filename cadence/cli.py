@@ -111,8 +111,7 @@ def _add_generate(sub) -> None:
 
 def _add_serve(sub) -> None:
     from cadence.engine.flags import add_engine_flags  # torch-free, no serving packages
-    from cadence.fleet.config import add_fleet_flags
-    from cadence.serve.config import add_serve_flags
+    from cadence.serve.config import add_deployment_flags, add_serve_flags
 
     s = sub.add_parser(
         "serve",
@@ -159,7 +158,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
     add_serve_flags(s)
-    add_fleet_flags(s)
+    add_deployment_flags(s)  # --deploy local|ray and each deployment's own (--ray ADDR, --fleet-*)
     s.set_defaults(func=cmd_serve)
 
 
@@ -393,7 +392,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     print(json.dumps(desc.as_dict(), indent=1) if args.json else desc.text())
     if args.env:
         for sw in KERNEL_SWITCHES:
-            v = desc.env[sw.name]
+            v = desc.as_dict()["env"][sw.name]
             now = f"= {v['value']}" if v["set"] else "unset"
             print(f"  {sw.name} {now} (default {sw.default or 'unset'}; {sw.module}): {sw.what}")
     return 0
@@ -405,8 +404,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.engine.flags import spec_from_args
-    from cadence.fleet.config import fleet_from_args
-    from cadence.serve.config import ServeConfig, serve_groups
+    from cadence.serve.config import ServeConfig, deployment_from_args
 
     spec = spec_from_args(
         args
@@ -415,19 +413,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
         raise InputError(f"--max-sessions must be >= 1, got {args.max_sessions}")
-    fleet = fleet_from_args(args)  # --ray: the groups are a Ray fleet's, not this machine's (cadence.fleet)
-    n = 0
-    if args.device == "cuda" and fleet is None:
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise InputError("--device cuda requested but CUDA is not available")
-    groups = (
-        serve_groups(args.device, spec.tp, args.max_sessions, n, spec.decode_gpu)
-        if fleet is None
-        else (fleet.device,)
-    )
+    deployment = deployment_from_args(args)  # local (this machine) or ray (a fleet's groups): by name
+    groups = deployment.placements(args.device, spec.tp, args.max_sessions, spec.decode_gpu)
     cfg = ServeConfig(
         engine=spec,
         host=args.host,
@@ -438,20 +425,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lead_ms=args.lead_ms,
         api_key=_api_key(args),
         insecure_no_auth=args.insecure_no_auth,
-        fleet=fleet,
+        deployment=deployment,
         agent_url=args.agent_url,
         agent_model=args.agent_model,
         agent_stt_model=args.agent_stt_model,
         agent_tts_model=args.agent_tts_model,
         frame_transport=args.frame_transport,
     )
-    from cadence.engine.recipe import resolve
     from cadence.serve.server import run
 
-    print(
-        resolve(spec, groups[0]).describe().text(), file=sys.stderr
-    )  # what group 0 builds (each logs its own)
-    run(cfg, log_level=args.log_level)
+    run(cfg, log_level=args.log_level)  # prints what group 0 builds: the recipe its groups are made with
     return 0
 
 

@@ -90,7 +90,7 @@ def serve_config(mode: str, groups: int):
         for _ in range(groups - 1):
             cluster.add_node(num_cpus=1)
         fleet = FleetConfig(address=cluster.address, groups=groups)
-        return ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, fleet=fleet), cluster
+        return ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, deployment=fleet), cluster
     return ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, groups=("cpu",) * groups), None
 
 
@@ -145,7 +145,7 @@ def media(argv: list[str]) -> None:
         cluster.add_node(num_cpus=1)
     # loopback candidates in both modes (the front end offers 127.0.0.1 on loopback; so does the group here)
     fleet = FleetConfig(address=cluster.address, groups=a.sessions, media=a.mode, media_ice="127.0.0.1")
-    cfg = ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, fleet=fleet)
+    cfg = ServeConfig(engine=ONE_THREAD, port=0, timeline_window_s=2.0, deployment=fleet)
     rows, cpu, window = [], {}, 0.0
     try:
         with ServerThread(cfg, log_level="error") as srv:

@@ -20,12 +20,14 @@ from fa3_stub import fake_fa3
 from cadence.cache.naive import NaiveCache
 from cadence.cache.ring import RingCache
 from cadence.config import ModelConfig
-from cadence.engine.spec import ATTENTION, FastPath
+from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.kernels import attention_backends as ab
+from cadence.kernels import attention_registry as registry
 from cadence.kernels import fa3_adapter
 from cadence.kernels import ring_attention as ra
 from cadence.model.rope import Rope3D
+from cadence.telemetry import logs
 
 CPU = torch.device("cpu")
 GRID = (2, 3)
@@ -42,7 +44,7 @@ def rel(a, b) -> float:
 @pytest.fixture(autouse=True)
 def fresh_logs(monkeypatch):
     """Each test sees its own one-line-per-fallback log (warn_once keeps a process-wide set)."""
-    monkeypatch.setattr(ra, "_warned", set())
+    logs.forget()
     fa3_adapter.forget()
     yield
     fa3_adapter.forget()
@@ -68,7 +70,7 @@ def fa3_stub(monkeypatch):
 
 # ---- FastPath.attention ----------------------------------------------------------------------------------
 def test_fastpath_attention_field():
-    assert ATTENTION == ab.BACKENDS  # the torch-free copy in cadence.engine.spec
+    assert FastPath.__dataclass_fields__["attention"].default == "auto"
     assert FastPath().attention == "auto"
     with pytest.raises(ConfigError, match="attention must be one of"):
         FastPath(attention="flash")
@@ -196,7 +198,7 @@ def test_shipped_table_is_well_formed():
     doc = ab.table()
     assert doc["entries"], "attention_table.json is missing or empty"
     for e in doc["entries"]:
-        assert e["backend"] in ab.BACKENDS[1:] and e["storage"] in ("bf16", "fp8")
+        assert registry.get(e["backend"]).reads(e["storage"])
         assert e["source"] in doc["sources"]
         assert isinstance(e["config"], dict) and e["speedup_vs_cudnn_bf16"] > 0
         assert ab.why_not(e["backend"], CPU, 128, e["storage"]) != "unknown"
@@ -379,3 +381,54 @@ def test_head_scales_are_fixed_after_the_first_commit_without_a_sink(fa3_stub):
     assert torch.equal(ring.k_scale, frozen[0]) and torch.equal(ring.v_scale, frozen[1])
     ring.reset()
     assert not ring.scales_frozen.any()
+
+
+# ---- a backend is one registered object ------------------------------------------------------------------
+class ToyKernel(ab.Kernel):
+    """A registered-here kernel: plain float attention over the ring's bf16 layout, counting its calls."""
+
+    calls = 0
+
+    def attend(self, q, qs, k, ks, v, vs, n_valid, n, layout, config, out_dtype):
+        ToyKernel.calls += 1
+        w = torch.softmax(q @ k[:, :n].transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        return (w @ v[:, :n]).transpose(0, 1).to(out_dtype)
+
+
+TOY = ToyKernel()
+
+
+def test_a_registered_backend_is_a_choice_of_the_flags_the_recipe_the_ring_and_the_bench(monkeypatch):
+    """Adding a kernel is one AttentionBackend and its kernel object: nothing else names it."""
+    from cadence.bench import attention as ba
+    from cadence.engine.flags import fast_path_flags
+    from cadence.engine.recipe import EngineSpec, resolve
+
+    toy = registry.AttentionBackend(
+        "toy",
+        "a test kernel",
+        {"bf16": registry.BF16},
+        f"{__name__}:TOY",
+        bench={"bf16": "toy_bf16"},
+        cpu=True,
+    )
+    monkeypatch.setitem(registry.BACKENDS, "toy", toy)
+    assert "toy" in next(f for f in fast_path_flags() if f.name == "attention").choices
+    r = resolve(EngineSpec(model="character", fast=FastPath(attention="toy")), "cpu")  # a ring-cache model
+    assert r.config.stream.attention == "toy" and not r.notes
+    ring = make_ring(3, attention="toy")
+    assert ring.plan.backend == "toy" and ring.kernel is TOY
+    ToyKernel.calls = 0
+    assert max(stream_errors(ring, 3, 1)) < 1e-5 and ToyKernel.calls > 0
+    assert ("bf16", "toy") in ba.ring_backends() and registry.bench_families()["toy_bf16"] == ("toy", "bf16")
+
+
+def test_an_explicit_choice_the_cache_cannot_honour_is_a_note():
+    """The naive cache has no attention backend: asking for one says so in the recipe, and the choice goes."""
+    from cadence.engine.recipe import EngineSpec, resolve
+
+    r = resolve(EngineSpec(model="tiny", fast=FastPath(attention="sdpa")), "cpu")  # tiny: the naive cache
+    assert r.config.stream.cache == "naive" and r.fast.attention == "auto"
+    assert r.notes == ("attention: sdpa reads the ring cache (this one runs the naive cache): auto",)
+    krea = resolve(EngineSpec(model="krea-14b", fast=FastPath(attention="triton")), "cuda:0")
+    assert any(n.startswith("attention: triton reads the ring cache") for n in krea.notes)

@@ -4,17 +4,28 @@ interpreter runs each call for seconds; tests/test_ring_kernels.py checks those 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from cadence.bench import attention as ba
 from cadence.kernels import attention_backends as ab
+from cadence.kernels import attention_registry as registry
 
 
 @pytest.fixture
 def no_triton(monkeypatch):
-    monkeypatch.setattr(ba, "triton_variants", lambda *a, **k: iter(()))
+    """The registry's backends but the Triton ones (the interpreter runs each call for seconds)."""
+    every = ba.bench_backends
+    monkeypatch.setattr(ba, "bench_backends", lambda: [b for b in every() if not b.name.startswith("triton")])
+
+
+def with_budget(monkeypatch, backend: str, storage: str, value: float) -> None:
+    b = registry.BACKENDS[backend]
+    monkeypatch.setitem(
+        registry.BACKENDS, backend, dataclasses.replace(b, budget={**b.budget, storage: value})
+    )
 
 
 def test_cpu_smoke_record_and_ring_check(no_triton, tmp_path, capsys):
@@ -39,7 +50,7 @@ def test_cpu_smoke_record_and_ring_check(no_triton, tmp_path, capsys):
 
 
 def test_check_fails_over_budget(no_triton, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(ba.BUDGET, "bf16", 0.0)  # nothing passes a zero budget
+    with_budget(monkeypatch, "sdpa", "bf16", 0.0)  # nothing passes a zero budget
     assert ba.main(["--preset", "tiny", "--device", "cpu", "--iters", "1", "--check", "--no-record"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: over budget: tiny tp1 sdpa_default_bf16")
@@ -47,9 +58,9 @@ def test_check_fails_over_budget(no_triton, tmp_path, monkeypatch, capsys):
 
 def test_best_of_skips_variants_over_budget():
     v = {
-        "sdpa_cudnn_bf16": dict(family="sdpa_cudnn_bf16", storage="bf16", ms=1.0, rel_err=0.004, config={}),
-        "triton_fp8_a": dict(family="triton_fp8", storage="fp8", ms=0.5, rel_err=0.3, config={"split": 2}),
-        "triton_fp8_b": dict(family="triton_fp8", storage="fp8", ms=0.8, rel_err=0.05, config={"split": 1}),
+        "sdpa_cudnn_bf16": dict(family="sdpa_cudnn_bf16", ms=1.0, rel_err=0.004, budget=0.01, config={}),
+        "triton_fp8_a": dict(family="triton_fp8", ms=0.5, rel_err=0.3, budget=0.08, config={"split": 2}),
+        "triton_fp8_b": dict(family="triton_fp8", ms=0.8, rel_err=0.05, budget=0.08, config={"split": 1}),
     }
     out = ba.best_of(v)
     assert out["over_budget"] == {"triton_fp8_a": 0.3}
@@ -124,7 +135,7 @@ def test_fa3_rows_through_the_stub(no_triton, monkeypatch):
 
     monkeypatch.setitem(__import__("sys").modules, fa3_adapter.MODULE, fake_fa3())
     monkeypatch.setattr(fa3_adapter, "why_not", lambda d, h, f: "")
-    monkeypatch.setitem(ba.BUDGET, "bf16", 0.02)
+    with_budget(monkeypatch, "fa3", "bf16", 0.02)
     fa3_adapter.forget()
     try:
         res = ba.run_dims(2, 40, 200, 32, torch.device("cpu"), _opts())
@@ -175,8 +186,8 @@ def test_every_device_sweep_config_is_exact_on_float32_storage():
     nv = torch.tensor([n - 7], dtype=torch.int32)
     ref = ra.ring_attention_reference(q, qs, K, ks, VT, ks, n - 7)
     seen = set()
-    for fam in ("triton_fp8", "triton_head_fp8"):
-        for cfg in ba.triton_configs(torch.device("cuda"), fam, 100, sweep=True):
+    for kernel in (ab.TRITON, ab.TRITON_HEAD):
+        for cfg in kernel.configs(torch.device("cuda"), "fp8", sweep=True, ctas=100):
             key = tuple(sorted((a, b) for a, b in cfg.items() if a not in ("num_warps", "num_stages")))
             if key in seen:
                 continue

@@ -1,7 +1,7 @@
 """The benchmarks of one part (``cadence bench step | cache | attention | fused | linears``) on the one
-engine-flag set: their words give an ``EngineSpec`` resolved by the recipe (``cadence.bench.recipes``), the words
-recorded in README / docs / scripts keep the meaning they had (FP8 off unless asked, the step's cache and graphs
-rules, the CUDA-only options asked for kept on a CPU smoke run), and each run prints and records its recipe."""
+engine-flag set: their words give an ``EngineSpec`` resolved by the recipe as ``cadence serve`` resolves the same
+words (a bare ``bench step`` builds what a bare ``serve`` builds on the same device; another path is asked for
+in words), and each run prints and records its recipe."""
 
 from __future__ import annotations
 
@@ -11,26 +11,39 @@ from pathlib import Path
 import pytest
 
 from cadence.bench import step as bench_step
-from cadence.bench.recipes import part_recipe
+from cadence.cli import build_parser
+from cadence.engine import flags
+from cadence.engine.recipe import resolve
 
 
 def step_recipe(words: list[str], device: str, layers: int | None = None):
-    return part_recipe(bench_step.step_spec(bench_step.parse(words), layers), device)
+    return resolve(bench_step.step_spec(bench_step.parse(words), layers), device)
 
 
-# (words, device) -> (cache, kv_fp8, fp8_linears, graphs, compile, dtype): what `bench step` built before the
-# flag set (its own flags: --kv-fp8 / --fp8 / --compile store_true, graphs on with CUDA and the ring cache)
+def serve_recipe(words: list[str], device: str):
+    return resolve(flags.spec_from_args(build_parser().parse_args(["serve", *words])), device)
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cpu"])
+@pytest.mark.parametrize("model", ["tiny", "w14", "character", "krea-14b"])
+def test_a_bare_bench_step_builds_what_a_bare_serve_builds(model, device):
+    """The same words, one resolution: no default of the benchmark's own, no edit after resolving."""
+    step, serve = step_recipe(["--model", model], device), serve_recipe(["--model", model], device)
+    assert step.fast == serve.fast and step.config == serve.config and step.notes == serve.notes
+    assert not step.warmup  # (a part benchmark times the step, no warm-up stream)
+
+
+# (words, device) -> (cache, kv_fp8, fp8_linears, graphs, compile, dtype): another path asked for in words
 MEANINGS = [
-    ([], "cuda:0", ("naive", False, False, False, False, "bfloat16")),
+    ([], "cuda:0", ("ring", True, True, True, False, "bfloat16")),  # what serve runs
     ([], "cpu", ("naive", False, False, False, False, "float32")),
-    (["--preset", "w14", "--cache", "naive", "--dtype", "bf16"], "cuda:0", ("naive", False, False, False, False, "bfloat16")),
-    (["--preset", "w57", "--cache", "ring"], "cuda:0", ("ring", False, False, True, False, "bfloat16")),
-    (["--preset", "w57", "--cache", "ring", "--kv-fp8"], "cuda:0", ("ring", True, False, True, False, "bfloat16")),
-    (["--cache", "ring", "--no-graphs", "--fp8"], "cuda:0", ("ring", False, True, False, False, "bfloat16")),
+    (["--no-kv-fp8", "--no-fp8", "--no-graphs"], "cuda:0", ("naive", False, False, False, False, "bfloat16")),
+    (["--preset", "w14", "--cache", "naive", "--dtype", "bf16"], "cuda:0", ("naive", False, True, False, False, "bfloat16")),
+    (["--preset", "w57", "--cache", "ring", "--no-kv-fp8"], "cuda:0", ("ring", False, True, True, False, "bfloat16")),
+    (["--cache", "ring", "--no-graphs", "--no-kv-fp8"], "cuda:0", ("ring", False, True, False, False, "bfloat16")),
     (["--cache", "ring", "--kv-fp8", "--fp8", "--compile", "--graphs"], "cuda:0", ("ring", True, True, True, True, "bfloat16")),
-    (["--cache", "naive", "--kv-fp8"], "cuda:0", ("naive", True, False, False, False, "bfloat16")),
-    (["--graphs"], "cuda:0", ("naive", False, False, False, False, "bfloat16")),  # graphs need the ring: eager
-    (["--cache", "ring", "--kv-fp8", "--fp8", "--graphs"], "cpu", ("ring", True, True, False, False, "float32")),
+    (["--cache", "naive", "--kv-fp8"], "cuda:0", ("naive", True, True, False, False, "bfloat16")),
+    (["--cache", "ring", "--kv-fp8", "--fp8", "--graphs"], "cpu", ("ring", False, False, False, False, "float32")),
     (["--dtype", "fp16"], "cpu", ("naive", False, False, False, False, "float16")),
 ]  # fmt: skip
 
@@ -38,7 +51,7 @@ MEANINGS = [
 @pytest.mark.parametrize(
     "words,device,meaning", MEANINGS, ids=lambda v: " ".join(v) if isinstance(v, list) else None
 )
-def test_bench_step_words_keep_the_meaning_they_had(words, device, meaning):
+def test_bench_step_words_say_what_they_time(words, device, meaning):
     r = step_recipe(words, device)
     got = (r.config.stream.cache, r.config.stream.kv_fp8, r.fast.fp8_linears, r.fast.graphs, r.fast.compile)
     assert got + (r.fast.dtype,) == meaning
@@ -59,31 +72,15 @@ def test_bench_step_takes_the_fast_path_flags_of_a_step_with_their_docstrings(ca
     assert r.tp == 4 and r.fast.sequence_parallel and r.fast.comm == "two_shot"
 
 
-def test_a_cpu_run_keeps_what_was_asked_unless_the_family_rules_it_out():
-    r = step_recipe(["--cache", "ring", "--kv-fp8", "--fp8", "--gemm", "triton"], "cpu")
-    assert r.fast.kv_fp8 and r.fast.fp8_linears and r.fast.gemm == "triton"
-    assert len(r.notes) == 1 and "kept on cpu, as asked" in r.notes[0]
-    # nothing asked: the CPU reference (and nothing to note)
-    assert step_recipe(["--cache", "ring"], "cpu").notes == ()
+def test_a_cpu_run_turns_the_cuda_options_off_with_notes_as_serve_does():
+    words = ["--kv-fp8", "--fp8", "--gemm", "triton"]
+    r = step_recipe(["--cache", "ring", *words], "cpu")
+    assert not (r.fast.kv_fp8 or r.fast.fp8_linears) and r.fast.gemm == "auto"
+    assert r.notes == serve_recipe(words, "cpu").notes and any("needs a CUDA worker" in n for n in r.notes)
+    assert step_recipe(["--cache", "ring"], "cpu").notes == ()  # nothing asked: the CPU reference, no note
     # Krea's context rebuild runs on the naive cache: its rules win over the words on any device
-    krea = step_recipe(["--model", "krea-14b", "--kv-fp8", "--fp8"], "cpu", layers=1)
-    assert krea.config.stream.cache == "naive" and not krea.fast.fp8_linears
-    assert not any("kept" in n for n in krea.notes)
-
-
-def test_serve_and_bench_step_differ_only_where_the_step_says_so():
-    """A bare `bench step` is the reference step, not what a bare `cadence serve` runs on CUDA (the README says
-    so): the FP8 options differ, the geometry is the model's."""
-    from cadence.engine.recipe import EngineSpec, resolve
-
-    serve = resolve(EngineSpec(model="w14"), "cuda:0")
-    step = step_recipe(["--preset", "w14"], "cuda:0")
-    assert serve.fast.fp8_linears and serve.fast.kv_fp8 and not (step.fast.fp8_linears or step.fast.kv_fp8)
-    assert serve.config.model == step.config.model
-    same = step_recipe(["--preset", "w14", "--cache", "ring", "--kv-fp8", "--fp8"], "cuda:0")
-    keys = ("kv_fp8", "fp8_linears", "graphs", "dtype", "comm", "attention", "gemm")
-    assert {k: getattr(same.fast, k) for k in keys} == {k: getattr(serve.fast, k) for k in keys}
-    assert same.config.stream == serve.config.stream
+    krea = step_recipe(["--model", "krea-14b", "--kv-fp8", "--fp8"], "cuda:0", layers=1)
+    assert krea.config.stream.cache == "naive" and not krea.fast.kv_fp8 and krea.fast.fp8_linears
 
 
 @pytest.mark.timeout(60)
@@ -93,8 +90,10 @@ def test_bench_step_prints_and_records_its_recipe(tmp_path, capsys):
     doc = json.loads(Path(r["_path"]).read_text())
     rec = doc["recipe"]
     assert rec["model"] == "tiny" and rec["geometry"]["layers"] == 1 and rec["cache"] == "ring"
-    assert rec["fast"]["fp8_linears"] is True and rec["fast"]["kv_fp8"] is False
-    assert doc["results"]["fp8"] is True and doc["results"]["layers_run"] == 1
+    assert rec["fast"]["fp8_linears"] is False and rec["notes"] == [
+        "fp8_linears: needs a CUDA worker (this one runs on cpu): off"
+    ]  # as cadence serve --fp8 on the CPU
+    assert doc["results"]["fp8"] is False and doc["results"]["layers_run"] == 1
     assert capsys.readouterr().err.startswith("recipe: tiny on cpu, tp 1")
 
 
@@ -121,14 +120,16 @@ def test_bench_cache_times_three_recipes(tmp_path):
     assert [(rec[k]["cache"], rec[k]["kv_fp8"]) for k in ("naive", "ring_bf16", "ring_fp8")] == [
         ("naive", False),
         ("ring", False),
-        ("ring", True),
+        ("ring", False),  # FP8 K/V needs a CUDA worker: off here, with serve's note
     ]
+    assert rec["ring_fp8"]["notes"] == ["kv_fp8: needs a CUDA worker (this one runs on cpu): off"]
     assert all(not v["fast"]["fp8_linears"] and not v["fast"]["graphs"] for v in rec.values())
     assert set(doc["results"]["steps"]) == {"naive", "ring_bf16", "ring_fp8"}
     args = cache.parse(["--model", "w14", "--attention", "sdpa", "--dtype", "bf16"])
     r = cache.variant_recipes(args, "cuda:0", 2)
     assert {k: v.fast.dtype for k, v in r.items()} == dict.fromkeys(cache.VARIANTS, "bfloat16")
     assert r["ring_fp8"].config.stream.attention == "sdpa" and r["ring_fp8"].config.model.num_layers == 2
+    assert r["ring_fp8"].config.stream.kv_fp8 and not any(v.fast.fp8_linears for v in r.values())
 
 
 def test_the_sweeping_benchmarks_record_the_recipe_of_each_shape():

@@ -11,6 +11,7 @@ import torch
 from cadence.bench.pipeline import latency_fields, playout_misses
 from cadence.engine.build import apply_decoder_fast
 from cadence.engine.messages import ChunkTimings
+from cadence.engine.recipe import EngineSpec
 from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError, InputError
 from cadence.model.vae import WanVAE, wan_vae_config
@@ -20,11 +21,11 @@ from cadence.serve.config import ServeConfig, serve_groups, worker_spec
 
 
 def test_serve_groups_leave_the_decode_gpu_out():
-    assert serve_groups("cuda", 1, None, 2, decode_gpu=1) == ("cuda:0",)
-    assert serve_groups("cuda", 1, None, 2, decode_gpu=0) == ("cuda:1",)
-    assert serve_groups("cuda", 1, None, 4, decode_gpu=1) == ("cuda:0", "cuda:2", "cuda:3")
-    assert serve_groups("cuda", 2, None, 3, decode_gpu=2) == ("cuda:0+cuda:1",)
-    assert serve_groups("cuda", 1, None, 2) == ("cuda:0", "cuda:1")  # unchanged without it
+    assert tuple(map(str, serve_groups("cuda", 1, None, 2, decode_gpu=1))) == ("cuda:0",)
+    assert tuple(map(str, serve_groups("cuda", 1, None, 2, decode_gpu=0))) == ("cuda:1",)
+    assert tuple(map(str, serve_groups("cuda", 1, None, 4, decode_gpu=1))) == ("cuda:0", "cuda:2", "cuda:3")
+    assert tuple(map(str, serve_groups("cuda", 2, None, 3, decode_gpu=2))) == ("cuda:0+cuda:1",)
+    assert tuple(map(str, serve_groups("cuda", 1, None, 2))) == ("cuda:0", "cuda:1")  # unchanged without it
     with pytest.raises(InputError, match="decode-gpu 2"):
         serve_groups("cuda", 1, None, 2, decode_gpu=2)
     with pytest.raises(InputError, match="besides decode GPU 1"):
@@ -32,26 +33,31 @@ def test_serve_groups_leave_the_decode_gpu_out():
 
 
 def test_worker_spec_decodes_on_the_decode_gpu():
-    cfg = ServeConfig.from_words(preset="w14", groups=("cuda:0",), decode_gpu=1, decoder="wan")
+    cfg = ServeConfig(
+        engine=EngineSpec(model="w14", decode_device="cuda:1", fast=FastPath(decoder="wan")),
+        groups=("cuda:0",),
+    )
     spec, _ = worker_spec(cfg, "cuda:0")
-    assert spec.decode_device == "cuda:1" and spec.fast.decoder_fast == "compile"
-    assert not spec.notes
+    assert spec.recipe.decode_device == "cuda:1" and spec.recipe.fast.decoder_fast == "compile"
+    assert not spec.recipe.notes
     # without it: the group's own GPU (its own stream)
-    spec, _ = worker_spec(ServeConfig.from_words(preset="w14", groups=("cuda:0",)), "cuda:0")
-    assert spec.decode_device == "same"
+    spec, _ = worker_spec(ServeConfig(engine=EngineSpec(model="w14"), groups=("cuda:0",)), "cuda:0")
+    assert spec.recipe.decode_device == "same"
     # a tensor-parallel group decodes on its own GPUs, with a note; the CPU likewise
-    tp = ServeConfig.from_words(preset="w14", groups=("cuda:0+cuda:1",), decode_gpu=2)
+    tp = ServeConfig(engine=EngineSpec(model="w14", decode_device="cuda:2"), groups=("cuda:0+cuda:1",))
     spec, _ = worker_spec(tp, "cuda:0+cuda:1")
-    assert spec.decode_device == "same" and any("tensor-parallel" in n for n in spec.notes)
-    spec, _ = worker_spec(ServeConfig.from_words(groups=("cpu",), decode_gpu=0), "cpu")
-    assert spec.decode_device == "same" and spec.fast.decoder_fast == "off" and spec.notes
+    assert spec.recipe.decode_device == "same" and any("tensor-parallel" in n for n in spec.recipe.notes)
+    spec, _ = worker_spec(ServeConfig(engine=EngineSpec(decode_device="cuda:0"), groups=("cpu",)), "cpu")
+    assert (
+        spec.recipe.decode_device == "same" and spec.recipe.fast.decoder_fast == "off" and spec.recipe.notes
+    )
 
 
 def test_serve_config_refuses_a_decode_gpu_that_is_also_a_group():
     with pytest.raises(ConfigError, match="decode GPU 0"):
-        ServeConfig.from_words(groups=("cuda:0", "cuda:1"), decode_gpu=0)
-    with pytest.raises(ConfigError, match=">= 0"):
-        ServeConfig.from_words(groups=("cuda:0",), decode_gpu=-1)
+        ServeConfig(engine=EngineSpec(decode_device="cuda:0"), groups=("cuda:0", "cuda:1"))
+    with pytest.raises(ConfigError, match="decode device must be"):
+        EngineSpec(decode_device="cuda:-1")
     with pytest.raises(ConfigError, match="decoder_fast"):
         FastPath(decoder_fast="turbo")
 

@@ -49,6 +49,7 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
 from cadence.devtools.browser import STATS_JS, Chromium, chromium_path, get_json, open_page
+from cadence.engine.recipe import EngineSpec
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
 
@@ -361,7 +362,7 @@ def test_page_asks_for_the_api_key_once_and_sends_the_session_token(chromium, br
     is needed), refuses to start without one, starts with it, remembers it for the tab (a reload does not
     ask again), and drives the session with the token it got (its state polls and its Stop's DELETE)."""
     key = "browser-test-operator-key-0123456789"
-    srv = ServerThread(ServeConfig.from_words(preset="tiny", port=0, api_key=key)).start()
+    srv = ServerThread(ServeConfig(engine=EngineSpec(model="tiny"), port=0, api_key=key)).start()
     try:
         cdp = browser
         open_page(cdp, srv.url)

@@ -105,12 +105,17 @@ def test_factory_stand_in_and_real():
         make_text_encoder(bad)
 
 
-def test_audio_factory_returns_the_stand_in():
-    from cadence.model.audio import AudioFeatures, make_audio_encoder
+def test_the_presets_and_text_families_declare_the_log_mel_stand_in():
+    from cadence.engine.recipe import session_rules
+    from cadence.model.audio import AudioFeatures
+    from cadence.model.encoders import build_front_ends
+    from cadence.model.families import LogMelAudio, VaeSinkImage
 
     cfg = get_preset("character")
-    enc = make_audio_encoder(cfg)
-    assert isinstance(enc, AudioFeatures)
+    rules = session_rules(cfg)
+    assert isinstance(rules.audio, LogMelAudio) and isinstance(rules.image, VaeSinkImage)
+    image, enc = build_front_ends(cfg, (rules.image, rules.audio), "cpu", torch.float32)
+    assert image is None and isinstance(enc, AudioFeatures)
     out = enc(torch.zeros(cfg.audio_samples_per_chunk))
     assert tuple(out.shape) == (1, cfg.model.audio_tokens_per_frame, cfg.model.audio_dim)
-    assert isinstance(make_audio_encoder(family_config("self-forcing")), AudioFeatures)
+    assert isinstance(session_rules(family_config("self-forcing")).audio, LogMelAudio)

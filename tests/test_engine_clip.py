@@ -25,11 +25,12 @@ pytest.importorskip("transformers")
 
 import cadence.model.flashtalk as ft  # noqa: E402
 from cadence.engine.build import build_engine  # noqa: E402
-from cadence.engine.flashtalk import AUDIO_LAG, ClipSession, flashtalk_encoder_files  # noqa: E402
+from cadence.engine.flashtalk import AUDIO_LAG, ClipSession  # noqa: E402
 from cadence.engine.recipe import session_rules  # noqa: E402
 from cadence.engine.session import Session, StreamSession, session_type  # noqa: E402
 from cadence.engine.spec import FastPath  # noqa: E402
 from cadence.errors import ConfigError  # noqa: E402
+from cadence.model.encoders import locate  # noqa: E402
 from cadence.model.families import FAMILIES, family_config  # noqa: E402
 
 TINY_VAE = {"base_dim": 4}
@@ -79,7 +80,7 @@ def run_offline(eng, image, audio, seed=5, lag=AUDIO_LAG):
     ft.sample_clip = sample_clip
     try:
         frames = ft.generate_offline(
-            gen.model, gen.vae.wan, gen.clip_vision, ft.FlashTalkAudio(gen.audio_features), image,
+            gen.model, gen.vae.wan, gen.image_encoder, ft.FlashTalkAudio(gen.audio), image,
             torch.cat([torch.zeros(lag), audio]), text, SIZE, seed,
         )  # fmt: skip
     finally:
@@ -144,20 +145,23 @@ def test_fast_paths_that_do_not_apply_fall_back_with_a_note():
 
 
 def test_encoder_files_beside_the_weights(tmp_path):
+    """The family's front ends say where their files are (``Beside``): all are looked up before any is built."""
+    fam = FAMILIES["flashtalk"]
+    front = (fam.image_encoder, fam.audio_encoder)
     ckpt = tmp_path / "SoulX-FlashTalk-14B"
     ckpt.mkdir()
     (ckpt / "diffusion_pytorch_model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="CLIP vision encoder.*and the wav2vec2 folder"):
-        flashtalk_encoder_files(ckpt)
+        locate(ckpt, front, "flashtalk")
     clip = ckpt / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
     clip.write_bytes(b"")
     w2v = tmp_path / "chinese-wav2vec2-base"
     w2v.mkdir()
     with pytest.raises(ConfigError, match="wav2vec2 folder"):
-        flashtalk_encoder_files(ckpt)
+        locate(ckpt, front, "flashtalk")
     (w2v / "config.json").write_text("{}")
-    assert flashtalk_encoder_files(ckpt) == (clip, w2v)
-    assert flashtalk_encoder_files(ckpt / "diffusion_pytorch_model.safetensors") == (clip, w2v)
+    assert locate(ckpt, front) == [clip, w2v]
+    assert locate(ckpt / "diffusion_pytorch_model.safetensors", front) == [clip, w2v]
     # the fixture's folder holds the transformer only: one clear error before any stream
     folder = Path(__file__).parent / "fixtures" / "flashtalk" / "flashtalk_tiny"
     cfg = family_config("flashtalk", weights=str(folder), model=TINY, stream=HW, vae=TINY_VAE)

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("aiortc")
 
 from cadence.devtools.client import run_client  # noqa: E402
+from cadence.engine.recipe import EngineSpec
 from cadence.serve.config import ServeConfig  # noqa: E402
 from cadence.serve.server import ServerThread  # noqa: E402
 
@@ -25,7 +26,7 @@ def test_a_live_flashtalk_session_gets_clip_frames_and_audio():
     from cadence.media import synthetic_speech
 
     over = {"model": TINY, "stream": HW, "vae": {"base_dim": 4}}
-    srv = ServerThread(ServeConfig.from_words(port=0, model="flashtalk", overrides=over)).start()
+    srv = ServerThread(ServeConfig(engine=EngineSpec(model="flashtalk", overrides=over), port=0)).start()
     try:
         res = asyncio.run(run_client(srv.url, 3.0, mic=synthetic_speech(2.0, sample_rate=48000).numpy()))
     finally:

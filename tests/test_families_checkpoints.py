@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from cadence.errors import WeightsError
-from cadence.model.families import family_config
+from cadence.model.families import family_config, get_family
 from cadence.model.weights import (
     build_model,
     load_family_weights,
@@ -45,14 +45,14 @@ def geometry_only(dim: int, layers: int) -> dict:
 
 def test_missing_file_names_file_and_family(tmp_path):
     with pytest.raises(WeightsError, match=r"does not exist"):
-        load_family_weights(tiny_model(), tmp_path / "nope.pt", "self-forcing")
+        load_family_weights(tiny_model(), tmp_path / "nope.pt", get_family("self-forcing"))
 
 
 def test_krea_file_passed_as_self_forcing_is_detected(tmp_path):
     f = tmp_path / "krea-realtime-video-14b.safetensors"
     save_file(geometry_only(5120, 40), str(f))
     with pytest.raises(WeightsError) as e:
-        load_family_weights(tiny_model(), f, "self-forcing")
+        load_family_weights(tiny_model(), f, get_family("self-forcing"))
     msg = str(e.value)
     assert (
         str(f) in msg
@@ -66,7 +66,7 @@ def test_self_forcing_file_passed_as_krea_is_detected(tmp_path):
     f = tmp_path / "self_forcing_dmd.pt"
     torch.save({"generator": geometry_only(1536, 30), "generator_ema": geometry_only(1536, 30)}, f)
     with pytest.raises(WeightsError) as e:
-        load_family_weights(tiny_model("krea-14b"), f, "krea-14b")
+        load_family_weights(tiny_model("krea-14b"), f, get_family("krea-14b"))
     msg = str(e.value)
     assert "'krea-14b' expects .safetensors" in msg and "it is a .pt file" in msg
     assert "looks like self-forcing / causvid / longlive" in msg
@@ -78,14 +78,14 @@ def test_cadence_safetensors_passed_as_family(tmp_path):
     with pytest.raises(
         WeightsError, match=r"expects \.pt with .*it is a \.safetensors file; it holds cadence names"
     ):
-        load_family_weights(tiny_model(), f, "self-forcing")
+        load_family_weights(tiny_model(), f, get_family("self-forcing"))
 
 
 def test_pt_without_generator_entry(tmp_path):
     f = tmp_path / "odd.pt"
     torch.save({"state": generator_sd(), "step": torch.tensor(3)}, f)
     with pytest.raises(WeightsError, match=r"no generator / model entry; its top-level keys are state, step"):
-        load_family_weights(tiny_model(), f, "self-forcing")
+        load_family_weights(tiny_model(), f, get_family("self-forcing"))
 
 
 def test_lora_file_passed_as_generator(tmp_path):
@@ -94,7 +94,7 @@ def test_lora_file_passed_as_generator(tmp_path):
         {"generator_lora": {"base_model.model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 64)}}, f
     )
     with pytest.raises(WeightsError, match=r"this is a LoRA file"):
-        load_family_weights(tiny_model("longlive"), f, "longlive")
+        load_family_weights(tiny_model("longlive"), f, get_family("longlive"))
 
 
 def test_diffusers_names_under_generator(tmp_path):
@@ -109,12 +109,12 @@ def test_diffusers_names_under_generator(tmp_path):
         f,
     )
     with pytest.raises(WeightsError, match=r"its keys are diffusers names, not wan names"):
-        read_family_checkpoint(f, "self-forcing")
+        read_family_checkpoint(f, get_family("self-forcing"))
 
 
 def test_ema_of_a_family_without_ema():
     with pytest.raises(WeightsError, match=r"'causvid' has no EMA weights entry"):
-        read_family_checkpoint(CKPT, "causvid", ema=True)
+        read_family_checkpoint(CKPT, get_family("causvid"), ema=True)
 
 
 def test_missing_unexpected_and_misshaped_keys_in_one_message(tmp_path):
@@ -125,7 +125,7 @@ def test_missing_unexpected_and_misshaped_keys_in_one_message(tmp_path):
     f = tmp_path / "broken.pt"
     torch.save({"generator": sd}, f)
     with pytest.raises(WeightsError) as e:
-        load_family_weights(tiny_model(), f, "self-forcing")
+        load_family_weights(tiny_model(), f, get_family("self-forcing"))
     msg = str(e.value)
     assert str(f) in msg and "'self-forcing'" in msg
     assert "1 missing key(s): blocks.1.ffn.fc2.bias" in msg
@@ -135,7 +135,7 @@ def test_missing_unexpected_and_misshaped_keys_in_one_message(tmp_path):
 
 def test_geometry_mismatch_names_both():
     with pytest.raises(WeightsError, match=r"dim 64, 2 layers, ffn 128; the model is dim 64, 3 layers"):
-        load_family_weights(tiny_model(num_layers=3), CKPT, "self-forcing")
+        load_family_weights(tiny_model(num_layers=3), CKPT, get_family("self-forcing"))
 
 
 def _lora_for(sd: dict, rank: int, seed: int = 0) -> dict:
@@ -164,7 +164,7 @@ def test_lora_merged_at_load_equals_merged_weights(tmp_path):
         lf = tmp_path / "lora.pt"
         torch.save({"generator_lora": lora}, lf)
         m = tiny_model("longlive")
-        rep = load_family_weights(m, CKPT, "longlive-tiny-lora", lora=lf)
+        rep = load_family_weights(m, CKPT, get_family("longlive-tiny-lora"), lora=lf)
         n_linear = sum(1 for k in lora if k.endswith("lora_A.weight"))
         assert (
             rep["lora_merged"] == n_linear == 2 * (4 + 4 + 2)
@@ -186,7 +186,7 @@ def test_lora_merged_at_load_equals_merged_weights(tmp_path):
         bad = tmp_path / "bad.pt"
         torch.save(_lora_for(sd, rank=3), bad)
         with pytest.raises(WeightsError, match=r"blocks\.0\..*rank 3 / 3, the family's LoRA has rank 4"):
-            load_family_weights(tiny_model("longlive"), CKPT, "longlive-tiny-lora", lora=bad)
+            load_family_weights(tiny_model("longlive"), CKPT, get_family("longlive-tiny-lora"), lora=bad)
     finally:
         del fams.FAMILIES["longlive-tiny-lora"]
 

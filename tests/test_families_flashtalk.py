@@ -21,8 +21,8 @@ import pytest
 import torch
 from family_fixtures import rel, tiny_model
 
-from cadence.errors import ConfigError, WeightsError
-from cadence.model.families import ClipStream, family_config, get_family
+from cadence.errors import WeightsError
+from cadence.model.families import family_config, get_family
 from cadence.model.flashtalk import i2v_condition, sample_clip, shifted_timesteps
 from cadence.model.multitalk import latent_audio_windows, reference_mask
 from cadence.model.wav2vec2 import frame_windows
@@ -52,7 +52,7 @@ HW = dict(height=C["latent_hw"][0] * 8, width=C["latent_hw"][1] * 8)
 def model():
     cfg = family_config("flashtalk", weights=str(FOLDER), model=TINY, stream=HW)
     m = build_model(cfg, "cpu", torch.float32, seed=None)
-    rep = load_family_weights(m, FOLDER, "flashtalk")
+    rep = load_family_weights(m, FOLDER, get_family("flashtalk"))
     assert rep["loaded"] == 97 and not rep["audio_zeroed"]
     return m
 
@@ -66,7 +66,10 @@ def text_of(prompt: torch.Tensor) -> torch.Tensor:
 
 def test_family_entry():
     fam = get_family("flashtalk")
-    assert fam.status == "parity" and fam.streaming == ClipStream(C["frame_num"], C["motion_frames"], "wan")
+    assert fam.status == "parity" and (fam.streaming.clip_frames, fam.streaming.motion_frames) == (
+        C["frame_num"],
+        C["motion_frames"],
+    )
     cfg = family_config("flashtalk")
     m, s = cfg.model, cfg.stream
     assert (m.dim, m.num_layers, m.num_heads, m.ffn_dim) == (5120, 40, 40, 13824)  # Wan2.1-I2V-14B
@@ -82,11 +85,11 @@ def test_family_entry():
     clip = fam.streaming
     assert cfg.video_frames_per_chunk == clip.clip_frames - clip.motion_frames  # 28 new frames per clip
     torch.testing.assert_close(shifted_timesteps(s.timesteps, s.shift), DATA["stream"]["timesteps"])
-    # the per-chunk log-mel front end refuses it: the engine hears it through its wav2vec2 (cadence.engine.flashtalk)
-    from cadence.model.audio import make_audio_encoder
+    # its front ends are its entry's, typed: the engine builds them from the recipe, whatever session runs
+    from cadence.model.families import ClipVisionImage, Wav2Vec2Audio
 
-    with pytest.raises(ConfigError, match="flashtalk.*wav2vec2"):
-        make_audio_encoder(cfg)
+    assert isinstance(fam.audio_encoder, Wav2Vec2Audio) and isinstance(fam.image_encoder, ClipVisionImage)
+    assert fam.decoder.pinned == "wan" and fam.streaming.session == "cadence.engine.flashtalk:ClipSession"
 
 
 def test_audio_windows_and_projection(model):
@@ -151,7 +154,7 @@ def test_other_files_are_refused(tmp_path):
     m = build_model(cfg, "cpu", torch.float32, seed=None)
     sf = Path(__file__).parent / "fixtures" / "self_forcing" / "self_forcing_tiny.pt"
     with pytest.raises(WeightsError, match="flashtalk.*it is a .pt file"):
-        load_family_weights(m, sf, "flashtalk")
+        load_family_weights(m, sf, get_family("flashtalk"))
     # a Wan text-to-video folder (no image, audio or I2V input weights) is not this family
     from safetensors.torch import load_file, save_file
 
@@ -160,7 +163,7 @@ def test_other_files_are_refused(tmp_path):
     t2v["patch_embedding.weight"] = t2v["patch_embedding.weight"][:, :16].contiguous()
     save_file(t2v, str(tmp_path / "t2v.safetensors"))
     with pytest.raises(WeightsError, match="missing key.*audio_proj|missing key.*img_emb"):
-        load_family_weights(m, tmp_path / "t2v.safetensors", "flashtalk")
+        load_family_weights(m, tmp_path / "t2v.safetensors", get_family("flashtalk"))
 
 
 def test_stream_with_the_vae_between_clips(model):

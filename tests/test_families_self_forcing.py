@@ -44,7 +44,7 @@ def tiny(family: str = "self-forcing", **stream):
 
 def loaded(cfg, ema=False):
     model = build_model(cfg, "cpu", torch.float32, seed=None)
-    load_family_weights(model, CKPT, cfg.model.family, ema=ema)
+    load_family_weights(model, CKPT, get_family(cfg.model.family), ema=ema)
     return model
 
 

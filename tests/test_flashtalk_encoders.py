@@ -25,6 +25,7 @@ import torch
 from family_fixtures import rel
 
 from cadence.errors import WeightsError
+from cadence.model.families import get_family
 
 FIX = Path(__file__).parent / "fixtures" / "flashtalk" / "encoders"
 META = json.loads((FIX / "fixture.json").read_text())
@@ -138,7 +139,7 @@ def test_offline_clip_loop_matches_flashtalks_generate_video():
     m = build_model(
         family_config("flashtalk", weights=str(FOLDER), model=TINY, stream=HW), "cpu", torch.float32
     )
-    load_family_weights(m, FOLDER, "flashtalk")
+    load_family_weights(m, FOLDER, get_family("flashtalk"))
     vae = load_wan_vae(Path(__file__).parent / "fixtures" / "wan_vae" / "Wan2.1_VAE_tiny.pth")
     clip = load_clip_vision(FIX / "clip_tiny.pth", heads=c["clip"]["vision_heads"])
     audio = ft.FlashTalkAudio(Wav2Vec2Features(FIX / "wav2vec2_tiny"))

@@ -22,9 +22,11 @@ import types
 import pytest
 from fleet_support import FakeRemote, needs_ray, wait_for
 
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.fleet.capacity import CapacityModel, gpus_needed, simulate
-from cadence.fleet.config import FleetConfig, fleet_device
+from cadence.fleet.config import FleetConfig, fleet_placement
 from cadence.fleet.state import FleetState
 
 # ---- the registry's rules (no Ray) -------------------------------------------------------------------
@@ -87,11 +89,11 @@ def test_state_restart_node_loss_lease_and_drain():
 
 
 def test_fleet_config_checks():
-    assert FleetConfig(device="cuda:0+cuda:1").bundle() == {"CPU": 1.0, "GPU": 2.0}
+    assert FleetConfig(placement="cuda:0+cuda:1").bundle() == {"CPU": 1.0, "GPU": 2.0}
     assert FleetConfig().bundle() == {"CPU": 1.0}
-    assert fleet_device("cuda", 2) == "cuda:0+cuda:1" and fleet_device("cpu", 1) == "cpu"
+    assert str(fleet_placement("cuda", 2)) == "cuda:0+cuda:1" and str(fleet_placement("cpu", 1)) == "cpu"
     for bad in (
-        {"device": "cuda:0+cpu"},
+        {"placement": "cuda:0+cpu"},
         {"groups": -1},
         {"lease_s": 0.5, "heartbeat_s": 0.5},
         {"address": ""},
@@ -139,7 +141,7 @@ def test_front_end_admission_claims_fleet_wide_and_gives_back_what_it_did_not_us
         state.observe(f"cadence-group-{i}", i, {**_ping(f"inc{i}", "n1"), "info": info}, 0.0)
 
     async def run():
-        src = FleetGroups(ServeConfig(fleet=FleetConfig(address="unused")))
+        src = FleetGroups(ServeConfig(deployment=FleetConfig(address="unused")))
         src.registry = types.SimpleNamespace(
             heartbeat=FakeRemote(heartbeat, calls),
             claim=FakeRemote(claim, calls),
@@ -279,8 +281,12 @@ def test_two_nodes_two_groups_kill_a_group_drain_restart_front_end_lose_a_node()
         node_b = cluster.add_node(num_cpus=1)
         t_cluster = time.monotonic() - t0
         fleet = FleetConfig(address=cluster.address, groups=2, lease_s=10.0)
-        cfg = ServeConfig.from_words(
-            port=0, api_key=KEY, worker_threads=1, timeline_window_s=2.0, fleet=fleet
+        cfg = ServeConfig(
+            engine=EngineSpec(fast=FastPath(threads=1)),
+            port=0,
+            api_key=KEY,
+            timeline_window_s=2.0,
+            deployment=fleet,
         )
         srv = ServerThread(cfg).start(timeout=240)
         t_up = time.monotonic() - t0

@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 from fleet_support import FakeRemote, needs_ray, wait_for
 
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.fleet.config import FleetConfig, add_fleet_flags, fleet_from_args
 from cadence.fleet.messages import (
@@ -202,8 +204,12 @@ def group_media_fleet():
         # (loopback candidates, as the single-machine server offers on loopback; the default, 'node', would
         # offer the node's cluster address, which Ray takes from the machine's interface here)
         fleet = FleetConfig(address=cluster.address, groups=1, media="group", media_ice="127.0.0.1")
-        cfg = ServeConfig.from_words(
-            port=0, api_key=KEY, worker_threads=1, timeline_window_s=2.0, fleet=fleet
+        cfg = ServeConfig(
+            engine=EngineSpec(fast=FastPath(threads=1)),
+            port=0,
+            api_key=KEY,
+            timeline_window_s=2.0,
+            deployment=fleet,
         )
         srv = ServerThread(cfg).start(timeout=240)
         print(f"\nfleet media: cluster + front end + group up in {time.monotonic() - t0:.1f} s")

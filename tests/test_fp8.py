@@ -22,6 +22,7 @@ from cadence.model.layers import Linear
 from cadence.model.weights import build_model
 from cadence.quant import fp8
 from cadence.quant.fp8 import FP8_MAX, FP8Linear, apply_fp8, quantize_rows
+from cadence.telemetry import logs
 
 TINY = get_preset("tiny")
 LAYER_BUDGET = 0.08
@@ -44,7 +45,7 @@ def _lin(k: int, n: int, seed: int = 0, dtype=torch.float32) -> Linear:
 @pytest.fixture
 def fresh_fallback_state(monkeypatch):
     """Isolate the warn-once flag and the op-unusable memo from other tests."""
-    monkeypatch.setattr(fp8, "_warned", False)
+    logs.forget(fp8.log)
     monkeypatch.setattr(fp8, "_op_unusable", {})
 
 
@@ -165,7 +166,7 @@ def test_fallback_logs_once_and_matches(monkeypatch, caplog, fresh_fallback_stat
     q1, q2 = FP8Linear.from_linear(ref), FP8Linear.from_linear(_lin(64, 48, seed=1))
     x = torch.randn(5, 64)
     fast = q1(x)  # the real _scaled_mm result (or torch 2.11 CPU's own fallback), for comparison
-    monkeypatch.setattr(fp8, "_warned", False)
+    logs.forget(fp8.log)
     monkeypatch.setattr(fp8, "_op_unusable", {})
     caplog.clear()  # torch 2.11's CPU kernel already fell back (and warned) in the call above
     monkeypatch.setattr(torch, "_scaled_mm", broken)
@@ -219,7 +220,7 @@ def test_shape_specific_failure_stays_with_that_shape(monkeypatch, caplog):
         return real(a, b, **kw)
 
     q = FP8Linear.from_linear(_lin(64, 48))
-    monkeypatch.setattr(fp8, "_warned", False)
+    logs.forget(fp8.log)
     monkeypatch.setattr(fp8, "_op_unusable", {})
     monkeypatch.setattr(torch, "_scaled_mm", picky)
     with caplog.at_level(logging.WARNING, logger="cadence.quant.fp8"):

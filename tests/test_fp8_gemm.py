@@ -23,6 +23,7 @@ import torch
 from cadence.kernels import fp8_gemm as kg
 from cadence.quant import fp8
 from cadence.quant.fp8 import FP8Linear, apply_fp8, quantize_rows, set_gemm_backend
+from cadence.telemetry import logs
 
 pytestmark = pytest.mark.skipif(
     kg._triton_missing() != "" or not kg.interpreting() and not torch.cuda.is_available(),
@@ -35,7 +36,7 @@ U_ACC = 2.0**-14 if DEV == "cuda" else U32
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(fp8, "_warned", False)
+    logs.forget(fp8.log)
     monkeypatch.setattr(fp8, "_op_unusable", {})
     monkeypatch.setattr(fp8, "_triton_refused", {})
     monkeypatch.setattr(fp8, "_gemm_logged", set())

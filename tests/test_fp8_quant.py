@@ -32,6 +32,7 @@ import torch
 from cadence.kernels import quant as kq
 from cadence.quant import fp8
 from cadence.quant.fp8 import FP8Linear, QuantizedActivation, quantize_activations, quantize_rows
+from cadence.telemetry import logs
 
 pytestmark = pytest.mark.skipif(
     kq._triton_import_error() != "" or not kq.interpreting() and not torch.cuda.is_available(),
@@ -57,7 +58,7 @@ def fresh_quant_state(monkeypatch):
     monkeypatch.setattr(fp8, "_quant_backend", "auto")
     monkeypatch.setattr(fp8, "_quant_failed", None)
     monkeypatch.setattr(fp8, "_quant_logged", set())
-    monkeypatch.setattr(fp8, "_warned", False)
+    logs.forget(fp8.log)
     monkeypatch.setattr(fp8, "_op_unusable", {})
 
 

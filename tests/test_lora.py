@@ -26,7 +26,7 @@ from family_fixtures import frame_size, rel, tiny_model
 
 from cadence.cache.naive import NaiveCache
 from cadence.errors import ConfigError, InputError, WeightsError
-from cadence.model.families import family_config
+from cadence.model.families import family_config, get_family
 from cadence.model.lora import merge_lora_into, merge_loras, parse_lora_arg, read_lora_file
 from cadence.model.weights import build_model, load_family_weights, load_weights
 
@@ -48,7 +48,7 @@ def cfg_of(**model):
 def base_model(cfg=None):
     cfg = cfg or cfg_of()
     model = build_model(cfg, "cpu", torch.float32, seed=None)
-    load_family_weights(model, CKPT, "longlive")
+    load_family_weights(model, CKPT, get_family("longlive"))
     return model
 
 
@@ -164,7 +164,9 @@ def test_several_files_are_checked_before_any_merges(tmp_path):
     with pytest.raises(WeightsError, match="bad.pt"):
         merge_loras(model, [str(LORA), f"{f}:0.3"])
     assert unchanged(model, before)
-    rep = merge_loras(model, [f"{LORA}:1", f"{LORA}:-1"], family="longlive")  # +1 and -1: back to the base
+    rep = merge_loras(
+        model, [f"{LORA}:1", f"{LORA}:-1"], family=get_family("longlive")
+    )  # +1 and -1: back to the base
     assert [r["alpha"] for r in rep] == [[4.0], [4.0]]  # no alphas in the file, rank 4 != LongLive's 256
     assert rel(forward(model), DATA["base"]) <= 1e-5
 
@@ -182,7 +184,7 @@ def test_family_alpha_applies_at_the_family_rank(tmp_path):
     families.FAMILIES["longlive"] = patched
     try:
         model = base_model()
-        assert merge_loras(model, [str(f)], family="longlive")[0]["alpha"] == [ALPHA]
+        assert merge_loras(model, [str(f)], family=get_family("longlive"))[0]["alpha"] == [ALPHA]
     finally:
         families.FAMILIES["longlive"] = fam
     assert rel(forward(model), DATA["lora"]) <= 1e-5

@@ -35,6 +35,7 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 import httpx
 
 from cadence.devtools.testing import offer_sdp
+from cadence.engine.recipe import EngineSpec
 from cadence.serve.app import create_app
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
@@ -46,7 +47,7 @@ SESSION = "/sessions/{sid}"
 
 
 def _spec(**cfg) -> dict:
-    return create_app(ServeConfig.from_words(preset="tiny", **cfg)).openapi()
+    return create_app(ServeConfig(engine=EngineSpec(model="tiny"), **cfg)).openapi()
 
 
 def _codes(spec, path, method) -> set[int]:
@@ -114,7 +115,7 @@ def test_405_names_every_method_of_the_path():
     from starlette.testclient import TestClient
 
     client = TestClient(
-        create_app(ServeConfig.from_words(preset="tiny"))
+        create_app(ServeConfig(engine=EngineSpec(model="tiny")))
     )  # no lifespan: no workers needed for this
     for method, path, allow in (
         ("PUT", "/sessions/abc", "DELETE, GET"),
@@ -132,7 +133,7 @@ def test_405_names_every_method_of_the_path():
 
 @pytest.fixture(scope="module")
 def srv():
-    s = ServerThread(ServeConfig.from_words(preset="tiny", port=0)).start()
+    s = ServerThread(ServeConfig(engine=EngineSpec(model="tiny"), port=0)).start()
     yield s
     s.stop()
 

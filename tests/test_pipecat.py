@@ -26,6 +26,8 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.workers.runner import WorkerRunner
 
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.eval.metrics import audio_envelope, lagged_corr, mouth_opening
 from cadence.integrations.pipecat import CadenceVideoService
 from cadence.serve.config import ServeConfig
@@ -121,7 +123,9 @@ def on_video_timeline(sink: Collector) -> np.ndarray:
 
 def test_in_process_the_mouth_moves_with_the_bot_voice_at_24_fps():
     speech = speech_at(TTS_RATE, 3.0)
-    svc = CadenceVideoService(serve_config=ServeConfig.from_words(preset="character", worker_threads=2))
+    svc = CadenceVideoService(
+        serve_config=ServeConfig(engine=EngineSpec(model="character", fast=FastPath(threads=2)))
+    )
 
     async def script(queue):
         await asyncio.sleep(1.5)  # nobody speaks: idle motion
@@ -173,7 +177,9 @@ def test_in_process_the_mouth_moves_with_the_bot_voice_at_24_fps():
 
 def test_in_process_barge_in_stops_the_voice_at_once_and_the_mouth_within_the_chunks_in_flight():
     speech = speech_at(TTS_RATE, 4.0, seed=3)
-    svc = CadenceVideoService(serve_config=ServeConfig.from_words(preset="character", worker_threads=2))
+    svc = CadenceVideoService(
+        serve_config=ServeConfig(engine=EngineSpec(model="character", fast=FastPath(threads=2)))
+    )
     marks = {}
 
     async def script(queue):
@@ -216,7 +222,7 @@ def test_remote_through_cadence_serve():
     from cadence.serve.server import ServerThread
 
     speech = speech_at(16_000, 2.0)
-    with ServerThread(ServeConfig.from_words(preset="tiny", port=0, worker_threads=1)) as srv:
+    with ServerThread(ServeConfig(engine=EngineSpec(model="tiny", fast=FastPath(threads=1)), port=0)) as srv:
         svc = CadenceVideoService(url=srv.url)
 
         async def script(queue):

@@ -35,6 +35,8 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "httpx", "onnxruntime"):
 
 from cadence.devtools.browser import AV_TAP_JS, Chromium, chromium_path, get_json, read_av_tap
 from cadence.devtools.testing import AppThread
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.eval.metrics import lagged_corr, mouth_opening, mouth_region
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
 from cadence.serve.config import ServeConfig
@@ -91,7 +93,7 @@ def test_pipecat_agent_in_a_browser_mouth_follows_the_bot_voice(chromium, tmp_pa
     mic = np.concatenate([np.zeros(24_000, np.float32), line, np.zeros(6 * 48_000, np.float32)])
     wav = tmp_path / "user.wav"
     wav.write_bytes(wav_bytes(mic))
-    cfg = ServeConfig.from_words(preset="character", worker_threads=2)
+    cfg = ServeConfig(engine=EngineSpec(model="character", fast=FastPath(threads=2)))
     with (
         AppThread(example.create_app(cfg), start_timeout=180) as url,
         Chromium(chromium, [f"--use-file-for-fake-audio-capture={wav}"]) as cdp,

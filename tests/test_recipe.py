@@ -57,8 +57,11 @@ def test_every_model_resolves_on_every_device_with_nothing_left_undecided(name, 
     assert r.fast.decoder == c.vae.decoder and r.warmup_chunks > 0 and r.tp == len(device.split("+"))
     assert r.fast.dtype == ("bfloat16" if cuda else "float32")
     match r.stream:
-        case ClipStream(decoder=decoder):  # no K/V cache: nothing of it on, its own decoder
-            assert not (r.fast.graphs or r.fast.kv_fp8 or c.stream.kv_fp8) and c.vae.decoder == decoder
+        case ClipStream():  # no K/V cache: nothing of it on, its own decoder
+            assert (
+                not (r.fast.graphs or r.fast.kv_fp8 or c.stream.kv_fp8)
+                and c.vae.decoder == r.rules.decoder.pinned
+            )
             assert r.fast.decoder_fast == "off" and r.warmup_chunks == 2
             assert bool(r.notes) == cuda  # (on the CPU nothing was on to turn off)
         case KVStream() if r.rebuild is not None:  # Krea: the naive cache, whatever the device
@@ -73,12 +76,13 @@ def test_every_model_resolves_on_every_device_with_nothing_left_undecided(name, 
     assert resolve(EngineSpec(model=name), device) == r  # pure: the same answer every time
     d = r.describe(env={})
     assert json.loads(json.dumps(d.as_dict())) == d.as_dict() and name in d.text()
-    assert d.fast == dataclasses.asdict(r.fast)  # every FastPath field, new ones included
+    assert d.as_dict()["fast"] == dataclasses.asdict(r.fast)  # every FastPath field, new ones included
 
 
 def test_the_rules_each_family_declares():
     rules = {n: session_rules(family_config(n)) for n in FAMILIES}
-    assert rules["flashtalk"].stream == ClipStream(33, 5, "wan")
+    assert rules["flashtalk"].stream == ClipStream(33, 5, "cadence.engine.flashtalk:ClipSession")
+    assert rules["flashtalk"].decoder.pinned == "wan" and rules["longlive"].decoder.pinned is None
     assert rules["longlive"].prompt_switch == Recache(keeps_sink=True)
     assert rules["krea-14b"].rebuild == Rebuild(frames=3, keep_first_frame=False)
     assert rules["self-forcing"].prompt_switch == Swap() and rules["self-forcing"].rebuild is None
@@ -86,6 +90,34 @@ def test_the_rules_each_family_declares():
     # a rule folded into the configuration can be overridden there, and the session follows the config
     over = family_config("krea-14b", stream={"keep_first_frame": True})
     assert session_rules(over).rebuild == Rebuild(frames=3, keep_first_frame=True)
+
+
+class ToyClipSession:
+    """A clip family's own session class, in its own module (here: this test module)."""
+
+    @classmethod
+    def prepare(cls, gen) -> None: ...
+
+
+def test_a_clip_family_enters_by_its_registry_entry(monkeypatch):
+    """A new audio-driven clip family is an entry (its session class by name, its front ends typed) and its own
+    files: the recipe, the session kind and the front ends follow the entry, no generic engine file names it."""
+    import cadence.model.families as fams
+    from cadence.engine.session import session_type
+
+    flashtalk = fams.FAMILIES["flashtalk"]
+    toy = dataclasses.replace(
+        flashtalk,
+        name="toy-clip",
+        streaming=ClipStream(17, 1, session=f"{__name__}:ToyClipSession"),
+        audio_encoder=fams.Wav2Vec2Audio("toy wav2vec2"),
+        image_encoder=fams.VaeSinkImage(),
+    )
+    monkeypatch.setitem(fams.FAMILIES, "toy-clip", toy)
+    r = resolve(EngineSpec(model="toy-clip"), "cuda:0")
+    assert r.entry is toy and r.rules.audio == toy.audio_encoder and r.rules.image == fams.VaeSinkImage()
+    assert session_type(r.rules) is ToyClipSession and r.warmup_chunks == 2
+    assert r.config.vae.decoder == "wan" and any(n.startswith("toy-clip: graphs, kv_fp8") for n in r.notes)
 
 
 def test_a_bare_krea_benchmark_gets_the_cache_its_rule_needs():
@@ -185,7 +217,7 @@ def test_a_field_added_to_the_fast_path_becomes_a_flag_by_itself(monkeypatch):
     args = p.parse_args(["--attention", "fa3", "--sequence-parallel", "--fp8"])
     assert flags.fast_path_from_args(args) == Grown(attention="fa3", sequence_parallel=True, fp8_linears=True)
     helps = {a.dest: a.help for a in p._actions}
-    assert helps["fast_attention"] == "The self-attention kernel."
+    assert helps["fast_attention"].startswith("The self-attention kernel. 'sdpa': ")  # + the registry's list
     assert flags.fast_path_from_args(p.parse_args(["--no-sequence-parallel"])).sequence_parallel is False
 
 
@@ -451,8 +483,9 @@ def test_the_kernel_switch_table_lists_every_switch_with_its_default():
         if name in table and default is not None:
             assert table[name].default == default, name
     d = resolve(EngineSpec("tiny"), "cpu").describe(env={"CADENCE_COMPILE": "0"})
-    assert d.env["CADENCE_COMPILE"] == {"value": "0", "default": "1", "set": True}
-    assert "CADENCE_COMPILE=0" in d.text() and not d.env["CADENCE_TILES_TMA"]["set"]
+    env = d.as_dict()["env"]
+    assert env["CADENCE_COMPILE"] == {"value": "0", "default": "1", "set": True}
+    assert "CADENCE_COMPILE=0" in d.text() and not env["CADENCE_TILES_TMA"]["set"]
 
 
 # ---- docstring lists that name code -------------------------------------------------------------------------

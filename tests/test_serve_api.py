@@ -21,6 +21,7 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 import httpx
 
 from cadence.devtools.testing import BackgroundClient, offer_sdp
+from cadence.engine.recipe import EngineSpec
 from cadence.serve.agent import espeak_binary, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
@@ -36,8 +37,12 @@ def srv():
     # the API mechanics on the fastest preset (random weights); the shipped default is tested by the rtc and
     # browser tests
     s = ServerThread(
-        ServeConfig.from_words(
-            preset="tiny", port=0, max_image_bytes=MAX_IMAGE, max_audio_bytes=400_000, timeline_window_s=1.0
+        ServeConfig(
+            engine=EngineSpec(model="tiny"),
+            port=0,
+            max_image_bytes=MAX_IMAGE,
+            max_audio_bytes=400_000,
+            timeline_window_s=1.0,
         )
     ).start()
     yield s

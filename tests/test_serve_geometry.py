@@ -18,10 +18,11 @@ import torch
 from cadence.config import PipelineConfig, get_preset
 from cadence.engine.build import build_engine
 from cadence.engine.messages import ChunkDone, ChunkRequest, ChunkTimings, Dropped, Error, WorkerInfo
+from cadence.engine.recipe import EngineSpec
 from cadence.engine.shm import SHM_MIN_BYTES, FrameRing
 from cadence.engine.spec import FastPath
 from cadence.errors import InputError
-from cadence.serve.config import ServeConfig, engine_config, worker_spec
+from cadence.serve.config import ServeConfig, worker_spec
 from cadence.serve.pacing import AVBuffer, MediaTiming
 from cadence.serve.workers import WorkerGroup
 
@@ -33,65 +34,95 @@ TINY12 = get_preset("tiny").with_overrides(**TWELVE)
 
 
 def test_worker_spec_reference_on_cpu_fast_path_on_cuda():
-    cfg = ServeConfig.from_words(preset="tiny")
+    cfg = ServeConfig(engine=EngineSpec(model="tiny"))
     spec, shm = worker_spec(cfg, "cpu", frame_bytes=4 * 128 * 128 * 3)
-    f = spec.fast
-    assert spec.notes == () and spec.warmup  # every worker warms up (on the CPU: it measures its speed)
+    f = spec.recipe.fast
+    assert (
+        spec.recipe.notes == () and spec.recipe.warmup
+    )  # every worker warms up (on the CPU: it measures its speed)
     assert f.kv_fp8 is f.fp8_linears is f.graphs is False and f.dtype == "float32"
     assert f.decoder == "standin" and not shm  # the recipe decides: tiny's own; its 196 KB stay on the pipe
-    assert f.compile is False and worker_spec(ServeConfig.from_words(compile=True), "cpu")[0].fast.compile
-    spec, shm = worker_spec(cfg, "cuda:0", frame_bytes=W13_BYTES)
-    f = spec.fast
     assert (
-        spec.notes == () and f.kv_fp8 and f.fp8_linears and f.graphs and spec.warmup and f.dtype == "bfloat16"
+        f.compile is False
+        and worker_spec(ServeConfig(engine=EngineSpec(fast=FastPath(compile=True))), "cpu")[
+            0
+        ].recipe.fast.compile
+    )
+    spec, shm = worker_spec(cfg, "cuda:0", frame_bytes=W13_BYTES)
+    f = spec.recipe.fast
+    assert (
+        spec.recipe.notes == ()
+        and f.kv_fp8
+        and f.fp8_linears
+        and f.graphs
+        and spec.recipe.warmup
+        and f.dtype == "bfloat16"
     )
     assert f.decoder == "taehv" and shm  # automatic: the recipe picks (tests/test_engine.py)
     # asked for explicitly on the CPU: off, one line each; a decoder may run anywhere
     spec, shm = worker_spec(
-        ServeConfig.from_words(
-            kv_fp8=True, fp8_linears=True, graphs=True, warmup=False, decoder="taehv", frame_transport="shm"
+        ServeConfig(
+            engine=EngineSpec(
+                warmup=False, fast=FastPath(kv_fp8=True, fp8_linears=True, graphs=True, decoder="taehv")
+            ),
+            frame_transport="shm",
         ),
         "cpu",
     )
-    assert not (spec.fast.kv_fp8 or spec.fast.fp8_linears or spec.fast.graphs) and not spec.warmup
-    assert len(spec.notes) == 3 and all(
-        "needs a CUDA worker" in n and n.endswith(": off") for n in spec.notes
+    assert (
+        not (spec.recipe.fast.kv_fp8 or spec.recipe.fast.fp8_linears or spec.recipe.fast.graphs)
+        and not spec.recipe.warmup
     )
-    assert spec.fast.decoder == "taehv" and shm
+    assert len(spec.recipe.notes) == 3 and all(
+        "needs a CUDA worker" in n and n.endswith(": off") for n in spec.recipe.notes
+    )
+    assert spec.recipe.fast.decoder == "taehv" and shm
     # explicit off on CUDA stays off; a TP group resolves for its devices
     spec, shm = worker_spec(
-        ServeConfig.from_words(graphs=False, kv_fp8=False), "cuda:1+cuda:2", W13_BYTES - 1
+        ServeConfig(engine=EngineSpec(fast=FastPath(graphs=False, kv_fp8=False))),
+        "cuda:1+cuda:2",
+        W13_BYTES - 1,
     )
-    assert not spec.fast.graphs and not spec.fast.kv_fp8 and spec.fast.fp8_linears and shm
-    assert spec.devices == ["cuda:1", "cuda:2"]
+    assert (
+        not spec.recipe.fast.graphs and not spec.recipe.fast.kv_fp8 and spec.recipe.fast.fp8_linears and shm
+    )
+    assert spec.recipe.devices == ["cuda:1", "cuda:2"]
     assert worker_spec(cfg, "cpu", SHM_MIN_BYTES)[1]
     # capture_filling: opt-in, needs graphs (hence CUDA); one line where it cannot apply
-    assert not worker_spec(cfg, "cuda:0", W13_BYTES)[0].fast.capture_filling
-    assert worker_spec(ServeConfig.from_words(capture_filling=True), "cuda:0", W13_BYTES)[
-        0
-    ].fast.capture_filling
+    assert not worker_spec(cfg, "cuda:0", W13_BYTES)[0].recipe.fast.capture_filling
+    assert worker_spec(
+        ServeConfig(engine=EngineSpec(fast=FastPath(capture_filling=True))), "cuda:0", W13_BYTES
+    )[0].recipe.fast.capture_filling
     for dev, kw, why in (
         ("cpu", {}, "this worker runs on cpu"),
         ("cuda:0", {"graphs": False}, "graphs are off"),
     ):
-        spec, _ = worker_spec(ServeConfig.from_words(capture_filling=True, **kw), dev)
-        assert not spec.fast.capture_filling and spec.notes == (
+        spec, _ = worker_spec(ServeConfig(engine=EngineSpec(fast=FastPath(capture_filling=True, **kw))), dev)
+        assert not spec.recipe.fast.capture_filling and spec.recipe.notes == (
             f"capture_filling: needs CUDA graphs ({why}): off",
         )
     # the CPU's thread count: chosen at warm-up unless given
-    assert worker_spec(cfg, "cpu")[0].fast.threads == 0
-    assert worker_spec(ServeConfig.from_words(worker_threads=2), "cpu")[0].fast.threads == 2
-    for bad in ({"decoder": "vq"}, {"frame_transport": "tcp"}, {"warmup_chunks": -1}, {"max_in_flight": 0}):
-        with pytest.raises(Exception, match=next(iter(bad))):
-            ServeConfig.from_words(**bad)
+    assert worker_spec(cfg, "cpu")[0].recipe.fast.threads == 0
+    assert (
+        worker_spec(ServeConfig(engine=EngineSpec(fast=FastPath(threads=2))), "cpu")[0].recipe.fast.threads
+        == 2
+    )
+    for make, what in (
+        (lambda: FastPath(decoder="vq"), "decoder"),
+        (lambda: ServeConfig(frame_transport="tcp"), "frame_transport"),
+        (lambda: EngineSpec(warmup_chunks=-1), "warmup_chunks"),
+        (lambda: ServeConfig(max_in_flight=0), "max_in_flight"),
+    ):
+        with pytest.raises(Exception, match=what):
+            make()
 
 
 def test_geometry_follows_the_preset_and_overrides():
-    e = engine_config(ServeConfig.from_words(preset="w1.3"))
+    e = worker_spec(ServeConfig(engine=EngineSpec(model="w1.3")), "cpu")[0].recipe.config
     t = MediaTiming.from_config(e)
     assert (t.frames_per_chunk, t.samples_per_chunk, t.chunk_seconds) == (12, 24000, 0.5)
     assert (e.stream.height, e.stream.width) == (480, 832)
-    e = engine_config(ServeConfig.from_words(preset="tiny", overrides=TWELVE))
+    e = worker_spec(ServeConfig(engine=EngineSpec(model="tiny", overrides=TWELVE)), "cpu")[0].recipe.config
     t = MediaTiming.from_config(e)
     assert (t.frames_per_chunk, t.samples_per_chunk, e.stream.height) == (12, 24000, 128)
     buf = AVBuffer(t, 128, 128)
@@ -405,10 +436,10 @@ def test_manager_lead_follows_the_measured_chunk_time():
     pytest.importorskip("prometheus_client")
     from cadence.serve.manager import SessionManager
 
-    mgr = SessionManager(ServeConfig.from_words(preset="tiny", overrides=TWELVE, lead_ms=100.0))
+    mgr = SessionManager(ServeConfig(engine=EngineSpec(model="tiny", overrides=TWELVE), lead_ms=100.0))
     g = mgr.groups[0]
     assert g.frame_shape == (12, 128, 128, 3) and g.slots == 3
-    assert not g.shm and g.spec.notes == ()
+    assert not g.shm and g.spec.recipe.notes == ()
     assert mgr.lead_ms(g) == 100.0  # nothing measured yet: the configured lead
     g.info = _info({"steady_chunk_ms": 400.0, "interval_ms": 300.0})
     # the worker's 400 ms + the web side's pipe and loop (10 ms), + 15% + 20 ms
@@ -417,7 +448,7 @@ def test_manager_lead_follows_the_measured_chunk_time():
     assert latency == pytest.approx(0.41) and interval == pytest.approx(0.3)
     g.info = _info({"steady_chunk_ms": 50.0, "interval_ms": 30.0})
     assert mgr.lead_ms(g) == 100.0  # never below lead_ms
-    mgr.cfg = ServeConfig.from_words(preset="tiny", lead_auto=False)
+    mgr.cfg = ServeConfig(engine=EngineSpec(model="tiny"), lead_auto=False)
     g.info = _info({"steady_chunk_ms": 400.0})
     assert mgr.lead_ms(g) == 100.0
 
@@ -430,7 +461,7 @@ def test_speech_goes_into_the_earliest_chunk_not_yet_planned():
     from cadence.serve.session import LiveSession
 
     async def main():
-        mgr = SessionManager(ServeConfig.from_words(preset="tiny", overrides=TWELVE, lead_ms=100.0))
+        mgr = SessionManager(ServeConfig(engine=EngineSpec(model="tiny", overrides=TWELVE), lead_ms=100.0))
         mgr.groups[0].info = _info({"steady_chunk_ms": 30.0, "interval_ms": 30.0})
         sess = LiveSession(mgr, "s0123456789", mgr.groups[0], make_agent("say"), mgr.engine_cfg, "p", 0)
         sent = []
@@ -494,14 +525,12 @@ def test_server_streams_twelve_frame_chunks_through_shared_memory():
     from cadence.devtools.client import run_client
     from cadence.serve.server import ServerThread
 
-    cfg = ServeConfig.from_words(
-        preset="tiny",
+    cfg = ServeConfig(
+        engine=EngineSpec(
+            model="tiny", overrides=TWELVE, warmup=True, warmup_chunks=2, fast=FastPath(kv_fp8=True)
+        ),
         port=0,
-        overrides=TWELVE,
         frame_transport="shm",
-        warmup=True,
-        warmup_chunks=2,
-        kv_fp8=True,
     )
     srv = ServerThread(cfg).start()
     try:
@@ -556,16 +585,17 @@ def test_a_worker_that_cannot_start_fails_startup_once_and_leaves_nothing_behind
 
     async def main():
         mgr = SessionManager(
-            ServeConfig.from_words(
-                preset="tiny",
+            ServeConfig(
+                engine=EngineSpec(model="tiny", overrides=TWELVE),
                 groups=("cuda:0",),
-                overrides=TWELVE,
                 frame_transport="shm",
                 worker_start_timeout_s=60,
             )
         )
         g = mgr.groups[0]
-        assert g.spec.warmup and g.spec.fast.graphs  # a CUDA group: the fast path, resolved up front
+        assert (
+            g.spec.recipe.warmup and g.spec.recipe.fast.graphs
+        )  # a CUDA group: the fast path, resolved up front
         t = time.monotonic()
         try:
             with pytest.raises(RuntimeError, match=r"worker 0 \(cuda:0\): worker start failed"):

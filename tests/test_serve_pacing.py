@@ -340,11 +340,13 @@ def test_serve_groups_from_the_flags():
     from cadence.errors import InputError
     from cadence.serve.config import serve_groups
 
-    assert serve_groups("cpu") == ("cpu",) and serve_groups("cpu", max_sessions=2) == ("cpu", "cpu")
-    assert serve_groups("cpu", tp=2) == ("cpu+cpu",)
-    assert serve_groups("cuda", gpus=2) == ("cuda:0", "cuda:1")
-    assert serve_groups("cuda", tp=2, gpus=4) == ("cuda:0+cuda:1", "cuda:2+cuda:3")
-    assert serve_groups("cuda", tp=2, max_sessions=1, gpus=3) == ("cuda:0+cuda:1",)
+    assert tuple(map(str, serve_groups("cpu"))) == ("cpu",) and tuple(
+        map(str, serve_groups("cpu", max_sessions=2))
+    ) == ("cpu", "cpu")
+    assert tuple(map(str, serve_groups("cpu", tp=2))) == ("cpu+cpu",)
+    assert tuple(map(str, serve_groups("cuda", gpus=2))) == ("cuda:0", "cuda:1")
+    assert tuple(map(str, serve_groups("cuda", tp=2, gpus=4))) == ("cuda:0+cuda:1", "cuda:2+cuda:3")
+    assert tuple(map(str, serve_groups("cuda", tp=2, max_sessions=1, gpus=3))) == ("cuda:0+cuda:1",)
     for kw in ({"tp": 2, "gpus": 1}, {"max_sessions": 3, "gpus": 2}):
         with pytest.raises(InputError, match="GPUs; 1 visible|GPUs; 2 visible"):
             serve_groups("cuda", **kw)

@@ -21,6 +21,7 @@ for _mod in ("fastapi", "aiortc", "prometheus_client"):
 
 from fastapi import Request
 
+from cadence.engine.recipe import EngineSpec
 from cadence.fleet.config import FleetConfig
 from cadence.fleet.frontend import FleetGroups, RayGroup
 from cadence.fleet.media import GroupView, MediaHost
@@ -29,7 +30,7 @@ from cadence.fleet.remote import GroupMediaSession, RemoteAgent
 from cadence.serve import ports
 from cadence.serve.agent import Agent
 from cadence.serve.agents import make_agent
-from cadence.serve.config import ServeConfig, engine_config
+from cadence.serve.config import LOCAL, Local, ServeConfig
 from cadence.serve.manager import SessionManager
 from cadence.serve.openapi import CREATED
 from cadence.serve.session import LiveSession
@@ -119,14 +120,16 @@ def test_the_checker_finds_what_is_missing_or_wrong():
 @pytest.fixture(scope="module")
 def sides():
     """One constructed object of every implementation (nothing started: no process, no Ray)."""
-    cfg = ServeConfig.from_words(preset="tiny")
-    fleet_cfg = ServeConfig.from_words(preset="tiny", fleet=FleetConfig(address="unused", media="group"))
+    cfg = ServeConfig(engine=EngineSpec(model="tiny"))
+    fleet_cfg = ServeConfig(
+        engine=EngineSpec(model="tiny"), deployment=FleetConfig(address="unused", media="group")
+    )
     loop = asyncio.new_event_loop()
     mgr = SessionManager(cfg)
     wg = mgr.groups[0]
     fleet = FleetGroups(fleet_cfg)
     ray_group = RayGroup(fleet, "cadence-group-0", 0)
-    host = MediaHost(wg, engine_config(cfg), loop, lambda msg: None)
+    host = MediaHost(wg, wg.spec.recipe.config, loop, lambda msg: None)
     try:
         yield types.SimpleNamespace(
             cfg=cfg,
@@ -177,7 +180,8 @@ def test_every_implementation_has_its_protocols_members(sides):
         (ports.SessionAgent, RemoteAgent, s.remote.agent),
         (ports.SessionSettings, ServeConfig, s.cfg),
         (ports.SessionSettings, MediaSettings, MediaSettings()),
-        (ports.Fleet, FleetConfig, FleetConfig(address="unused")),
+        (ports.Deployment, FleetConfig, FleetConfig(address="unused")),
+        (ports.Deployment, Local, LOCAL),
     ]
     tested = {
         (p.__name__, f"{impl.__module__.removeprefix('cadence.')}.{impl.__name__}") for p, impl, _ in cases
@@ -199,7 +203,9 @@ def test_each_source_says_which_session_class_a_group_gets_and_the_manager_build
     s = sides
     assert s.mgr.source.session_factory(s.wg) is LiveSession
     assert s.fleet.session_factory(s.ray_group) is GroupMediaSession  # --fleet-media group
-    frontend = FleetGroups(ServeConfig.from_words(preset="tiny", fleet=FleetConfig(address="unused")))
+    frontend = FleetGroups(
+        ServeConfig(engine=EngineSpec(model="tiny"), deployment=FleetConfig(address="unused"))
+    )
     assert frontend.session_factory(RayGroup(frontend, "g", 0)) is LiveSession  # frames through Ray
     # the manager builds a new session with its source's class, whatever that is
     built = []
@@ -258,7 +264,7 @@ def test_the_app_is_built_with_the_source_and_the_routes_it_is_given(sides):
             return {"ok": True}
 
     key = "k" * 40
-    app = create_app(ServeConfig.from_words(preset="tiny", api_key=key), source=source, routes=[extra])
+    app = create_app(ServeConfig(engine=EngineSpec(model="tiny"), api_key=key), source=source, routes=[extra])
     mgr = app.state.manager
     assert mgr.source is source and given == [mgr.access]
     assert next(iter(app.openapi()["paths"])) == "/extra"
@@ -266,4 +272,7 @@ def test_the_app_is_built_with_the_source_and_the_routes_it_is_given(sides):
     assert client.get("/extra").status_code == 401
     assert client.get("/extra", headers={"authorization": f"Bearer {key}"}).json() == {"ok": True}
     # and without routes given, a server without a fleet has none beyond its own
-    assert "/extra" not in create_app(ServeConfig.from_words(preset="tiny"), source=source).openapi()["paths"]
+    assert (
+        "/extra"
+        not in create_app(ServeConfig(engine=EngineSpec(model="tiny")), source=source).openapi()["paths"]
+    )

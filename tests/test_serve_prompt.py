@@ -12,6 +12,8 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "httpx"):
     pytest.importorskip(_mod, reason=f"the serve extra is not installed ({_mod})")
 
 from cadence.devtools.client import run_client
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
 
@@ -44,7 +46,7 @@ def test_prompt_changes_mid_stream_and_bad_requests_are_refused():
             assert [b.status_code for b in bad] == [400, 400, 400, 401], [b.text for b in bad]
         return await client, at
 
-    with ServerThread(ServeConfig.from_words(preset="tiny", port=0, worker_threads=1)) as srv:
+    with ServerThread(ServeConfig(engine=EngineSpec(model="tiny", fast=FastPath(threads=1)), port=0)) as srv:
         res, at = asyncio.run(go(srv.url))
     assert res.error is None, res.error
     rep = res.report
@@ -66,7 +68,9 @@ def test_the_worker_applies_a_switch_from_its_chunk_on():
     from cadence.serve.config import worker_spec
 
     spec, _ = worker_spec(
-        ServeConfig.from_words(preset="tiny", worker_threads=1, frame_transport="pipe"), "cpu", 0
+        ServeConfig(engine=EngineSpec(model="tiny", fast=FastPath(threads=1)), frame_transport="pipe"),
+        "cpu",
+        0,
     )
     done: queue.Queue = queue.Queue()
     eng = _build(spec, 0, None, on_chunk=lambda res: done.put((res.tag, res.frames.numpy().copy())))

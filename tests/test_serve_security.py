@@ -42,6 +42,7 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 import httpx
 
 from cadence.devtools.testing import BackgroundClient, offer_sdp
+from cadence.engine.recipe import EngineSpec
 from cadence.serve.agent import espeak_binary, synthesize, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
@@ -57,8 +58,8 @@ MB = 2**20
 @pytest.fixture(scope="module")
 def srv():
     s = ServerThread(
-        ServeConfig.from_words(
-            preset="tiny",
+        ServeConfig(
+            engine=EngineSpec(model="tiny"),
             port=0,
             api_key=KEY,
             max_image_bytes=MAX_IMAGE,
@@ -600,7 +601,7 @@ def test_serve_refuses_a_public_address_without_a_key(capsys, tmp_path, caplog, 
     from cadence.serve.app import create_app
 
     with caplog.at_level("WARNING", logger="cadence.serve"):
-        create_app(ServeConfig.from_words(preset="tiny", host="0.0.0.0", insecure_no_auth=True))
+        create_app(ServeConfig(engine=EngineSpec(model="tiny"), host="0.0.0.0", insecure_no_auth=True))
     assert any("WITHOUT an API key" in r.getMessage() for r in caplog.records)
 
 
@@ -611,7 +612,7 @@ def _manager(groups: int, **cfg):
     """A session manager whose groups look ready (no worker processes): admission only."""
     from cadence.serve.app import SessionManager
 
-    mgr = SessionManager(ServeConfig.from_words(preset="tiny", groups=("cpu",) * groups, **cfg))
+    mgr = SessionManager(ServeConfig(engine=EngineSpec(model="tiny"), groups=("cpu",) * groups, **cfg))
     for g in mgr.groups:
         g.ready.set()
     return mgr

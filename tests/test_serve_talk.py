@@ -14,6 +14,8 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "httpx"):
 from cadence.bench.turn import voiced  # the voiced stand-in for a user's (or a TTS's) speech
 from cadence.devtools.client import run_client
 from cadence.devtools.testing import AppThread
+from cadence.engine.recipe import EngineSpec
+from cadence.engine.spec import FastPath
 from cadence.serve.agent import SAMPLE_RATE, VoiceActivity, wav_bytes
 from cadence.serve.config import ServeConfig
 from cadence.serve.server import ServerThread
@@ -98,7 +100,7 @@ class FakeOpenAI:
 
 
 def _serve(**kw) -> ServerThread:
-    return ServerThread(ServeConfig.from_words(preset="tiny", port=0, worker_threads=1, **kw))
+    return ServerThread(ServeConfig(engine=EngineSpec(model="tiny", fast=FastPath(threads=1)), port=0, **kw))
 
 
 def test_talk_agent_answers_a_turn_through_the_endpoint():

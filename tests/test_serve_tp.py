@@ -21,6 +21,7 @@ from cadence.serve.config import ServeConfig
 ONE_LAYER = {
     "model": {"num_layers": 1}
 }  # half the all-reduces of tiny: the protocol, not the model, is tested
+from cadence.engine.recipe import EngineSpec
 from cadence.serve.server import ServerThread
 
 pytestmark = [
@@ -43,7 +44,9 @@ def _tp_server() -> ServerThread:
     # a generous lead; real time is not the point here (on GPUs the group is NCCL over NVLink), the
     # protocol is
     return ServerThread(
-        ServeConfig.from_words(preset="tiny", port=0, groups=("cpu+cpu",), lead_ms=500.0, overrides=ONE_LAYER)
+        ServeConfig(
+            engine=EngineSpec(model="tiny", overrides=ONE_LAYER), port=0, groups=("cpu+cpu",), lead_ms=500.0
+        )
     ).start()
 
 

@@ -69,7 +69,7 @@ def test_cpu_default_is_eager_without_log_line(caplog):
 
 
 @pytest.mark.timeout(60)
-def test_fp8_counts_in_the_json(tmp_path):
+def test_fp8_counts_in_the_json(tmp_path, fp8_on_the_cpu):
     r = bench_step.run(bench_step.parse([*QUICK, "--fp8", "--out-dir", str(tmp_path)]))
     doc = json.loads(Path(r["_path"]).read_text())
     c = doc["results"]["fp8_counts"]
@@ -216,7 +216,7 @@ def test_capture_is_agreed_across_tp_ranks(tmp_path):
 # ---- --compile ------------------------------------------------------------------------------------------
 
 
-def test_compile_flag_applies_after_fp8_and_records_the_report(monkeypatch):
+def test_compile_flag_applies_after_fp8_and_records_the_report(monkeypatch, fp8_on_the_cpu):
     import types
 
     from cadence.quant.fp8 import FP8Linear

@@ -46,7 +46,7 @@ def test_cpu_profile_names_every_op_and_adds_up(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_emulated_rank_profile_names_the_stand_ins_and_has_no_bias_adds():
+def test_emulated_rank_profile_names_the_stand_ins_and_has_no_bias_adds(fp8_on_the_cpu):
     """Rank 0 of TP=2, FP8 linears: the collectives' stand-ins and the quantisation are parts; the row-parallel
     biases ride in rank 0's GEMM epilogue, so no separate bias add runs (the part is empty)."""
     words = ["--preset", "tiny", "--cache", "ring", "--tp", "2", "--emulate", "--fp8", "--profile", "--iters"]

@@ -123,12 +123,12 @@ def test_the_server_names_the_entry_it_serves(ckpt):
     engine configuration the web side keeps) name the entry."""
     pytest.importorskip("fastapi")
     from cadence.serve.app import create_app
-    from cadence.serve.config import ServeConfig, engine_config, worker_spec
+    from cadence.serve.config import ServeConfig, worker_spec
 
     path, _, _ = ckpt
     cfg = ServeConfig(engine=spec(path), port=0)
-    assert engine_config(cfg).model.weights_entry == "generator_ema"
     ws, _ = worker_spec(cfg, "cpu")
+    assert ws.recipe.config.model.weights_entry == "generator_ema"
     assert ws.recipe.describe(env={}).as_dict()["weights_entry"] == "generator_ema"
     app = create_app(cfg)
     route = next(r for r in app.routes if getattr(r, "path", "") == "/config")

@@ -7,23 +7,24 @@
 
 Shape: one chunk of queries (``tokens_per_chunk``) over the full window (``kv_tokens``), heads / tp, the
 preset's head dim. Inputs: q, k, v ~ N(0, 1), one seed; the reference is float64 attention of those
-unquantised inputs, and every variant's relative L2 error is against it. Each variant reads its inputs in
-the layout the ring stores for its backend (``cadence.kernels.attention_backends``), written by the ring's
-own write kernel:
+unquantised inputs, and every variant's relative L2 error is against it. The variants:
 
-* ``sdpa_cudnn_bf16`` (the bar: every speedup is against it, same run), ``sdpa_flash_bf16``, ``sdpa_default_bf16``;
-* ``triton_fp8`` (per-token scales, V^T), ``triton_head_fp8`` (per-head scales), ``triton_bf16`` (V [H, N, D]):
-  default config, or with ``--sweep`` block shapes x warps x stages x key splits and the dual / pv_bf16 / ws
-  variants (``cadence.kernels.ring_attention``);
-* ``fa3_fp8`` (per-head descales, V [H, N, D], the length on the device) x num_splits, ``fa3_bf16``, and
-  ``fa3_fp8_fixed`` (no seqused_k: what reading the length costs), when fa3-fwd imports;
-* ``cudnn_fp8``: cuDNN's own FP8 SDPA (cudnn frontend; per-tensor scales, FP8 output on Hopper, dequantised
-  for the error), when the frontend imports. Not a ring backend: measured for comparison.
+* every backend of the registry (``cadence.kernels.attention_registry``) over each storage it reads, in the
+  layout a ring read by it stores, written by the ring's own write kernel, through the backend's own call:
+  ``sdpa_default_bf16``, ``sdpa_cudnn_bf16`` (the bar: every speedup is against it, same run), ``triton_fp8``
+  (per-token scales, V^T), ``triton_head_fp8`` (per-head scales), ``triton_bf16``, ``fa3_fp8`` (per-head
+  descales, V [H, N, D], the length on the device) and ``fa3_bf16``; each kernel's default config, or with
+  ``--sweep`` its whole config space (``AttentionKernel.configs``: Triton block shapes x warps x stages x key
+  splits and the dual / pv_bf16 / ws variants; FA3's num_splits);
+* comparisons, not ring backends: ``sdpa_flash_bf16``, ``fa3_fp8_fixed`` (no seqused_k: what reading the
+  length costs), when fa3-fwd imports, and ``cudnn_fp8``: cuDNN's own FP8 SDPA (cudnn frontend; per-tensor
+  scales, FP8 output on Hopper, dequantised for the error), when the frontend imports.
 
 Each row: median ms (CUDA events), TFLOP/s (4 M N D H / t), speedup vs cuDNN bf16, relative error. A variant
-that fails to compile or run is reported and skipped. ``--check``: every variant within its budget
-(:data:`BUDGET`) or exit 1. ``--ring-check``: a RingCache per backend (1 layer, window 3, the shape's heads
-and tokens) against the naive float32 cache, end to end. JSON (docs/benchmarks.md) under <out>/attention/.
+that fails to compile or run is reported and skipped. ``--check``: every variant within its budget (a
+backend's registry entry; :data:`BUDGET` for the comparisons) or exit 1. ``--ring-check``: a RingCache per
+backend (1 layer, window 3, the shape's heads and tokens) against the naive float32 cache, end to end. JSON
+(docs/benchmarks.md) under <out>/attention/.
 """
 
 from __future__ import annotations
@@ -45,16 +46,24 @@ from cadence.bench.common import Timer, git_commit, median, print_table, record
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.engine.flags import add_model_flags
 from cadence.kernels import attention_backends as ab
+from cadence.kernels import attention_registry as registry
 from cadence.kernels import fa3_adapter
 from cadence.kernels import ring_attention as ra
 from cadence.model.families import model_config
 
 #: The serving shapes of the device plan: (preset, tp).
 SHAPES = (("w1.3", 1), ("w57", 4), ("w14", 2), ("w57", 2), ("w57", 1), ("w14", 1))
-#: Relative-error budget per storage against the float64 reference on N(0, 1) inputs: bf16 rounding
-#: (measured 0.37% for cuDNN), e4m3 on q, k, v and P (measured ~5.3%), cuDNN FP8 (+ its FP8 output, ~7%).
-#: Under TRITON_INTERPRET=1 (CPU smoke runs) the kernel's FP8 casts truncate: ~11-14% at the tiny preset.
-BUDGET = {"bf16": 0.01, "fp8": 0.2 if ra.interpreting() else 0.08, "cudnn_fp8": 0.15}
+#: Relative-error budgets against the float64 reference on N(0, 1) inputs: a ring backend's is its registry
+#: entry's (``AttentionBackend.budget``); the comparisons' are here: cuDNN FP8 (+ its FP8 output, ~7%) and
+#: the bf16 / FP8 rows of the libraries' own calls. Under TRITON_INTERPRET=1 (CPU smoke runs) FP8 casts
+#: truncate: ~11-14% at the tiny preset, so FP8 budgets widen to ``INTERPRETED_FP8``.
+BUDGET = {"bf16": registry.BF16_BUDGET, "fp8": registry.FP8_BUDGET, "cudnn_fp8": 0.15}
+INTERPRETED_FP8 = 0.2
+
+
+def budget(storage: str, base: float) -> float:
+    """``base`` (a backend's budget for ``storage``), widened for FP8 under the Triton interpreter."""
+    return max(base, INTERPRETED_FP8) if storage == "fp8" and ra.interpreting() else base
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,139 +135,87 @@ def ring_buffers(
 class Variant:
     name: str  # unique row name
     family: str  # sdpa_cudnn_bf16, triton_fp8, fa3_fp8, ... (best-of group)
-    storage: str  # budget key
+    storage: str  # bf16 or fp8
     fn: Callable[[], torch.Tensor]  # returns [M, H, D] (or [1, M, H, D]) comparable to the reference
     config: dict
+    budget: float | None = None  # relative error budget (None: the storage's, BUDGET)
 
 
 # ---- the variants -----------------------------------------------------------------------------------------
-def sdpa_variants(inp: Inputs, device: torch.device) -> Iterator[Variant]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    qb, kb, vb = (x.transpose(0, 1)[None].to(dt).contiguous() for x in (inp.q, inp.k, inp.v))
-
-    def call(backend=None):
-        if backend is None:
-            return F.scaled_dot_product_attention(qb, kb, vb)[0].transpose(0, 1)
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(qb, kb, vb)[0].transpose(0, 1)
-
-    if device.type == "cuda":
-        yield Variant(
-            "sdpa_cudnn_bf16", "sdpa_cudnn_bf16", "bf16", lambda: call(SDPBackend.CUDNN_ATTENTION), {}
-        )
-        yield Variant(
-            "sdpa_flash_bf16", "sdpa_flash_bf16", "bf16", lambda: call(SDPBackend.FLASH_ATTENTION), {}
-        )
-    yield Variant("sdpa_default_bf16", "sdpa_default_bf16", "bf16", call, {})
-
-
-def triton_configs(device: torch.device, family: str, ctas: int, sweep: bool) -> list[dict]:
-    """The Triton config space (block_m, block_n, warps, stages) x splits x variants; one config off the GPU."""
-    if device.type != "cuda":
-        return [dict(split=1), dict(split=2), dict(dual=True)] if sweep else [dict()]
-    if family == "triton_bf16":
-        base = [(128, 128, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3)]
-    elif family == "triton_head_fp8":
-        base = [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)]
-    else:
-        base = [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)]
-    if not sweep:
-        base = base[:1]
-    # key splits only where the grid leaves SMs idle (~132 SMs x 2-3 resident programs on an H200)
-    splits = (1, 2, 3, 4, 6) if sweep and ctas < 3 * 132 else ((1, 2) if sweep else (1,))
-    out = [
-        dict(block_m=a, block_n=b, num_warps=w, num_stages=s, split=x) for a, b, w, s in base for x in splits
-    ]
-    if sweep and family != "triton_bf16":
-        out += [
-            dict(block_m=64, block_n=b, num_warps=4, num_stages=2, dual=True, split=x)
-            for b in (64, 128)
-            for x in (1, 2, 4)
-        ]
-        out += [
-            dict(block_m=64, block_n=128, num_warps=4, num_stages=3, split=x, **v)
-            for v in (dict(pv_bf16=True), dict(ws=True))
-            for x in (1, 2)
-        ]
-        # more programs per SM (a register cap), and clusters of 2 (a block split over 2 CTAs sharing K/V)
-        out += [dict(block_m=64, block_n=64, num_warps=4, num_stages=3, maxnreg=128, split=x) for x in (1, 3)]
-        out += [
-            dict(block_m=64, block_n=128, num_warps=4, num_stages=2, maxnreg=168, split=x) for x in (1, 3)
-        ]
-        out += [
-            dict(block_m=128, block_n=128, num_warps=4, num_stages=3, num_ctas=2, split=x) for x in (1, 2)
-        ]
-    return out
+def bench_backends() -> list:
+    """The registry's backends this benchmark times (every one that may be asked for)."""
+    return [b for b in registry.BACKENDS.values() if b.choosable]
 
 
 def config_name(cfg: dict) -> str:
-    """m64n128w4s3x2 (+dual, pvbf16, ws): block_m, block_n, warps, stages, key splits, variants."""
+    """m64n128w4s3x2 (+dual, pvbf16, ws), or s0 (FA3's num_splits): a kernel config's options in short."""
     keys = (("block_m", "m"), ("block_n", "n"), ("num_warps", "w"), ("num_stages", "s"), ("split", "x"))
-    keys += (("maxnreg", "r"), ("num_ctas", "c"))
+    keys += (("maxnreg", "r"), ("num_ctas", "c"), ("num_splits", "s"))
     name = "".join(f"{t}{cfg[k]}" for k, t in keys if cfg.get(k) is not None) or "default"
     return name + "".join(f"-{k.replace('_', '')}" for k in ("dual", "pv_bf16", "ws") if cfg.get(k))
 
 
-def triton_variants(inp: Inputs, device: torch.device, sweep: bool) -> Iterator[Variant]:
+def backend_variants(inp: Inputs, device: torch.device, sweep: bool, log=print) -> Iterator[Variant]:
+    """Every registered backend over each storage it reads, in the layout a ring read by it stores (written by
+    the ring's own write kernel), once per kernel config (``AttentionKernel.configs``; ``sweep``: the whole
+    space), through the kernel's own call. Float storage is the model dtype of the device (bf16 on CUDA,
+    float32 on the CPU: exact there) where the kernel reads it, else bf16. A backend that cannot run here is
+    one line."""
     h, m, n, d = inp.shape
-    if not ra.triton_usable(device, d, allow_interpreter=True)[0]:
+    native = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for b in bench_backends():
+        kernel = b.load()
+        for storage, lay in b.layouts.items():
+            fam = b.bench.get(storage, f"{b.name}_{storage}")
+            why, dt = "", native
+            for dt in dict.fromkeys((native, torch.bfloat16)):
+                why = kernel.why_not(device, d, storage, True, dt)
+                if not why:
+                    break
+            if why:
+                log(f"  {fam}: skipped ({why})")
+                continue
+            buf = ring_buffers(inp, storage, lay.v_transposed, lay.scales, lay.q_scales == "head", dt)
+            host_n = None if lay.length_on_device else n
+            configs = kernel.configs(device, storage, sweep, -(-m // 64) * h)
+            for cfg in configs or [{}]:
+                name = f"{fam}_{config_name(cfg)}" if configs else fam
+
+                def fn(buf=buf, cfg=cfg, lay=lay, kernel=kernel, host_n=host_n):
+                    qkv = (buf["q"], buf["qs"], buf["k"], buf["ks"], buf["v"], buf["vs"])
+                    return kernel.attend(*qkv, buf["n_valid"], host_n, lay, cfg, native)
+
+                yield Variant(name, fam, storage, fn, cfg, budget(storage, b.budget[storage]))
+
+
+def sdpa_flash_variant(inp: Inputs, device: torch.device) -> Iterator[Variant]:
+    """torch SDPA pinned to its flash backend (not a ring backend: a comparison)."""
+    if device.type != "cuda":
         return
-    layouts = (("triton_fp8", "fp8", True, "token"), ("triton_head_fp8", "fp8", True, "head"))
-    layouts += (("triton_bf16", "bf16", False, "none"),)
-    out_dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for family, storage, v_t, scales in layouts:
-        b = ring_buffers(inp, storage, v_t, scales)
-        for cfg in triton_configs(device, family, -(-m // 64) * h, sweep):
-            name = family + "_" + config_name(cfg)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            def fn(b=b, cfg=cfg, v_t=v_t):
-                return ra.ring_attention(
-                    b["q"],
-                    b["qs"],
-                    b["k"],
-                    b["ks"],
-                    b["v"],
-                    b["vs"],
-                    b["n_valid"],
-                    v_transposed=v_t,
-                    out_dtype=out_dt,
-                    **cfg,
-                )
+    qb, kb, vb = (x.transpose(0, 1)[None].to(torch.bfloat16).contiguous() for x in (inp.q, inp.k, inp.v))
 
-            yield Variant(name, family, storage, fn, cfg)
+    def call():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(qb, kb, vb)[0].transpose(0, 1)
+
+    yield Variant("sdpa_flash_bf16", "sdpa_flash_bf16", "bf16", call, {}, BUDGET["bf16"])
 
 
-def fa3_variants(inp: Inputs, device: torch.device, sweep: bool, log) -> Iterator[Variant]:
+def fa3_fixed_variant(inp: Inputs, device: torch.device) -> Iterator[Variant]:
+    """FA3's FP8 call without seqused_k (what reading the length on the device costs; a comparison)."""
     h, m, n, d = inp.shape
-    why = fa3_adapter.why_not(device, d, True)
-    if why:
-        log(f"  fa3: skipped ({why})")
+    if fa3_adapter.why_not(device, d, True):
         return
     mod = fa3_adapter.load()
     b8 = ring_buffers(inp, "fp8", False, "head", q_per_head=True)
-    ds = dict(q_descale=b8["qs"], k_descale=b8["ks"], v_descale=b8["vs"])
-    for s in (0, 1, 2, 3, 4, 6) if sweep else (0,):
-        yield Variant(
-            f"fa3_fp8_s{s}",
-            "fa3_fp8",
-            "fp8",
-            lambda s=s: fa3_adapter.attend(b8["q"], b8["k"], b8["v"], b8["n_valid"], num_splits=s, **ds),
-            {"num_splits": s},
-        )
     views = [fa3_adapter._view(x[:, :n]) for x in (b8["q"], b8["k"], b8["v"])]
-    d1 = {k: v.unsqueeze(0) for k, v in ds.items()}
-    yield Variant("fa3_fp8_fixed_s1", "fa3_fp8_fixed", "fp8", lambda: mod.flash_attn_func(*views, **d1), {})
-    b16 = ring_buffers(inp, "bf16", False, "none", float_dtype=torch.bfloat16)
-    for s in (0, 1, 2) if sweep else (0,):
-        yield Variant(
-            f"fa3_bf16_s{s}",
-            "fa3_bf16",
-            "bf16",
-            lambda s=s: fa3_adapter.attend(b16["q"], b16["k"], b16["v"], b16["n_valid"], num_splits=s),
-            {"num_splits": s},
-        )
+    d1 = {k: b8[s].unsqueeze(0) for k, s in (("q_descale", "qs"), ("k_descale", "ks"), ("v_descale", "vs"))}
+    fp8 = budget("fp8", BUDGET["fp8"])
+    yield Variant(
+        "fa3_fp8_fixed_s1", "fa3_fp8_fixed", "fp8", lambda: mod.flash_attn_func(*views, **d1), {}, fp8
+    )
 
 
 def _cudnn_fp8_graph(cudnn, h: int, m: int, n: int, d: int, device: torch.device):
@@ -342,7 +299,7 @@ def cudnn_fp8_variant(inp: Inputs, device: torch.device, log) -> Iterator[Varian
     def dequant():
         return fn()[0].transpose(0, 1).float() * (amax[2] / ra.FP8_MAX)
 
-    yield Variant("cudnn_fp8", "cudnn_fp8", "cudnn_fp8", fn, {"_error_fn": dequant})
+    yield Variant("cudnn_fp8", "cudnn_fp8", "cudnn_fp8", fn, {"_error_fn": dequant}, BUDGET["cudnn_fp8"])
 
 
 # ---- measuring --------------------------------------------------------------------------------------------
@@ -356,7 +313,13 @@ def measure(var: Variant, inp: Inputs, timer: Timer, iters: int) -> dict:
     ms = median(ts)
     cfg = {k: v for k, v in var.config.items() if not k.startswith("_")}
     return dict(
-        family=var.family, storage=var.storage, config=cfg, ms=ms, tflops=inp.flops / ms / 1e9, rel_err=err
+        family=var.family,
+        storage=var.storage,
+        config=cfg,
+        ms=ms,
+        tflops=inp.flops / ms / 1e9,
+        rel_err=err,
+        budget=BUDGET[var.storage] if var.budget is None else var.budget,
     )
 
 
@@ -386,8 +349,8 @@ def _guarded(gen: Iterator[Variant], failed: dict, log) -> Iterator[Variant]:
 def run_dims(heads: int, m: int, n: int, d: int, device: torch.device, args, log=print) -> dict:
     inp = make_inputs(heads, m, n, d, device, seed=args.seed)
     timer, t0 = Timer(device), time.monotonic()
-    gens = [sdpa_variants(inp, device), triton_variants(inp, device, args.sweep)]
-    gens += [fa3_variants(inp, device, args.sweep, log), cudnn_fp8_variant(inp, device, log)]
+    gens = [backend_variants(inp, device, args.sweep, log), sdpa_flash_variant(inp, device)]
+    gens += [fa3_fixed_variant(inp, device), cudnn_fp8_variant(inp, device, log)]
     res: dict = {"variants": {}, "failed": {}, "skipped_for_time": 0}
     for var in (v for gen in gens for v in _guarded(gen, res["failed"], log)):
         if time.monotonic() - t0 > args.shape_budget_s:
@@ -415,11 +378,11 @@ WARM_DIMS = (4, 100, 1000, 128)  # heads, queries, keys, head dim: the serving s
 
 
 def _compile_part(part: int, parts: int, sweep: bool) -> int:
-    """(A spawned process) compile every `parts`-th Triton variant of the warm shape into Triton's disk cache."""
+    """(A spawned process) compile every `parts`-th kernel variant of the warm shape (into Triton's disk cache)."""
     dev = torch.device("cuda")
     inp = make_inputs(*WARM_DIMS, dev)
     done = 0
-    for i, var in enumerate(triton_variants(inp, dev, sweep)):
+    for i, var in enumerate(backend_variants(inp, dev, sweep, log=lambda s: None)):
         if i % parts == part:
             try:
                 var.fn()
@@ -457,7 +420,7 @@ def warm(device: torch.device, args, log=print) -> float:
 
 def best_of(variants: dict) -> dict:
     """Per family the fastest variant within its error budget; speedups against sdpa_cudnn_bf16."""
-    over = {k: round(r["rel_err"], 4) for k, r in variants.items() if r["rel_err"] > BUDGET[r["storage"]]}
+    over = {k: round(r["rel_err"], 4) for k, r in variants.items() if r["rel_err"] > r["budget"]}
     best: dict = {}
     for name, r in variants.items():
         if name in over:
@@ -480,15 +443,17 @@ def summarise(res: dict) -> list[tuple[str, str]]:
             (fam, f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s {sp:>6}  err {r['rel_err']:.4f}  [{cfg}]")
         )
     for name, e in res["over_budget"].items():
-        rows.append((name, f"OVER BUDGET: rel err {e} > {BUDGET[res['variants'][name]['storage']]}"))
+        rows.append((name, f"OVER BUDGET: rel err {e} > {res['variants'][name]['budget']}"))
     if res["failed"]:
         rows.append(("failed", ", ".join(res["failed"])))
     return rows
 
 
 # ---- the ring end to end ---------------------------------------------------------------------------------
-RING_BACKENDS = (("bf16", "sdpa"), ("bf16", "cudnn"), ("bf16", "triton"), ("bf16", "fa3"), ("fp8", "triton"))
-RING_BACKENDS += (("fp8", "triton_head"), ("fp8", "fa3"), ("fp8", "auto"), ("bf16", "auto"))
+def ring_backends() -> list[tuple[str, str]]:
+    """(storage, backend) for every backend of the registry and each storage it reads, then 'auto' per storage."""
+    ring = [(s, b.name) for b in registry.BACKENDS.values() if b.choosable for s in b.layouts]
+    return ring + [("fp8", "auto"), ("bf16", "auto")]
 
 
 def ring_check(preset: str, tp: int, device: torch.device, log=print, chunks: int = 4, cfg=None) -> dict:
@@ -514,7 +479,7 @@ def ring_check(preset: str, tp: int, device: torch.device, log=print, chunks: in
 
     data = [qkv(sink)] + [qkv(fpc) for _ in range(chunks)]
     out = {}
-    for storage, backend in RING_BACKENDS:
+    for storage, backend in ring_backends():
         ring = RingCache(
             1,
             3,
@@ -543,9 +508,10 @@ def ring_check(preset: str, tp: int, device: torch.device, log=print, chunks: in
             got = ring.attend(0, *low, commit=True)
             errs.append(_rel(got, naive.attend(0, q, k, v, commit=True)))
         key = f"{storage}_{backend}"
-        budget = BUDGET[storage] + (0.01 if dt == torch.bfloat16 else 0.0)  # the inputs' bf16 rounding
+        used = registry.get(ring.plan.backend).budget[storage]  # the budget of the backend that ran
+        limit = budget(storage, used) + (0.01 if dt == torch.bfloat16 else 0.0)  # the inputs' bf16 rounding
         out[key] = dict(
-            backend=ring.plan.backend, why=ring.plan.why, max_rel_err=max(errs), ok=max(errs) < budget
+            backend=ring.plan.backend, why=ring.plan.why, max_rel_err=max(errs), ok=max(errs) < limit
         )
         log(
             f"  ring {key}: {ring.plan.backend} max rel err {max(errs):.4f} {'ok' if out[key]['ok'] else 'FAIL'}"
@@ -555,27 +521,16 @@ def ring_check(preset: str, tp: int, device: torch.device, log=print, chunks: in
 
 
 # ---- the table auto reads ---------------------------------------------------------------------------------
-#: bench family -> (ring backend, storage) for the table (cudnn_fp8 and fa3_fp8_fixed are not ring backends)
-RING_FAMILY = {
-    "sdpa_cudnn_bf16": ("cudnn", "bf16"),
-    "sdpa_default_bf16": ("sdpa", "bf16"),
-    "triton_bf16": ("triton", "bf16"),
-    "triton_fp8": ("triton", "fp8"),
-    "triton_head_fp8": ("triton_head", "fp8"),
-    "fa3_fp8": ("fa3", "fp8"),
-    "fa3_bf16": ("fa3", "bf16"),
-}
-
-
 def table_entries(doc: dict, source: str) -> list[dict]:
     """attention_table.json entries from one bench record (its ``results``: one shape)."""
     res, gpu = doc["results"], doc.get("device_kind", "")
     sh = res["shape"]
     rows = []
     for fam, r in res["best"].items():
-        if fam not in RING_FAMILY or r.get("speedup_vs_cudnn_bf16") is None:
+        ring = registry.bench_families().get(fam)  # (backend, storage); None: a comparison, not in the table
+        if ring is None or r.get("speedup_vs_cudnn_bf16") is None:
             continue
-        backend, storage = RING_FAMILY[fam]
+        backend, storage = ring
         rows.append(
             dict(
                 gpu=gpu,

@@ -49,14 +49,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def variant_recipes(args, device: torch.device, layers: int | None) -> dict:
     """Each cache's recipe (``cadence.bench.recipes``): the words' model, dtype and attention backend, the
-    variant's cache and FP8 K/V, no FP8 linears, no graphs (eager steps, as this benchmark has always timed)."""
-    from cadence.bench.recipes import part_fast, part_recipe, part_spec
+    variant's cache and FP8 K/V, and what this benchmark compares them on, stated per variant: no FP8 linears,
+    no graphs (eager steps)."""
+    from cadence.bench.recipes import part_spec
+    from cadence.engine.flags import fast_path_from_args
+    from cadence.engine.recipe import resolve
 
     over = {"model": {"num_layers": layers}} if layers else {}
     out = {}
     for name, (stream, fast) in VARIANTS.items():
-        f = dataclasses.replace(part_fast(args), graphs=False, **fast)
-        out[name] = part_recipe(part_spec(args, {**over, "stream": stream}, f), str(device))
+        f = dataclasses.replace(fast_path_from_args(args), graphs=False, fp8_linears=False, **fast)
+        out[name] = resolve(part_spec(args, {**over, "stream": stream}, f), str(device))
     return out
 
 

@@ -251,7 +251,7 @@ def _workers(cfg: dict) -> list[dict]:
 
 def _fleet(args):
     """``--ray``: (FleetConfig, LocalCluster or None)."""
-    from cadence.fleet.config import FleetConfig, fleet_device
+    from cadence.fleet.config import FleetConfig, fleet_placement
 
     cluster = None
     address = args.ray
@@ -267,7 +267,7 @@ def _fleet(args):
             raise
         address = cluster.address
     return FleetConfig(
-        address=address, groups=args.sessions, device=fleet_device(args.device, args.tp)
+        address=address, groups=args.sessions, placement=fleet_placement(args.device, args.tp)
     ), cluster
 
 
@@ -329,7 +329,7 @@ def _start_server(args):
     cluster = None
     if args.ray:
         fleet, cluster = _fleet(args)
-        extra["fleet"] = fleet
+        extra["deployment"] = fleet
     start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
     srv = ServerThread(
         ServeConfig(

@@ -9,11 +9,11 @@
 
 The words: ``--model`` / ``--preset`` (default tiny; random weights at its geometry) and a step's fast path
 (:data:`FAST_FIELDS`) come from the one engine-flag set (``cadence.engine.flags``: each ``FastPath`` field's
-docstring is its help) and are resolved by the recipe (``cadence.bench.recipes.part_recipe``), printed first
-and recorded (``recipe``). What they meant before stays: FP8 K/V and FP8 linears off unless asked (a bare
-command times the bf16 reference step, not what a bare ``cadence serve`` runs on CUDA), ``--cache naive`` (the
-default) keeps its cache whatever else is asked, graphs on by default only with CUDA and the ring; on the CPU
-``--kv-fp8`` / ``--fp8`` still run (their CPU code paths: a smoke test). The rest is this benchmark's own.
+docstring is its help) and are resolved by the recipe (``cadence.engine.recipe.resolve``) as ``cadence serve``
+resolves them, printed first and recorded (``recipe``): a bare command times the step a bare ``cadence serve``
+runs on the same device (on CUDA the ring cache with FP8 K/V, FP8 linears and CUDA graphs). Another path is
+asked for in words: ``--no-kv-fp8 --no-fp8`` (the bf16 reference step), ``--cache naive`` (the baseline cache,
+kept whatever else is asked; no graphs). The rest is this benchmark's own.
 
 Tensor parallel (``--tp N``, under ``torchrun --nproc_per_node N``): every rank builds only its
 shard (the model is constructed on ``meta``, sharded with ``apply_tp`` there, then allocated with
@@ -383,12 +383,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = UsageParser(prog="cadence bench step", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--cache",
-        default="naive",
+        default=None,
         choices=["naive", "ring"],
-        help="the self-attention cache (default naive: the bf16 baseline; CUDA graphs and the FP8 K/V "
-        "attention kernel need the ring)",
+        help="the self-attention cache (default: the recipe's, as cadence serve builds it; naive: the bf16 "
+        "baseline; CUDA graphs and the FP8 K/V attention kernel need the ring)",
     )
-    p.add_argument("--sink-policy", default="follow", choices=["follow", "absolute"])
+    p.add_argument("--sink-policy", default=None, choices=["follow", "absolute"], help="default: the model's")
     p.add_argument(
         "--tp",
         type=int,
@@ -438,9 +438,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     add_record_flags(p)
     p.add_argument("--png", action="store_true", help="also draw the breakdown as a PNG beside the JSON")
-    # the engine-flag set: --model/--preset (random weights at its geometry) and a step's fast-path fields.
-    # Here FP8 K/V and FP8 linears are off unless asked (cadence.bench.recipes), CUDA graphs on by default with
-    # CUDA and the ring cache (--graphs with the naive cache or on the CPU: eager, one log line)
+    # the engine-flag set: --model/--preset (random weights at its geometry) and a step's fast-path fields,
+    # resolved as cadence serve resolves them (--graphs with the naive cache or on the CPU: eager, one log line)
     add_model_flags(p, default="tiny", files=False)
     add_fast_path_flags(p, only=FAST_FIELDS)
     return p.parse_args(argv)
@@ -448,11 +447,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def step_spec(args: argparse.Namespace, layers: int | None = None):
     """The ``EngineSpec`` of the words: ``--cache`` (the naive cache keeps its FP8 K/V storage when asked, and
-    takes no graphs), ``--sink-policy``, ``layers`` (None: the model's), ``--tp``; FP8 off unless asked."""
-    from cadence.bench.recipes import part_fast, part_spec
+    takes no graphs), ``--sink-policy``, ``layers`` (None: the model's), ``--tp``."""
+    from cadence.bench.recipes import part_spec
+    from cadence.engine.flags import fast_path_from_args
 
-    fast = part_fast(args)
-    stream: dict = {"cache": args.cache, "sink_policy": args.sink_policy}
+    fast = fast_path_from_args(args)
+    given = {"cache": args.cache, "sink_policy": args.sink_policy}
+    stream: dict = {k: v for k, v in given.items() if v is not None}
     if args.cache == "naive":  # the recipe would move FP8 K/V and graphs to the ring: the words say naive
         stream["kv_fp8"] = bool(fast.kv_fp8)
         fast = dataclasses.replace(fast, kv_fp8=False, graphs=False)
@@ -495,7 +496,7 @@ class Setup:
     info: object  # TPInfo of a real rank under torchrun, else None
     group: object  # what apply_tp gets: a ProcessGroup, an EmulatedGroup, or None (TP=1)
     rank0: bool
-    recipe: EngineRecipe  # what the words build here (cadence.bench.recipes.part_recipe), at the layers run
+    recipe: EngineRecipe  # what the words build here (cadence.engine.recipe.resolve), at the layers run
     full: CadenceConfig  # the configuration at the model's own layer count (floors, FLOPs, the record)
     scale: float
     warmup: int
@@ -591,7 +592,7 @@ def _group(args: argparse.Namespace):
 
 
 def _setup(args: argparse.Namespace) -> Setup:
-    from cadence.bench.recipes import part_recipe
+    from cadence.engine.recipe import resolve
 
     _check_args(args)
     info, group = _group(args)
@@ -602,7 +603,7 @@ def _setup(args: argparse.Namespace) -> Setup:
     )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda but CUDA is not available")
-    full = part_recipe(step_spec(args), str(device))  # the model's own layer count
+    full = resolve(step_spec(args), str(device))  # the model's own layer count
     clip, full_cfg = _clip_of(args, full)
     dtype = getattr(torch, full.fast.dtype)
     layers = min(args.layers or layers_that_fit(full_cfg, dtype, device, args.tp), full_cfg.model.num_layers)
@@ -612,7 +613,7 @@ def _setup(args: argparse.Namespace) -> Setup:
         info=info,
         group=group,
         rank0=info is None or info.rank == 0,
-        recipe=part_recipe(step_spec(args, layers), str(device)),
+        recipe=resolve(step_spec(args, layers), str(device)),
         full=full_cfg,
         scale=full_cfg.model.num_layers / layers,
         warmup=args.warmup if args.warmup is not None else (3 if cuda else 1),

@@ -65,15 +65,13 @@ drifts ever further from the newest chunk, a geometry the model never saw in tra
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from cadence.cache.base import CacheShape, SelfAttentionCache
 from cadence.kernels import attention_backends as ab
-from cadence.kernels import fa3_adapter
+from cadence.kernels import attention_registry as registry
 from cadence.kernels import ring_attention as ra
 from cadence.model.rope import Rope3D
 from cadence.telemetry.spans import region
@@ -107,15 +105,6 @@ def quantize_fp8(x: torch.Tensor, per: str = "token") -> tuple[torch.Tensor, tor
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[..., None]
-
-
-def _sdpa_backend(backend: str):
-    """torch SDPA pinned to cuDNN for the 'cudnn' backend; the default dispatch otherwise."""
-    if backend != "cudnn":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
 
 def _check(
@@ -187,9 +176,10 @@ class RingCache(SelfAttentionCache):
             ra.warn_once(
                 f"ring-{self.device.type}-{why}",
                 f"ring cache: using the PyTorch reference path ({why or 'requested'})",
-                logging.WARNING if self.device.type == "cuda" else logging.INFO,
+                level=logging.WARNING if self.device.type == "cuda" else logging.INFO,
             )
         self.plan = self._plan(attention, use_triton, model_dtype)
+        self.layout, self.kernel = self.plan.layout, self.plan.kernel  # what the write stores, what reads it
         self._allocate(N, FP8_DTYPE if fp8 else model_dtype)
         self.reset()
 
@@ -233,9 +223,9 @@ class RingCache(SelfAttentionCache):
         """The attention backend and the layout it reads (``use_triton=False``: the reference path)."""
         fp8 = self.storage == "fp8"
         if use_triton is False:
-            backend = "reference" if fp8 else "sdpa"
-            v_t, scales, _ = ab.layout(backend, self.storage)
-            return ab.AttentionPlan(backend, self.storage, v_t, scales, False, {}, "use_triton=False")
+            backend = registry.FALLBACK[self.storage][-1]  # the plain PyTorch one: 'reference' or 'sdpa'
+            v_t, scales, on_device = ab.layout(backend, self.storage)
+            return ab.AttentionPlan(backend, self.storage, v_t, scales, on_device, {}, "use_triton=False")
         p = ab.plan(
             attention,
             self.device,
@@ -251,7 +241,7 @@ class RingCache(SelfAttentionCache):
             f"ring-plan-{self.device.type}-{p.backend}-{p.storage}-{self.heads}-{self.tokens_per_chunk}",
             f"ring attention: {p.backend} over {p.storage} K/V ({p.scales} scales; {self.heads} heads x "
             f"{self.tokens_per_chunk} q x {self.rows} kv; {p.why})",
-            logging.INFO,
+            level=logging.INFO,
         )
         return p
 
@@ -462,55 +452,34 @@ class RingCache(SelfAttentionCache):
         head = self._head_scales
         if head and (is_sink or not self.sink_tokens):
             self._set_head_scales(layer, k, v, is_sink)
-        fa3_q = fp8 and self.plan.backend == "fa3"  # FA3: one query descale per head, this pass's
-        if fa3_q:
+        head_q = fp8 and self.layout.q_scales == "head"  # one query scale per head (FA3's), this pass's
+        if head_q:
             bound = ra.head_amax_bound(q, rotate=True)
             torch.mul(bound.clamp_min_(1e-12), 1.0 / ra.FP8_MAX, out=self.q_head_scale)
-        q_scale = self.q_head_scale if fa3_q else self.q_scale
+        q_scale = self.q_head_scale if head_q else self.q_scale
         if self.use_triton:
             ra.qkv_write(
                 q, k, v, cos, sin, self.q_rot, q_scale, self.k[layer], self.k_scale[layer],
                 self.v[layer], self.v_scale[layer], self.zero, row0, self.plan.v_transposed,
             )  # fmt: skip
-            qr, qs = self.q_rot[:, :m], (self.q_head_scale if fa3_q else self.q_scale[:, :m])
+            qr, qs = self.q_rot[:, :m], (self.q_head_scale if head_q else self.q_scale[:, :m])
         else:
             self._store_k(layer, k, cos, sin, row0)
             self._store_v(layer, v, row0)
-            qr, qs = ra.rope_quant_reference(q, cos, sin, fp8, self.q_rot.dtype, q_scale if fa3_q else None)
-            if fa3_q:
+            qr, qs = ra.rope_quant_reference(q, cos, sin, fp8, self.q_rot.dtype, q_scale if head_q else None)
+            if head_q:
                 qs = self.q_head_scale
         if head and commit and not self.sink_tokens:
             self.scales_frozen[layer].fill_(True)
         return qr, qs
 
     def _attention(self, layer: int, qr, qs, m: int, dtype: torch.dtype) -> torch.Tensor:
-        """[M, H, D] (or [1, M, H, D]) in ``dtype`` from the plan's backend over the visible keys."""
-        p, k, v = self.plan, self.k[layer], self.v[layer]
-        if p.backend in ("triton", "triton_head"):
-            ks, vs = self.k_scale[layer], self.v_scale[layer]
-            return ra.ring_attention(
-                qr, qs, k, ks, v, vs, self.n_valid, v_transposed=p.v_transposed, out_dtype=dtype, **p.config
-            )
-        if p.backend == "fa3":
-            fp8 = self.storage == "fp8"
-            out = fa3_adapter.attend(
-                qr,
-                k,
-                v,
-                self.n_valid,
-                q_descale=qs if fp8 else None,
-                k_descale=self.k_scale[layer] if fp8 else None,
-                v_descale=self.v_scale[layer] if fp8 else None,
-                num_splits=p.config.get("num_splits", 0),
-            )
-            return out if out.dtype == dtype else out.to(dtype)
-        n = self._n_visible()
-        if p.backend == "reference":
-            ks, vs = self.k_scale[layer], self.v_scale[layer]
-            return ra.ring_attention_reference(qr, qs, k, ks, v, vs, n, v_transposed=p.v_transposed).to(dtype)
-        with _sdpa_backend(p.backend):
-            o = F.scaled_dot_product_attention(qr[None], k[:, :n][None], v[:, :n][None])
-        return o[0].transpose(0, 1)
+        """[M, H, D] (or [1, M, H, D]) in ``dtype`` from the plan's kernel over the visible keys (a host length
+        only for the kernels that do not read it on the device)."""
+        lay, k, v = self.layout, self.k[layer], self.v[layer]
+        n = None if lay.length_on_device else self._n_visible()
+        ks, vs = self.k_scale[layer], self.v_scale[layer]
+        return self.kernel.attend(qr, qs, k, ks, v, vs, self.n_valid, n, lay, self.plan.config, dtype)
 
     # ---- the prompt-switch re-cache (cadence.cache.recache) ---------------------------------------
     def kept_kv(self, layer: int, frame_sink: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -552,7 +521,7 @@ class RingCache(SelfAttentionCache):
         ts = [self.k, self.v, self.q_rot]
         if self.storage == "fp8":
             ts += [self.k_scale, self.v_scale, self.q_scale]
-            if self.plan.backend == "fa3":
+            if self.layout.q_scales == "head":
                 ts.append(self.q_head_scale)
         if self.sink_raw is not None:
             ts.append(self.sink_raw)

@@ -56,10 +56,11 @@ def build_model_for(
     tp=None,
     comm: str = "auto",
     sequence_parallel: bool = False,
+    family=None,
 ):
-    """Steps 2-4: the model on ``device`` with its weights, sharded over ``tp.group`` when given (with
-    ``sequence_parallel``: ``cadence.parallel.sp``). Returns ``(model, how)`` with how = 'meta' (sharded
-    before allocation) or 'full'."""
+    """Steps 2-4: the model on ``device`` with its weights (read as the registry entry ``family`` says: the
+    recipe's ``entry``), sharded over ``tp.group`` when given (with ``sequence_parallel``:
+    ``cadence.parallel.sp``). Returns ``(model, how)`` with how = 'meta' (sharded before allocation) or 'full'."""
     from cadence.model.dit import WanDiT
     from cadence.model.weights import build_model, init_random, load_weights
 
@@ -80,7 +81,7 @@ def build_model_for(
             log.warning("sharding on meta failed (%s): building the full model first", e)
     model = build_model(cfg, device, dtype, seed=None if weights else seed)
     if weights:
-        load_weights(model, weights)
+        load_weights(model, weights, family=family)
     if sharded:
         from cadence.parallel import apply_tp
 
@@ -165,7 +166,7 @@ def _assemble(recipe: EngineRecipe, device: torch.device, tp, pipeline, graph_ca
     if fast.sequence_parallel and not sharded:
         notes.append("sequence_parallel: needs tensor parallelism (tp > 1): off")
     sp = bool(fast.sequence_parallel and sharded)
-    model, how = build_model_for(cfg, device, dtype, recipe.seed, tp, fast.comm, sp)
+    model, how = build_model_for(cfg, device, dtype, recipe.seed, tp, fast.comm, sp, family=recipe.entry)
     if sharded:
         applied.update(tp=tp.world_size, comm=fast.comm, tp_build=how, sequence_parallel=sp)
         if graph_capture is None and device.type == "cuda":

@@ -7,7 +7,7 @@ knobs, and :func:`spec_from_args` to turn the parsed words into an :class:`~cade
 
 * **The fast path**: one flag per ``FastPath`` field (``cadence.engine.spec``), named after it (``kv_fp8`` ->
   ``--kv-fp8``), its docstring as help; a bool field is ``--x / --no-x``, an int or str field takes a value
-  (the values of ``spec.CHOICES`` listed and checked by argparse); unset = the field's default (``None``:
+  (the values of ``spec.choices`` listed and checked by argparse); unset = the field's default (``None``:
   automatic for the device). A field added to ``FastPath`` becomes a flag everywhere by itself.
 * **The spec's other knobs**: ``--model NAME`` (alias ``--preset``: a preset or a family, one registry),
   the files (``--weights``, ``--vae-weights``, ``--taehv-weights``, ``--text-encoder``, ``--text-tokenizer``,
@@ -93,7 +93,9 @@ def fast_path_flags() -> list[FieldFlag]:
     for f in dataclasses.fields(FastPath):
         t = str(f.type)
         kind = next((k for k in ("bool", "int", "float") if k in t.replace("|", " ").split()), "str")
-        out.append(FieldFlag(f.name, kind, docs.get(f.name, ""), _spec.CHOICES.get(f.name)))
+        doc = docs.get(f.name, "")
+        more = _spec.CHOICE_HELP.get(f.name)
+        out.append(FieldFlag(f.name, kind, f"{doc} {more()}." if more else doc, _spec.choices(f.name)))
     return out
 
 

@@ -7,7 +7,7 @@ attend to each other) from *motion latents* that are the VAE encoding of the pre
 frames, so the next step needs this step's decode. :class:`ClipSession` therefore does the whole chunk in its
 step and says so (``yields_pixels``): the engine's decode stage only copies its frames to the host. It
 implements the K/V session's interface (``cadence.engine.session.StreamSession``), so the engine drives both
-the same way; ``cadence.engine.session.session_type`` picks it for a ``ClipStream``.
+the same way; the family's registry entry names it (``ClipStream.session``), ``session_type`` loads it.
 
 Per stream (``open`` / ``reset``), once: the reference image's CLIP tokens (``cadence.model.clip_vision``), the
 I2V condition (the VAE latent of [image, 32 black frames] + mask) and the image's own latent (the first clip's
@@ -27,10 +27,12 @@ stream it makes is exactly FlashTalk's offline stream (``generate_offline``) of 
 40 ms (silence first), every clip complete when its chunk's samples arrive. The mouth trails the voice by
 that one frame (inside ITU-R BT.1359's +45 ms detectability bound for sound ahead of picture).
 
-Encoders: with ``--weights DIR`` the family's own files (:func:`flashtalk_encoder_files`: Wan's CLIP ``.pth``
-in DIR as FlashTalk ships it, the ``chinese-wav2vec2-base`` folder in or beside DIR); without weights both are
-random at the sizes the model config implies (benchmarks, tests). Nothing here applies CUDA graphs or the ring
-cache (no cache): the recipe (``cadence.engine.recipe``) turns them off with one note.
+Encoders: the family's front ends (its registry entry: ``Wav2Vec2Audio``, ``ClipVisionImage``), built by the
+generator from the recipe (``cadence.model.encoders``: with ``--weights DIR`` Wan's CLIP ``.pth`` in DIR as
+FlashTalk ships it and the ``chinese-wav2vec2-base`` folder in or beside DIR; without weights both random at
+the sizes the model config implies); this session reads them as ``gen.image_encoder`` and ``gen.audio``.
+Nothing here applies CUDA graphs or the ring cache (no cache): the recipe (``cadence.engine.recipe``) turns
+them off with one note.
 """
 
 from __future__ import annotations
@@ -38,11 +40,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 
-from cadence.config import AUDIO_SAMPLE_RATE, CadenceConfig
+from cadence.config import AUDIO_SAMPLE_RATE
 from cadence.errors import ConfigError, InputError
 
 log = logging.getLogger("cadence.engine")
@@ -51,132 +52,6 @@ log = logging.getLogger("cadence.engine")
 AUDIO_LAG = AUDIO_SAMPLE_RATE // 25
 #: The colour match strength FlashTalk ships (``color_correction_strength``).
 COLOR_STRENGTH = 1.0
-
-
-# ---- encoders ------------------------------------------------------------------------------------------
-
-
-def flashtalk_encoder_files(weights: str | Path) -> tuple[Path, Path]:
-    """The CLIP ``.pth`` and the wav2vec2 folder that go with a FlashTalk checkpoint ``weights`` (its folder,
-    or a file in it): ``models_clip_*.pth`` in the folder or its parent (FlashTalk ships it inside
-    ``SoulX-FlashTalk-14B/``), a folder named ``*wav2vec2*`` holding a config.json in the folder or its
-    parent (``chinese-wav2vec2-base``, FlashTalk's ``--wav2vec_dir``). One clear error for what is missing."""
-    p = Path(weights)
-    folder = p if p.is_dir() else p.parent
-    places = [folder, folder.parent]
-    clip = next((f for d in places for f in sorted(d.glob("models_clip_*.pth")) if f.is_file()), None)
-    w2v = next(
-        (
-            d
-            for base in places
-            for d in sorted(base.iterdir())
-            if d.is_dir() and "wav2vec2" in d.name.lower() and (d / "config.json").is_file()
-        ),
-        None,
-    )
-    missing = []
-    if clip is None:
-        missing.append("the CLIP vision encoder (models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth)")
-    if w2v is None:
-        missing.append("the wav2vec2 folder (chinese-wav2vec2-base/, with config.json)")
-    if missing:
-        raise ConfigError(
-            f"flashtalk weights {weights}: {' and '.join(missing)} not found in {folder} or {folder.parent}"
-        )
-    return clip, w2v
-
-
-def _heads(width: int) -> int:
-    return width // 80 if width % 80 == 0 else next(h for h in (8, 4, 2, 1) if width % h == 0)
-
-
-def random_clip_vision(cfg: CadenceConfig, device, dtype, seed: int = 1):
-    """A random CLIP vision tower of the width and token count the model takes (``image_dim``,
-    ``image_tokens`` = 1 + (224 / 14)^2): ViT-H/14's depth (31 of 32 blocks run) at 1280 wide, 2 blocks
-    otherwise."""
-    from transformers import CLIPVisionConfig, CLIPVisionModel
-
-    from cadence.model.clip_vision import ClipVision
-
-    m = cfg.model
-    grid = round((m.image_tokens - 1) ** 0.5)
-    if grid * grid + 1 != m.image_tokens:
-        raise ConfigError(f"image_tokens {m.image_tokens} is not 1 + a square grid of patches")
-    c = CLIPVisionConfig(
-        hidden_size=m.image_dim,
-        intermediate_size=4 * m.image_dim,
-        num_hidden_layers=31 if m.image_dim == 1280 else 2,
-        num_attention_heads=_heads(m.image_dim),
-        image_size=grid * 14,
-        patch_size=14,
-        hidden_act="gelu",
-        layer_norm_eps=1e-5,
-    )
-    c._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = CLIPVisionModel(c)
-    return ClipVision(model, device=device, dtype=dtype)
-
-
-def random_wav2vec2(cfg: CadenceConfig, device, seed: int = 2):
-    """A random wav2vec2 of the width and depth the model's audio projection reads (``audio_dim``,
-    ``audio_layers``): wav2vec2-base's geometry at 768 wide, a small one otherwise."""
-    from transformers import Wav2Vec2Config, Wav2Vec2Model
-
-    from cadence.model.wav2vec2 import Wav2Vec2Features
-
-    m = cfg.model
-    if m.audio_dim == 768:
-        c = Wav2Vec2Config(num_hidden_layers=m.audio_layers)
-    else:
-        c = Wav2Vec2Config(
-            hidden_size=m.audio_dim,
-            num_hidden_layers=m.audio_layers,
-            num_attention_heads=_heads(m.audio_dim),
-            intermediate_size=2 * m.audio_dim,
-            conv_dim=(8,) * 7,
-            num_conv_pos_embeddings=16,
-            num_conv_pos_embedding_groups=4 if m.audio_dim % 4 == 0 else 1,
-        )
-    c.update(dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0))
-    c._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Wav2Vec2Model(c)
-    return Wav2Vec2Features(model, fps=cfg.stream.fps, device=device)
-
-
-def make_clip_encoders(cfg: CadenceConfig, device, dtype):
-    """(CLIP vision, wav2vec2 features) for a clip-based family: the checkpoint's own files beside
-    ``model.weights``, else random ones (logged). wav2vec2 runs in float32 (its features feed a loudness-
-    normalised window; small next to the model)."""
-    from cadence.config import resolve_asset
-    from cadence.model.wav2vec2 import Resampler
-
-    Resampler(AUDIO_SAMPLE_RATE, 16000)  # needs soxr: one clear ImportError at build, not at the first open
-    m = cfg.model
-    if m.weights:
-        from cadence.model.clip_vision import load_clip_vision
-        from cadence.model.wav2vec2 import Wav2Vec2Features
-
-        clip_file, w2v_dir = flashtalk_encoder_files(resolve_asset(m.weights))
-        clip = load_clip_vision(clip_file, device=device, dtype=dtype)
-        feats = Wav2Vec2Features(w2v_dir, fps=cfg.stream.fps, device=device)
-    else:
-        log.warning("model family %r without weights: random CLIP vision and wav2vec2 encoders", m.family)
-        clip = random_clip_vision(cfg, device, dtype)
-        feats = random_wav2vec2(cfg, device)
-    width = clip.model.config.hidden_size
-    if width != m.image_dim:
-        raise ConfigError(f"the CLIP vision encoder is {width} wide; the model takes image_dim {m.image_dim}")
-    wc = feats.model.config
-    if (wc.hidden_size, wc.num_hidden_layers) != (m.audio_dim, m.audio_layers):
-        raise ConfigError(
-            f"the wav2vec2 encoder gives {wc.num_hidden_layers} layers of {wc.hidden_size}; the model takes "
-            f"{m.audio_layers} of {m.audio_dim}"
-        )
-    return clip, feats
 
 
 # ---- the session ---------------------------------------------------------------------------------------
@@ -193,15 +68,18 @@ class ClipSession:
 
     @classmethod
     def prepare(cls, gen) -> None:
-        """The generator's front ends a clip session reads: its own wav2vec2 and CLIP (no per-chunk audio
-        encoder), and the per-image references; the stream's decoder must be the Wan VAE."""
+        """The per-image references every clip reads (from the generator's front ends: its CLIP vision tower
+        and the Wan VAE); the stream's decoder must be the Wan VAE, and its audio wav2vec2's."""
         cfg, clip = gen.cfg, gen.rules.stream
         if not hasattr(gen.vae, "wan"):
             raise ConfigError(
                 f"model family {cfg.model.family!r} decodes and re-encodes every clip with the Wan VAE: "
-                f"vae.decoder must be '{clip.decoder}', got {cfg.vae.decoder!r}"
+                f"vae.decoder must be '{gen.rules.decoder.pinned}', got {cfg.vae.decoder!r}"
             )
-        gen.clip_vision, gen.audio_features = make_clip_encoders(cfg, gen.model.device, gen.model.dtype)
+        if gen.image_encoder is None or not hasattr(gen.audio, "encode"):
+            raise ConfigError(
+                f"a FlashTalk clip session reads CLIP image tokens and wav2vec2 audio ({gen.rules})"
+            )
         gen.clip_reference = ClipReferences(gen, clip.clip_frames)
 
     def __init__(self, gen, image: torch.Tensor, prompt, seed: int, decode_device=None):
@@ -255,7 +133,7 @@ class ClipSession:
         self._set_context(emb)
         self.noise_gen.manual_seed(seed)
         self.audio = FlashTalkAudio(
-            self.gen.audio_features,
+            self.gen.audio,
             rate_in=AUDIO_SAMPLE_RATE,
             clip_frames=self.clip_frames,
             motion_frames=self.motion_frames,
@@ -333,7 +211,7 @@ class ClipReferences:
         dev, vae = gen.model.device, gen.vae.wan
         frames = self.clip_frames
         ref = host[:, None].to(dev)  # [3, 1, H, W] in [-1, 1]
-        tokens = gen.clip_vision.encode(ref).to(gen.model.dtype)
+        tokens = gen.image_encoder.encode(ref).to(gen.model.dtype)
         video = torch.cat([ref, ref.new_zeros(3, frames - 1, *ref.shape[2:])], dim=1)
         cond = i2v_condition(vae.normalize_latents(vae.encode(video.to(vae.param_dtype())).float()))
         motion = vae.normalize_latents(vae.encode(ref.to(vae.param_dtype())).float())

@@ -37,6 +37,7 @@ once, in :data:`KERNEL_SWITCHES` (name, default, what it does); ``describe`` rep
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -44,15 +45,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from cadence.config import CadenceConfig, PipelineConfig, resolve_asset
+from cadence.engine.placement import Placement
 from cadence.engine.spec import FastPath
 from cadence.errors import ConfigError
 from cadence.model.families import (
     ClipStream,
+    DecoderRule,
+    FrontEnd,
     KVStream,
+    LogMelAudio,
+    ModelFamily,
     Rebuild,
     Recache,
     Swap,
-    get_family,
+    VaeSinkImage,
+    entry_of,
     get_model,
     model_config,
 )
@@ -225,11 +232,15 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class SessionRules:
-    """The rules a session is built from (``cadence.engine.session.session_type``: one ``match``)."""
+    """The rules a stream is built from: its session class (the stream kind's, ``session_type``), its policies,
+    and the front ends the generator builds for it (the family's, whatever session runs)."""
 
     stream: KVStream | ClipStream
     prompt_switch: Swap | Recache
     rebuild: Rebuild | None
+    audio: FrontEnd = field(default_factory=LogMelAudio)
+    image: FrontEnd = field(default_factory=VaeSinkImage)
+    decoder: DecoderRule = field(default_factory=DecoderRule)
 
 
 @dataclass(frozen=True)
@@ -248,8 +259,9 @@ class EngineRecipe:
     tp: int
     decode_device: str
     """'same' or another device (``PipelineConfig.decode_device``)."""
-    stream: KVStream | ClipStream
-    prompt_switch: Swap | Recache
+    entry: ModelFamily
+    """The registry entry it was resolved from: its stream kind and session, prompt switch, front ends
+    (audio, image, decoder) and checkpoint format, read from here by the builders and loaders."""
     rebuild: Rebuild | None
     """The context rebuild (Krea), or None: the committed K/V stay."""
     weights_entry: str | None
@@ -265,100 +277,97 @@ class EngineRecipe:
         return self.config.model.family
 
     @property
+    def stream(self) -> KVStream | ClipStream:
+        return self.entry.streaming
+
+    @property
+    def prompt_switch(self) -> Swap | Recache:
+        return self.entry.prompt_switch
+
+    @property
     def rules(self) -> SessionRules:
-        return SessionRules(self.stream, self.prompt_switch, self.rebuild)
+        return rules_of(self.entry, self.rebuild)
+
+    @property
+    def placement(self) -> Placement:
+        """The devices it runs on, typed (``device`` is its text, as recorded)."""
+        return Placement.of(self.device)
 
     @property
     def devices(self) -> list[str]:
-        return self.device.split("+")
+        return list(self.placement.devices)
 
     def describe(self, env: Mapping[str, str] | None = None) -> RecipeDescription:
-        """The recipe as a report: a dataclass for JSON records (``as_dict``) and one printed block (``text``);
+        """The recipe as a report: one plain record for JSON (``as_dict``) and one printed block (``text``);
         ``env`` (default: this process's environment) gives the kernel switches' values in effect."""
         c = self.config
         return RecipeDescription(
-            model=self.model,
-            family=self.family,
-            device=self.device,
-            tp=self.tp,
-            decode_device=self.decode_device,
-            fast=dataclasses.asdict(self.fast),
-            cache=c.stream.cache,
-            kv_fp8=c.stream.kv_fp8,
-            decoder=c.vae.decoder,
-            stream=repr(self.stream),
-            prompt_switch=repr(self.prompt_switch),
-            rebuild=repr(self.rebuild) if self.rebuild is not None else None,
-            weights=c.model.weights,
-            weights_entry=self.weights_entry,
-            vae_weights=c.vae.weights,
-            seed=self.seed,
-            warmup=self.warmup,
-            warmup_chunks=self.warmup_chunks,
-            geometry=c.shape_summary(),
-            notes=list(self.notes),
-            env=kernel_switches(os.environ if env is None else env),
+            {
+                "model": self.model,
+                "family": self.family,
+                "device": self.device,
+                "tp": self.tp,
+                "decode_device": self.decode_device,
+                "fast": dataclasses.asdict(
+                    self.fast
+                ),  # every FastPath field, resolved (new ones by themselves)
+                "cache": c.stream.cache,
+                "kv_fp8": c.stream.kv_fp8,
+                "decoder": c.vae.decoder,
+                "stream": repr(self.stream),
+                "prompt_switch": repr(self.prompt_switch),
+                "rebuild": repr(self.rebuild) if self.rebuild is not None else None,
+                "weights": c.model.weights,
+                "weights_entry": self.weights_entry,
+                "vae_weights": c.vae.weights,
+                "seed": self.seed,
+                "warmup": self.warmup,
+                "warmup_chunks": self.warmup_chunks,
+                "geometry": c.shape_summary(),
+                "notes": list(self.notes),
+                "env": kernel_switches(os.environ if env is None else env),  # each: value here, default, set
+            }
         )
 
 
 @dataclass(frozen=True)
 class RecipeDescription:
-    """What :meth:`EngineRecipe.describe` reports (every field plain data, fit for JSON)."""
+    """What :meth:`EngineRecipe.describe` reports: the recipe's record (every value plain data, fit for JSON),
+    written once there, and the block a terminal prints from it."""
 
-    model: str
-    family: str | None
-    device: str
-    tp: int
-    decode_device: str
-    fast: dict
-    """Every ``FastPath`` field, resolved (new fields appear here by themselves)."""
-    cache: str
-    kv_fp8: bool
-    decoder: str
-    stream: str
-    prompt_switch: str
-    rebuild: str | None
-    weights: str | None
-    weights_entry: str | None
-    vae_weights: str | None
-    seed: int
-    warmup: bool
-    warmup_chunks: int
-    geometry: dict
-    notes: list[str]
-    env: dict
-    """Every kernel switch: its value here (None: unset), its default, whether it is set."""
+    record: dict
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return copy.deepcopy(self.record)
 
     def text(self) -> str:
         """One block for a terminal: the model, the fast path, the rules, the weights, the switches set."""
-        fast = ", ".join(f"{k} {_on(v)}" for k, v in self.fast.items())
-        g = self.geometry
-        if self.weights:
-            entry = f", entry {self.weights_entry}" if self.weights_entry else ""
-            weights = f"{self.weights}{entry}"
+        r = self.record
+        fast = ", ".join(f"{k} {_on(v)}" for k, v in r["fast"].items())
+        g = r["geometry"]
+        if r["weights"]:
+            entry = f", entry {r['weights_entry']}" if r["weights_entry"] else ""
+            weights = f"{r['weights']}{entry}"
         else:
-            weights = f"random (seed {self.seed})"
+            weights = f"random (seed {r['seed']})"
         lines = [
-            f"recipe: {self.model}"
-            + (f" (family {self.family})" if self.family else "")
-            + f" on {self.device}, tp {self.tp}, decode {self.decode_device}",
+            f"recipe: {r['model']}"
+            + (f" (family {r['family']})" if r["family"] else "")
+            + f" on {r['device']}, tp {r['tp']}, decode {r['decode_device']}",
             f"  geometry: {g['width']}x{g['height']}, {g['tokens_per_chunk']} tokens per chunk, "
             f"{g['layers']} layers, window {g['window_chunks']}",
             f"  fast path: {fast}",
-            f"  stream: {self.stream}, cache {self.cache}{' (FP8 K/V)' if self.kv_fp8 else ''}, decoder "
-            f"{self.decoder}; prompt switch {self.prompt_switch}; context {self.rebuild or 'committed K/V'}",
-            f"  weights: {weights}" + (f"; VAE {self.vae_weights}" if self.vae_weights else ""),
-            f"  warm-up: {f'{self.warmup_chunks} chunks' if self.warmup else 'off'}",
+            f"  stream: {r['stream']}, cache {r['cache']}{' (FP8 K/V)' if r['kv_fp8'] else ''}, decoder "
+            f"{r['decoder']}; prompt switch {r['prompt_switch']}; context {r['rebuild'] or 'committed K/V'}",
+            f"  weights: {weights}" + (f"; VAE {r['vae_weights']}" if r["vae_weights"] else ""),
+            "  warm-up: " + (f"{r['warmup_chunks']} chunks" if r["warmup"] else "off"),
         ]
         env = [
-            f"{k}={v['value']} (default {v['default'] or 'unset'})" for k, v in self.env.items() if v["set"]
+            f"{k}={v['value']} (default {v['default'] or 'unset'})" for k, v in r["env"].items() if v["set"]
         ]
         if env:
             lines.append("  kernel switches set: " + ", ".join(env))
-        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  note: {n}" for n in r["notes"]]
         return "\n".join(lines)
 
 
@@ -369,7 +378,9 @@ def _on(v) -> str:
 # ---- resolve ------------------------------------------------------------------------------------------------
 
 
-def resolve(spec: EngineSpec, device: str, exists: Callable[[str], bool] | None = None) -> EngineRecipe:
+def resolve(
+    spec: EngineSpec, device: str | Placement, exists: Callable[[str], bool] | None = None
+) -> EngineRecipe:
     """What ``spec`` builds on ``device`` ('cpu', 'cuda:N', or a tensor-parallel group 'cuda:0+cuda:1').
     Pure but for ``exists`` (default ``os.path.isfile``: is a trained tiny decoder beside the VAE weights?)."""
     return recipe_for(
@@ -406,9 +417,15 @@ def recipe_for(
     device = str(device)
     devices = device.split("+")
     tp = len(devices) if len(devices) > 1 else tp
-    rules = session_rules(cfg)
+    family = entry_of(cfg)
+    rules = rules_of(family, rebuild_of(cfg))
     fast, notes = fast_for(cfg, fast or FastPath(), devices[0], rules)
     cfg, fast = fold_shapes(cfg, fast, devices[0].startswith("cuda"), exists or os.path.isfile)
+    if fast.attention != "auto" and cfg.stream.cache != "ring":  # only the ring has an attention backend
+        notes.append(
+            f"attention: {fast.attention} reads the ring cache (this one runs the naive cache): auto"
+        )
+        fast = dataclasses.replace(fast, attention="auto")
     decode, more = decode_for(decode_device, devices[0], tp)
     cfg, entry = entry_for(cfg, weights_entry)
     window = cfg.stream.window_chunks
@@ -419,8 +436,7 @@ def recipe_for(
         device=device,
         tp=tp,
         decode_device=decode,
-        stream=rules.stream,
-        prompt_switch=rules.prompt_switch,
+        entry=family,
         rebuild=rules.rebuild,
         weights_entry=entry,
         seed=seed,
@@ -431,14 +447,22 @@ def recipe_for(
 
 
 def session_rules(cfg: CadenceConfig) -> SessionRules:
-    """The rules of ``cfg``'s session: its family's stream kind and prompt switch (a preset: a K/V stream whose
-    prompt is used as given), and the context rebuild its stream configuration carries."""
-    fam = get_family(cfg.model.family) if cfg.model.family else None
+    """The rules of ``cfg``'s session: its registry entry's (a preset: a K/V stream whose prompt is used as
+    given), and the context rebuild its stream configuration carries."""
+    return rules_of(entry_of(cfg), rebuild_of(cfg))
+
+
+def rules_of(entry: ModelFamily, rebuild: Rebuild | None) -> SessionRules:
+    """A registry entry's rules and front ends, with the configuration's context rebuild."""
+    return SessionRules(
+        entry.streaming, entry.prompt_switch, rebuild, entry.audio_encoder, entry.image_encoder, entry.decoder
+    )
+
+
+def rebuild_of(cfg: CadenceConfig) -> Rebuild | None:
+    """The context rebuild ``cfg``'s stream section carries (a family's ``Rebuild`` is folded in there)."""
     s = cfg.stream
-    rebuild = Rebuild(frames=s.kv_rebuild, keep_first_frame=s.keep_first_frame) if s.kv_rebuild else None
-    if fam is None:
-        return SessionRules(KVStream(), Swap(pad=False), rebuild)
-    return SessionRules(fam.streaming, fam.prompt_switch, rebuild)
+    return Rebuild(frames=s.kv_rebuild, keep_first_frame=s.keep_first_frame) if s.kv_rebuild else None
 
 
 def fast_for(
@@ -449,8 +473,9 @@ def fast_for(
     fast, notes = fast.resolve(device)
     name = cfg.model.family or cfg.name
     off: list[str] = []
+    decoder = rules.decoder.pinned
     match rules.stream:
-        case ClipStream(decoder=decoder):
+        case ClipStream():
             off = [n for n in ("graphs", "kv_fp8", "capture_filling") if getattr(fast, n)]
             if fast.decoder not in (None, decoder):
                 off.append(f"decoder {fast.decoder}")
@@ -498,8 +523,8 @@ def fold_shapes(
         stream.update(cache="ring", kv_fp8=True)
     if fast.graphs and cfg.stream.cache != "ring":
         stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
-    if fast.attention != "auto":
-        stream["attention"] = fast.attention  # the ring's kernel (cadence.kernels.attention_backends)
+    if fast.attention != "auto" and stream.get("cache", cfg.stream.cache) == "ring":
+        stream["attention"] = fast.attention  # the ring's kernel (cadence.kernels.attention_registry)
     decoder = fast.decoder or choose_decoder(cfg, cuda, exists)
     over: dict = {"stream": stream} if stream else {}
     if decoder != cfg.vae.decoder:
@@ -526,12 +551,13 @@ def entry_for(cfg: CadenceConfig, asked: str | None) -> tuple[CadenceConfig, str
     """The checkpoint entry served: the one asked for, else the family's default (its authors' choice), for a
     family whose files hold several; None for random weights and single-state-dict files. Written into the
     configuration (``model.weights_entry``) so the loader reads exactly it."""
-    fam = get_family(cfg.model.family) if cfg.model.family else None
-    ck = fam.checkpoint if fam is not None else None
-    entries = bool(ck and ck.state_keys)
+    entry = entry_of(cfg)
+    ck = entry.checkpoint
+    entries = bool(ck.state_keys)
     if asked is not None:
         if not entries:
-            what = f"family {fam.name}'s checkpoint is" if fam is not None else f"preset {cfg.name} loads"
+            fam = entry.kind == "family"
+            what = f"family {entry.name}'s checkpoint is" if fam else f"preset {cfg.name} loads"
             raise ConfigError(f"--weights-entry {asked}: {what} one state dict (no entries to choose from)")
         if not cfg.model.weights:
             raise ConfigError(f"--weights-entry {asked} needs --weights (random weights have no entries)")
@@ -555,39 +581,3 @@ class WorkerSpec:
     """The frame ring to attach ({'name', 'shape', 'slots'}), or None: frames travel through the pipe."""
     tp_port: int | None = None
     """Rendezvous port of a tensor-parallel group."""
-
-    @property
-    def device(self) -> str:
-        return self.recipe.device
-
-    @property
-    def devices(self) -> list[str]:
-        return self.recipe.devices
-
-    @property
-    def fast(self) -> FastPath:
-        return self.recipe.fast
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        return self.recipe.notes
-
-    @property
-    def decode_device(self) -> str:
-        return self.recipe.decode_device
-
-    @property
-    def warmup(self) -> bool:
-        return self.recipe.warmup
-
-    @property
-    def warmup_chunks(self) -> int:
-        return self.recipe.warmup_chunks
-
-    @property
-    def seed(self) -> int:
-        return self.recipe.seed
-
-    def config(self) -> CadenceConfig:
-        """The engine configuration this worker builds."""
-        return self.recipe.config

@@ -13,16 +13,18 @@ device work only, no host syncs; the same seed gives the same output. The loop t
 chunk after chunk (and overlaps the two) is :class:`cadence.engine.engine.Engine`, the only one.
 
 The session follows its rules (``cadence.engine.recipe.SessionRules``, from the recipe or from the config):
-:func:`session_type` picks the session class by one ``match`` on the stream kind (a K/V stream:
-:class:`Session`; a clip stream: ``cadence.engine.flashtalk.ClipSession``, no cache, its step makes a whole clip
-and its frames, ``decode`` the identity), and the K/V session takes its context and prompt-switch policies
-(``cadence.engine.policies``: a rebuild, a re-cache, or neither) instead of branching on the family. Both
-session classes implement :class:`StreamSession`, the interface the engine drives.
+:func:`session_type` loads the session class its stream kind names (a K/V stream: :class:`Session`; a clip
+stream: the family's own clip session, e.g. ``cadence.engine.flashtalk.ClipSession``: no cache, its step makes
+a whole clip and its frames, ``decode`` the identity); the generator builds the family's front ends (audio and
+image encoders: ``cadence.model.encoders``) whatever the session class; and the K/V session takes its context
+and prompt-switch policies (``cadence.engine.policies``: a rebuild, a re-cache, or neither) instead of branching
+on the family. Every session class implements :class:`StreamSession`, the interface the engine drives.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 from collections import OrderedDict
 from typing import Protocol, runtime_checkable
@@ -35,9 +37,8 @@ from cadence.config import CadenceConfig
 from cadence.engine.policies import policies_for
 from cadence.engine.recipe import SessionRules, session_rules
 from cadence.errors import ConfigError, InputError
-from cadence.model.audio import make_audio_encoder
 from cadence.model.dit import WanDiT
-from cadence.model.families import ClipStream, KVStream
+from cadence.model.encoders import build_front_ends
 from cadence.model.standin_vae import StandInVAE
 from cadence.model.text import make_text_encoder
 from cadence.model.vae import WanVAE, wan_vae_config
@@ -81,15 +82,14 @@ class StreamSession(Protocol):
 
 
 def session_type(rules: SessionRules) -> type:
-    """The session class a stream of these rules runs (the one place the stream kind is matched)."""
-    match rules.stream:
-        case ClipStream():
-            from cadence.engine.flashtalk import ClipSession
-
-            return ClipSession
-        case KVStream():
-            return Session
-    raise ConfigError(f"no session for the stream kind {rules.stream!r}")
+    """The session class a stream of these rules runs: the one its stream kind names (``KVStream.session``:
+    :class:`Session`; a family's ``ClipStream.session``: its own clip session, in its own module)."""
+    where = rules.stream.session
+    module, _, name = where.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"no session {where!r} for the stream kind {rules.stream!r} ({e})") from None
 
 
 def make_cache(cfg: CadenceConfig, model: WanDiT) -> NaiveCache | RingCache:
@@ -123,8 +123,7 @@ class Session:
 
     @classmethod
     def prepare(cls, gen: StreamGenerator) -> None:
-        """The generator's front ends a K/V session reads: the per-chunk audio encoder."""
-        gen.audio = make_audio_encoder(gen.cfg, gen.model.device)
+        """Nothing beyond the generator's front ends (the audio encoder's tokens per chunk, the VAE's sink)."""
 
     def __init__(
         self,
@@ -367,9 +366,11 @@ class StreamGenerator:
         # the family's real encoders (umT5 through transformers, ...) or the byte / log-mel stand-ins of the
         # no-download presets; a prompt's embedding is padded to the model's fixed text length (one step shape)
         self.text_encoder = make_text_encoder(cfg, dev, model.dtype)
-        # the front ends its sessions read: the per-chunk audio encoder of a K/V stream, a clip stream's own
-        # wav2vec2 and CLIP (``cadence.engine.flashtalk``)
-        self.audio = None
+        # the family's front ends (its recipe's: cadence.model.encoders), whatever session class streams it: the
+        # audio encoder (log-mel tokens per chunk, or wav2vec2) and the image encoder (None: the VAE sink; CLIP)
+        self.image_encoder, self.audio = build_front_ends(
+            cfg, (self.rules.image, self.rules.audio), dev, model.dtype
+        )
         self.session_type.prepare(self)
         self.schedule = Schedule.from_config(cfg.stream)
         # Model timesteps of every pass, the clean commit pass's (the family's context noise, else 0) and 0

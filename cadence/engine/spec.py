@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cadence.errors import ConfigError
+from cadence.kernels import attention_registry
 
 #: The prompt of a session that names none (the page's default too): the worker opens it ahead.
 DEFAULT_PROMPT = "a person talking to the camera"
@@ -30,19 +31,23 @@ DECODERS = ("standin", "wan", "taehv")
 #: The Wan decoder's fast paths (``cadence.runtime.vae_fast.MODES``; torch-free copy).
 DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
-#: The ring cache's attention backends (``cadence.kernels.attention_backends.BACKENDS``; torch-free copy).
-ATTENTION = ("auto", "sdpa", "cudnn", "triton", "triton_head", "fa3")
 #: The FP8 GEMM backends (``cadence.kernels.fp8_gemm.BACKENDS``; torch-free copy).
 GEMMS = ("auto", "cublas", "triton")
-#: The values a string field takes, by field name (the flags list them in their help; validation is
-#: ``FastPath.__post_init__``'s).
+#: More help for a field whose values are a registry's (the flags append it to the field's docstring).
+CHOICE_HELP = {"attention": attention_registry.help_text}
+#: The values a fixed string field takes, by field name (the flags list them in their help; validation is
+#: ``FastPath.__post_init__``'s); :func:`choices` adds the registries' (``attention``).
 CHOICES = {
     "dtype": DTYPES,
     "decoder": DECODERS,
     "decoder_fast": DECODER_FAST,
-    "attention": ATTENTION,
     "gemm": GEMMS,
 }
+
+
+def choices(name: str) -> tuple[str, ...] | None:
+    """The values the string field ``name`` takes (a registry's are read now: a backend registered later counts)."""
+    return attention_registry.choices() if name == "attention" else CHOICES.get(name)
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,9 @@ class FastPath:
     comm: str = "auto"
     """Row-parallel communication mode under tensor parallelism ('auto' = the measured choice)."""
     attention: str = "auto"
-    """The kernel that reads the ring cache ('auto' = the fastest measured at the shape that runs here,
-    ``cadence/kernels/attention_table.json``): 'sdpa' (torch SDPA, bf16 K/V), 'cudnn' (torch SDPA's cuDNN
-    backend), 'triton' (Cadence's kernel: bf16, or FP8 with per-token scales), 'triton_head' (the same, FP8
-    with per-head scales), 'fa3' (FlashAttention-3 from the optional fa3-fwd wheel, ``cadence[fa3]``; FP8
-    with per-head scales). One that cannot run falls back with one log line. CUDA only except 'sdpa'."""
+    """The kernel that reads the ring cache, one of the registered backends (``cadence.kernels.attention_registry``,
+    listed below) or 'auto' (the fastest measured at the shape that runs here,
+    ``cadence/kernels/attention_table.json``). One that cannot run falls back with one log line."""
     gemm: str = "auto"
     """The FP8 linears' GEMM backend (``cadence.kernels.fp8_gemm``): 'auto' (per shape from the table measured
     on this GPU kind, docs/perf/fp8/gemm-<device>.json; cuBLAS where it has no entry), 'cublas'
@@ -122,7 +125,7 @@ class FastPath:
                 notes.append(f"capture_filling: needs CUDA graphs ({why}): off")
             else:
                 kw["capture_filling"] = True
-        if self.attention not in ("auto", "sdpa") and not cuda:
+        if self.attention != "auto" and not attention_registry.get(self.attention).cpu and not cuda:
             notes.append(f"attention: {self.attention} needs a CUDA worker (this one runs on {device}): auto")
             kw["attention"] = "auto"
         if self.gemm != "auto" and not kw["fp8_linears"]:
@@ -145,8 +148,10 @@ class FastPath:
             raise ConfigError(f"gemm must be one of {', '.join(GEMMS)}, got {self.gemm!r}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
-        if self.attention not in ATTENTION:
-            raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if self.attention not in choices("attention"):
+            raise ConfigError(
+                f"attention must be one of {', '.join(choices('attention'))}, got {self.attention!r}"
+            )
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
 

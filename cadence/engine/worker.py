@@ -101,7 +101,7 @@ def _build(spec: WorkerSpec, rank: int, tp, on_chunk=None):
     GPUs: the recipe says 'same')."""
     from cadence.engine.build import build_engine
 
-    return build_engine(spec.recipe, spec.devices[rank], tp=tp, on_chunk=on_chunk)
+    return build_engine(spec.recipe, spec.recipe.devices[rank], tp=tp, on_chunk=on_chunk)
 
 
 def run_commands(
@@ -253,8 +253,8 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s %(name)s[{label}]: %(message)s",
     )
-    if spec.fast.threads > 0:
-        torch.set_num_threads(spec.fast.threads)
+    if spec.recipe.fast.threads > 0:
+        torch.set_num_threads(spec.recipe.fast.threads)
 
 
 def _start_line(spec: WorkerSpec) -> None:
@@ -269,7 +269,9 @@ def _start_line(spec: WorkerSpec) -> None:
     )
     start = logging.getLogger("cadence.serve.worker")
     start.setLevel(logging.INFO)
-    start.info("worker %s: %s (%s), %s, decoder %s", spec.device, r.model, c.name, weights, c.vae.decoder)
+    start.info(
+        "worker %s: %s (%s), %s, decoder %s", spec.recipe.device, r.model, c.name, weights, c.vae.decoder
+    )
 
 
 def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict | None, float]:
@@ -281,8 +283,10 @@ def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict 
     import gc
 
     warm = (
-        eng.warm_up(default_image, spec.warmup_chunks, decode=decode, threads=spec.fast.threads).as_dict()
-        if spec.warmup
+        eng.warm_up(
+            default_image, spec.recipe.warmup_chunks, decode=decode, threads=spec.recipe.fast.threads
+        ).as_dict()
+        if spec.recipe.warmup
         else None
     )
     preopen_ms = eng.preopen(default_image, DEFAULT_PROMPT, "default")
@@ -294,7 +298,7 @@ def _start_up(eng, spec: WorkerSpec, default_image, decode: bool) -> tuple[dict 
 def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other process
     """Rank 0 of a worker group (the process the web side talks to). For a tensor-parallel group it also
     joins the group's process group and broadcasts every command to the followers (``follower_main``)."""
-    _setup_process(spec, f"worker {spec.device}")
+    _setup_process(spec, f"worker {spec.recipe.device}")
     _start_line(spec)  # (the recipe's notes are logged by the engine as it applies them)
     pipe = _Pipe(conn)
     ring = peers = None
@@ -327,7 +331,7 @@ def _start_rank0(spec: WorkerSpec, pipe: _Pipe):  # pragma: no cover - other pro
     from cadence.media.image import default_reference_image
 
     t = time.monotonic()
-    devices = spec.devices
+    devices = spec.recipe.devices
     info = _tp_join(0, devices, spec.tp_port) if len(devices) > 1 else None
     peers = _Peers(info) if info is not None else None
     eng = _build(spec, 0, info, on_chunk=_chunk_reply(pipe))
@@ -345,7 +349,7 @@ def _start_rank0(spec: WorkerSpec, pipe: _Pipe):  # pragma: no cover - other pro
     ready = Ready(
         WorkerInfo(
             preset=cfg.name,
-            device=spec.device,
+            device=spec.recipe.device,
             tp=len(devices),
             build_ms=round(build_ms, 1),
             threads=torch.get_num_threads(),
@@ -396,11 +400,11 @@ def follower_main(rank: int, spec: WorkerSpec) -> None:  # pragma: no cover - ot
     """A follower rank (1..N-1) of a tensor-parallel worker group: builds the same engine shard, runs the
     same start-up (warm-up, session opened ahead), then every command rank 0 broadcasts, without decoding;
     exits on ``Stop`` (or when a collective times out because rank 0 is gone)."""
-    _setup_process(spec, f"worker {spec.device} rank {rank}")
+    _setup_process(spec, f"worker {spec.recipe.device} rank {rank}")
     from cadence.media.image import default_reference_image
     from cadence.parallel import destroy_tp
 
-    info = _tp_join(rank, spec.devices, spec.tp_port)
+    info = _tp_join(rank, spec.recipe.devices, spec.tp_port)
     try:
         peers = _Peers(info)
         eng = _build(spec, rank, info)

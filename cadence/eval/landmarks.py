@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cadence.telemetry.logs import warn_once
+
 log = logging.getLogger("cadence.eval")
 
 MODEL_ENV = "CADENCE_FACE_LANDMARKER"
@@ -235,13 +237,8 @@ def _landmarker(path: str, blendshapes: bool):
     return vision.FaceLandmarker.create_from_options(opts)
 
 
-_warned: set[str] = set()
-
-
 def _warn_fallback(why: str) -> None:
-    if why not in _warned:
-        _warned.add(why)
-        log.warning("face landmarks unavailable (%s): the pixel mouth measure runs instead", why)
+    warn_once(log, why, "face landmarks unavailable (%s): the pixel mouth measure runs instead", why)
 
 
 def model_info() -> dict:

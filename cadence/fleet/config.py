@@ -1,27 +1,34 @@
-"""What a front end needs to know about the fleet it joins (``cadence serve --ray ...``), as plain data.
+"""What a front end needs to know about the fleet it joins (``cadence serve --ray ...``), as plain data: the
+'ray' deployment of ``cadence serve`` (``cadence.serve.config.DEPLOYMENTS``; it implements the ``Deployment``
+Protocol of ``cadence.serve.ports``).
 
 Torch-free and Ray-free: the CLI builds it before anything is imported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
+from cadence.engine.placement import Placement
 from cadence.errors import ConfigError
 from cadence.fleet.names import GROUP_PREFIX, NAMESPACE, REGISTRY_NAME  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
 class FleetConfig:
+    name: ClassVar[str] = "ray"
+
     address: str = "auto"
     """Ray cluster: 'auto' (join the cluster this machine belongs to, else start a local one) or an address
     ('10.0.0.5:6379', 'ray://head:10001')."""
     groups: int = 0
     """Worker groups the fleet should have (created if missing, each in its own STRICT_PACK placement
     group; existing ones are reused, never rebuilt). 0 = join the groups that exist and create none."""
-    device: str = "cpu"
-    """Each group's device string inside its actor: 'cpu', 'cuda:0', or a tensor-parallel group
-    'cuda:0+cuda:1' (GPU indices relative to the GPUs Ray gives the actor: CUDA_VISIBLE_DEVICES)."""
+    placement: Placement = field(default_factory=lambda: Placement(("cpu",)))
+    """Each group's devices inside its actor: 'cpu', 'cuda:0', or a tensor-parallel group 'cuda:0+cuda:1' (GPU
+    indices relative to the GPUs Ray gives the actor: CUDA_VISIBLE_DEVICES); given as text, read into a
+    :class:`~cadence.engine.placement.Placement`."""
     cpus_per_group: float = 1.0
     """CPUs reserved per group (its placement-group bundle); GPUs reserved = the devices in ``device``."""
     max_restarts: int = 10
@@ -49,20 +56,24 @@ class FleetConfig:
     must reach them by UDP (docs/fleet.md)."""
     namespace: str = NAMESPACE
 
-    # (the ``Fleet`` Protocol of cadence.serve.ports, what the serve layer calls: it holds a FleetConfig as
-    # ``ServeConfig.fleet`` and never imports cadence.fleet, which imports serve: the layers stay one-way)
+    # (the ``Deployment`` Protocol of cadence.serve.ports, what the serve layer calls: it holds a FleetConfig as
+    # ``ServeConfig.deployment`` and never imports cadence.fleet, which imports serve: the layers stay one-way)
+    def placements(self, device: str, tp: int, max_sessions: int | None, decode_gpu: int | None):
+        """One placement: every group of the fleet is placed alike (its own node's GPUs)."""
+        return (self.placement,)
+
     def group_source(self, cfg):
         """A front end's group source for this fleet (``FleetGroups``) serving ``cfg`` (a ``ServeConfig``)."""
         from cadence.fleet.frontend import FleetGroups
 
         return FleetGroups(cfg)
 
-    def routes(self, source):
+    def routes(self, source) -> list:
         """``GET /fleet``, ``POST|DELETE /fleet/groups/{name}/drain`` of a front end whose groups come from
-        ``source`` (a ``FleetGroups``): ``add(app, access)``."""
+        ``source`` (a ``FleetGroups``): ``[add(app, access)]``."""
         from cadence.fleet.routes import fleet_routes
 
-        return fleet_routes(source)
+        return [fleet_routes(source)]
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -83,17 +94,11 @@ class FleetConfig:
             raise ConfigError(
                 f"fleet media ICE addresses: 'node', 'auto' or 'ADDR[,ADDR...]', got {self.media_ice!r}"
             )
-        parts = self.device.split("+")
-        if not (
-            parts == ["cpu"] * len(parts) or all(p.startswith("cuda:") and p[5:].isdigit() for p in parts)
-        ):
-            raise ConfigError(
-                f"a fleet group's device is 'cpu', 'cuda:N' or 'cuda:0+cuda:1...', got {self.device!r}"
-            )
+        object.__setattr__(self, "placement", Placement.of(self.placement))  # checked there
 
     @property
     def gpus_per_group(self) -> int:
-        return 0 if self.device.startswith("cpu") else len(self.device.split("+"))
+        return self.placement.gpus
 
     def bundle(self) -> dict:
         """One group's placement-group bundle (one bundle: STRICT_PACK keeps it on one node)."""
@@ -103,12 +108,10 @@ class FleetConfig:
         return out
 
 
-def fleet_device(device: str, tp: int) -> str:
-    """A fleet group's device string from ``cadence serve --device cpu|cuda --tp N`` (no local GPU count:
-    the front end's machine need not have any)."""
-    if device == "cuda":
-        return "+".join(f"cuda:{r}" for r in range(tp))
-    return "+".join(["cpu"] * tp)
+def fleet_placement(device: str, tp: int) -> Placement:
+    """A fleet group's placement from ``cadence serve --device cpu|cuda --tp N`` (no local GPU count: the front
+    end's machine need not have any)."""
+    return Placement(tuple(f"cuda:{r}" for r in range(tp)) if device == "cuda" else ("cpu",) * tp)
 
 
 def add_fleet_flags(parser) -> None:
@@ -158,14 +161,13 @@ def add_fleet_flags(parser) -> None:
     )
 
 
-def fleet_from_args(args) -> FleetConfig | None:
-    """The :class:`FleetConfig` of ``cadence serve --ray ...`` (None without ``--ray``: one machine)."""
-    if getattr(args, "ray", None) is None:
-        return None
+def fleet_from_args(args) -> FleetConfig:
+    """The :class:`FleetConfig` of ``cadence serve --deploy ray`` / ``--ray ADDRESS`` (address 'auto' when not
+    given)."""
     return FleetConfig(
-        address=args.ray,
+        address=getattr(args, "ray", None) or "auto",
         groups=args.fleet_groups,
-        device=fleet_device(args.device, args.tp),
+        placement=fleet_placement(args.device, args.tp),
         cpus_per_group=args.fleet_cpus_per_group,
         max_restarts=args.fleet_max_restarts,
         media=args.fleet_media,

@@ -180,15 +180,15 @@ class FleetGroups:
     fleet = True
 
     def __init__(self, cfg):
-        from cadence.serve.config import engine_config, worker_spec
+        from cadence.serve.config import frame_shape, worker_spec
 
-        self.cfg, self.fleet_cfg = cfg, cfg.fleet
+        self.cfg, self.fleet_cfg = cfg, cfg.deployment
         self.metrics = None  # the manager's (``start``): the fleet's gauges go there
-        e = engine_config(cfg)
-        self.frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
-        frame_bytes = self.frame_shape[0] * self.frame_shape[1] * self.frame_shape[2] * 3
-        self.spec, self.shm = worker_spec(cfg, self.fleet_cfg.device, frame_bytes)
-        self.preset = e.name
+        # resolved once for the fleet's group device; the sessions' geometry is this recipe's
+        self.spec, self.shm = worker_spec(cfg, self.fleet_cfg.placement)
+        self.recipe = self.spec.recipe
+        self.frame_shape = frame_shape(self.recipe.config)
+        self.preset = self.recipe.config.name
         self.media_on_group = self.fleet_cfg.media == "group"
         self.media_settings = None
         if self.media_on_group:
@@ -327,7 +327,7 @@ class FleetGroups:
                 d["restarts"],
             )
             g.start_error, g._pid = d.get("start_error"), d.get("pid")
-            g._device = info.get("device", self.fleet_cfg.device)
+            g._device = info.get("device", str(self.fleet_cfg.placement))
             g.info = WorkerInfo(**info) if info else None
             claim = d.get("claim")
             g.claimed_elsewhere = claim is not None and claim[0] != self.frontend_id

@@ -115,7 +115,9 @@ class GroupActor:
         if self.media is None:
             from cadence.fleet.media import MediaHost  # (aiortc, PyAV: only in this mode)
 
-            self.media = MediaHost(self.group, self.spec.config(), asyncio.get_running_loop(), self._push)
+            self.media = MediaHost(
+                self.group, self.spec.recipe.config, asyncio.get_running_loop(), self._push
+            )
         return self.media
 
     async def ping(self) -> dict:

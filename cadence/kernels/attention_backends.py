@@ -1,6 +1,8 @@
-"""Which kernel reads the ring cache: the backend seam, chosen once per cache, and the layout it needs.
+"""Which kernel reads the ring cache: the choice, made once per cache, and the shipped kernels behind it.
 
-``FastPath.attention`` (``cadence.engine.spec.ATTENTION`` is the torch-free copy of :data:`BACKENDS`):
+The backends are objects of ``cadence.kernels.attention_registry`` (names, the layout each stores, CPU or
+CUDA, error budgets; torch-free); this module holds their torch half, one :class:`AttentionKernel` each
+(availability probe, the bench's config space, the call), and :func:`plan`, the choice:
 
 ============  ================================  ======================================  ==============
 backend       K/V storage the ring keeps        kernel                                  visible length
@@ -25,16 +27,17 @@ the write (``rope_quant_write`` / ``qkv_write``) is one fused launch either way,
 
 ``auto``: the ranking comes from ``attention_table.json`` beside this file (one place; each entry names
 the bench JSON it was measured in), keyed by GPU kind, heads, query tokens, head dim and K/V storage,
-at the nearest measured key count; with no entry, FP8 uses ``triton`` and bf16 ``sdpa``. An explicit
+at the nearest measured key count; with no entry, the registry's default for the storage. An explicit
 choice that cannot run, and every ``auto`` candidate skipped, falls back with one log line (never a
-crash): FP8 to ``triton`` then ``reference``, bf16 to ``sdpa``. "Can run" is checked for real: import,
-device capability, head dim, storage, and on CUDA one small probe call of the library (or compile of the
-Triton config) in the ring's layout. Optional libraries are never required. Measurements, predictions
-and the layout decision: docs/perf/attention/NOTES.md.
+crash) through the registry's fallbacks: FP8 to ``triton`` then ``reference``, bf16 to ``sdpa``. "Can run" is
+checked for real: import, device capability, head dim, storage, and on CUDA one small probe call of the
+library (or compile of the Triton config) in the ring's layout. Optional libraries are never required.
+Measurements, predictions and the layout decision: docs/perf/attention/NOTES.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -44,17 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from cadence.kernels import attention_registry as registry
 from cadence.kernels import fa3_adapter
 from cadence.kernels import ring_attention as ra
+from cadence.kernels.attention_registry import Layout
 from cadence.telemetry.devices import device_kind
 
-BACKENDS = ("auto", "sdpa", "cudnn", "triton", "triton_head", "fa3")
 TABLE_PATH = Path(__file__).with_name("attention_table.json")
 #: the nearest measured key count must be within this factor of the cache's to use its ranking
 KV_TOLERANCE = 1.25
-_DEFAULT = {"fp8": "triton", "bf16": "sdpa"}
-_FALLBACK = {"fp8": ("triton", "reference"), "bf16": ("sdpa",)}
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class AttentionPlan:
     """What a ring cache runs for attention and how it stores K/V for it."""
 
     backend: str
-    """'sdpa', 'cudnn', 'triton', 'triton_head', 'fa3' or 'reference'."""
+    """A registered backend's name (``cadence.kernels.attention_registry``)."""
     storage: str
     """'bf16' (the model dtype) or 'fp8'."""
     v_transposed: bool
@@ -76,45 +79,92 @@ class AttentionPlan:
     why: str = ""
     """How it was chosen (the table entry's source, or the fallback reason)."""
 
+    @property
+    def layout(self) -> Layout:
+        """The backend's layout for this storage (the ring's write stores through it)."""
+        return registry.get(self.backend).layout(self.storage)
+
+    @property
+    def kernel(self) -> Kernel:
+        return registry.get(self.backend).load()
+
     def describe(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def layout(backend: str, storage: str) -> tuple[bool, str, bool]:
-    """(v_transposed, scales, length_on_device) of a backend over a storage it can read."""
-    if storage == "bf16":
-        return False, "none", backend in ("triton", "fa3")
-    if backend == "triton":
-        return True, "token", True
-    if backend == "triton_head":
-        return True, "head", True
-    if backend == "fa3":
-        return False, "head", True
-    return True, "token", False  # reference: the Triton path's layout, read by PyTorch
+    """(v_transposed, scales, length_on_device) of a backend over a storage it reads."""
+    lay = registry.get(backend).layout(storage)
+    return lay.v_transposed, lay.scales, lay.length_on_device
 
 
-# ---- can it run here? ------------------------------------------------------------------------------------
-def why_not(
-    backend: str,
-    device: torch.device,
-    head_dim: int,
-    storage: str,
-    interpreter: bool = False,
-    float_dtype: torch.dtype = torch.bfloat16,
-) -> str:
-    """'' when ``backend`` can read a ``storage`` ring of this head dim on ``device`` (float storage in
-    ``float_dtype``, the model's), else why not (one line)."""
-    if backend == "reference":
-        return "" if storage == "fp8" else "the bf16 reference is sdpa"
-    if backend in ("sdpa", "cudnn") and storage != "bf16":
-        return f"{backend} reads bf16 K/V (torch SDPA has no FP8 input)"
-    if backend == "triton_head" and storage != "fp8":
-        return "triton_head is FP8 storage with per-head scales"
-    if backend == "sdpa":
+# ---- the kernels -----------------------------------------------------------------------------------------
+class Kernel:
+    """The torch half of a backend (``attention_registry.AttentionKernel``): by default it runs anywhere,
+    has no options and no probe."""
+
+    def why_not(self, device, head_dim, storage, interpreter=False, float_dtype=torch.bfloat16) -> str:
         return ""
-    if backend == "cudnn":
-        return _cudnn_probe(device, head_dim) if device.type == "cuda" else f"needs CUDA (got {device.type})"
-    if backend in ("triton", "triton_head"):
+
+    def probe(self, device, head_dim, storage, layout, config, m) -> str:
+        return ""
+
+    def configs(self, device, storage, sweep, ctas) -> list[dict]:
+        return []  # no options: one variant, named after its family
+
+    def attend(self, q, qs, k, ks, v, vs, n_valid, n, layout, config, out_dtype):
+        raise NotImplementedError
+
+
+class SdpaKernel(Kernel):
+    """torch SDPA over a prefix view of bf16 K/V (``pinned``: the SDPA backends it may use, None: any)."""
+
+    def __init__(self, pinned: str | None = None):
+        self.pinned = pinned
+
+    def why_not(self, device, head_dim, storage, interpreter=False, float_dtype=torch.bfloat16) -> str:
+        if self.pinned is None:
+            return ""
+        if device.type != "cuda":
+            return f"needs CUDA (got {device.type})"
+        x = torch.randn(1, 2, 64, head_dim, device=device, dtype=torch.bfloat16)
+        try:
+            with self._backend():
+                F.scaled_dot_product_attention(x, x, x)
+        except RuntimeError as e:
+            return f"torch SDPA has no cuDNN kernel here ({str(e).splitlines()[0][:100]})"
+        return ""
+
+    def _backend(self):
+        if self.pinned is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([getattr(SDPBackend, self.pinned)])
+
+    def attend(self, q, qs, k, ks, v, vs, n_valid, n, layout, config, out_dtype):
+        with self._backend():
+            o = F.scaled_dot_product_attention(q[None], k[:, :n][None], v[:, :n][None])
+        return o[0].transpose(0, 1)
+
+
+class ReferenceKernel(Kernel):
+    """The dequantising PyTorch attention over FP8 storage (``ring_attention.ring_attention_reference``)."""
+
+    def attend(self, q, qs, k, ks, v, vs, n_valid, n, layout, config, out_dtype):
+        return ra.ring_attention_reference(q, qs, k, ks, v, vs, n, v_transposed=layout.v_transposed).to(
+            out_dtype
+        )
+
+
+class TritonKernel(Kernel):
+    """Cadence's Triton flash attention (``ring_attention.ring_attention``); ``bases``: per storage, the block
+    shapes (block_m, block_n, warps, stages) the bench sweeps, its default first."""
+
+    def __init__(self, bases: dict[str, list[tuple[int, int, int, int]]], variants: bool):
+        self.bases, self.variants = bases, variants
+
+    def why_not(self, device, head_dim, storage, interpreter=False, float_dtype=torch.bfloat16) -> str:
         ok, why = ra.triton_usable(device, head_dim, allow_interpreter=interpreter)
         if (
             ok
@@ -124,25 +174,97 @@ def why_not(
         ):
             return "FP8 MMA needs compute capability >= 8.9"
         return "" if ok else why
-    if backend == "fa3":
+
+    def probe(self, device, head_dim, storage, layout, config, m) -> str:
+        """Compile (and run once, tiny) the config on CUDA: a config the compiler rejects falls back here."""
+        if device.type != "cuda":
+            return ""
+        dt = ra.FP8 if storage == "fp8" else torch.bfloat16
+        n = 2 * (config.get("block_n") or 128)
+        q = torch.zeros(1, m, head_dim, device=device, dtype=dt)
+        k = torch.zeros(1, n, head_dim, device=device, dtype=dt)
+        vt = torch.zeros(1, head_dim, n, device=device, dtype=dt) if layout.v_transposed else k.clone()
+        qs = torch.ones(1, m, device=device)
+        ks = torch.ones(1, device=device) if layout.scales == "head" else torch.ones(1, n, device=device)
+        nv = torch.tensor([n - 3], dtype=torch.int32, device=device)
+        try:
+            out = ra.ring_attention(q, qs, k, ks, vt, ks, nv, v_transposed=layout.v_transposed, **config)
+            torch.cuda.synchronize(device)
+        except Exception as e:
+            return f"the Triton config {config} does not run ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+        return (
+            "" if torch.isfinite(out.float()).all() else f"the Triton config {config} gave non-finite output"
+        )
+
+    def configs(self, device, storage, sweep, ctas) -> list[dict]:
+        """Block shapes x key splits (x the dual / pv_bf16 / ws / register / cluster variants with FP8); one
+        small set off the GPU."""
+        if device.type != "cuda":
+            return [dict(split=1), dict(split=2), dict(dual=True)] if sweep else [dict()]
+        base = self.bases[storage] if sweep else self.bases[storage][:1]
+        # key splits only where the grid leaves SMs idle (~132 SMs x 2-3 resident programs on an H200)
+        splits = (1, 2, 3, 4, 6) if sweep and ctas < 3 * 132 else ((1, 2) if sweep else (1,))
+        out = [
+            dict(block_m=a, block_n=b, num_warps=w, num_stages=s, split=x)
+            for a, b, w, s in base
+            for x in splits
+        ]
+        if sweep and self.variants and storage == "fp8":
+            out += _triton_fp8_variants()
+        return out
+
+    def attend(self, q, qs, k, ks, v, vs, n_valid, n, layout, config, out_dtype):
+        return ra.ring_attention(
+            q, qs, k, ks, v, vs, n_valid, v_transposed=layout.v_transposed, out_dtype=out_dtype, **config
+        )
+
+
+def _triton_fp8_variants() -> list[dict]:
+    """The FP8 kernel's variants beyond block shapes: dual, pv_bf16, ws, a register cap (more programs per SM)
+    and clusters of 2 (a block split over 2 CTAs sharing K/V)."""
+    out = [
+        dict(block_m=64, block_n=b, num_warps=4, num_stages=2, dual=True, split=x)
+        for b in (64, 128)
+        for x in (1, 2, 4)
+    ]
+    out += [
+        dict(block_m=64, block_n=128, num_warps=4, num_stages=3, split=x, **v)
+        for v in (dict(pv_bf16=True), dict(ws=True))
+        for x in (1, 2)
+    ]
+    out += [dict(block_m=64, block_n=64, num_warps=4, num_stages=3, maxnreg=128, split=x) for x in (1, 3)]
+    out += [dict(block_m=64, block_n=128, num_warps=4, num_stages=2, maxnreg=168, split=x) for x in (1, 3)]
+    out += [dict(block_m=128, block_n=128, num_warps=4, num_stages=3, num_ctas=2, split=x) for x in (1, 2)]
+    return out
+
+
+class FA3Kernel(Kernel):
+    """FlashAttention-3 through ``cadence.kernels.fa3_adapter`` (the optional ``fa3-fwd`` wheel)."""
+
+    def why_not(self, device, head_dim, storage, interpreter=False, float_dtype=torch.bfloat16) -> str:
         if storage == "bf16" and float_dtype != torch.bfloat16:
             return f"fa3-fwd reads bf16 or FP8 (the model is {str(float_dtype).replace('torch.', '')})"
         return fa3_adapter.why_not(device, head_dim, storage == "fp8") or _fa3_probe(
             device, head_dim, storage
         )
-    return f"unknown attention backend {backend!r} (one of {', '.join(BACKENDS)})"
 
+    def configs(self, device, storage, sweep, ctas) -> list[dict]:
+        splits = ((0, 1, 2, 3, 4, 6) if storage == "fp8" else (0, 1, 2)) if sweep else (0,)
+        return [{"num_splits": s} for s in splits]
 
-def _cudnn_probe(device: torch.device, head_dim: int) -> str:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    x = torch.randn(1, 2, 64, head_dim, device=device, dtype=torch.bfloat16)
-    try:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            torch.nn.functional.scaled_dot_product_attention(x, x, x)
-    except RuntimeError as e:
-        return f"torch SDPA has no cuDNN kernel here ({str(e).splitlines()[0][:100]})"
-    return ""
+    def attend(self, q, qs, k, ks, v, vs, n_valid, n, layout, config, out_dtype):
+        fp8 = layout.scales != "none"
+        out = fa3_adapter.attend(
+            q,
+            k,
+            v,
+            n_valid,
+            q_descale=qs if fp8 else None,
+            k_descale=ks if fp8 else None,
+            v_descale=vs if fp8 else None,
+            num_splits=config.get("num_splits", 0),
+        )
+        return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _fa3_probe(device: torch.device, head_dim: int, storage: str) -> str:
@@ -175,24 +297,38 @@ def _fa3_probe(device: torch.device, head_dim: int, storage: str) -> str:
     return "" if math.isfinite(err) and err < budget else f"fa3 probe: relative error {err:.3g} > {budget}"
 
 
-def _triton_probe(device: torch.device, head_dim: int, storage: str, scales: str, cfg: dict, m: int) -> str:
-    """Compile (and run once, tiny) the Triton config on CUDA: a config the compiler rejects falls back here."""
-    if device.type != "cuda":
-        return ""
-    dt = ra.FP8 if storage == "fp8" else torch.bfloat16
-    n = 2 * (cfg.get("block_n") or 128)
-    q = torch.zeros(1, m, head_dim, device=device, dtype=dt)
-    k = torch.zeros(1, n, head_dim, device=device, dtype=dt)
-    vt = torch.zeros(1, head_dim, n, device=device, dtype=dt) if storage == "fp8" else k.clone()
-    qs = torch.ones(1, m, device=device)
-    ks = torch.ones(1, device=device) if scales == "head" else torch.ones(1, n, device=device)
-    nv = torch.tensor([n - 3], dtype=torch.int32, device=device)
-    try:
-        out = ra.ring_attention(q, qs, k, ks, vt, ks, nv, v_transposed=storage == "fp8", **cfg)
-        torch.cuda.synchronize(device)
-    except Exception as e:
-        return f"the Triton config {cfg} does not run ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
-    return "" if torch.isfinite(out.float()).all() else f"the Triton config {cfg} gave non-finite output"
+# the registry's kernels (``AttentionBackend.kernel`` names them)
+SDPA = SdpaKernel()
+CUDNN = SdpaKernel("CUDNN_ATTENTION")
+TRITON = TritonKernel(
+    {
+        "fp8": [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+        "bf16": [(128, 128, 8, 3), (128, 64, 8, 2), (64, 128, 4, 3)],
+    },
+    variants=True,
+)
+TRITON_HEAD = TritonKernel({"fp8": [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)]}, variants=True)
+FA3 = FA3Kernel()
+REFERENCE = ReferenceKernel()
+
+
+# ---- can it run here? ------------------------------------------------------------------------------------
+def why_not(
+    backend: str,
+    device: torch.device,
+    head_dim: int,
+    storage: str,
+    interpreter: bool = False,
+    float_dtype: torch.dtype = torch.bfloat16,
+) -> str:
+    """'' when ``backend`` can read a ``storage`` ring of this head dim on ``device`` (float storage in
+    ``float_dtype``, the model's), else why not (one line)."""
+    b = registry.BACKENDS.get(backend)
+    if b is None:
+        return f"unknown attention backend {backend!r} (one of {', '.join(registry.choices())})"
+    if not b.reads(storage):
+        return f"{backend} reads {' or '.join(b.layouts)} K/V"
+    return b.load().why_not(device, head_dim, storage, interpreter, float_dtype)
 
 
 # ---- the measured table ----------------------------------------------------------------------------------
@@ -236,8 +372,8 @@ def plan(
     float_dtype: torch.dtype = torch.bfloat16,
 ) -> AttentionPlan:
     """The backend a ring of this shape runs on ``device`` (see the module docstring for the rules)."""
-    if requested not in BACKENDS:
-        raise ValueError(f"attention must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if requested != "auto":
+        registry.get(requested)  # one clear error for an unknown name
     device = torch.device(device)
     storage = "fp8" if fp8 else "bf16"
     if requested == "auto":
@@ -245,31 +381,38 @@ def plan(
         # per-head FP8 scales ('fa3' FP8, 'triton_head') only when asked for: on keys with uneven channel
         # gains their error measured 3.7x the per-token one (docs/perf/attention/NOTES.md), and no lip-sync
         # eval has judged them yet; auto keeps per-token FP8 (or bf16) numerics
-        found = [e for e in found if layout(e["backend"], storage)[1] != "head"]
+        found = [e for e in found if _scales(e["backend"], storage) != "head"]
         ranked = [(e["backend"], e.get("config", {}), f"table: {e.get('source', '?')}") for e in found]
-        candidates = ranked + [(_DEFAULT[storage], {}, "default (no table entry for this shape)")]
+        candidates = ranked + [(registry.DEFAULT[storage], {}, "default (no table entry for this shape)")]
     else:
         candidates = [(requested, {}, "requested")]
-    candidates += [(b, {}, "fallback") for b in _FALLBACK[storage]]
+    candidates += [(b, {}, "fallback") for b in registry.FALLBACK[storage]]
     skipped = []
     for backend, cfg, why in candidates:
         reason = why_not(backend, device, head_dim, storage, interpreter, float_dtype)
-        v_t, scales, on_dev = layout(backend, storage)
-        if not reason and backend in ("triton", "triton_head"):
-            reason = _triton_probe(device, head_dim, storage, scales, cfg, q_tokens)
+        if not reason:
+            lay = registry.get(backend).layout(storage)
+            reason = registry.get(backend).load().probe(device, head_dim, storage, lay, cfg, q_tokens)
         if reason:
             skipped.append(f"{backend}: {reason}")
             continue
         if skipped:
-            asked = requested != "auto" or device.type == "cuda" and backend == "reference"
+            asked = requested != "auto" or device.type == "cuda" and not registry.get(backend).choosable
             ra.warn_once(
                 f"attention-{device.type}-{requested}-{storage}-{backend}-{len(skipped)}",
                 f"ring attention ({storage} K/V, {heads} heads x {q_tokens} q x {kv_tokens} kv): using {backend}; "
                 + "; ".join(skipped),
-                logging.WARNING if asked and device.type == "cuda" else logging.INFO,
+                level=logging.WARNING if asked and device.type == "cuda" else logging.INFO,
             )
-        return AttentionPlan(backend, storage, v_t, scales, on_dev, dict(cfg), why)
+        return AttentionPlan(
+            backend, storage, lay.v_transposed, lay.scales, lay.length_on_device, dict(cfg), why
+        )
     raise AssertionError("unreachable: the last fallback always runs")  # pragma: no cover
+
+
+def _scales(backend: str, storage: str) -> str:
+    b = registry.BACKENDS.get(backend)
+    return b.layout(storage).scales if b is not None and b.reads(storage) else ""
 
 
 def _ranked(device, heads, q_tokens, kv_tokens, head_dim, storage) -> list[dict]:

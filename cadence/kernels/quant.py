@@ -49,6 +49,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from cadence.telemetry.logs import warn_once as warn_once_on
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -57,13 +59,7 @@ AMAX_MIN = 1e-12  # an all-zero row gets a tiny scale (quantises to zeros), neve
 MAX_K = 32768  # a row in one program's registers: 32768 float32 over 16 warps = 64 per thread
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORMS = ("layer", "rms")
-_warned: set[str] = set()
-
-
-def warn_once(key: str, msg: str, *args, level: int = logging.WARNING) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.log(level, msg + " (logged once per process)", *args)
+warn_once = functools.partial(warn_once_on, log)  # (key, msg, *args, level=...): cadence.telemetry.logs
 
 
 def interpreting() -> bool:

@@ -39,25 +39,22 @@ two, no triton installed) the callers use the references below, logging once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 
 import torch
 
+from cadence.telemetry.logs import warn_once as warn_once_on
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 P_SCALE = 256.0
-_warned: set[str] = set()
-
-
-def warn_once(key: str, msg: str, level: int = logging.WARNING) -> None:
-    """Log ``msg`` once per process per ``key`` (a fallback is worth one line, not one per session)."""
-    if key not in _warned:
-        _warned.add(key)
-        log.log(level, msg)
+#: ``warn_once(key, msg, level=...)``: one line per process per reason (``cadence.telemetry.logs``)
+warn_once = functools.partial(warn_once_on, log)
 
 
 def interpreting() -> bool:

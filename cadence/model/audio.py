@@ -7,10 +7,9 @@ mel filters between 40 Hz and 12 kHz). A stand-in for wav2vec2-style features (w
 not available here) with the same contract: [frames, tokens, audio_dim] per chunk, computed on the
 device from the chunk's samples only (no look-ahead).
 
-:func:`make_audio_encoder` is the per-chunk front end of the block-causal (K/V stream) sessions: it returns
-this stand-in. The one audio-driven family, ``flashtalk``, streams by clips and takes its audio through its
-own wav2vec2 path (``cadence.engine.flashtalk``, ``cadence.model.wav2vec2``); a family that needs a real audio
-encoder is refused here with its name rather than silently fed log-mel tokens.
+It is a front end a family declares (``cadence.model.families.LogMelAudio``: the presets' and the text-driven
+families'); an audio-driven family declares its own (``Wav2Vec2Audio``: FlashTalk), built the same way from
+the recipe (``cadence.model.encoders``).
 """
 
 from __future__ import annotations
@@ -68,20 +67,3 @@ class AudioFeatures:
         x = samples.float().reshape(-1, self.tokens, self.win) * self.window
         spec = torch.fft.rfft(x, n=self.n_fft).abs().pow(2)
         return torch.log(spec @ self.fb.T + 1e-6) / 4.0
-
-
-def make_audio_encoder(cfg: CadenceConfig, device: torch.device | str = "cpu") -> AudioFeatures:
-    """The configured audio front end: samples [n * samples_per_frame] -> [n, tokens, audio_dim]."""
-    fam = cfg.model.family
-    if fam:
-        from cadence.model.families import get_family
-
-        need = get_family(fam).audio_encoder
-        if need:
-            from cadence.errors import ConfigError
-
-            raise ConfigError(
-                f"model family {fam!r} needs the {need} audio encoder: its clip session "
-                "(cadence.engine.flashtalk) runs it; the per-chunk log-mel stand-in does not apply"
-            )
-    return AudioFeatures(cfg, device)

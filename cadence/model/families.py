@@ -40,15 +40,25 @@ Families (their reference code: docs/references.md; parity fixtures: ``tests/fix
   default (``stream.keep_first_frame`` False: from the third block on, an older decoded pixel frame
   re-encoded by the Wan VAE) or the stream's first latent frame (True); both equal to Krea's own code.
 
-Each family declares what it changes in the engine with typed rule objects (data only; the engine recipe,
-``cadence.engine.recipe``, is the one reader outside this file):
+Each family declares what it changes in the engine with typed objects (data only; the engine recipe,
+``cadence.engine.recipe``, is the one reader outside this file: it resolves a configuration to its entry once,
+``entry_of``, and the builders and loaders read the recipe's entry, never the name again):
 
-* ``streaming``: :class:`KVStream` (block-causal chunks over a K/V cache, the default) or :class:`ClipStream`
-  (FlashTalk: bidirectional clips decoded and re-encoded inside the step: no ring cache, no CUDA graphs);
+* ``streaming`` (the session kind): :class:`KVStream` (block-causal chunks over a K/V cache, the default,
+  streamed by ``cadence.engine.session.Session``) or :class:`ClipStream` (FlashTalk: bidirectional clips
+  decoded and re-encoded inside the step: no ring cache, no CUDA graphs), each naming the session class that
+  streams it (``session``: ``"module:Class"``, a clip family's own);
 * ``prompt_switch``: :class:`Swap` (the new prompt's cross-attention K/V from the next chunk on) or
   :class:`Recache` (LongLive: the recent chunks' K/V recomputed under the new prompt first);
 * ``context``: None (the committed K/V stay) or :class:`Rebuild` (Krea: the cache rebuilt before every
-  chunk from a short clean context; naive cache only).
+  chunk from a short clean context; naive cache only);
+* the front ends: ``audio_encoder`` (:class:`LogMelAudio`, Cadence's stand-in, or :class:`Wav2Vec2Audio`),
+  ``image_encoder`` (:class:`VaeSinkImage`: the reference image as the cache's sink, or
+  :class:`ClipVisionImage`), each built by ``cadence.model.encoders`` from the recipe and finding its files
+  beside the weights (:class:`Beside`); ``decoder`` (:class:`DecoderRule`: the VAE variant, and a decoder the
+  stream pins); ``checkpoint`` (:class:`CheckpointFormat`, read by ``cadence.model.weights``).
+
+A new family is an entry here and its own files (docs/architecture.md, "Adding a family").
 
 Presets and families live in one registry (:data:`REGISTRY`, :func:`get_model`): ``--model NAME`` and its
 alias ``--preset NAME`` take either; a preset is an entry of kind 'preset' with Cadence's own defaults
@@ -60,6 +70,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from cadence.config import PRESETS, CadenceConfig, get_preset
 from cadence.errors import ConfigError
@@ -71,6 +82,9 @@ from cadence.errors import ConfigError
 class KVStream:
     """Block-causal chunks over a K/V cache (``cadence.engine.session.Session``): the engine's decode stage
     decodes each chunk's latent; the ring cache, FP8 K/V and CUDA graphs apply."""
+
+    session: str = field(default="cadence.engine.session:Session", repr=False)
+    """``"module:Class"`` of the session that streams it (``cadence.engine.session.session_type`` loads it)."""
 
     def warm_chunks(self, window_chunks: int, graph_warmup: int) -> int:
         """Chunks of a warm-up stream that run every step shape once: W - 1 while the ring fills, the first
@@ -84,18 +98,18 @@ class KVStream:
 
 @dataclass(frozen=True)
 class ClipStream:
-    """Bidirectional clips (``cadence.engine.flashtalk.ClipSession``): each clip of ``clip_frames`` video frames
-    is generated whole, decoded by ``decoder`` and its last ``motion_frames`` re-encoded before the next
-    starts, inside the step. No K/V cache: no ring cache, no FP8 K/V, no CUDA graphs, and the decoder's fast
-    paths do not apply (the recipe turns them off with one note)."""
+    """Bidirectional clips (FlashTalk: ``cadence.engine.flashtalk.ClipSession``): each clip of ``clip_frames``
+    video frames is generated whole, decoded by the family's pinned decoder (:class:`DecoderRule`) and its last
+    ``motion_frames`` re-encoded before the next starts, inside the step. No K/V cache: no ring cache, no FP8
+    K/V, no CUDA graphs, and the decoder's fast paths do not apply (the recipe turns them off with one note)."""
 
     clip_frames: int
     """Video frames generated together per call (FlashTalk: 33)."""
     motion_frames: int
     """The last video frames of a clip carried into the next one as its first latents (FlashTalk: 5); a
     clip's new video is ``clip_frames - motion_frames`` frames."""
-    decoder: str = "wan"
-    """The decoder that decodes and re-encodes every clip (the Wan VAE)."""
+    session: str = field(default="", repr=False)
+    """``"module:Class"`` of the family's clip session (its own file: a clip's sampler is the family's)."""
 
     def warm_chunks(self, window_chunks: int, graph_warmup: int) -> int:
         """The first clip (its motion latents are the image's) and one more."""
@@ -147,6 +161,105 @@ class Rebuild:
     def stream_fields(self) -> dict:
         """The ``StreamConfig`` fields that carry it."""
         return {"kv_rebuild": self.frames, "keep_first_frame": self.keep_first_frame}
+
+
+# ---- the front ends a family declares (built by cadence.model.encoders from the recipe) ----------------------
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A file or folder a front end reads from beside the transformer's weights (in their folder or its parent)."""
+
+    pattern: str
+    """A glob ('models_clip_*.pth', '*wav2vec2*')."""
+    what: str
+    """What it is, for the error when it is missing."""
+    folder_with: str = ""
+    """A folder holding this file ('config.json'); '' = a file."""
+
+    def matches(self, path) -> bool:
+        if self.folder_with:
+            return path.is_dir() and (path / self.folder_with).is_file()
+        return path.is_file()
+
+
+class FrontEnd(Protocol):
+    """An audio or image front end a family declares: plain data here, built by the engine from the recipe
+    (``cadence.model.encoders.build_front_ends``). A family may bring a type of its own (its own module)."""
+
+    about: str
+    """What it is (logged; named in errors)."""
+    beside: Beside | None
+    """The file or folder it reads beside the weights (None: nothing)."""
+
+    def build(self, cfg: CadenceConfig, device, dtype, path=None):
+        """The built encoder (``path``: its file found beside the weights; None without weights)."""
+
+
+@dataclass(frozen=True)
+class LogMelAudio:
+    """Cadence's own per-chunk audio front end (``cadence.model.audio.AudioFeatures``): log-mel tokens per latent
+    frame, computed on the device; no weights."""
+
+    about: str = "log-mel tokens (Cadence's stand-in, no weights)"
+    beside = None
+
+    def build(self, cfg, device, dtype, path=None):
+        from cadence.model.audio import AudioFeatures
+
+        return AudioFeatures(cfg, device)
+
+
+@dataclass(frozen=True)
+class Wav2Vec2Audio:
+    """A wav2vec2 model's hidden states (``cadence.model.wav2vec2.Wav2Vec2Features``), its folder beside the
+    weights (random without weights)."""
+
+    about: str = "wav2vec2"
+    beside: Beside = Beside("*wav2vec2*", "the wav2vec2 folder (with config.json)", folder_with="config.json")
+
+    def build(self, cfg, device, dtype, path=None):
+        from cadence.model.encoders import wav2vec2
+
+        return wav2vec2(cfg, device, path)
+
+
+@dataclass(frozen=True)
+class VaeSinkImage:
+    """The reference image enters as its VAE latent (the K/V cache's sink, ``StreamGenerator.encode_reference``):
+    no image encoder of its own."""
+
+    about: str = "the VAE latent of the reference image (the cache's sink)"
+    beside = None
+
+    def build(self, cfg, device, dtype, path=None):
+        return None
+
+
+@dataclass(frozen=True)
+class ClipVisionImage:
+    """A CLIP vision tower's tokens of the reference image (``cadence.model.clip_vision.ClipVision``), its
+    ``.pth`` beside the weights (random without weights)."""
+
+    about: str = "CLIP vision"
+    beside: Beside = Beside("models_clip_*.pth", "the CLIP vision encoder (models_clip_*.pth)")
+
+    def build(self, cfg, device, dtype, path=None):
+        from cadence.model.encoders import clip_vision
+
+        return clip_vision(cfg, device, dtype, path)
+
+
+@dataclass(frozen=True)
+class DecoderRule:
+    """The VAE a family's latents belong to, and the decoder its stream needs."""
+
+    variant: str = "2.1"
+    """The VAE its latents belong to ('2.1': Wan 2.1's, 4x8x8, z=16; '2.2': Wan 2.2's, 4x16x16, z=48)."""
+    pinned: str | None = None
+    """The engine decoder its stream needs whatever was asked ('wan': FlashTalk decodes and re-encodes every
+    clip with it), or None: ``FastPath.decoder`` (automatic: ``cadence.engine.recipe.choose_decoder``). A
+    clip family whose session decodes with a VAE of its own leaves it None."""
 
 
 @dataclass(frozen=True)
@@ -202,12 +315,12 @@ class ModelFamily:
     """How the transformer's file is laid out."""
     text_encoder: str = "umt5-xxl"
     """The prompt encoder it needs ('umt5-xxl': Wan's umT5-XXL encoder, 512 tokens of 4096)."""
-    audio_encoder: str | None = None
-    """The audio encoder it needs (None: not audio-driven)."""
-    vision_encoder: str | None = None
-    """The image encoder it needs (None: none)."""
-    vae_variant: str = "2.1"
-    """The Wan VAE its latents belong to ('2.1': 4x8x8, z=16; '2.2': 4x16x16, z=48)."""
+    audio_encoder: FrontEnd = field(default_factory=LogMelAudio)
+    """Its audio front end (built by the engine from the recipe, whatever session streams it)."""
+    image_encoder: FrontEnd = field(default_factory=VaeSinkImage)
+    """Its reference-image front end."""
+    decoder: DecoderRule = field(default_factory=DecoderRule)
+    """The VAE its latents belong to and the decoder its stream needs."""
     reference_window: str = ""
     """The reference code's own attention settings, for the record (``local_attn_size`` / ``sink_size``
     in latent frames), from which ``stream``'s window and frame sink are derived."""
@@ -217,7 +330,7 @@ class ModelFamily:
     tested equal, the engine does not stream it yet; 'config': configuration, key mapping and detection
     only; 'cadence': one of Cadence's own presets (kind 'preset')."""
     streaming: KVStream | ClipStream = field(default_factory=KVStream)
-    """How the engine streams it (see the module docstring)."""
+    """How the engine streams it, and the session class that does (see the module docstring)."""
     prompt_switch: Swap | Recache = field(default_factory=Swap)
     """What a prompt change mid-stream does."""
     context: Rebuild | None = None
@@ -399,12 +512,15 @@ FAMILIES["flashtalk"] = ModelFamily(
         "`self.model = WanModel.from_pretrained(checkpoint_dir, ...)`: the diffusers folder is the state dict "
         "(no entries)",
     ),
-    audio_encoder="wav2vec2 (chinese-wav2vec2-base, every layer's hidden state at 25 fps)",
-    vision_encoder="CLIP ViT-H/14 (Wan's open-clip xlm-roberta-large-vit-huge-14, penultimate layer)",
+    audio_encoder=Wav2Vec2Audio("wav2vec2 (chinese-wav2vec2-base, every layer's hidden state at 25 fps)"),
+    image_encoder=ClipVisionImage(
+        "CLIP ViT-H/14 (Wan's open-clip xlm-roberta-large-vit-huge-14, penultimate layer)"
+    ),
+    decoder=DecoderRule("2.1", pinned="wan"),
     reference_window="bidirectional within a 33-frame clip (frame_num 33, motion_frames_num 5: "
     "flash_talk/configs/infer_params.yaml)",
     status="parity",
-    streaming=ClipStream(clip_frames=33, motion_frames=5, decoder="wan"),
+    streaming=ClipStream(clip_frames=33, motion_frames=5, session="cadence.engine.flashtalk:ClipSession"),
     notes="Streamed by the engine as clips (cadence.engine.flashtalk.ClipSession): per chunk its wav2vec2 audio "
     "windows, the 4-pass clip, the whole-clip Wan VAE decode, colour match and re-encode of the motion frames; "
     "tested equal to FlashTalk's offline stream (generate_offline, itself tested against the reference's "
@@ -429,7 +545,7 @@ def get_family(name: str) -> ModelFamily:
         raise ConfigError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}") from None
 
 
-def _preset_entry(name: str) -> ModelFamily:
+def preset_entry(name: str) -> ModelFamily:
     """A Cadence preset as a registry entry: its own geometry and defaults, safetensors weights with any of the
     loader's key names, a prompt switch that keeps the embedding as given."""
     return ModelFamily(
@@ -447,7 +563,7 @@ def _preset_entry(name: str) -> ModelFamily:
 
 #: One registry of what ``--model NAME`` (alias ``--preset NAME``) takes: the families first, then Cadence's
 #: presets (a ChainMap over both: a family registered at run time, or replaced in a test, is seen at once).
-REGISTRY: ChainMap[str, ModelFamily] = ChainMap(FAMILIES, {n: _preset_entry(n) for n in PRESETS})
+REGISTRY: ChainMap[str, ModelFamily] = ChainMap(FAMILIES, {n: preset_entry(n) for n in PRESETS})
 
 
 def get_model(name: str) -> ModelFamily:
@@ -459,6 +575,13 @@ def get_model(name: str) -> ModelFamily:
             f"unknown preset or model family {name!r}; presets: {', '.join(PRESETS)}; families: "
             f"{', '.join(FAMILIES)}"
         ) from None
+
+
+def entry_of(cfg: CadenceConfig) -> ModelFamily:
+    """The registry entry a configuration is made from: its family's (``ModelConfig.family``), else a preset
+    entry of its name (a configuration made in code is a preset for the engine). The engine recipe reads its
+    rules and front ends through this, once (``cadence.engine.recipe``)."""
+    return get_family(cfg.model.family) if cfg.model.family else preset_entry(cfg.name)
 
 
 def model_config(name: str, overrides: dict | None = None) -> CadenceConfig:

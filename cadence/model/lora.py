@@ -258,15 +258,13 @@ def merge_lora_into(
     return apply_plans([plan])[0]
 
 
-def merge_loras(model: torch.nn.Module, specs, family: str | None = None) -> list[dict]:
+def merge_loras(model: torch.nn.Module, specs, family=None) -> list[dict]:
     """Merge every ``--lora`` spec (``PATH[:SCALE]`` strings or :class:`LoraSpec`) into `model`, all files
-    checked before any weight changes. A family that ships a LoRA (``CheckpointFormat.lora_rank``) gives the
-    alpha of same-rank modules without their own."""
+    checked before any weight changes. A family (its registry entry, ``cadence.model.families.ModelFamily``)
+    that ships a LoRA (``CheckpointFormat.lora_rank``) gives the alpha of same-rank modules without their own."""
     default = None
-    if family:
-        from cadence.model.families import get_family
-
-        ck = get_family(family).checkpoint
+    if family is not None:
+        ck = family.checkpoint
         default = (ck.lora_rank, ck.lora_alpha) if ck.lora_rank else None
     parsed = [parse_lora_arg(s) if isinstance(s, str) else s for s in specs]
     plans = [plan_lora(model, s.path, s.scale, default) for s in parsed]

@@ -33,6 +33,7 @@ import torch
 
 from cadence.config import CadenceConfig, ModelConfig
 from cadence.errors import ConfigError, WeightsError
+from cadence.telemetry.logs import warn_once
 
 log = logging.getLogger(__name__)
 
@@ -131,18 +132,13 @@ def _fix_text(text: str) -> str:
     try:
         import ftfy
     except ImportError:  # ftfy only repairs mojibake; plain prompts are unchanged by it
-        _warn_once("ftfy is not installed: prompts are not passed through ftfy.fix_text (Wan's cleaning)")
+        warn_once(
+            log,
+            "ftfy",
+            "ftfy is not installed: prompts are not passed through ftfy.fix_text (Wan's cleaning)",
+        )
         return text
     return ftfy.fix_text(text)
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        log.warning(msg)
 
 
 def clean_prompt(text: str) -> str:
@@ -250,9 +246,11 @@ def make_text_encoder(
     m = cfg.model if isinstance(cfg, CadenceConfig) else cfg
     if not m.text_encoder:
         if m.family:
-            _warn_once(
+            warn_once(
+                log,
+                f"standin-{m.family}",
                 f"model family {m.family!r} without a text encoder: prompts go through the byte-level "
-                "stand-in (set --text-encoder to the umT5 folder or Wan's .pth)"
+                "stand-in (set --text-encoder to the umT5 folder or Wan's .pth)",
             )
         return ByteTextEncoder(m)
     enc = UMT5TextEncoder(m.text_encoder, m.text_tokenizer, text_len=m.text_len, device=device, dtype=dtype)

@@ -26,6 +26,7 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from cadence.config import CadenceConfig
 from cadence.errors import WeightsError
 from cadence.model.dit import WanDiT
 from cadence.model.keymaps import _FUSED, KEY_MAPS  # noqa: F401 (KEY_MAPS: re-exported)
+
+if TYPE_CHECKING:
+    from cadence.model.families import ModelFamily
 
 log = logging.getLogger(__name__)
 
@@ -189,19 +193,25 @@ def load_state_dict_into(
 
 
 def load_weights(
-    model: WanDiT, path: str | Path, fmt: str | None = None, allow_missing_audio: bool = True
+    model: WanDiT,
+    path: str | Path,
+    fmt: str | None = None,
+    allow_missing_audio: bool = True,
+    family: ModelFamily | None = None,
 ) -> dict:
-    """Load one safetensors file, or a directory of them (sharded checkpoints), into `model`. A model
-    whose configuration names a family (``ModelConfig.family``) reads the family's own format
-    (:func:`load_family_weights`). The configuration's LoRA files (``ModelConfig.lora``) are then merged
+    """Load one safetensors file, or a directory of them (sharded checkpoints), into `model`, as its registry
+    entry ``family`` says (the recipe's ``EngineRecipe.entry``; default: the configuration's,
+    ``families.entry_of``): a family reads its own format (:func:`load_family_weights`), a preset any
+    safetensors names. The configuration's LoRA files (``ModelConfig.lora``) are then merged
     (``cadence.model.lora``). A family's multi-entry file reads ``ModelConfig.weights_entry``, else the
     family's default entry (``CheckpointFormat.default_entry``: what its authors' inference reads)."""
-    family = getattr(model.cfg.model, "family", None)
-    if family and fmt is None:
-        from cadence.model.families import get_family
+    if family is None:
+        from cadence.model.families import entry_of
 
+        family = entry_of(model.cfg)
+    if family.kind == "family" and fmt is None:
         # the entry the configuration names, else the one the family's authors serve
-        entry = model.cfg.model.weights_entry or get_family(family).checkpoint.default_entry
+        entry = model.cfg.model.weights_entry or family.checkpoint.default_entry
         rep = load_family_weights(model, path, family, entry=entry)
     else:
         rep = load_state_dict_into(model, _read_safetensors(Path(path)), fmt, allow_missing_audio)
@@ -209,7 +219,7 @@ def load_weights(
     if loras:  # the LoRA files of the config (--lora), merged into the loaded weights, all or nothing
         from cadence.model.lora import merge_loras
 
-        rep["lora"] = merge_loras(model, loras, family)
+        rep["lora"] = merge_loras(model, loras, family if family.kind == "family" else None)
     return rep
 
 
@@ -323,7 +333,7 @@ def guess_family(kind: str, top_keys, desc: dict) -> list[str]:
 
 
 def read_family_checkpoint(
-    path: str | Path, family: str, ema: bool = False, entry: str | None = None
+    path: str | Path, family: ModelFamily, ema: bool = False, entry: str | None = None
 ) -> dict[str, torch.Tensor]:
     """The transformer state dict inside `family`'s own file at `path`, prefixes stripped (Wan's names),
     without its LoRA. ``entry`` names the '.pt' entry to read (one error listing the file's entries when it
@@ -334,12 +344,9 @@ def read_family_checkpoint(
 
 
 def _read_family_entry(
-    path: str | Path, family: str, ema: bool, entry: str | None
+    path: str | Path, fam: ModelFamily, ema: bool, entry: str | None
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """:func:`read_family_checkpoint` and the entry it read (None: the file is one state dict)."""
-    from cadence.model.families import get_family
-
-    fam = get_family(family)
     ck = fam.checkpoint
     path = Path(path)
     kind, obj = _read_any(path)
@@ -401,12 +408,9 @@ def _read_family_entry(
     return sd, found
 
 
-def read_lora(path: str | Path, family: str) -> dict[str, torch.Tensor]:
-    """The LoRA state dict of `family` at `path` (a '.pt' holding it directly or under one of the
-    family's ``lora_keys``; safetensors as is)."""
-    from cadence.model.families import get_family
-
-    fam = get_family(family)
+def read_lora(path: str | Path, fam: ModelFamily) -> dict[str, torch.Tensor]:
+    """The LoRA state dict of family ``fam`` (its registry entry) at `path` (a '.pt' holding it directly or
+    under one of the family's ``lora_keys``; safetensors as is)."""
     if not fam.checkpoint.lora_rank:
         raise WeightsError(f"LoRA {path}: family {fam.name!r} has no LoRA")
     kind, obj = _read_any(Path(path))
@@ -481,21 +485,20 @@ def merge_lora(
 def load_family_weights(
     model: WanDiT,
     path: str | Path,
-    family: str,
+    family: ModelFamily,
     ema: bool = False,
     lora: str | Path | None = None,
     entry: str | None = None,
 ) -> dict:
-    """Load `family`'s own checkpoint at `path` (and its LoRA file, merged) into `model`; ``entry`` / ``ema``
+    """Load ``family``'s own checkpoint (``family``: its registry entry) at `path` (and its LoRA file, merged)
+    into `model`; ``entry`` / ``ema``
     pick a multi-entry file's state dict (:func:`read_family_checkpoint`). The model's geometry must match
     the file's (a Krea 14B file into a 1.3B model is refused with both geometries named). Returns the
     loader's report plus {family, file, entry, ema, lora_merged} (``entry``: the one read, None for a file
     that is one state dict)."""
-    from cadence.model.families import get_family
-
-    fam = get_family(family)
+    fam = family
     ck = fam.checkpoint
-    sd, entry = _read_family_entry(path, fam.name, ema, entry)
+    sd, entry = _read_family_entry(path, fam, ema, entry)
     desc = describe_checkpoint(sd)
     m = model.cfg.model
     if (desc.get("dim"), desc.get("layers")) != (m.dim, m.num_layers):
@@ -509,7 +512,7 @@ def load_family_weights(
     merged = 0
     if lora is not None:
         ck = fam.checkpoint
-        merged = merge_lora(sd, read_lora(lora, fam.name), ck.lora_rank, ck.lora_alpha, source=f"LoRA {lora}")
+        merged = merge_lora(sd, read_lora(lora, fam), ck.lora_rank, ck.lora_alpha, source=f"LoRA {lora}")
     try:
         rep = load_state_dict_into(model, sd, fam.checkpoint.names, allow_missing_audio=True)
     except WeightsError as e:

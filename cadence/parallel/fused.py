@@ -58,13 +58,13 @@ import logging
 import math
 import os
 import re
-import threading
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from cadence.telemetry import logs
 from cadence.telemetry.spans import region
 
 log = logging.getLogger(__name__)
@@ -74,29 +74,17 @@ DEFAULT_CHUNKS = 2
 AUTO_TWO_SHOT_MAX_M = 8192  # built-in default when no measured table: two-shot up to this M on CUDA
 REPO = Path(__file__).resolve().parents[2]
 
-# ---- warn-once -------------------------------------------------------------------------------
-_warned: dict[str, int] = {}
-_lock = threading.Lock()
-
-
-def warn_once(key: str, msg: str, *args) -> bool:
-    """Log `msg` at WARNING the first time `key` is seen in this process; True if it was logged."""
-    with _lock:
-        n = _warned.get(key, 0)
-        _warned[key] = n + 1
-    if n == 0:
-        log.warning(msg + " (logged once per process)", *args)
-        return True
-    return False
+# ---- warn-once (cadence.telemetry.logs) ---------------------------------------------------------
+warn_once = functools.partial(logs.warn_once, log)  # (key, msg, *args): True if it logged
 
 
 def fallback_warnings() -> dict[str, int]:
     """Reason key -> how many times the fallback was hit (the warning itself is logged once)."""
-    return dict(_warned)
+    return logs.once_counts(log)
 
 
 def reset_fallback_warnings() -> None:
-    _warned.clear()
+    logs.forget(log)
 
 
 # ---- mode parsing ----------------------------------------------------------------------------

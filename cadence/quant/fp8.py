@@ -52,6 +52,7 @@ import torch.nn as nn
 from cadence.kernels import fp8_gemm as kg
 from cadence.kernels import quant as kq
 from cadence.model.layers import Linear
+from cadence.telemetry.logs import warn_once
 from cadence.telemetry.spans import region
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 #: its Triton kernel (cadence.kernels.quant) as its reference.
 quantize_rows = kq.quantize_rows_reference
 
-_warned = False  # the fallback's warn-once flag (per process)
 # why _scaled_mm failed, decided once and not retried per call: keyed (device type, out dtype) when the op
 # is missing for that device/dtype (NotImplementedError), and also by the call's (M, K, N, bias) when
 # cuBLAS refuses one shape (RuntimeError, e.g. CUBLAS_STATUS_NOT_SUPPORTED): one odd shape must not
@@ -226,14 +226,12 @@ def fp8_report(model: nn.Module) -> dict:
 
 
 def _warn_fallback(reason: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        log.warning(
-            "FP8 fast path inactive (%s): falling back to a dequantised matmul "
-            "(FP8 numerics, no FP8 speed). Logged once per process.",
-            reason,
-        )
+    warn_once(
+        log,
+        "fallback",
+        "FP8 fast path inactive (%s): falling back to a dequantised matmul (FP8 numerics, no FP8 speed)",
+        reason,
+    )
 
 
 class FP8Linear(nn.Module):

@@ -27,7 +27,7 @@ The server's parts, one job per file:
 
 This module assembles them: :func:`create_app`, given the groups' source and the routes to add beside the
 server's own (the seams of :mod:`cadence.serve.ports`; by default those ``cfg`` names: this machine's
-groups, or with ``cfg.fleet`` a Ray fleet's groups and its ``/fleet`` routes).
+groups, or with ``cfg.deployment`` a Ray fleet's groups and its ``/fleet`` routes).
 """
 
 import logging
@@ -59,8 +59,8 @@ def create_app(
 ):
     """The FastAPI app of a server configured by ``cfg``, whose sessions run on the groups of ``source``
     (default: those ``cfg`` names, ``cadence.serve.manager.group_source``) and which serves ``routes`` beside
-    its own (default: a fleet's operator routes with ``cfg.fleet``, else none): its session manager started
-    and stopped with the app (``lifespan``), the request guard, the routes, the OpenAPI document."""
+    its own (default: its deployment's, ``cfg.deployment.routes``: a fleet's operator routes): its session
+    manager started and stopped with the app (``lifespan``), the request guard, the routes, the OpenAPI document."""
     from fastapi import FastAPI
 
     from cadence.serve.routes import add_routes
@@ -73,8 +73,8 @@ def create_app(
             cfg.host,
         )
     source = source if source is not None else group_source(cfg)
-    if routes is None:  # a fleet's: GET /fleet, POST|DELETE /fleet/groups/{name}/drain
-        routes = [cfg.fleet.routes(source)] if cfg.fleet is not None else []
+    if routes is None:  # its deployment's (a fleet's: GET /fleet, POST|DELETE /fleet/groups/{name}/drain)
+        routes = cfg.deployment.routes(source)
     mgr = SessionManager(cfg, source)
     app = FastAPI(title="cadence", version="0.1.0", lifespan=_lifespan(mgr), description=DESCRIPTION)
     app.state.manager = mgr

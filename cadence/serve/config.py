@@ -4,85 +4,36 @@ What every worker group builds is one :class:`~cadence.engine.recipe.EngineSpec`
 model, its files, the fast path, the decode placement, the warm-up), the same object ``cadence bench
 pipeline`` and every other entry point build from the same words (``cadence.engine.flags``). Each fast-path
 option is ``None`` = automatic (on for CUDA worker groups, off on the CPU, so the CPU path is exactly the
-reference one). :func:`worker_spec` resolves the spec for one group's devices
+reference one). :func:`worker_spec` resolves the spec once per group, for its devices
 (``cadence.engine.recipe.resolve``: the family's rules applied, one note per option that cannot apply there;
-the worker logs each note once and reports them in its ready info, ``GET /config`` -> ``workers``).
+the worker logs each note once and reports them in its ready info, ``GET /config`` -> ``workers``); the web
+side reads the group's geometry (frame shape, fps, image size) from that same recipe.
 
 The rest of the fields are the server's own: listening, sessions, limits, access, the ``talk`` agent.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import ipaddress
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from cadence.engine.recipe import EngineSpec, WorkerSpec, entry_for, resolve
+from cadence.config import CadenceConfig
+from cadence.engine.placement import Placement, cpu_groups, gpu_groups
+from cadence.engine.recipe import EngineSpec, WorkerSpec, resolve
 from cadence.engine.shm import SHM_MIN_BYTES
 from cadence.engine.spec import DEFAULT_PROMPT
 from cadence.errors import ConfigError, InputError
-from cadence.serve.ports import Fleet
+from cadence.serve.ports import Deployment
 
-__all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "engine_config", "serve_groups", "worker_spec"]
-
-#: ``ServeConfig`` keywords of callers written before ``ServeConfig.engine`` (folded into it by
-#: :func:`engine_spec`): the engine's own knobs, once copied here field by field.
-ENGINE_WORDS = (
-    "preset",
-    "model",
-    "overrides",
-    "seed",
-    "decoder",
-    "kv_fp8",
-    "fp8_linears",
-    "graphs",
-    "capture_filling",
-    "compile",
-    "decoder_fast",
-    "worker_threads",
-    "decode_gpu",
-    "warmup",
-    "warmup_chunks",
-)
-
-
-def engine_spec(base: EngineSpec | None = None, **words) -> EngineSpec:
-    """``base`` (default ``EngineSpec()``) with the engine keywords of :data:`ENGINE_WORDS` applied: ``model``
-    (or ``preset``: the same registry), ``overrides``, ``seed``, the fast-path options (``worker_threads`` is
-    ``FastPath.threads``), ``decode_gpu`` K (decode on cuda:K), ``warmup`` (None: on), ``warmup_chunks``."""
-    bad = set(words) - set(ENGINE_WORDS)
-    if bad:
-        raise TypeError(f"unknown engine keyword(s) {sorted(bad)}")
-    spec = base or EngineSpec()
-    kw: dict = {}
-    name = words.pop("model", None) or words.pop("preset", None)
-    words.pop("preset", None)
-    if name:
-        kw["model"] = name
-    for k in ("overrides", "seed", "warmup_chunks"):
-        if words.get(k) is not None:
-            kw[k] = dict(words.pop(k)) if k == "overrides" else words.pop(k)
-    if words.get("warmup") is not None:
-        kw["warmup"] = bool(words.pop("warmup"))
-    gpu = words.pop("decode_gpu", None)
-    if gpu is not None:
-        if gpu < 0:
-            raise ConfigError(f"decode_gpu must be >= 0, got {gpu}")
-        kw["decode_device"] = f"cuda:{gpu}"
-    threads = words.pop("worker_threads", None)
-    fast = {k: v for k, v in words.items() if v is not None}
-    if threads:
-        fast["threads"] = threads
-    if fast:
-        kw["fast"] = dataclasses.replace(spec.fast, **fast)
-    return dataclasses.replace(spec, **kw) if kw else spec
+__all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "frame_shape", "serve_groups", "worker_spec"]
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """``ServeConfig(engine=EngineSpec(...), port=..., ...)``; :meth:`from_words` also takes the engine's knobs
-    as keywords of their own (:data:`ENGINE_WORDS`, e.g. ``ServeConfig.from_words(preset="tiny",
-    worker_threads=1)``), folded into ``engine`` by :func:`engine_spec`."""
+    """``ServeConfig(engine=EngineSpec(...), port=..., ...)``: the engine's knobs are the spec's (one spelling,
+    the one every entry point and its flags use), the rest the server's own."""
 
     engine: EngineSpec = field(default_factory=EngineSpec)
     """What every worker group builds (the model, its files, the fast path, the decode placement, the
@@ -94,11 +45,12 @@ class ServeConfig:
     """Address the HTTP server listens on (loopback by default)."""
     port: int = 8000
     """HTTP port (0 = any free port)."""
-    groups: tuple[str, ...] = ("cpu",)
-    """One entry per GPU group: the device its worker process runs on ('cpu', 'cuda:0', ...), or the
-    devices of a tensor-parallel group joined by '+' ('cuda:0+cuda:1': the model sharded over both, one
-    worker process per device; 'cpu+cpu' runs the same on the CPU with gloo). The number of entries is
-    the number of sessions admitted at once (``--max-sessions N`` on the CPU = N slots)."""
+    groups: tuple[Placement, ...] = (Placement(("cpu",)),)
+    """One :class:`~cadence.engine.placement.Placement` per worker group: the device its worker process runs on
+    ('cpu', 'cuda:0', ...), or the devices of a tensor-parallel group ('cuda:0+cuda:1': the model sharded over
+    both, one worker process per device; 'cpu+cpu' runs the same on the CPU with gloo); given as text, it is
+    read into a Placement. The number of groups is the number of sessions admitted at once (``--max-sessions
+    N`` on the CPU = N slots)."""
     idle_timeout_s: float = 120.0
     """Close a session after this long with no request and no media from its client."""
     max_duration_s: float = 600.0
@@ -176,18 +128,12 @@ class ServeConfig:
     chunk's frames are >= 1 MiB: a W1.3 chunk is 14.4 MB, a tiny preset's 196 KB; ``cadence.engine.shm``)."""
     extra: dict = field(default_factory=dict)
     """Free-form settings of callers that embed the server (kept with the config, read by nobody here)."""
-    fleet: Fleet | None = None
-    """``cadence serve --ray``: the sessions run on the worker groups of a Ray fleet, not on this machine's
-    processes (``groups`` is then unused). A ``cadence.fleet.config.FleetConfig`` (the CLI builds it), typed
-    by the ``Fleet`` Protocol of ``cadence.serve.ports``: the app takes its ``group_source(cfg)`` and
-    ``routes(source)``, so this layer never imports ``cadence.fleet``. None (the default): one machine."""
-
-    @classmethod
-    def from_words(cls, engine: EngineSpec | None = None, **kw) -> ServeConfig:
-        """A config from server fields and engine keywords (:data:`ENGINE_WORDS`) mixed: the latter folded into
-        ``engine`` (default ``EngineSpec()``) by :func:`engine_spec`."""
-        words = {k: kw.pop(k) for k in list(kw) if k in ENGINE_WORDS}
-        return cls(engine=engine_spec(engine, **words), **kw)
+    deployment: Deployment = field(default_factory=lambda: LOCAL)
+    """Where the worker groups run: :data:`LOCAL` (this machine's processes, the default) or another entry of
+    :data:`DEPLOYMENTS` (``cadence serve --deploy ray`` / ``--ray ADDR``: a ``cadence.fleet.config.FleetConfig``,
+    whose groups are a Ray fleet's; ``groups`` is then its one placement). Typed by the ``Deployment`` Protocol
+    of ``cadence.serve.ports``: the app takes its ``group_source(cfg)`` and ``routes(source)``, so this layer
+    never imports ``cadence.fleet``."""
 
     @property
     def preset(self) -> str:
@@ -201,28 +147,17 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.groups:
             raise ConfigError("at least one worker group is needed (--max-sessions >= 1)")
-        for g in self.groups:
-            parts = g.split("+")
-            if len(parts) > 1:
-                kinds = {
-                    "cpu" if p == "cpu" else "cuda" if p.startswith("cuda:") and p[5:].isdigit() else "?"
-                    for p in parts
-                }
-                if kinds not in ({"cpu"}, {"cuda"}):
-                    raise ConfigError(
-                        f"a tensor-parallel group is 'cpu+cpu+...' or 'cuda:I+cuda:J+...', got {g!r}"
-                    )
-                if kinds == {"cuda"} and len(set(parts)) != len(parts):
-                    raise ConfigError(f"a tensor-parallel group needs distinct GPUs, got {g!r}")
+        object.__setattr__(self, "groups", tuple(Placement.of(g) for g in self.groups))  # checked there
         if self.engine.decode_device not in ("same",) and self.decode_gpu is None:
             raise ConfigError(
                 f"cadence serve decodes on each group's GPU ('same') or on one decode GPU (--decode-gpu K), "
                 f"got decode device {self.engine.decode_device!r}"
             )
         if self.decode_gpu is not None:
-            if any(f"cuda:{self.decode_gpu}" in g.split("+") for g in self.groups):
+            if any(g.holds_gpu(self.decode_gpu) for g in self.groups):
+                groups = ", ".join(map(str, self.groups))
                 raise ConfigError(
-                    f"decode GPU {self.decode_gpu} also runs a worker group ({', '.join(self.groups)}): "
+                    f"decode GPU {self.decode_gpu} also runs a worker group ({groups}): "
                     "leave it out of the groups (serve_groups(..., decode_gpu=K) does)"
                 )
         if self.idle_timeout_s <= 0 or self.max_duration_s <= 0:
@@ -297,25 +232,31 @@ def check_api_key(key: str) -> str:
     return key
 
 
-def engine_config(cfg: ServeConfig):
-    """The model's configuration with the overrides and the weights entry served: the geometry every session
-    and worker follows (the per-device choices, decoder and cache, are each group's recipe's)."""
-    return entry_for(cfg.engine.config(), cfg.engine.weights_entry)[0]
+def frame_shape(config: CadenceConfig) -> tuple[int, int, int, int]:
+    """One chunk's frames [F, H, W, 3] (uint8) of a recipe's configuration."""
+    return (config.video_frames_per_chunk, config.stream.height, config.stream.width, 3)
 
 
-def worker_spec(cfg: ServeConfig, device: str, frame_bytes: int = 0) -> tuple[WorkerSpec, bool]:
-    """What the worker group on ``device`` builds: ``(spec, shm)``. ``spec.recipe`` is ``cfg.engine`` resolved
-    for the group's devices (automatic options on for CUDA groups, off on the CPU; the family's rules;
-    ``recipe.notes`` one line per option that cannot apply there); ``shm``: frames come back through shared
-    memory (``frame_transport`` 'shm', or 'auto' and a chunk of >= 1 MiB). Pure: no torch, no processes."""
+def worker_spec(
+    cfg: ServeConfig, device: Placement | str, frame_bytes: int | None = None
+) -> tuple[WorkerSpec, bool]:
+    """What the worker group placed on ``device`` builds, resolved once for the group: ``(spec, shm)``. ``spec.recipe``
+    is ``cfg.engine`` resolved for the group's devices (automatic options on for CUDA groups, off on the CPU;
+    the family's rules; ``recipe.notes`` one line per option that cannot apply there): the web side reads the
+    group's geometry from it too. ``shm``: frames come back through shared memory (``frame_transport`` 'shm',
+    or 'auto' and a chunk of >= 1 MiB; ``frame_bytes`` None: the recipe's chunk). Pure: no torch, no processes."""
+    recipe = resolve(cfg.engine, device)
+    if frame_bytes is None:
+        f, h, w, c = frame_shape(recipe.config)
+        frame_bytes = f * h * w * c
     t = cfg.frame_transport
     shm = t == "shm" or (t == "auto" and frame_bytes >= SHM_MIN_BYTES)
-    return WorkerSpec(resolve(cfg.engine, device)), shm
+    return WorkerSpec(recipe), shm
 
 
 def serve_groups(
     device: str, tp: int = 1, max_sessions: int | None = None, gpus: int = 0, decode_gpu: int | None = None
-) -> tuple[str, ...]:
+) -> tuple[Placement, ...]:
     """``cadence serve``'s worker groups: on CUDA, ``max_sessions`` groups (default: as many as fit) of
     ``tp`` consecutive GPUs each ('cuda:0+cuda:1', 'cuda:2+cuda:3', ...), GPU ``decode_gpu`` left out (it
     decodes for them); on the CPU, ``max_sessions`` (default 1) groups of ``tp`` gloo ranks. Raises
@@ -337,8 +278,121 @@ def serve_groups(
             raise InputError(
                 f"{count} worker group(s) of {tp} GPU(s) need {count * tp} GPUs{extra}; {gpus} visible"
             )
-        return tuple("+".join(f"cuda:{ids[g * tp + r]}" for r in range(tp)) for g in range(count))
-    return ("+".join(["cpu"] * tp),) * (max_sessions or 1)
+        return gpu_groups(tp, count, ids)
+    return cpu_groups(tp, max_sessions or 1)
+
+
+# ---- where the groups run: the deployments ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Local:
+    """This machine's worker groups: one process per device of each group (the default deployment)."""
+
+    name: ClassVar[str] = "local"
+
+    def placements(self, device: str, tp: int, max_sessions: int | None, decode_gpu: int | None):
+        """``cadence serve``'s groups here (:func:`serve_groups` over the GPUs this machine has)."""
+        gpus = 0
+        if device == "cuda":
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if gpus == 0:
+                raise InputError("--device cuda requested but CUDA is not available")
+        return serve_groups(device, tp, max_sessions, gpus, decode_gpu)
+
+    def group_source(self, cfg: ServeConfig):
+        """One ``cadence.serve.workers.WorkerGroup`` per placement of ``cfg.groups``, each resolved once
+        (:func:`worker_spec`), its frames' shape its recipe's; every session a ``LiveSession`` (media here)."""
+        from cadence.serve.session import LiveSession
+        from cadence.serve.workers import LocalGroups, WorkerGroup
+
+        groups = []
+        for i, placement in enumerate(cfg.groups):
+            spec, shm = worker_spec(cfg, placement)
+            shape = frame_shape(spec.recipe.config)
+            groups.append(WorkerGroup(i, spec, frame_shape=shape, slots=cfg.max_in_flight + 1, shm=shm))
+        return LocalGroups(groups, LiveSession)
+
+    def routes(self, source) -> list:
+        return []
+
+
+LOCAL = Local()
+
+
+def local_from_args(args) -> Local:
+    return LOCAL
+
+
+@dataclass(frozen=True)
+class DeploymentKind:
+    """One entry of :data:`DEPLOYMENTS`: a named place for the worker groups, and how the command line makes it."""
+
+    name: str
+    about: str
+    build: str
+    """``"module:function"``: the parsed ``cadence serve`` words -> its ``Deployment``."""
+    flags: str = ""
+    """``"module:function"`` adding its own flags to ``cadence serve`` ('' = none)."""
+    implied_by: str = ""
+    """The dest of one of its flags that chooses it without ``--deploy`` (``--ray ADDR``)."""
+
+    def _load(self, what: str):
+        module, attr = what.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def from_args(self, args) -> Deployment:
+        return self._load(self.build)(args)
+
+    def add_flags(self, parser) -> None:
+        if self.flags:
+            self._load(self.flags)(parser)
+
+
+#: The deployments ``cadence serve --deploy NAME`` takes (the next orchestrator is one more entry: its module
+#: implements the ``Deployment`` Protocol, ``cadence.serve.ports``; nothing else names it).
+DEPLOYMENTS: dict[str, DeploymentKind] = {
+    k.name: k
+    for k in (
+        DeploymentKind("local", "this machine's worker processes", "cadence.serve.config:local_from_args"),
+        DeploymentKind(
+            "ray",
+            "the worker groups of a Ray fleet (pip install 'cadence[ray]'; docs/fleet.md)",
+            "cadence.fleet.config:fleet_from_args",
+            flags="cadence.fleet.config:add_fleet_flags",
+            implied_by="ray",
+        ),
+    )
+}
+
+
+def add_deployment_flags(parser) -> None:
+    """``--deploy NAME`` and every deployment's own flags."""
+    parser.add_argument(
+        "--deploy",
+        choices=list(DEPLOYMENTS),
+        default=None,
+        help="where the worker groups run: "
+        + "; ".join(f"{k.name}: {k.about}" for k in DEPLOYMENTS.values())
+        + " (default: local, or the one a flag of its own names, e.g. --ray)",
+    )
+    for k in DEPLOYMENTS.values():
+        k.add_flags(parser)
+
+
+def deployment_from_args(args) -> Deployment:
+    """The deployment the words name: ``--deploy NAME``, else the one whose own flag was given, else local."""
+    name = getattr(args, "deploy", None) or next(
+        (
+            k.name
+            for k in DEPLOYMENTS.values()
+            if k.implied_by and getattr(args, k.implied_by, None) is not None
+        ),
+        "local",
+    )
+    return DEPLOYMENTS[name].from_args(args)
 
 
 def add_serve_flags(parser) -> None:

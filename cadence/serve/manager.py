@@ -37,14 +37,13 @@ from cadence.engine.messages import Died
 from cadence.errors import InputError
 from cadence.serve.agent import espeak_binary
 from cadence.serve.agents import make_agent
-from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
+from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint
 from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
 from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
 from cadence.serve.reports import ReportStore, report_json
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
 from cadence.serve.session import LiveSession, worker_speed
 from cadence.serve.uploads import ImageDecoder
-from cadence.serve.workers import LocalGroups, WorkerGroup
 from cadence.telemetry.metrics import ServeMetrics
 
 log = logging.getLogger("cadence.serve")
@@ -70,18 +69,8 @@ class SessionCreated:
 
 
 def group_source(cfg: ServeConfig) -> GroupSource:
-    """The groups ``cfg`` names: a fleet's (``cfg.fleet``: ``cadence serve --ray``), else this machine's, one
-    :class:`~cadence.serve.workers.WorkerGroup` per entry of ``cfg.groups``."""
-    if cfg.fleet is not None:
-        return cfg.fleet.group_source(cfg)
-    e = engine_config(cfg)
-    frame_shape = (e.video_frames_per_chunk, e.stream.height, e.stream.width, 3)
-    frame_bytes = frame_shape[0] * frame_shape[1] * frame_shape[2] * 3
-    groups = []
-    for i, dev in enumerate(cfg.groups):
-        spec, shm = worker_spec(cfg, dev, frame_bytes)
-        groups.append(WorkerGroup(i, spec, frame_shape=frame_shape, slots=cfg.max_in_flight + 1, shm=shm))
-    return LocalGroups(groups, LiveSession)
+    """The groups ``cfg`` names, where its deployment runs them (``cfg.deployment``: this machine's, a fleet's)."""
+    return cfg.deployment.group_source(cfg)
 
 
 class SessionManager:
@@ -90,10 +79,12 @@ class SessionManager:
 
     def __init__(self, cfg: ServeConfig, source: GroupSource | None = None):
         self.cfg = cfg
-        self.engine_cfg = e = engine_config(cfg)
         self.metrics = ServeMetrics()
         self.metrics.groups.set(len(cfg.groups))
         self.source = source if source is not None else group_source(cfg)
+        self.engine_cfg = e = (
+            self.source.recipe.config
+        )  # the geometry every session follows: its groups' recipe
         self.groups = self.source.groups  # (a fleet's list is kept up to date in place)
         self.sessions: dict[str, SessionPort] = {}
         self.reports = ReportStore(cfg.report_ttl_s, cfg.max_reports, cfg.max_report_bytes)
@@ -122,7 +113,7 @@ class SessionManager:
             "cadence serve: preset %s, %d group(s) %s, lead %s ms",
             self.cfg.preset,
             len(self.groups),
-            list(self.cfg.groups),
+            [str(g) for g in self.cfg.groups],
             [round(self.lead_ms(g), 1) for g in self.groups],
         )
 

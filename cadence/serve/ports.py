@@ -19,8 +19,8 @@ table is read from this docstring).
                   -> serve.agent.Agent, fleet.remote.RemoteAgent
     SessionSettings  the serving settings a session reads
                   -> serve.config.ServeConfig, fleet.messages.MediaSettings
-    Fleet         what ``ServeConfig.fleet`` holds: a fleet's group source and its extra routes
-                  -> fleet.config.FleetConfig
+    Deployment    what ``ServeConfig.deployment`` holds: where the groups run, their source, its extra routes
+                  -> serve.config.Local, fleet.config.FleetConfig
 
 (``SessionFactory``: a session class, called with what a new session needs; ``WorkerSpeed``: how a new
 session plans with its group's worker.)
@@ -28,8 +28,8 @@ session plans with its group's worker.)
 The two sides meet only here: the manager takes a ``GroupSource`` and builds each session with the
 source's ``session_factory``; a ``LiveSession`` talks to a ``SessionHost`` and its ``SessionGroup``, never to
 the class behind them (a fleet's ``GroupMediaSession`` also uses its ``RayGroup``: the fleet's own class).
-``cadence.serve`` never imports ``cadence.fleet`` (the layers, ``tests/test_layers.py``): ``ServeConfig.fleet``
-is typed by :class:`Fleet`, which ``FleetConfig`` implements.
+``cadence.serve`` never imports ``cadence.fleet`` (the layers, ``tests/test_layers.py``): ``ServeConfig.deployment``
+is typed by :class:`Deployment`, which ``Local`` and ``FleetConfig`` implement (``serve.config.DEPLOYMENTS``).
 
 Torch-free, FastAPI-free, and it imports no module of ``cadence.serve`` (``cadence.serve.config`` imports it).
 """
@@ -220,6 +220,10 @@ class GroupSource(Protocol):
     def groups(self) -> Sequence[GroupPort]:
         """The groups (a fleet's list is kept up to date in place)."""
 
+    @property
+    def recipe(self) -> Any:
+        """What its groups build (a ``cadence.engine.recipe.EngineRecipe``): the sessions' geometry is its config."""
+
     async def start(self, route: Route, metrics: Any, timeout_s: float) -> None:
         """Start (or join) the groups, send every reply to ``route``, export to ``metrics``; return when
         they are ready (RuntimeError when none can be)."""
@@ -241,11 +245,18 @@ class GroupSource(Protocol):
         """The session class for a new session on ``group``."""
 
 
-class Fleet(Protocol):
-    """What ``ServeConfig.fleet`` holds (``cadence serve --ray``): the groups of a fleet, and its routes."""
+class Deployment(Protocol):
+    """What ``ServeConfig.deployment`` holds: where the worker groups run (``cadence serve --deploy local|ray``),
+    their source, and the routes it adds."""
+
+    name: str
+    """Its name in ``cadence.serve.config.DEPLOYMENTS``."""
+
+    def placements(self, device: str, tp: int, max_sessions: int | None, decode_gpu: int | None) -> tuple:
+        """The groups' ``cadence.engine.placement.Placement`` for ``cadence serve --device --tp --max-sessions``."""
 
     def group_source(self, cfg: Any) -> GroupSource:
-        """The group source of a front end serving ``cfg`` (a ``cadence.serve.config.ServeConfig``)."""
+        """The group source of a server serving ``cfg`` (a ``cadence.serve.config.ServeConfig``)."""
 
-    def routes(self, source: GroupSource) -> ExtraRoutes:
-        """The fleet's operator routes on a front end whose groups come from ``source``."""
+    def routes(self, source: GroupSource) -> list[ExtraRoutes]:
+        """Its operator routes on a server whose groups come from ``source`` (a fleet's ``/fleet``)."""

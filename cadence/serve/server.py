@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 
@@ -34,6 +35,8 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
 
     cap_arenas()  # before any thread starts: this process is the server's own (cadence.serve.heap)
     app = create_app(cfg)
+    # what group 0 builds (each group logs its own), from the recipe its groups were made with
+    print(app.state.manager.source.recipe.describe().text(), file=sys.stderr)
     where = (
         f"http://{cfg.host}:{cfg.port}/"
         if cfg.port

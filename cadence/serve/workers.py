@@ -84,7 +84,7 @@ class WorkerGroup:
 
     @property
     def device(self) -> str:
-        return self.spec.device
+        return self.spec.recipe.device
 
     @property
     def pid(self) -> int | None:
@@ -113,7 +113,7 @@ class WorkerGroup:
         self.conn = parent
         self.ready.clear()
         self._outq = queue.SimpleQueue()
-        devices = spec.devices
+        devices = spec.recipe.devices
         if len(devices) > 1:
             spec = dataclasses.replace(spec, tp_port=free_port())
         self.proc = ctx.Process(
@@ -298,6 +298,11 @@ class LocalGroups:
 
     def __init__(self, groups: list[WorkerGroup], session_class):
         self.groups, self.session_class = groups, session_class
+
+    @property
+    def recipe(self):
+        """What the groups build (each group's own resolution; one model, so one geometry): the first's."""
+        return self.groups[0].spec.recipe
 
     async def start(self, route: Callable, metrics, timeout_s: float) -> None:
         """Start every group; return when all are ready (RuntimeError: one failed, or the timeout). (The
