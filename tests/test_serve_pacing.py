@@ -159,6 +159,14 @@ def test_planner_skips_chunks_already_in_the_past_after_a_stall():
     assert p.poll(1.0 + wait, 0.0)[0].chunk == 7
 
 
+def _frames(c: int, count: int) -> np.ndarray:
+    """Chunk ``c``'s frames, each a picture of its own (a fresh frame is one that shows something new): pixel
+    (0, 0) holds c + 1 (the chunk's name), pixel (3, 3) the frame's place in the chunk."""
+    frames = np.full((count, 4, 4, 3), c + 1, np.uint8)
+    frames[:, 3, 3, :] = 200 + np.arange(count, dtype=np.uint8)[:, None]
+    return frames
+
+
 def _simulate(
     latency,
     seconds=3.0,
@@ -196,7 +204,7 @@ def _simulate(
             continue
         for at, c, plan in [a for a in arrivals if a[0] <= now]:
             arrivals.remove((at, c, plan))
-            buf.put_video(c, np.full((F, 4, 4, 3), c + 1, np.uint8))
+            buf.put_video(c, _frames(c, F))
             planner.observe(now, plan, (interval or latency)(c))
         if now >= t_start and (t0 is not None or not wait_first_chunk or buf.has_chunk(0)):
             t0 = (t_start if not wait_first_chunk else now) if t0 is None else t0
@@ -369,10 +377,11 @@ def test_sync_marker_puts_a_white_frame_and_a_1khz_tone_at_the_same_media_time()
     from cadence.serve.pacing import apply_sync_marker
 
     frames = np.full((4, 8, 8, 3), 30, np.uint8)
+    frames[:, 7, 7, :] = np.arange(4, dtype=np.uint8)[:, None]  # four pictures (not blank, not repeats)
     audio = np.full(8000, 0.01, np.float32)
     f2, a2 = apply_sync_marker(frames, audio, T)
-    assert (frames == 30).all() and (audio == np.float32(0.01)).all()  # copies: the inputs are untouched
-    assert (f2[0] == 255).all() and (f2[1:] == 30).all()  # frame 0 of the chunk: solid white
+    assert (frames[:, :7] == 30).all() and (audio == np.float32(0.01)).all()  # copies: inputs untouched
+    assert (f2[0] == 255).all() and (f2[1:] == frames[1:]).all()  # frame 0 of the chunk: solid white
     tone = a2[:1920]  # 40 ms at 48 kHz, starting at sample 0 of the chunk (= frame 0's media time)
     assert (a2[1920:] == np.float32(0.01)).all()
     assert np.abs(tone).max() == pytest.approx(0.5, abs=1e-3) and tone[0] == 0.0
@@ -387,9 +396,12 @@ def test_sync_marker_puts_a_white_frame_and_a_1khz_tone_at_the_same_media_time()
         plain.put_chunk(c, frames, audio)
     for c in range(6):
         marked = c % 3 == 0
-        v, _ = buf.video_frame(4 * c)
-        assert (v == 255).all() == marked and (buf.video_frame(4 * c + 1)[0] == 30).all()
-        assert (plain.video_frame(4 * c)[0] == 30).all()
+        v, fresh = buf.video_frame(4 * c)
+        assert fresh and (v == 255).all() == marked  # the marker's white frame is sent (it is not "blank")
+        assert (buf.video_frame(4 * c + 1)[0][:7] == 30).all()
+        assert (plain.video_frame(4 * c)[0][:7] == 30).all()
+        for k in range(4 * c + 2, 4 * c + 4):
+            buf.video_frame(k), plain.video_frame(k)
     # audio frame n starts at sample 960 n: chunk 3 starts at sample 24000 = audio frame 25
     fresh = AVBuffer(T, 8, 8, sync_marker_every=3)
     for c in range(6):

@@ -449,4 +449,7 @@ def check_sdp(sdp, sdp_type, limit: int) -> None:
     try:  # aiortc's own parser, before any session is made: it refuses some lines with AssertionError
         SessionDescription.parse(sdp)
     except Exception as e:
-        raise ApiError(400, f"malformed SDP offer: {type(e).__name__} {short(str(e), 200)}".strip()) from None
+        detail = short(" ".join(str(e).split()), 200)  # (aiortc's words, never Python's exception name)
+        raise ApiError(
+            400, "malformed SDP offer: the WebRTC stack cannot parse it" + (f" ({detail})" if detail else "")
+        ) from None

@@ -16,7 +16,8 @@ same media instant are always taken from the same chunk: the streams cannot drif
 the network or the model does. A chunk's audio is in the store from the moment it is planned (the
 agent's audio window does not need the model), its frames from the moment the worker has them back.
 Underrun policy (``AVBuffer``): when a chunk's frames are not there by the time they are due, video
-holds the last frame (counted); a chunk whose frames arrive late is used for what is still in the
+holds the last frame (counted), and so it does for a generated frame that is blank (one colour: what a
+non-finite model output decodes to; fresh is counted by content); a chunk whose frames arrive late is used for what is still in the
 future (the clock never stops). Audio goes silent only where no chunk was planned at all (a stalled
 event loop). When the worker is slower than real time, ``ChunkPlanner`` asks it only for the chunks
 it can return in time and plays the others' audio with the last frame held: fewer fresh frames per
@@ -364,9 +365,11 @@ class AVBuffer:
     audio_underruns: int = (
         0  # 20 ms audio frames (partly) replaced by silence (their chunk was never planned)
     )
-    video_fresh: int = 0  # video frames sent from a generated chunk
+    video_fresh: int = 0  # video frames sent that are new on screen (from a generated chunk, by content)
+    video_blank: int = 0  # generated frames that were blank (one colour: a NaN decodes to black), replaced
     late_chunks: int = 0  # generated chunks whose frames came back after all of them were due
     _last: np.ndarray | None = None
+    _blank: dict[int, frozenset] = field(default_factory=dict)  # per chunk: its blank frames
     _min_needed: int = 0
     _video_chunk: int | None = None
     _audio_chunk: int | None = None
@@ -391,9 +394,11 @@ class AVBuffer:
         if self._video_chunk is not None and c < self._video_chunk:  # every frame of it is in the past
             self.late_chunks += 1
             return
+        blank = frozenset(i for i in range(f) if is_blank(frames[i]))  # (the model's, before any marker)
         if self.sync_marker_every > 0 and c % self.sync_marker_every == 0:
             frames = sync_marker_frames(frames)
         self.video[c] = frames
+        self._blank[c] = blank
         self._gc()
 
     def put_chunk(self, c: int, frames: np.ndarray, audio: np.ndarray) -> None:
@@ -434,17 +439,26 @@ class AVBuffer:
         return np.zeros((self.height, self.width, 3), np.uint8)
 
     def video_frame(self, k: int) -> tuple[np.ndarray, bool]:
-        """Frame ``k`` (uint8 [H, W, 3]) and whether it is fresh (False: the last frame, held)."""
+        """Frame ``k`` (uint8 [H, W, 3]) and whether it is fresh: a generated picture the viewer gets. Not fresh
+        (the last good frame held): its chunk is not here (``video_underruns``), or the frame is blank (every
+        pixel one colour, what a non-finite model output decodes to: ``video_blank``). So the fresh count,
+        and every figure made from it (the status's fps, the page, ``/metrics``, the report), counts
+        neither a held frame nor a black one."""
         c, i = self.timing.frame_chunk(k)
         ch = self.video.get(c)
         self._video_chunk = c
         self._gc()
+        held = self._last if self._last is not None else self.blank()
         if ch is None:
             self.video_underruns += 1
-            return (self._last if self._last is not None else self.blank()), False
-        self._last = ch[i]
+            return held, False
+        f = ch[i]
+        if i in self._blank.get(c, ()):
+            self.video_blank += 1
+            return held, False
+        self._last = f
         self.video_fresh += 1
-        return self._last, True
+        return f, True
 
     def audio_frame(self, n: int) -> tuple[np.ndarray, bool]:
         """Audio frame ``n`` (float32 [960]) and whether it is complete (False: silence filled in)."""
@@ -479,6 +493,21 @@ class AVBuffer:
             if len(store) > self.keep_chunks:  # a runaway producer: keep the oldest needed ones
                 for old in sorted(store)[self.keep_chunks :]:
                     del store[old]
+        for old in [k for k in self._blank if k not in self.video]:
+            del self._blank[old]
+
+
+def _probe(frame: np.ndarray) -> np.ndarray:
+    """A sparse grid of ``frame``'s pixels (about 32 x 32 of them)."""
+    step = max(1, min(frame.shape[0], frame.shape[1]) // 32)
+    return frame[::step, ::step]
+
+
+def is_blank(frame: np.ndarray) -> bool:
+    """Every pixel of ``frame`` the same colour value (a decoded NaN is black: a face never is one colour).
+    A sparse grid first: a generated frame is told from a blank one at about 1/64 of a full pass."""
+    first = frame.flat[0]
+    return bool((_probe(frame) == first).all() and (frame == first).all())
 
 
 def to_s16(samples: np.ndarray) -> np.ndarray:

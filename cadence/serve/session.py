@@ -37,6 +37,7 @@ from cadence.engine.messages import (
     OpenSession,
     SwitchPrompt,
 )
+from cadence.media.pcm import clean
 from cadence.serve.agent import Agent
 from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming
 from cadence.serve.ports import SessionGroup, SessionHost, SessionSettings, WorkerSpeed
@@ -390,6 +391,16 @@ class LiveSession(ClosesInBackground):
     def _on_mic(self, samples: np.ndarray) -> None:
         self.stats.mic_frames += 1
         self.touch()
+        samples, bad = clean(samples)  # a live track cannot be refused: NaN and infinity become silence
+        if bad:
+            if not self.stats.mic_nonfinite:
+                log.warning(
+                    "session %s: the microphone sent %d non-finite samples (NaN or infinity): replaced by "
+                    "silence (the status counts the rest: mic_nonfinite_samples)",
+                    self.sid,
+                    bad,
+                )
+            self.stats.mic_nonfinite += bad
         self.agent.push_mic(samples)
 
     def _on_media_error(self, text: str) -> None:
@@ -504,7 +515,8 @@ class LiveSession(ClosesInBackground):
         out.update(self.stats.status_fields(now, closed))
         out.update(
             {
-                "video_frames_fresh": self.buffer.video_fresh,
+                "video_frames_fresh": self.buffer.video_fresh,  # new on screen (by content)
+                "video_frames_blank": self.buffer.video_blank,  # generated, blank: replaced by the last good one
                 "underruns": {"video": self.buffer.video_underruns, "audio": self.buffer.audio_underruns},
                 "chunks": {
                     "planned": self.stats.chunks_planned,

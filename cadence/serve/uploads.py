@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cadence.errors import InputError
+from cadence.media.pcm import NonFiniteAudio
 from cadence.serve.agent import decode_audio_bytes
 from cadence.serve.guard import ApiError, parse_json, short, str_field
 from cadence.serve.heap import trim_memory
@@ -192,10 +193,13 @@ class ImageDecoder:
 
 
 async def decode_speech(data: bytes, limit: int) -> np.ndarray:
-    """Any audio file FFmpeg decodes -> 48 kHz mono float32 (off the event loop), or 413 / 415."""
+    """Any audio file FFmpeg decodes -> 48 kHz mono float32 in [-1, 1] (off the event loop), or 413 / 415, or
+    400 for audio with NaN or infinite samples (a float WAV can carry them; they would blank the video)."""
     if len(data) > limit:
         raise ApiError(413, f"audio is too large ({len(data)} bytes; limit {limit})")
     try:
         return await asyncio.to_thread(decode_audio_bytes, data)
+    except NonFiniteAudio as e:
+        raise ApiError(400, str(e)) from None
     except InputError as e:
         raise ApiError(415, f"unsupported audio: {e}") from None

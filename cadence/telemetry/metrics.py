@@ -47,7 +47,11 @@ class ServeMetrics:
         """The per-session gauges (label ``session``)."""
         s = ("session",)
         self.fps = Gauge(
-            "cadence_session_fps", "Generated video frames delivered per second (last 2 s)", s, registry=r
+            "cadence_session_fps",
+            "Fresh video frames (generated and not blank: what the viewer gets) delivered per second "
+            "(last 2 s)",
+            s,
+            registry=r,
         )
         self.ttff = Gauge(
             "cadence_session_ttff_ms",
@@ -115,7 +119,8 @@ class ServeMetrics:
         )
         self.underruns_total = Counter(
             "cadence_underruns",
-            "Underruns (video frames held + audio frames silenced)",
+            "Underruns: video frames held (their chunk late, or the generated frame blank: replaced by the "
+            "last good one) + audio frames silenced",
             ("kind",),
             registry=r,
         )
