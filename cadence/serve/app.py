@@ -18,9 +18,10 @@ The server's parts, one job per file:
 
 * :mod:`cadence.serve.routes`    the handlers, one small function per route;
 * :mod:`cadence.serve.guard`     the request guard: errors as JSON, body limits, credentials (per-session
-  tokens, the operator key), field validation;
+  tokens, the operator key);
+* :mod:`cadence.serve.schemas`   what each route takes and answers, as pydantic models (they validate the
+  requests, and the OpenAPI document is generated from them);
 * :mod:`cadence.serve.uploads`   the session request's body, the reference image's decode, speech audio;
-* :mod:`cadence.serve.openapi`   the OpenAPI tables (what every route answers, its security);
 * :mod:`cadence.serve.manager`   the session manager: groups, sessions, reports, admission;
 * :mod:`cadence.serve.session`   one live session (scheduler, stats, tracks), :mod:`cadence.serve.workers`
   the worker processes.
@@ -38,7 +39,6 @@ from pathlib import Path
 from cadence.serve.config import ServeConfig
 from cadence.serve.guard import install_guard
 from cadence.serve.manager import SessionManager, group_source
-from cadence.serve.openapi import RouteDocs, install_openapi
 from cadence.serve.ports import ExtraRoutes, GroupSource
 
 log = logging.getLogger("cadence.serve")
@@ -63,7 +63,7 @@ def create_app(
     and stopped with the app (``lifespan``), the request guard, the routes, the OpenAPI document."""
     from fastapi import FastAPI
 
-    from cadence.serve.routes import add_routes
+    from cadence.serve.routes import add_routes, install_openapi
 
     cfg = cfg or ServeConfig()
     if not cfg.loopback and cfg.api_key is None:  # ServeConfig allows it only with insecure_no_auth
@@ -81,8 +81,8 @@ def create_app(
     for add in routes:  # (ahead of the server's own: the OpenAPI document lists them first)
         add(app, mgr.access)
     install_guard(app, cfg, mgr.metrics)
-    add_routes(app, mgr, RouteDocs(cfg), STATIC)
-    install_openapi(app, cfg)
+    add_routes(app, mgr, STATIC)
+    install_openapi(app)
     return app
 
 

@@ -19,9 +19,9 @@
   aggregates). Without one (the default loopback run), anyone who reaches the server may create a session,
   and the session list and per-session series are off (403). A non-loopback ``host`` refuses to start
   without a key unless ``insecure_no_auth`` is set (logged as a WARNING).
-* **Fields.** Strings must be UTF-8-encodable without NUL, the seed an integer in 0..2^63-1 (no floats,
-  booleans or strings in JSON), the prompt at most ``MAX_PROMPT`` characters; JSON that ``json`` cannot or
-  should not take is a 400; an SDP offer is checked for its shape before aiortc sees it.
+* **Fields** are the request models' (``cadence.serve.schemas``: their refusals are 400s naming the field);
+  JSON that ``json`` cannot or should not take is a 400; an SDP offer is checked for its shape before
+  aiortc sees it.
 
 Imports no torch and no FastAPI at module level (the answers are built where a request is answered).
 """
@@ -37,8 +37,6 @@ import secrets
 
 from cadence.errors import CadenceError
 
-MAX_PROMPT = 1000
-MAX_SEED = 2**63 - 1
 #: Body limit of every route but POST /sessions and /audio (JSON with a line of text, or nothing).
 SMALL_BODY = 64 * 1024
 
@@ -95,13 +93,15 @@ def install_guard(app, cfg, metrics) -> None:
             if allow:
                 headers["Allow"] = ", ".join(allow)
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # (FastAPI's words)
+            detail = "request body is not valid JSON (or nested too deeply, or a number too long)"
         return err(exc.status_code, detail, headers or None)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, exc):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        return err(400, f"invalid request: {where}: {first.get('msg', 'invalid')}")
+    async def _validation_error(request, exc):  # a request model's refusal: one line naming the field
+        from cadence.serve.schemas import validation_message
+
+        return err(400, validation_message(list(exc.errors())))
 
     @app.exception_handler(CadenceError)
     async def _cadence_error(request, exc):
@@ -297,62 +297,6 @@ def short(text: str, n: int = 64) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def check_text(value: str, name: str) -> str:
-    """``value`` if it is text the server can pass on: encodable as UTF-8 (no lone surrogate, which JSON's
-    ``\\ud800`` escapes can carry), without NUL. Else a 400 naming the field."""
-    if "\0" in value:
-        raise ApiError(400, f"'{name}' contains a NUL character (at {value.index(chr(0))})")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(400, f"'{name}' is not valid Unicode text (a lone surrogate at {e.start})") from None
-    return value
-
-
-def type_name(value) -> str:
-    return {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
-
-
-def str_field(fields: dict, name: str, default: str | None, max_chars: int | None = None) -> str | None:
-    """A string field: absent -> ``default``; anything but a string (null included) -> 400; checked text."""
-    if name not in fields:
-        return default
-    value = fields[name]
-    if not isinstance(value, str):
-        raise ApiError(400, f"'{name}' must be a string, got {type_name(value)}")
-    check_text(value, name)
-    if max_chars is not None and len(value) > max_chars:
-        raise ApiError(400, f"'{name}' is too long ({len(value)} characters; limit {max_chars})")
-    return value
-
-
-def seed_field(fields: dict, form: bool) -> int:
-    """The seed: an integer in 0..2^63-1. JSON: a number without fraction or exponent (``1e999``, ``3.0``,
-    ``true``, ``"5"`` are refused); a form field: decimal digits. Absent (or an empty form field) = 0."""
-    if "seed" not in fields:
-        return 0
-    v = fields["seed"]
-    if form:
-        if v == "":
-            return 0
-        if not (v.isascii() and v.isdigit()) or len(v) > 19:
-            raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {short(v)!r}")
-        v = int(v)
-    elif isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {type_name(v)}")
-    if not 0 <= v <= MAX_SEED:
-        raise ApiError(400, f"'seed' is out of range (0..{MAX_SEED}), got {short(str(v), 30)}")
-    return v
-
-
 def parse_json(body: bytes, what: str):
     """JSON text -> a value, or a 400 for anything ``json`` cannot or should not take: not JSON, not UTF-8,
     nesting deep enough to exhaust the recursion limit, an integer literal over Python's 4,300 digits."""
@@ -362,14 +306,6 @@ def parse_json(body: bytes, what: str):
         raise ApiError(400, f"{what} is nested too deeply") from None
     except ValueError:  # JSONDecodeError, UnicodeDecodeError, int digits limit
         raise ApiError(400, f"{what} is not valid JSON") from None
-
-
-def json_object(body: bytes, shape: str) -> dict:
-    """A JSON object body (``shape``: how it should look, for the refusal), or a 400."""
-    value = parse_json(body, f"request body (JSON: {shape})")
-    if not isinstance(value, dict):
-        raise ApiError(400, f"request body must be a JSON object: {shape}")
-    return value
 
 
 #: What POST /sessions checks of an SDP offer's text before anything else, and the ``pattern`` of its ``sdp``
@@ -423,12 +359,12 @@ def with_client_cookie(request, response):
     return response
 
 
-def check_sdp(sdp, sdp_type, limit: int) -> None:
-    """An SDP offer's shape (aiortc parses it only then): text, type 'offer', under ``limit`` bytes, starting
-    with 'v=0', with a video section and a DTLS fingerprint."""
-    if not isinstance(sdp, str) or not sdp.strip():
+def check_sdp(sdp: str, sdp_type: str, limit: int) -> None:
+    """An SDP offer's shape (aiortc parses it only then; its fields' types are the request model's,
+    ``cadence.serve.schemas``): type 'offer', under ``limit`` bytes, starting with 'v=0', with a video section
+    and a DTLS fingerprint."""
+    if not sdp.strip():
         raise ApiError(400, "missing SDP offer ('sdp')")
-    check_text(sdp, "sdp")
     if sdp_type != "offer":
         raise ApiError(400, f"SDP type must be 'offer', got {short(str(sdp_type))!r}")
     if len(sdp.encode()) > limit:

@@ -28,7 +28,6 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass
 
 import numpy as np
 from aiortc.exceptions import InvalidAccessError, OperationError
@@ -38,35 +37,17 @@ from cadence.errors import InputError
 from cadence.serve.agent import espeak_binary
 from cadence.serve.agents import make_agent
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
-from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
+from cadence.serve.guard import Access, ApiError, check_sdp, short
 from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
 from cadence.serve.reports import ReportStore, report_json
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
+from cadence.serve.schemas import MAX_PROMPT, SessionCreated
 from cadence.serve.session import LiveSession, worker_speed
 from cadence.serve.uploads import ImageDecoder
 from cadence.serve.workers import LocalGroups, WorkerGroup
 from cadence.telemetry.metrics import ServeMetrics
 
 log = logging.getLogger("cadence.serve")
-
-
-@dataclass(frozen=True)
-class SessionCreated:
-    """What ``POST /sessions`` answers (201): the session's id and token (shown only here), the SDP answer,
-    and what the client will receive. :meth:`as_json` is the body, in this order (``openapi.CREATED``)."""
-
-    session_id: str
-    token: str
-    sdp: str
-    type: str
-    agent: str
-    preset: str
-    fps: int
-    width: int
-    height: int
-
-    def as_json(self) -> dict:
-        return asdict(self)
 
 
 def group_source(cfg: ServeConfig) -> GroupSource:
@@ -437,15 +418,15 @@ class SessionManager:
         answer = await self._answer(sess, image, sdp, sdp_type)
         e = self.engine_cfg
         return SessionCreated(
-            sid,
-            token,
-            answer.sdp,
-            answer.type,
-            ag.name,
-            e.name,
-            e.stream.fps,
-            e.stream.width,
-            e.stream.height,
+            session_id=sid,
+            token=token,
+            sdp=answer.sdp,
+            type=answer.type,
+            agent=ag.name,
+            preset=e.name,
+            fps=e.stream.fps,
+            width=e.stream.width,
+            height=e.stream.height,
         )
 
     async def _answer(self, sess, image, sdp: str, sdp_type: str):

@@ -25,7 +25,7 @@ import numpy as np
 from cadence.errors import InputError
 from cadence.media.pcm import NonFiniteAudio
 from cadence.serve.agent import decode_audio_bytes
-from cadence.serve.guard import ApiError, parse_json, short, str_field
+from cadence.serve.guard import ApiError, parse_json, short
 from cadence.serve.heap import trim_memory
 
 #: Formats a reference image may be in (Pillow plugin names); anything else is a 400 before any decoding.
@@ -37,9 +37,9 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes M
 
 @dataclass(frozen=True)
 class SessionBody:
-    """What ``POST /sessions`` carried: its text fields (to be checked, ``cadence.serve.guard``), the image's
-    bytes (None: none sent; ``b""``: an empty file, a 400 later) and whether it was a form (the seed's
-    syntax differs)."""
+    """What ``POST /sessions`` carried: its fields (to be checked by the body's model,
+    ``cadence.serve.schemas.session_models``), a form's image bytes (None: none sent; ``b""``: an empty file,
+    a 400 later) and whether it was a form (the seed's syntax differs)."""
 
     fields: dict
     image: bytes | None
@@ -53,7 +53,7 @@ async def read_session_body(request, max_image_bytes: int) -> SessionBody:
         body = parse_json(await request.body(), "request body")
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
-        return SessionBody(body, _base64_image(str_field(body, "image_base64", None)), form=False)
+        return SessionBody(body, None, form=False)
     if ctype.startswith("multipart/form-data"):
         return await _form_body(request, max_image_bytes)
     raise ApiError(
@@ -62,7 +62,8 @@ async def read_session_body(request, max_image_bytes: int) -> SessionBody:
     )
 
 
-def _base64_image(b64: str | None) -> bytes | None:
+def base64_image(b64: str | None) -> bytes | None:
+    """The image of a JSON ``POST /sessions`` (``image_base64``, a data URL's too), or a 400."""
     if not b64:
         return None
     if b64.startswith("data:"):
@@ -80,7 +81,7 @@ async def _form_body(request, max_image_bytes: int) -> SessionBody:
         raise
     except Exception as e:
         raise ApiError(400, f"could not parse the multipart form: {e}") from None
-    fields = {k: v for k, v in parsed.items() if isinstance(v, str)}
+    fields = {k: v for k, v in parsed.items() if isinstance(v, str) and k != "image"}
     image_bytes = None
     up = parsed.get("image")
     if up is not None and not isinstance(up, str):
