@@ -37,6 +37,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from cadence.serve.config import ServeConfig
+from cadence.serve.connections import ConnectionLimits
 from cadence.serve.guard import install_guard
 from cadence.serve.manager import SessionManager, group_source
 from cadence.serve.ports import ExtraRoutes, GroupSource
@@ -56,11 +57,13 @@ def create_app(
     *,
     source: GroupSource | None = None,
     routes: Sequence[ExtraRoutes] | None = None,
+    limits: ConnectionLimits | None = None,
 ):
     """The FastAPI app of a server configured by ``cfg``, whose sessions run on the groups of ``source``
     (default: those ``cfg`` names, ``cadence.serve.manager.group_source``) and which serves ``routes`` beside
     its own (default: a fleet's operator routes with ``cfg.fleet``, else none): its session manager started
-    and stopped with the app (``lifespan``), the request guard, the routes, the OpenAPI document."""
+    and stopped with the app (``lifespan``), the request guard (body limits: ``limits``' minimum body rate),
+    the routes, the OpenAPI document."""
     from fastapi import FastAPI
 
     from cadence.serve.routes import add_routes, install_openapi
@@ -80,7 +83,7 @@ def create_app(
     app.state.manager = mgr
     for add in routes:  # (ahead of the server's own: the OpenAPI document lists them first)
         add(app, mgr.access)
-    install_guard(app, cfg, mgr.metrics)
+    install_guard(app, cfg, mgr.metrics, limits or ConnectionLimits())
     add_routes(app, mgr, STATIC)
     install_openapi(app)
     return app

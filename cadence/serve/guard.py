@@ -5,7 +5,8 @@
   405 with an ``Allow`` header naming every method of the path), FastAPI's validation errors (a 400, never
   a 422) and a :class:`~cadence.errors.CadenceError` (400). 4xx answers are counted in ``/metrics``.
 * **Body limits.** Per route, while the body streams in (:class:`BodyLimit`): a chunked body with no
-  Content-Length is cut at the limit, 413, connection closed.
+  Content-Length is cut at the limit, 413, connection closed; a body slower than the minimum rate
+  (``cadence.serve.connections.ConnectionLimits``), 408, connection closed.
 * **Credentials** (:class:`Access`), as ``Authorization: Bearer <secret>``, compared in constant time.
   Each session has a **token** (32 random bytes, URL-safe), returned once, in the answer to the POST that
   created it; the server keeps only its SHA-256. Every route under ``/sessions/{id}`` needs that token (or
@@ -31,11 +32,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
 import re
 import secrets
 
 from cadence.errors import CadenceError
+
+log = logging.getLogger("cadence.serve")
 
 #: Body limit of every route but POST /sessions and /audio (JSON with a line of text, or nothing).
 SMALL_BODY = 64 * 1024
@@ -71,15 +75,22 @@ def allowed_methods(app, path: str) -> list[str]:
     return sorted(methods)
 
 
-def install_guard(app, cfg, metrics) -> None:
-    """The body limits (middleware) and the error handlers of the app."""
+def install_guard(app, cfg, metrics, limits) -> None:
+    """The body limits (middleware: size, and the minimum rate of ``limits``, a
+    ``cadence.serve.connections.ConnectionLimits``) and the error handlers of the app."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     def err(status: int, message: str, headers: dict | None = None):
         return json_error(metrics, status, message, headers)
 
-    app.add_middleware(BodyLimit, limit_for=body_limits(cfg), on_refuse=err)
+    app.add_middleware(
+        BodyLimit,
+        limit_for=body_limits(cfg),
+        on_refuse=err,
+        min_rate=limits.min_body_rate,
+        grace_s=limits.body_grace_s,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -128,18 +139,22 @@ def body_limits(cfg):
 
 
 class BodyLimit:
-    """ASGI middleware: a request body may not exceed ``limit_for(method, path)`` bytes, however it is sent.
+    """ASGI middleware: a request body may not exceed ``limit_for(method, path)`` bytes, however it is sent, and
+    must arrive at ``min_rate`` bytes/s at least, counted after ``grace_s`` (0: no minimum).
 
     A declared Content-Length over the limit is refused before anything is read; a body without one
     (chunked) is counted as it streams in, and the first message past the limit ends it: the app's
     ``receive`` raises, whatever the handler then answers is replaced by one 413 (``on_refuse`` makes
     it), sent with ``Connection: close`` so the server stops reading the rest (at most ``limit`` bytes
-    plus one read buffer are ever read). Any answer sent before the body was read to its end (a 401,
-    404, 503 that needs no body) closes the connection too: otherwise the server would go on reading,
-    and discarding, whatever the client still sends."""
+    plus one read buffer are ever read). A body slower than the minimum rate ends the same way, with a
+    408. Any answer sent before the body was read to its end (a 401, 404, 503 that needs no body) closes
+    the connection too: otherwise the server would go on reading, and discarding, whatever the client
+    still sends. A client that goes away before its body is complete is one log line (never a traceback:
+    nothing can be answered to it)."""
 
-    def __init__(self, app, limit_for, on_refuse):
+    def __init__(self, app, limit_for, on_refuse, min_rate: float = 0.0, grace_s: float = 10.0):
         self.app, self.limit_for, self.on_refuse = app, limit_for, on_refuse
+        self.min_rate, self.grace_s = min_rate, grace_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -157,51 +172,97 @@ class BodyLimit:
                 return await self._refuse(
                     send, 413, f"request body is too large ({size} bytes; limit {limit})"
                 )
-        body_left = size > 0 or any(k == b"transfer-encoding" for k, _ in headers)
-        seen = 0
-        over = False
-        replaced = False
-        started = False
-        message = f"request body is too large (over {limit} bytes)"
-
-        async def limited_receive():
-            nonlocal seen, over, body_left
-            if over:
-                raise ApiError(413, message)
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    over = True
-                    raise ApiError(413, message)
-                body_left = body_left and msg.get("more_body", False)
-            return msg
-
-        async def guarded_send(msg):
-            nonlocal replaced, started
-            if replaced:
-                return
-            if msg["type"] == "http.response.start":
-                if over:
-                    replaced = True
-                    return await self._refuse(send, 413, message)
-                started = True
-                if body_left:
-                    msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, guarded_send)
-        except Exception:
-            if not over or started or replaced:
-                raise
-            await self._refuse(send, 413, message)
+        body = _Body(self, scope, receive, send, limit)
+        body.left = size > 0 or any(k == b"transfer-encoding" for k, _ in headers)
+        await body.run()
 
     async def _refuse(self, send, status: int, message: str) -> None:
         resp = self.on_refuse(status, message)
         resp.headers["connection"] = "close"
         await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
         await send({"type": "http.response.body", "body": resp.body})
+
+
+class _Body:
+    """One request's body as :class:`BodyLimit` lets it through (``receive``) and its answer (``send``)."""
+
+    def __init__(self, guard: BodyLimit, scope, receive, send, limit: int):
+        import asyncio
+
+        self.guard, self.scope, self._receive, self._send, self.limit = guard, scope, receive, send, limit
+        self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
+        self.left = False  # more body to come
+        self.seen = 0
+        self.refusal: tuple[int, str] | None = None  # (status, message) that replaces the app's answer
+        self.started = self.replaced = self.gone = False
+
+    async def receive(self):
+        if self.refusal is not None:
+            raise ApiError(*self.refusal)
+        msg = await self._next()
+        if msg["type"] == "http.request":
+            self.seen += len(msg.get("body", b""))
+            if self.seen > self.limit:
+                self.refusal = (413, f"request body is too large (over {self.limit} bytes)")
+                raise ApiError(*self.refusal)
+            self.left = self.left and msg.get("more_body", False)
+        elif msg["type"] == "http.disconnect" and self.left:
+            self.gone = True
+        return msg
+
+    async def _next(self):
+        """The next message, or a 408 when the body falls below the minimum rate."""
+        import asyncio
+
+        rate = self.guard.min_rate
+        if not (self.left and rate > 0):
+            return await self._receive()
+        deadline = self.t0 + self.guard.grace_s + self.seen / rate  # when more must have come
+        waiting = asyncio.ensure_future(self._receive())
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=max(0.0, deadline - self.loop.time()))
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+        if not done:
+            took = self.loop.time() - self.t0
+            self.refusal = (
+                408,
+                f"request body too slow ({self.seen} bytes in {took:.1f} s; minimum {rate:g} bytes/s)",
+            )
+            raise ApiError(*self.refusal)
+        return waiting.result()
+
+    async def send(self, msg):
+        if self.replaced:
+            return
+        if msg["type"] == "http.response.start":
+            if self.refusal is not None:
+                self.replaced = True
+                return await self.guard._refuse(self._send, *self.refusal)
+            self.started = True
+            if self.left:
+                msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
+        await self._send(msg)
+
+    async def run(self) -> None:
+        try:
+            await self.guard.app(self.scope, self.receive, self.send)
+        except Exception as e:
+            if self.gone or type(e).__name__ == "ClientDisconnect":  # starlette's: nothing can be answered
+                client = self.scope.get("client") or ("?",)
+                log.info(
+                    "client %s went away during %s %s (%d bytes of its body read)",
+                    client[0],
+                    self.scope["method"],
+                    self.scope["path"],
+                    self.seen,
+                )
+                return
+            if self.refusal is None or self.started or self.replaced:
+                raise
+            await self.guard._refuse(self._send, *self.refusal)
 
 
 # ---- credentials ------------------------------------------------------------------------------------------

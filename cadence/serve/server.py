@@ -1,5 +1,7 @@
 """Running the app under uvicorn: in the foreground (``cadence serve``) or in a background thread
-(tests, ``cadence bench serve`` when it starts its own server)."""
+(tests, ``cadence bench serve`` when it starts its own server), with the connection limits of
+``cadence.serve.connections`` (header-read and keep-alive timeouts, a minimum body rate, a cap per client
+address)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import threading
 import time
 
 from cadence.serve.config import ServeConfig
+from cadence.serve.connections import ConnectionLimits, guarded_protocol
 
 
 def _missing_extra(e: ModuleNotFoundError):
@@ -18,7 +21,26 @@ def _missing_extra(e: ModuleNotFoundError):
     )
 
 
-def run(cfg: ServeConfig, log_level: str = "info") -> None:
+def uvicorn_config(app, cfg: ServeConfig, limits: ConnectionLimits, **kw):
+    """uvicorn's config for ``app``: ``cfg``'s address, ``limits`` (the guarded h11 protocol, the keep-alive
+    timeout; refusals counted in the app's ``/metrics``), a bounded graceful shutdown."""
+    import uvicorn
+
+    def count(status: int) -> None:
+        app.state.manager.metrics.bad_requests.labels(str(status)).inc()
+
+    return uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        http=guarded_protocol(limits, on_refuse=count),
+        timeout_keep_alive=limits.keepalive_timeout_s,
+        timeout_graceful_shutdown=15,
+        **kw,
+    )
+
+
+def run(cfg: ServeConfig, log_level: str = "info", limits: ConnectionLimits | None = None) -> None:
     """Serve until interrupted (uvicorn handles SIGINT/SIGTERM and runs the app's shutdown)."""
     try:
         import uvicorn
@@ -33,7 +55,8 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
     from cadence.serve.heap import cap_arenas
 
     cap_arenas()  # before any thread starts: this process is the server's own (cadence.serve.heap)
-    app = create_app(cfg)
+    limits = limits or ConnectionLimits()
+    app = create_app(cfg, limits=limits)
     where = (
         f"http://{cfg.host}:{cfg.port}/"
         if cfg.port
@@ -44,7 +67,7 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
         f"first; OpenAPI at /openapi.json)",
         flush=True,
     )
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=15)
+    uvicorn.Server(uvicorn_config(app, cfg, limits, log_level=log_level)).run()
 
 
 class ServerThread:
@@ -55,7 +78,7 @@ class ServerThread:
             httpx.get(srv.url + "/healthz")
     """
 
-    def __init__(self, cfg: ServeConfig, log_level: str = "warning"):
+    def __init__(self, cfg: ServeConfig, log_level: str = "warning", limits: ConnectionLimits | None = None):
         try:
             import uvicorn
 
@@ -63,16 +86,10 @@ class ServerThread:
         except ModuleNotFoundError as e:
             raise _missing_extra(e) from None
         self.cfg = cfg
-        self.app = create_app(cfg)
+        self.limits = limits or ConnectionLimits()
+        self.app = create_app(cfg, limits=self.limits)
         self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host=cfg.host,
-                port=cfg.port,
-                log_level=log_level,
-                lifespan="on",
-                timeout_graceful_shutdown=15,
-            )
+            uvicorn_config(self.app, cfg, self.limits, log_level=log_level, lifespan="on")
         )
         self.thread = threading.Thread(target=self.server.run, name="cadence-uvicorn", daemon=True)
         self.url = ""
