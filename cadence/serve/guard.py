@@ -380,18 +380,20 @@ SDP_PATTERN = (
 _SDP_RE = re.compile(SDP_PATTERN)
 
 #: The cookie that tells one client (a browser, an HTTP client keeping cookies) from another for the
-#: pending-offer limit: on loopback every local user has the same address (127.0.0.1, and so has everyone
-#: behind a TLS proxy on the same host), so the address alone would let one user's pending offers lock out the
-#: others. The server sets it (random, HttpOnly) on the page and on the answer to POST /sessions.
+#: pending-offer limit and the turns of a full server: on loopback every local user has the same address
+#: (127.0.0.1, and so has everyone behind a TLS proxy on the same host), so the address alone would let one
+#: user's pending offers lock out the others. The server sets it (random, HttpOnly) on the page and on the
+#: answer to POST /sessions.
 CLIENT_COOKIE = "cadence_client"
 _COOKIE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
 def client_keys(address: str | None, cookie: str | None) -> tuple[str, ...]:
-    """Who a request comes from, for the pending-offer limit: its ``CLIENT_COOKIE`` (when it carries a
-    well-formed one) and its address, unless that is a loopback address (on loopback, one for every local
-    user: not a client). A loopback request without the cookie is a client of its own (none of its keys
-    matches another's): its offers are bounded by the groups they hold, not by the limit."""
+    """Who a request comes from, for the pending-offer limit and the turns of a full server
+    (``cadence.serve.admission``): its ``CLIENT_COOKIE`` (when it carries a well-formed one) and its address,
+    but on loopback the address only without a cookie (on loopback the address is every local user's: a
+    local client with the cookie is itself, and every local client without one is one client, 127.0.0.1, so
+    that re-posting without cookies cannot make it a new client each time)."""
     import ipaddress
 
     keys = []
@@ -401,7 +403,7 @@ def client_keys(address: str | None, cookie: str | None) -> tuple[str, ...]:
         local = address is not None and ipaddress.ip_address(address).is_loopback
     except ValueError:
         local = False
-    if address and not local:
+    if address and not (local and keys):
         keys.append(f"addr:{address}")
     return tuple(keys)
 

@@ -34,6 +34,7 @@ from aiortc.exceptions import InvalidAccessError, OperationError
 
 from cadence.engine.messages import Died
 from cadence.errors import InputError
+from cadence.serve.admission import Turns
 from cadence.serve.agent import espeak_binary
 from cadence.serve.agents import make_agent
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint, engine_config, worker_spec
@@ -85,6 +86,7 @@ class SessionManager:
         self.access = Access(cfg.api_key)  # the operator key, each session's token (by session id)
         # the creator's keys (guard.client_keys), while its slot is reserved or its session open
         self.clients: dict[str, tuple[str, ...]] = {}
+        self.turns = Turns()  # clients refused for want of a free group, in line (cadence.serve.admission)
         self.images = ImageDecoder(cfg, e)
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -297,8 +299,10 @@ class SessionManager:
     def reserve(self, client: tuple[str, ...]) -> tuple[GroupPort, str]:
         """Admit a new session from ``client`` (its keys: ``cadence.serve.guard.client_keys``) or raise: 429
         (+ Retry-After) when the client already has ``max_pending_offers_per_client`` sessions waiting to
-        connect, 503 (+ Retry-After) when no group is free. The group is held for the new id at once (nothing awaits in between), so an image
-        decoding meanwhile cannot lose its slot to a later request."""
+        connect, 503 (+ Retry-After) when no group is free for it: none is, or the free ones are held for the
+        turns of clients refused before it (``cadence.serve.admission.Turns``: a client that comes back when
+        Retry-After says is refused at most once in a row). The group is held for the new id at once (nothing
+        awaits in between), so an image decoding meanwhile cannot lose its slot to a later request."""
         cfg = self.cfg
         pending = self.pending_offers(client)
         if pending >= cfg.max_pending_offers_per_client:
@@ -310,14 +314,21 @@ class SessionManager:
                 f"{cfg.connect_timeout_s:.0f} s for them to time out",
                 {"Retry-After": str(self.pending_free_in(client))},
             )
-        g = self.acquire()
-        if g is None:
+        now = time.monotonic()
+        free = sum(1 for g in self.groups if g.free)
+        g = self.acquire() if self.turns.may_take(client, free, now) else None
+        if g is None:  # none free, or the free ones held for the turns of clients refused earlier
             self.metrics.refused.inc()
+            wait = self.turns.wait_s(client, free, now)
+            retry = wait if wait is not None else self.retry_after()
+            self.turns.refused(client, now, retry)
+            held = " or held for clients refused before this one" if free else ""
             raise ApiError(
                 503,
-                f"no free session slot ({len(self.groups)} group(s), all busy); retry later",
-                {"Retry-After": str(self.retry_after())},
+                f"no free session slot ({len(self.groups)} group(s), all busy{held}); retry in {retry} s",
+                {"Retry-After": str(retry)},
             )
+        self.turns.admitted(client, now)
         sid = uuid.uuid4().hex
         g.session_id = sid
         self.clients[sid] = client
