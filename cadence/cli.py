@@ -299,7 +299,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with Mp4Writer(partial, width, height, fps=cfg.stream.fps, sample_rate=AUDIO_SAMPLE_RATE) as writer:
             produced = 0
             stream = eng.stream(image, args.prompt, track, num_chunks=chunks, seed=args.seed)
-            for chunk in tqdm(stream, total=chunks, desc="chunks", unit="chunk"):
+            # a progress bar on a terminal only: into a log or a pipe it is noise (issue 39)
+            bar = tqdm(stream, total=chunks, desc="chunks", unit="chunk", disable=not sys.stderr.isatty())
+            for chunk in bar:
                 writer.write_frames(chunk.frames)
                 writer.write_audio(track[produced * per_chunk : (produced + 1) * per_chunk])
                 produced += 1
