@@ -254,7 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cadence.config import AUDIO_SAMPLE_RATE
-    from cadence.engine.flags import spec_from_args
+    from cadence.engine.flags import cpu_note, require_weights, spec_from_args
     from cadence.engine.recipe import resolve
     from cadence.media.audio import fit_audio, load_audio, synthetic_speech
     from cadence.media.image import default_reference_image, load_reference_image
@@ -265,6 +265,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InputError(f"--chunks must be a positive number of chunks, got {args.chunks}")
     out = _check_output(args.out)
     spec = spec_from_args(args, seed=args.seed, warmup=False)  # files checked; a clear error for a bad name
+    require_weights(spec, args.random_weights)  # a family without its checkpoint: one error line, at once
     recipe = resolve(spec, device)
     cfg = recipe.config
 
@@ -288,6 +289,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cadence.engine.build import build_engine
 
     print(recipe.describe().text(), file=sys.stderr)
+    if (note := cpu_note(spec, device)) is not None:
+        print(note, file=sys.stderr)
     t_build = time.perf_counter()
     eng = build_engine(recipe, device)
     t_start = time.perf_counter()
@@ -406,13 +409,14 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
-    from cadence.engine.flags import spec_from_args
+    from cadence.engine.flags import cpu_note, require_weights, spec_from_args
     from cadence.fleet.config import fleet_from_args
     from cadence.serve.config import ServeConfig, serve_groups
 
     spec = spec_from_args(
         args
     )  # a clear error for an unknown model or a missing file, before anything starts
+    require_weights(spec, args.random_weights)  # a family without its checkpoint: one error line, at once
     if args.device not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
@@ -453,6 +457,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(
         resolve(spec, groups[0]).describe().text(), file=sys.stderr
     )  # what group 0 builds (each logs its own)
+    if (note := cpu_note(spec, groups[0])) is not None:
+        print(note, file=sys.stderr)
     run(cfg, log_level=args.log_level)
     return 0
 

@@ -83,3 +83,76 @@ def test_the_page_names_the_two_latencies_the_status_gives():
         assert field in fields, field
     assert "speech &rarr; frame" in page and "microphone &rarr; frame" in page
     assert "agent audio" not in page  # the name two measures once shared
+
+
+# ---- fail fast and say why (issue 39, item 5) ----------------------------------------------------------------
+
+
+def test_a_family_without_its_checkpoint_refuses_to_start_in_one_line_at_once(capsys, tmp_path):
+    import time
+
+    from cadence.cli import main
+
+    for words in (
+        ["serve", "--model", "self-forcing"],
+        ["generate", "--model", "longlive", "--out", "x.mp4"],
+    ):
+        t = time.monotonic()
+        assert main([*words, "--device", "cpu"] if words[0] == "generate" else words) == 2
+        took = time.monotonic() - t
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "--weights PATH" in err[0], err
+        assert "--random-weights" in err[0] and took < 2.0, (err, took)
+
+
+def test_random_weights_are_asked_for_and_said_plainly():
+    import argparse
+
+    from cadence.engine.flags import add_engine_flags, cpu_note, require_weights, spec_from_args
+    from cadence.engine.recipe import EngineSpec, resolve
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    args = p.parse_args(["--model", "self-forcing", "--random-weights"])
+    spec = spec_from_args(args)
+    require_weights(spec, args.random_weights)  # asked for: no error
+    require_weights(EngineSpec(model="tiny"))  # Cadence's presets run as they are
+    text = resolve(spec, "cpu").describe().text()
+    assert "weights: random (seed 0): no checkpoint given, the frames are noise" in text, text
+    # a GPU-sized model on the CPU says so before it builds; the CPU default and a GPU do not
+    note = cpu_note(spec, "cpu")
+    assert note is not None and "will not be real time" in note and "~1.4B" in note, note
+    assert cpu_note(spec, "cuda:0") is None and cpu_note(EngineSpec(model="character"), "cpu") is None
+
+
+def test_a_server_that_cannot_start_says_why_in_one_line():
+    """A worker that cannot start (here: a CUDA group on a machine without CUDA): uvicorn logged Starlette's
+    whole traceback, and ``cadence serve`` exited 3 after it; now one line says why."""
+    import logging
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (the worker must fail to start)")
+    for mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client"):
+        pytest.importorskip(mod)
+    from cadence.engine.recipe import EngineSpec
+    from cadence.serve.config import ServeConfig
+    from cadence.serve.server import ServerThread
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    cfg = ServeConfig(engine=EngineSpec(model="tiny"), groups=("cuda:0",), port=0, worker_start_timeout_s=60)
+    srv = ServerThread(cfg)  # (uvicorn's config sets its loggers up: the handler goes on after it)
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError, match=r"the server could not start: worker 0 \(cuda:0\)") as e:
+            srv.start()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+    failed = [r.getMessage() for r in records if "could not start" in r.getMessage()]
+    assert len(failed) == 1 and "\n" not in failed[0] and "Traceback" not in failed[0], failed
+    assert not any("Traceback" in r.getMessage() or r.exc_info for r in records), [
+        r.getMessage() for r in records
+    ]

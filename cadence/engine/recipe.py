@@ -317,8 +317,8 @@ class RecipeDescription:
         if self.weights:
             entry = f", entry {self.weights_entry}" if self.weights_entry else ""
             weights = f"{self.weights}{entry}"
-        else:
-            weights = f"random (seed {self.seed})"
+        else:  # (said plainly: random weights draw noise, not a face)
+            weights = f"random (seed {self.seed}): no checkpoint given, the frames are noise"
         lines = [
             f"recipe: {self.model}"
             + (f" (family {self.family})" if self.family else "")

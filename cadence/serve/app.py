@@ -93,7 +93,11 @@ def _lifespan(mgr: SessionManager):
     @asynccontextmanager
     async def lifespan(app):
         try:  # a worker that cannot start still gets its process stopped and its shared memory unlinked
-            await mgr.start()
+            try:
+                await mgr.start()
+            except Exception as e:  # said in one line (cadence.serve.server), not as a traceback
+                app.state.startup_error = " ".join(str(e).split()) or "see the log above"
+                raise
             yield
         finally:
             await mgr.stop()

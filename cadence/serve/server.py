@@ -21,6 +21,29 @@ def _missing_extra(e: ModuleNotFoundError):
     )
 
 
+class StartupInOneLine:
+    """The app for uvicorn, but a failed start-up (a worker that cannot start) is one log line, the reason,
+    where Starlette hands uvicorn the whole traceback to log."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def one_line(msg):
+            if msg["type"] == "lifespan.startup.failed":
+                msg = {**msg, "message": f"the server could not start: {startup_error(self.app)}"}
+            await send(msg)
+
+        await self.app(scope, receive, one_line)
+
+
+def startup_error(app) -> str:
+    return getattr(app.state, "startup_error", None) or "see the log above"
+
+
 def uvicorn_config(app, cfg: ServeConfig, limits: ConnectionLimits, **kw):
     """uvicorn's config for ``app``: ``cfg``'s address, ``limits`` (the guarded h11 protocol, the keep-alive
     timeout; refusals counted in the app's ``/metrics``), a bounded graceful shutdown."""
@@ -30,7 +53,7 @@ def uvicorn_config(app, cfg: ServeConfig, limits: ConnectionLimits, **kw):
         app.state.manager.metrics.bad_requests.labels(str(status)).inc()
 
     return uvicorn.Config(
-        app,
+        StartupInOneLine(app),
         host=cfg.host,
         port=cfg.port,
         http=guarded_protocol(limits, on_refuse=count),
@@ -67,7 +90,15 @@ def run(cfg: ServeConfig, log_level: str = "info", limits: ConnectionLimits | No
         f"first; OpenAPI at /openapi.json)",
         flush=True,
     )
-    uvicorn.Server(uvicorn_config(app, cfg, limits, log_level=log_level)).run()
+    server = uvicorn.Server(uvicorn_config(app, cfg, limits, log_level=log_level))
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's own exit (3) after a failed start-up: said below, once
+        pass
+    if not server.started:  # the start-up failed (its one line is in the log above): an error, not exit 0
+        from cadence.errors import CadenceError
+
+        raise CadenceError(f"the server could not start: {startup_error(app)}")
 
 
 class ServerThread:
@@ -91,8 +122,14 @@ class ServerThread:
         self.server = uvicorn.Server(
             uvicorn_config(self.app, cfg, self.limits, log_level=log_level, lifespan="on")
         )
-        self.thread = threading.Thread(target=self.server.run, name="cadence-uvicorn", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="cadence-uvicorn", daemon=True)
         self.url = ""
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except SystemExit:  # uvicorn exits after a failed start-up: ``start`` says why
+            pass
 
     @property
     def manager(self):
@@ -103,7 +140,7 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive():
-                raise RuntimeError("the server thread exited during startup (see its log)")
+                raise RuntimeError(f"the server could not start: {startup_error(self.app)}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the server did not start within {timeout:.0f} s")
