@@ -263,6 +263,20 @@ class ChunkPlanner:
         self.in_flight = max(0, self.in_flight - 1)
 
 
+#: The share of every vCPU's time a hypervisor may take from a CPU worker for a while (CPU steal) that the lead
+#: of a CPU group absorbs. The recorded soaks on a shared 2-core VM met stretches of 23-42% steal, and every
+#: session below target ran in one (docs/perf/soak/NOTES.md, finding 7).
+STEAL_HEADROOM = 0.30
+
+
+def steal_slowdown(threads: int, steal: float = STEAL_HEADROOM) -> float:
+    """How much longer a CPU worker's chunk takes while ``steal`` of every vCPU's time is taken: its ``threads``
+    intra-op threads meet at every operator, so it advances only while all of their vCPUs run, a share
+    (1 - steal)^threads of the time: 1.43x for one thread at 30%, 2.04x for two. (The late chunks of the
+    recorded soaks took 2.4-3x their quiet time in 23-42% steal, two threads: the same order.)"""
+    return 1.0 / (1.0 - steal) ** max(1, int(threads))
+
+
 @dataclass
 class LatencyProfile:
     """A worker group's chunk latencies (plan -> frames back, s) over its recent sessions, on the clock
@@ -286,12 +300,13 @@ class LatencyProfile:
         if len(self._xs) > 2 * self.keep:
             del self._xs[: len(self._xs) - self.keep]
 
-    def lead(self) -> float | None:
-        """The lead (s) a new session should start with, or None while there are too few samples."""
+    def lead(self, slowdown: float = 1.0) -> float | None:
+        """The lead (s) a new session should start with, or None while there are too few samples;
+        ``slowdown``: how much longer chunks may take for a while than these did (``steal_slowdown``)."""
         xs = self._xs[-self.keep :]
         if len(xs) < self.min_samples:
             return None
-        return _quantile(xs, self.quantile) * self.scale + self.add
+        return _quantile(xs, self.quantile) * self.scale * slowdown + self.add
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -365,7 +380,7 @@ class AVBuffer:
     audio_underruns: int = (
         0  # 20 ms audio frames (partly) replaced by silence (their chunk was never planned)
     )
-    video_fresh: int = 0  # video frames sent that are new on screen (from a generated chunk, by content)
+    video_fresh: int = 0  # video frames sent from a generated chunk, not blank (what the viewer gets)
     video_blank: int = 0  # generated frames that were blank (one colour: a NaN decodes to black), replaced
     late_chunks: int = 0  # generated chunks whose frames came back after all of them were due
     _last: np.ndarray | None = None
