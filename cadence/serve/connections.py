@@ -98,100 +98,93 @@ def guarded_protocol(limits: ConnectionLimits, on_refuse=None):
     ``timeout_keep_alive=limits.keepalive_timeout_s``). ``on_refuse(status)`` counts each refusal."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    open_by_client: dict[str, int] = {}
-    logs = _Throttled()
-    count = on_refuse or (lambda status: None)
+    shared = {
+        "limits": limits,
+        "open_by_client": {},
+        "logs": _Throttled(),
+        "count": staticmethod(on_refuse or (lambda status: None)),
+    }
+    return type("GuardedH11Protocol", (_Guarded, H11Protocol), shared)
 
-    class GuardedH11Protocol(H11Protocol):
-        _host: str | None = None
-        _header_timer = None
-        _waiting_cycle = None  # the cycle before the request whose headers are awaited
 
-        def connection_made(self, transport) -> None:
-            peer = transport.get_extra_info("peername")
-            host = str(peer[0]) if peer else "unknown"
-            if open_by_client.get(host, 0) >= limits.max_per_client:
-                count(429)
-                logs.warn(
-                    f"cap:{host}",
-                    "refused a connection from %s: %d open already (limit)",
-                    host,
-                    limits.max_per_client,
-                )
-                transport.write(
-                    raw_answer(
-                        429,
-                        "Too Many Requests",
-                        f"too many open connections from this address (limit {limits.max_per_client})",
-                        {"retry-after": str(max(1, round(limits.header_timeout_s)))},
-                    )
-                )
-                transport.close()
-                return
-            self._host = host
-            open_by_client[host] = open_by_client.get(host, 0) + 1
-            super().connection_made(transport)
+class _Guarded:
+    """The limits, over uvicorn's ``H11Protocol`` (:func:`guarded_protocol` makes the class, with the state its
+    connections share: ``limits``, ``open_by_client``, ``logs``, ``count``)."""
+
+    limits: ConnectionLimits
+    open_by_client: dict[str, int]
+    logs: _Throttled
+    count = None
+    _host: str | None = None
+    _header_timer = None
+    _waiting_cycle = None  # the cycle before the request whose headers are awaited
+
+    def connection_made(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if peer else "unknown"
+        cap = self.limits.max_per_client
+        if self.open_by_client.get(host, 0) >= cap:
+            self.count(429)
+            self.logs.warn(f"cap:{host}", "refused a connection from %s: %d open already (limit)", host, cap)
+            message = f"too many open connections from this address (limit {cap})"
+            retry = {"retry-after": str(max(1, round(self.limits.header_timeout_s)))}
+            transport.write(raw_answer(429, "Too Many Requests", message, retry))
+            transport.close()
+            return
+        self._host = host
+        self.open_by_client[host] = self.open_by_client.get(host, 0) + 1
+        super().connection_made(transport)
+        self._await_headers()
+
+    def connection_lost(self, exc) -> None:
+        if self._host is None:  # refused at once: uvicorn never saw it
+            return
+        self._stop_header_timer()
+        n = self.open_by_client.get(self._host, 1) - 1
+        if n > 0:
+            self.open_by_client[self._host] = n
+        else:
+            self.open_by_client.pop(self._host, None)
+        self._host = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is not None and self.cycle is not self._waiting_cycle:
+            self._stop_header_timer()  # a request's headers are in
+
+    def on_response_complete(self) -> None:
+        before = self.cycle
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.cycle is before:  # (a pipelined request is in already)
             self._await_headers()
 
-        def connection_lost(self, exc) -> None:
-            if self._host is None:  # refused at once: uvicorn never saw it
-                return
-            self._stop_header_timer()
-            n = open_by_client.get(self._host, 1) - 1
-            if n > 0:
-                open_by_client[self._host] = n
-            else:
-                open_by_client.pop(self._host, None)
-            self._host = None
-            super().connection_lost(exc)
+    def send_400_response(self, msg: str) -> None:  # not HTTP/1.x (h11 could not read it)
+        self.count(400)
+        self.logs.warn(f"400:{self._host}", "%s sent something that is not an HTTP/1.x request", self._host)
+        self.transport.write(raw_answer(400, "Bad Request", "not an HTTP/1.x request"))
+        self.transport.close()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self._header_timer is not None and self.cycle is not self._waiting_cycle:
-                self._stop_header_timer()  # a request's headers are in
+    def _await_headers(self) -> None:
+        self._stop_header_timer()
+        self._waiting_cycle = self.cycle
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
 
-        def on_response_complete(self) -> None:
-            before = self.cycle
-            super().on_response_complete()
-            if (
-                not self.transport.is_closing() and self.cycle is before
-            ):  # (a pipelined request is in already)
-                self._await_headers()
-
-        def send_400_response(self, msg: str) -> None:  # not HTTP/1.x (h11 could not read it)
-            count(400)
-            logs.warn(f"400:{self._host}", "%s sent something that is not an HTTP/1.x request", self._host)
-            self.transport.write(raw_answer(400, "Bad Request", "not an HTTP/1.x request"))
-            self.transport.close()
-
-        def _await_headers(self) -> None:
-            self._stop_header_timer()
-            self._waiting_cycle = self.cycle
-            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_too_slow)
-
-        def _stop_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_too_slow(self) -> None:
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
             self._header_timer = None
-            if self.transport.is_closing() or self.cycle is not self._waiting_cycle:
-                return
-            count(408)
-            logs.warn(
-                f"408:{self._host}",
-                "closed a connection from %s: no complete request headers within %.0f s",
-                self._host,
-                limits.header_timeout_s,
-            )
-            self.transport.write(
-                raw_answer(
-                    408,
-                    "Request Timeout",
-                    f"no complete request headers within {limits.header_timeout_s:g} s",
-                )
-            )
-            self.transport.close()
 
-    return GuardedH11Protocol
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.cycle is not self._waiting_cycle:
+            return
+        self.count(408)
+        timeout = self.limits.header_timeout_s
+        self.logs.warn(
+            f"408:{self._host}", "closed a connection from %s: no complete request headers within %.0f s",
+            self._host, timeout,
+        )  # fmt: skip
+        message = f"no complete request headers within {timeout:g} s"
+        self.transport.write(raw_answer(408, "Request Timeout", message))
+        self.transport.close()
