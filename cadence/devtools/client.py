@@ -255,7 +255,7 @@ async def run_client(
 ) -> ClientResult:
     """One session against ``url`` for ``seconds`` after its first frame. ``speak_wav`` is pushed
     ``speak_after_s`` after the first frame, and again every ``speak_every_s`` seconds (> 0) while the
-    session runs (each push is one agent segment: one audio -> frame latency sample), plus a uniform
+    session runs (each push is one agent segment: one speech -> frame latency sample), plus a uniform
     random 0..``speak_jitter_s`` (seeded) so the pushes land at different phases of the chunk clock
     (with a period that is a multiple of the chunk length every sample would see the same phase).
     ``video_codec`` ('VP8' or 'H264'): offer only that video codec (``setCodecPreferences``), as a
