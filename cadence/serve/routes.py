@@ -230,7 +230,8 @@ REFUSALS = {
     415: "A content type this route does not take, or audio that cannot be decoded",
     429: "This client already has as many sessions waiting to connect as it may",
     500: "The session could not be started (the worker failed)",
-    503: "No free session slot, or a server-side dependency missing (espeak-ng for 'say')",
+    503: "No free session slot (all busy, or the free one held for a client refused before: its turn), or a "
+    "server-side dependency missing (espeak-ng for 'say')",
 }
 RETRY_AFTER = {
     "Retry-After": {
