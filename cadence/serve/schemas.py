@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 from pydantic_core import PydanticCustomError
 
 from cadence.serve.agent import SayAgent
+from cadence.serve.agents import AGENTS
 
 MAX_PROMPT = 1000
 MAX_SEED = 2**63 - 1
@@ -92,8 +93,13 @@ SDP_DESCRIPTION = "the client's SDP offer (a recvonly video transceiver; audio s
 
 def session_models(agents: tuple[str, ...], sdp_pattern: str, max_image_bytes: int, max_image_pixels: int):
     """The two bodies ``POST /sessions`` takes, ``(SessionRequest, SessionForm)``: JSON (the image base64) and a
-    multipart form (the image a file, the seed in digits), with the agents this server offers."""
-    agent = Literal[tuple(sorted(agents))]  # type: ignore[valid-type]
+    multipart form (the image a file, the seed in digits), with the agents this server offers (the schema
+    lists those; a known agent this server does not offer, ``talk`` without an endpoint, is the session
+    manager's 400, which says what it needs)."""
+    agent = Annotated[
+        Literal[tuple(sorted(AGENTS))],  # type: ignore[valid-type]
+        Field(json_schema_extra={"enum": sorted(agents)}),
+    ]
     image = (
         f"the reference image (PNG, JPEG, WebP, ...); at most {max_image_bytes} bytes and "
         f"{max_image_pixels} pixels"
