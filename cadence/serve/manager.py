@@ -316,7 +316,9 @@ class SessionManager:
             )
         now = time.monotonic()
         free = sum(1 for g in self.groups if g.free)
-        g = self.acquire() if self.turns.may_take(client, free, now) else None
+        # the source decides when no turn is ahead (a fleet's group is claimed before it counts as free here)
+        ahead = self.turns.ahead(client, now)
+        g = self.acquire() if not ahead or self.turns.may_take(client, free, now) else None
         if g is None:  # none free, or the free ones held for the turns of clients refused earlier
             self.metrics.refused.inc()
             wait = self.turns.wait_s(client, free, now)
