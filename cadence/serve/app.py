@@ -22,7 +22,10 @@ The server's parts, one job per file:
 * :mod:`cadence.serve.schemas`   what each route takes and answers, as pydantic models (they validate the
   requests, and the OpenAPI document is generated from them);
 * :mod:`cadence.serve.uploads`   the session request's body, the reference image's decode, speech audio;
-* :mod:`cadence.serve.manager`   the session manager: groups, sessions, reports, admission;
+* :mod:`cadence.serve.manager`   the session manager: groups, sessions, reports, admission (whose turn it is
+  when a group frees: :mod:`cadence.serve.admission`);
+* :mod:`cadence.serve.connections` the connection limits under the app (header and keep-alive timeouts, a cap
+  per client address), :mod:`cadence.serve.server` uvicorn with them;
 * :mod:`cadence.serve.session`   one live session (scheduler, stats, tracks), :mod:`cadence.serve.workers`
   the worker processes.
 
