@@ -253,7 +253,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cadence.config import AUDIO_SAMPLE_RATE
-    from cadence.engine.flags import spec_from_args
+    from cadence.engine.flags import cpu_note, require_weights, spec_from_args
     from cadence.engine.recipe import resolve
     from cadence.media.audio import fit_audio, load_audio, synthetic_speech
     from cadence.media.image import default_reference_image, load_reference_image
@@ -264,6 +264,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InputError(f"--chunks must be a positive number of chunks, got {args.chunks}")
     out = _check_output(args.out)
     spec = spec_from_args(args, seed=args.seed, warmup=False)  # files checked; a clear error for a bad name
+    require_weights(spec, args.random_weights)  # a family without its checkpoint: one error line, at once
     recipe = resolve(spec, device)
     cfg = recipe.config
 
@@ -287,6 +288,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cadence.engine.build import build_engine
 
     print(recipe.describe().text(), file=sys.stderr)
+    if (note := cpu_note(spec, device)) is not None:
+        print(note, file=sys.stderr)
     t_build = time.perf_counter()
     eng = build_engine(recipe, device)
     t_start = time.perf_counter()
@@ -298,7 +301,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with Mp4Writer(partial, width, height, fps=cfg.stream.fps, sample_rate=AUDIO_SAMPLE_RATE) as writer:
             produced = 0
             stream = eng.stream(image, args.prompt, track, num_chunks=chunks, seed=args.seed)
-            for chunk in tqdm(stream, total=chunks, desc="chunks", unit="chunk"):
+            # a progress bar on a terminal only: into a log or a pipe it is noise (issue 39)
+            bar = tqdm(stream, total=chunks, desc="chunks", unit="chunk", disable=not sys.stderr.isatty())
+            for chunk in bar:
                 writer.write_frames(chunk.frames)
                 writer.write_audio(track[produced * per_chunk : (produced + 1) * per_chunk])
                 produced += 1
@@ -403,12 +408,13 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
-    from cadence.engine.flags import spec_from_args
+    from cadence.engine.flags import cpu_note, require_weights, spec_from_args
     from cadence.serve.config import ServeConfig, deployment_from_args
 
     spec = spec_from_args(
         args
     )  # a clear error for an unknown model or a missing file, before anything starts
+    require_weights(spec, args.random_weights)  # a family without its checkpoint: one error line, at once
     if args.device not in ("cpu", "cuda"):
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.max_sessions is not None and args.max_sessions < 1:
@@ -434,6 +440,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from cadence.serve.server import run
 
+    if groups and (note := cpu_note(spec, groups[0].devices[0])) is not None:
+        print(note, file=sys.stderr)
     run(cfg, log_level=args.log_level)  # prints what group 0 builds: the recipe its groups are made with
     return 0
 

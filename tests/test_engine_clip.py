@@ -184,7 +184,8 @@ def test_cli_generate_and_bench_pipeline(tiny_family, tmp_path, capsys):
     from cadence.cli import main
 
     out = tmp_path / "ft.mp4"
-    rc = main(["generate", "--model", "flashtalk", "--chunks", "2", "--out", str(out), "--seed", "1"])
+    words = ["--chunks", "2", "--out", str(out), "--seed", "1", "--random-weights"]  # (a family: asked for)
+    rc = main(["generate", "--model", "flashtalk", *words])
     assert rc == 0, capsys.readouterr().err
     with av.open(str(out)) as c:
         assert float(c.streams.video[0].average_rate) == 25

@@ -151,7 +151,7 @@ def test_the_web_app_imports_no_torch():
     code = (
         "import sys, cadence.serve.app, cadence.serve.workers, cadence.serve.session, cadence.serve.config, "
         "cadence.serve.manager, cadence.serve.routes, cadence.serve.guard, cadence.serve.uploads, "
-        "cadence.serve.openapi, "
+        "cadence.serve.schemas, cadence.serve.connections, cadence.serve.admission, cadence.media.pcm, "
         "cadence.fleet.frontend, cadence.fleet.state, cadence.fleet.group, cadence.engine.recipe, "
         "cadence.engine.flags, cadence.engine.spec, cadence.model.families; "
         "print('torch' in sys.modules); sys.exit(1 if 'torch' in sys.modules else 0)"

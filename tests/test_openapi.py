@@ -50,6 +50,12 @@ def _spec(**cfg) -> dict:
     return create_app(ServeConfig(engine=EngineSpec(model="tiny"), **cfg)).openapi()
 
 
+def _resolve(spec: dict, schema: dict) -> dict:
+    """A schema, its ``$ref`` (to ``components/schemas``) followed."""
+    ref = schema.get("$ref")
+    return spec["components"]["schemas"][ref.rsplit("/", 1)[-1]] if ref else schema
+
+
 def _codes(spec, path, method) -> set[int]:
     return {int(c) for c in spec["paths"][path][method]["responses"]}
 
@@ -71,8 +77,8 @@ def test_every_status_code_and_content_type_is_documented():
         (SESSION + "/prompt", "post"),
         ("/metrics", "get"),
     }
-    session = {400, 401, 403, 404, 413}
-    assert _codes(spec, "/sessions", "post") == {201, 400, 413, 415, 429, 500, 503}
+    session = {400, 401, 403, 404, 408, 413}
+    assert _codes(spec, "/sessions", "post") == {201, 400, 408, 413, 415, 429, 500, 503}
     assert _codes(spec, "/sessions", "get") == {200, 403}  # no operator key: the list is off
     assert _codes(spec, SESSION, "get") == {200} | session
     assert _codes(spec, SESSION, "delete") == {200, 410} | session
@@ -90,11 +96,14 @@ def test_every_status_code_and_content_type_is_documented():
                 else:
                     assert types == {"application/json"}, (path, method, code, types)
                 if int(code) >= 400:
-                    assert resp["content"]["application/json"]["schema"]["required"] == ["error"]
+                    schema = _resolve(spec, resp["content"]["application/json"]["schema"])
+                    assert schema["required"] == ["error"] and schema["additionalProperties"] is False
                 if int(code) == 429:
                     assert resp["headers"]["Retry-After"]["required"] is True
             assert "422" not in op["responses"], (path, method)
-    created = spec["paths"]["/sessions"]["post"]["responses"]["201"]["content"]["application/json"]["schema"]
+    created = _resolve(
+        spec, spec["paths"]["/sessions"]["post"]["responses"]["201"]["content"]["application/json"]["schema"]
+    )
     assert {"session_id", "token", "sdp", "type"} <= set(created["required"])
     body = spec["paths"]["/sessions"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "multipart/form-data"}
@@ -105,7 +114,7 @@ def test_every_status_code_and_content_type_is_documented():
     # with an operator key: creating and listing need it (401 without), and it opens every session route
     keyed = _spec(api_key=KEY)
     assert set(keyed["components"]["securitySchemes"]) == {"sessionToken", "apiKey"}
-    assert _codes(keyed, "/sessions", "post") == {201, 400, 401, 413, 415, 429, 500, 503}
+    assert _codes(keyed, "/sessions", "post") == {201, 400, 401, 408, 413, 415, 429, 500, 503}
     assert _codes(keyed, "/sessions", "get") == {200, 401, 403}
     assert keyed["paths"]["/sessions"]["post"]["security"] == [{"apiKey": []}]
     assert keyed["paths"][SESSION]["delete"]["security"] == [{"sessionToken": []}, {"apiKey": []}]

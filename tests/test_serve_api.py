@@ -20,7 +20,7 @@ for _mod in ("fastapi", "uvicorn", "aiortc", "prometheus_client", "httpx", "mult
 
 import httpx
 
-from cadence.devtools.testing import BackgroundClient, offer_sdp
+from cadence.devtools.testing import BackgroundClient, float_wav, offer_sdp
 from cadence.engine.recipe import EngineSpec
 from cadence.serve.agent import espeak_binary, wav_bytes
 from cadence.serve.config import ServeConfig
@@ -28,6 +28,7 @@ from cadence.serve.server import ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 MAX_IMAGE = 200_000
+NAN_WAV = float_wav(np.where(np.arange(48000) % 7 == 0, np.nan, 0.25))  # (the issue's probe: NaN in a WAV)
 
 GOOD_SDP_HEAD = "v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n"
 
@@ -179,6 +180,10 @@ def test_one_session_keeps_streaming_while_bad_requests_hit(http, srv):
         _err(http.post(f"/sessions/{sid}/audio", content=b"definitely not audio", headers=auth), 415)
         _err(http.post(f"/sessions/{sid}/audio", content=b"", headers=auth), 415)
         _err(http.post(f"/sessions/{sid}/audio", content=b"\0" * 500_000, headers=auth), 413)
+        # issue 39: a float WAV with NaN and infinity would blank the video: refused, naming it
+        assert "non-finite samples" in _err(
+            http.post(f"/sessions/{sid}/audio", content=NAN_WAV, headers=auth), 400
+        )
         _err(http.post(f"/sessions/{sid}/say", json={"text": "   "}, headers=auth), 400)
         _err(
             http.post(

@@ -32,7 +32,7 @@ from cadence.serve.agent import Agent
 from cadence.serve.agents import make_agent
 from cadence.serve.config import LOCAL, Local, ServeConfig
 from cadence.serve.manager import SessionManager
-from cadence.serve.openapi import CREATED
+from cadence.serve.schemas import SessionCreated
 from cadence.serve.session import LiveSession
 from cadence.serve.workers import LocalGroups, WorkerGroup
 
@@ -241,7 +241,9 @@ def test_each_source_says_which_session_class_a_group_gets_and_the_manager_build
     assert built == [(mgr, s.wg, "hi", 7)] and (created.sdp, created.type) == ("v=0 answer", "answer")
     assert mgr.sessions[created.session_id].t_created == 1.0
     # the answer's JSON: the documented fields, in the documented order
-    assert list(created.as_json()) == list(CREATED["properties"]) and created.as_json()["preset"] == "tiny"
+    assert (
+        list(created.as_json()) == list(SessionCreated.model_fields) and created.as_json()["preset"] == "tiny"
+    )
 
 
 def test_the_app_is_built_with_the_source_and_the_routes_it_is_given(sides):

@@ -623,14 +623,18 @@ def test_the_pending_offer_limit_is_per_client_not_per_loopback_address():
 
     mgr = _manager(6, max_pending_offers_per_client=1, connect_timeout_s=10.0)
     alice, bob = client_keys("127.0.0.1", "a" * 22), client_keys("127.0.0.1", "b" * 22)
-    assert alice == ("cookie:" + "a" * 22,) and client_keys("::1", None) == ()
+    assert alice == ("cookie:" + "a" * 22,) and client_keys("::1", None) == ("addr:::1",)
     mgr.reserve(alice)
     with pytest.raises(ApiError) as e:
         mgr.reserve(alice)  # alice's second pending offer
     assert e.value.status == 429 and 1 <= int(e.value.headers["Retry-After"]) <= 11
     mgr.reserve(bob)  # another local user (same 127.0.0.1) is not locked out
-    mgr.reserve(client_keys("127.0.0.1", None))  # a local client without the cookie: its own client
-    mgr.reserve(client_keys("127.0.0.1", "not a cookie!"))
+    mgr.reserve(client_keys("127.0.0.1", None))  # the local clients without the cookie: one client ...
+    with pytest.raises(
+        ApiError
+    ) as e:  # ... (issue 39: re-posting without cookies is not a new client each time)
+        mgr.reserve(client_keys("127.0.0.1", "not a cookie!"))
+    assert e.value.status == 429
     # off loopback the address still counts, whatever cookies a client sends
     mgr.reserve(client_keys("10.1.2.3", "c" * 22))
     with pytest.raises(ApiError) as e:

@@ -42,6 +42,23 @@ def test_fresh_frames_are_counted_in_stream_time_at_the_client():
     assert ClientResult().fresh(STEP) == (0, 0.0, [])
 
 
+def test_a_black_frame_is_not_fresh_at_the_client():
+    """Issue 39: the page showed 2 s of black video (a NaN in the audio) that a client counting changed pixels
+    took for fresh frames at the first black one; a blank frame is not fresh, whatever came before it."""
+    import av
+    import numpy as np
+
+    from cadence.devtools.client import frame_blank
+
+    face = av.VideoFrame.from_ndarray(
+        np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8), "rgb24"
+    )
+    black = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), "rgb24")
+    grey = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 128, np.uint8), "rgb24")
+    assert not frame_blank(face) and frame_blank(black) and frame_blank(grey)
+    assert frame_blank(black.reformat(format="yuv420p"))  # as a decoder hands it over
+
+
 def test_bench_browser_counts_fresh_frames_per_second_of_stream_by_rtp_time():
     from cadence.bench.browser import fresh_per_second
 
@@ -243,3 +260,13 @@ def test_cpu_windows_tell_steal_client_and_server_apart():
     later = sample(20.0, 117.0, 55.0, 9.0, 16.0, 28.0, 7.0)
     cpu = cpu_summary(rows, [samples[0], *samples, later])
     assert cpu["steal_window_max"] == 0.5 and cpu["below_target"][0]["steal_max"] == 0.15
+    # issue 39: the run says how many sessions ran in windows at the CPU lead's design point (30% steal) or
+    # more, and how many of them missed; every one is in the share
+    late = {"i": 2, "kind": "plain", "watched_s": 3.0, "fresh_fps": 23.0, "t_span": [12.0, 18.0]}
+    cpu = cpu_summary([*rows, late], [*samples, later])
+    assert (cpu["sessions_in_steal_windows"], cpu["below_target_in_steal_windows"]) == (1, 1)
+    from cadence.bench.soak import steal_line
+
+    line = steal_line({"cpu": cpu})
+    assert "1 sessions in windows >= 30% steal (1 below target; every session counted)" in line, line
+    assert "steal 26.7% over the run (worst window 50.0%)" in line, line

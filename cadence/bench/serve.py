@@ -468,7 +468,7 @@ def _record(args, cfg: dict, res: dict, ok: list) -> None:
     headline = (
         f"{args.sessions} session(s): fresh fps mean {res['fps_mean']} min {res['fps_min']} "
         f"(decoded {res['decoded_fps_mean']}), "
-        f"ttff p50 {res['ttff_ms_p50']} ms, agent audio->frame p50 {res['agent_audio_to_frame_ms_p50']} ms, "
+        f"ttff p50 {res['ttff_ms_p50']} ms, speech->frame p50 {res['agent_audio_to_frame_ms_p50']} ms, "
         f"chunk latency p50/p99 {res['chunk_latency_ms_p50']}/{res['chunk_latency_ms_p99']} ms, "
         f"deadline misses {res['deadline_misses']}/{res['chunks_done']} at lead {res['lead_ms']} ms"
     )

@@ -72,6 +72,13 @@ def frame_digest(frame: av.VideoFrame) -> int:
     return zlib.crc32(np.ascontiguousarray(frame.to_ndarray()))
 
 
+def frame_blank(frame: av.VideoFrame, max_std: float = 2.0) -> bool:
+    """Whether a decoded frame shows nothing: its brightness one value (within the codec's noise), as a
+    black frame does (what a NaN in the model decodes to, issue 39). A face never is."""
+    plane = frame.to_ndarray(format="gray")
+    return float(plane.std()) < max_std
+
+
 @dataclass
 class ClientResult:
     session_id: str = ""
@@ -148,8 +155,8 @@ class ClientResult:
     def fresh(self, step: int, guard_s: float = 0.1) -> tuple[int, float, list[int]]:
         """Fresh frames as a viewer sees them: ``(fresh, seconds, per_second)``.
 
-        A frame is fresh when its pixels differ from the frame received before it (``video_fresh``; the first
-        frame is). They are counted in stream time, from the first frame's pts, over the ``seconds`` the
+        A frame is fresh when its pixels differ from the frame received before it and it is not blank
+        (``video_fresh``; the first frame is, unless blank). They are counted in stream time, from the first frame's pts, over the ``seconds`` the
         client watched (first frame's arrival to ``t_end``, less ``guard_s`` for the frames still on their
         way): frames the server never sent (held on underrun, skipped after a stall: pts jumps) count as the
         stale seconds they are, and a burst after a stall of the receiving process counts at its own pts, not
@@ -205,9 +212,9 @@ class ClientResult:
 
 
 async def read_track(track: MediaStreamTrack, res: ClientResult, first_frame: asyncio.Event) -> None:
-    """Receive a track into ``res`` until it ends: each video frame's arrival, pts and whether its pixels
-    differ from the frame before (``first_frame`` set at the first), each audio frame's arrival, pts, size
-    and RMS."""
+    """Receive a track into ``res`` until it ends: each video frame's arrival, pts and whether it is fresh (its
+    pixels differ from the frame before, and it is not blank: ``frame_blank``; ``first_frame`` set at the
+    first), each audio frame's arrival, pts, size and RMS."""
     last = None
     while True:
         try:
@@ -217,7 +224,7 @@ async def read_track(track: MediaStreamTrack, res: ClientResult, first_frame: as
         if track.kind == "video":
             res.video.append((time.monotonic(), int(f.pts)))
             digest = frame_digest(f)
-            res.video_fresh.append(digest != last)
+            res.video_fresh.append(digest != last and not frame_blank(f))  # what the viewer sees: new, a face
             last = digest
             res.video_time_base = f.time_base
             res.video_size = (f.width, f.height)
@@ -248,7 +255,7 @@ async def run_client(
 ) -> ClientResult:
     """One session against ``url`` for ``seconds`` after its first frame. ``speak_wav`` is pushed
     ``speak_after_s`` after the first frame, and again every ``speak_every_s`` seconds (> 0) while the
-    session runs (each push is one agent segment: one audio -> frame latency sample), plus a uniform
+    session runs (each push is one agent segment: one speech -> frame latency sample), plus a uniform
     random 0..``speak_jitter_s`` (seeded) so the pushes land at different phases of the chunk clock
     (with a period that is a multiple of the chunk length every sample would see the same phase).
     ``video_codec`` ('VP8' or 'H264'): offer only that video codec (``setCodecPreferences``), as a

@@ -153,3 +153,18 @@ class ServeProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def float_wav(samples, rate: int = 48_000) -> bytes:
+    """Mono IEEE-float WAV bytes (format 3): unlike 16-bit PCM they can carry NaN and infinity (the probes of
+    the server's finite-audio checks)."""
+    import struct
+
+    import numpy as np
+
+    data = np.asarray(samples, "<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    chunks = (
+        b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    )
+    return b"RIFF" + struct.pack("<I", len(chunks)) + chunks

@@ -160,6 +160,12 @@ def add_model_flags(parser, default: str | None = DEFAULT_MODEL, files: bool = T
     if not files:
         return
     g.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="run a model family without its checkpoint, on random weights (a benchmark of its shape: the "
+        "frames are noise); without it a family refuses to start with no --weights",
+    )
+    g.add_argument(
         "--weights",
         default=None,
         help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, original "
@@ -379,3 +385,33 @@ def _with_lora(over: dict, loras: list[str]) -> dict:
     out = dict(over)
     out["model"] = dict(out.get("model", {}), lora=tuple(specs))
     return out
+
+
+# ---- a model family's files (issue 39: fail fast and say why) -----------------------------------------------
+
+
+def require_weights(spec: EngineSpec, random_weights: bool = False) -> None:
+    """A model family (``cadence models``) runs from its checkpoint: without ``--weights`` it refuses at once,
+    one ``InputError`` (a random family built a 1.3B model for two minutes, then timed out), unless
+    ``random_weights`` asks for its shape on random weights. Cadence's presets run as they are."""
+    from cadence.model.families import FAMILIES
+
+    if spec.model in FAMILIES and spec.config().model.weights is None and not random_weights:
+        raise InputError(
+            f"--model {spec.model} needs its checkpoint: --weights PATH (docs/models.md says where to get it), "
+            "or --random-weights to run its shape on random weights (the frames are noise)"
+        )
+
+
+def cpu_note(spec: EngineSpec, device: str) -> str | None:
+    """One line when a model of GPU size is about to be built on the CPU (it will not be real time), else None."""
+    if not str(device).startswith("cpu"):
+        return None
+    m = spec.config().model
+    params = m.num_layers * (8 * m.dim * m.dim + 2 * m.dim * m.ffn_dim)  # self- and cross-attention, the MLP
+    if params < 300e6:
+        return None
+    return (
+        f"note: {spec.model} has ~{params / 1e9:.1f}B parameters: on the CPU it will not be real time "
+        "(seconds per chunk, and its memory); use --device cuda"
+    )

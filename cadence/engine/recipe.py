@@ -349,7 +349,7 @@ class RecipeDescription:
             entry = f", entry {r['weights_entry']}" if r["weights_entry"] else ""
             weights = f"{r['weights']}{entry}"
         else:
-            weights = f"random (seed {r['seed']})"
+            weights = f"random (seed {r['seed']}): no checkpoint given, the frames are noise"
         lines = [
             f"recipe: {r['model']}"
             + (f" (family {r['family']})" if r["family"] else "")

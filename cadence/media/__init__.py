@@ -8,6 +8,7 @@ from importlib import import_module
 
 _WHERE = {
     "Mp4Writer": "cadence.media.video",
+    "NonFiniteAudio": "cadence.media.pcm",
     "default_reference_image": "cadence.media.image",
     "fit_audio": "cadence.media.audio",
     "load_audio": "cadence.media.audio",

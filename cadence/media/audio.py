@@ -14,6 +14,7 @@ import torch
 
 from cadence.config import AUDIO_SAMPLE_RATE
 from cadence.errors import InputError
+from cadence.media.pcm import require_finite
 
 
 def load_audio(
@@ -28,7 +29,7 @@ def load_audio(
     truncated to it), so a long file costs only what is used.
 
     Raises ``InputError`` (one line) for a missing file, a file with no decodable audio stream,
-    or one that decodes to no samples.
+    one that decodes to no samples, or one with NaN or infinite samples (``NonFiniteAudio``).
     """
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
@@ -69,7 +70,7 @@ def load_audio(
         samples = samples[:max_samples]
     if samples.size == 0:
         raise InputError(f"audio file contains no samples: {p}")
-    np.clip(samples, -1.0, 1.0, out=samples)
+    samples = require_finite(samples, f"audio file {p}")  # (np.clip keeps a NaN: it would blank the video)
     return torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))
 
 

@@ -5,8 +5,14 @@ audio out (48 kHz mono float32) in *segments*; the scheduler pulls one chunk's w
 time (``take``), silence when the agent has nothing to say. ``interrupt()`` drops what is queued.
 
 Each segment's first sample carries the host time (``time.monotonic()``) at which the agent had it:
-``take`` returns the positions of segment starts inside the window, so the session can time
-"agent first audio -> first speaking frame" through the pipeline.
+``take`` returns the positions of segment starts inside the window, so the session can time them through
+the pipeline, as two measures with two names: ``agent_audio_to_frame_ms`` from speech the character was
+given (an upload, ``/say``, a TTS reply, Pipecat's TTS: when the server had it) to the first frame of it
+sent, and ``mic_to_frame_ms`` from a voiced stretch of the user's microphone (when its first 20 ms reached
+the server) to the first frame ``mirror`` mouths it on, which adds the microphone backlog the agent keeps.
+
+Every sample an agent queues is finite and within [-1, 1] (``speak`` refuses NaN and infinity:
+``cadence.media.pcm``); the session cleans the microphone's before ``push_mic``.
 
 Built-ins:
 
@@ -28,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from cadence.errors import InputError
+from cadence.media.pcm import require_finite
 
 SAMPLE_RATE = 48_000
 log = logging.getLogger("cadence.serve")
@@ -37,13 +44,18 @@ log = logging.getLogger("cadence.serve")
 class SegmentMark:
     offset: int  # sample position inside the taken window where a segment starts
     t_agent: float  # when the agent had this segment's first audio (time.monotonic())
+    #: what started: "speech" (what the character was given to say: an upload, /say, a TTS reply, Pipecat's
+    #: TTS) or "mic" (a voiced stretch of the user's microphone that ``mirror`` mouths): two latencies, two
+    #: names (``speech_to_frame`` / ``mic_to_frame`` in the session's status)
+    kind: str = "speech"
 
 
 class SampleQueue:
     """A FIFO of float32 samples with marked positions; keeps at most ``max_seconds`` (drops the oldest)."""
 
-    def __init__(self, max_seconds: float):
+    def __init__(self, max_seconds: float, kind: str = "speech"):
         self.max_samples = int(max_seconds * SAMPLE_RATE)
+        self.kind = kind  # what its marks start (``SegmentMark.kind``)
         self._pieces: collections.deque[np.ndarray] = collections.deque()
         self._marks: collections.deque[tuple[int, float]] = collections.deque()  # (absolute sample, t)
         self.queued = 0
@@ -78,7 +90,7 @@ class SampleQueue:
         marks = []
         while self._marks and self._marks[0][0] < self._head + n:
             at, t = self._marks.popleft()
-            marks.append(SegmentMark(max(0, at - self._head), t))
+            marks.append(SegmentMark(max(0, at - self._head), t, self.kind))
         self._head += n
         self.queued -= n
         return out, marks
@@ -120,11 +132,13 @@ class Agent:
         """Microphone audio from the user (48 kHz mono float32). Ignored unless the agent uses it."""
 
     def speak(self, samples: np.ndarray, t_agent: float | None = None, new_segment: bool = True) -> None:
-        """Queue speech (48 kHz mono float32). ``new_segment``: it starts an utterance, whose first sample is
-        marked with ``t_agent`` (default: now) for the audio -> frame latency; False: it continues the last
-        one (a TTS streaming an utterance in pieces)."""
+        """Queue speech (48 kHz mono float32, clipped to [-1, 1]; ``NonFiniteAudio`` and nothing queued when any
+        sample is NaN or infinite). ``new_segment``: it starts an utterance, whose first sample is marked with
+        ``t_agent`` (default: now) for the speech -> frame latency; False: it continues the last one (a TTS
+        streaming an utterance in pieces)."""
         if np.asarray(samples).size == 0:
             return
+        samples = require_finite(samples, "speech")  # NonFiniteAudio: NaN would blank the video
         if new_segment:
             self.segments += 1
         mark = (time.monotonic() if t_agent is None else t_agent) if new_segment else None
@@ -162,7 +176,7 @@ class Agent:
         if a.size < n:
             b, more = self._fill(n - a.size)
             out[a.size : a.size + b.size] = b
-            marks += [SegmentMark(m.offset + a.size, m.t_agent) for m in more]
+            marks += [SegmentMark(m.offset + a.size, m.t_agent, m.kind) for m in more]
         self.speaking_samples += a.size
         return out, marks
 
@@ -192,7 +206,7 @@ class MirrorAgent(Agent):
     def __init__(self, chunk_seconds: float = 0.0) -> None:
         super().__init__()
         self.mic_backlog_s = max(type(self).mic_backlog_s, chunk_seconds + 0.25)
-        self.mic = SampleQueue(self.mic_backlog_s)
+        self.mic = SampleQueue(self.mic_backlog_s, kind="mic")
         self._silent_for = float("inf")
 
     def push_mic(self, samples: np.ndarray) -> None:
@@ -515,8 +529,9 @@ def synthesize(
 
 
 def decode_audio_bytes(data: bytes, max_seconds: float = 60.0, truncate: bool = False) -> np.ndarray:
-    """Any audio file FFmpeg decodes (bytes) -> float32 mono 48 kHz. ``InputError`` when it is not audio, or
-    lasts more than ``max_seconds`` (``truncate``: its first ``max_seconds`` then)."""
+    """Any audio file FFmpeg decodes (bytes) -> float32 mono 48 kHz in [-1, 1]. ``InputError`` when it is not
+    audio, or lasts more than ``max_seconds`` (``truncate``: its first ``max_seconds`` then);
+    ``NonFiniteAudio`` (an ``InputError``) when any sample is NaN or infinite (a float WAV can carry them)."""
     import io
 
     import av
@@ -545,13 +560,12 @@ def decode_audio_bytes(data: bytes, max_seconds: float = 60.0, truncate: bool = 
     except InputError:
         raise
     except Exception as e:
-        raise InputError(
-            f"could not decode audio ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-        ) from None
+        detail = " ".join(str(e).split())[:200]  # FFmpeg's own words, without Python's exception names
+        raise InputError(f"could not decode audio{': ' + detail if detail else ''}") from None
     samples = np.concatenate(pieces)[:limit] if pieces else np.zeros(0, np.float32)
     if samples.size == 0:
         raise InputError("audio contains no samples")
-    return np.clip(samples, -1.0, 1.0).astype(np.float32)
+    return require_finite(samples)  # NonFiniteAudio for a NaN or an infinity (np.clip would keep a NaN)
 
 
 def wav_bytes(samples: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:

@@ -18,10 +18,14 @@ The server's parts, one job per file:
 
 * :mod:`cadence.serve.routes`    the handlers, one small function per route;
 * :mod:`cadence.serve.guard`     the request guard: errors as JSON, body limits, credentials (per-session
-  tokens, the operator key), field validation;
+  tokens, the operator key);
+* :mod:`cadence.serve.schemas`   what each route takes and answers, as pydantic models (they validate the
+  requests, and the OpenAPI document is generated from them);
 * :mod:`cadence.serve.uploads`   the session request's body, the reference image's decode, speech audio;
-* :mod:`cadence.serve.openapi`   the OpenAPI tables (what every route answers, its security);
-* :mod:`cadence.serve.manager`   the session manager: groups, sessions, reports, admission;
+* :mod:`cadence.serve.manager`   the session manager: groups, sessions, reports, admission (whose turn it is
+  when a group frees: :mod:`cadence.serve.admission`);
+* :mod:`cadence.serve.connections` the connection limits under the app (header and keep-alive timeouts, a cap
+  per client address), :mod:`cadence.serve.server` uvicorn with them;
 * :mod:`cadence.serve.session`   one live session (scheduler, stats, tracks), :mod:`cadence.serve.workers`
   the worker processes.
 
@@ -36,9 +40,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from cadence.serve.config import ServeConfig
+from cadence.serve.connections import ConnectionLimits
 from cadence.serve.guard import install_guard
 from cadence.serve.manager import SessionManager, group_source
-from cadence.serve.openapi import RouteDocs, install_openapi
 from cadence.serve.ports import ExtraRoutes, GroupSource
 
 log = logging.getLogger("cadence.serve")
@@ -56,14 +60,16 @@ def create_app(
     *,
     source: GroupSource | None = None,
     routes: Sequence[ExtraRoutes] | None = None,
+    limits: ConnectionLimits | None = None,
 ):
     """The FastAPI app of a server configured by ``cfg``, whose sessions run on the groups of ``source``
     (default: those ``cfg`` names, ``cadence.serve.manager.group_source``) and which serves ``routes`` beside
     its own (default: its deployment's, ``cfg.deployment.routes``: a fleet's operator routes): its session
-    manager started and stopped with the app (``lifespan``), the request guard, the routes, the OpenAPI document."""
+    manager started and stopped with the app (``lifespan``), the request guard (body limits: ``limits``' minimum
+    body rate), the routes, the OpenAPI document."""
     from fastapi import FastAPI
 
-    from cadence.serve.routes import add_routes
+    from cadence.serve.routes import add_routes, install_openapi
 
     cfg = cfg or ServeConfig()
     if not cfg.loopback and cfg.api_key is None:  # ServeConfig allows it only with insecure_no_auth
@@ -80,9 +86,9 @@ def create_app(
     app.state.manager = mgr
     for add in routes:  # (ahead of the server's own: the OpenAPI document lists them first)
         add(app, mgr.access)
-    install_guard(app, cfg, mgr.metrics)
-    add_routes(app, mgr, RouteDocs(cfg), STATIC)
-    install_openapi(app, cfg)
+    install_guard(app, cfg, mgr.metrics, limits or ConnectionLimits())
+    add_routes(app, mgr, STATIC)
+    install_openapi(app)
     return app
 
 
@@ -90,7 +96,11 @@ def _lifespan(mgr: SessionManager):
     @asynccontextmanager
     async def lifespan(app):
         try:  # a worker that cannot start still gets its process stopped and its shared memory unlinked
-            await mgr.start()
+            try:
+                await mgr.start()
+            except Exception as e:  # said in one line (cadence.serve.server), not as a traceback
+                app.state.startup_error = " ".join(str(e).split()) or "see the log above"
+                raise
             yield
         finally:
             await mgr.stop()

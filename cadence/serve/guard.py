@@ -5,7 +5,8 @@
   405 with an ``Allow`` header naming every method of the path), FastAPI's validation errors (a 400, never
   a 422) and a :class:`~cadence.errors.CadenceError` (400). 4xx answers are counted in ``/metrics``.
 * **Body limits.** Per route, while the body streams in (:class:`BodyLimit`): a chunked body with no
-  Content-Length is cut at the limit, 413, connection closed.
+  Content-Length is cut at the limit, 413, connection closed; a body slower than the minimum rate
+  (``cadence.serve.connections.ConnectionLimits``), 408, connection closed.
 * **Credentials** (:class:`Access`), as ``Authorization: Bearer <secret>``, compared in constant time.
   Each session has a **token** (32 random bytes, URL-safe), returned once, in the answer to the POST that
   created it; the server keeps only its SHA-256. Every route under ``/sessions/{id}`` needs that token (or
@@ -19,9 +20,9 @@
   aggregates). Without one (the default loopback run), anyone who reaches the server may create a session,
   and the session list and per-session series are off (403). A non-loopback ``host`` refuses to start
   without a key unless ``insecure_no_auth`` is set (logged as a WARNING).
-* **Fields.** Strings must be UTF-8-encodable without NUL, the seed an integer in 0..2^63-1 (no floats,
-  booleans or strings in JSON), the prompt at most ``MAX_PROMPT`` characters; JSON that ``json`` cannot or
-  should not take is a 400; an SDP offer is checked for its shape before aiortc sees it.
+* **Fields** are the request models' (``cadence.serve.schemas``: their refusals are 400s naming the field);
+  JSON that ``json`` cannot or should not take is a 400; an SDP offer is checked for its shape before
+  aiortc sees it.
 
 Imports no torch and no FastAPI at module level (the answers are built where a request is answered).
 """
@@ -31,14 +32,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
 import re
 import secrets
 
 from cadence.errors import CadenceError
 
-MAX_PROMPT = 1000
-MAX_SEED = 2**63 - 1
+log = logging.getLogger("cadence.serve")
+
 #: Body limit of every route but POST /sessions and /audio (JSON with a line of text, or nothing).
 SMALL_BODY = 64 * 1024
 
@@ -73,15 +75,22 @@ def allowed_methods(app, path: str) -> list[str]:
     return sorted(methods)
 
 
-def install_guard(app, cfg, metrics) -> None:
-    """The body limits (middleware) and the error handlers of the app."""
+def install_guard(app, cfg, metrics, limits) -> None:
+    """The body limits (middleware: size, and the minimum rate of ``limits``, a
+    ``cadence.serve.connections.ConnectionLimits``) and the error handlers of the app."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     def err(status: int, message: str, headers: dict | None = None):
         return json_error(metrics, status, message, headers)
 
-    app.add_middleware(BodyLimit, limit_for=body_limits(cfg), on_refuse=err)
+    app.add_middleware(
+        BodyLimit,
+        limit_for=body_limits(cfg),
+        on_refuse=err,
+        min_rate=limits.min_body_rate,
+        grace_s=limits.body_grace_s,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -95,13 +104,15 @@ def install_guard(app, cfg, metrics) -> None:
             if allow:
                 headers["Allow"] = ", ".join(allow)
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # (FastAPI's words)
+            detail = "request body is not valid JSON (or nested too deeply, or a number too long)"
         return err(exc.status_code, detail, headers or None)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, exc):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        return err(400, f"invalid request: {where}: {first.get('msg', 'invalid')}")
+    async def _validation_error(request, exc):  # a request model's refusal: one line naming the field
+        from cadence.serve.schemas import validation_message
+
+        return err(400, validation_message(list(exc.errors())))
 
     @app.exception_handler(CadenceError)
     async def _cadence_error(request, exc):
@@ -128,18 +139,22 @@ def body_limits(cfg):
 
 
 class BodyLimit:
-    """ASGI middleware: a request body may not exceed ``limit_for(method, path)`` bytes, however it is sent.
+    """ASGI middleware: a request body may not exceed ``limit_for(method, path)`` bytes, however it is sent, and
+    must arrive at ``min_rate`` bytes/s at least, counted after ``grace_s`` (0: no minimum).
 
     A declared Content-Length over the limit is refused before anything is read; a body without one
     (chunked) is counted as it streams in, and the first message past the limit ends it: the app's
     ``receive`` raises, whatever the handler then answers is replaced by one 413 (``on_refuse`` makes
     it), sent with ``Connection: close`` so the server stops reading the rest (at most ``limit`` bytes
-    plus one read buffer are ever read). Any answer sent before the body was read to its end (a 401,
-    404, 503 that needs no body) closes the connection too: otherwise the server would go on reading,
-    and discarding, whatever the client still sends."""
+    plus one read buffer are ever read). A body slower than the minimum rate ends the same way, with a
+    408. Any answer sent before the body was read to its end (a 401, 404, 503 that needs no body) closes
+    the connection too: otherwise the server would go on reading, and discarding, whatever the client
+    still sends. A client that goes away before its body is complete is one log line (never a traceback:
+    nothing can be answered to it)."""
 
-    def __init__(self, app, limit_for, on_refuse):
+    def __init__(self, app, limit_for, on_refuse, min_rate: float = 0.0, grace_s: float = 10.0):
         self.app, self.limit_for, self.on_refuse = app, limit_for, on_refuse
+        self.min_rate, self.grace_s = min_rate, grace_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -157,51 +172,97 @@ class BodyLimit:
                 return await self._refuse(
                     send, 413, f"request body is too large ({size} bytes; limit {limit})"
                 )
-        body_left = size > 0 or any(k == b"transfer-encoding" for k, _ in headers)
-        seen = 0
-        over = False
-        replaced = False
-        started = False
-        message = f"request body is too large (over {limit} bytes)"
-
-        async def limited_receive():
-            nonlocal seen, over, body_left
-            if over:
-                raise ApiError(413, message)
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    over = True
-                    raise ApiError(413, message)
-                body_left = body_left and msg.get("more_body", False)
-            return msg
-
-        async def guarded_send(msg):
-            nonlocal replaced, started
-            if replaced:
-                return
-            if msg["type"] == "http.response.start":
-                if over:
-                    replaced = True
-                    return await self._refuse(send, 413, message)
-                started = True
-                if body_left:
-                    msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, guarded_send)
-        except Exception:
-            if not over or started or replaced:
-                raise
-            await self._refuse(send, 413, message)
+        body = _Body(self, scope, receive, send, limit)
+        body.left = size > 0 or any(k == b"transfer-encoding" for k, _ in headers)
+        await body.run()
 
     async def _refuse(self, send, status: int, message: str) -> None:
         resp = self.on_refuse(status, message)
         resp.headers["connection"] = "close"
         await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
         await send({"type": "http.response.body", "body": resp.body})
+
+
+class _Body:
+    """One request's body as :class:`BodyLimit` lets it through (``receive``) and its answer (``send``)."""
+
+    def __init__(self, guard: BodyLimit, scope, receive, send, limit: int):
+        import asyncio
+
+        self.guard, self.scope, self._receive, self._send, self.limit = guard, scope, receive, send, limit
+        self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
+        self.left = False  # more body to come
+        self.seen = 0
+        self.refusal: tuple[int, str] | None = None  # (status, message) that replaces the app's answer
+        self.started = self.replaced = self.gone = False
+
+    async def receive(self):
+        if self.refusal is not None:
+            raise ApiError(*self.refusal)
+        msg = await self._next()
+        if msg["type"] == "http.request":
+            self.seen += len(msg.get("body", b""))
+            if self.seen > self.limit:
+                self.refusal = (413, f"request body is too large (over {self.limit} bytes)")
+                raise ApiError(*self.refusal)
+            self.left = self.left and msg.get("more_body", False)
+        elif msg["type"] == "http.disconnect" and self.left:
+            self.gone = True
+        return msg
+
+    async def _next(self):
+        """The next message, or a 408 when the body falls below the minimum rate."""
+        import asyncio
+
+        rate = self.guard.min_rate
+        if not (self.left and rate > 0):
+            return await self._receive()
+        deadline = self.t0 + self.guard.grace_s + self.seen / rate  # when more must have come
+        waiting = asyncio.ensure_future(self._receive())
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=max(0.0, deadline - self.loop.time()))
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+        if not done:
+            took = self.loop.time() - self.t0
+            self.refusal = (
+                408,
+                f"request body too slow ({self.seen} bytes in {took:.1f} s; minimum {rate:g} bytes/s)",
+            )
+            raise ApiError(*self.refusal)
+        return waiting.result()
+
+    async def send(self, msg):
+        if self.replaced:
+            return
+        if msg["type"] == "http.response.start":
+            if self.refusal is not None:
+                self.replaced = True
+                return await self.guard._refuse(self._send, *self.refusal)
+            self.started = True
+            if self.left:
+                msg = {**msg, "headers": [*msg.get("headers", ()), (b"connection", b"close")]}
+        await self._send(msg)
+
+    async def run(self) -> None:
+        try:
+            await self.guard.app(self.scope, self.receive, self.send)
+        except Exception as e:
+            if self.gone or type(e).__name__ == "ClientDisconnect":  # starlette's: nothing can be answered
+                client = self.scope.get("client") or ("?",)
+                log.info(
+                    "client %s went away during %s %s (%d bytes of its body read)",
+                    client[0],
+                    self.scope["method"],
+                    self.scope["path"],
+                    self.seen,
+                )
+                return
+            if self.refusal is None or self.started or self.replaced:
+                raise
+            await self.guard._refuse(self._send, *self.refusal)
 
 
 # ---- credentials ------------------------------------------------------------------------------------------
@@ -297,62 +358,6 @@ def short(text: str, n: int = 64) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def check_text(value: str, name: str) -> str:
-    """``value`` if it is text the server can pass on: encodable as UTF-8 (no lone surrogate, which JSON's
-    ``\\ud800`` escapes can carry), without NUL. Else a 400 naming the field."""
-    if "\0" in value:
-        raise ApiError(400, f"'{name}' contains a NUL character (at {value.index(chr(0))})")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(400, f"'{name}' is not valid Unicode text (a lone surrogate at {e.start})") from None
-    return value
-
-
-def type_name(value) -> str:
-    return {
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
-
-
-def str_field(fields: dict, name: str, default: str | None, max_chars: int | None = None) -> str | None:
-    """A string field: absent -> ``default``; anything but a string (null included) -> 400; checked text."""
-    if name not in fields:
-        return default
-    value = fields[name]
-    if not isinstance(value, str):
-        raise ApiError(400, f"'{name}' must be a string, got {type_name(value)}")
-    check_text(value, name)
-    if max_chars is not None and len(value) > max_chars:
-        raise ApiError(400, f"'{name}' is too long ({len(value)} characters; limit {max_chars})")
-    return value
-
-
-def seed_field(fields: dict, form: bool) -> int:
-    """The seed: an integer in 0..2^63-1. JSON: a number without fraction or exponent (``1e999``, ``3.0``,
-    ``true``, ``"5"`` are refused); a form field: decimal digits. Absent (or an empty form field) = 0."""
-    if "seed" not in fields:
-        return 0
-    v = fields["seed"]
-    if form:
-        if v == "":
-            return 0
-        if not (v.isascii() and v.isdigit()) or len(v) > 19:
-            raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {short(v)!r}")
-        v = int(v)
-    elif isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"'seed' must be an integer in 0..{MAX_SEED}, got {type_name(v)}")
-    if not 0 <= v <= MAX_SEED:
-        raise ApiError(400, f"'seed' is out of range (0..{MAX_SEED}), got {short(str(v), 30)}")
-    return v
-
-
 def parse_json(body: bytes, what: str):
     """JSON text -> a value, or a 400 for anything ``json`` cannot or should not take: not JSON, not UTF-8,
     nesting deep enough to exhaust the recursion limit, an integer literal over Python's 4,300 digits."""
@@ -362,14 +367,6 @@ def parse_json(body: bytes, what: str):
         raise ApiError(400, f"{what} is nested too deeply") from None
     except ValueError:  # JSONDecodeError, UnicodeDecodeError, int digits limit
         raise ApiError(400, f"{what} is not valid JSON") from None
-
-
-def json_object(body: bytes, shape: str) -> dict:
-    """A JSON object body (``shape``: how it should look, for the refusal), or a 400."""
-    value = parse_json(body, f"request body (JSON: {shape})")
-    if not isinstance(value, dict):
-        raise ApiError(400, f"request body must be a JSON object: {shape}")
-    return value
 
 
 #: What POST /sessions checks of an SDP offer's text before anything else, and the ``pattern`` of its ``sdp``
@@ -383,18 +380,20 @@ SDP_PATTERN = (
 _SDP_RE = re.compile(SDP_PATTERN)
 
 #: The cookie that tells one client (a browser, an HTTP client keeping cookies) from another for the
-#: pending-offer limit: on loopback every local user has the same address (127.0.0.1, and so has everyone
-#: behind a TLS proxy on the same host), so the address alone would let one user's pending offers lock out the
-#: others. The server sets it (random, HttpOnly) on the page and on the answer to POST /sessions.
+#: pending-offer limit and the turns of a full server: on loopback every local user has the same address
+#: (127.0.0.1, and so has everyone behind a TLS proxy on the same host), so the address alone would let one
+#: user's pending offers lock out the others. The server sets it (random, HttpOnly) on the page and on the
+#: answer to POST /sessions.
 CLIENT_COOKIE = "cadence_client"
 _COOKIE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
 def client_keys(address: str | None, cookie: str | None) -> tuple[str, ...]:
-    """Who a request comes from, for the pending-offer limit: its ``CLIENT_COOKIE`` (when it carries a
-    well-formed one) and its address, unless that is a loopback address (on loopback, one for every local
-    user: not a client). A loopback request without the cookie is a client of its own (none of its keys
-    matches another's): its offers are bounded by the groups they hold, not by the limit."""
+    """Who a request comes from, for the pending-offer limit and the turns of a full server
+    (``cadence.serve.admission``): its ``CLIENT_COOKIE`` (when it carries a well-formed one) and its address,
+    but on loopback the address only without a cookie (on loopback the address is every local user's: a
+    local client with the cookie is itself, and every local client without one is one client, 127.0.0.1, so
+    that re-posting without cookies cannot make it a new client each time)."""
     import ipaddress
 
     keys = []
@@ -404,7 +403,7 @@ def client_keys(address: str | None, cookie: str | None) -> tuple[str, ...]:
         local = address is not None and ipaddress.ip_address(address).is_loopback
     except ValueError:
         local = False
-    if address and not local:
+    if address and not (local and keys):
         keys.append(f"addr:{address}")
     return tuple(keys)
 
@@ -423,12 +422,12 @@ def with_client_cookie(request, response):
     return response
 
 
-def check_sdp(sdp, sdp_type, limit: int) -> None:
-    """An SDP offer's shape (aiortc parses it only then): text, type 'offer', under ``limit`` bytes, starting
-    with 'v=0', with a video section and a DTLS fingerprint."""
-    if not isinstance(sdp, str) or not sdp.strip():
+def check_sdp(sdp: str, sdp_type: str, limit: int) -> None:
+    """An SDP offer's shape (aiortc parses it only then; its fields' types are the request model's,
+    ``cadence.serve.schemas``): type 'offer', under ``limit`` bytes, starting with 'v=0', with a video section
+    and a DTLS fingerprint."""
+    if not sdp.strip():
         raise ApiError(400, "missing SDP offer ('sdp')")
-    check_text(sdp, "sdp")
     if sdp_type != "offer":
         raise ApiError(400, f"SDP type must be 'offer', got {short(str(sdp_type))!r}")
     if len(sdp.encode()) > limit:
@@ -449,4 +448,7 @@ def check_sdp(sdp, sdp_type, limit: int) -> None:
     try:  # aiortc's own parser, before any session is made: it refuses some lines with AssertionError
         SessionDescription.parse(sdp)
     except Exception as e:
-        raise ApiError(400, f"malformed SDP offer: {type(e).__name__} {short(str(e), 200)}".strip()) from None
+        detail = short(" ".join(str(e).split()), 200)  # (aiortc's words, never Python's exception name)
+        raise ApiError(
+            400, "malformed SDP offer: the WebRTC stack cannot parse it" + (f" ({detail})" if detail else "")
+        ) from None

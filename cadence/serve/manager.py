@@ -28,44 +28,26 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass
 
 import numpy as np
 from aiortc.exceptions import InvalidAccessError, OperationError
 
 from cadence.engine.messages import Died
 from cadence.errors import InputError
+from cadence.serve.admission import Turns
 from cadence.serve.agent import espeak_binary
 from cadence.serve.agents import make_agent
 from cadence.serve.config import DEFAULT_PROMPT, ServeConfig, agent_endpoint
-from cadence.serve.guard import MAX_PROMPT, Access, ApiError, check_sdp, short
+from cadence.serve.guard import Access, ApiError, check_sdp, short
 from cadence.serve.ports import GroupPort, GroupSource, SessionPort, WorkerSpeed
 from cadence.serve.reports import ReportStore, report_json
 from cadence.serve.rtc import VIDEO_CODECS, use_ice_host_addresses
+from cadence.serve.schemas import MAX_PROMPT, SessionCreated
 from cadence.serve.session import LiveSession, worker_speed
 from cadence.serve.uploads import ImageDecoder
 from cadence.telemetry.metrics import ServeMetrics
 
 log = logging.getLogger("cadence.serve")
-
-
-@dataclass(frozen=True)
-class SessionCreated:
-    """What ``POST /sessions`` answers (201): the session's id and token (shown only here), the SDP answer,
-    and what the client will receive. :meth:`as_json` is the body, in this order (``openapi.CREATED``)."""
-
-    session_id: str
-    token: str
-    sdp: str
-    type: str
-    agent: str
-    preset: str
-    fps: int
-    width: int
-    height: int
-
-    def as_json(self) -> dict:
-        return asdict(self)
 
 
 def group_source(cfg: ServeConfig) -> GroupSource:
@@ -95,6 +77,7 @@ class SessionManager:
         self.access = Access(cfg.api_key)  # the operator key, each session's token (by session id)
         # the creator's keys (guard.client_keys), while its slot is reserved or its session open
         self.clients: dict[str, tuple[str, ...]] = {}
+        self.turns = Turns()  # clients refused for want of a free group, in line (cadence.serve.admission)
         self.images = ImageDecoder(cfg, e)
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -182,6 +165,10 @@ class SessionManager:
         await self.source.stop()
         self.images.stop()
         use_ice_host_addresses(None)
+        # what ``start`` froze goes back to the collector: a process that goes on without the server (a test
+        # run, an app that stops its Pipecat manager) must be able to free it, and at exit frozen objects are
+        # never freed (their native parts then "leak": nanobind's lines after a test run's summary)
+        gc.unfreeze()
         self.started = False
 
     def _route(self, g: GroupPort, msg) -> None:
@@ -303,8 +290,10 @@ class SessionManager:
     def reserve(self, client: tuple[str, ...]) -> tuple[GroupPort, str]:
         """Admit a new session from ``client`` (its keys: ``cadence.serve.guard.client_keys``) or raise: 429
         (+ Retry-After) when the client already has ``max_pending_offers_per_client`` sessions waiting to
-        connect, 503 (+ Retry-After) when no group is free. The group is held for the new id at once (nothing awaits in between), so an image
-        decoding meanwhile cannot lose its slot to a later request."""
+        connect, 503 (+ Retry-After) when no group is free for it: none is, or the free ones are held for the
+        turns of clients refused before it (``cadence.serve.admission.Turns``: a client that comes back when
+        Retry-After says is refused at most once in a row). The group is held for the new id at once (nothing
+        awaits in between), so an image decoding meanwhile cannot lose its slot to a later request."""
         cfg = self.cfg
         pending = self.pending_offers(client)
         if pending >= cfg.max_pending_offers_per_client:
@@ -316,14 +305,23 @@ class SessionManager:
                 f"{cfg.connect_timeout_s:.0f} s for them to time out",
                 {"Retry-After": str(self.pending_free_in(client))},
             )
-        g = self.acquire()
-        if g is None:
+        now = time.monotonic()
+        free = sum(1 for g in self.groups if g.free)
+        # the source decides when no turn is ahead (a fleet's group is claimed before it counts as free here)
+        ahead = self.turns.ahead(client, now)
+        g = self.acquire() if not ahead or self.turns.may_take(client, free, now) else None
+        if g is None:  # none free, or the free ones held for the turns of clients refused earlier
             self.metrics.refused.inc()
+            wait = self.turns.wait_s(client, free, now)
+            retry = wait if wait is not None else self.retry_after()
+            self.turns.refused(client, now, retry)
+            held = " or held for clients refused before this one" if free else ""
             raise ApiError(
                 503,
-                f"no free session slot ({len(self.groups)} group(s), all busy); retry later",
-                {"Retry-After": str(self.retry_after())},
+                f"no free session slot ({len(self.groups)} group(s), all busy{held}); retry in {retry} s",
+                {"Retry-After": str(retry)},
             )
+        self.turns.admitted(client, now)
         sid = uuid.uuid4().hex
         g.session_id = sid
         self.clients[sid] = client
@@ -424,15 +422,15 @@ class SessionManager:
         answer = await self._answer(sess, image, sdp, sdp_type)
         e = self.engine_cfg
         return SessionCreated(
-            sid,
-            token,
-            answer.sdp,
-            answer.type,
-            ag.name,
-            e.name,
-            e.stream.fps,
-            e.stream.width,
-            e.stream.height,
+            session_id=sid,
+            token=token,
+            sdp=answer.sdp,
+            type=answer.type,
+            agent=ag.name,
+            preset=e.name,
+            fps=e.stream.fps,
+            width=e.stream.width,
+            height=e.stream.height,
         )
 
     async def _answer(self, sess, image, sdp: str, sdp_type: str):
@@ -453,4 +451,5 @@ class SessionManager:
         except Exception as e:
             await sess.close("start_failed")
             log.exception("session %s failed to start", sess.sid)
-            raise ApiError(500, f"session failed to start: {type(e).__name__}: {e}") from None
+            detail = " ".join(str(e).split())[:300] or "see the server's log"
+            raise ApiError(500, f"session failed to start: {detail}") from None

@@ -16,7 +16,8 @@ same media instant are always taken from the same chunk: the streams cannot drif
 the network or the model does. A chunk's audio is in the store from the moment it is planned (the
 agent's audio window does not need the model), its frames from the moment the worker has them back.
 Underrun policy (``AVBuffer``): when a chunk's frames are not there by the time they are due, video
-holds the last frame (counted); a chunk whose frames arrive late is used for what is still in the
+holds the last frame (counted), and so it does for a generated frame that is blank (one colour: what a
+non-finite model output decodes to; fresh is counted by content); a chunk whose frames arrive late is used for what is still in the
 future (the clock never stops). Audio goes silent only where no chunk was planned at all (a stalled
 event loop). When the worker is slower than real time, ``ChunkPlanner`` asks it only for the chunks
 it can return in time and plays the others' audio with the last frame held: fewer fresh frames per
@@ -262,6 +263,20 @@ class ChunkPlanner:
         self.in_flight = max(0, self.in_flight - 1)
 
 
+#: The share of every vCPU's time a hypervisor may take from a CPU worker for a while (CPU steal) that the lead
+#: of a CPU group absorbs. The recorded soaks on a shared 2-core VM met stretches of 23-42% steal, and every
+#: session below target ran in one (docs/perf/soak/NOTES.md, finding 7).
+STEAL_HEADROOM = 0.30
+
+
+def steal_slowdown(threads: int, steal: float = STEAL_HEADROOM) -> float:
+    """How much longer a CPU worker's chunk takes while ``steal`` of every vCPU's time is taken: its ``threads``
+    intra-op threads meet at every operator, so it advances only while all of their vCPUs run, a share
+    (1 - steal)^threads of the time: 1.43x for one thread at 30%, 2.04x for two. (The late chunks of the
+    recorded soaks took 2.4-3x their quiet time in 23-42% steal, two threads: the same order.)"""
+    return 1.0 / (1.0 - steal) ** max(1, int(threads))
+
+
 @dataclass
 class LatencyProfile:
     """A worker group's chunk latencies (plan -> frames back, s) over its recent sessions, on the clock
@@ -285,12 +300,13 @@ class LatencyProfile:
         if len(self._xs) > 2 * self.keep:
             del self._xs[: len(self._xs) - self.keep]
 
-    def lead(self) -> float | None:
-        """The lead (s) a new session should start with, or None while there are too few samples."""
+    def lead(self, slowdown: float = 1.0) -> float | None:
+        """The lead (s) a new session should start with, or None while there are too few samples;
+        ``slowdown``: how much longer chunks may take for a while than these did (``steal_slowdown``)."""
         xs = self._xs[-self.keep :]
         if len(xs) < self.min_samples:
             return None
-        return _quantile(xs, self.quantile) * self.scale + self.add
+        return _quantile(xs, self.quantile) * self.scale * slowdown + self.add
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -364,9 +380,11 @@ class AVBuffer:
     audio_underruns: int = (
         0  # 20 ms audio frames (partly) replaced by silence (their chunk was never planned)
     )
-    video_fresh: int = 0  # video frames sent from a generated chunk
+    video_fresh: int = 0  # video frames sent from a generated chunk, not blank (what the viewer gets)
+    video_blank: int = 0  # generated frames that were blank (one colour: a NaN decodes to black), replaced
     late_chunks: int = 0  # generated chunks whose frames came back after all of them were due
     _last: np.ndarray | None = None
+    _blank: dict[int, frozenset] = field(default_factory=dict)  # per chunk: its blank frames
     _min_needed: int = 0
     _video_chunk: int | None = None
     _audio_chunk: int | None = None
@@ -391,9 +409,11 @@ class AVBuffer:
         if self._video_chunk is not None and c < self._video_chunk:  # every frame of it is in the past
             self.late_chunks += 1
             return
+        blank = frozenset(i for i in range(f) if is_blank(frames[i]))  # (the model's, before any marker)
         if self.sync_marker_every > 0 and c % self.sync_marker_every == 0:
             frames = sync_marker_frames(frames)
         self.video[c] = frames
+        self._blank[c] = blank
         self._gc()
 
     def put_chunk(self, c: int, frames: np.ndarray, audio: np.ndarray) -> None:
@@ -434,17 +454,26 @@ class AVBuffer:
         return np.zeros((self.height, self.width, 3), np.uint8)
 
     def video_frame(self, k: int) -> tuple[np.ndarray, bool]:
-        """Frame ``k`` (uint8 [H, W, 3]) and whether it is fresh (False: the last frame, held)."""
+        """Frame ``k`` (uint8 [H, W, 3]) and whether it is fresh: a generated picture the viewer gets. Not fresh
+        (the last good frame held): its chunk is not here (``video_underruns``), or the frame is blank (every
+        pixel one colour, what a non-finite model output decodes to: ``video_blank``). So the fresh count,
+        and every figure made from it (the status's fps, the page, ``/metrics``, the report), counts
+        neither a held frame nor a black one."""
         c, i = self.timing.frame_chunk(k)
         ch = self.video.get(c)
         self._video_chunk = c
         self._gc()
+        held = self._last if self._last is not None else self.blank()
         if ch is None:
             self.video_underruns += 1
-            return (self._last if self._last is not None else self.blank()), False
-        self._last = ch[i]
+            return held, False
+        f = ch[i]
+        if i in self._blank.get(c, ()):
+            self.video_blank += 1
+            return held, False
+        self._last = f
         self.video_fresh += 1
-        return self._last, True
+        return f, True
 
     def audio_frame(self, n: int) -> tuple[np.ndarray, bool]:
         """Audio frame ``n`` (float32 [960]) and whether it is complete (False: silence filled in)."""
@@ -479,6 +508,21 @@ class AVBuffer:
             if len(store) > self.keep_chunks:  # a runaway producer: keep the oldest needed ones
                 for old in sorted(store)[self.keep_chunks :]:
                     del store[old]
+        for old in [k for k in self._blank if k not in self.video]:
+            del self._blank[old]
+
+
+def _probe(frame: np.ndarray) -> np.ndarray:
+    """A sparse grid of ``frame``'s pixels (about 32 x 32 of them)."""
+    step = max(1, min(frame.shape[0], frame.shape[1]) // 32)
+    return frame[::step, ::step]
+
+
+def is_blank(frame: np.ndarray) -> bool:
+    """Every pixel of ``frame`` the same colour value (a decoded NaN is black: a face never is one colour).
+    A sparse grid first: a generated frame is told from a blank one at about 1/64 of a full pass."""
+    first = frame.flat[0]
+    return bool((_probe(frame) == first).all() and (frame == first).all())
 
 
 def to_s16(samples: np.ndarray) -> np.ndarray:

@@ -17,12 +17,16 @@ worker's measured latency, so the lead is no longer than needed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from cadence.engine.messages import ChunkRequest, ChunkTimings
+from cadence.media.pcm import clean
 from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming, Plan
 from cadence.serve.rtc import MediaClock
 from cadence.serve.stats import SessionStats
+
+log = logging.getLogger("cadence.serve")
 
 
 async def wait_events(timeout: float, *events: asyncio.Event) -> None:
@@ -68,11 +72,14 @@ class ChunkScheduler:
             if plan is not None:
                 c = plan.chunk
                 window, marks = self.agent.take(spc)
+                window = self._finite(window)
                 self.buffer.put_audio(c, window)  # the audio plays whether or not its frames are made
                 self.stats.chunks_planned += 1
                 for mark in marks:
                     self.stats.mark_speech(
-                        c * timing.frames_per_chunk + timing.frame_of_sample(mark.offset), mark.t_agent
+                        c * timing.frames_per_chunk + timing.frame_of_sample(mark.offset),
+                        mark.t_agent,
+                        mark.kind,
                     )
                 if plan.generate:
                     self.plans[c] = (plan, now)
@@ -83,6 +90,21 @@ class ChunkScheduler:
                 await wait_events(1.0, self.wake, self.clock.started)
             else:
                 await wait_events(wait if wait is not None else 1.0, self.wake)
+
+    def _finite(self, window):
+        """The last guard before the worker: every sample finite and within [-1, 1] (the agents refuse or
+        clean what they are given; a sample that still is not is silenced, counted, and logged once)."""
+        window, bad = clean(window)
+        if bad:
+            if not self.stats.audio_nonfinite:
+                log.warning(
+                    "session %s: %d non-finite audio samples reached the scheduler: silenced (a bug; "
+                    "the report counts them: audio_nonfinite_samples)",
+                    self.sid,
+                    bad,
+                )
+            self.stats.audio_nonfinite += bad
+        return window
 
     def arrived(self, index: int, now: float, tm: ChunkTimings) -> tuple[float, float, Plan] | None:
         """A generated chunk is back: ``(t_plan, latency_ms, plan)``, or None for a chunk this session did not

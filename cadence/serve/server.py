@@ -1,5 +1,7 @@
 """Running the app under uvicorn: in the foreground (``cadence serve``) or in a background thread
-(tests, ``cadence bench serve`` when it starts its own server)."""
+(tests, ``cadence bench serve`` when it starts its own server), with the connection limits of
+``cadence.serve.connections`` (header-read and keep-alive timeouts, a minimum body rate, a cap per client
+address)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import threading
 import time
 
 from cadence.serve.config import ServeConfig
+from cadence.serve.connections import ConnectionLimits, guarded_protocol
 
 
 def _missing_extra(e: ModuleNotFoundError):
@@ -19,7 +22,49 @@ def _missing_extra(e: ModuleNotFoundError):
     )
 
 
-def run(cfg: ServeConfig, log_level: str = "info") -> None:
+class StartupInOneLine:
+    """The app for uvicorn, but a failed start-up (a worker that cannot start) is one log line, the reason,
+    where Starlette hands uvicorn the whole traceback to log."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def one_line(msg):
+            if msg["type"] == "lifespan.startup.failed":
+                msg = {**msg, "message": f"the server could not start: {startup_error(self.app)}"}
+            await send(msg)
+
+        await self.app(scope, receive, one_line)
+
+
+def startup_error(app) -> str:
+    return getattr(app.state, "startup_error", None) or "see the log above"
+
+
+def uvicorn_config(app, cfg: ServeConfig, limits: ConnectionLimits, **kw):
+    """uvicorn's config for ``app``: ``cfg``'s address, ``limits`` (the guarded h11 protocol, the keep-alive
+    timeout; refusals counted in the app's ``/metrics``), a bounded graceful shutdown."""
+    import uvicorn
+
+    def count(status: int) -> None:
+        app.state.manager.metrics.bad_requests.labels(str(status)).inc()
+
+    return uvicorn.Config(
+        StartupInOneLine(app),
+        host=cfg.host,
+        port=cfg.port,
+        http=guarded_protocol(limits, on_refuse=count),
+        timeout_keep_alive=limits.keepalive_timeout_s,
+        timeout_graceful_shutdown=15,
+        **kw,
+    )
+
+
+def run(cfg: ServeConfig, log_level: str = "info", limits: ConnectionLimits | None = None) -> None:
     """Serve until interrupted (uvicorn handles SIGINT/SIGTERM and runs the app's shutdown)."""
     try:
         import uvicorn
@@ -34,7 +79,8 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
     from cadence.serve.heap import cap_arenas
 
     cap_arenas()  # before any thread starts: this process is the server's own (cadence.serve.heap)
-    app = create_app(cfg)
+    limits = limits or ConnectionLimits()
+    app = create_app(cfg, limits=limits)
     # what group 0 builds (each group logs its own), from the recipe its groups were made with
     print(app.state.manager.source.recipe.describe().text(), file=sys.stderr)
     where = (
@@ -47,7 +93,15 @@ def run(cfg: ServeConfig, log_level: str = "info") -> None:
         f"first; OpenAPI at /openapi.json)",
         flush=True,
     )
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=15)
+    server = uvicorn.Server(uvicorn_config(app, cfg, limits, log_level=log_level))
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's own exit (3) after a failed start-up: said below, once
+        pass
+    if not server.started:  # the start-up failed (its one line is in the log above): an error, not exit 0
+        from cadence.errors import CadenceError
+
+        raise CadenceError(f"the server could not start: {startup_error(app)}")
 
 
 class ServerThread:
@@ -58,7 +112,7 @@ class ServerThread:
             httpx.get(srv.url + "/healthz")
     """
 
-    def __init__(self, cfg: ServeConfig, log_level: str = "warning"):
+    def __init__(self, cfg: ServeConfig, log_level: str = "warning", limits: ConnectionLimits | None = None):
         try:
             import uvicorn
 
@@ -66,19 +120,19 @@ class ServerThread:
         except ModuleNotFoundError as e:
             raise _missing_extra(e) from None
         self.cfg = cfg
-        self.app = create_app(cfg)
+        self.limits = limits or ConnectionLimits()
+        self.app = create_app(cfg, limits=self.limits)
         self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host=cfg.host,
-                port=cfg.port,
-                log_level=log_level,
-                lifespan="on",
-                timeout_graceful_shutdown=15,
-            )
+            uvicorn_config(self.app, cfg, self.limits, log_level=log_level, lifespan="on")
         )
-        self.thread = threading.Thread(target=self.server.run, name="cadence-uvicorn", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="cadence-uvicorn", daemon=True)
         self.url = ""
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except SystemExit:  # uvicorn exits after a failed start-up: ``start`` says why
+            pass
 
     @property
     def manager(self):
@@ -89,7 +143,7 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive():
-                raise RuntimeError("the server thread exited during startup (see its log)")
+                raise RuntimeError(f"the server could not start: {startup_error(self.app)}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the server did not start within {timeout:.0f} s")

@@ -37,8 +37,9 @@ from cadence.engine.messages import (
     OpenSession,
     SwitchPrompt,
 )
+from cadence.media.pcm import clean
 from cadence.serve.agent import Agent
-from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming
+from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming, steal_slowdown
 from cadence.serve.ports import SessionGroup, SessionHost, SessionSettings, WorkerSpeed
 from cadence.serve.rtc import (
     AudioOut,
@@ -67,27 +68,38 @@ def _r(x: float | None, nd: int = 1) -> float | None:
 
 def worker_speed(cfg: SessionSettings, chunk_seconds: float, group: SessionGroup) -> WorkerSpeed:
     """How a new session on ``group`` plans (seconds): the lead (``cfg.lead_ms``, raised with ``lead_auto``
-    to the worker's measured chunk latency x (1 + ``lead_margin``) + 20 ms), the latency of one chunk (plan
-    -> frames back) and the sustained time per chunk, as the worker's warm-up measured them (``lead_ms`` and
-    one chunk period when it measured nothing). The lower the lead, the sooner speech reaches the screen; it
-    cannot go below one chunk's work (the session's planner raises it further if chunks come back slower)."""
-    warm = (group.info.warmup if group.info is not None else None) or {}
+    to the worker's measured chunk latency x (1 + ``lead_margin``) + 20 ms, and to the tail of the group's
+    recent sessions), the latency of one chunk (plan -> frames back) and the sustained time per chunk, as the
+    worker's warm-up measured them (``lead_ms`` and one chunk period when it measured nothing). The lower the
+    lead, the sooner speech reaches the screen; it cannot go below one chunk's work (the session's planner
+    raises it further if chunks come back slower).
+
+    A CPU group's lead has headroom: it covers the latency its chunks would have while the hypervisor takes
+    ``STEAL_HEADROOM`` of every vCPU (``steal_slowdown``: 2.04x at two threads), capped at three chunk periods
+    (beyond that a worker is below real time, which no lead covers): on a shared VM the chunks of a few
+    seconds of steal came back late, and every session that missed 23.5 fresh fps ran in such a stretch
+    (docs/perf/soak/NOTES.md, finding 7). The price is latency (speech -> frame ~ lead + half a chunk)."""
+    info = group.info
+    warm = (info.warmup if info is not None else None) or {}
     latency = warm.get("steady_chunk_ms")
     interval = warm.get("interval_ms")
-    lead = cfg.lead_ms
+    slow = (
+        steal_slowdown(info.threads or 1) if info is not None and str(info.device).startswith("cpu") else 1.0
+    )
+    lead = cfg.lead_ms / 1e3
     if latency:
         # the web side's view: + the pipe and the event loop (+ a fleet group's Ray hop: transport_s)
         latency = latency / 1e3 + 0.01 + group.transport_s
         if cfg.lead_auto:
-            lead = max(lead, (latency * (1 + cfg.lead_margin) + 0.02) * 1e3)
+            lead = max(lead, min(latency * slow, 3 * chunk_seconds) * (1 + cfg.lead_margin) + 0.02)
     else:
         latency = min(cfg.lead_ms / 1e3, chunk_seconds)
     # the tail of the group's recent sessions (``cadence.serve.pacing.LatencyProfile``): a few-second session
     # is too short to meet the rare slow chunks that make it lose frames (docs/perf/soak/NOTES.md)
     tail = group.latency_profile.lead() if cfg.lead_auto else None
     if tail is not None:
-        lead = max(lead, tail * 1e3)
-    return WorkerSpeed(lead / 1e3, latency, interval / 1e3 if interval else min(latency, chunk_seconds))
+        lead = max(lead, min(group.latency_profile.lead(slow), 3 * chunk_seconds + 0.02), tail)
+    return WorkerSpeed(lead, latency, interval / 1e3 if interval else min(latency, chunk_seconds))
 
 
 class ClosesInBackground:
@@ -390,6 +402,16 @@ class LiveSession(ClosesInBackground):
     def _on_mic(self, samples: np.ndarray) -> None:
         self.stats.mic_frames += 1
         self.touch()
+        samples, bad = clean(samples)  # a live track cannot be refused: NaN and infinity become silence
+        if bad:
+            if not self.stats.mic_nonfinite:
+                log.warning(
+                    "session %s: the microphone sent %d non-finite samples (NaN or infinity): replaced by "
+                    "silence (the status counts the rest: mic_nonfinite_samples)",
+                    self.sid,
+                    bad,
+                )
+            self.stats.mic_nonfinite += bad
         self.agent.push_mic(samples)
 
     def _on_media_error(self, text: str) -> None:
@@ -504,7 +526,8 @@ class LiveSession(ClosesInBackground):
         out.update(self.stats.status_fields(now, closed))
         out.update(
             {
-                "video_frames_fresh": self.buffer.video_fresh,
+                "video_frames_fresh": self.buffer.video_fresh,  # generated, not blank: what the viewer gets
+                "video_frames_blank": self.buffer.video_blank,  # generated, blank: replaced by the last good one
                 "underruns": {"video": self.buffer.video_underruns, "audio": self.buffer.audio_underruns},
                 "chunks": {
                     "planned": self.stats.chunks_planned,

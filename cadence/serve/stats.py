@@ -68,16 +68,20 @@ class SessionStats:
         self._first_fresh = 0.0
         self._video_lag: collections.deque[float] = collections.deque(maxlen=240)
         self._audio_lag: collections.deque[float] = collections.deque(maxlen=500)
-        self._pending_marks: list[tuple[int, float]] = []  # (video frame, t_agent)
-        self.agent_latency_ms: list[float] = []
+        self._pending_marks: list[tuple[int, float, str]] = []  # (video frame, t_agent, kind)
+        self.agent_latency_ms: list[float] = []  # speech given to the character -> its first frame sent
+        self.mic_latency_ms: list[float] = []  # the user's voiced onset (mirror) -> its first frame sent
         self.mic_frames = 0
+        self.mic_nonfinite = 0  # microphone samples that were NaN or infinite (replaced by silence)
+        self.audio_nonfinite = 0  # chunk audio samples cleaned just before the worker (0 unless a bug)
         self.errors: list[str] = []
         self.timeline = Timeline(timeline_window_s)
 
     # ---- events ---------------------------------------------------------------------------------
-    def mark_speech(self, frame: int, t_agent: float) -> None:
-        """An agent segment starts at video frame ``frame`` (its first audio was had at ``t_agent``)."""
-        self._pending_marks.append((frame, t_agent))
+    def mark_speech(self, frame: int, t_agent: float, kind: str = "speech") -> None:
+        """An agent segment starts at video frame ``frame`` (its first audio was had at ``t_agent``; ``kind``:
+        "speech" or "mic", ``cadence.serve.agent.SegmentMark``)."""
+        self._pending_marks.append((frame, t_agent, kind))
 
     def chunk(
         self,
@@ -136,10 +140,15 @@ class SessionStats:
             self.first_frame_wall = time.time()
             self.metrics.ttff_hist.observe(self.ttff_ms)
         while self._pending_marks and self._pending_marks[0][0] <= k:
-            _, t_agent = self._pending_marks.pop(0)
+            _, t_agent, kind = self._pending_marks.pop(0)
             ms = (now - t_agent) * 1e3
-            self.agent_latency_ms.append(ms)
-            self.metrics.agent_latency_hist.observe(ms)
+            if kind == "mic":
+                self.mic_latency_ms.append(ms)
+                del self.mic_latency_ms[:-1000]
+            else:
+                self.agent_latency_ms.append(ms)
+                del self.agent_latency_ms[:-1000]
+                self.metrics.agent_latency_hist.observe(ms)
         return first
 
     def audio_frame(self, complete: bool, skipped: int, lag: float | None) -> None:
@@ -152,7 +161,8 @@ class SessionStats:
 
     # ---- figures --------------------------------------------------------------------------------
     def fps(self, now: float | None = None) -> float:
-        """Generated frames sent per second over the last 2 s (or since the first one)."""
+        """Fresh frames (new on screen: ``AVBuffer.video_frame``) sent per second over the last 2 s (or since
+        the first one)."""
         if not self._fresh_times:
             return 0.0
         now = time.monotonic() if now is None else now
@@ -207,11 +217,14 @@ class SessionStats:
             "decode_ms_p50": _r(_p50(self.decode_ms)),
             "agent_audio_to_frame_ms_p50": _r(_p50(self.agent_latency_ms)),
             "agent_audio_to_frame_ms_last": _r(self.agent_latency_ms[-1] if self.agent_latency_ms else None),
+            "mic_to_frame_ms_p50": _r(_p50(self.mic_latency_ms)),
+            "mic_to_frame_ms_last": _r(self.mic_latency_ms[-1] if self.mic_latency_ms else None),
             "av_offset_ms": _r(self.av_offset_ms()),
             "video_frames_sent": self.video_frames_sent,
             "audio_frames_sent": self.audio_frames_sent,
             "deadline_misses": self.deadline_misses,
             "mic_frames": self.mic_frames,
+            "mic_nonfinite_samples": self.mic_nonfinite,
             "worker_memory_mb": {k: _r(v) for k, v in self.timeline.memory_last.items()},
             "errors": self.errors[-5:],
         }
@@ -228,6 +241,8 @@ class SessionStats:
             # 2,000 chunks = 5.6 min at 4 frames per chunk); the timeline has every window of the session
             "chunk_latency_samples": len(lat),
             "agent_audio_to_frame_ms": [round(x, 1) for x in self.agent_latency_ms[-100:]],
+            "mic_to_frame_ms": [round(x, 1) for x in self.mic_latency_ms[-100:]],
+            "audio_nonfinite_samples": self.audio_nonfinite,
             "video_frames_skipped": self.video_frames_skipped,
             "audio_frames_skipped": self.audio_frames_skipped,
             "worker": self.worker_figures(),

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cadence.errors import InputError
+from cadence.media.pcm import NonFiniteAudio
 from cadence.serve.agent import decode_audio_bytes
-from cadence.serve.guard import ApiError, parse_json, short, str_field
+from cadence.serve.guard import ApiError, parse_json, short
 from cadence.serve.heap import trim_memory
 
 #: Formats a reference image may be in (Pillow plugin names); anything else is a 400 before any decoding.
@@ -36,9 +37,9 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes M
 
 @dataclass(frozen=True)
 class SessionBody:
-    """What ``POST /sessions`` carried: its text fields (to be checked, ``cadence.serve.guard``), the image's
-    bytes (None: none sent; ``b""``: an empty file, a 400 later) and whether it was a form (the seed's
-    syntax differs)."""
+    """What ``POST /sessions`` carried: its fields (to be checked by the body's model,
+    ``cadence.serve.schemas.session_models``), a form's image bytes (None: none sent; ``b""``: an empty file,
+    a 400 later) and whether it was a form (the seed's syntax differs)."""
 
     fields: dict
     image: bytes | None
@@ -52,7 +53,7 @@ async def read_session_body(request, max_image_bytes: int) -> SessionBody:
         body = parse_json(await request.body(), "request body")
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
-        return SessionBody(body, _base64_image(str_field(body, "image_base64", None)), form=False)
+        return SessionBody(body, None, form=False)
     if ctype.startswith("multipart/form-data"):
         return await _form_body(request, max_image_bytes)
     raise ApiError(
@@ -61,7 +62,8 @@ async def read_session_body(request, max_image_bytes: int) -> SessionBody:
     )
 
 
-def _base64_image(b64: str | None) -> bytes | None:
+def base64_image(b64: str | None) -> bytes | None:
+    """The image of a JSON ``POST /sessions`` (``image_base64``, a data URL's too), or a 400."""
     if not b64:
         return None
     if b64.startswith("data:"):
@@ -79,7 +81,7 @@ async def _form_body(request, max_image_bytes: int) -> SessionBody:
         raise
     except Exception as e:
         raise ApiError(400, f"could not parse the multipart form: {e}") from None
-    fields = {k: v for k, v in parsed.items() if isinstance(v, str)}
+    fields = {k: v for k, v in parsed.items() if isinstance(v, str) and k != "image"}
     image_bytes = None
     up = parsed.get("image")
     if up is not None and not isinstance(up, str):
@@ -192,10 +194,13 @@ class ImageDecoder:
 
 
 async def decode_speech(data: bytes, limit: int) -> np.ndarray:
-    """Any audio file FFmpeg decodes -> 48 kHz mono float32 (off the event loop), or 413 / 415."""
+    """Any audio file FFmpeg decodes -> 48 kHz mono float32 in [-1, 1] (off the event loop), or 413 / 415, or
+    400 for audio with NaN or infinite samples (a float WAV can carry them; they would blank the video)."""
     if len(data) > limit:
         raise ApiError(413, f"audio is too large ({len(data)} bytes; limit {limit})")
     try:
         return await asyncio.to_thread(decode_audio_bytes, data)
+    except NonFiniteAudio as e:
+        raise ApiError(400, str(e)) from None
     except InputError as e:
         raise ApiError(415, f"unsupported audio: {e}") from None

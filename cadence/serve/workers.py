@@ -31,6 +31,7 @@ from cadence.engine.messages import ChunkDone, ChunkRequest, Died, Dropped, Erro
 from cadence.engine.recipe import WorkerSpec
 from cadence.engine.shm import FrameRing
 from cadence.net import free_port
+from cadence.serve.lines import worker_ready_line
 from cadence.serve.pacing import LatencyProfile
 
 log = logging.getLogger("cadence.serve")
@@ -230,7 +231,8 @@ class WorkerGroup:
             case Ready(info=info):
                 self.info = info
                 self.ready.set()
-                log.info("worker %d ready (pid %s): %s", self.index, self.pid, self.info_dict())
+                log.info("%s", worker_ready_line(self.index, self.pid, info))  # (issue 39: one line to read)
+                log.debug("worker %d ready: %s", self.index, self.info_dict())
                 for note in info.notes:
                     log.info("worker %d: %s", self.index, note)
                 return

@@ -1,7 +1,7 @@
 """Prometheus metrics of the live server (``/metrics``), on a registry of its own per app.
 
 Per session (label ``session``; the series are removed when the session closes, so the label
-set stays bounded): fps, time to first frame, A/V offset, agent audio -> frame latency, video and
+set stays bounded): fps, time to first frame, A/V offset, speech -> frame latency, video and
 audio underruns, deadline misses, and the queue: chunks in flight at the worker and the playout
 headroom (generated video not yet sent, ms). Server-wide: a chunk latency histogram (plan -> frames back in
 the web process), sessions by close reason, admissions refused, active sessions, totals of
@@ -47,7 +47,11 @@ class ServeMetrics:
         """The per-session gauges (label ``session``)."""
         s = ("session",)
         self.fps = Gauge(
-            "cadence_session_fps", "Generated video frames delivered per second (last 2 s)", s, registry=r
+            "cadence_session_fps",
+            "Fresh video frames (generated and not blank: what the viewer gets) delivered per second "
+            "(last 2 s)",
+            s,
+            registry=r,
         )
         self.ttff = Gauge(
             "cadence_session_ttff_ms",
@@ -63,7 +67,8 @@ class ServeMetrics:
         )
         self.agent_latency = Gauge(
             "cadence_session_agent_audio_to_frame_ms",
-            "Agent first audio -> first speaking frame sent (last segment)",
+            "Speech given to the character (upload, say, TTS) -> its first frame sent (last segment; the "
+            "microphone that mirror mouths is not in it)",
             s,
             registry=r,
         )
@@ -100,7 +105,7 @@ class ServeMetrics:
         )
         self.agent_latency_hist = Histogram(
             "cadence_agent_audio_to_frame_ms",
-            "Agent first audio -> first speaking frame sent",
+            "Speech given to the character (upload, say, TTS) -> its first frame sent",
             buckets=_MS_BUCKETS,
             registry=r,
         )
@@ -115,7 +120,8 @@ class ServeMetrics:
         )
         self.underruns_total = Counter(
             "cadence_underruns",
-            "Underruns (video frames held + audio frames silenced)",
+            "Underruns: video frames held (their chunk late, or the generated frame blank: replaced by the "
+            "last good one) + audio frames silenced",
             ("kind",),
             registry=r,
         )

@@ -115,7 +115,9 @@
       document.body.dataset.degraded = s.degraded ? "1" : "0";
       $("m-ttff").textContent = ms(s.ttff_ms);
       $("m-latency").textContent = ms(s.chunk_latency_ms_p50);
+      // two measures, two names: speech given to the character, and the microphone that 'mirror' mouths
       $("m-agent").textContent = ms(s.agent_audio_to_frame_ms_last);
+      $("m-mic").textContent = ms(s.mic_to_frame_ms_last);
       // the agent's endpoint failing (talk): one clear line; the stream keeps running
       if (s.agent_error) setError(`agent: ${s.agent_error}`);
       $("m-av").textContent = s.av_offset_ms === null ? "-" : `${s.av_offset_ms.toFixed(1)} ms`;
