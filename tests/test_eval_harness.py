@@ -304,5 +304,7 @@ def test_evaluate_runs_a_model_family():
 
 
 def test_cli_old_drift_seconds_flag_is_accepted_with_a_note():
-    a = __import__("cadence.bench.eval", fromlist=["parse"]).parse(["--seconds", "8", "--drift-seconds", "1,8"])
+    a = __import__("cadence.bench.eval", fromlist=["parse"]).parse(
+        ["--seconds", "8", "--drift-seconds", "1,8"]
+    )
     assert a.drift_seconds == "1,8" and a.seconds == 8.0 and a.clips == 50
