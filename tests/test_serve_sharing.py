@@ -459,6 +459,9 @@ def test_two_groups_on_one_device_stream_two_sessions_each_from_its_own_state(mo
             a = await open_and_wait(mgr, images[0], 1)
             b = await open_and_wait(mgr, images[1], 2)
             assert a.group is not b.group and a.group.pid != b.group.pid  # two processes, two engines
+            info = a.group.info_dict()  # what /config lists per worker
+            assert info["share"]["groups"] == 2 and info["share"]["busy"] == 2 and info["mps"] is False
+            assert info["gpu_memory"] is None  # (a CPU group)
             assert a.state == b.state == "streaming"
             await asyncio.sleep(1.0)  # both streaming at once
             for s in (a, b):
@@ -479,3 +482,29 @@ def test_two_groups_on_one_device_stream_two_sessions_each_from_its_own_state(mo
 
     asyncio.run(main())
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(
+    "words, says",
+    [
+        (["--sessions-per-gpu", "0"], "--sessions-per-gpu must be >= 1, got 0"),
+        (
+            ["--sessions-per-gpu", "2", "--max-sessions", "3"],
+            "--max-sessions 3 groups on the CPU (one device) at --sessions-per-gpu 2: give one of them",
+        ),
+        (["--sessions-per-gpu", "2", "--capacity", "lots"], None),  # argparse's own usage error
+    ],
+)
+def test_serve_says_what_is_wrong_with_the_sharing_words_in_one_line(capsys, words, says):
+    from cadence.cli import main
+
+    try:
+        rc = main(["serve", *words])
+    except SystemExit as e:  # argparse: a usage line and status 2
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2
+    if says is not None:
+        assert err.strip().splitlines() == [f"error: {says}"], err
+    else:
+        assert "invalid choice: 'lots'" in err

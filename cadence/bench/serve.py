@@ -616,7 +616,7 @@ def _start_server(args, n: int, memory_fit: str = "error"):
             **share_words(args),
             **extra,
         )
-    ).start(timeout=start_timeout + 60)
+    ).start(timeout=2 * start_timeout + 120)  # (a shared GPU: two starts and the capacity measured)
     print(
         f"server: {srv.url} ({spec.model}, {len(groups)} group(s) on {args.device}"
         + (f", {per_gpu} per GPU" if args.device == "cuda" and per_gpu > 1 else "")

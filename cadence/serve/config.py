@@ -108,7 +108,8 @@ class ServeConfig:
     """Host ICE candidates to offer; None = ('127.0.0.1',) when serving on loopback, else aioice's own
     discovery (all non-loopback interfaces)."""
     worker_start_timeout_s: float = 120.0
-    """How long startup waits for the worker processes to build the model."""
+    """How long startup waits for the worker processes to build the model (on a GPU shared by several groups,
+    for each of its two starts: the first group alone, then the others)."""
     sync_marker_every: int = 0
     """Testing: every K-th chunk of every session carries an A/V sync marker (its first video frame
     solid white, its first 40 ms of audio a 1 kHz tone, at the same media time); 0 = off."""

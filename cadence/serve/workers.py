@@ -497,9 +497,8 @@ class LocalGroups:
         """Start every group; return when all are ready (RuntimeError: one failed, did not fit its GPU's
         memory, or the timeout). The first group of each shared GPU starts alone: its memory figures say how
         many more fit (``ShareRules.memory_fit``), then the others start; then each shared device's capacity
-        is measured (``ShareRules.measures``). (The manager exports this machine's groups to ``metrics``.)"""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        is measured (``ShareRules.measures``). Each of the two starts has ``timeout_s``. (The manager exports
+        this machine's groups to ``metrics``.)"""
         if self.rules.mps and any(g.device.startswith("cuda") for g in self.groups):
             from cadence.serve.mps import MpsDaemon
 
@@ -509,15 +508,16 @@ class LocalGroups:
             g.env = dict(self.mps.env) if self.mps is not None else {}
         later = {id(g) for s in self.shares if s.placement.kind == "cuda" for g in s.groups[1:]}
         first = [g for g in self.groups if id(g) not in later]
-        await self._start(first, deadline, timeout_s)
+        await self._start(first, timeout_s)
         self._fit_memory()
-        await self._start([g for g in self.groups if id(g) in later], deadline, timeout_s)
+        await self._start([g for g in self.groups if id(g) in later], timeout_s)
         if self.mps is not None:
             log.info("MPS: servers %s", await asyncio.to_thread(self.mps.servers))
         await self._measure_capacity()
 
-    async def _start(self, groups: list[WorkerGroup], deadline: float, timeout_s: float) -> None:
+    async def _start(self, groups: list[WorkerGroup], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         for g in groups:
             g.start()
         while not all(g.ready.is_set() for g in groups):
