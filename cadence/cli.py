@@ -157,7 +157,7 @@ def _add_serve(sub) -> None:
     )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
-    add_serve_flags(s)
+    add_serve_flags(s, sharing=True)
     add_deployment_flags(s)  # --deploy local|ray and each deployment's own (--ray ADDR, --fleet-*)
     s.set_defaults(func=cmd_serve)
 

@@ -121,7 +121,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_engine_flags(
         p
     )  # the self-started server's engine: the words `cadence serve` takes (--tp: GPUs per group)
-    add_serve_flags(p, capacity_default="report")
+    add_serve_flags(p, sharing=True, capacity_default="report")
     add_record_flags(p)
     a = p.parse_args(argv)
     if not 1.0 <= a.seconds <= 3600:

@@ -449,16 +449,22 @@ def deployment_from_args(args) -> Deployment:
     return DEPLOYMENTS[name].from_args(args)
 
 
-def add_serve_flags(parser, capacity_default: str = "auto") -> None:
+def add_serve_flags(parser, sharing: bool = False, capacity_default: str = "auto") -> None:
     """``cadence serve``'s own worker flags (the engine's come from ``cadence.engine.flags``): the frame
-    transport and where the groups go on a GPU (``--sessions-per-gpu``, ``--capacity``, ``--capacity-seconds``,
-    ``--mps``; ``cadence bench serve`` takes the same words, ``capacity_default`` 'report' there)."""
+    transport, and with ``sharing`` where the groups go on a GPU (``--sessions-per-gpu``, ``--capacity``,
+    ``--capacity-seconds``, ``--mps``: ``cadence serve`` and ``cadence bench serve``, whose
+    ``capacity_default`` is 'report'; an entry point with one group takes none of them)."""
     parser.add_argument(
         "--frame-transport",
         default="auto",
         choices=["auto", "pipe", "shm"],
         help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)",
     )
+    if sharing:
+        _add_sharing_flags(parser, capacity_default)
+
+
+def _add_sharing_flags(parser, capacity_default: str) -> None:
     g = parser.add_argument_group("several sessions per GPU")
     g.add_argument(
         "--sessions-per-gpu",
