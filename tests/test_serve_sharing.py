@@ -244,10 +244,14 @@ class _FakeGroup:
     def start(self):
         loop = asyncio.get_running_loop()
         self.started_at = loop.time()
-        loop.call_later(0.05, self.ready.set)
+        if self.env.get("CUDA_MPS_PIPE_DIRECTORY") == "/broken":  # a daemon that serves no client
+            loop.call_later(0.05, setattr, self, "start_error", "CUDA error: MPS client failed to connect")
+        else:
+            loop.call_later(0.05, self.ready.set)
 
-    async def stop(self):
+    async def stop(self, timeout: float = 10.0):
         self.ready.clear()
+        self.start_error = None
 
     def send(self, msg):
         self.sent.append(msg)
@@ -320,6 +324,31 @@ def test_the_first_group_of_a_shared_gpu_starts_alone_and_the_others_only_if_the
 
 
 # ---- MPS ---------------------------------------------------------------------------------------------------
+
+
+def test_workers_that_cannot_start_under_mps_start_without_it(monkeypatch, caplog):
+    from cadence.serve import mps
+    from cadence.serve.workers import LocalGroups
+
+    stopped = []
+    daemon = SimpleNamespace(env={"CUDA_MPS_PIPE_DIRECTORY": "/broken"}, stop=lambda: stopped.append(1))
+    monkeypatch.setattr(mps.MpsDaemon, "start", classmethod(lambda cls: daemon))
+
+    async def main():
+        gpu = _Gpu(0.002)
+        groups = [
+            _FakeGroup(i, "cuda:0", gpu, {"total_mb": 100_000.0, "free_mb": 90_000.0}) for i in range(2)
+        ]
+        src = LocalGroups(
+            groups, object, sharing=Sharing(("cuda:0", "cuda:0")), rules=ShareRules(capacity_s=0.2, mps=True)
+        )
+        with caplog.at_level(logging.WARNING, logger="cadence.serve"):
+            await src.start(lambda g, m: None, None, 10.0)
+        assert all(g.ready.is_set() and g.env == {} for g in groups) and src.mps is None and stopped == [1]
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "did not start under MPS" in line and "MPS client failed to connect" in line
+
+    asyncio.run(main())
 
 
 def _fake_mps(tmp_path, rc: int = 0):

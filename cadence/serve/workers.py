@@ -508,12 +508,28 @@ class LocalGroups:
             g.env = dict(self.mps.env) if self.mps is not None else {}
         later = {id(g) for s in self.shares if s.placement.kind == "cuda" for g in s.groups[1:]}
         first = [g for g in self.groups if id(g) not in later]
-        await self._start(first, timeout_s)
+        try:
+            await self._start(first, timeout_s)
+        except RuntimeError as e:
+            if self.mps is None:
+                raise
+            await self._without_mps(first, e)  # (a daemon that started but serves no client)
+            await self._start(first, timeout_s)
         self._fit_memory()
         await self._start([g for g in self.groups if id(g) in later], timeout_s)
         if self.mps is not None:
             log.info("MPS: servers %s", await asyncio.to_thread(self.mps.servers))
         await self._measure_capacity()
+
+    async def _without_mps(self, started: list[WorkerGroup], why: Exception) -> None:
+        """The workers could not start under MPS: one log line, the daemon stopped, the groups stopped and their
+        environment cleared (the caller starts them again, time-sharing the GPU)."""
+        log.warning("--mps: the workers did not start under MPS (%s): starting them without it", why)
+        await asyncio.gather(*(g.stop(timeout=2.0) for g in started), return_exceptions=True)
+        await asyncio.to_thread(self.mps.stop)
+        self.mps = None
+        for g in self.groups:
+            g.env, g._stopping = {}, False
 
     async def _start(self, groups: list[WorkerGroup], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
