@@ -12,7 +12,9 @@ process, which runs no CUDA), and asks the daemon to quit when the server stops 
 GPU is changed: not its compute mode (MPS clients share a GPU in the default mode too), not its clocks, and a
 daemon already running for the machine (``/tmp/nvidia-mps``) is left alone. When the binary is not there or
 the daemon does not start, :meth:`MpsDaemon.start` says so in one log line and returns None: the workers
-time-share the GPU as without ``--mps``.
+time-share the GPU as without ``--mps``; a daemon that starts but whose clients cannot start (the workers fail
+to come up under it) is stopped and the workers started again without it, also with one log line
+(``cadence.serve.workers.LocalGroups``).
 
 By hand, the same for any command (the workers inherit the variables)::
 
