@@ -169,6 +169,7 @@ def test_a_full_gpu_refuses_with_a_retry_after_that_comes_true(monkeypatch):
     monkeypatch.setattr(manager_mod.time, "monotonic", clock)
     mgr = _manager(("cuda:0",) * 3, capacity=2, max_duration_s=600.0, idle_timeout_s=120.0)
     a, b, c = ("cookie:" + "a" * 22,), ("cookie:" + "b" * 22,), ("cookie:" + "c" * 22,)
+    assert sum(g.free for g in mgr.groups) == 2  # what the GPU still takes, not its idle groups
     ga, sa = _stream(mgr, a, clock.t, started_ago=590.0)  # ends at its max duration in 10 s
     gb, sb = _stream(mgr, b, clock.t, started_ago=30.0)
     assert ga is not gb and sum(g.free for g in mgr.groups) == 0  # the third group is idle, not free
@@ -188,6 +189,31 @@ def test_a_full_gpu_refuses_with_a_retry_after_that_comes_true(monkeypatch):
     # capacity reported, not enforced: every group takes a session
     rep = _manager(("cuda:0",) * 3, capacity=1, enforced=False)
     assert [rep.reserve((f"addr:10.0.0.{i}",))[0].index for i in range(3)] == [0, 1, 2]
+
+
+def test_a_turn_on_a_full_gpu_is_kept_when_it_frees(monkeypatch):
+    """Capacity 1 of 2 groups: B, refused while A streams, comes back when told; C, arriving at that moment
+    first, is refused (the GPU takes one session, and it is B's turn), though an idle group is there too."""
+    from cadence.serve import manager as manager_mod
+    from cadence.serve.guard import ApiError
+
+    clock = _Clock()
+    monkeypatch.setattr(manager_mod.time, "monotonic", clock)
+    mgr = _manager(("cuda:0",) * 2, capacity=1, idle_timeout_s=60.0)
+    a, b, c = ("addr:10.0.0.1",), ("addr:10.0.0.2",), ("addr:10.0.0.3",)
+    ga, sa = _stream(mgr, a, clock.t, started_ago=0.0)
+    mgr.sessions[sa].last_activity = clock.t - 55.0  # idle: closed in 5 s
+    with pytest.raises(ApiError) as e:
+        mgr.reserve(b)
+    assert e.value.headers["Retry-After"] == "5"
+    clock.t += 5.0
+    mgr.sessions.pop(sa)
+    mgr.release(ga, sa)
+    with pytest.raises(ApiError) as e:
+        mgr.reserve(c)
+    assert e.value.status == 503 and "held for clients refused before" in e.value.message
+    g, _ = mgr.reserve(b)
+    assert g.device == "cuda:0" and mgr.source.shares[0].busy() == 1
 
 
 def test_sessions_spread_over_gpus_and_each_gpu_keeps_its_own_capacity(monkeypatch):
@@ -237,9 +263,15 @@ class _FakeGroup:
         self.sent: list = []
         self.started_at: float | None = None
 
+    stopping = False
+
     @property
     def free(self):
-        return self.ready.is_set() and self.session_id is None and (self.share is None or self.share.room())
+        return (
+            self.ready.is_set()
+            and self.session_id is None
+            and (self.share is None or self.share.admits(self))
+        )
 
     def start(self):
         loop = asyncio.get_running_loop()

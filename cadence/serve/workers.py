@@ -123,13 +123,17 @@ class WorkerGroup:
 
     @property
     def free(self) -> bool:
-        """Ready, holding no session, and on a device with room for one more (``SharedDevice.room``)."""
+        """Ready, holding no session, and on a device with room for one more (``SharedDevice.admits``)."""
         return (
             self.ready.is_set()
             and self.session_id is None
             and not self._stopping
-            and (self.share is None or self.share.room())
+            and (self.share is None or self.share.admits(self))
         )
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def info_dict(self) -> dict:
         """Its ``WorkerInfo`` as plain data, with ``share`` (the device it shares, its capacity) when shared."""
@@ -350,6 +354,15 @@ class SharedDevice:
     def room(self) -> bool:
         """Whether one more session may start on it."""
         return self.capacity is None or not self.enforced or self.busy() < self.capacity
+
+    def admits(self, g: WorkerGroup) -> bool:
+        """Whether idle group ``g`` counts as free: one of the first ``capacity - busy`` idle groups (so the
+        free groups the manager counts are the sessions the device still takes, as its turns need)."""
+        if self.capacity is None or not self.enforced:
+            return True
+        left = self.capacity - self.busy()
+        idle = [x for x in self.groups if x.session_id is None and x.ready.is_set() and not x.stopping]
+        return left > 0 and g in idle[:left]
 
     def describe(self) -> dict:
         return {
