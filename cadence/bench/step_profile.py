@@ -131,6 +131,8 @@ def part_of(labels: tuple[str, ...] | list[str], name: str) -> str:
 
 
 def _part_by_scope(s: set) -> str:
+    if "op:apply_rope" in s:
+        return "rope"
     if s & {"op:sum_squares", "op:rms_scale", "op:rms_norm", "op:sum_squares_pair", "mod:qk_norm"}:
         return "qk_norm"
     if s & {"op:norm_modulate", "op:layer_norm_cast"}:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cadence.model.rope import apply_rope
 from cadence.telemetry.spans import region
 
 
@@ -85,9 +86,9 @@ class ElementwiseOps:
     """The per-block elementwise math between the GEMMs and the attention calls, as plain functions.
 
     Blocks and RMS norms call these through an instance (``Block.ops``, ``RMSNorm.ops``; the
-    tensor-parallel ``ShardedRMSNorm`` calls ``sum_squares`` / ``rms_scale`` around its all-reduce) so that a
-    fused implementation can be swapped in from outside a built model
-    (:func:`cadence.runtime.compile.apply_compile`); this class is the reference.
+    tensor-parallel ``ShardedRMSNorm`` calls ``sum_squares`` / ``rms_scale`` around its all-reduce; the model's
+    own ``WanDiT.ops`` the whole-sequence RoPE, ``apply_rope``) so that a fused implementation can be swapped in
+    from outside a built model (:func:`cadence.runtime.compile.apply_compile`); this class is the reference.
     """
 
     rms_norm = staticmethod(rms_norm)
@@ -97,6 +98,7 @@ class ElementwiseOps:
     norm_modulate = staticmethod(norm_modulate)
     layer_norm_cast = staticmethod(layer_norm_cast)
     gate_residual = staticmethod(gate_residual)
+    apply_rope = staticmethod(apply_rope)
 
 
 PLAIN_OPS = ElementwiseOps()

@@ -61,7 +61,8 @@ import torch
 import torch.nn as nn
 
 from cadence.model import layers as L
-from cadence.model.dit import Block
+from cadence.model.dit import Block, WanDiT
+from cadence.model.rope import apply_rope_real as rope_real
 
 log = logging.getLogger("cadence.compile")
 
@@ -73,7 +74,12 @@ OPS = (
     "norm_modulate",
     "layer_norm_cast",
     "gate_residual",
+    "apply_rope",
 )
+
+#: Ops whose compiled form starts from another function than the plain reference (the same math written so that
+#: Inductor fuses it): the whole-sequence RoPE's complex product as real float32 arithmetic.
+COMPILED_FORM = {"apply_rope": rope_real}
 
 
 def _compiler_problem(device: torch.device) -> str | None:
@@ -193,11 +199,12 @@ def _signature_of(a):
 
 
 class _FusedOp:
-    """A compiled op with its plain reference; the first failure logs one line and switches to plain."""
+    """A compiled op with its plain reference; the first failure logs one line and switches to plain.
+    ``form``: the function compiled when it is not ``plain`` itself (:data:`COMPILED_FORM`)."""
 
-    def __init__(self, name: str, plain, backend: str):
+    def __init__(self, name: str, plain, backend: str, form=None):
         self.name, self.plain = name, plain
-        self.compiled = torch.compile(plain, backend=backend, dynamic=False, fullgraph=True)
+        self.compiled = torch.compile(form or plain, backend=backend, dynamic=False, fullgraph=True)
         self.failed: str | None = None
         self.calls = 0
         self.seen: set = set()  # input signatures compiled (COMPILE_GATE)
@@ -224,7 +231,7 @@ class FusedOps(L.ElementwiseOps):
 
     def __init__(self, backend: str = "inductor"):
         for name in OPS:
-            setattr(self, name, _FusedOp(name, getattr(L, name), backend))
+            setattr(self, name, _FusedOp(name, getattr(L, name), backend, COMPILED_FORM.get(name)))
 
     def status(self) -> dict:
         return {
@@ -241,12 +248,15 @@ class CompileReport:
     blocks: int = 0
     norms: int = 0
     backend: str = ""
+    models: int = 0  # models whose whole-sequence RoPE (WanDiT.ops.apply_rope) is compiled
     ops: FusedOps | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         if not self.enabled:
             return f"compile off ({self.reason})"
-        return f"compile on ({self.backend}): {self.blocks} blocks, {self.norms} RMS norms"
+        return f"compile on ({self.backend}): {self.blocks} blocks, {self.norms} RMS norms" + (
+            f", the whole-sequence RoPE of {self.models} model" if self.models else ""
+        )
 
     def status(self) -> dict:
         """Per-op state after running: compiled (with call counts) or the failure that made it plain."""
@@ -256,9 +266,9 @@ class CompileReport:
 def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: int = 16) -> CompileReport:
     """Swap the model's per-block elementwise ops for compiled ones (in place; returns a report).
 
-    Touches only modules that have an ``ops`` attribute holding the plain ops: blocks, RMS norms and
+    Touches only modules that have an ``ops`` attribute holding the plain ops: blocks, RMS norms,
     the tensor-parallel sharded norms (whose two local halves are compiled around their all-reduce,
-    which stays outside the compiled code).
+    which stays outside the compiled code) and the model itself (its whole-sequence RoPE, ``forward_full``).
     ``backend="aot_eager"`` traces without generating code (tests of the plumbing)."""
     try:
         device = next(model.parameters()).device
@@ -275,16 +285,18 @@ def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: 
         if hasattr(dynamo.config, knob):
             setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), recompile_limit))
     ops = FusedOps(backend)
-    blocks = norms = 0
+    blocks = norms = models = 0
     for m in model.modules():
         if getattr(m, "ops", None) is not L.PLAIN_OPS:
             continue
         m.ops = ops
         if isinstance(m, Block):
             blocks += 1
+        elif isinstance(m, WanDiT):  # the whole-sequence RoPE of forward_full
+            models += 1
         else:  # RMS norms, plain or tensor-parallel sharded
             norms += 1
-    rep = CompileReport(True, "", blocks, norms, backend, ops)
+    rep = CompileReport(True, "", blocks, norms, backend, models=models, ops=ops)
     log.info("%s", rep.describe())
     return rep
 
