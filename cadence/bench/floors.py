@@ -16,9 +16,9 @@ attention      4 q kv d of self / cross / audio attention over the rank's     10
 quantisation   every FP8 linear's activation quantised in front of it:        4.2 TB/s (HBM, read +
                read bf16, write e4m3 (3 B an element; SP: the gathered        write: docs/benchmarks.md's
                column inputs are quantised on the rank's P rows only)          device copy)
-elementwise    the fused per-token ops between them (adaLN norm + modulation  4.2 TB/s
-               2 x 4 B, gated residuals 2 x 6 B, the affine norm + residual
-               of cross / audio attention 4 + 6 B each, on the rank's rows:
+elementwise    the fused per-token ops between them (the first adaLN 4 B,     4.2 TB/s
+               the last gated residual 6 B, each residual add with the norm
+               after it 8 B: self, cross (+ audio); on the rank's rows:
                all N, or P under SP), GELU on fc1's output (4 B, all tokens),
                the sharded q / k RMS norms (6 B, all tokens, the rank's heads)
 cache          the ring write of the chunk's K and V (read bf16, write bf16 /  4.2 TB/s
@@ -124,7 +124,10 @@ def rank_bytes(
     for i in range(m.num_layers):
         audio = m.has_audio(i)
         branches = 2 if audio else 1  # cross (+ audio) attention: affine norm + residual add
-        ew += rows * d * el * (2 * 2 + 2 * 3 + branches * (2 + 3))
+        # the first adaLN (read x, write h), the last gated residual (read x, y; write x) and, per residual add
+        # before a norm (self-attention's, each cross / audio attention's), the add and the norm as one op:
+        # read x, y; write x, h (ElementwiseOps' pairs; unfused these are 3 + 2 bytes an element each)
+        ew += rows * d * el * (2 + 3 + (1 + branches) * 4)
         ew += t * f / n * el * 2  # GELU
         ew += (
             t * d / n * el * 3 * (3 + (1 if audio else 0))
@@ -193,8 +196,11 @@ def _per_layer_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bo
         # norms: not InfiniteTalk's); split over ranks a norm reads its input twice (local sum, then scaling)
         sites = 3 + (1 if audio and m.audio_arch != "multitalk" else 0)
         w["qk_norm"] += t * d / n * el * (3 if n > 1 else 2) * sites
-        w["norm_mod"] += rows * d * el * 2 * (2 + branches)  # adaLN x2, affine LN per branch: read + write
-        w["residual"] += rows * d * el * 3 * (2 + branches)  # gated x2, plain per branch: read 2, write 1
+        w["norm_mod"] += rows * d * el * 2  # the first adaLN: read + write
+        w["residual"] += rows * d * el * 3  # the last gated residual: read 2, write 1
+        w["res_norm"] += (
+            rows * d * el * 4 * (1 + branches)
+        )  # each residual add + the norm after it: 2 in, 2 out
         w["gelu"] += t * f / n * el * 2
     by = rank_bytes(cfg, tp, sp, fp8, kv_fp8, el)
     p = _passes(cfg)

@@ -193,13 +193,18 @@ class Block(nn.Module):
         mod = _split_mod(self.modulation, temb6)
         ops, eps = self.ops, self.norm1.eps
         h = ops.norm_modulate(x, mod.attn.shift, mod.attn.scale, eps)
-        x = ops.gate_residual(x, self.self_attn(h, cache, layer, commit), mod.attn.gate)
-        h = ops.layer_norm_cast(x, self.norm2.weight, self.norm2.bias, eps) if self.norm2 is not None else x
-        x = x + self.cross_attn(h, text_kv)
+        y = self.self_attn(h, cache, layer, commit)
+        # each residual add with the norm that reads its result: one op (ElementwiseOps), one compiled kernel
+        if self.norm2 is not None:
+            x, h = ops.gate_residual_layer_norm(x, y, mod.attn.gate, self.norm2.weight, self.norm2.bias, eps)
+        else:
+            x = h = ops.gate_residual(x, y, mod.attn.gate)
+        y = self.cross_attn(h, text_kv)
         if self.audio_attn is not None and audio_kv is not None:
             na = self.norm_audio
-            x = x + self.audio_attn(ops.layer_norm_cast(x, na.weight, na.bias, eps), audio_kv, groups=frames)
-        h = ops.norm_modulate(x, mod.ffn.shift, mod.ffn.scale, eps)
+            x, h = ops.add_layer_norm(x, y, na.weight, na.bias, eps)
+            y = self.audio_attn(h, audio_kv, groups=frames)
+        x, h = ops.add_norm_modulate(x, y, mod.ffn.shift, mod.ffn.scale, eps)
         return ops.gate_residual(x, self.ffn(h), mod.ffn.gate)
 
 

@@ -74,6 +74,9 @@ OPS = (
     "norm_modulate",
     "layer_norm_cast",
     "gate_residual",
+    "gate_residual_layer_norm",
+    "add_layer_norm",
+    "add_norm_modulate",
     "apply_rope",
 )
 
@@ -226,19 +229,61 @@ class _FusedOp:
         return out
 
 
-class FusedOps(L.ElementwiseOps):
-    """:class:`~cadence.model.layers.ElementwiseOps` with every op compiled (one instance per model)."""
+#: The residual add + norm ops (``ElementwiseOps``' pairs) and their halves: the add (None: the plain ``x + y`` in
+#: x's dtype) and the norm op.
+PAIRS = {
+    "gate_residual_layer_norm": ("gate_residual", "layer_norm_cast"),
+    "add_layer_norm": (None, "layer_norm_cast"),
+    "add_norm_modulate": (None, "norm_modulate"),
+}
 
-    def __init__(self, backend: str = "inductor"):
+
+def pairs_fused() -> bool:
+    """``CADENCE_COMPILE_PAIRS`` (default 1): each residual add + norm pair compiled as one function (one kernel);
+    0: as its two halves, each compiled apart, the plain add eager (the kernels before the pairs were one op)."""
+    return os.environ.get("CADENCE_COMPILE_PAIRS", "1") != "0"
+
+
+class _SplitPair:
+    """A pair op run as its two halves (``CADENCE_COMPILE_PAIRS=0``): the reference's kernel sequence."""
+
+    def __init__(self, add, norm):
+        self.add, self.norm = add, norm
+        self.calls = 0
+        self.failed = None
+
+    def __call__(self, x, y, *rest):
+        self.calls += 1
+        if self.add is None:
+            x = x + y
+        else:
+            x, rest = self.add(x, y, rest[0]), rest[1:]
+        return x, self.norm(x, *rest)
+
+
+class FusedOps(L.ElementwiseOps):
+    """:class:`~cadence.model.layers.ElementwiseOps` with every op compiled (one instance per model); the pair
+    ops as one compiled function each, or (``pairs`` False, default :func:`pairs_fused`) as their halves."""
+
+    def __init__(self, backend: str = "inductor", pairs: bool | None = None):
+        self.pairs = pairs_fused() if pairs is None else pairs
         for name in OPS:
+            if name in PAIRS and not self.pairs:
+                continue
             setattr(self, name, _FusedOp(name, getattr(L, name), backend, COMPILED_FORM.get(name)))
+        if not self.pairs:
+            for name, (add, norm) in PAIRS.items():
+                setattr(self, name, _SplitPair(getattr(self, add) if add else None, getattr(self, norm)))
 
     def status(self) -> dict:
-        return {
-            name: ("failed: " + op.failed) if op.failed else f"compiled ({op.calls} calls)"
-            for name in OPS
-            for op in [getattr(self, name)]
-        }
+        out = {}
+        for name in OPS:
+            op = getattr(self, name)
+            if isinstance(op, _SplitPair):
+                out[name] = f"split ({op.calls} calls)"
+            else:
+                out[name] = ("failed: " + op.failed) if op.failed else f"compiled ({op.calls} calls)"
+        return out
 
 
 @dataclass
@@ -391,10 +436,15 @@ class QuantizingOps:
 
     def __init__(self, base, producers: dict, modulate: bool, layer_norm: bool):
         self.base, self.producers = base, producers
+        # a residual add + norm op whose norm is produced here: the base's add, then the producer (two launches,
+        # as before the pair became one op: the producer fuses the quantisation, not the add)
         if modulate:
             self.norm_modulate = self._norm_modulate
+            self.add_norm_modulate = self._add_norm_modulate
         if layer_norm:
             self.layer_norm_cast = self._layer_norm_cast
+            self.gate_residual_layer_norm = self._gate_residual_layer_norm
+            self.add_layer_norm = self._add_layer_norm
 
     def __getattr__(self, name):  # only for what __init__ did not set: the base's op
         if name == "base":
@@ -404,6 +454,18 @@ class QuantizingOps:
     def _norm_modulate(self, x, shift, scale, eps):
         qs = self.producers["norm_modulate"](x, shift, scale, eps)
         return self.base.norm_modulate(x, shift, scale, eps) if qs is None else _activation(qs, x)
+
+    def _add_norm_modulate(self, x, y, shift, scale, eps):
+        x = x + y
+        return x, self._norm_modulate(x, shift, scale, eps)
+
+    def _gate_residual_layer_norm(self, x, y, gate, weight, bias, eps):
+        x = self.base.gate_residual(x, y, gate)
+        return x, self._layer_norm_cast(x, weight, bias, eps)
+
+    def _add_layer_norm(self, x, y, weight, bias, eps):
+        x = x + y
+        return x, self._layer_norm_cast(x, weight, bias, eps)
 
     def _layer_norm_cast(self, x, weight, bias, eps):
         qs = (
