@@ -256,11 +256,8 @@ def attn_tile(
 ):
     """One key tile for one block of query rows. k [BLOCK_N, D]; v [BLOCK_N, D] (a transposed view of
     the V^T tile for FP8). Logits in base 2 are t = (q . k) * r_i (* k_scale_j with per-token scales);
-    the running max is kept in those units, so the exponent is one multiply-add per element. V_UNIT (per-token
-    scales): c_prev is log2 of a unit c fixed for the whole key range (max v scale / 256, ``short_attn_kernel``),
-    subtracted in the exponent: P and l are kept divided by c (it cancels in acc / l; the log-sum-exp adds it
-    back), so P times v_scale_j is at most 256 with no per-tile maximum, no change of unit and v_scale used as
-    loaded (no layout conversion of a computed vector)."""
+    the running max is kept in those units, so the exponent is one multiply-add per element. V_UNIT: c_prev is
+    log2 of a unit fixed for the key range, subtracted in the exponent (``_short_item``)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     offs_n = start + tl.arange(0, BLOCK_N)
     valid = offs_n < n_hi
@@ -284,20 +281,7 @@ def attn_tile(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if SCALES == 1:
-        # P (<= 1) times v_scale_j / max_tile(v_scale) * 256 stays in FP8's normal range; the
-        # accumulator is kept in units of this tile's max_tile(v_scale) / 256 (c), so moving
-        # from the previous tile's unit to this one folds into the usual alpha rescale.
-        if MASK:
-            vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
-        else:
-            vs = tl.load(VS + h * svsh + offs_n * svsn)
-        if V_UNIT:
-            p = p * vs[None, :]
-        else:
-            c = tl.maximum(tl.max(vs, axis=0), 1e-30) / 256.0
-            p = p * (vs / c)[None, :]
-            alpha = alpha * (c_prev / c)
-            c_prev = c
+        p, alpha, c_prev = _p_times_v_scale(p, alpha, c_prev, VS, svsh, svsn, h, offs_n, valid, MASK, V_UNIT)
     if QUANT:
         if PV_BF16:
             pv = p.to(tl.bfloat16)
@@ -313,6 +297,27 @@ def attn_tile(
         vv = vv.to(tl.float32)
     acc = tl.dot(pv, vv, acc * alpha[:, None], input_precision=PREC)
     return m_new, l_i, acc, c_prev
+
+
+@triton.jit
+def _p_times_v_scale(
+    p, alpha, c_prev, VS, svsh, svsn, h, offs_n, valid, MASK: tl.constexpr, V_UNIT: tl.constexpr
+):
+    """Per-token V scales: P (<= 1) times v_scale_j / max_tile(v_scale) * 256 stays in FP8's normal range; the
+    accumulator is kept in units of this tile's max_tile(v_scale) / 256 (c), so moving from the previous tile's
+    unit to this one folds into the usual alpha rescale. V_UNIT: the unit is the item's, already out of P."""
+    if MASK:
+        vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
+    else:
+        vs = tl.load(VS + h * svsh + offs_n * svsn)
+    if V_UNIT:
+        p = p * vs[None, :]
+    else:
+        c = tl.maximum(tl.max(vs, axis=0), 1e-30) / 256.0
+        p = p * (vs / c)[None, :]
+        alpha = alpha * (c_prev / c)
+        c_prev = c
+    return p, alpha, c_prev
 
 
 @triton.jit
@@ -572,7 +577,11 @@ def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, s
                 HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                 SCALES: tl.constexpr, V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, WS: tl.constexpr,
                 DOT_F32: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-    """One item: BLOCK_M query rows from `row` of head h over the keys [n_lo, n_hi), written as split sp."""
+    """One item: BLOCK_M query rows from `row` of head h over the keys [n_lo, n_hi), written as split sp.
+    V_UNIT (per-token scales): c = log2 of a unit fixed for the item (its max v scale / 256) is subtracted in the
+    exponent, so P and l are kept divided by the unit (it cancels in acc / l; the log-sum-exp adds it back) and
+    P times v_scale_j is at most 256 with no per-tile maximum, no change of unit, and the v scales used as loaded
+    (no layout conversion of a computed vector)."""
     offs = row + tl.arange(0, BLOCK_M)
     mm = offs < M
     q = q_desc.load([h, row, 0]).reshape(BLOCK_M, HEAD_D)
