@@ -174,6 +174,20 @@ def test_compiled_rope_and_model_seam():
     assert float((got - want).norm() / want.norm()) < 1e-4  # compile tests' model tolerance
 
 
+@pytest.mark.skipif(not HAVE_INDUCTOR, reason="no C++ compiler for inductor")
+def test_rope_reference_switch(monkeypatch):
+    """CADENCE_COMPILE_ROPE=0: the blocks compiled, the model's whole-sequence RoPE left on the reference."""
+    from cadence.runtime.compile import apply_compile, remove_compile
+
+    monkeypatch.setenv("CADENCE_COMPILE_ROPE", "0")
+    cfg = get_preset("tiny")
+    model = build_model(cfg, "cpu", torch.float32, seed=0)
+    rep = apply_compile(model, backend="aot_eager")
+    assert rep.blocks == cfg.model.num_layers and rep.models == 0 and model.ops is L.PLAIN_OPS
+    assert "RoPE" not in rep.describe()
+    remove_compile(model)
+
+
 def test_grid_tables_are_kept_per_geometry():
     rope = Rope3D((12, 10, 10), 10_000.0)
     c, s = rope.grid_cos_sin(3, 2, 4, 5)

@@ -21,6 +21,11 @@ the best kernels; the few shapes a stream uses are bounded by ``recompile_limit`
 happens on the first call of a shape, which is an eager warm-up step under the graph runner,
 never inside a CUDA-graph capture.
 
+The whole-sequence RoPE (``forward_full``'s, ``WanDiT.ops.apply_rope``) compiles the same products written as
+real float32 arithmetic (:data:`COMPILED_FORM`): one pass over q / k instead of the complex reference's three;
+``CADENCE_COMPILE_ROPE=0`` keeps the reference. Each residual add and the norm after it (``ElementwiseOps``'
+pairs) compile as one function, one kernel; ``CADENCE_COMPILE_PAIRS=0`` runs their halves (:data:`PAIRS`).
+
 Fallback: when compilation cannot run (no Triton for CUDA tensors, no C++ compiler for CPU
 tensors, or the compiler raises on a shape), that op falls back to the plain function with one log
 line; the stream never fails because of this module. ``CADENCE_COMPILE=0`` turns it off.
@@ -338,6 +343,9 @@ def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: 
         if isinstance(m, Block):
             blocks += 1
         elif isinstance(m, WanDiT):  # the whole-sequence RoPE of forward_full
+            if os.environ.get("CADENCE_COMPILE_ROPE", "1") == "0":  # its reference: the complex float32 path
+                m.ops = L.PLAIN_OPS
+                continue
             models += 1
         else:  # RMS norms, plain or tensor-parallel sharded
             norms += 1
