@@ -100,6 +100,11 @@ def test_kept_embedding_follows_weights_and_values_in_place():
     assert torch.equal(cache.get(model, ts, 1).temb6, model.pass_time(torch.tensor([500.0])).temb6)
     del ts  # the entry goes with its timesteps tensor
     assert not cache._entries
+    with torch.inference_mode():  # no version counter to check against: computed on every call, never kept
+        ti = torch.tensor([1000.0])
+        n = cache.computed
+        assert torch.equal(cache.get(model, ti, 0).temb6, cache.get(model, ti, 0).temb6)
+    assert cache.computed == n + 2 and not cache._entries
 
 
 def test_forward_takes_prepared_time_and_audio():

@@ -36,7 +36,9 @@ from cadence.runtime.sampler import Schedule
 def _params_signature(model) -> tuple:
     """Identity and version of the time layers' parameters: what a kept embedding depends on besides t."""
     mods = [getattr(model, n, None) for n in ("time_embed", "time_proj")]
-    return tuple((id(p), p._version) for m in mods if m is not None for p in m.parameters())
+    params = [p for m in mods if m is not None for p in m.parameters()]
+    # an inference tensor has no version counter: its identity and storage stand in (never equal twice if new)
+    return tuple((id(p), p.data_ptr() if p.is_inference() else p._version) for p in params)
 
 
 class _Times:
@@ -67,6 +69,8 @@ class PassTimes:
         self.computed = 0  # embeddings computed (a hit computes none): tests
 
     def get(self, model: WanDiT, timesteps: torch.Tensor, i: int) -> PassTime:
+        if timesteps.is_inference():  # no version counter to check a kept value against: computed each time
+            return self._compute(model, timesteps, i)
         capturing = timesteps.is_cuda and torch.cuda.is_current_stream_capturing()
         key = (id(model), id(timesteps))
         entry = self._entries.get(key)
