@@ -204,3 +204,35 @@ def test_grid_tables_are_kept_per_geometry():
     assert len(rope._tables) == Rope3D.MAX_TABLES and rope.grid_cos_sin(3, 2, 4, 5)[0] is c  # never evicted
     rope.to("cpu")
     assert not rope._tables
+
+
+@torch.no_grad()
+def test_captured_step_reads_the_kept_embeddings():
+    """The graph runner's eager warm-up fills the kept embeddings; the captured passes compute none (they read
+    the kept tensors, so a CUDA graph holds no timestep GEMV) and replay to the eager step's result."""
+    from cadence.bench.step import fill_cache_random
+    from cadence.runtime.graphs import GraphRunner
+
+    cfg = get_preset("tiny").with_overrides(stream={"cache": "ring"})
+    gen, sess = _session(cfg)
+    g = torch.Generator().manual_seed(5)
+    fill_cache_random(sess.cache, cfg, gen.model, g)
+    audio = torch.randn(cfg.audio_samples_per_chunk, generator=g) * 0.1
+    calls, seen = [], {}
+    embed = gen.model.time_embedding
+    gen.model.time_embedding = lambda t: calls.append(1) or embed(t)
+
+    class Capture:  # stands in for the CUDA capture: runs the step once at capture, again at each replay
+        def __init__(self, fn):
+            before = len(calls)
+            self.fn, self.output = fn, fn()
+            seen["in_capture"] = len(calls) - before
+
+        def replay(self):
+            self.output = self.fn()
+
+    runner = GraphRunner(capture=Capture, warmup=1)
+    sess.step(audio, runner=runner)  # the eager warm-up
+    assert calls  # (the first chunk embeds its passes' timesteps)
+    sess.step(audio, runner=runner)  # the capture (and its replay)
+    assert runner.stats.captures == 1 and seen["in_capture"] == 0
