@@ -59,6 +59,13 @@ def test_ops_match_reference(backend):
         (ops.sum_squares_pair(x[..., :32], y[..., 32:]), L.sum_squares_pair(x[..., :32], y[..., 32:])),
         (ops.rms_scale(x[..., :32], L.sum_squares(x), w[:32], 64, 1e-6), L.rms_norm(x, w, 1e-6)[..., :32]),
     ]
+    # a residual add with the norm after it (one op: one compiled kernel), both results against the reference
+    for name, args in (
+        ("gate_residual_layer_norm", (x, y, gate, w, b, 1e-6)),
+        ("add_layer_norm", (x, y, w, b, 1e-6)),
+        ("add_norm_modulate", (x, y, shift, scale, 1e-6)),
+    ):
+        pairs += list(zip(getattr(ops, name)(*args), getattr(L, name)(*args)))
     for got, ref in pairs:
         assert got.dtype == ref.dtype and got.shape == ref.shape
         assert rel(got, ref) < 1e-6
@@ -71,6 +78,41 @@ def test_ops_match_reference(backend):
     assert (ops.gate_residual(xb, yb, gate).float() - L.gate_residual(xb, yb, gate).float()).abs().max() <= (
         L.gate_residual(xb, yb, gate).float().abs().max() * 2**-8
     )
+    # bf16: the new residual is the reference's rounding of the same sum (the plain add rounds x + y once; the
+    # gated one rounds x + y * gate once, as gate_residual does); the norm of it within one bf16 unit
+    for name, args in (
+        ("gate_residual_layer_norm", (xb, yb, gate, w, b, 1e-6)),
+        ("add_layer_norm", (xb, yb, w, b, 1e-6)),
+        ("add_norm_modulate", (xb, yb, shift, scale, 1e-6)),
+    ):
+        (gx, gh), (rx, rh) = getattr(ops, name)(*args), getattr(L, name)(*args)
+        assert gx.dtype == gh.dtype == torch.bfloat16
+        assert (gx.float() - rx.float()).abs().max() <= rx.float().abs().max() * 2**-8, name
+        assert ((gh.float() - rh.float()).abs() <= rh.float().abs() * 2**-7 + 1e-3).all(), name
+
+
+@pytest.mark.parametrize("backend", backends)
+def test_pairs_split_into_their_halves(monkeypatch, backend):
+    """CADENCE_COMPILE_PAIRS=0 (the kernels before the pairs were one op): each pair runs its two compiled halves
+    (the plain add eager); the same values as the one-function pair within the single ops' tolerance."""
+    from cadence.runtime.compile import PAIRS, FusedOps
+
+    monkeypatch.setenv("CADENCE_COMPILE_PAIRS", "0")
+    split, one = FusedOps(backend), FusedOps(backend, pairs=True)
+    assert not split.pairs and one.pairs
+    x, y, shift, scale, gate, w, b = op_inputs(torch.float32)
+    args = {
+        "gate_residual_layer_norm": (x, y, gate, w, b, 1e-6),
+        "add_layer_norm": (x, y, w, b, 1e-6),
+        "add_norm_modulate": (x, y, shift, scale, 1e-6),
+    }
+    assert set(args) == set(PAIRS)
+    for name, a in args.items():
+        for got, want, ref in zip(getattr(split, name)(*a), getattr(one, name)(*a), getattr(L, name)(*a)):
+            assert rel(got, ref) < 1e-6 and rel(want, ref) < 1e-6
+    st = split.status()
+    assert all(st[n] == "split (1 calls)" for n in PAIRS), st
+    assert st["layer_norm_cast"] == "compiled (2 calls)" and st["gate_residual"] == "compiled (1 calls)"
 
 
 def stream(gen, n=5):
@@ -99,7 +141,10 @@ def test_model_stream_matches_reference(backend):
         "sum_squares",
         "sum_squares_pair",
         "rms_scale",
-    )  # only TP-sharded norms call these (test_tp.py)
+        "apply_rope",
+        "layer_norm_cast",
+    )  # only TP-sharded norms call the first three (test_tp.py); the RoPE only forward_full (test_step_reuse.py);
+    # a Wan block's affine norms come with their residual add (gate_residual_layer_norm, add_layer_norm)
     assert all(
         v.startswith("compiled") and not v.startswith("compiled (0")
         for k, v in st.items()
@@ -154,11 +199,15 @@ def test_cuda_bf16_ops_and_graph_capture():
         ("layer_norm_cast", (x, w, b, 1e-6)),
         ("gate_residual", (x, y, gate)),
         ("rms_norm", (x, w.bfloat16(), 1e-6)),
+        ("gate_residual_layer_norm", (x, y, gate, w, b, 1e-6)),
+        ("add_layer_norm", (x, y, w, b, 1e-6)),
+        ("add_norm_modulate", (x, y, shift, scale, 1e-6)),
     ):
         got, ref = getattr(ops, name)(*args), getattr(L, name)(*args)
-        assert got.dtype == ref.dtype == torch.bfloat16
-        tol = ref.float().abs() * 2**-7 + 1e-3
-        assert ((got.float() - ref.float()).abs() <= tol).all(), name
+        for g, r in zip(got, ref) if isinstance(ref, tuple) else [(got, ref)]:
+            assert g.dtype == r.dtype == torch.bfloat16
+            tol = r.float().abs() * 2**-7 + 1e-3
+            assert ((g.float() - r.float()).abs() <= tol).all(), name
     assert all(not s.startswith("failed") for s in ops.status().values()), ops.status()
     static = x.clone()
     out = ops.norm_modulate(static, shift, scale, 1e-6)  # warm-up (already compiled for this shape)

@@ -278,3 +278,72 @@ def test_split_combine_with_empty_splits_and_out_buffer():
     assert out.data_ptr() == big.data_ptr()
     assert rel(out, ra.ring_attention_reference(*bufs, 45)) < 1e-5
     assert torch.isnan(big[m:]).all()  # nothing written past the rows asked for
+
+
+# ---- the short-query kernel (persistent items over row blocks, heads and key splits) -------------------------
+@pytest.mark.parametrize("n_valid", [200, 77])
+@pytest.mark.parametrize("split", [1, 3, None])
+def test_short_attention_float32_exact(n_valid, split):
+    """Float32 storage: exact flash attention whatever the split and however the items fall on the persistent
+    programs (under the interpreter 3 programs run 6-18 items each in turn); every output row written (the
+    output is poisoned first); splits with no visible key weigh 0 in the combine."""
+    g = torch.Generator().manual_seed(10)
+    m, n, h, d = 70, 200, 2, 32
+    q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
+    bufs = _buffers(q, k, v, torch.float32)
+    nv = torch.tensor([n_valid], dtype=torch.int32).to(DEV)
+    out = torch.full((m, h, d), float("nan"), device=DEV)
+    got = ra.short_attention(*bufs, nv, split=split, out=out, out_dtype=torch.float32)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    assert rel(out, ra.ring_attention_reference(*bufs, n_valid)) < 1e-5
+
+
+@pytest.mark.parametrize("v_unit", [True, False], ids=["item-unit", "tile-unit"])
+def test_short_attention_fp8_per_token_within_budget(v_unit):
+    """FP8 Q/K/V with per-token scales, P in FP8: the budgets of test_ring_attention_fp8_within_budget against
+    the float32 attention of the unquantised inputs and against the reference on the same quantised buffers.
+    With one accumulator unit per item (v_unit) P is scaled by v_scale_j / max over the item's keys rather than
+    over the tile's: small-scale tokens' P values sit lower in e4m3's range, within the same budget."""
+    g = torch.Generator().manual_seed(11)
+    m, n, h, d = 64, 200, 2, 32
+    q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
+    v[::7] *= 0.1  # tokens with a tenth of the others' v scale: what the unit per item must carry
+    bufs = _buffers(q, k, v, ra.FP8)
+    nv = torch.tensor([n], dtype=torch.int32).to(DEV)
+    out = ra.short_attention(*bufs, nv, split=2, v_unit=v_unit, out_dtype=torch.float32)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    ).transpose(0, 1)
+    interp = ra.interpreting()
+    assert torch.isfinite(out).all()
+    assert rel(out, exact) < (0.15 if interp else 0.08)
+    assert rel(out, ra.ring_attention_reference(*bufs, n)) < (0.12 if interp else 0.04)
+    assert rel(out, exact) > 1e-3
+
+
+def test_short_attention_head_scales_within_budget():
+    """Per-head K/V scales (the triton_head layout): the same budgets."""
+    g = torch.Generator().manual_seed(12)
+    m, n, h, d = 64, 200, 2, 32
+    q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
+    bufs = _head_buffers(q, k, v)
+    nv = torch.tensor([150], dtype=torch.int32).to(DEV)
+    out = ra.short_attention(*bufs, nv, out_dtype=torch.float32)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k[:150].transpose(0, 1), v[:150].transpose(0, 1)
+    ).transpose(0, 1)
+    interp = ra.interpreting()
+    assert rel(out, exact) < (0.15 if interp else 0.08)
+    assert rel(out, ra.ring_attention_reference(*bufs, 150)) < (0.12 if interp else 0.04)
+
+
+def test_short_splits_fill_the_programs():
+    """The split count: W57 TP=4 (12 row blocks of 64 x 16 heads, 123 key tiles of 128, 2 programs on each of
+    132 SMs) splits 4 ways (768 items: 2.9 per program, against 192 items leaving 72 of 264 slots idle); no
+    split is ever empty; many units need no split."""
+    assert ra.short_splits(192, 123, 264) == 4
+    assert ra.short_splits(2640, 123, 264) == 1  # ten whole waves already
+    for units, tiles, programs in ((192, 123, 264), (240, 123, 264), (3, 7, 3), (1, 1, 132)):
+        s = ra.short_splits(units, tiles, programs)
+        per = -(-tiles // s)
+        assert 1 <= s and (s - 1) * per < tiles

@@ -8,15 +8,17 @@ chunk (all passes, all layers) and the time that work takes at the ceilings meas
 part           work counted per rank                                           at
 ============== ============================================================== =========================
 linears        2 M K N of every linear: the block linears' 1/N shards, the    1200 TFLOP/s FP8 GEMM
-               replicated ones (patch embedding, head, embedders) whole        (790 bf16)
+               replicated ones (patch embedding, head, embedders) whole;      (790 bf16)
+               the audio K/V and embedder once per chunk, the time MLP /
+               projection not at all (kept across chunks: runtime.chunk)
 attention      4 q kv d of self / cross / audio attention over the rank's     1000 TFLOP/s FP8 K/V
                heads                                                           (540 bf16, cuDNN)
 quantisation   every FP8 linear's activation quantised in front of it:        4.2 TB/s (HBM, read +
                read bf16, write e4m3 (3 B an element; SP: the gathered        write: docs/benchmarks.md's
                column inputs are quantised on the rank's P rows only)          device copy)
-elementwise    the fused per-token ops between them (adaLN norm + modulation  4.2 TB/s
-               2 x 4 B, gated residuals 2 x 6 B, the affine norm + residual
-               of cross / audio attention 4 + 6 B each, on the rank's rows:
+elementwise    the fused per-token ops between them (the first adaLN 4 B,     4.2 TB/s
+               the last gated residual 6 B, each residual add with the norm
+               after it 8 B: self, cross (+ audio); on the rank's rows:
                all N, or P under SP), GELU on fc1's output (4 B, all tokens),
                the sharded q / k RMS norms (6 B, all tokens, the rank's heads)
 cache          the ring write of the chunk's K and V (read bf16, write bf16 /  4.2 TB/s
@@ -55,7 +57,7 @@ def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
     frames = s.latent_frames_per_chunk // m.patch[0]
     a = m.audio_tokens_per_frame * frames
     passes = s.passes + (1 if s.commit == "clean_pass" else 0)
-    lin = attn = 0.0
+    lin = attn = once = 0.0
     for i in range(m.num_layers):
         lin += 2 * t * d * (3 * d + d)  # qkv + out
         lin += 2 * t * d * (2 * d)  # cross q + out (text K/V once per session: not per chunk)
@@ -63,13 +65,15 @@ def chunk_flops(cfg: CadenceConfig) -> dict[str, float]:
         attn += 4 * t * cfg.kv_tokens * d  # self: QK^T and PV
         attn += 4 * t * m.text_len * d  # cross
         if m.has_audio(i):
-            lin += 2 * t * d * 2 * d + 2 * a * d * 2 * d  # audio q/out + audio K/V
+            lin += 2 * t * d * 2 * d  # audio q/out
+            once += 2 * a * d * 2 * d  # audio K/V: once per chunk (cadence.runtime.chunk)
             attn += 4 * t * m.audio_tokens_per_frame * d
     patch = m.in_channels * math.prod(m.patch)
-    lin += 2 * t * patch * d * 2 + 2 * d * 7 * d  # patch embed, head, time MLP/proj
+    lin += 2 * t * patch * d * 2  # patch embed, head (the time MLP / projection: kept across chunks)
     if m.audio_every:
-        lin += 2 * a * (m.audio_dim * d + d * d)
-    return {"linear": lin * passes, "attention": attn * passes, "total": (lin + attn) * passes}
+        once += 2 * a * (m.audio_dim * d + d * d)
+    lin = lin * passes + once
+    return {"linear": lin, "attention": attn * passes, "total": lin + attn * passes}
 
 
 def _passes(cfg: CadenceConfig) -> int:
@@ -89,19 +93,20 @@ def rank_flops(cfg: CadenceConfig, tp: int) -> dict[str, float]:
     d, t, kv = m.dim, cfg.tokens_per_chunk, cfg.kv_tokens
     per_frame, a = _audio_tokens(cfg)
     ctx = m.audio_context_dim if m.audio_arch == "multitalk" else d
-    lin = attn = 0.0
+    lin = attn = once = 0.0
     for i in range(m.num_layers):
         lin += 2 * t * d * (4 * d) / n + 2 * t * d * (2 * d) / n + 2 * t * d * m.ffn_dim * 2 / n
         attn += 4 * t * kv * d / n + 4 * t * m.text_len * d / n
         if m.has_audio(i):
-            lin += 2 * t * d * 2 * d / n + 2 * a * ctx * 2 * d / n
+            lin += 2 * t * d * 2 * d / n
+            once += 2 * a * ctx * 2 * d / n  # the audio K/V: once per chunk
             attn += 4 * t * per_frame * d / n
     patch = m.in_channels * math.prod(m.patch)
-    lin += 2 * t * patch * d * 2 + 2 * d * 7 * d  # patch embedding, head, time MLP / projection: every rank
+    lin += 2 * t * patch * d * 2  # patch embedding, head: every rank (the time MLP / projection: kept)
     if m.audio_every:
-        lin += 2 * a * (m.audio_dim * d + d * d)
+        once += 2 * a * (m.audio_dim * d + d * d)
     p = _passes(cfg)
-    return {"linear": lin * p, "attention": attn * p}
+    return {"linear": lin * p + once, "attention": attn * p}
 
 
 def rank_bytes(
@@ -115,11 +120,14 @@ def rank_bytes(
     rows = rows_per_rank(t, n) if sp and n > 1 else t  # the per-token work's rows on this rank
     _, a = _audio_tokens(cfg)
     ctx = m.audio_context_dim if m.audio_arch == "multitalk" else d
-    ew = quant = cache = 0.0
+    ew = quant = cache = once = 0.0
     for i in range(m.num_layers):
         audio = m.has_audio(i)
         branches = 2 if audio else 1  # cross (+ audio) attention: affine norm + residual add
-        ew += rows * d * el * (2 * 2 + 2 * 3 + branches * (2 + 3))
+        # the first adaLN (read x, write h), the last gated residual (read x, y; write x) and, per residual add
+        # before a norm (self-attention's, each cross / audio attention's), the add and the norm as one op:
+        # read x, y; write x, h (ElementwiseOps' pairs; unfused these are 3 + 2 bytes an element each)
+        ew += rows * d * el * (2 + 3 + (1 + branches) * 4)
         ew += t * f / n * el * 2  # GELU
         ew += (
             t * d / n * el * 3 * (3 + (1 if audio else 0))
@@ -127,11 +135,12 @@ def rank_bytes(
         # FP8 inputs: qkv, cross q, fc1 (+ audio q) on the rows (SP quantises before the gather); the
         # out projections (self, cross (+ audio)) and fc2 on every token's shard; the audio K/V on its tokens
         k = 1 if audio else 0
-        q_elems = rows * d * (3 + k) + t * d / n * (2 + k) + t * f / n + k * a * ctx
+        q_elems = rows * d * (3 + k) + t * d / n * (2 + k) + t * f / n
         quant += q_elems * (el + 1)
+        once += k * a * ctx * (el + 1)  # the audio K/V's input: once per chunk
         cache += 2 * t * d / n * (el + (1 if kv_fp8 else el))
     p = _passes(cfg)
-    return {"elementwise": ew * p, "quant": (quant * p if fp8 else 0.0), "cache": cache * p}
+    return {"elementwise": ew * p, "quant": (quant * p + once if fp8 else 0.0), "cache": cache * p}
 
 
 def floors_ms(
@@ -177,7 +186,8 @@ def _per_layer_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bo
         w["attention"] += 4 * t * kv * d / n
         w["cross_attention"] += 4 * t * m.text_len * d / n
         if audio:
-            w["linear"] += (2 * t * d * 2 * d + 2 * a * ctx * 2 * d) / n
+            w["linear"] += 2 * t * d * 2 * d / n
+            w["linear_once"] += 2 * a * ctx * 2 * d / n  # the audio K/V: once per chunk
             w["audio_attention"] += 4 * t * per_frame * d / n
         # the chunk's q, k and v through RoPE (q, k) into the ring / the query scratch: read bf16, write the store
         w["cache"] += 3 * t * d / n * (el + (1 if kv_fp8 else el))
@@ -186,14 +196,19 @@ def _per_layer_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bo
         # norms: not InfiniteTalk's); split over ranks a norm reads its input twice (local sum, then scaling)
         sites = 3 + (1 if audio and m.audio_arch != "multitalk" else 0)
         w["qk_norm"] += t * d / n * el * (3 if n > 1 else 2) * sites
-        w["norm_mod"] += rows * d * el * 2 * (2 + branches)  # adaLN x2, affine LN per branch: read + write
-        w["residual"] += rows * d * el * 3 * (2 + branches)  # gated x2, plain per branch: read 2, write 1
+        w["norm_mod"] += rows * d * el * 2  # the first adaLN: read + write
+        w["residual"] += rows * d * el * 3  # the last gated residual: read 2, write 1
+        w["res_norm"] += (
+            rows * d * el * 4 * (1 + branches)
+        )  # each residual add + the norm after it: 2 in, 2 out
         w["gelu"] += t * f / n * el * 2
     by = rank_bytes(cfg, tp, sp, fp8, kv_fp8, el)
     p = _passes(cfg)
+    once = w.pop("linear_once", 0.0)
     out = {k: (v * p, "byte") for k, v in w.items()}
     for k in ("linear", "attention", "cross_attention", "audio_attention"):
         out[k] = (w[k] * p, "flop")
+    out["linear"] = (w["linear"] * p + once, "flop")
     out["quant"] = (by["quant"], "byte")
     out["bias"] = out["linear_glue"] = out["attn_glue"] = (0.0, "byte")  # a fused epilogue moves nothing more
     return out
@@ -210,14 +225,13 @@ def part_work(cfg: CadenceConfig, tp: int, sp: bool, fp8: bool, kv_fp8: bool, el
     t = cfg.tokens_per_chunk
     work = _per_layer_work(cfg, tp, sp, fp8, kv_fp8, el)
     patch = m.in_channels * math.prod(m.patch)
-    # per pass: the float32 time MLP + projection weights read once (a GEMV is bound by them); patch embedding
-    # and head (bf16 GEMMs, every rank); the audio embedder; the sampler's latent updates (read x, v; write x)
-    work["timestep"] = ((m.freq_dim * m.dim + m.dim * m.dim + m.dim * 6 * m.dim) * 4 * p, "byte")
+    # the timestep path: none (a pass's embedding is the same in every chunk: kept, cadence.runtime.chunk; run
+    # per pass it reads the float32 time MLP + projection weights, (freq + 7 dim) dim x 4 B, each pass); per
+    # pass: patch embedding and head (bf16 GEMMs, every rank); per chunk: the audio embedder; per pass the
+    # sampler's latent updates (read x, v; write x)
+    work["timestep"] = (0.0, "byte")
     work["embed_head"] = (2 * t * patch * m.dim * 2 * p, "flop")
-    work["audio_embed"] = (
-        2 * a * (m.audio_dim * m.dim + m.dim * m.dim) * p if m.audio_every else 0.0,
-        "flop",
-    )
+    work["audio_embed"] = (2 * a * (m.audio_dim * m.dim + m.dim * m.dim) if m.audio_every else 0.0, "flop")
     lat = t * patch
     work["sampler"] = (lat * 4 * 3 * p, "byte")
     work["rope_table"] = (t * m.head_dim * 4 * 2, "byte")

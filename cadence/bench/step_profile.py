@@ -60,6 +60,7 @@ PARTS = {
     "rope_table": "RoPE table + ring slot (per chunk)",
     "qk_norm": "q/k RMS norms (local halves)",
     "norm_mod": "norms + modulation (adaLN, affine LN)",
+    "res_norm": "residual add + the norm after it (one op)",
     "residual": "residual adds + gates (+ modulation rows)",
     "bias": "row-parallel bias adds (after the sum)",
     "gelu": "GELU",
@@ -131,8 +132,12 @@ def part_of(labels: tuple[str, ...] | list[str], name: str) -> str:
 
 
 def _part_by_scope(s: set) -> str:
+    if "op:apply_rope" in s:
+        return "rope"
     if s & {"op:sum_squares", "op:rms_scale", "op:rms_norm", "op:sum_squares_pair", "mod:qk_norm"}:
         return "qk_norm"
+    if s & {"op:gate_residual_layer_norm", "op:add_layer_norm", "op:add_norm_modulate"}:
+        return "res_norm"
     if s & {"op:norm_modulate", "op:layer_norm_cast"}:
         return "norm_mod"
     if "op:gate_residual" in s:

@@ -30,6 +30,22 @@ PARTS = ("linear", "quant", "attention", "cache", "elementwise", "comm")
 REGIONS = ("attention", "cache", "linear", "quant", "allreduce", "linear_comm")
 
 
+#: The switches of the step's own reference paths (cadence.runtime.chunk / compile), recorded with every run
+STEP_SWITCHES = (
+    "CADENCE_TIMESTEP_CACHE",
+    "CADENCE_AUDIO_KV",
+    "CADENCE_COMPILE_PAIRS",
+    "CADENCE_COMPILE_ROPE",
+)
+
+
+def step_env() -> dict:
+    """The step switches as set in this run's environment (None: unset, the default)."""
+    import os
+
+    return {k: os.environ.get(k) for k in STEP_SWITCHES}
+
+
 def split_regions(splits: list[dict[str, float]]) -> dict[str, float]:
     """The median per region of instrumented steps' region totals."""
     return {k: median([s.get(k, 0.0) for s in splits]) for k in REGIONS}
@@ -214,6 +230,7 @@ def results(args, st, model, m: dict, graphs_why, built: str, fp8_layers: int, c
         host_sync_in_step=m["host_sync"],
         iters=st.iters,
         warmup=st.warmup,
+        step_env=step_env(),
     )
     if st.fp8:
         from cadence.quant import fp8 as fp8_mod

@@ -87,6 +87,30 @@ class EnvSwitch:
 KERNEL_SWITCHES: tuple[EnvSwitch, ...] = (
     EnvSwitch("CADENCE_COMPILE", "1", "cadence.runtime.compile", "0: apply_compile keeps the plain ops"),
     EnvSwitch(
+        "CADENCE_COMPILE_PAIRS",
+        "1",
+        "cadence.runtime.compile",
+        "1: each residual add + the norm after it one compiled kernel; 0: their two halves (the reference)",
+    ),
+    EnvSwitch(
+        "CADENCE_COMPILE_ROPE",
+        "1",
+        "cadence.runtime.compile",
+        "1: the whole-sequence RoPE compiled in one pass; 0: the complex float32 reference",
+    ),
+    EnvSwitch(
+        "CADENCE_TIMESTEP_CACHE",
+        "1",
+        "cadence.runtime.chunk",
+        "1: each pass's timestep embedding computed once and kept across chunks; 0: every pass (the reference)",
+    ),
+    EnvSwitch(
+        "CADENCE_AUDIO_KV",
+        "chunk",
+        "cadence.runtime.chunk",
+        "audio K/V: once per chunk, or every pass (pass)",
+    ),
+    EnvSwitch(
         "CADENCE_FP8_QUANT",
         "auto",
         "cadence.quant.fp8",

@@ -252,10 +252,12 @@ def attn_tile(
     DOT_F32: tl.constexpr,
     MASK: tl.constexpr,
     PREC: tl.constexpr,
+    V_UNIT: tl.constexpr = False,
 ):
     """One key tile for one block of query rows. k [BLOCK_N, D]; v [BLOCK_N, D] (a transposed view of
     the V^T tile for FP8). Logits in base 2 are t = (q . k) * r_i (* k_scale_j with per-token scales);
-    the running max is kept in those units, so the exponent is one multiply-add per element."""
+    the running max is kept in those units, so the exponent is one multiply-add per element. V_UNIT: c_prev is
+    log2 of a unit fixed for the key range, subtracted in the exponent (``_short_item``)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     offs_n = start + tl.arange(0, BLOCK_N)
     valid = offs_n < n_hi
@@ -272,22 +274,14 @@ def attn_tile(
         # 256 * exp2(t - m): P in FP8's normal range (<= 256 < 448), the factor folded into the exponent
         # (it cancels in acc / l: l sums the same scaled numerators)
         p = tl.math.exp2(s * r[:, None] - (m_new - 8.0)[:, None])
+    elif V_UNIT:
+        p = tl.math.exp2(s * r[:, None] - (m_new + c_prev)[:, None])
     else:
         p = tl.math.exp2(s * r[:, None] - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if SCALES == 1:
-        # P (<= 1) times v_scale_j / max_tile(v_scale) * 256 stays in FP8's normal range; the
-        # accumulator is kept in units of this tile's max_tile(v_scale) / 256 (c), so moving
-        # from the previous tile's unit to this one folds into the usual alpha rescale.
-        if MASK:
-            vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
-        else:
-            vs = tl.load(VS + h * svsh + offs_n * svsn)
-        c = tl.maximum(tl.max(vs, axis=0), 1e-30) / 256.0
-        p = p * (vs / c)[None, :]
-        alpha = alpha * (c_prev / c)
-        c_prev = c
+        p, alpha, c_prev = _p_times_v_scale(p, alpha, c_prev, VS, svsh, svsn, h, offs_n, valid, MASK, V_UNIT)
     if QUANT:
         if PV_BF16:
             pv = p.to(tl.bfloat16)
@@ -303,6 +297,27 @@ def attn_tile(
         vv = vv.to(tl.float32)
     acc = tl.dot(pv, vv, acc * alpha[:, None], input_precision=PREC)
     return m_new, l_i, acc, c_prev
+
+
+@triton.jit
+def _p_times_v_scale(
+    p, alpha, c_prev, VS, svsh, svsn, h, offs_n, valid, MASK: tl.constexpr, V_UNIT: tl.constexpr
+):
+    """Per-token V scales: P (<= 1) times v_scale_j / max_tile(v_scale) * 256 stays in FP8's normal range; the
+    accumulator is kept in units of this tile's max_tile(v_scale) / 256 (c), so moving from the previous tile's
+    unit to this one folds into the usual alpha rescale. V_UNIT: the unit is the item's, already out of P."""
+    if MASK:
+        vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
+    else:
+        vs = tl.load(VS + h * svsh + offs_n * svsn)
+    if V_UNIT:
+        p = p * vs[None, :]
+    else:
+        c = tl.maximum(tl.max(vs, axis=0), 1e-30) / 256.0
+        p = p * (vs / c)[None, :]
+        alpha = alpha * (c_prev / c)
+        c_prev = c
+    return p, alpha, c_prev
 
 
 @triton.jit
@@ -542,3 +557,82 @@ def combine_kernel(
         out.to(OUT.dtype.element_ty),
         mask=mm[:, None],
     )
+
+
+# ---- the short-query kernel: a persistent grid over (row block, head, key split) items ----------------------
+@triton.jit
+def _v_unit(VS, svsh, svsn, h, n_lo, n_hi, CHUNK: tl.constexpr):
+    """log2 of the accumulator's unit for one item's keys [n_lo, n_hi): log2(max v scale / 256)."""
+    vmax = 1e-30
+    for start in range(n_lo, n_hi, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        vs = tl.load(VS + h * svsh + offs * svsn, mask=offs < n_hi, other=0.0)
+        vmax = tl.maximum(vmax, tl.max(vs, axis=0))
+    return tl.log2(vmax) - 8.0
+
+
+@triton.jit
+def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, sksn, svsh, svsn, sos, soh, som,
+                sod, sls, slh, slm, M, qk_scale, h, row, sp, n_lo, n_hi,
+                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+                SCALES: tl.constexpr, V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, WS: tl.constexpr,
+                DOT_F32: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """One item: BLOCK_M query rows from `row` of head h over the keys [n_lo, n_hi), written as split sp.
+    V_UNIT (per-token scales): c = log2 of a unit fixed for the item (its max v scale / 256) is subtracted in the
+    exponent, so P and l are kept divided by the unit (it cancels in acc / l; the log-sum-exp adds it back) and
+    P times v_scale_j is at most 256 with no per-tile maximum, no change of unit, and the v scales used as loaded
+    (no layout conversion of a computed vector)."""
+    offs = row + tl.arange(0, BLOCK_M)
+    mm = offs < M
+    q = q_desc.load([h, row, 0]).reshape(BLOCK_M, HEAD_D)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    r = _row_factor(QS, sqsh, sqsm, KS, sksh, h, offs, mm, qk_scale, QUANT, SCALES, BLOCK_M)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    c = 1.0
+    if V_UNIT:  # c: log2 of the item's unit (attn_tile)
+        c = _v_unit(VS, svsh, svsn, h, n_lo, n_hi, 1024)
+    n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
+    # fmt: off
+    for start in tl.range(n_lo, n_full, BLOCK_N, warp_specialize=WS):
+        k, v = _load_kv(k_desc, v_desc, h, start, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
+        m_i, l_i, acc, c = attn_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c,
+                                     BLOCK_N, QUANT, SCALES, False, DOT_F32, False, PREC, V_UNIT)
+    if n_full < n_hi:
+        k, v = _load_kv(k_desc, v_desc, h, n_full, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
+        m_i, l_i, acc, c = attn_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, n_full, n_hi, m_i, l_i, acc, c,
+                                     BLOCK_N, QUANT, SCALES, False, DOT_F32, True, PREC, V_UNIT)
+    if V_UNIT:  # P and l were kept divided by the unit: acc / l as is, the log-sum-exp with log2(unit) back
+        m_i = m_i + c
+        c = 1.0
+    _finish(m_i, l_i, acc, c, offs, mm, VS, svsh, OB, LSE, sp, h, sos, soh, som, sod, sls, slh, slm, HEAD_D, SCALES)
+    # fmt: on
+
+
+@triton.jit
+def short_attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, OB, LSE, sqsh, sqsm, sksh, sksn, svsh, svsn,
+                      sos, soh, som, sod, sls, slh, slm, M, H, n_per_split, n_items, qk_scale,
+                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+                      SCALES: tl.constexpr, V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, WS: tl.constexpr,
+                      DOT_F32: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """Persistent attention for few query rows: program p runs items p, p + P, p + 2P, ... (P programs, a few
+    per SM), item = (row block, head, key split) with the row block fastest, so the programs running together
+    read the same head's key range (its K/V tiles shared through L2). FP8 (QUANT) with per-token (SCALES 1) or
+    per-head (2) scales, or float storage, as ``attn_kernel``; V_UNIT: one accumulator unit per item
+    (``attn_tile``); WS: Triton's warp specialisation of the key loop. Each item writes its split's partial (o,
+    base-2 log-sum-exp), merged by ``combine_kernel`` (one split: o straight into [M, H, D])."""
+    n_valid = tl.load(NVALID)
+    mblocks = tl.cdiv(M, BLOCK_M)
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        rest = item // mblocks
+        h = rest % H
+        sp = rest // H
+        n_lo = sp * n_per_split
+        n_hi = tl.minimum(n_valid, n_lo + n_per_split)
+        # fmt: off
+        _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, sksn, svsh, svsn, sos, soh, som,
+                    sod, sls, slh, slm, M, qk_scale, h, (item % mblocks) * BLOCK_M, sp, n_lo, n_hi,
+                    HEAD_D, BLOCK_M, BLOCK_N, QUANT, SCALES, V_TRANS, V_UNIT, WS, DOT_F32, PREC)
+        # fmt: on

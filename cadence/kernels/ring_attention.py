@@ -380,3 +380,107 @@ def _combine(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
         HEAD_D=d, BLOCK_M=cb,
     )
     # fmt: on
+
+
+# ---- the short-query kernel ---------------------------------------------------------------------------------
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def short_splits(units: int, tiles: int, programs: int, max_split: int = 16) -> int:
+    """Key splits for ``units`` (row block, head) pairs of ``tiles`` key tiles each on ``programs`` persistent
+    programs: the split whose makespan, counted in key-tile steps of the busiest program (items per program x
+    (tiles per item + 2 for an item's prologue and epilogue) + 4 for the combine launch when split), is least;
+    ties go to fewer splits."""
+    best, best_cost = 1, None
+    for s in range(1, max_split + 1):
+        per = triton_cdiv(tiles, s)
+        if s > 1 and (s - 1) * per >= tiles:  # the last split would be empty
+            break
+        cost = triton_cdiv(units * s, programs) * (per + 2) + (4 if s > 1 else 0)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def short_attention(
+    q: torch.Tensor,
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    ks: torch.Tensor,
+    vt: torch.Tensor,
+    vs: torch.Tensor,
+    n_valid: torch.Tensor,
+    *,
+    v_transposed: bool = True,
+    split: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    programs_per_sm: int = 2,
+    v_unit: bool = True,
+    ws: bool = False,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The short-query form of :func:`ring_attention` (same buffers, same result): for few query rows (748 at
+    the W57 / W14 serving shapes) over many keys, where one program per query tile leaves the GPU underfilled
+    (12 tiles of 64 rows x 16 heads = 192 programs on 132 SMs). The work is cut into items (row block, head,
+    key split), ``split`` chosen by :func:`short_splits` unless given, run by a persistent grid of
+    ``programs_per_sm`` programs per SM (``short_attn_kernel``: the items of one head's key range run together,
+    sharing its K/V tiles through L2), the splits merged by one combine launch. ``v_unit`` (per-token scales):
+    one accumulator unit per item instead of a per-tile maximum and rescale; ``ws``: Triton's warp
+    specialisation of the key loop. P stays FP8 for the P.V product. Returns [M, H, D] in out_dtype (or
+    ``out``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kern = _kernels()
+    h, m, d = q.shape
+    n = k.shape[1]
+    quant = k.dtype == FP8
+    if quant and not v_transposed:
+        raise ValueError("FP8 values must be stored transposed ([H, D, N]) for the Triton kernel")
+    scales = 0 if not quant else (2 if ks.dim() == 1 else 1)
+    interp = interpreting()
+    bm = block_m or (32 if interp else 64)
+    bn = block_n or (32 if interp else 128)
+    units = triton_cdiv(m, bm) * h
+    programs = 3 if interp else _sm_count(q.device) * max(1, programs_per_sm)
+    split = split or short_splits(units, triton_cdiv(n, bn), programs)
+    per, split = split_rows(n, split, bn)
+    n_items = units * split
+    if out is None:
+        out = torch.empty((m, h, d), device=q.device, dtype=out_dtype)
+    if split == 1:
+        o, o_strides = out, (0, out.stride(1), out.stride(0), out.stride(2))
+    else:
+        o = torch.empty((split, h, m, d), device=q.device, dtype=torch.float32)
+        o_strides = o.stride()
+    lse = torch.empty((split, h, m), device=q.device, dtype=torch.float32)
+    q_desc = TensorDescriptor.from_tensor(q, [1, bm, d])
+    k_desc = TensorDescriptor.from_tensor(k, [1, bn, d])
+    v_desc = TensorDescriptor.from_tensor(vt, [1, d, bn] if v_transposed else [1, bn, d])
+    extra = {} if interp else dict(num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 3)
+    qs_s = (qs.stride(0), qs.stride(1)) if qs.dim() == 2 else (qs.stride(0), 0)
+    qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634
+    # fmt: off
+    kern.short_attn_kernel[(min(n_items, programs),)](
+        q_desc, qs, k_desc, ks, v_desc, vs, n_valid, o, lse,
+        *qs_s, *_scale_strides(ks), *_scale_strides(vs), *o_strides, *lse.stride(), m, h, per, n_items, qk_scale,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, SCALES=scales, V_TRANS=v_transposed,
+        V_UNIT=bool(v_unit and scales == 1), WS=bool(ws), DOT_F32=interp, PREC="ieee" if k.dtype == torch.float32 else "tf32",
+        **extra,
+    )
+    # fmt: on
+    if split > 1:
+        _combine(o, lse, out)
+    return out

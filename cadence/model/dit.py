@@ -12,6 +12,12 @@ Per block (Wan 2.1, adaLN with six modulation vectors, computed in float32)::
     x = x + AudioAttn(LN_affine(x), audio)            every `audio_every`-th block; per latent frame
     h = LN(x) * (1 + mod.ffn.scale) + mod.ffn.shift
     x = x + FFN(h) * mod.ffn.gate                     GELU (tanh)
+
+What a pass reads that does not change from pass to pass may come prepared (``forward_chunk`` takes either
+form): the timestep as a :class:`PassTime` (its embedding and 6-way projection: the same for a pass index in
+every chunk, so a runtime computes it once, ``cadence.runtime.chunk``), the audio as an :class:`AudioKV` (every
+audio block's K/V of the chunk's audio tokens: the same for all passes of a chunk), like the prompt's
+:class:`TextContext` (once per session).
 """
 
 from __future__ import annotations
@@ -61,6 +67,24 @@ def _split_mod(table: torch.Tensor, temb6: torch.Tensor) -> BlockMod:
         m = table.unsqueeze(0) + temb6.float()  # [B, N, 6, dim]
     f = m.unbind(2)
     return BlockMod(attn=ModSet(f[0], f[1], f[2]), ffn=ModSet(f[3], f[4], f[5]))
+
+
+@dataclass
+class PassTime:
+    """A pass's timestep embedded: ``temb`` [B, dim] (the head's) and its 6-way projection ``temb6`` [B, 6, dim]
+    (the blocks'), float32 (:meth:`WanDiT.pass_time`)."""
+
+    temb: torch.Tensor
+    temb6: torch.Tensor
+
+
+@dataclass
+class AudioKV:
+    """A chunk's audio, ready for every pass: per block the (k, v) of its audio attention over the chunk's audio
+    tokens [B * frames, tokens, heads, head_dim], None for a block without audio attention
+    (:meth:`WanDiT.prepare_audio`)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class SelfAttention(nn.Module):
@@ -164,21 +188,23 @@ class Block(nn.Module):
         self.modulation = nn.Parameter(torch.empty(1, 6, d, device=device, dtype=torch.float32))
         self.ops = PLAIN_OPS  # the elementwise math; a fused version may be swapped in from outside
 
-    def forward(self, x, temb6, cache, layer: int, commit: bool, text_kv, audio_ctx, frames: int):
+    def forward(self, x, temb6, cache, layer: int, commit: bool, text_kv, audio_kv, frames: int):
+        """audio_kv: this block's (k, v) of the chunk's audio tokens (``AudioKV.kv[layer]``), or None."""
         mod = _split_mod(self.modulation, temb6)
         ops, eps = self.ops, self.norm1.eps
         h = ops.norm_modulate(x, mod.attn.shift, mod.attn.scale, eps)
-        x = ops.gate_residual(x, self.self_attn(h, cache, layer, commit), mod.attn.gate)
-        h = ops.layer_norm_cast(x, self.norm2.weight, self.norm2.bias, eps) if self.norm2 is not None else x
-        x = x + self.cross_attn(h, text_kv)
-        if self.audio_attn is not None and audio_ctx is not None:
+        y = self.self_attn(h, cache, layer, commit)
+        # each residual add with the norm that reads its result: one op (ElementwiseOps), one compiled kernel
+        if self.norm2 is not None:
+            x, h = ops.gate_residual_layer_norm(x, y, mod.attn.gate, self.norm2.weight, self.norm2.bias, eps)
+        else:
+            x = h = ops.gate_residual(x, y, mod.attn.gate)
+        y = self.cross_attn(h, text_kv)
+        if self.audio_attn is not None and audio_kv is not None:
             na = self.norm_audio
-            x = x + self.audio_attn(
-                ops.layer_norm_cast(x, na.weight, na.bias, eps),
-                self.audio_attn.context_kv(audio_ctx),
-                groups=frames,
-            )
-        h = ops.norm_modulate(x, mod.ffn.shift, mod.ffn.scale, eps)
+            x, h = ops.add_layer_norm(x, y, na.weight, na.bias, eps)
+            y = self.audio_attn(h, audio_kv, groups=frames)
+        x, h = ops.add_norm_modulate(x, y, mod.ffn.shift, mod.ffn.scale, eps)
         return ops.gate_residual(x, self.ffn(h), mod.ffn.gate)
 
 
@@ -239,6 +265,8 @@ class WanDiT(nn.Module):
         self.rope = Rope3D(m.rope_split, m.rope_theta, device=rope_dev)
         # which tokens the blocks' per-token work runs on (ALL_TOKENS; sequence parallelism swaps it from outside)
         self.token_layout = ALL_TOKENS
+        # the whole-sequence RoPE of forward_full (ElementwiseOps.apply_rope); a fused one may be swapped in
+        self.ops = PLAIN_OPS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -271,6 +299,11 @@ class WanDiT(nn.Module):
         proj = self.time_proj(torch.nn.functional.silu(temb))
         return temb, proj.unflatten(-1, (6, -1))
 
+    def pass_time(self, t: torch.Tensor) -> PassTime:
+        """A chunk pass's timestep (a 1-element tensor, 0..1000) embedded, as ``forward_chunk`` uses it."""
+        temb, temb6 = self.time_embedding(t.reshape(1))
+        return PassTime(temb, temb6)
+
     def prepare_text(self, text: torch.Tensor, image: torch.Tensor | None = None) -> TextContext:
         """Prompt embedding [B, L, text_dim] (and, for an image-conditioned model, CLIP image tokens
         [B, image_tokens, image_dim]) -> per-block cross-attention K/V (once per session)."""
@@ -297,34 +330,46 @@ class WanDiT(nn.Module):
             tokens = tokens + self.audio_pos
         return tokens.reshape(b * f, a, -1)
 
-    def _blocks(self, x, temb6, cache, commit, text: TextContext, audio_ctx, frames: int):
+    def prepare_audio(self, audio: torch.Tensor | None) -> AudioKV | None:
+        """Audio features [B, F, A, audio_dim] (``embed_audio``'s input) -> every audio block's K/V of the
+        embedded tokens (:class:`AudioKV`), or None without audio (or without audio layers). A chunk's passes
+        all read the same audio: computed once, reused by each (``forward_chunk`` takes it)."""
+        ctx = self.embed_audio(audio)
+        if ctx is None:
+            return None
+        return AudioKV([None if b.audio_attn is None else b.audio_attn.context_kv(ctx) for b in self.blocks])
+
+    def _blocks(self, x, temb6, cache, commit, text: TextContext, audio: AudioKV | None, frames: int):
         x, temb6 = self.token_layout.scatter(x, temb6)  # all tokens, or this rank's share of them
+        akv = audio.kv if audio is not None else [None] * len(self.blocks)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, temb6, cache, i, commit, text.kv[i], audio_ctx, frames)
+            x = blk(x, temb6, cache, i, commit, text.kv[i], akv[i], frames)
         return self.token_layout.gather(x)
 
     # ---- forwards ------------------------------------------------------------------------
     def forward_chunk(
         self,
         x: torch.Tensor,
-        t: torch.Tensor,
+        t: torch.Tensor | PassTime,
         text: TextContext,
-        audio: torch.Tensor | None,
+        audio: torch.Tensor | AudioKV | None,
         cache,
         commit: bool,
     ) -> torch.Tensor:
         """One network pass over one chunk through the cache.
 
-        x [C, F, h, w] latents of the chunk; t a 1-element tensor (0..1000); audio [F, A, audio_dim]
-        or None. The cache must have been told the chunk's position (``begin_chunk``). Returns the
-        flow prediction [C, F, h, w] in x's dtype.
+        x [C, F, h, w] latents of the chunk; t a 1-element tensor (0..1000) or its :class:`PassTime`
+        (``pass_time(t)``); audio [F, A, audio_dim], its :class:`AudioKV` (``prepare_audio(audio[None])``) or
+        None. The cache must have been told the chunk's position (``begin_chunk``). Returns the flow
+        prediction [C, F, h, w] in x's dtype.
         """
         c, f, h, w = x.shape
         tokens = self.patch_embed(self.patchify(x[None].to(self.dtype)))
-        temb, temb6 = self.time_embedding(t.reshape(1))
-        audio_ctx = self.embed_audio(audio[None] if audio is not None else None)
-        tokens = self._blocks(tokens, temb6, cache, commit, text, audio_ctx, f // self.mcfg.patch[0])
-        return self.unpatchify(self.head(tokens, temb), f, h, w)[0]
+        pt = t if isinstance(t, PassTime) else self.pass_time(t)
+        if audio is not None and not isinstance(audio, AudioKV):
+            audio = self.prepare_audio(audio[None])
+        tokens = self._blocks(tokens, pt.temb6, cache, commit, text, audio, f // self.mcfg.patch[0])
+        return self.unpatchify(self.head(tokens, pt.temb), f, h, w)[0]
 
     def forward_full(
         self,
@@ -340,7 +385,7 @@ class WanDiT(nn.Module):
         """Reference forward over a whole latent sequence (no cache).
 
         x [B, C, F, H, W]; t [B] or [B, F] (one timestep per latent frame); text [B, L, text_dim];
-        audio [B, F, A, audio_dim] or None; mask [N, N] bool (True = attend) or None for
+        audio [B, F, A, audio_dim], its :class:`AudioKV` (``prepare_audio``) or None; mask [N, N] bool (True = attend) or None for
         bidirectional attention. Frame positions are frame_offset + 0..F-1, or `frame_positions` [F // pt]
         (integers; repeats allowed: training lays a noisy copy of a chunk at its clean copy's position).
         ``text`` may also be a prepared :class:`TextContext` (``prepare_text``: the K/V computed once for
@@ -355,14 +400,12 @@ class WanDiT(nn.Module):
         if t.ndim == 2:  # per latent frame -> per token
             t = t[:, ::pt].repeat_interleave((h // ph) * (w // pw), dim=1)
         temb, temb6 = self.time_embedding(t)
-        frames = (
-            torch.arange(frame_offset, frame_offset + n_f, device=x.device)
-            if frame_positions is None
-            else frame_positions.to(x.device)
-        )
-        cos, sin = self.rope.cos_sin(frames, h // ph, w // pw)
-        seq = FullSequence(cos, sin, mask)
-        audio_ctx = self.embed_audio(audio)
+        if frame_positions is None:  # consecutive frames: the tables of this geometry, kept (Rope3D)
+            cos, sin = self.rope.grid_cos_sin(frame_offset, n_f, h // ph, w // pw)
+        else:
+            cos, sin = self.rope.cos_sin(frame_positions.to(x.device), h // ph, w // pw)
+        seq = FullSequence(cos, sin, mask, rope=self.ops.apply_rope)
+        audio_kv = audio if isinstance(audio, AudioKV) else self.prepare_audio(audio)
         ctx = text if isinstance(text, TextContext) else self.prepare_text(text, image)
-        tokens = self._blocks(tokens, temb6, seq, False, ctx, audio_ctx, n_f)
+        tokens = self._blocks(tokens, temb6, seq, False, ctx, audio_kv, n_f)
         return self.unpatchify(self.head(tokens, temb), f, h, w)

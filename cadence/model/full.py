@@ -16,13 +16,18 @@ from cadence.model.rope import apply_rope
 
 
 class FullSequence:
-    """Implements ``attend`` for a whole sequence: rotate q and k at the given angles, apply `mask`."""
+    """Implements ``attend`` for a whole sequence: rotate q and k at the given angles, apply `mask`.
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None):
-        self.cos, self.sin, self.mask = cos, sin, mask
+    ``rope``: the rotation, ``(x, cos, sin) -> x rotated`` (default :func:`cadence.model.rope.apply_rope`, the
+    float32 complex reference); the model passes its ``ops.apply_rope`` (the ``ElementwiseOps`` seam: a compiled
+    one-pass rotation when ``cadence.runtime.compile`` has swapped it in). cos / sin stay float32 either way."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None, rope=None):
+        self.cos, self.sin, self.mask, self.rope = cos, sin, mask, rope
 
     def attend(self, layer: int, q, k, v, commit: bool) -> torch.Tensor:
-        return attention(apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin), v, self.mask)
+        rot = self.rope if self.rope is not None else apply_rope  # (looked up here: a profiler may wrap it)
+        return attention(rot(q, self.cos, self.sin), rot(k, self.cos, self.sin), v, self.mask)
 
 
 def block_causal_mask(frame_chunk: torch.Tensor, tokens_per_frame: int, window_chunks: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cadence.model.rope import apply_rope
 from cadence.telemetry.spans import region
 
 
@@ -81,13 +82,44 @@ def gate_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch
     return (x.float() + y.float() * gate).to(x.dtype)
 
 
+# ---- a residual add and the norm after it: one op, so that a compiler makes one kernel of the pair -----------
+def gate_residual_layer_norm(
+    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, weight, bias, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_residual(x, y, gate)`` and ``layer_norm_cast`` of it: (the new residual, the next input)."""
+    x = gate_residual(x, y, gate)
+    return x, layer_norm_cast(x, weight, bias, eps)
+
+
+def add_layer_norm(
+    x: torch.Tensor, y: torch.Tensor, weight, bias, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + y`` (in x's dtype, as the block's plain residual of a cross-attention) and ``layer_norm_cast`` of it."""
+    x = x + y
+    return x, layer_norm_cast(x, weight, bias, eps)
+
+
+def add_norm_modulate(
+    x: torch.Tensor, y: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + y`` (in x's dtype) and ``norm_modulate`` of it: the last cross-attention's residual and the FFN's
+    input."""
+    x = x + y
+    return x, norm_modulate(x, shift, scale, eps)
+
+
 class ElementwiseOps:
     """The per-block elementwise math between the GEMMs and the attention calls, as plain functions.
 
+    A residual add and the norm that reads its result are one op (``gate_residual_layer_norm``,
+    ``add_layer_norm``, ``add_norm_modulate``: each returns the new residual and the next linear's input), so
+    that a compiled version reads the two addends once and writes both results in one kernel; here they are the
+    plain functions composed, the same values as calling the two.
+
     Blocks and RMS norms call these through an instance (``Block.ops``, ``RMSNorm.ops``; the
-    tensor-parallel ``ShardedRMSNorm`` calls ``sum_squares`` / ``rms_scale`` around its all-reduce) so that a
-    fused implementation can be swapped in from outside a built model
-    (:func:`cadence.runtime.compile.apply_compile`); this class is the reference.
+    tensor-parallel ``ShardedRMSNorm`` calls ``sum_squares`` / ``rms_scale`` around its all-reduce; the model's
+    own ``WanDiT.ops`` the whole-sequence RoPE, ``apply_rope``) so that a fused implementation can be swapped in
+    from outside a built model (:func:`cadence.runtime.compile.apply_compile`); this class is the reference.
     """
 
     rms_norm = staticmethod(rms_norm)
@@ -97,6 +129,10 @@ class ElementwiseOps:
     norm_modulate = staticmethod(norm_modulate)
     layer_norm_cast = staticmethod(layer_norm_cast)
     gate_residual = staticmethod(gate_residual)
+    gate_residual_layer_norm = staticmethod(gate_residual_layer_norm)
+    add_layer_norm = staticmethod(add_layer_norm)
+    add_norm_modulate = staticmethod(add_norm_modulate)
+    apply_rope = staticmethod(apply_rope)
 
 
 PLAIN_OPS = ElementwiseOps()

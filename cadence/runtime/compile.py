@@ -21,6 +21,11 @@ the best kernels; the few shapes a stream uses are bounded by ``recompile_limit`
 happens on the first call of a shape, which is an eager warm-up step under the graph runner,
 never inside a CUDA-graph capture.
 
+The whole-sequence RoPE (``forward_full``'s, ``WanDiT.ops.apply_rope``) compiles the same products written as
+real float32 arithmetic (:data:`COMPILED_FORM`): one pass over q / k instead of the complex reference's three;
+``CADENCE_COMPILE_ROPE=0`` keeps the reference. Each residual add and the norm after it (``ElementwiseOps``'
+pairs) compile as one function, one kernel; ``CADENCE_COMPILE_PAIRS=0`` runs their halves (:data:`PAIRS`).
+
 Fallback: when compilation cannot run (no Triton for CUDA tensors, no C++ compiler for CPU
 tensors, or the compiler raises on a shape), that op falls back to the plain function with one log
 line; the stream never fails because of this module. ``CADENCE_COMPILE=0`` turns it off.
@@ -61,7 +66,8 @@ import torch
 import torch.nn as nn
 
 from cadence.model import layers as L
-from cadence.model.dit import Block
+from cadence.model.dit import Block, WanDiT
+from cadence.model.rope import apply_rope_real as rope_real
 
 log = logging.getLogger("cadence.compile")
 
@@ -73,7 +79,15 @@ OPS = (
     "norm_modulate",
     "layer_norm_cast",
     "gate_residual",
+    "gate_residual_layer_norm",
+    "add_layer_norm",
+    "add_norm_modulate",
+    "apply_rope",
 )
+
+#: Ops whose compiled form starts from another function than the plain reference (the same math written so that
+#: Inductor fuses it): the whole-sequence RoPE's complex product as real float32 arithmetic.
+COMPILED_FORM = {"apply_rope": rope_real}
 
 
 def _compiler_problem(device: torch.device) -> str | None:
@@ -193,11 +207,12 @@ def _signature_of(a):
 
 
 class _FusedOp:
-    """A compiled op with its plain reference; the first failure logs one line and switches to plain."""
+    """A compiled op with its plain reference; the first failure logs one line and switches to plain.
+    ``form``: the function compiled when it is not ``plain`` itself (:data:`COMPILED_FORM`)."""
 
-    def __init__(self, name: str, plain, backend: str):
+    def __init__(self, name: str, plain, backend: str, form=None):
         self.name, self.plain = name, plain
-        self.compiled = torch.compile(plain, backend=backend, dynamic=False, fullgraph=True)
+        self.compiled = torch.compile(form or plain, backend=backend, dynamic=False, fullgraph=True)
         self.failed: str | None = None
         self.calls = 0
         self.seen: set = set()  # input signatures compiled (COMPILE_GATE)
@@ -219,19 +234,61 @@ class _FusedOp:
         return out
 
 
-class FusedOps(L.ElementwiseOps):
-    """:class:`~cadence.model.layers.ElementwiseOps` with every op compiled (one instance per model)."""
+#: The residual add + norm ops (``ElementwiseOps``' pairs) and their halves: the add (None: the plain ``x + y`` in
+#: x's dtype) and the norm op.
+PAIRS = {
+    "gate_residual_layer_norm": ("gate_residual", "layer_norm_cast"),
+    "add_layer_norm": (None, "layer_norm_cast"),
+    "add_norm_modulate": (None, "norm_modulate"),
+}
 
-    def __init__(self, backend: str = "inductor"):
+
+def pairs_fused() -> bool:
+    """``CADENCE_COMPILE_PAIRS`` (default 1): each residual add + norm pair compiled as one function (one kernel);
+    0: as its two halves, each compiled apart, the plain add eager (the kernels before the pairs were one op)."""
+    return os.environ.get("CADENCE_COMPILE_PAIRS", "1") != "0"
+
+
+class _SplitPair:
+    """A pair op run as its two halves (``CADENCE_COMPILE_PAIRS=0``): the reference's kernel sequence."""
+
+    def __init__(self, add, norm):
+        self.add, self.norm = add, norm
+        self.calls = 0
+        self.failed = None
+
+    def __call__(self, x, y, *rest):
+        self.calls += 1
+        if self.add is None:
+            x = x + y
+        else:
+            x, rest = self.add(x, y, rest[0]), rest[1:]
+        return x, self.norm(x, *rest)
+
+
+class FusedOps(L.ElementwiseOps):
+    """:class:`~cadence.model.layers.ElementwiseOps` with every op compiled (one instance per model); the pair
+    ops as one compiled function each, or (``pairs`` False, default :func:`pairs_fused`) as their halves."""
+
+    def __init__(self, backend: str = "inductor", pairs: bool | None = None):
+        self.pairs = pairs_fused() if pairs is None else pairs
         for name in OPS:
-            setattr(self, name, _FusedOp(name, getattr(L, name), backend))
+            if name in PAIRS and not self.pairs:
+                continue
+            setattr(self, name, _FusedOp(name, getattr(L, name), backend, COMPILED_FORM.get(name)))
+        if not self.pairs:
+            for name, (add, norm) in PAIRS.items():
+                setattr(self, name, _SplitPair(getattr(self, add) if add else None, getattr(self, norm)))
 
     def status(self) -> dict:
-        return {
-            name: ("failed: " + op.failed) if op.failed else f"compiled ({op.calls} calls)"
-            for name in OPS
-            for op in [getattr(self, name)]
-        }
+        out = {}
+        for name in OPS:
+            op = getattr(self, name)
+            if isinstance(op, _SplitPair):
+                out[name] = f"split ({op.calls} calls)"
+            else:
+                out[name] = ("failed: " + op.failed) if op.failed else f"compiled ({op.calls} calls)"
+        return out
 
 
 @dataclass
@@ -241,12 +298,15 @@ class CompileReport:
     blocks: int = 0
     norms: int = 0
     backend: str = ""
+    models: int = 0  # models whose whole-sequence RoPE (WanDiT.ops.apply_rope) is compiled
     ops: FusedOps | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         if not self.enabled:
             return f"compile off ({self.reason})"
-        return f"compile on ({self.backend}): {self.blocks} blocks, {self.norms} RMS norms"
+        return f"compile on ({self.backend}): {self.blocks} blocks, {self.norms} RMS norms" + (
+            f", the whole-sequence RoPE of {self.models} model" if self.models else ""
+        )
 
     def status(self) -> dict:
         """Per-op state after running: compiled (with call counts) or the failure that made it plain."""
@@ -256,9 +316,9 @@ class CompileReport:
 def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: int = 16) -> CompileReport:
     """Swap the model's per-block elementwise ops for compiled ones (in place; returns a report).
 
-    Touches only modules that have an ``ops`` attribute holding the plain ops: blocks, RMS norms and
+    Touches only modules that have an ``ops`` attribute holding the plain ops: blocks, RMS norms,
     the tensor-parallel sharded norms (whose two local halves are compiled around their all-reduce,
-    which stays outside the compiled code).
+    which stays outside the compiled code) and the model itself (its whole-sequence RoPE, ``forward_full``).
     ``backend="aot_eager"`` traces without generating code (tests of the plumbing)."""
     try:
         device = next(model.parameters()).device
@@ -275,16 +335,21 @@ def apply_compile(model: nn.Module, backend: str = "inductor", recompile_limit: 
         if hasattr(dynamo.config, knob):
             setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), recompile_limit))
     ops = FusedOps(backend)
-    blocks = norms = 0
+    blocks = norms = models = 0
     for m in model.modules():
         if getattr(m, "ops", None) is not L.PLAIN_OPS:
             continue
         m.ops = ops
         if isinstance(m, Block):
             blocks += 1
+        elif isinstance(m, WanDiT):  # the whole-sequence RoPE of forward_full
+            if os.environ.get("CADENCE_COMPILE_ROPE", "1") == "0":  # its reference: the complex float32 path
+                m.ops = L.PLAIN_OPS
+                continue
+            models += 1
         else:  # RMS norms, plain or tensor-parallel sharded
             norms += 1
-    rep = CompileReport(True, "", blocks, norms, backend, ops)
+    rep = CompileReport(True, "", blocks, norms, backend, models=models, ops=ops)
     log.info("%s", rep.describe())
     return rep
 
@@ -379,10 +444,15 @@ class QuantizingOps:
 
     def __init__(self, base, producers: dict, modulate: bool, layer_norm: bool):
         self.base, self.producers = base, producers
+        # a residual add + norm op whose norm is produced here: the base's add, then the producer (two launches,
+        # as before the pair became one op: the producer fuses the quantisation, not the add)
         if modulate:
             self.norm_modulate = self._norm_modulate
+            self.add_norm_modulate = self._add_norm_modulate
         if layer_norm:
             self.layer_norm_cast = self._layer_norm_cast
+            self.gate_residual_layer_norm = self._gate_residual_layer_norm
+            self.add_layer_norm = self._add_layer_norm
 
     def __getattr__(self, name):  # only for what __init__ did not set: the base's op
         if name == "base":
@@ -392,6 +462,18 @@ class QuantizingOps:
     def _norm_modulate(self, x, shift, scale, eps):
         qs = self.producers["norm_modulate"](x, shift, scale, eps)
         return self.base.norm_modulate(x, shift, scale, eps) if qs is None else _activation(qs, x)
+
+    def _add_norm_modulate(self, x, y, shift, scale, eps):
+        x = x + y
+        return x, self._norm_modulate(x, shift, scale, eps)
+
+    def _gate_residual_layer_norm(self, x, y, gate, weight, bias, eps):
+        x = self.base.gate_residual(x, y, gate)
+        return x, self._layer_norm_cast(x, weight, bias, eps)
+
+    def _add_layer_norm(self, x, y, weight, bias, eps):
+        x = x + y
+        return x, self._layer_norm_cast(x, weight, bias, eps)
 
     def _layer_norm_cast(self, x, weight, bias, eps):
         qs = (

@@ -1,0 +1,298 @@
+"""The short-query FP8 attention kernel against cuDNN bf16 at the 748-query serving shapes (issue 36, item 3).
+
+    PYTHONPATH=. python3 scripts/attention_short.py --out-dir OUT/perf              # one H200 (plan attention-short)
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 scripts/attention_short.py --smoke      # the CPU: tiny shape
+
+Per shape (748 queries over 15,708 keys, head dim 128; W57 TP=4: 16 heads, W14 TP=2: 20): the ring's FP8 buffers
+as the ring writes them (per-token scales; per-head scales for the ``triton_head`` layout), then
+
+1. **check**: every variant's output against the float32 attention of the unquantised inputs and against the
+   float32 reference on the same quantised buffers (``ring_attention_reference``), within the FP8 budgets of
+   tests/test_ring_kernels.py (0.08 / 0.04 on the GPU), the output poisoned with NaN first;
+2. **sweep**: each variant timed alone (median of CUDA-graph replays), the short kernel's splits, tiles, stages,
+   programs per SM and accumulator unit, beside the ring kernel's own best configurations (``triton``,
+   ``triton_head``); a variant that fails to compile or misses the budget is reported, not timed;
+3. **rounds**: cuDNN bf16 (torch SDPA, cuDNN backend, bf16 inputs) and the best few variants interleaved
+   (``cadence.bench.rounds``: >= 5 rounds, the order rotating), each ratio as median (min-max) and its verdict:
+   a variant is faster only where its worst round beats cuDNN bf16's best.
+
+Writes ``<out-dir>/attention/<date>-<device>-short-<shape>.json`` per shape and prints one table. The kernel:
+``cadence.kernels.ring_attention.short_attention``; what it changes and the predictions:
+docs/perf/attention/NOTES.md ("The short-query kernel").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"w57-tp4": 16, "w14-tp2": 20, "w57-tp2": 32, "w57-tp1": 64}
+M, N, D = 748, 15708, 128
+
+
+def buffers(h: int, m: int, n: int, d: int, dev, head_scales: bool, seed: int = 0):
+    """Random q, k, v (N(0, 1), bf16) and the ring's FP8 buffers of them (V transposed), n rows valid."""
+    from cadence.kernels import ring_attention as ra
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q, k, v = (torch.randn(s, h, d, generator=g, device=dev).bfloat16() for s in (m, n, n))
+    n_alloc = -(-n // 128) * 128
+    Q = torch.zeros(h, m, d, dtype=ra.FP8, device=dev)
+    QS = torch.ones(h, m, device=dev)
+    K = torch.zeros(h, n_alloc, d, dtype=ra.FP8, device=dev)
+    VT = torch.zeros(h, d, n_alloc, dtype=ra.FP8, device=dev)
+    if head_scales:
+        KS = ra.head_amax_bound(k, rotate=False) * ra.HEAD_HEADROOM / ra.FP8_MAX
+        VS = ra.head_amax_bound(v, rotate=False) * ra.HEAD_HEADROOM / ra.FP8_MAX
+    else:
+        KS, VS = torch.ones(h, n_alloc, device=dev), torch.ones(h, n_alloc, device=dev)
+    z = torch.zeros(1, dtype=torch.int32, device=dev)
+    ra.rope_quant_write(q, None, None, Q, QS, z)
+    ra.rope_quant_write(k, None, None, K, KS, z)
+    ra.rope_quant_write(v, None, None, VT, VS, z, transpose_out=True)
+    nv = torch.tensor([n], dtype=torch.int32, device=dev)
+    return (q, k, v), (Q, QS, K, KS, VT, VS), nv
+
+
+def variants(smoke: bool) -> list[tuple[str, str, dict]]:
+    """(name, layout 'token' | 'head', keyword arguments) of every timed kernel configuration."""
+    out = [
+        ("ring-token-s1", "token", {"fn": "ring", "split": 1}),
+        ("ring-token-s4", "token", {"fn": "ring", "split": 4}),
+    ]
+    out += [("ring-head-s1", "head", {"fn": "ring", "split": 1})]
+    if not smoke:
+        out += [("ring-token-s4-ws", "token", {"fn": "ring", "split": 4, "ws": True})]
+        out += [("ring-head-ws", "head", {"fn": "ring", "split": 1, "ws": True})]
+    splits = (None, 1, 2) if smoke else (None, 1, 2, 3, 4, 6, 8)
+    for lay in ("token", "head"):
+        for s in splits:
+            out.append((f"short-{lay}-s{s or 'auto'}", lay, {"fn": "short", "split": s}))
+    if smoke:
+        return out + [("short-token-tileunit", "token", {"fn": "short", "v_unit": False})]
+    for lay in ("token", "head"):
+        for bm, bn, w in ((64, 64, 4), (128, 128, 8), (128, 64, 8)):
+            out.append(
+                (
+                    f"short-{lay}-{bm}x{bn}w{w}",
+                    lay,
+                    {"fn": "short", "block_m": bm, "block_n": bn, "num_warps": w},
+                )
+            )
+        for st in (2, 4):
+            out.append((f"short-{lay}-stages{st}", lay, {"fn": "short", "num_stages": st}))
+        out.append((f"short-{lay}-ws", lay, {"fn": "short", "ws": True}))
+        out.append((f"short-{lay}-pps1", lay, {"fn": "short", "programs_per_sm": 1}))
+        out.append((f"short-{lay}-pps3", lay, {"fn": "short", "programs_per_sm": 3}))
+    out.append(("short-token-tileunit", "token", {"fn": "short", "v_unit": False}))
+    return out
+
+
+def call(kw: dict, bufs, nv, out):
+    from cadence.kernels import ring_attention as ra
+
+    kw = dict(kw)
+    fn = ra.short_attention if kw.pop("fn") == "short" else ra.ring_attention
+    return lambda: fn(*bufs, nv, out=out, **kw)
+
+
+def timer(fn, dev, reps: int) -> float:
+    """ms per call: CUDA graph of `reps` calls replayed (median of 5 replays); the CPU: wall time of one call."""
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                fn()
+        run = g.replay
+    except RuntimeError:  # not capturable: the calls launched back to back, timed the same way
+        torch.cuda.synchronize()
+        g = None
+
+        def run():
+            for _ in range(reps):
+                fn()
+
+    torch.cuda.current_stream().wait_stream(s)
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    if g is not None:
+        g.reset()
+    return sorted(times)[len(times) // 2]
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def check(fn, out, exact, same_quant, interp: bool) -> dict:
+    """Poison, run, compare: error against the exact and the same-quant references and the verdict."""
+    out.fill_(float("nan"))
+    fn()
+    if torch.isnan(out).any():
+        return {"ok": False, "why": "output rows not written (NaN left)"}
+    e, s = rel(out.float(), exact), rel(out.float(), same_quant)
+    ok = e < (0.15 if interp else 0.08) and s < (0.12 if interp else 0.04)
+    return {"ok": ok, "err_exact": e, "err_same_quant": s}
+
+
+def cudnn_bf16(q, k, v):
+    """torch SDPA on the cuDNN backend (bf16, [1, H, tokens, D]); the math backend off CUDA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qb, kb, vb = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
+    be = SDPBackend.CUDNN_ATTENTION if q.is_cuda else SDPBackend.MATH
+    f = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        with sdpa_kernel(be):
+            return f(qb, kb, vb)
+
+    return run
+
+
+def references(raw, bufs, n: int):
+    from cadence.kernels import ring_attention as ra
+
+    q, k, v = (t.float() for t in raw)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    ).transpose(0, 1)
+    return exact, ra.ring_attention_reference(*bufs, n)
+
+
+def sweep(shape: str, heads: int, a, dev) -> dict:
+    """Check and time every variant at one shape; then the rounds of cuDNN bf16 against the best few."""
+    from cadence.kernels.ring_attention import interpreting
+
+    m, n, d = (40, 200, 32) if a.smoke else (M, N, D)
+    interp = interpreting()
+    layouts = {lay: buffers(heads, m, n, d, dev, lay == "head") for lay in ("token", "head")}
+    refs = {lay: references(raw, bufs, n) for lay, (raw, bufs, nv) in layouts.items()}
+    rows, fns, t_start = [], {}, time.monotonic()
+    for name, lay, kw in variants(a.smoke):
+        if time.monotonic() - t_start > a.shape_budget_s:
+            rows.append({"name": name, "skipped": "shape budget"})
+            continue
+        raw, bufs, nv = layouts[lay]
+        out = torch.empty(m, heads, d, device=dev, dtype=torch.float32 if interp else torch.bfloat16)
+        fn = call(kw, bufs, nv, out)
+        row = {"name": name, "layout": lay, "config": {k: v for k, v in kw.items() if k != "fn"}}
+        try:
+            row.update(check(fn, out, *refs[lay], interp))
+            if row["ok"]:
+                row["ms"] = timer(fn, dev, a.reps)
+                fns[name] = fn
+        except Exception as e:  # noqa: BLE001  (a configuration that does not compile: reported, not fatal)
+            row.update(ok=False, why=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        rows.append(row)
+    return {"rows": rows, "rounds": rounds(rows, fns, layouts["token"][0], dev, a), "m": m, "n": n, "d": d}
+
+
+def rounds(rows: list[dict], fns: dict, raw, dev, a) -> dict:
+    """cuDNN bf16 and the best `a.best` timed variants of each kind, interleaved (cadence.bench.rounds)."""
+    from cadence.bench.rounds import compare_all, interleave
+
+    timed = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    pick: list[str] = []
+    for prefix in ("short-token", "short-head", "ring-token", "ring-head"):
+        pick += [r["name"] for r in timed if r["name"].startswith(prefix)][
+            : a.best if "short" in prefix else 1
+        ]
+    base = cudnn_bf16(*raw)
+    run = {"cudnn_bf16": lambda: timer(base, dev, a.reps)}
+    run.update({p: (lambda f=fns[p]: timer(f, dev, a.reps)) for p in pick})
+    times = interleave(run, a.rounds)
+    return {"times_ms": times, "vs_cudnn_bf16": compare_all(times, "cudnn_bf16")}
+
+
+def record(shape: str, heads: int, res: dict, a, dev) -> Path:
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    kind = name.lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    path = Path(a.out_dir) / "attention" / f"{datetime.date.today()}-{kind}-short-{shape}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "bench": "attention-short",
+        "shape": {"name": shape, "heads": heads, "q": res["m"], "kv": res["n"], "head_dim": res["d"]},
+        "device": name,
+        "torch": torch.__version__,
+        "command": "python3 scripts/attention_short.py " + " ".join(a.argv),
+        "results": {"sweep": res["rows"], "rounds": res["rounds"]},
+    }
+    try:
+        import triton
+
+        doc["triton"] = triton.__version__
+    except ImportError:
+        pass
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def table(shape: str, res: dict) -> list[str]:
+    lines = [f"{shape}: {sum('ms' in r for r in res['rows'])} variants timed"]
+    for name, r in sorted(res["rounds"]["vs_cudnn_bf16"].items(), key=lambda kv: -kv[1]["median"]):
+        lines.append(
+            f"  {name:28} {r['variant_ms'][0]:.4f} ms  {r['median']:.2f}x ({r['lo']:.2f}-{r['hi']:.2f}) vs cuDNN bf16 "
+            f"{r['base_ms'][0]:.4f} ms: {r['verdict']}"
+        )
+    lines += [
+        f"  {r['name']}: {r.get('why', r.get('skipped', 'over budget'))}"
+        for r in res["rows"]
+        if "ms" not in r
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="w57-tp4,w14-tp2", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--best", type=int, default=3, help="short-kernel variants of each layout in the rounds")
+    p.add_argument("--reps", type=int, default=20, help="calls per CUDA-graph replay")
+    p.add_argument("--shape-budget-s", type=float, default=100.0)
+    p.add_argument("--out-dir", default="perf")
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny shape on any device (the CPU under TRITON_INTERPRET=1)"
+    )
+    a = p.parse_args(argv)
+    a.argv = argv
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lines, passed = [], True
+    for shape in a.shapes.split(","):
+        if shape not in SHAPES:
+            p.error(f"unknown shape {shape!r}: one of {sorted(SHAPES)}")
+        heads = 2 if a.smoke else SHAPES[shape]
+        res = sweep(shape, heads, a, dev)
+        print(f"wrote {record(shape, heads, res, a, dev)}")
+        lines += table(shape, res)
+        passed &= any(r.get("ok") and r["name"].startswith("short") for r in res["rows"])
+    print("\n".join(lines))
+    if not passed:
+        print("error: no configuration of the short-query kernel passed its check at some shape")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
