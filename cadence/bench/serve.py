@@ -33,7 +33,10 @@ every session's fresh fps is >= the target and no underrun was counted. ``--sess
 each against a fresh server (``--one-server``: one server with groups for the largest N, left idle when fewer
 stream); ``--find-capacity``: the largest N (<= ``--max-n``) that holds the target, searched from 1 (or from
 the capacity the one server measured) up by doubling, then halving the interval (``search_capacity``). A
-sweep records each N's JSON and a summary (variant ``sweep`` / ``capacity``: ``capacity``, ``rows``).
+sweep records each N's JSON and a summary (variant ``sweep`` / ``capacity``: ``capacity``, ``rows``). A
+sweep's server runs in a process of its own (``--server-process``; ``ServerProcess``): with many sessions
+the server encodes every stream and the clients decode them, and in one interpreter the clients' work
+would count against the server.
 
 ``--ray local|auto|ADDRESS``: the self-started server is a fleet front end (``cadence serve --ray``) with
 ``--sessions`` groups; ``local`` starts a Ray head and ``--sessions - 1`` more Ray "nodes" on this machine
@@ -156,6 +159,13 @@ def _add_session_flags(p) -> None:
         action="store_true",
         help="a sweep's runs share one server with groups for the largest N (fewer, if its GPU's memory "
         "holds fewer) instead of a fresh server per N",
+    )
+    p.add_argument(
+        "--server-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the self-started server in a process of its own, apart from the clients (default: for a "
+        "sweep)",
     )
     p.add_argument(
         "--target-fps",
@@ -603,28 +613,114 @@ def _start_server(args, n: int, memory_fit: str = "error"):
         fleet, cluster = _fleet(args, n)
         extra["deployment"] = fleet
     start_timeout = args.start_timeout or (600.0 if args.device == "cuda" else 120.0)
-    srv = ServerThread(
-        ServeConfig(
-            engine=spec,
-            port=0,
-            groups=groups,
-            max_duration_s=args.seconds + 120,
-            worker_start_timeout_s=start_timeout,
-            timeline_window_s=args.window_s,
-            frame_transport=args.frame_transport,
-            memory_fit=memory_fit,
-            **share_words(args),
-            **extra,
-        )
-    ).start(timeout=2 * start_timeout + 120)  # (a shared GPU: two starts and the capacity measured)
+    cfg = ServeConfig(
+        engine=spec,
+        port=0,
+        groups=groups,
+        max_duration_s=args.seconds + 120,
+        worker_start_timeout_s=start_timeout,
+        timeline_window_s=args.window_s,
+        frame_transport=args.frame_transport,
+        memory_fit=memory_fit,
+        **share_words(args),
+        **extra,
+    )
+    kind = ServerProcess if _own_process(args) else ServerThread
+    srv = kind(cfg).start(
+        timeout=2 * start_timeout + 120
+    )  # (a shared GPU: two starts, the capacity measured)
     print(
         f"server: {srv.url} ({spec.model}, {len(groups)} group(s) on {args.device}"
+        + (", its own process" if kind is ServerProcess else "")
         + (f", {per_gpu} per GPU" if args.device == "cuda" and per_gpu > 1 else "")
         + (f", a Ray fleet at {extra['deployment'].address}" if args.ray else "")
         + ")",
         file=sys.stderr,
     )
     return srv, cluster
+
+
+def _own_process(args) -> bool:
+    """Whether the self-started server runs in a process of its own: ``--server-process`` (default: for a
+    sweep, where many sessions' video is encoded by the server and decoded by the clients; in one
+    process they would share one interpreter, and the clients' work would count against the server)."""
+    if args.server_process is not None:
+        return args.server_process and not args.ray
+    return (args.find_capacity or len(args.sessions) > 1) and not args.ray
+
+
+class ServerProcess:
+    """A :class:`~cadence.serve.server.ServerThread` in a spawned process of its own (``url``, ``start``,
+    ``stop``, as the thread's): the server's event loop and encoders get their own interpreter, the clients
+    theirs. Not daemonic (the server starts its worker processes)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.url, self.proc, self.conn = cfg, "", None, None
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_serve_here, args=(self.cfg, child, timeout), name="cadence-bench-server"
+        )
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(timeout + 30):
+            self.stop()
+            raise RuntimeError(f"the server did not start within {timeout:.0f} s")
+        try:
+            what, text = self.conn.recv()
+        except EOFError:
+            what, text = "error", f"the server process exited ({self.proc.exitcode})"
+        if what != "url":
+            self.stop()
+            raise RuntimeError(text)
+        self.url = text
+        return self
+
+    def stop(self, timeout: float = 120.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.conn.send("stop")
+            self.conn.poll(timeout)
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+        self.proc.join(10.0)
+        if self.proc.is_alive():  # pragma: no cover - a server that did not stop in time
+            self.proc.kill()
+            self.proc.join(5.0)
+        self.conn.close()
+        self.proc = None
+
+
+def _serve_here(cfg, conn, timeout: float) -> None:  # pragma: no cover - the server's own process
+    import logging
+
+    from cadence.serve.server import ServerThread
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+    try:
+        srv = ServerThread(cfg).start(timeout=timeout)
+    except Exception as e:
+        conn.send(("error", " ".join(str(e).split())))
+        return
+    conn.send(("url", srv.url))
+    try:
+        conn.recv()  # "stop", or the bench gone (EOF)
+    except (EOFError, OSError):
+        pass
+    srv.stop()
+    try:
+        conn.send(("stopped", ""))
+    except (OSError, BrokenPipeError):
+        pass
+    # leave without the interpreter's teardown: the server is stopped and its workers gone; the native parts
+    # of what it imported would only print leak reports at exit (as the workers leave: cadence.engine.worker)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _session_figures(cfg: dict, ok: list, results: list, target: float) -> dict:
