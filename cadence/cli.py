@@ -133,7 +133,7 @@ def _add_serve(sub) -> None:
         type=int,
         default=None,
         help="sessions admitted at once = worker groups (default: 1 on the CPU, one per GPU "
-        "with --device cuda)",
+        "with --device cuda, --sessions-per-gpu N per GPU)",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda: where the worker groups run (default: cpu)")
     s.add_argument(
@@ -157,7 +157,7 @@ def _add_serve(sub) -> None:
     )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
-    add_serve_flags(s)
+    add_serve_flags(s, sharing=True)
     add_deployment_flags(s)  # --deploy local|ray and each deployment's own (--ray ADDR, --fleet-*)
     s.set_defaults(func=cmd_serve)
 
@@ -409,7 +409,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``cadence serve``: validate the flags, then run uvicorn in the foreground until interrupted."""
     from cadence.engine.flags import cpu_note, require_weights, spec_from_args
-    from cadence.serve.config import ServeConfig, deployment_from_args
+    from cadence.serve.config import ServeConfig, deployment_from_args, placements_from_args, share_words
 
     spec = spec_from_args(
         args
@@ -420,7 +420,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_sessions is not None and args.max_sessions < 1:
         raise InputError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     deployment = deployment_from_args(args)  # local (this machine) or ray (a fleet's groups): by name
-    groups = deployment.placements(args.device, spec.tp, args.max_sessions, spec.decode_gpu)
+    groups = placements_from_args(
+        deployment, args.device, spec.tp, args.max_sessions, spec.decode_gpu, args.sessions_per_gpu
+    )
     cfg = ServeConfig(
         engine=spec,
         host=args.host,
@@ -437,6 +439,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         agent_stt_model=args.agent_stt_model,
         agent_tts_model=args.agent_tts_model,
         frame_transport=args.frame_transport,
+        **share_words(args),
     )
     from cadence.serve.server import run
 

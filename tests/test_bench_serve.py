@@ -72,3 +72,73 @@ def test_timeline_summary_across_sessions():
         "worker_cuda_growth_mb_max": 0.0,
     }  # partial windows do not count
     assert _timeline_summary([])["fps_min_window"] is None
+
+
+def test_search_capacity_finds_the_largest_n_that_holds_in_few_runs():
+    from cadence.bench.serve import search_capacity
+
+    for cap in range(0, 18):
+        for start in (1, 4, 12, 17):
+            for max_n in (1, 6, 16):
+                got, seen = search_capacity(lambda n, cap=cap: n <= cap, max_n, start)
+                assert got == min(cap, max_n), (cap, start, max_n, seen)
+                assert all(n <= max_n for n in seen) and len(seen) <= 8, seen
+    # from a measured capacity that is right: two runs
+    assert search_capacity(lambda n: n <= 12, 16, 12) == (12, {12: True, 13: False})
+    # from nothing: doubling, then halving the interval
+    assert list(search_capacity(lambda n: n <= 5, 16)[1]) == [1, 2, 4, 8, 6, 5]
+
+
+def test_each_sessions_fresh_fps_and_whether_the_run_holds_the_target():
+    from types import SimpleNamespace
+
+    from cadence.bench.serve import _session_figures
+
+    def client(fps, underruns=0, error=None):
+        def fresh(step):
+            return (int(fps * 10), 10.0, [])
+
+        return SimpleNamespace(
+            error=error,
+            status_code=201 if error is None else 503,
+            fresh=fresh,
+            report={"underruns": {"video": underruns, "audio": 0}},
+        )
+
+    cfg = {"fps": 25}
+    good = [client(24.9), client(24.6)]
+    f = _session_figures(cfg, good, good, 24.5)
+    assert f == {
+        "target_fps": 24.5,
+        "sessions_fresh_fps": [24.9, 24.6],
+        "sessions_underruns": [0, 0],
+        "share_sessions_ge_target": 1.0,
+        "holds_target": True,
+    }
+    assert not _session_figures(cfg, good, [*good, client(24.9, underruns=1)][:3], 24.5)["holds_target"]
+    refused = client(0.0, error="HTTP 503")
+    f = _session_figures(cfg, good, [*good, refused], 24.5)
+    assert f["sessions_fresh_fps"][-1] == 0.0 and f["sessions_underruns"][-1] is None
+    assert f["share_sessions_ge_target"] == 0.667 and not f["holds_target"]
+
+
+@pytest.mark.slow
+def test_a_sweep_on_one_server_records_every_n_and_the_capacity(tmp_path, capsys):
+    """``--sessions 1,2 --one-server`` on the CPU (tiny): one server with two groups on the one device, its
+    capacity measured and reported; a run of 1 session, then 2; each N's JSON and the sweep's summary."""
+    from cadence.cli import main
+
+    argv = ["bench", "serve", "--preset", "tiny", "--sessions", "1,2", "--one-server", "--seconds", "2"]
+    rc = main([*argv, "--capacity-seconds", "1", "--progress-every", "0", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    (summary,) = (tmp_path / "serve").glob("*-sweep-of2.json")
+    r = json.loads(summary.read_text())["results"]
+    assert [row["sessions"] for row in r["rows"]] == [1, 2] and r["one_server"] and r["target_fps"] == 23.5
+    assert r["capacity"] == max([0] + [row["sessions"] for row in r["rows"] if row["holds_target"]])
+    assert r["server_capacity"] >= 1 and all(row["groups"] == 2 for row in r["rows"])
+    two = json.loads(next((tmp_path / "serve").glob("*-s2-of2.json")).read_text())["results"]
+    assert len(two["sessions_fresh_fps"]) == 2 and two["errors"] == 0
+    (share,) = two["shares"]
+    assert share["placement"] == "cpu" and share["groups"] == 2 and not share["enforced"]
+    assert "the largest N at which every session holds the target" in out.out

@@ -128,6 +128,9 @@ class WorkerInfo:
     recipe: dict | None = None
     """What the group runs (``EngineRecipe.describe().as_dict()``: the model, the fast path, the rules, the
     weights and the entry served, the kernel switches in effect)."""
+    gpu_memory: dict | None = None
+    """Rank 0's GPU once the worker is ready (built, warmed up): ``{"total_mb", "free_mb"}`` (None on the CPU):
+    how many more groups fit on it (``cadence.serve.sharing.memory_fit``)."""
 
 
 @dataclass(frozen=True)

@@ -361,9 +361,19 @@ def _start_rank0(spec: WorkerSpec, pipe: _Pipe):  # pragma: no cover - other pro
             frame_transport="shm" if ring is not None else "pipe",
             frames_per_chunk=cfg.video_frames_per_chunk,
             audio_samples_per_chunk=cfg.audio_samples_per_chunk,
+            gpu_memory=_gpu_memory(devices[0]),
         )
     )
     return eng, ring, peers, default_image, ready
+
+
+def _gpu_memory(device: str) -> dict | None:
+    """The device's total and free memory now (MB; None on the CPU): with the engine built and warmed up, what
+    the caching allocator keeps is in use, so the free figure is what another group could have."""
+    if not device.startswith("cuda"):
+        return None
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return {"total_mb": round(total / 2**20, 1), "free_mb": round(free / 2**20, 1)}
 
 
 def _rank0_messages(conn, peers) -> Callable[[], object]:  # pragma: no cover - other process

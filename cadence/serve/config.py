@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cadence.config import CadenceConfig
-from cadence.engine.placement import Placement, cpu_groups, gpu_groups
+from cadence.engine.placement import Placement, Sharing, cpu_groups, gpu_groups
 from cadence.engine.recipe import EngineSpec, WorkerSpec, resolve
 from cadence.engine.shm import SHM_MIN_BYTES
 from cadence.engine.spec import DEFAULT_PROMPT
 from cadence.errors import ConfigError, InputError
 from cadence.serve.ports import Deployment
+from cadence.serve.sharing import CAPACITY_MODES, ShareRules
 
 __all__ = ["DEFAULT_PROMPT", "SHM_MIN_BYTES", "ServeConfig", "frame_shape", "serve_groups", "worker_spec"]
 
@@ -50,7 +51,9 @@ class ServeConfig:
     ('cpu', 'cuda:0', ...), or the devices of a tensor-parallel group ('cuda:0+cuda:1': the model sharded over
     both, one worker process per device; 'cpu+cpu' runs the same on the CPU with gloo); given as text, it is
     read into a Placement. The number of groups is the number of sessions admitted at once (``--max-sessions
-    N`` on the CPU = N slots)."""
+    N`` on the CPU = N slots). The same placement may come several times (``--sessions-per-gpu N``: N groups
+    on each GPU, each its own process and engine; :attr:`sharing`), and then the device's measured capacity
+    may admit fewer (``capacity``)."""
     idle_timeout_s: float = 120.0
     """Close a session after this long with no request and no media from its client."""
     max_duration_s: float = 600.0
@@ -105,7 +108,8 @@ class ServeConfig:
     """Host ICE candidates to offer; None = ('127.0.0.1',) when serving on loopback, else aioice's own
     discovery (all non-loopback interfaces)."""
     worker_start_timeout_s: float = 120.0
-    """How long startup waits for the worker processes to build the model."""
+    """How long startup waits for the worker processes to build the model (on a GPU shared by several groups,
+    for each of its two starts: the first group alone, then the others)."""
     sync_marker_every: int = 0
     """Testing: every K-th chunk of every session carries an A/V sync marker (its first video frame
     solid white, its first 40 ms of audio a 1 kHz tone, at the same media time); 0 = off."""
@@ -126,6 +130,21 @@ class ServeConfig:
     """How frames come back from a worker: 'pipe' (pickled through the multiprocessing pipe), 'shm'
     (a ring of shared-memory slots; only the chunk index crosses the pipe) or 'auto' (shm when a
     chunk's frames are >= 1 MiB: a W1.3 chunk is 14.4 MB, a tiny preset's 196 KB; ``cadence.engine.shm``)."""
+    capacity: str = "auto"
+    """How many sessions a device shared by several groups admits at once (``cadence.serve.sharing``):
+    'measure' (at start its groups stream flat out together for ``capacity_s``; it admits as many sessions as
+    that throughput holds at real time), 'auto' ('measure' on GPUs; CPU groups one session each, as ever),
+    'report' (measured and shown in ``/config``, one session per group admitted: benchmark sweeps), 'groups'
+    (one session per group, not measured)."""
+    capacity_s: float = 5.0
+    """Seconds of that measurement (0: none)."""
+    memory_fit: str = "error"
+    """More groups on a GPU than its memory holds (measured with the first one up): 'error' (one line, the
+    server does not start) or 'trim' (only those that fit start)."""
+    mps: bool = False
+    """Run the worker processes under a private CUDA MPS control daemon (kernels of several processes on a GPU
+    at once; ``cadence.serve.mps``): started by the server when ``nvidia-cuda-mps-control`` is there, one log
+    line and plain time-sharing when it is not. The GPU's settings are never changed."""
     extra: dict = field(default_factory=dict)
     """Free-form settings of callers that embed the server (kept with the config, read by nobody here)."""
     deployment: Deployment = field(default_factory=lambda: LOCAL)
@@ -144,10 +163,21 @@ class ServeConfig:
     def decode_gpu(self) -> int | None:
         return self.engine.decode_gpu
 
+    @property
+    def sharing(self) -> Sharing:
+        """Which groups share a placement (``--sessions-per-gpu``)."""
+        return Sharing(self.groups)
+
+    @property
+    def share_rules(self) -> ShareRules:
+        """What the server does about shared devices: capacity, memory, MPS (checked at construction)."""
+        return ShareRules(self.capacity, self.capacity_s, self.memory_fit, self.mps)
+
     def __post_init__(self) -> None:
         if not self.groups:
             raise ConfigError("at least one worker group is needed (--max-sessions >= 1)")
         object.__setattr__(self, "groups", tuple(Placement.of(g) for g in self.groups))  # checked there
+        self.share_rules  # noqa: B018 (its checks: one ConfigError)
         if self.engine.decode_device not in ("same",) and self.decode_gpu is None:
             raise ConfigError(
                 f"cadence serve decodes on each group's GPU ('same') or on one decode GPU (--decode-gpu K), "
@@ -255,31 +285,48 @@ def worker_spec(
 
 
 def serve_groups(
-    device: str, tp: int = 1, max_sessions: int | None = None, gpus: int = 0, decode_gpu: int | None = None
+    device: str,
+    tp: int = 1,
+    max_sessions: int | None = None,
+    gpus: int = 0,
+    decode_gpu: int | None = None,
+    sessions_per_gpu: int = 1,
 ) -> tuple[Placement, ...]:
-    """``cadence serve``'s worker groups: on CUDA, ``max_sessions`` groups (default: as many as fit) of
-    ``tp`` consecutive GPUs each ('cuda:0+cuda:1', 'cuda:2+cuda:3', ...), GPU ``decode_gpu`` left out (it
-    decodes for them); on the CPU, ``max_sessions`` (default 1) groups of ``tp`` gloo ranks. Raises
+    """``cadence serve``'s worker groups: on CUDA, ``sessions_per_gpu`` groups on each set of ``tp`` consecutive
+    GPUs ('cuda:0+cuda:1', 'cuda:2+cuda:3', ...), interleaved so that the first groups land on distinct GPUs,
+    ``max_sessions`` of them (default: all), GPU ``decode_gpu`` left out (it decodes for them); on the CPU,
+    ``max_sessions`` groups of ``tp`` gloo ranks (default ``sessions_per_gpu``: the CPU is one device). Raises
     InputError (one line) for what cannot be built."""
 
     if tp < 1:
         raise InputError(f"--tp must be >= 1, got {tp}")
     if max_sessions is not None and max_sessions < 1:
         raise InputError(f"--max-sessions must be >= 1, got {max_sessions}")
+    if sessions_per_gpu < 1:
+        raise InputError(f"--sessions-per-gpu must be >= 1, got {sessions_per_gpu}")
     if device == "cuda":
         ids = list(range(gpus))
         if decode_gpu is not None:
             if not 0 <= decode_gpu < gpus:
                 raise InputError(f"--decode-gpu {decode_gpu}: {gpus} GPU(s) visible (0..{gpus - 1})")
             ids.remove(decode_gpu)
-        count = max_sessions or max(1, len(ids) // tp)
-        if count * tp > len(ids):
+        sets = len(ids) // tp
+        count = max_sessions or max(1, sets) * sessions_per_gpu
+        if count > sets * sessions_per_gpu:
             extra = f" besides decode GPU {decode_gpu}" if decode_gpu is not None else ""
+            per = f" at {sessions_per_gpu} per GPU" if sessions_per_gpu > 1 else ""
+            need = -(-count // sessions_per_gpu) * tp
             raise InputError(
-                f"{count} worker group(s) of {tp} GPU(s) need {count * tp} GPUs{extra}; {gpus} visible"
+                f"{count} worker group(s) of {tp} GPU(s){per} need {need} GPUs{extra}; {gpus} visible "
+                "(--sessions-per-gpu N places N groups on each GPU)"
             )
-        return gpu_groups(tp, count, ids)
-    return cpu_groups(tp, max_sessions or 1)
+        return gpu_groups(tp, count, ids, sessions_per_gpu)
+    if max_sessions is not None and sessions_per_gpu > 1 and max_sessions > sessions_per_gpu:
+        raise InputError(
+            f"--max-sessions {max_sessions} groups on the CPU (one device) at --sessions-per-gpu "
+            f"{sessions_per_gpu}: give one of them"
+        )
+    return cpu_groups(tp, max_sessions or sessions_per_gpu)
 
 
 # ---- where the groups run: the deployments ---------------------------------------------------------------
@@ -291,7 +338,14 @@ class Local:
 
     name: ClassVar[str] = "local"
 
-    def placements(self, device: str, tp: int, max_sessions: int | None, decode_gpu: int | None):
+    def placements(
+        self,
+        device: str,
+        tp: int,
+        max_sessions: int | None,
+        decode_gpu: int | None,
+        sessions_per_gpu: int = 1,
+    ):
         """``cadence serve``'s groups here (:func:`serve_groups` over the GPUs this machine has)."""
         gpus = 0
         if device == "cuda":
@@ -300,7 +354,7 @@ class Local:
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if gpus == 0:
                 raise InputError("--device cuda requested but CUDA is not available")
-        return serve_groups(device, tp, max_sessions, gpus, decode_gpu)
+        return serve_groups(device, tp, max_sessions, gpus, decode_gpu, sessions_per_gpu)
 
     def group_source(self, cfg: ServeConfig):
         """One ``cadence.serve.workers.WorkerGroup`` per placement of ``cfg.groups``, each resolved once
@@ -313,7 +367,7 @@ class Local:
             spec, shm = worker_spec(cfg, placement)
             shape = frame_shape(spec.recipe.config)
             groups.append(WorkerGroup(i, spec, frame_shape=shape, slots=cfg.max_in_flight + 1, shm=shm))
-        return LocalGroups(groups, LiveSession)
+        return LocalGroups(groups, LiveSession, sharing=cfg.sharing, rules=cfg.share_rules)
 
     def routes(self, source) -> list:
         return []
@@ -395,14 +449,79 @@ def deployment_from_args(args) -> Deployment:
     return DEPLOYMENTS[name].from_args(args)
 
 
-def add_serve_flags(parser) -> None:
-    """``cadence serve``'s own worker flags (the engine's come from ``cadence.engine.flags``)."""
+def add_serve_flags(parser, sharing: bool = False, capacity_default: str = "auto") -> None:
+    """``cadence serve``'s own worker flags (the engine's come from ``cadence.engine.flags``): the frame
+    transport, and with ``sharing`` where the groups go on a GPU (``--sessions-per-gpu``, ``--capacity``,
+    ``--capacity-seconds``, ``--mps``: ``cadence serve`` and ``cadence bench serve``, whose
+    ``capacity_default`` is 'report'; an entry point with one group takes none of them)."""
     parser.add_argument(
         "--frame-transport",
         default="auto",
         choices=["auto", "pipe", "shm"],
         help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)",
     )
+    if sharing:
+        _add_sharing_flags(parser, capacity_default)
+
+
+def _add_sharing_flags(parser, capacity_default: str) -> None:
+    g = parser.add_argument_group("several sessions per GPU")
+    g.add_argument(
+        "--sessions-per-gpu",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker groups on each GPU (each its own process, engine and session; the GPU time-shared; "
+        "the model's memory N times, checked at start); on the CPU, N groups (default 1)",
+    )
+    g.add_argument(
+        "--capacity",
+        default=capacity_default,
+        choices=list(CAPACITY_MODES),
+        help="sessions a shared device admits at once: measure (its groups streaming together at start), "
+        "auto (measure on GPUs; CPU groups one session each), report (measured, not enforced), groups "
+        f"(one per group; default {capacity_default})",
+    )
+    g.add_argument(
+        "--capacity-seconds",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds of that measurement at start (default 5; 0: none)",
+    )
+    g.add_argument(
+        "--mps",
+        action="store_true",
+        help="run the workers under a private CUDA MPS daemon (kernels of several processes at once on a "
+        "GPU; needs nvidia-cuda-mps-control, else one log line and plain time-sharing)",
+    )
+
+
+def share_words(args) -> dict:
+    """The :class:`ServeConfig` fields of :func:`add_serve_flags`' sharing words (``--capacity`` ...)."""
+    return {
+        "capacity": args.capacity,
+        "capacity_s": args.capacity_seconds,
+        "mps": bool(args.mps),
+    }
+
+
+def placements_from_args(
+    deployment, device: str, tp: int, max_sessions, decode_gpu, sessions_per_gpu
+) -> tuple[Placement, ...]:
+    """The groups of ``cadence serve``'s words where ``deployment`` runs them. ``--sessions-per-gpu`` places
+    this machine's groups: another deployment places its own (one line if it is given there)."""
+    per = 1 if sessions_per_gpu is None else sessions_per_gpu
+    if per < 1:
+        raise InputError(f"--sessions-per-gpu must be >= 1, got {per}")
+    if per != 1:
+        if not isinstance(deployment, Local):
+            raise InputError(
+                f"--sessions-per-gpu places this machine's worker groups; the {deployment.name} deployment "
+                "places its own (docs/fleet.md)"
+            )
+        return deployment.placements(device, tp, max_sessions, decode_gpu, per)
+    return deployment.placements(device, tp, max_sessions, decode_gpu)
 
 
 def agent_endpoint(cfg: ServeConfig):

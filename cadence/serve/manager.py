@@ -4,8 +4,9 @@
 machine's worker processes, the default; ``cadence.fleet.frontend.FleetGroups`` with ``cadence serve
 --ray``), routes every worker reply to the session that holds the group, and keeps the bookkeeping of
 admission by session id (the creator's address, the token's digest: ``cadence.serve.guard.Access``), not in
-the sessions. Admission: one session per worker group; a request is checked for a free slot (503 +
-Retry-After) and for the client's pending offers (429 + Retry-After: at most
+the sessions. Admission: one session per worker group, and on a GPU shared by several groups at most its
+measured capacity (``cadence.serve.sharing``: a group there is free only while its GPU has room); a request
+is checked for a free slot (503 + Retry-After) and for the client's pending offers (429 + Retry-After: at most
 ``max_pending_offers_per_client`` sessions per client address not yet connected) before its image is
 looked at (``cadence.serve.uploads``). An offer that never connects is closed after ``connect_timeout_s``
 (10 s; the session's watchdog). A closed session's report is kept ``report_ttl_s`` (at most
@@ -86,6 +87,7 @@ class SessionManager:
         self.images.start()
         use_ice_host_addresses(self.cfg.ice_host_addresses)
         await self.source.start(self._route, self.metrics, self.cfg.worker_start_timeout_s)
+        self.metrics.groups.set(len(self.groups))  # (fewer than configured: those that did not fit a GPU)
         await self._warm_up_media()
         # what the server is made of (~100k objects: FastAPI, aiortc, ...) out of the cyclic collector's sight,
         # so that a full collection (automatic, or the one after each session: _collect_soon) stays short
@@ -99,6 +101,16 @@ class SessionManager:
             [str(g) for g in self.cfg.groups],
             [round(self.lead_ms(g), 1) for g in self.groups],
         )
+        for share in getattr(self.source, "sharing", lambda: [])():  # groups sharing a GPU (LocalGroups)
+            log.info(
+                "cadence serve: %s shared by %d groups, %s",
+                share["placement"],
+                share["groups"],
+                f"at most {share['capacity']} sessions at once (measured)"
+                if share["enforced"]
+                else "one session per group"
+                + (f" (measured capacity {share['capacity']})" if share["capacity"] else ""),
+            )
 
     async def _warm_up_media(self) -> None:
         """What the web side does once per process, done before the first user: an image decoded (Pillow's
@@ -316,9 +328,13 @@ class SessionManager:
             retry = wait if wait is not None else self.retry_after()
             self.turns.refused(client, now, retry)
             held = " or held for clients refused before this one" if free else ""
+            busy = sum(g.session_id is not None for g in self.groups)
+            full = f"{busy} of {len(self.groups)} group(s) busy: each GPU at its measured capacity"
             raise ApiError(
                 503,
-                f"no free session slot ({len(self.groups)} group(s), all busy{held}); retry in {retry} s",
+                f"no free session slot ({len(self.groups)} group(s), all busy{held}); retry in {retry} s"
+                if busy >= len(self.groups) or free
+                else f"no free session slot ({full}); retry in {retry} s",
                 {"Retry-After": str(retry)},
             )
         self.turns.admitted(client, now)

@@ -12,6 +12,13 @@ The session manager gets its groups from a *source* (the ``GroupSource`` of :mod
 :class:`LocalGroups` (this machine's groups: the default) or, with ``cadence serve --ray``,
 ``cadence.fleet.frontend.FleetGroups`` (groups of a Ray fleet, each seen through a ``RayGroup``). A
 :class:`WorkerGroup` is that module's ``GroupPort`` (and ``SessionGroup``).
+
+Groups that share a GPU (``cadence serve --sessions-per-gpu N``; ``cadence.serve.sharing`` has the rules and
+the arithmetic): :class:`LocalGroups` starts the first group of each shared GPU alone, checks from its
+memory figures that the others fit (one error line, or only those that fit), starts the others, then lets
+the groups of each shared device stream flat out together (:func:`measure_throughput`) and keeps the
+sessions admitted on it to what that throughput holds at real time (:class:`SharedDevice`). With ``--mps``
+the workers run under a private MPS daemon (``cadence.serve.mps``).
 """
 
 from __future__ import annotations
@@ -22,23 +29,44 @@ import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 
-from cadence.engine.messages import ChunkDone, ChunkRequest, Died, Dropped, Error, Ready, Stop, WorkerInfo
+import numpy as np
+
+from cadence.engine.messages import (
+    ChunkDone,
+    ChunkRequest,
+    Closed,
+    CloseSession,
+    Died,
+    Dropped,
+    Error,
+    Opened,
+    OpenSession,
+    Ready,
+    Stop,
+    WorkerInfo,
+)
+from cadence.engine.placement import Placement, Sharing
 from cadence.engine.recipe import WorkerSpec
 from cadence.engine.shm import FrameRing
+from cadence.engine.spec import DEFAULT_PROMPT
 from cadence.net import free_port
 from cadence.serve.lines import worker_ready_line
 from cadence.serve.pacing import LatencyProfile
+from cadence.serve.sharing import ShareRules, capacity_of, memory_error, memory_fit
 
 log = logging.getLogger("cadence.serve")
 
 
-def _spawned(entry: str, *args) -> None:  # pragma: no cover - runs in the child process
-    """The spawned process's target: imports ``cadence.engine.worker`` (and torch) only there."""
+def _spawned(entry: str, env: dict, *args) -> None:  # pragma: no cover - runs in the child process
+    """The spawned process's target: its own environment (``env``: an MPS daemon's pipe and log folders) set
+    before anything imports torch, then ``cadence.engine.worker`` (and torch), only there."""
+    os.environ.update(env)
     getattr(importlib.import_module("cadence.engine.worker"), entry)(*args)
 
 
@@ -82,6 +110,8 @@ class WorkerGroup:
         self.restarts = 0
         # its sessions' chunk latencies, across sessions: a new session's lead covers their tail (pacing.py)
         self.latency_profile = LatencyProfile()
+        self.env: dict[str, str] = {}  # set in its processes before torch (an MPS daemon's folders)
+        self.share: SharedDevice | None = None  # the groups it shares its GPU with, and their capacity
 
     @property
     def device(self) -> str:
@@ -93,10 +123,25 @@ class WorkerGroup:
 
     @property
     def free(self) -> bool:
-        return self.ready.is_set() and self.session_id is None and not self._stopping
+        """Ready, holding no session, and on a device with room for one more (``SharedDevice.admits``)."""
+        return (
+            self.ready.is_set()
+            and self.session_id is None
+            and not self._stopping
+            and (self.share is None or self.share.admits(self))
+        )
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def info_dict(self) -> dict:
-        return dataclasses.asdict(self.info) if self.info is not None else {}
+        """Its ``WorkerInfo`` as plain data, with ``share`` (the device it shares, its capacity) when shared."""
+        d = dataclasses.asdict(self.info) if self.info is not None else {}
+        if self.share is not None:
+            d["share"] = self.share.describe()
+        d["mps"] = "CUDA_MPS_PIPE_DIRECTORY" in self.env  # its processes are clients of an MPS daemon
+        return d
 
     def start(self) -> None:
         """Spawn the processes and the pipe threads (returns at once; ``ready`` is set when the model is built
@@ -119,7 +164,7 @@ class WorkerGroup:
             spec = dataclasses.replace(spec, tp_port=free_port())
         self.proc = ctx.Process(
             target=_spawned,
-            args=("worker_main", child, spec),
+            args=("worker_main", dict(self.env), child, spec),
             name=f"cadence-worker-{self.index}",
             daemon=True,
         )
@@ -130,7 +175,7 @@ class WorkerGroup:
         self.followers = [
             ctx.Process(
                 target=_spawned,
-                args=("follower_main", r, fspec),
+                args=("follower_main", dict(self.env), r, fspec),
                 name=f"cadence-worker-{self.index}-rank{r}",
                 daemon=True,
             )
@@ -290,16 +335,171 @@ class WorkerGroup:
         self.start()
 
 
+class SharedDevice:
+    """The worker groups placed on one placement that several of them hold (``--sessions-per-gpu``): at most
+    ``capacity`` of them hold a session at once (None: every group; ``enforced`` False: measured, not kept to).
+    ``measured``: what :func:`measure_throughput` found; ``memory``: the first group's memory figures."""
+
+    def __init__(self, placement: Placement, groups: list[WorkerGroup]):
+        self.placement, self.groups = placement, groups
+        self.capacity: int | None = None
+        self.enforced = True
+        self.measured: dict | None = None
+        self.memory: dict | None = None
+
+    def busy(self) -> int:
+        """Its groups holding a session (or held for one being admitted)."""
+        return sum(g.session_id is not None for g in self.groups)
+
+    def room(self) -> bool:
+        """Whether one more session may start on it."""
+        return self.capacity is None or not self.enforced or self.busy() < self.capacity
+
+    def admits(self, g: WorkerGroup) -> bool:
+        """Whether idle group ``g`` counts as free: one of the first ``capacity - busy`` idle groups (so the
+        free groups the manager counts are the sessions the device still takes, as its turns need)."""
+        if self.capacity is None or not self.enforced:
+            return True
+        left = self.capacity - self.busy()
+        idle = [x for x in self.groups if x.session_id is None and x.ready.is_set() and not x.stopping]
+        return left > 0 and g in idle[:left]
+
+    def describe(self) -> dict:
+        return {
+            "placement": str(self.placement),
+            "groups": len(self.groups),
+            "capacity": self.capacity,
+            "enforced": self.enforced and self.capacity is not None,
+            "busy": self.busy(),
+            "measured": self.measured,
+            "memory": self.memory,
+        }
+
+
+async def measure_throughput(
+    groups: list[WorkerGroup], seconds: float, skip: int = 2, timeout_s: float = 120.0
+) -> list[float]:
+    """Chunks per second each of ``groups`` makes while all of them stream flat out together: every group
+    opens its default session (the one it opened ahead), keeps ``slots - 1`` chunk requests in flight, and
+    once every group has ``skip`` chunks back (the first chunks are not steady) the chunks each gets back in
+    the next ``seconds`` are counted. Their sessions are closed after. Raises RuntimeError when a group fails
+    or the measurement does not finish within ``timeout_s`` (the handlers are restored either way)."""
+    loop = asyncio.get_running_loop()
+    probes = [_Probe(g, f"capacity-{g.index}") for g in groups]
+    try:
+        for p in probes:
+            p.open()
+        t_end = loop.time() + timeout_s
+        await _until(lambda: all(p.opened.is_set() for p in probes), probes, t_end, "open its session")
+        for p in probes:
+            p.run()
+        await _until(lambda: all(len(p.done) >= skip for p in probes), probes, t_end, "return its chunks")
+        t_a = max(p.done[skip - 1] for p in probes)
+        await asyncio.sleep(max(0.0, t_a + seconds - loop.time()))
+        t_b = t_a + seconds
+        return [sum(t_a < t <= t_b for t in p.done) / seconds for p in probes]
+    finally:
+        for p in probes:
+            p.close()
+        with contextlib.suppress(RuntimeError):
+            await _until(lambda: all(p.closed.is_set() for p in probes), [], loop.time() + 10.0, "close")
+        for p in probes:
+            p.restore()
+
+
+async def _until(cond: Callable[[], bool], probes: list, deadline: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    while not cond():
+        failed = [p for p in probes if p.error]
+        if failed:
+            raise RuntimeError("; ".join(f"worker {p.g.index}: {p.error}" for p in failed))
+        if loop.time() > deadline:
+            raise RuntimeError(f"a worker did not {what} in time")
+        await asyncio.sleep(0.01)
+
+
+class _Probe:
+    """One group's flat-out stream for :func:`measure_throughput` (its replies taken over meanwhile)."""
+
+    def __init__(self, g: WorkerGroup, sid: str):
+        self.g, self.sid = g, sid
+        self.saved = g.on_message
+        self.opened, self.closed = asyncio.Event(), asyncio.Event()
+        self.running = False
+        self.index = 0
+        self.done: list[float] = []
+        self.error: str | None = None
+        info = g.info
+        self.audio = np.zeros(info.audio_samples_per_chunk if info else 0, np.float32)
+        self.in_flight = max(1, g.slots - 1)
+        g.on_message = self.on_message
+
+    def open(self) -> None:
+        self.g.send(OpenSession(self.sid, None, DEFAULT_PROMPT, 0))
+
+    def run(self) -> None:
+        self.running = True
+        for _ in range(self.in_flight):
+            self.request()
+
+    def request(self) -> None:
+        self.g.send(ChunkRequest(self.sid, self.index, self.audio, time.monotonic()))
+        self.index += 1
+
+    def on_message(self, msg) -> None:
+        match msg:
+            case Opened(sid=self.sid):
+                self.opened.set()
+            case ChunkDone(sid=self.sid):
+                self.done.append(asyncio.get_running_loop().time())
+                if self.running:
+                    self.request()
+            case Closed(sid=self.sid):
+                self.closed.set()
+            case Error(sid=sid, message=text) if sid in (self.sid, None):
+                self.error = text
+            case Died(reason=reason):
+                self.error = f"died: {reason}"
+                self.closed.set()
+                if self.saved is not None:  # the manager restarts it
+                    self.saved(msg)
+
+    def close(self) -> None:
+        self.running = False
+        if self.g.ready.is_set():
+            self.g.send(CloseSession(self.sid))
+        else:
+            self.closed.set()
+
+    def restore(self) -> None:
+        self.g.on_message = self.saved
+
+
 class LocalGroups:
     """The single-machine group source: this machine's :class:`WorkerGroup` processes, one session each, every
     session of class ``session_class`` (``cadence.serve.manager.group_source`` gives ``LiveSession``: the
     media in this process; passed in, so that this module, which a fleet's group actor imports, needs none of
-    the session's media code)."""
+    the session's media code). Groups on one placement (``sharing``) share a :class:`SharedDevice`; ``rules``
+    say what is measured and kept to there (``cadence.serve.sharing.ShareRules``)."""
 
     fleet = False
 
-    def __init__(self, groups: list[WorkerGroup], session_class):
+    def __init__(
+        self,
+        groups: list[WorkerGroup],
+        session_class,
+        sharing: Sharing | None = None,
+        rules: ShareRules | None = None,
+    ):
         self.groups, self.session_class = groups, session_class
+        self.rules = rules or ShareRules()
+        self.mps = None  # a cadence.serve.mps.MpsDaemon while one runs for the workers
+        self.shares: list[SharedDevice] = []
+        for placement, ix in (sharing.shared if sharing is not None else {}).items():
+            share = SharedDevice(placement, [groups[i] for i in ix])
+            for g in share.groups:
+                g.share = share
+            self.shares.append(share)
 
     @property
     def recipe(self):
@@ -307,15 +507,50 @@ class LocalGroups:
         return self.groups[0].spec.recipe
 
     async def start(self, route: Callable, metrics, timeout_s: float) -> None:
-        """Start every group; return when all are ready (RuntimeError: one failed, or the timeout). (The
-        manager exports this machine's groups to ``metrics`` itself.)"""
-        loop = asyncio.get_running_loop()
+        """Start every group; return when all are ready (RuntimeError: one failed, did not fit its GPU's
+        memory, or the timeout). The first group of each shared GPU starts alone: its memory figures say how
+        many more fit (``ShareRules.memory_fit``), then the others start; then each shared device's capacity
+        is measured (``ShareRules.measures``). Each of the two starts has ``timeout_s``. (The manager exports
+        this machine's groups to ``metrics``.)"""
+        if self.rules.mps and any(g.device.startswith("cuda") for g in self.groups):
+            from cadence.serve.mps import MpsDaemon
+
+            self.mps = await asyncio.to_thread(MpsDaemon.start)
         for g in self.groups:
             g.on_message = lambda msg, g=g: route(g, msg)
-            g.start()
+            g.env = dict(self.mps.env) if self.mps is not None else {}
+        later = {id(g) for s in self.shares if s.placement.kind == "cuda" for g in s.groups[1:]}
+        first = [g for g in self.groups if id(g) not in later]
+        try:
+            await self._start(first, timeout_s)
+        except RuntimeError as e:
+            if self.mps is None:
+                raise
+            await self._without_mps(first, e)  # (a daemon that started but serves no client)
+            await self._start(first, timeout_s)
+        self._fit_memory()
+        await self._start([g for g in self.groups if id(g) in later], timeout_s)
+        if self.mps is not None:
+            log.info("MPS: servers %s", await asyncio.to_thread(self.mps.servers))
+        await self._measure_capacity()
+
+    async def _without_mps(self, started: list[WorkerGroup], why: Exception) -> None:
+        """The workers could not start under MPS: one log line, the daemon stopped, the groups stopped and their
+        environment cleared (the caller starts them again, time-sharing the GPU)."""
+        log.warning("--mps: the workers did not start under MPS (%s): starting them without it", why)
+        await asyncio.gather(*(g.stop(timeout=2.0) for g in started), return_exceptions=True)
+        await asyncio.to_thread(self.mps.stop)
+        self.mps = None
+        for g in self.groups:
+            g.env, g._stopping = {}, False
+
+    async def _start(self, groups: list[WorkerGroup], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not all(g.ready.is_set() for g in self.groups):
-            failed = [g for g in self.groups if g.start_error]
+        for g in groups:
+            g.start()
+        while not all(g.ready.is_set() for g in groups):
+            failed = [g for g in groups if g.start_error]
             if failed:
                 raise RuntimeError(
                     "; ".join(f"worker {g.index} ({g.device}): {g.start_error}" for g in failed)
@@ -324,8 +559,66 @@ class LocalGroups:
                 raise RuntimeError(f"worker processes not ready within {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
 
+    def _fit_memory(self) -> None:
+        """Each shared GPU, its first group up: do the others fit? RuntimeError (one line) or, with 'trim', only
+        those that fit stay (the rest are never started)."""
+        for share in self.shares:
+            mem = share.groups[0].info.gpu_memory if share.groups[0].info is not None else None
+            if not mem:
+                continue
+            fit = memory_fit(mem["total_mb"], mem["free_mb"])
+            share.memory = {**mem, "used_mb": round(fit.used_mb, 1), "fits": fit.fits}
+            if fit.fits >= len(share.groups):
+                continue
+            text = memory_error(str(share.placement), self.recipe.model, len(share.groups), fit)
+            if self.rules.memory_fit == "error":
+                raise RuntimeError(text)
+            log.warning("%s: starting %d of them", text, fit.fits)
+            for g in share.groups[fit.fits :]:
+                self.groups.remove(g)
+            del share.groups[fit.fits :]
+
+    async def _measure_capacity(self) -> None:
+        """Each shared device its rules measure: its groups stream flat out together; its capacity follows
+        (one log line each). A measurement that fails leaves one session per group, said in one line."""
+        chunk_s = self.recipe.config.chunk_seconds
+        for share in self.shares:
+            if len(share.groups) < 2 or not self.rules.measures(share.placement.kind):
+                continue
+            try:
+                rates = await measure_throughput(share.groups, self.rules.capacity_s)
+            except RuntimeError as e:
+                log.warning("%s: capacity not measured (%s): one session per group", share.placement, e)
+                continue
+            cap = capacity_of(rates, chunk_s, len(share.groups))
+            share.capacity, share.enforced = cap, self.rules.enforces
+            share.measured = {
+                "seconds": self.rules.capacity_s,
+                "chunks_per_s": [round(r, 3) for r in rates],
+                "realtime_sessions": round(sum(rates) * chunk_s, 2),
+                "capacity": cap,
+            }
+            log.info(
+                "%s: %d groups streaming together made %.2f chunks/s (a chunk is %.3f s): %.2f real-time "
+                "sessions' worth; capacity %d%s",
+                share.placement,
+                len(share.groups),
+                sum(rates),
+                chunk_s,
+                sum(rates) * chunk_s,
+                cap,
+                "" if share.enforced else " (reported, not enforced: one session per group)",
+            )
+
     async def stop(self) -> None:
         await asyncio.gather(*(g.stop() for g in self.groups), return_exceptions=True)
+        if self.mps is not None:
+            await asyncio.to_thread(self.mps.stop)
+            self.mps = None
+
+    def sharing(self) -> list[dict]:
+        """Each shared device: its groups, capacity, measurement, memory (``/config``, the start line)."""
+        return [s.describe() for s in self.shares]
 
     @contextlib.asynccontextmanager
     async def admission(self):
@@ -333,17 +626,19 @@ class LocalGroups:
         yield
 
     def acquire(self) -> WorkerGroup | None:
-        for g in self.groups:
-            if g.free:
-                return g
-        return None
+        """A free group, on the device with the fewest sessions (a shared one at its capacity has none free)."""
+        free = [g for g in self.groups if g.free]
+        if not free:
+            return None
+        return min(free, key=lambda g: (g.share.busy() if g.share is not None else 0, g.index))
 
     def release(self, group: WorkerGroup, sid: str) -> None:
         if group.session_id == sid:
             group.session_id = None
 
     def retry_after(self) -> int | None:
-        """None: the manager estimates it from its own sessions (they are all the sessions there are)."""
+        """None: the manager estimates it from its own sessions (they are all the sessions there are; on a
+        device at its capacity, the soonest to end frees room there, and a group)."""
         return None
 
     def session_factory(self, group: WorkerGroup):
