@@ -27,7 +27,9 @@ DEFAULT_PROMPT = "a person talking to the camera"
 
 #: Options that need a CUDA device (asked for on the CPU they are turned off with a note).
 CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
-DECODERS = ("standin", "wan", "taehv")
+#: The engine's decoders (``cadence.config.DECODER_GEOMETRY``; a clip family's session may pin one: 'ltx' for
+#: FlashHead Lite's LTX-Video VAE).
+DECODERS = ("standin", "wan", "taehv", "ltx")
 #: The Wan decoder's fast paths (``cadence.runtime.vae_fast.MODES``; torch-free copy).
 DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,7 +59,7 @@ class FastPath:
     dtype: str | None = None
     """Model dtype: 'float32', 'bfloat16' or 'float16'. None: bfloat16 on CUDA, float32 on the CPU."""
     decoder: str | None = None
-    """VAE decoder: 'standin', 'wan' or 'taehv'. None: automatic (``cadence.engine.recipe.choose_decoder``):
+    """VAE decoder: 'standin', 'wan', 'taehv' or 'ltx' (FlashHead Lite's). None: automatic (``cadence.engine.recipe.choose_decoder``):
     the preset's own on the CPU; on CUDA the tiny streaming decoder ('taehv') when it has trained weights or
     nothing has (random-weight benchmarks), else the full Wan VAE the weights are for ('wan')."""
     kv_fp8: bool | None = None
