@@ -45,3 +45,35 @@ def test_a_live_flashhead_session_speaks_what_the_agent_says():
     assert rep["state"] == "closed" and rep["video_frames_fresh"] >= 24  # at least one whole clip
     assert rep["av_offset_ms"] is not None and abs(rep["av_offset_ms"]) < 60
     assert rep["agent_audio_to_frame_ms"], rep  # the pushed speech reached a speaking frame, timed
+
+
+def test_pipecat_drives_flashhead_lite_at_its_25_fps():
+    """Pipecat's ``CadenceVideoService`` in process (its own session manager and worker) on the tiny Lite
+    fixture: TTS frames in (faster than real time, 24 kHz), the character's frames out at the family's 25 fps
+    and the voice back whole."""
+    pytest.importorskip("pipecat", reason="the pipecat extra is not installed")
+    import numpy as np
+    from test_pipecat import TTS_RATE, run_pipeline, speech_at, tts_frames, voiced_seconds
+
+    from cadence.integrations.pipecat import CadenceVideoService
+
+    speech = speech_at(TTS_RATE, 2.0)
+    over = {"model": {"weights": str(TINY_DIR)}, "stream": {"height": 64, "width": 64}}
+    svc = CadenceVideoService(
+        serve_config=ServeConfig(engine=EngineSpec(model="flashhead-lite", overrides=over))
+    )
+
+    async def script(queue):
+        await asyncio.sleep(1.0)
+        for f in tts_frames(speech, TTS_RATE):
+            await queue(f)
+        await asyncio.sleep(3.0)
+
+    sink = asyncio.run(run_pipeline(svc, script))
+    times = np.array([t for t, _ in sink.video])
+    fps = (len(times) - 1) / (times[-1] - times[0])
+    assert 24.0 <= fps <= 26.0, fps
+    assert sink.video[0][1].shape == (64, 64, 3)
+    assert svc.voiced_out_s == pytest.approx(voiced_seconds(speech, TTS_RATE), abs=0.1)
+    rep = svc.report()
+    assert rep["agent"] == "pipecat" and rep["agent_segments"] == 1 and rep["agent_audio_to_frame_ms"], rep
