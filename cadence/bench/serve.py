@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 
+from cadence.bench.common import add_size_flags, size_overrides
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.engine.flags import add_engine_flags, spec_from_args
 from cadence.serve.config import add_serve_flags
@@ -98,6 +99,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="self-started server: the report's timeline window (fps, chunk latency, underruns, "
         "worker memory per window; default 60)",
     )
+    add_size_flags(p)  # the self-started server's frame size
     p.add_argument(
         "--progress-every",
         type=float,
@@ -322,7 +324,8 @@ def _start_server(args):
     from cadence.serve.server import ServerThread
 
     gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
-    spec = spec_from_args(args)
+    size = size_overrides(args)
+    spec = spec_from_args(args, overrides={"stream": size} if size else None)
     groups = serve_groups(args.device, spec.tp, args.sessions, gpus, spec.decode_gpu)
     print(resolve(spec, groups[0]).describe().text(), file=sys.stderr)  # what group 0 builds
     extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}

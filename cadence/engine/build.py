@@ -169,6 +169,10 @@ def _assemble(recipe: EngineRecipe, device: torch.device, tp, pipeline, graph_ca
     cfg, fast = recipe.config, recipe.fast
     notes = list(recipe.notes)
     dtype = getattr(torch, fast.dtype)
+    if device.type == "cuda":  # compiled kernels kept across restarts, in one per-user folder
+        from cadence.engine.startup import use_compile_cache
+
+        use_compile_cache()
     if device.type == "cpu" and fast.threads:
         torch.set_num_threads(fast.threads)
     applied: dict = {

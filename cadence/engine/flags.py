@@ -155,8 +155,7 @@ def add_model_flags(parser, default: str | None = DEFAULT_MODEL, files: bool = T
         metavar="NAME",
         help="a preset (character, tiny, w1.3, w14, w57) or an open model family ('cadence models': "
         "self-forcing, causvid, longlive, krea-14b, flashtalk, flashhead-pro, flashhead-lite); one registry, "
-        "--preset is the same flag"
-        + (f" (default: {default})" if default else ""),
+        "--preset is the same flag" + (f" (default: {default})" if default else ""),
     )
     if not files:
         return
