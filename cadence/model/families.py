@@ -660,7 +660,7 @@ def _flashhead(variant: str, decoder: str, title: str) -> ModelFamily:
         f"to the reference and re-encode of the last {motion} frames; tested equal to FlashHead's offline stream "
         "(generate_offline, itself tested against their pipeline) on the audio delayed by 40 ms (the live "
         "resampler's look-ahead). Every size from the folder's files. Not reproduced: their face crop "
-        "(use_face_crop: MediaPipe), multi-GPU sequence parallelism (xfuser), their global-RNG draws of the LTX "
+        "on the served image (use_face_crop; its geometry is cadence.media.face_crop), multi-GPU sequence parallelism (xfuser), their global-RNG draws of the LTX "
         "posterior (here seeded generators).",
     )
 
