@@ -310,7 +310,8 @@ def spec_from_args(args, overrides: dict | None = None, **fixed) -> EngineSpec:
         kw["warmup_chunks"] = args.warmup_chunks
     kw.update(fixed)
     spec = EngineSpec(**kw)
-    spec.config()  # what the files say, read now (a released folder's layout): one error before anything starts
+    if get_model(model).builder is not None:  # its released folder read now: one error before anything starts
+        spec.config()
     return spec
 
 
