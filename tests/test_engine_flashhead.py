@@ -278,3 +278,18 @@ def test_cli_generate_and_bench_pipeline_from_the_folder(tiny_family, tmp_path, 
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_ltx_decoder_checks_its_folder_and_runs_the_wan_modes_as_compile():
+    from cadence.engine.ltx import LTXVAEAdapter, random_config
+
+    cfg = tiny_cfg("lite")  # vae.weights: the fixture's VAE_LTX (8 channels, 8 x 32 x 32)
+    bad = cfg.with_overrides(vae={"latent_channels": 16}, model={"in_channels": 16, "out_channels": 16})
+    with pytest.raises(ConfigError, match="makes 8-channel latents at stride 8x32"):
+        LTXVAEAdapter(bad, "cpu", torch.float32)
+    notes: list[str] = []
+    assert LTXVAEAdapter(cfg, "cpu", torch.float32).accelerate("fold", notes) == "channels_last+compile"
+    assert "the LTX-Video VAE runs compile" in notes[0]
+    with pytest.raises(ConfigError, match="not one"):
+        random_config(cfg.with_overrides(vae={"stride": (8, 32, 16)}))
+    assert random_config(family_config("flashhead-lite"))["patch_size"] == 4  # the released VAE's config

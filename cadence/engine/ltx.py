@@ -63,10 +63,11 @@ class LTXVAEAdapter:
                     f"the LTX-Video VAE {v.weights} makes {got[0]}-channel latents at stride {got[1]}x{got[2]}; "
                     f"the configuration takes {want[0]} at {want[1]}x{want[2]}"
                 )
-        else:
-            with torch.random.fork_rng(devices=[]):
+        else:  # made where it runs (the released size: 419M parameters), seeded
+            dev = torch.device(device)
+            with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
                 torch.manual_seed(seed)
-                self.ltx = LTXVideoVAE.from_config(random_config(cfg), "cpu", dtype).to(device)
+                self.ltx = LTXVideoVAE.from_config(random_config(cfg), dev, dtype)
         self.ltx.requires_grad_(False)
 
     def to_device(self, device) -> LTXVAEAdapter:

@@ -68,7 +68,8 @@ class FastPath:
     """FP8 block linears (``cadence.quant.fp8.apply_fp8``). CUDA only."""
     graphs: bool | None = None
     """CUDA graphs for the steady-state chunk step (``cadence.runtime.graphs.GraphRunner``); forces the
-    ring cache (fixed addresses). CUDA only."""
+    ring cache (fixed addresses). A clip family whose session captures its own model pass (FlashHead:
+    ``cadence.runtime.call_graph``) needs no ring. CUDA only."""
     capture_filling: bool = False
     """With graphs: also capture each ring-filling step (one graph per fill stage). With FP8 K/V the filling
     steps replay the steady graph already; this matters for bf16 K/V."""
