@@ -1,6 +1,7 @@
 """``cadence serve --model flashhead-lite --weights DIR``: a short live session of the tiny released-layout fixture
 (tests/fixtures/flashhead/SoulX-FlashHead-tiny, 64 x 64) through the real server, its worker process and an aiortc
-client, driven by the ``say`` agent (speech pushed over POST /sessions/{id}/audio): video at the family's 25 fps
+client, driven by the ``say`` agent (speech pushed over POST /sessions/{id}/audio), then by ``mirror`` (the
+microphone spoken back): video at the family's 25 fps
 made clip by clip (24 new frames a chunk), 48 kHz audio, in sync, the speech timed to its first speaking frame.
 ~15-25 s on two cores (the worker's start and warm-up are most of it): slow tier."""
 
@@ -34,8 +35,11 @@ def test_a_live_flashhead_session_speaks_what_the_agent_says():
     try:
         speech = wav_bytes(synthetic_speech(1.5).numpy())
         res = asyncio.run(run_client(srv.url, 4.0, agent="say", speak_wav=speech, speak_after_s=0.3))
+        mic = synthetic_speech(2.0, sample_rate=48000).numpy()  # the mirror agent: the microphone spoken back
+        echo = asyncio.run(run_client(srv.url, 3.0, mic=mic))
     finally:
         srv.stop()
+    assert echo.error is None and echo.report["agent"] == "mirror" and echo.report["video_frames_fresh"] >= 24
     assert res.error is None and res.status_code == 201, res.error
     assert res.video_size == (64, 64)
     assert len(res.video) >= 75 and 22.0 <= res.media_fps(3600) <= 28.0  # 25 fps: pts 3600 apart
