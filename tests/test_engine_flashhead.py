@@ -293,3 +293,44 @@ def test_the_ltx_decoder_checks_its_folder_and_runs_the_wan_modes_as_compile():
     with pytest.raises(ConfigError, match="not one"):
         random_config(cfg.with_overrides(vae={"stride": (8, 32, 16)}))
     assert random_config(family_config("flashhead-lite"))["patch_size"] == 4  # the released VAE's config
+
+
+def test_the_worker_command_loop_and_the_media_clock_carry_its_clips():
+    """The server path below the web side, in this process (fast): the recipe a server resolves for a CPU group
+    (``--model flashhead-lite --weights DIR``), the worker's command loop (open, chunk requests, close) answering
+    with each clip's 24 frames, and the session's AV buffer playing them on the 25 fps media clock beside the
+    chunk's 46,080 samples (the live server is tests/test_engine_flashhead_serve.py, slow tier)."""
+    import numpy as np
+
+    from cadence.engine.messages import ChunkDone, ChunkRequest, CloseSession, Closed, OpenSession, Opened, Stop
+    from cadence.engine.worker import run_commands
+    from cadence.media.image import default_reference_image
+    from cadence.serve.pacing import AVBuffer, MediaTiming
+
+    over = {"model": {"weights": str(TINY_DIR)}, "stream": {"height": 64, "width": 64}}
+    recipe = resolve(EngineSpec("flashhead-lite", overrides=over, warmup=False), "cpu")
+    done: list = []
+    e = build_engine(recipe, on_chunk=lambda r: done.append((r.tag, r.frames.clone())))
+    timing = MediaTiming.from_config(e.gen.cfg)
+    assert (timing.fps, timing.frames_per_chunk, timing.samples_per_chunk) == (25, 24, 46080)
+    audio = (0.2 * np.sin(np.arange(3 * 46080) / 48000 * 2 * np.pi * 220)).astype(np.float32)
+    msgs = iter(
+        [OpenSession("s", None, "", 1)]
+        + [ChunkRequest("s", k, audio[k * 46080 : (k + 1) * 46080], 0.0) for k in range(3)]
+        + [CloseSession("s"), Stop()]
+    )
+    said: list = []
+    try:
+        run_commands(e, lambda: next(msgs), said.append, default_reference_image(64, 64))
+    finally:
+        e.close()
+    assert isinstance(said[0], Opened) and isinstance(said[-1], Closed), said
+    assert [tag[1] for tag, _ in done] == [0, 1, 2] and not [m for m in said if isinstance(m, ChunkDone)]
+    buf = AVBuffer(timing, 64, 64)
+    for (_, k, _), frames in done:
+        buf.put_chunk(k, frames.numpy(), audio[k * 46080 : (k + 1) * 46080])
+    fresh, sound = [], []
+    for f in range(3 * 24):  # both tracks read in media order, as the pacers do (1920 samples a frame)
+        fresh.append(buf.video_frame(f)[1])
+        sound += [buf.audio_frame(n)[1] for n in range(f * 2, f * 2 + 2)]
+    assert all(fresh) and all(sound) and buf.video_underruns == buf.audio_underruns == 0
