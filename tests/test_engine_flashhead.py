@@ -302,7 +302,15 @@ def test_the_worker_command_loop_and_the_media_clock_carry_its_clips():
     chunk's 46,080 samples (the live server is tests/test_engine_flashhead_serve.py, slow tier)."""
     import numpy as np
 
-    from cadence.engine.messages import ChunkDone, ChunkRequest, CloseSession, Closed, OpenSession, Opened, Stop
+    from cadence.engine.messages import (
+        ChunkDone,
+        ChunkRequest,
+        Closed,
+        CloseSession,
+        Opened,
+        OpenSession,
+        Stop,
+    )
     from cadence.engine.worker import run_commands
     from cadence.media.image import default_reference_image
     from cadence.serve.pacing import AVBuffer, MediaTiming
