@@ -300,6 +300,8 @@ def test_the_worker_command_loop_and_the_media_clock_carry_its_clips():
     (``--model flashhead-lite --weights DIR``), the worker's command loop (open, chunk requests, close) answering
     with each clip's 24 frames, and the session's AV buffer playing them on the 25 fps media clock beside the
     chunk's 46,080 samples (the live server is tests/test_engine_flashhead_serve.py, slow tier)."""
+    import time
+
     import numpy as np
 
     from cadence.engine.messages import (
@@ -322,11 +324,18 @@ def test_the_worker_command_loop_and_the_media_clock_carry_its_clips():
     timing = MediaTiming.from_config(e.gen.cfg)
     assert (timing.fps, timing.frames_per_chunk, timing.samples_per_chunk) == (25, 24, 46080)
     audio = (0.2 * np.sin(np.arange(3 * 46080) / 48000 * 2 * np.pi * 220)).astype(np.float32)
-    msgs = iter(
-        [OpenSession("s", None, "", 1)]
-        + [ChunkRequest("s", k, audio[k * 46080 : (k + 1) * 46080], 0.0) for k in range(3)]
-        + [CloseSession("s"), Stop()]
-    )
+
+    def messages():  # what the web side sends; it closes once the frames are back, as a live session does
+        yield OpenSession("s", None, "", 1)
+        for k in range(3):
+            yield ChunkRequest("s", k, audio[k * 46080 : (k + 1) * 46080], 0.0)
+        deadline = time.monotonic() + 60
+        while len(done) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield CloseSession("s")
+        yield Stop()
+
+    msgs = messages()
     said: list = []
     try:
         run_commands(e, lambda: next(msgs), said.append, default_reference_image(64, 64))
