@@ -375,12 +375,18 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"    weights entry: {ck.default_entry} (--weights-entry {' | '.join(others)} for another)")
         if ck.default_entry_source:
             print(f"    authors' inference: {ck.default_entry_source}")
+        if f.prompt_free:
+            print(
+                "    text encoder: none (prompt-free: audio and a reference image drive it; a prompt is ignored)"
+            )
+        if f.builder is not None:
+            print(f"    weights: --weights DIR, the released folder ({f.builder.about})")
         for note in f.notes if isinstance(f.notes, (list, tuple)) else [f.notes]:
             if note:
                 print(f"    {note}")
     print(
         "serve one: cadence serve --model NAME --weights FILE --text-encoder PATH --vae-weights PATH "
-        "(docs/models.md)"
+        "(a prompt-free family: --weights DIR alone; docs/models.md)"
     )
     return 0
 

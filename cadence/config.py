@@ -28,6 +28,17 @@ from cadence.errors import ConfigError
 #: The media clock: audio samples per second. Every chunk's audio is frames * 48000 / fps samples.
 AUDIO_SAMPLE_RATE = 48_000
 
+_WAN_GEOMETRY = (((4, 8, 8), 16), ((4, 16, 16), 48))
+#: The engine's decoders (``VAEConfig.decoder``): the latent geometries each decodes ((stride, z) pairs; None:
+#: any, its own folder says) and the temporal strides it takes (the K/V families count 4 video frames per
+#: latent frame; the LTX-Video VAE of a clip family compresses 2 per 2x stage: 8 at LTX-Video 0.9.0's three).
+DECODER_GEOMETRY: dict[str, tuple[tuple | None, tuple[int, ...]]] = {
+    "standin": (None, (4,)),
+    "wan": (_WAN_GEOMETRY, (4,)),
+    "taehv": (_WAN_GEOMETRY, (4,)),
+    "ltx": (None, (2, 4, 8, 16)),
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -145,8 +156,9 @@ class VAEConfig:
     """Channels of the latent (z)."""
     decoder: str = "standin"
     """'standin' (weightless DCT stand-in), 'wan' (the streaming Wan VAE, cadence.model.vae; random
-    weights unless `weights` is set) or 'taehv' (the tiny streaming decoder, cadence.model.taehv; the
-    encoder is then the Wan one)."""
+    weights unless `weights` is set), 'taehv' (the tiny streaming decoder, cadence.model.taehv; the
+    encoder is then the Wan one) or 'ltx' (the LTX-Video VAE, cadence.model.ltx_vae: FlashHead Lite's
+    clips; `weights` its diffusers folder)."""
     weights: str | None = None
     """A diffusers `vae/` folder (config.json + safetensors) for the Wan VAE; None = random weights.
     With decoder 'taehv' the folder may also hold ``taehv.safetensors`` (+ ``taehv.json``), the trained
@@ -403,24 +415,30 @@ def _vae_errors(c: CadenceConfig) -> list[str]:
             errs.append(f"{name} {px} is not divisible by VAE stride x patch = {st} x {pt} = {st * pt}")
     if m.lora and not m.weights:
         errs.append("model.lora needs model.weights (a LoRA is merged into loaded weights, not random ones)")
-    if v.decoder not in ("standin", "wan", "taehv"):
-        errs.append(f"vae.decoder must be 'standin', 'wan' or 'taehv', got {v.decoder!r}")
+    if v.decoder not in DECODER_GEOMETRY:
+        errs.append(f"vae.decoder must be {_either(DECODER_GEOMETRY)}, got {v.decoder!r}")
     if v.taehv_shuffle < 1 or v.taehv_shuffle & (v.taehv_shuffle - 1) or v.taehv_shuffle > v.stride[1]:
         errs.append(
             f"vae.taehv_shuffle must be a power of two <= the spatial stride {v.stride[1]}, "
             f"got {v.taehv_shuffle}"
         )
-    if v.decoder != "standin" and (tuple(v.stride), v.latent_channels) not in (
-        ((4, 8, 8), 16),
-        ((4, 16, 16), 48),
-    ):
+    geometry, temporal = DECODER_GEOMETRY.get(v.decoder, (None, (4,)))
+    if geometry is not None and (tuple(v.stride), v.latent_channels) not in geometry:
         errs.append(
             f"the Wan VAE has stride 4x8x8 with z=16 or 4x16x16 with z=48, got "
             f"{'x'.join(map(str, v.stride))} with z={v.latent_channels}"
         )
-    if v.stride[0] != 4:
-        errs.append(f"VAE temporal stride must be 4 (4 video frames per latent frame), got {v.stride[0]}")
+    if v.stride[0] not in temporal:
+        errs.append(
+            f"VAE temporal stride must be {_either(temporal)} ({_either(temporal)} video frames per latent "
+            f"frame) for the {v.decoder!r} decoder, got {v.stride[0]}"
+        )
     return errs
+
+
+def _either(xs) -> str:
+    xs = [repr(x) if isinstance(x, str) else str(x) for x in xs]
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " or " + xs[-1]
 
 
 def _chunk_errors(c: CadenceConfig) -> list[str]:

@@ -40,3 +40,48 @@ class StandInCodec:
         later = (rgb[:, 1:, None] * ramp[None, None, :, None, None]).flatten(1, 2)
         frames = torch.cat([rgb[:, :1], later], dim=1)
         return frames.repeat_interleave(sh, dim=2).repeat_interleave(sw, dim=3)
+
+
+#: A tiny LTX-Video VAE at the Lite fixture model's geometry (8 latent channels, stride 8 x 32 x 32: patch 4 and
+#: three 2x stages), 0.9.0's structure at widths 2 / 4 / 8 / 8 and one residual block per stage.
+TINY_LTX = {
+    "_class_name": "AutoencoderKLLTXVideo",
+    "block_out_channels": [2, 4, 8, 8],
+    "decoder_causal": False,
+    "encoder_causal": True,
+    "in_channels": 3,
+    "latent_channels": 8,
+    "layers_per_block": [1, 1, 1, 1, 1],
+    "out_channels": 3,
+    "patch_size": 4,
+    "patch_size_t": 1,
+    "resnet_norm_eps": 1e-06,
+    "scaling_factor": 1.0,
+    "spatio_temporal_scaling": [True, True, True, False],
+}
+
+
+def write_tiny_ltx(folder, seed: int = 11):
+    """A ``VAE_LTX/`` folder (diffusers' layout: config.json + diffusion_pytorch_model.safetensors) of random
+    weights at :data:`TINY_LTX` (torch's default init under ``seed``; the latent statistics drawn so that the
+    normalisation does something). Returns the folder."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from cadence.model.ltx_vae import LTXVideoVAE
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = LTXVideoVAE.from_config(TINY_LTX)
+        vae.latents_mean.normal_(0, 0.1)
+        vae.latents_std.uniform_(0.5, 1.5)
+    save_file(
+        {k: v.contiguous() for k, v in vae.state_dict().items()},
+        str(folder / "diffusion_pytorch_model.safetensors"),
+    )
+    (folder / "config.json").write_text(json.dumps(TINY_LTX, indent=2))
+    return folder

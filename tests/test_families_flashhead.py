@@ -265,8 +265,7 @@ def released_layout(tmp_path: Path, lite_vae: bool = True) -> Path:
     (root / "VAE_Wan").mkdir()
     shutil.copy(WAN_VAE, root / "VAE_Wan" / "Wan2.1_VAE.pth")
     if lite_vae:
-        (root / "VAE_LTX").mkdir()
-        (root / "VAE_LTX" / "config.json").write_text("{}")
+        shutil.copytree(MODELS / "VAE_LTX", root / "VAE_LTX")
     shutil.copytree(FIX / "wav2vec2-tiny", tmp_path / "wav2vec2-base-960h")
     return root
 

@@ -57,12 +57,13 @@ def test_every_model_resolves_on_every_device_with_nothing_left_undecided(name, 
     assert r.fast.decoder == c.vae.decoder and r.warmup_chunks > 0 and r.tp == len(device.split("+"))
     assert r.fast.dtype == ("bfloat16" if cuda else "float32")
     match r.stream:
-        case ClipStream():  # no K/V cache: nothing of it on, its own decoder
-            assert (
-                not (r.fast.graphs or r.fast.kv_fp8 or c.stream.kv_fp8)
-                and c.vae.decoder == r.rules.decoder.pinned
-            )
-            assert r.fast.decoder_fast == "off" and r.warmup_chunks == 2
+        case ClipStream() as clip:
+            # no K/V cache: nothing of it on, its own decoder; graphs and the decoder's fast path where its
+            # session applies them (FlashHead), on CUDA
+            assert not (r.fast.kv_fp8 or c.stream.kv_fp8) and c.vae.decoder == r.rules.decoder.pinned
+            assert r.fast.graphs == (cuda and clip.graphs) and c.stream.cache == "naive"
+            assert r.fast.decoder_fast == ("compile" if cuda and clip.decoder_fast else "off")
+            assert r.warmup_chunks == 2
             assert bool(r.notes) == cuda  # (on the CPU nothing was on to turn off)
         case KVStream() if r.rebuild is not None:  # Krea: the naive cache, whatever the device
             assert c.stream.cache == "naive" and not (r.fast.graphs or r.fast.kv_fp8)

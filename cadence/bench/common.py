@@ -171,3 +171,15 @@ def print_table(rows: list[tuple[str, str]], title: str) -> None:
     print(title)
     for k, v in rows:
         print(f"  {k:<{w}}  {v}")
+
+
+def add_size_flags(p) -> None:
+    """``--height`` / ``--width``: another frame size for the benchmark's engine (a smoke run of a big model's
+    shape, or of a family's tiny fixture, on the CPU)."""
+    p.add_argument("--height", type=int, default=None, help="another frame height (a smoke run on the CPU)")
+    p.add_argument("--width", type=int, default=None, help="another frame width")
+
+
+def size_overrides(args) -> dict:
+    """The ``stream`` overrides of :func:`add_size_flags`' words ({} when none was given)."""
+    return {k: getattr(args, k) for k in ("height", "width") if getattr(args, k, None)}

@@ -32,7 +32,8 @@ It measures the engine ``cadence serve`` runs: the words go through the same fla
 character, the default decode placement the diffusion GPU) and built by ``build_engine(recipe)``: the same step
 + decode loop, the same warm-up. The recipe is printed first (stderr) and recorded in the JSON (``recipe``).
 This benchmark's own words: ``--cache naive|ring`` (naive also turns FP8 K/V and graphs off unless asked),
-``--window N``, ``--layers N`` (in the variant name), the queues and the lead.
+``--window N``, ``--layers N`` (in the variant name), ``--height`` / ``--width`` (a smaller frame: smoke runs of
+a family's tiny fixture on the CPU), the queues and the lead.
 
 Time to first frame: ``ttff_ms`` is the timed stream's, from its start (the session's opening: prompt K/V,
 the reference image's encode and sink pass) to the first chunk's frames in host memory. With ``--warmup``
@@ -53,7 +54,7 @@ import sys
 
 import torch
 
-from cadence.bench.common import median, p99, print_table, record
+from cadence.bench.common import add_size_flags, median, p99, print_table, record, size_overrides
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import PipelineConfig
 from cadence.engine.flags import add_engine_flags, spec_from_args
@@ -93,6 +94,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--window", type=int, default=None, help="override stream.window_chunks (chunks a query sees)"
     )
+    add_size_flags(p)
     p.add_argument("--max-graphs", type=int, default=4)
     p.add_argument("--queue-depth", type=int, default=2)
     p.add_argument(
@@ -149,6 +151,8 @@ def bench_spec(args):
         over.setdefault("stream", {})["window_chunks"] = args.window
     if args.layers:
         over["model"] = {"num_layers": args.layers}
+    if size_overrides(args):
+        over.setdefault("stream", {}).update(size_overrides(args))
     spec = spec_from_args(args, overrides=over)
     if args.cache == "naive":
         import dataclasses
@@ -641,6 +645,7 @@ def _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms: float,
             f"w{args.window}" if args.window else "",
             "" if recipe.warmup else "noprewarm",
             f"l{args.layers}" if args.layers else "",
+            f"{stream.height}x{stream.width}" if args.height or args.width else "",
         )
         if v
     )

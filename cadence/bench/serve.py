@@ -52,6 +52,7 @@ import statistics
 import sys
 from collections.abc import Callable
 
+from cadence.bench.common import add_size_flags, size_overrides
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.engine.flags import add_engine_flags, spec_from_args
 from cadence.serve.config import add_serve_flags
@@ -115,6 +116,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="self-started server: the report's timeline window (fps, chunk latency, underruns, "
         "worker memory per window; default 60)",
     )
+    add_size_flags(p)  # the self-started server's frame size
     p.add_argument(
         "--progress-every",
         type=float,
@@ -600,7 +602,8 @@ def _start_server(args, n: int, memory_fit: str = "error"):
     from cadence.serve.server import ServerThread
 
     gpus = torch.cuda.device_count() if args.device == "cuda" and torch.cuda.is_available() else 0
-    spec = spec_from_args(args)
+    size = size_overrides(args)
+    spec = spec_from_args(args, overrides={"stream": size} if size else None)
     sets = _gpu_sets(args)
     per_gpu = args.sessions_per_gpu or (-(-n // sets) if sets else 1)
     groups = serve_groups(

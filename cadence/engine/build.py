@@ -11,7 +11,8 @@ else applied from outside):
    the shape-changing choices (decoder, ring cache, FP8 K/V, weights entry) folded into the config. Nothing
    is decided here any more: this module builds what the recipe says.
 2. **Build on ``meta``, then allocate** on the device: no random initialisation of weights about to be
-   overwritten, no full-size copy on the host.
+   overwritten, no full-size copy on the host. A family with a transformer of its own (its registry entry's
+   ``builder``: FlashHead) is built by the function the entry names, from its own folder.
 3. **Load weights** (``cfg.model.weights``, the recipe's entry of a family's file) or initialise randomly from
    the recipe's seed; the VAE / decoder load their own (``cfg.vae.weights``).
 4. **Tensor parallelism** (``apply_tp`` over ``tp.group``): with random weights the model is sharded while
@@ -24,8 +25,9 @@ else applied from outside):
 7. **Cache, session and graphs**: the session type and its policies follow the recipe's rules
    (``cadence.engine.session.session_type``), its cache the config; the engine owns a graph runner
    (capturing only steady-state shapes, after warm-up; a tensor-parallel group agrees on every capture).
-8. **The Wan decoder's fast path** (``FastPath.decoder_fast``: channels-last, torch.compile, time-folded
-   convs; ``cadence.runtime.vae_fast``) on the decode device's copy of the VAE; it compiles in the warm-up.
+8. **The decoder's fast path** (``FastPath.decoder_fast``: channels-last, torch.compile, time-folded
+   convs; ``cadence.runtime.vae_fast``; a decoder with its own, the LTX-Video VAE's: ``accelerate``) on the
+   decode device's copy of the VAE; it compiles in the warm-up.
 
 Any step that cannot apply falls back with one log line (``Engine.notes``, reported at ``/config``), never
 a crash; a converter that fails raises with the model unchanged (no half-converted model is ever served).
@@ -34,6 +36,7 @@ a crash; a converter that fails raises with the model unchanged (no half-convert
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import time
 
@@ -44,6 +47,7 @@ from cadence.engine.engine import Engine
 from cadence.engine.recipe import EngineRecipe, recipe_for
 from cadence.engine.session import StreamGenerator
 from cadence.engine.spec import FastPath
+from cadence.errors import ConfigError
 
 log = logging.getLogger("cadence.engine")
 
@@ -66,6 +70,11 @@ def build_model_for(
 
     weights = resolve_asset(cfg.model.weights) if cfg.model.weights else None
     sharded = tp is not None and tp.world_size > 1
+    builder = getattr(family, "builder", None)
+    if builder is not None:  # a transformer of the family's own, from its own folder (the registry entry's)
+        if sharded:
+            raise ConfigError(f"model family {family.name!r} runs on one GPU (no tensor parallelism)")
+        return _load_ref(builder.build)(builder, cfg, device, dtype, seed), "full"
     if sharded and weights is None:
         from cadence.parallel import apply_tp
 
@@ -89,6 +98,15 @@ def build_model_for(
     return model, "full"
 
 
+def _load_ref(where: str):
+    """The object ``"module:name"`` names (a registry entry's builder function)."""
+    module, _, name = where.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"no builder {where!r} ({e})") from None
+
+
 def apply_decoder_fast(eng: Engine, mode: str | None, notes: list[str]) -> str:
     """Step 8: the full Wan decoder's fast path (``cadence.runtime.vae_fast``) on the decode device's copy of
     the VAE (built here, before any session, so the copy is made from plain modules). Returns what applied;
@@ -97,6 +115,9 @@ def apply_decoder_fast(eng: Engine, mode: str | None, notes: list[str]) -> str:
     if mode == "off":
         return "off"
     vae = eng.gen.vae_on(eng.placement.decode_device)
+    accelerate = getattr(vae, "accelerate", None)
+    if accelerate is not None:  # a decoder with fast paths of its own (the LTX-Video VAE: cadence.engine.ltx)
+        return accelerate(mode, notes)
     wan = getattr(vae, "wan", None)
     if wan is None or getattr(vae, "taehv", None) is not None:
         return f"off (decoder {eng.gen.cfg.vae.decoder} has none)"
@@ -148,6 +169,10 @@ def _assemble(recipe: EngineRecipe, device: torch.device, tp, pipeline, graph_ca
     cfg, fast = recipe.config, recipe.fast
     notes = list(recipe.notes)
     dtype = getattr(torch, fast.dtype)
+    if device.type == "cuda":  # compiled kernels kept across restarts, in one per-user folder
+        from cadence.engine.startup import use_compile_cache
+
+        use_compile_cache()
     if device.type == "cpu" and fast.threads:
         torch.set_num_threads(fast.threads)
     applied: dict = {

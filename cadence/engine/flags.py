@@ -154,8 +154,8 @@ def add_model_flags(parser, default: str | None = DEFAULT_MODEL, files: bool = T
         default=default,
         metavar="NAME",
         help="a preset (character, tiny, w1.3, w14, w57) or an open model family ('cadence models': "
-        "self-forcing, causvid, longlive, krea-14b, flashtalk); one registry, --preset is the same flag"
-        + (f" (default: {default})" if default else ""),
+        "self-forcing, causvid, longlive, krea-14b, flashtalk, flashhead-pro, flashhead-lite); one registry, "
+        "--preset is the same flag" + (f" (default: {default})" if default else ""),
     )
     if not files:
         return
@@ -169,7 +169,8 @@ def add_model_flags(parser, default: str | None = DEFAULT_MODEL, files: bool = T
         "--weights",
         default=None,
         help="the transformer's checkpoint: a safetensors file or a folder of them (diffusers, original "
-        "Wan or Cadence key names), or a model family's own file (e.g. Self-Forcing's .pt)",
+        "Wan or Cadence key names), a model family's own file (e.g. Self-Forcing's .pt), or its released "
+        "folder (FlashHead: the downloaded SoulX-FlashHead-1_3B/, its VAE and wav2vec2 found there)",
     )
     g.add_argument(
         "--weights-entry",
@@ -278,6 +279,8 @@ def spec_from_args(args, overrides: dict | None = None, **fixed) -> EngineSpec:
     """The :class:`EngineSpec` of the parsed flags of :func:`add_engine_flags` (files checked: one
     ``InputError`` for a path that holds no checkpoint). ``overrides``: an entry point's own config sections
     (a benchmark's window or layer count), merged over the files'; ``fixed``: spec fields it decides itself."""
+    from cadence.model.families import get_model
+
     model = getattr(args, "model", None) or DEFAULT_MODEL
     over = weight_overrides(
         getattr(args, "weights", None),
@@ -285,6 +288,7 @@ def spec_from_args(args, overrides: dict | None = None, **fixed) -> EngineSpec:
         getattr(args, "text_encoder", None),
         getattr(args, "text_tokenizer", None),
         getattr(args, "taehv_weights", None),
+        folder="folder" in get_model(model).checkpoint.kinds,
     )
     over = _with_lora(over, getattr(args, "lora", None) or [])
     for sec, fields in (overrides or {}).items():
@@ -311,7 +315,10 @@ def spec_from_args(args, overrides: dict | None = None, **fixed) -> EngineSpec:
             raise InputError(f"--warmup-chunks must be >= 0, got {args.warmup_chunks}")
         kw["warmup_chunks"] = args.warmup_chunks
     kw.update(fixed)
-    return EngineSpec(**kw)
+    spec = EngineSpec(**kw)
+    if get_model(model).builder is not None:  # its released folder read now: one error before anything starts
+        spec.config()
+    return spec
 
 
 def _weights_entry(model: str, entry: str | None, ema: bool | None) -> str | None:
@@ -336,9 +343,12 @@ def weight_overrides(
     text_encoder: str | None = None,
     text_tokenizer: str | None = None,
     taehv_weights: str | None = None,
+    folder: bool = False,
 ) -> dict:
     """Engine-config overrides that load the given files; one clear error for a path that holds no checkpoint,
-    before any worker starts."""
+    before any worker starts. ``folder``: the model's checkpoint is a released folder of its own layout (its
+    ``CheckpointFormat.kinds`` has 'folder': FlashHead's), any folder here, its layout checked by the family's
+    builder when the configuration is made."""
 
     def exists(path: str, what: str, folder_ok: bool = True, file_ok: bool = True) -> str:
         p = Path(path)
@@ -350,7 +360,9 @@ def weight_overrides(
     out: dict = {"model": {}, "vae": {}}
     if weights is not None:
         p = Path(weights)
-        if not (p.is_file() or (p.is_dir() and any(p.glob("*.safetensors")))):
+        if folder and not p.is_dir():
+            raise InputError(f"weights not found: {weights} (the model's released folder)")
+        if not (p.is_file() or p.is_dir() and (folder or any(p.glob("*.safetensors")))):
             raise InputError(f"weights not found: {weights} (a checkpoint file, or a folder of .safetensors)")
         out["model"]["weights"] = str(p.resolve())
     if vae_weights is not None:

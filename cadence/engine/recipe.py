@@ -265,6 +265,8 @@ class SessionRules:
     audio: FrontEnd = field(default_factory=LogMelAudio)
     image: FrontEnd = field(default_factory=VaeSinkImage)
     decoder: DecoderRule = field(default_factory=DecoderRule)
+    prompt: bool = True
+    """It takes a prompt (False: a prompt-free family, no text encoder is built)."""
 
 
 @dataclass(frozen=True)
@@ -444,7 +446,8 @@ def recipe_for(
     family = entry_of(cfg)
     rules = rules_of(family, rebuild_of(cfg))
     fast, notes = fast_for(cfg, fast or FastPath(), devices[0], rules)
-    cfg, fast = fold_shapes(cfg, fast, devices[0].startswith("cuda"), exists or os.path.isfile)
+    cuda = devices[0].startswith("cuda")
+    cfg, fast = fold_shapes(cfg, fast, cuda, exists or os.path.isfile, rules.stream.has_cache)
     if fast.attention != "auto" and cfg.stream.cache != "ring":  # only the ring has an attention backend
         notes.append(
             f"attention: {fast.attention} reads the ring cache (this one runs the naive cache): auto"
@@ -479,7 +482,13 @@ def session_rules(cfg: CadenceConfig) -> SessionRules:
 def rules_of(entry: ModelFamily, rebuild: Rebuild | None) -> SessionRules:
     """A registry entry's rules and front ends, with the configuration's context rebuild."""
     return SessionRules(
-        entry.streaming, entry.prompt_switch, rebuild, entry.audio_encoder, entry.image_encoder, entry.decoder
+        entry.streaming,
+        entry.prompt_switch,
+        rebuild,
+        entry.audio_encoder,
+        entry.image_encoder,
+        entry.decoder,
+        prompt=not entry.prompt_free,
     )
 
 
@@ -499,18 +508,26 @@ def fast_for(
     off: list[str] = []
     decoder = rules.decoder.pinned
     match rules.stream:
-        case ClipStream():
-            off = [n for n in ("graphs", "kv_fp8", "capture_filling") if getattr(fast, n)]
+        case ClipStream() as clip:
+            refused = (
+                ("kv_fp8", "capture_filling") if clip.graphs else ("graphs", "kv_fp8", "capture_filling")
+            )
+            off = [n for n in ("graphs", "kv_fp8", "capture_filling") if n in refused and getattr(fast, n)]
             if fast.decoder not in (None, decoder):
                 off.append(f"decoder {fast.decoder}")
-            if fast.decoder_fast not in (None, "off"):
+            if not clip.decoder_fast and fast.decoder_fast not in (None, "off"):
                 off.append(f"decoder_fast {fast.decoder_fast}")
             why = (
                 f"clips are bidirectional, no K/V cache; each clip is decoded and re-encoded by the {decoder} "
                 "decoder inside its step"
             )
             fast = dataclasses.replace(
-                fast, graphs=False, kv_fp8=False, capture_filling=False, decoder=decoder, decoder_fast="off"
+                fast,
+                graphs=bool(fast.graphs and clip.graphs),
+                kv_fp8=False,
+                capture_filling=False,
+                decoder=decoder,
+                decoder_fast=fast.decoder_fast if clip.decoder_fast else "off",
             )
         case KVStream() if rules.rebuild is not None:
             off = [n for n in ("graphs", "kv_fp8", "capture_filling") if getattr(fast, n)]
@@ -538,14 +555,15 @@ def choose_decoder(cfg: CadenceConfig, cuda: bool, exists: Callable[[str], bool]
 
 
 def fold_shapes(
-    cfg: CadenceConfig, fast: FastPath, cuda: bool, exists: Callable[[str], bool]
+    cfg: CadenceConfig, fast: FastPath, cuda: bool, exists: Callable[[str], bool], cache: bool = True
 ) -> tuple[CadenceConfig, FastPath]:
     """``cfg`` with the shape-changing choices of a resolved ``fast`` folded in (the ring cache for FP8 K/V or
-    CUDA graphs, the decoder), and ``fast`` with its decoder decided."""
+    CUDA graphs, the decoder), and ``fast`` with its decoder decided. ``cache``: the stream reads a K/V cache
+    (a clip stream's graphs hold its own model pass: no ring)."""
     stream: dict = {}
     if fast.kv_fp8:
         stream.update(cache="ring", kv_fp8=True)
-    if fast.graphs and cfg.stream.cache != "ring":
+    if fast.graphs and cache and cfg.stream.cache != "ring":
         stream["cache"] = "ring"  # graphs need the ring cache's fixed addresses
     if fast.attention != "auto" and stream.get("cache", cfg.stream.cache) == "ring":
         stream["attention"] = fast.attention  # the ring's kernel (cadence.kernels.attention_registry)

@@ -364,8 +364,9 @@ class StreamGenerator:
         self.vae = make_vae(cfg, dev, model.dtype)
         self._vaes = {dev: self.vae}  # the autoencoder per decode device (see vae_on)
         # the family's real encoders (umT5 through transformers, ...) or the byte / log-mel stand-ins of the
-        # no-download presets; a prompt's embedding is padded to the model's fixed text length (one step shape)
-        self.text_encoder = make_text_encoder(cfg, dev, model.dtype)
+        # no-download presets; a prompt's embedding is padded to the model's fixed text length (one step shape);
+        # none for a prompt-free family
+        self.text_encoder = make_text_encoder(cfg, dev, model.dtype) if self.rules.prompt else None
         # the family's front ends (its recipe's: cadence.model.encoders), whatever session class streams it: the
         # audio encoder (log-mel tokens per chunk, or wav2vec2) and the image encoder (None: the VAE sink; CLIP)
         self.image_encoder, self.audio = build_front_ends(
@@ -497,8 +498,18 @@ def build_vae_modules(cfg: CadenceConfig, wan: bool = True, taehv: bool = True):
     return big, tiny  # None for what was not asked
 
 
+def _ltx_adapter(cfg: CadenceConfig, device, dtype: torch.dtype):
+    from cadence.engine.ltx import LTXVAEAdapter
+
+    return LTXVAEAdapter(cfg, device, dtype)
+
+
+#: The autoencoder built for each decoder (``cadence.engine.spec.DECODERS``): ``(cfg, device, dtype) -> adapter``.
+VAE_ADAPTERS = {"wan": WanVAEAdapter, "taehv": WanVAEAdapter, "ltx": _ltx_adapter}
+
+
 def make_vae(cfg: CadenceConfig, device, dtype: torch.dtype):
-    """The configured autoencoder: the stand-in, or the streaming Wan VAE / TAEHV decoder."""
+    """The configured autoencoder: the stand-in, the streaming Wan VAE / TAEHV decoder, or the LTX-Video VAE."""
     if cfg.vae.decoder == "standin":
         if cfg.vae.weights:
             raise ConfigError(
@@ -506,7 +517,7 @@ def make_vae(cfg: CadenceConfig, device, dtype: torch.dtype):
                 "the stand-in decoder has no weights"
             )
         return StandInVAE(cfg, device)
-    return WanVAEAdapter(cfg, device, dtype)
+    return VAE_ADAPTERS[cfg.vae.decoder](cfg, device, dtype)
 
 
 def build_generator(

@@ -27,7 +27,9 @@ DEFAULT_PROMPT = "a person talking to the camera"
 
 #: Options that need a CUDA device (asked for on the CPU they are turned off with a note).
 CUDA_ONLY = ("kv_fp8", "fp8_linears", "graphs")
-DECODERS = ("standin", "wan", "taehv")
+#: The engine's decoders (``cadence.config.DECODER_GEOMETRY``; a clip family's session may pin one: 'ltx' for
+#: FlashHead Lite's LTX-Video VAE).
+DECODERS = ("standin", "wan", "taehv", "ltx")
 #: The Wan decoder's fast paths (``cadence.runtime.vae_fast.MODES``; torch-free copy).
 DECODER_FAST = ("off", "cl", "compile", "bench", "fold", "up", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,7 +59,7 @@ class FastPath:
     dtype: str | None = None
     """Model dtype: 'float32', 'bfloat16' or 'float16'. None: bfloat16 on CUDA, float32 on the CPU."""
     decoder: str | None = None
-    """VAE decoder: 'standin', 'wan' or 'taehv'. None: automatic (``cadence.engine.recipe.choose_decoder``):
+    """VAE decoder: 'standin', 'wan', 'taehv' or 'ltx' (FlashHead Lite's). None: automatic (``cadence.engine.recipe.choose_decoder``):
     the preset's own on the CPU; on CUDA the tiny streaming decoder ('taehv') when it has trained weights or
     nothing has (random-weight benchmarks), else the full Wan VAE the weights are for ('wan')."""
     kv_fp8: bool | None = None
@@ -66,7 +68,8 @@ class FastPath:
     """FP8 block linears (``cadence.quant.fp8.apply_fp8``). CUDA only."""
     graphs: bool | None = None
     """CUDA graphs for the steady-state chunk step (``cadence.runtime.graphs.GraphRunner``); forces the
-    ring cache (fixed addresses). CUDA only."""
+    ring cache (fixed addresses). A clip family whose session captures its own model pass (FlashHead:
+    ``cadence.runtime.call_graph``) needs no ring. CUDA only."""
     capture_filling: bool = False
     """With graphs: also capture each ring-filling step (one graph per fill stage). With FP8 K/V the filling
     steps replay the steady graph already; this matters for bf16 K/V."""

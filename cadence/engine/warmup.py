@@ -26,6 +26,7 @@ streams (``decode=False`` on followers: steps only) and agrees on the branches (
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import statistics
 import time
@@ -36,6 +37,8 @@ import torch
 from cadence.engine.messages import ChunkTimings
 from cadence.engine.reports import Report
 from cadence.runtime.graphs import filling_shares_steady_graph
+
+startup_log = logging.getLogger("cadence.startup")
 
 
 @dataclass
@@ -100,8 +103,14 @@ def warm_up(eng, image: torch.Tensor | None, chunks: int, decode: bool, threads:
     def run(k: int, pace: bool) -> list[ChunkTimings]:
         runs[0] += 1
         if decode:
-            return [r.timings for r in eng.stream(image, "warm-up", audio, k, seed=0, pace=pace)]
-        return _steps_only(eng, image, audio, k)
+            out = [r.timings for r in eng.stream(image, "warm-up", audio, k, seed=0, pace=pace)]
+        else:
+            out = _steps_only(eng, image, audio, k)
+        # each phase said as it ends (the first stream is where kernels compile: minutes on a cold GPU)
+        startup_log.info(
+            "warm-up: stream %d (%d chunks) done at %.1f s", runs[0], k, time.monotonic() - t_start
+        )
+        return out
 
     # the thread count first when nothing needs timing, so that every stream below runs (and measures, and
     # creates its per-thread-count kernels at) the count users get (docs/perf/soak/NOTES.md: the sustained

@@ -257,6 +257,10 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
         torch.set_num_threads(spec.recipe.fast.threads)
 
 
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def _start_line(spec: WorkerSpec) -> None:
     """The worker's start log line: what it builds, the weights and the checkpoint entry it serves (shown
     whatever ``CADENCE_WORKER_LOG`` says: it is the one line that says which model a group runs)."""
@@ -269,6 +273,7 @@ def _start_line(spec: WorkerSpec) -> None:
     )
     start = logging.getLogger("cadence.serve.worker")
     start.setLevel(logging.INFO)
+    logging.getLogger("cadence.startup").setLevel(logging.INFO)  # the start's estimate and its phases
     start.info(
         "worker %s: %s (%s), %s, decoder %s", spec.recipe.device, r.model, c.name, weights, c.vae.decoder
     )
@@ -327,11 +332,15 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
 def _start_rank0(spec: WorkerSpec, pipe: _Pipe):  # pragma: no cover - other process
     """Rank 0's start: the group joined (TP), the engine built, the frame ring attached, the start-up run.
     Returns (engine, ring or None, peers or None, the default reference image, the ``Ready`` message)."""
+    from cadence.engine import startup
     from cadence.engine.shm import FrameRing
     from cadence.media.image import default_reference_image
 
     t = time.monotonic()
     devices = spec.recipe.devices
+    said = _device_name(devices[0]) if devices[0].startswith("cuda") else None
+    if said:  # what the start will do and how long it took here last time (a GPU's compile: minutes, once)
+        startup.announce(spec.recipe, said, torch.__version__)
     info = _tp_join(0, devices, spec.tp_port) if len(devices) > 1 else None
     peers = _Peers(info) if info is not None else None
     eng = _build(spec, 0, info, on_chunk=_chunk_reply(pipe))
@@ -346,6 +355,8 @@ def _start_rank0(spec: WorkerSpec, pipe: _Pipe):  # pragma: no cover - other pro
     build_ms = (time.monotonic() - t) * 1e3
     with torch.no_grad():
         warm, preopen_ms = _start_up(eng, spec, default_image, decode=True)
+    if said:
+        startup.remember(spec.recipe, said, torch.__version__, build_ms / 1e3, warm)
     ready = Ready(
         WorkerInfo(
             preset=cfg.name,

@@ -33,6 +33,16 @@ Families (their reference code: docs/references.md; parity fixtures: ``tests/fix
   folder (config.json + safetensors) with Wan's names, Wan's CLIP ``.pth`` beside it and a wav2vec2 folder.
   Streamed clip by clip (``ClipStream``: ``cadence.engine.flashtalk``), each clip decoded and re-encoded
   by the Wan VAE before the next.
+* ``flashhead-pro`` (Soul-AILab/SoulX-FlashHead, ``Model_Pro``): a Wan2.1-1.3B-style DiT that talks from audio
+  alone (prompt-free: no text encoder), the reference image's VAE latent on its input channels and a
+  per-latent-frame audio cross-attention fed by wav2vec2-base-960h windows (``cadence.model.flashhead``),
+  4-step 33-frame clips at 25 fps on the Wan 2.1 VAE (5 motion frames). The released folder (the diffusers
+  ``Model_Pro/`` folder, ``VAE_Wan/``) is read by the family's builder (``ModelFamily.builder``:
+  ``cadence.model.flashhead_files.FlashHeadLayout``), every size from its files; streamed clip by clip
+  (``cadence.engine.flashhead``), CUDA graphs of the model pass and the decoder's fast paths applied by its
+  session.
+* ``flashhead-lite`` (``Model_Lite``): the same on the LTX-Video VAE (``VAE_LTX/``: 8 x 32 x 32, z = 128;
+  ``cadence.model.ltx_vae``), 9 motion frames, 24 new frames a clip.
 * ``krea-14b`` (krea-ai/realtime-video): Wan2.1-T2V-14B made block-causal, one safetensors file with
   Wan's names under ``model.``, 5 passes at 1000/750/500/250/0 warped through the shift-5 table.
   Before every block its server rebuilds the cache from a first frame and the last 2 clean frames
@@ -56,7 +66,9 @@ Each family declares what it changes in the engine with typed objects (data only
   ``image_encoder`` (:class:`VaeSinkImage`: the reference image as the cache's sink, or
   :class:`ClipVisionImage`), each built by ``cadence.model.encoders`` from the recipe and finding its files
   beside the weights (:class:`Beside`); ``decoder`` (:class:`DecoderRule`: the VAE variant, and a decoder the
-  stream pins); ``checkpoint`` (:class:`CheckpointFormat`, read by ``cadence.model.weights``).
+  stream pins); ``checkpoint`` (:class:`CheckpointFormat`, read by ``cadence.model.weights``);
+* ``builder`` (:class:`ModelBuilder`, optional): a transformer of the family's own read from a released folder
+  of its own layout (FlashHead), its sizes folded into the configuration by the recipe.
 
 A new family is an entry here and its own files (docs/architecture.md, "Adding a family").
 
@@ -74,6 +86,7 @@ from typing import Protocol
 
 from cadence.config import PRESETS, CadenceConfig, get_preset
 from cadence.errors import ConfigError
+from cadence.model.flashhead_files import FlashHeadLayout, released_config
 
 # ---- the rules a family declares (what it changes in the engine; read by cadence.engine.recipe) -------------
 
@@ -85,6 +98,8 @@ class KVStream:
 
     session: str = field(default="cadence.engine.session:Session", repr=False)
     """``"module:Class"`` of the session that streams it (``cadence.engine.session.session_type`` loads it)."""
+    has_cache = True
+    """Its steps read a K/V cache (CUDA graphs and FP8 K/V need the ring cache)."""
 
     def warm_chunks(self, window_chunks: int, graph_warmup: int) -> int:
         """Chunks of a warm-up stream that run every step shape once: W - 1 while the ring fills, the first
@@ -100,8 +115,9 @@ class KVStream:
 class ClipStream:
     """Bidirectional clips (FlashTalk: ``cadence.engine.flashtalk.ClipSession``): each clip of ``clip_frames``
     video frames is generated whole, decoded by the family's pinned decoder (:class:`DecoderRule`) and its last
-    ``motion_frames`` re-encoded before the next starts, inside the step. No K/V cache: no ring cache, no FP8
-    K/V, no CUDA graphs, and the decoder's fast paths do not apply (the recipe turns them off with one note)."""
+    ``motion_frames`` re-encoded before the next starts, inside the step. No K/V cache: no ring cache and no FP8
+    K/V; CUDA graphs and the decoder's fast paths only where the family's session says it applies them
+    (``graphs``, ``decoder_fast``; otherwise the recipe turns them off with one note)."""
 
     clip_frames: int
     """Video frames generated together per call (FlashTalk: 33)."""
@@ -110,6 +126,13 @@ class ClipStream:
     clip's new video is ``clip_frames - motion_frames`` frames."""
     session: str = field(default="", repr=False)
     """``"module:Class"`` of the family's clip session (its own file: a clip's sampler is the family's)."""
+    graphs: bool = False
+    """The session replays its model pass from a CUDA graph (a clip's shapes are fixed) when the recipe's
+    ``graphs`` is on; False: graphs off, with a note."""
+    decoder_fast: bool = False
+    """The session decodes and encodes with the engine's decoder object, so the recipe's ``decoder_fast``
+    (compile, channels-last) applies to its clips; False: off, with a note."""
+    has_cache = False
 
     def warm_chunks(self, window_chunks: int, graph_warmup: int) -> int:
         """The first clip (its motion latents are the image's) and one more."""
@@ -251,11 +274,40 @@ class ClipVisionImage:
 
 
 @dataclass(frozen=True)
+class ReferenceLatentImage:
+    """The reference image enters as its VAE latent on the model's input channels (repeated over a clip: FlashHead),
+    encoded by the clip session with the family's decoder: no image encoder of its own."""
+
+    about: str = "the VAE latent of the reference image on the input channels"
+    beside = None
+
+    def build(self, cfg, device, dtype, path=None):
+        return None
+
+
+class ModelBuilder(Protocol):
+    """A family whose transformer is a module of its own (not Cadence's ``WanDiT``), read from a released folder
+    laid out its own way (FlashHead: ``cadence.model.flashhead_files.FlashHeadLayout``). The recipe folds what
+    the folder says into the configuration (``configure``, torch-free: the web process resolves recipes); the
+    engine builds the model with ``build``."""
+
+    about: str
+    build: str
+    """``"module:function"`` ``(builder, cfg, device, dtype, seed) -> model`` on the device: loaded from
+    ``cfg.model.weights``, random from ``seed`` without weights."""
+
+    def configure(self, cfg: CadenceConfig) -> CadenceConfig:
+        """``cfg`` with its weights folder's sizes and the files beside it folded in; one ConfigError naming
+        what is missing."""
+
+
+@dataclass(frozen=True)
 class DecoderRule:
     """The VAE a family's latents belong to, and the decoder its stream needs."""
 
     variant: str = "2.1"
-    """The VAE its latents belong to ('2.1': Wan 2.1's, 4x8x8, z=16; '2.2': Wan 2.2's, 4x16x16, z=48)."""
+    """The VAE its latents belong to ('2.1': Wan 2.1's, 4x8x8, z=16; '2.2': Wan 2.2's, 4x16x16, z=48; 'ltx':
+    LTX-Video 0.9.0's, 8x32x32, z=128)."""
     pinned: str | None = None
     """The engine decoder its stream needs whatever was asked ('wan': FlashTalk decodes and re-encodes every
     clip with it), or None: ``FastPath.decoder`` (automatic: ``cadence.engine.recipe.choose_decoder``). A
@@ -314,7 +366,8 @@ class ModelFamily:
     checkpoint: CheckpointFormat = field(default_factory=lambda: CheckpointFormat(("safetensors",)))
     """How the transformer's file is laid out."""
     text_encoder: str = "umt5-xxl"
-    """The prompt encoder it needs ('umt5-xxl': Wan's umT5-XXL encoder, 512 tokens of 4096)."""
+    """The prompt encoder it needs ('umt5-xxl': Wan's umT5-XXL encoder, 512 tokens of 4096); '' for a family:
+    prompt-free (audio and the reference image drive it; a prompt is ignored: :attr:`prompt_free`)."""
     audio_encoder: FrontEnd = field(default_factory=LogMelAudio)
     """Its audio front end (built by the engine from the recipe, whatever session streams it)."""
     image_encoder: FrontEnd = field(default_factory=VaeSinkImage)
@@ -339,6 +392,18 @@ class ModelFamily:
     """'family' (an open checkpoint's family) or 'preset' (one of Cadence's presets, in the same registry)."""
     notes: str = ""
     """What is not reproduced, if anything."""
+    builder: ModelBuilder | None = None
+    """A transformer of its own and the folder it comes from (:class:`ModelBuilder`); None: Cadence's ``WanDiT``
+    from a checkpoint file (``checkpoint``)."""
+
+    @property
+    def prompt_free(self) -> bool:
+        """A family that takes no prompt (no text encoder): ``cadence models`` says so."""
+        return self.kind == "family" and not self.text_encoder
+
+    def configure(self, cfg: CadenceConfig) -> CadenceConfig:
+        """``cfg`` with what its files say folded in (a builder's folder), else as it is."""
+        return self.builder.configure(cfg) if self.builder is not None else cfg
 
 
 # Wan 2.1 geometry as the Self-Forcing family runs it: 480x832 at 16 fps, 3 latent frames (12 video
@@ -532,6 +597,86 @@ FAMILIES["flashtalk"] = ModelFamily(
 )
 
 
+def _flashhead(variant: str, decoder: str, title: str) -> ModelFamily:
+    """SoulX-FlashHead Pro / Lite (module docstring): the released geometry (random weights); ``--weights DIR``
+    (the downloaded folder) reads every size from it (``FlashHeadLayout.configure``)."""
+    model_dir, vae_dir = (
+        ("Model_Pro", "VAE_Wan/Wan2.1_VAE.pth") if variant == "pro" else ("Model_Lite", "VAE_LTX/")
+    )
+    layout = FlashHeadLayout(
+        variant,
+        about=f"SoulX-FlashHead-1_3B/ with {model_dir}/ and {vae_dir}, wav2vec2-base-960h/ beside or in it",
+    )
+    geometry = released_config(variant).engine_overrides(audio_layers=12)  # wav2vec2-base: 12 x 768
+    scale = geometry["vae"]["stride"][0]
+    motion = layout.clip_frames - layout.new_frames(scale)
+    return ModelFamily(
+        name=f"flashhead-{variant}",
+        title=title,
+        reference="Soul-AILab/SoulX-FlashHead: flash_head/src/pipeline/flash_head_pipeline.py, "
+        "flash_head/src/modules/flash_head_model.py, gradio_app_streaming.py",
+        preset="w1.3",
+        model=geometry["model"],
+        stream=dict(
+            height=512,
+            width=512,
+            fps=25,
+            sink_frames=0,
+            passes=4,
+            timesteps=(1000.0, 750.0, 500.0, 250.0),
+            shift=5.0,
+            sampler="renoise",
+            warp_denoising_step=True,
+            timestep_table=0,
+            **layout.stream_overrides(scale, "released geometry"),
+        ),
+        vae=dict(geometry["vae"], decoder=decoder),
+        checkpoint=CheckpointFormat(
+            kinds=("folder",),
+            names="wan",
+            default_entry_source="Soul-AILab/SoulX-FlashHead 12467ce: flash_head/src/pipeline/"
+            "flash_head_pipeline.py `WanModelAudioProject.from_pretrained(os.path.join(checkpoint_dir, "
+            f"'{'Model_Pro' if variant == 'pro' else 'Model_Lite'}'))`: the diffusers folder is the state dict "
+            "(no entries); its VAE and the wav2vec2 folder beside it",
+        ),
+        text_encoder="",
+        audio_encoder=Wav2Vec2Audio("wav2vec2 (wav2vec2-base-960h, every layer's hidden state at 25 fps)"),
+        image_encoder=ReferenceLatentImage(),
+        decoder=DecoderRule("2.1" if decoder == "wan" else "ltx", pinned=decoder),
+        reference_window=f"bidirectional within a {layout.clip_frames}-frame clip (frame_num 33, "
+        f"motion_frames_latent_num {layout.motion_latents}: flash_head/configs/infer_params.yaml)",
+        status="parity",
+        streaming=ClipStream(
+            clip_frames=layout.clip_frames,
+            motion_frames=motion,
+            session="cadence.engine.flashhead:FlashHeadSession",
+            graphs=True,
+            decoder_fast=True,
+        ),
+        builder=layout,
+        notes=f"Streamed by the engine as {layout.clip_frames}-frame clips of {layout.new_frames(scale)} new frames "
+        "(cadence.engine.flashhead.FlashHeadSession): per chunk its wav2vec2 windows (8 s rolling window), the "
+        f"4-pass clip, the whole-clip {'Wan 2.1' if decoder == 'wan' else 'LTX-Video'} VAE decode, colour match "
+        f"to the reference and re-encode of the last {motion} frames; tested equal to FlashHead's offline stream "
+        "(generate_offline, itself tested against their pipeline) on the audio delayed by 40 ms (the live "
+        "resampler's look-ahead). Every size from the folder's files. Not reproduced: their face crop "
+        "on the served image (use_face_crop; its geometry is cadence.media.face_crop), multi-GPU sequence parallelism (xfuser), their global-RNG draws of the LTX "
+        "posterior (here seeded generators).",
+    )
+
+
+FAMILIES["flashhead-pro"] = _flashhead(
+    "pro",
+    "wan",
+    "SoulX-FlashHead Pro (1.3B Wan DiT + wav2vec2 audio; Wan 2.1 VAE; 33-frame clips, 5 motion frames)",
+)
+FAMILIES["flashhead-lite"] = _flashhead(
+    "lite",
+    "ltx",
+    "SoulX-FlashHead Lite (1.3B Wan DiT + wav2vec2 audio; LTX-Video VAE; 33-frame clips, 9 motion frames)",
+)
+
+
 def list_families() -> list[ModelFamily]:
     """Every family, in a stable order (what ``cadence models`` prints)."""
     return list(FAMILIES.values())
@@ -588,8 +733,9 @@ def model_config(name: str, overrides: dict | None = None) -> CadenceConfig:
     """The engine configuration of registry entry ``name``: a family's (:func:`family_config`) or a preset's,
     then ``overrides`` (``CadenceConfig.with_overrides`` sections: the files to load, geometry for tests)."""
     entry = get_model(name)
-    cfg = get_preset(entry.name) if entry.kind == "preset" else family_config(entry.name)
-    return cfg.with_overrides(**overrides) if overrides else cfg
+    cfg = get_preset(entry.name) if entry.kind == "preset" else _family_config(entry.name)
+    cfg = cfg.with_overrides(**overrides) if overrides else cfg
+    return entry.configure(cfg)
 
 
 def family_config(
@@ -603,7 +749,20 @@ def family_config(
     """The family's whole engine configuration: its preset with the family's overrides (its :class:`Rebuild`
     rule folded into the stream section), the given files, then any further per-section overrides
     (``model={...}``, ``vae={...}``, ``stream={...}``; e.g. a smaller ``num_layers`` for a benchmark). With
-    ``vae_weights`` the decoder is the Wan VAE ('wan') unless ``vae={'decoder': ...}`` says otherwise."""
+    ``vae_weights`` the decoder is the Wan VAE ('wan') unless ``vae={'decoder': ...}`` says otherwise. A family
+    with a builder of its own then reads its weights folder into it (:meth:`ModelFamily.configure`)."""
+    cfg = _family_config(name, weights, text_encoder, vae_weights, text_tokenizer, **sections)
+    return get_family(name).configure(cfg)
+
+
+def _family_config(
+    name: str,
+    weights: str | None = None,
+    text_encoder: str | None = None,
+    vae_weights: str | None = None,
+    text_tokenizer: str | None = None,
+    **sections: dict,
+) -> CadenceConfig:
     fam = get_family(name)
     base = get_preset(fam.preset)
     model = dict(

@@ -26,15 +26,14 @@ s = ``vae_stride[0]`` give the window W and one frame's feature width P (wav2vec
 ``audio_emb`` are in the released file but unused by their forward: they are read past, not loaded.
 ``has_image_input`` true (CLIP tokens) is not FlashHead's and is refused.
 
-Loading the folder a user downloads (``Soul-AILab/SoulX-FlashHead-1_3B`` beside ``facebook/wav2vec2-base-960h``):
-:func:`flashhead_files` finds ``Model_Pro/`` + ``VAE_Wan/Wan2.1_VAE.pth`` or ``Model_Lite/`` + ``VAE_LTX/`` and
+Sizes and files (torch-free): ``cadence.model.flashhead_files``. Loading the folder a user downloads
+(``Soul-AILab/SoulX-FlashHead-1_3B`` beside ``facebook/wav2vec2-base-960h``): :func:`flashhead_files` finds ``Model_Pro/`` + ``VAE_Wan/Wan2.1_VAE.pth`` or ``Model_Lite/`` + ``VAE_LTX/`` and
 the wav2vec2 folder, naming everything missing in one ``ConfigError``; :func:`load_flashhead` builds the DiT,
 the clip codec (``cadence.model.flashhead_stream``) and the wav2vec2 features.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,215 +41,23 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from cadence.config import ModelConfig
-from cadence.errors import ConfigError, WeightsError
+from cadence.config import CadenceConfig
+from cadence.errors import ConfigError
 from cadence.model.dit import Block, CrossAttention, Head, WanDiT, _split_mod
+from cadence.model.flashhead_files import (  # noqa: F401 (the sizes and the folder: re-exported)
+    RELEASED,
+    UNUSED_PREFIXES,
+    VARIANTS,
+    FlashHeadConfig,
+    FlashHeadFiles,
+    flashhead_files,
+    released_config,
+    weight_shapes,
+)
 from cadence.model.full import FullSequence
 from cadence.model.layers import MLP2, Linear
 from cadence.model.multitalk import AudioProjection, latent_audio_windows
 from cadence.model.rope import Rope3D
-
-#: config.json fields the model needs (their ``WanModelAudioProject.__init__`` arguments).
-CONFIG_FIELDS = (
-    "dim",
-    "num_heads",
-    "num_layers",
-    "ffn_dim",
-    "freq_dim",
-    "eps",
-    "in_dim",
-    "out_dim",
-    "patch_size",
-    "vae_stride",
-)
-#: Keys of the released file that their forward never reads (a text MLP and an audio MLP kept from training).
-UNUSED_PREFIXES = ("text_embedding.", "audio_emb.")
-VARIANTS = {"pro": ("Model_Pro", "VAE_Wan"), "lite": ("Model_Lite", "VAE_LTX")}
-
-
-@dataclass(frozen=True)
-class FlashHeadConfig:
-    """FlashHead's geometry: the transformer's from config.json, the audio projection's from the weights."""
-
-    dim: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
-    freq_dim: int
-    eps: float
-    in_dim: int
-    """Channels into the patch embedding: the noisy latent's and the reference latent's."""
-    out_dim: int
-    """Latent channels (the VAE's z): 16 (Wan 2.1, Pro) or 128 (LTX-Video, Lite)."""
-    patch: tuple[int, int, int]
-    vae_stride: tuple[int, int, int]
-    """The VAE's compression (frames, height, width): (4, 8, 8) Wan 2.1, (8, 32, 32) LTX-Video."""
-    audio_window: int = 5
-    """wav2vec2 frames around each video frame (t-2 .. t+2)."""
-    audio_frame_width: int = 12 * 768
-    """One video frame's audio features: wav2vec2 layers x channels."""
-    audio_hidden: int = 512
-    audio_tokens: int = 32
-    audio_width: int = 1536
-    audio_norm: bool = True
-    rope_theta: float = 10_000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
-    def vae_scale(self) -> int:
-        """Video frames per latent frame after the first."""
-        return self.vae_stride[0]
-
-    def latent_frames(self, video_frames: int) -> int:
-        return (video_frames - 1) // self.vae_scale + 1
-
-    def motion_frames(self, motion_latents: int = 2) -> int:
-        """Video frames re-encoded into ``motion_latents`` latent frames (their ``motion_frames_num``:
-        (2 - 1) x 4 + 1 = 5 for Pro, x 8 + 1 = 9 for Lite)."""
-        return (motion_latents - 1) * self.vae_scale + 1
-
-    def tokens(self, video_frames: int, height: int, width: int) -> int:
-        """Transformer tokens of one clip of ``video_frames`` frames at height x width pixels."""
-        st, sh, sw = self.vae_stride
-        pt, ph, pw = self.patch
-        return (self.latent_frames(video_frames) // pt) * (height // sh // ph) * (width // sw // pw)
-
-    def model_config(self) -> ModelConfig:
-        """The Wan block geometry (``cadence.model.dit`` pieces read it)."""
-        return ModelConfig(
-            dim=self.dim,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            ffn_dim=self.ffn_dim,
-            num_layers=self.num_layers,
-            patch=self.patch,
-            in_channels=self.out_dim,
-            out_channels=self.out_dim,
-            cond_channels=self.in_dim - self.out_dim,
-            freq_dim=self.freq_dim,
-            eps=self.eps,
-            rope_theta=self.rope_theta,
-            audio_every=0,
-            cross_attn_norm=True,
-            image_tokens=0,
-            time_embed_fp64=True,
-        )
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> FlashHeadConfig:
-        """Their model folder (config.json + safetensors): the sizes, checked against the weights' shapes."""
-        folder = Path(folder)
-        try:
-            raw = json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"FlashHead model folder {folder}: cannot read config.json ({e})") from None
-        return cls.from_config(raw, weight_shapes(folder), str(folder))
-
-    @classmethod
-    def from_config(
-        cls, raw: dict, shapes: dict[str, tuple[int, ...]], where: str = "config"
-    ) -> FlashHeadConfig:
-        """config.json's fields + the weights' shapes (name -> shape, their names) -> the geometry."""
-        missing = [k for k in CONFIG_FIELDS if k not in raw]
-        if missing:
-            raise ConfigError(f"FlashHead {where}: config.json lacks {', '.join(missing)}")
-        if raw.get("has_image_input"):
-            raise ConfigError(
-                f"FlashHead {where}: has_image_input is true (CLIP tokens): not a FlashHead model"
-            )
-        patch, stride = tuple(int(v) for v in raw["patch_size"]), tuple(int(v) for v in raw["vae_stride"])
-        if len(patch) != 3 or len(stride) != 3 or stride[0] < 2:
-            raise ConfigError(
-                f"FlashHead {where}: patch_size {patch} / vae_stride {stride} are not 3-D video sizes"
-            )
-        dim, heads = int(raw["dim"]), int(raw["num_heads"])
-        if dim % heads or (dim // heads) % 2:
-            raise ConfigError(f"FlashHead {where}: dim {dim} does not split into {heads} even heads")
-        cfg = cls(
-            dim=dim,
-            num_heads=heads,
-            num_layers=int(raw["num_layers"]),
-            ffn_dim=int(raw["ffn_dim"]),
-            freq_dim=int(raw["freq_dim"]),
-            eps=float(raw["eps"]),
-            in_dim=int(raw["in_dim"]),
-            out_dim=int(raw["out_dim"]),
-            patch=patch,
-            vae_stride=stride,
-            **audio_sizes(shapes, stride[0], where),
-        )
-        check_shapes(cfg, shapes, where)
-        return cfg
-
-
-def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape in the folder's safetensors files (headers only: nothing is read into memory)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"FlashHead model folder {folder}: no .safetensors file")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:
-                for k in fh.keys():
-                    shapes[k] = tuple(fh.get_slice(k).get_shape())
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise WeightsError(f"cannot read checkpoint {f}: {e}") from None
-    return shapes
-
-
-def audio_sizes(shapes: dict[str, tuple[int, ...]], vae_scale: int, where: str) -> dict:
-    """The audio projection's sizes from its weights (see the module docstring)."""
-    need = ("audio_proj.proj1.weight", "audio_proj.proj1_vf.weight", "audio_proj.proj3.weight")
-    need += ("blocks.0.cross_attn.k.weight",)
-    missing = [k for k in need if k not in shapes]
-    if missing:
-        raise WeightsError(f"FlashHead {where}: the weights lack {', '.join(missing)}")
-    hidden, first_in = shapes["audio_proj.proj1.weight"]
-    later_in = shapes["audio_proj.proj1_vf.weight"][1]
-    frame_width, rest = divmod(later_in - first_in, vae_scale - 1)
-    window = first_in // frame_width if frame_width > 0 else 0
-    if rest or frame_width <= 0 or window * frame_width != first_in or window % 2 == 0:
-        raise WeightsError(
-            f"FlashHead {where}: audio_proj.proj1 takes {first_in} and proj1_vf {later_in} features: not an odd "
-            f"window W of P features and W + {vae_scale - 1} of them (vae_stride[0] {vae_scale})"
-        )
-    width = shapes["blocks.0.cross_attn.k.weight"][1]
-    tokens, rest = divmod(shapes["audio_proj.proj3.weight"][0], width)
-    if rest:
-        raise WeightsError(
-            f"FlashHead {where}: audio_proj.proj3 makes {tokens * width + rest} values, not tokens of {width}"
-        )
-    return dict(
-        audio_window=window,
-        audio_frame_width=frame_width,
-        audio_hidden=hidden,
-        audio_tokens=tokens,
-        audio_width=width,
-        audio_norm="audio_proj.norm.weight" in shapes,
-    )
-
-
-def check_shapes(cfg: FlashHeadConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """config.json against the weights: the patch convolution, the depth, the FFN and the head."""
-    d = cfg.dim
-    expect = {
-        "patch_embedding.weight": (d, cfg.in_dim, *cfg.patch),
-        "blocks.0.ffn.0.weight": (cfg.ffn_dim, d),
-        "head.head.weight": (cfg.out_dim * math.prod(cfg.patch), d),
-        "time_embedding.0.weight": (d, cfg.freq_dim),
-    }
-    wrong = [f"{k}: weights {shapes.get(k)} vs config {v}" for k, v in expect.items() if shapes.get(k) != v]
-    depth = len({k.split(".")[1] for k in shapes if k.startswith("blocks.")})
-    if depth != cfg.num_layers:
-        wrong.append(f"{depth} blocks in the weights vs num_layers {cfg.num_layers}")
-    if wrong:
-        raise WeightsError(f"FlashHead {where}: config.json does not fit the weights: {'; '.join(wrong)}")
 
 
 def pass_flops(cfg: FlashHeadConfig, video_frames: int, height: int, width: int) -> dict[str, int]:
@@ -390,24 +197,6 @@ class FlashHeadDiT(nn.Module):
         return self.unpatchify(self.head(tokens, temb), f, h, w)
 
 
-#: The released geometry (config.json as their ``WanModelAudioProject`` takes it, inferred: Wan2.1-1.3B's sizes;
-#: Lite on the LTX-Video VAE's 128 channels at 8 x 32 x 32 with one token per latent position, the "8192 : 1
-#: pixel-to-token ratio" of their report) with their hard-coded audio projection (5 x 12 x 768 -> 512 -> 32 x 1536).
-RELEASED = {
-    "pro": dict(in_dim=32, out_dim=16, patch=(1, 2, 2), vae_stride=(4, 8, 8)),
-    "lite": dict(in_dim=256, out_dim=128, patch=(1, 1, 1), vae_stride=(8, 32, 32)),
-}
-
-
-def released_config(variant: str) -> FlashHeadConfig:
-    """The geometry of a released variant ('pro' / 'lite') for random-weight runs (benchmarks); a real folder
-    is read by :meth:`FlashHeadConfig.from_folder`."""
-    if variant not in RELEASED:
-        raise ConfigError(f"FlashHead variant {variant!r}: choose 'pro' or 'lite'")
-    base = dict(dim=1536, num_heads=12, num_layers=30, ffn_dim=8960, freq_dim=256, eps=1e-6)
-    return FlashHeadConfig(**base, **RELEASED[variant])
-
-
 def build_flashhead(
     cfg: FlashHeadConfig,
     device: str | torch.device = "cpu",
@@ -449,64 +238,27 @@ def load_flashhead_model(
     return model.eval().requires_grad_(False)
 
 
-@dataclass(frozen=True)
-class FlashHeadFiles:
-    """Where a released FlashHead lives: the variant's model folder, its VAE and the wav2vec2 folder."""
-
-    variant: str
-    model: Path
-    vae: Path
-    wav2vec2: Path
-
-
-def _wav2vec2_folders(places: list[Path]) -> list[Path]:
-    return [
-        d
-        for base in places
-        if base.is_dir()
-        for d in sorted(base.iterdir())
-        if d.is_dir() and "wav2vec2" in d.name.lower() and (d / "config.json").is_file()
-    ]
+def build_for_engine(layout, cfg: CadenceConfig, device, dtype: torch.dtype, seed: int = 0) -> FlashHeadDiT:
+    """The families' model builder (``cadence.model.flashhead_files.FlashHeadLayout.build``, called by the
+    engine): the DiT of ``cfg``, loaded from the released folder at ``cfg.model.weights`` (its variant's model
+    folder; ``FlashHeadLayout.configure`` folded its sizes into ``cfg``) or random from ``seed``."""
+    if cfg.model.weights:
+        return load_flashhead_model(flashhead_files(cfg.model.weights, layout.variant).model, device, dtype)
+    return build_flashhead(FlashHeadConfig.from_engine(cfg), device, dtype, seed)
 
 
-def flashhead_files(root: str | Path, variant: str, wav2vec2: str | Path | None = None) -> FlashHeadFiles:
-    """The files of ``variant`` ('pro' or 'lite') in ``root`` (the downloaded ``SoulX-FlashHead-1_3B`` folder,
-    or its ``Model_Pro`` / ``Model_Lite`` folder): ``Model_Pro/`` + ``VAE_Wan/Wan2.1_VAE.pth`` or ``Model_Lite/``
-    + ``VAE_LTX/`` (with its config.json), and ``wav2vec2`` (else a folder named ``*wav2vec2*`` with a
-    config.json in ``root`` or beside it: the README downloads ``wav2vec2-base-960h`` next to the model).
-    Everything missing is named in one ``ConfigError``."""
-    v = str(variant).lower()
-    if v not in VARIANTS:
-        raise ConfigError(f"FlashHead variant {variant!r}: choose 'pro' or 'lite'")
-    model_name, vae_name = VARIANTS[v]
-    root = Path(root)
-    if root.name in (n for n, _ in VARIANTS.values()):
-        root = root.parent
-    if not root.is_dir():
-        raise ConfigError(f"FlashHead weights {root}: not a folder")
-    model = root / model_name
-    vae = root / vae_name / "Wan2.1_VAE.pth" if v == "pro" else root / vae_name
-    missing = []
-    if not (model / "config.json").is_file() or not any(model.glob("*.safetensors")):
-        missing.append(f"{model_name}/ (config.json + .safetensors)")
-    if v == "pro" and not vae.is_file():
-        missing.append(f"{vae_name}/Wan2.1_VAE.pth")
-    if v == "lite" and not (vae / "config.json").is_file():
-        missing.append(f"{vae_name}/ (the LTX-Video VAE folder, with config.json)")
-    if wav2vec2 is not None:
-        w2v = Path(wav2vec2)
-        if not (w2v / "config.json").is_file():
-            missing.append(f"the wav2vec2 folder {w2v} (config.json)")
-    else:
-        found = _wav2vec2_folders([root, root.parent])
-        w2v = found[0] if found else root.parent / "wav2vec2-base-960h"
-        if not found:
-            missing.append(
-                f"a wav2vec2 folder (wav2vec2-base-960h/ with config.json) in {root} or {root.parent}"
-            )
-    if missing:
-        raise ConfigError(f"FlashHead {v} weights in {root}: missing {'; '.join(missing)}")
-    return FlashHeadFiles(v, model, vae, w2v)
+def load_ltx_codec(folder: str | Path, device, dtype: torch.dtype):
+    """Lite's clip codec: the LTX-Video VAE folder (``cadence.model.ltx_vae``) as
+    ``cadence.model.flashhead_stream.LTXClipCodec``."""
+    try:
+        from cadence.model.ltx_vae import LTXVideoVAE
+    except ImportError:
+        raise ConfigError(
+            "FlashHead lite decodes with the LTX-Video VAE (cadence.model.ltx_vae), not in this build"
+        ) from None
+    from cadence.model.flashhead_stream import LTXClipCodec
+
+    return LTXClipCodec(LTXVideoVAE.from_folder(folder, device, dtype))
 
 
 @dataclass
@@ -533,8 +285,7 @@ def load_flashhead(
 ) -> FlashHeadParts:
     """The released folder (:func:`flashhead_files`) -> :class:`FlashHeadParts`. Pro's codec is Cadence's Wan
     2.1 VAE (``cadence.model.vae``); Lite's is ``ltx_loader(folder, device, dtype)`` (any object with the
-    codec's ``encode`` / ``decode``: ``cadence.model.flashhead_stream``), by default
-    ``cadence.model.ltx_vae.load_ltx_vae``. wav2vec2 runs in float32, as their pipeline runs it."""
+    codec's ``encode`` / ``decode``: ``cadence.model.flashhead_stream``), by default :func:`load_ltx_codec`. wav2vec2 runs in float32, as their pipeline runs it."""
     from cadence.model.flashhead_stream import WanClipCodec
     from cadence.model.wav2vec2 import Wav2Vec2Features
 
@@ -553,11 +304,6 @@ def load_flashhead(
         codec = WanClipCodec(load_wan_vae(files.vae, device=device, dtype=dtype))
     else:
         if ltx_loader is None:
-            try:
-                from cadence.model.ltx_vae import load_ltx_vae as ltx_loader
-            except ImportError:
-                raise ConfigError(
-                    "FlashHead lite decodes with the LTX-Video VAE (cadence.model.ltx_vae), not in this build"
-                ) from None
+            ltx_loader = load_ltx_codec
         codec = ltx_loader(files.vae, device, dtype)
     return FlashHeadParts(model, codec, features, files)

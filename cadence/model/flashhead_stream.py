@@ -30,7 +30,16 @@ casts (exact no-ops in float32) but keeps the latent in float32 between passes (
 A codec is the clip's decoder and encoder: ``encode(video [3, T, H, W] in [-1, 1]) -> latent [C, F, h, w]``
 (the model's normalised space) and ``decode(latent) -> video [3, T, H, W]`` (a fresh decoder state per
 clip). :class:`WanClipCodec` is Pro's (Cadence's Wan 2.1 VAE, clamped to [-1, 1] as their ``WanVAE.decode``);
-Lite's is the LTX-Video VAE (``cadence.model.ltx_vae``), any object with those two methods.
+:class:`LTXClipCodec` is Lite's (the LTX-Video VAE, ``cadence.model.ltx_vae``); any object with those two
+methods is one (the tests' stand-in).
+
+A *sampled* codec (``sampled`` true: Lite's; their ``LtxVAE.encode`` takes ``latent_dist.sample()``) draws
+posterior noise at every encode, from torch's global RNG in their code. Here it comes from generators the
+stream owns, so a stream is a function of its inputs and seed: the reference latent's draw from a generator
+seeded :data:`REFERENCE_SEED` (the latent is then a pure function of the image, cached per image by the
+engine, and a seed chosen after the image was encoded changes nothing there), the motion encodes' draws from
+the stream's ``encode_generator`` (seeded ``seed + 1``: not the DiT's noise sequence). Pro's Wan VAE encodes
+the posterior mean, as their ``WanVAE.encode``: nothing is drawn.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ import torch
 from cadence.model.flashtalk import FlashTalkAudio, match_colors, reference_image, shifted_timesteps
 
 NUM_TIMESTEPS = 1000
+#: The seed of the reference latent's posterior draw under a sampled codec (module docstring).
+REFERENCE_SEED = 0
 
 
 def flashhead_timesteps(steps: int = 4, shift: float = 5.0) -> torch.Tensor:
@@ -73,6 +84,42 @@ class WanClipCodec:
         """Normalised latent [16, F, h, w] -> [3, 1 + 4 (F - 1), 8h, 8w] in [-1, 1] float32 (whole clip)."""
         vae = self.vae
         return vae.stream().decode_chunk(vae.denormalize_latents(latent.to(vae.param_dtype()))).float()
+
+
+class LTXClipCodec:
+    """The LTX-Video VAE (``cadence.model.ltx_vae.LTXVideoVAE``) as FlashHead Lite's codec: a sampled encode (their
+    ``LtxVAE.encode``), a whole-clip decode not clamped (their ``LtxVAE.decode``; the pixels are clipped when
+    they become frames)."""
+
+    sampled = True
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    @torch.no_grad()
+    def encode(self, video: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[3, 1 + 8k, H, W] in [-1, 1] -> normalised latent [C, 1 + k, H / 32, W / 32] float32, the posterior
+        sampled with ``generator`` (None: torch's global RNG, as theirs)."""
+        return self.vae.encode(video, sample=True, generator=generator).float()
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """Normalised latent [C, F, h, w] -> [3, 1 + 8 (F - 1), H, W] float32 (whole clip)."""
+        return self.vae.decode(latent).float()
+
+
+def encode(codec, video: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``codec.encode(video)``, the posterior drawn from ``generator`` when the codec samples."""
+    if getattr(codec, "sampled", False):
+        return codec.encode(video, generator=generator)
+    return codec.encode(video)
+
+
+def reference_latent(codec, ref: torch.Tensor, clip_frames: int) -> torch.Tensor:
+    """The reference latent [C, F, h, w] float32: ``ref`` [3, 1, H, W] repeated over the clip and encoded (their
+    ``prepare_params``), a sampled codec's draw from a generator seeded :data:`REFERENCE_SEED`."""
+    gen = torch.Generator(device=ref.device).manual_seed(REFERENCE_SEED)
+    return encode(codec, ref.repeat(1, clip_frames, 1, 1), gen).float()
 
 
 @torch.no_grad()
@@ -116,12 +163,18 @@ def sample_clip(
 
 @torch.no_grad()
 def next_clip(
-    codec, latent: torch.Tensor, reference: torch.Tensor, motion_frames: int, strength: float = 1.0
+    codec,
+    latent: torch.Tensor,
+    reference: torch.Tensor,
+    motion_frames: int,
+    strength: float = 1.0,
+    generator: torch.Generator | None = None,
 ):
     """A denoised clip -> (its whole video [3, T, H, W] float32 after the colour match, the next clip's motion
-    latents from its last ``motion_frames`` frames). ``reference`` [3, 1, H, W] in [-1, 1]."""
+    latents from its last ``motion_frames`` frames, a sampled codec's draw from ``generator``). ``reference``
+    [3, 1, H, W] in [-1, 1]."""
     video = match_colors(codec.decode(latent).float(), reference, strength)
-    return video, codec.encode(video[:, -motion_frames:]).float()
+    return video, encode(codec, video[:, -motion_frames:], generator).float()
 
 
 def to_pixels(video: torch.Tensor) -> torch.Tensor:
@@ -166,7 +219,12 @@ class FlashHeadAudio(FlashTalkAudio):
 
 class FlashHeadClips:
     """One stream's clip state (their pipeline after ``prepare_params``): the reference image and latent, the
-    motion latents, the generator. :meth:`next` makes one clip from its audio windows."""
+    motion latents, the generators (the DiT's noise; a sampled codec's encodes: module docstring). :meth:`next`
+    makes one clip from its audio windows.
+
+    ``ref_latent``: the reference latent already made (:func:`reference_latent` of this image: the engine keeps
+    it per image); ``denoiser``: what runs the model pass (default the model; the engine's CUDA graph of it:
+    anything with the model's ``dtype`` and call)."""
 
     def __init__(
         self,
@@ -179,25 +237,39 @@ class FlashHeadClips:
         steps: int = 4,
         shift: float = 5.0,
         color_strength: float = 1.0,
+        ref_latent: torch.Tensor | None = None,
+        denoiser=None,
     ):
         dev = model.device
         self.model, self.codec, self.strength = model, codec, color_strength
+        self.denoiser = denoiser if denoiser is not None else model
         self.clip_frames = clip_frames
         self.motion_frames = model.fcfg.motion_frames(motion_latents)
         self.timesteps = flashhead_timesteps(steps, shift)
         self.ref = image.to(dev, torch.float32)  # [3, 1, H, W] in [-1, 1]
-        self.ref_latent = codec.encode(self.ref.repeat(1, clip_frames, 1, 1)).float()
+        if ref_latent is None:
+            ref_latent = reference_latent(codec, self.ref, clip_frames)
+        self.ref_latent = ref_latent
         self.motion = self.ref_latent[:, :1].clone()
-        self.generator = torch.Generator(device=dev).manual_seed(seed)
+        self.generator = torch.Generator(device=dev)
+        self.encode_generator = torch.Generator(device=dev)
+        self.reseed(seed)
         self.last_latent: torch.Tensor | None = None
+
+    def reseed(self, seed: int) -> None:
+        """The stream's noise from ``seed`` (before its first clip: what opening it with that seed gives)."""
+        self.generator.manual_seed(seed)
+        self.encode_generator.manual_seed(seed + 1)
 
     @torch.no_grad()
     def next(self, windows: torch.Tensor) -> torch.Tensor:
         """The clip of ``windows`` [clip_frames, W, layers, dim]: its new frames [3, clip_frames -
         motion_frames, H, W] in [-1, 1] (float32); the motion latents move on."""
         ctx = self.model.audio_context(windows[None].to(self.model.device))
-        latent = sample_clip(self.model, self.generator, self.motion, self.ref_latent, ctx, self.timesteps)
-        video, self.motion = next_clip(self.codec, latent, self.ref, self.motion_frames, self.strength)
+        latent = sample_clip(self.denoiser, self.generator, self.motion, self.ref_latent, ctx, self.timesteps)
+        video, self.motion = next_clip(
+            self.codec, latent, self.ref, self.motion_frames, self.strength, self.encode_generator
+        )
         self.last_latent = latent
         return video[:, self.motion_frames :]
 

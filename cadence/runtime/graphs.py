@@ -162,6 +162,12 @@ class GraphRunner:
         self.last: str = ""  # what the last denoise did: "replay", "capture" or "eager:<reason>"
 
     # ---- introspection --------------------------------------------------------------------------
+    @property
+    def capture_fn(self) -> Callable[[Callable[[], torch.Tensor]], object] | None:
+        """The injected capture function (None: real CUDA capture), for a session that captures its own pass
+        (``cadence.runtime.call_graph.GraphedCall``: a clip family's)."""
+        return self._capture
+
     def __len__(self) -> int:
         return len(self._graphs)
 
