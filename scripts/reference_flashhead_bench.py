@@ -211,7 +211,7 @@ def build_audio(ref, dev: str, small: bool):
     return audio, Wav2Vec2FeatureExtractor()
 
 
-def build_pipeline(ref, variant: str, dev: str, dtype, small: bool, compile_: bool):
+def build_pipeline(ref, variant: str, dev: str, dtype, small: bool, compile_: bool, eager_vae: bool = False):
     """``FlashHeadPipeline`` as its ``__init__`` leaves it (compiled as it ships unless ``--eager``), then their
     ``get_pipeline`` around it (motion frames and steps into ``infer_params``)."""
     cfg = their_config(variant, small)
@@ -226,7 +226,7 @@ def build_pipeline(ref, variant: str, dev: str, dtype, small: bool, compile_: bo
     p.num_timesteps, p.use_timestep_transform = 1000, True
     if compile_ and ref.fp.COMPILE_MODEL:
         p.model = torch.compile(p.model)
-    if compile_ and ref.fp.COMPILE_VAE:
+    if compile_ and ref.fp.COMPILE_VAE and not eager_vae:
         target = p.vae.model if p.use_ltx else p.vae
         target.encode = torch.compile(target.encode)
         target.decode = torch.compile(target.decode)
@@ -342,7 +342,13 @@ def meta(ref, a, cfg: dict, commit: str, dtype, build_s: float) -> dict:
         "deque, get_audio_embedding + run_pipeline per chunk, motion frames cut)",
         variant=a.variant,
         dtype=str(dtype).removeprefix("torch."),
-        compile=None if a.eager else "COMPILE_MODEL / COMPILE_VAE (torch.compile default, as shipped)",
+        compile=None
+        if a.eager
+        else (
+            "COMPILE_MODEL only (torch.compile default; their VAE eager: --eager-vae)"
+            if a.eager_vae
+            else "COMPILE_MODEL / COMPILE_VAE (torch.compile default, as shipped)"
+        ),
         attention=ref.attention,
         decoder=(
             "flash_head WanVAE.decode (Wan 2.1, whole 33-frame clip) + 5-frame motion encode"
@@ -385,6 +391,11 @@ def main() -> None:
     ap = base_parser(__doc__, "checkout of Soul-AILab/SoulX-FlashHead")
     ap.add_argument("--variant", choices=["pro", "lite"], required=True)
     ap.add_argument("--eager", action="store_true", help="no torch.compile (their default compiles)")
+    ap.add_argument(
+        "--eager-vae",
+        action="store_true",
+        help="compile their DiT but leave their VAE's encode/decode eager (a shorter cold start; recorded)",
+    )
     ap.add_argument("--clips", type=int, default=10, help="chunks per timed stream")
     ap.add_argument("--warmup-clips", type=int, default=2, help="chunks of the untimed first run")
     a = ap.parse_args()
@@ -399,7 +410,7 @@ def main() -> None:
     ref = import_reference(ref_dir, dev)
     torch.set_grad_enabled(False)
     t = time.perf_counter()
-    p, cfg = build_pipeline(ref, a.variant, dev, dtype, a.small, not a.eager)
+    p, cfg = build_pipeline(ref, a.variant, dev, dtype, a.small, not a.eager, a.eager_vae)
     build_s = time.perf_counter() - t
     built(dev)
     spans = Spans(Clock(dev))
