@@ -216,13 +216,14 @@ async def _drive(
         progress = (
             asyncio.create_task(_progress(http, url, progress_every, created)) if progress_every > 0 else None
         )
+        viewers = [await _viewer(url) for _ in created]  # each its own browser: its own cookie
         try:
             results = await asyncio.gather(
                 *(
                     run_client(
                         url,
                         seconds,
-                        http=http,
+                        http=viewer,
                         speak_wav=speech,
                         speak_after_s=speak_after,
                         speak_every_s=speak_every,
@@ -231,13 +232,30 @@ async def _drive(
                         api_key=api_key,
                         created=c,
                     )
-                    for c in created
+                    for c, viewer in zip(created, viewers)
                 )
             )
         finally:
             if progress is not None:
                 progress.cancel()
+            for viewer in viewers:
+                await viewer.aclose()
     return cfg, results
+
+
+async def _viewer(url: str):
+    """One viewer's HTTP client, as a browser that opened the page: the page's answer sets its client
+    cookie (``cadence.serve.guard.CLIENT_COOKIE``), so N viewers on one machine are N clients to the
+    server's per-client limits (one shared cookie jar, or none, would make them one client, whose pending
+    offers the server caps at two)."""
+    import httpx
+
+    viewer = httpx.AsyncClient(timeout=60.0)
+    try:
+        await viewer.get(f"{url}/")
+    except httpx.HTTPError:  # a server without the page (a --url elsewhere): the first answer sets it
+        pass
+    return viewer
 
 
 async def _progress(http, url: str, every: float, created: list[dict]) -> None:
