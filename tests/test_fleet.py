@@ -219,6 +219,21 @@ def _erlang_c(c: int, a: float) -> float:
     return top / (sum(a**k / math.factorial(k) for k in range(c)) + top)
 
 
+def test_a_groups_info_read_back_by_the_front_end_leaves_out_what_the_web_side_adds():
+    """A group reports ``info_dict()`` (its WorkerInfo's fields plus ``share`` and ``mps``, which the web side
+    adds); the fleet front end reads it back with ``WorkerInfo.of``. Building it with ``WorkerInfo(**info)``
+    failed every fleet server's start once ``mps`` was added ("unexpected keyword argument 'mps'")."""
+    import dataclasses
+
+    from cadence.engine.messages import WorkerInfo
+
+    info = WorkerInfo("tiny", "cpu", 1, 1.0, 1, {}, [], None, 0.0, "pipe", 4, 8000)
+    d = {**dataclasses.asdict(info), "share": {"placement": "cpu"}, "mps": False}
+    with pytest.raises(TypeError):
+        WorkerInfo(**d)
+    assert WorkerInfo.of(d) == info
+
+
 def test_capacity_simulation_against_erlang_c_and_its_monotonicity():
     # M/M/c with c=2, arrival 1/s, mean session 1 s (load 1 erlang): P(wait) = Erlang C = 1/3, mean wait
     # = C / (c*mu - lambda) = 1/3 s. The simulation (exponential lengths, no failures) must agree.

@@ -22,6 +22,7 @@ compare them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,6 +132,13 @@ class WorkerInfo:
     gpu_memory: dict | None = None
     """Rank 0's GPU once the worker is ready (built, warmed up): ``{"total_mb", "free_mb"}`` (None on the CPU):
     how many more groups fit on it (``cadence.serve.sharing.memory_fit``)."""
+
+    @classmethod
+    def of(cls, d: dict) -> WorkerInfo:
+        """A WorkerInfo from its plain-data form (a group's ``info_dict``, e.g. over a Ray call), leaving out
+        what the web side adds beside its fields (``share``, ``mps``)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass(frozen=True)

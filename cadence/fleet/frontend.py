@@ -328,7 +328,7 @@ class FleetGroups:
             )
             g.start_error, g._pid = d.get("start_error"), d.get("pid")
             g._device = info.get("device", str(self.fleet_cfg.placement))
-            g.info = WorkerInfo(**info) if info else None
+            g.info = WorkerInfo.of(info) if info else None
             claim = d.get("claim")
             g.claimed_elsewhere = claim is not None and claim[0] != self.frontend_id
             # ready: up, and not the incarnation this front end saw die (the registry notices a death a

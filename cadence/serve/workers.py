@@ -136,8 +136,11 @@ class WorkerGroup:
         return self._stopping
 
     def info_dict(self) -> dict:
-        """Its ``WorkerInfo`` as plain data, with ``share`` (the device it shares, its capacity) when shared."""
-        d = dataclasses.asdict(self.info) if self.info is not None else {}
+        """Its ``WorkerInfo`` as plain data, with ``share`` (the device it shares, its capacity) when shared and
+        ``mps``; empty until the group is ready (a fleet's front end reads an empty one as "not up")."""
+        if self.info is None:
+            return {}
+        d = dataclasses.asdict(self.info)
         if self.share is not None:
             d["share"] = self.share.describe()
         d["mps"] = "CUDA_MPS_PIPE_DIRECTORY" in self.env  # its processes are clients of an MPS daemon
