@@ -68,6 +68,59 @@ def clip_codec(vae):
     return None
 
 
+#: Clips whose frames the session keeps for a cut-in (``FlashHeadSession.rewind``).
+CLIPS_KEPT = 2
+
+
+class CutInHistory:
+    """What a clip stream keeps to start a clip inside the last ones (a speech cut-in): the 48 kHz samples it
+    was given (the session's lag first: the last ``keep_samples``, cut in whole video frames of ``per_frame``)
+    and the frames it made (uint8 [n, H, W, 3], the last ``clips`` clips').
+
+    ``rebuild`` gives a fresh audio window (``FlashTalkAudio``'s kind) the state it would have had after these
+    samples, with the clips made up to the end of the last whole clip: the window ends there, the rest is
+    pending. Fed from the stream's start it is the same state (tested); cut, the resampler's first few output
+    samples differ, more than the window's length (8 s) before its end when ``keep_samples`` exceeds the window
+    by the rewind plus the filter."""
+
+    def __init__(self, per_frame: int, keep_samples: int):
+        self.per_frame, self.keep = per_frame, keep_samples
+        self.samples = torch.zeros(0)
+        self.start = 0  # the stream sample of samples[0]
+        self.frames: torch.Tensor | None = None
+        self.made = 0  # video frames made (the audio behind them: lag + made x per_frame samples)
+
+    def push(self, samples: torch.Tensor, frames: torch.Tensor | None = None, clips: int = 2) -> None:
+        self.samples = torch.cat([self.samples, samples.float()])
+        over = (self.samples.numel() - self.keep) // self.per_frame * self.per_frame
+        if over > 0:
+            self.samples, self.start = self.samples[over:], self.start + over
+        if frames is not None:
+            self.made += frames.shape[0]
+            kept = frames if self.frames is None else torch.cat([self.frames, frames])
+            self.frames = kept[-clips * frames.shape[0] :]
+
+    def rewind(self, frames: int) -> None:
+        """Forget the last ``frames`` frames and their samples."""
+        self.samples = self.samples[: self.samples.numel() - frames * self.per_frame]
+        self.frames = self.frames[: self.frames.shape[0] - frames]
+        self.made -= frames
+
+    def rebuild(self, audio):
+        """``audio`` (fresh) as if it had been given these samples and made a clip of every whole slice up to the
+        frames made: the window ends at frame ``made`` of the stream, what follows is pending."""
+        ratio = audio.resampler.rate_in // audio.rate  # 48 -> 16 kHz: 3 (whole frames: a multiple of it)
+        out = audio.resampler.push(self.samples)
+        end = self.made * self.per_frame // ratio - self.start // ratio
+        done = out[: max(0, end)].double()
+        size = audio.window.numel()
+        take = min(size, done.numel())
+        if take:
+            audio.window = torch.cat([audio.window[: size - take], done[done.numel() - take :]])
+        audio.pending = out[max(0, end) :]
+        return audio
+
+
 class ReferenceLatents:
     """Per reference image (kept for the last ``keep`` distinct images, by a hash of the pixels): the image
     [3, 1, H, W] in [-1, 1] and its reference latent (``cadence.model.flashhead_stream.reference_latent``)."""
@@ -184,7 +237,7 @@ class FlashHeadSession:
             )
 
     def _start(self, image: torch.Tensor, seed: int) -> None:
-        from cadence.model.flashhead_stream import FlashHeadAudio, FlashHeadClips
+        from cadence.model.flashhead_stream import FlashHeadClips
 
         gen, s = self.gen, self.cfg.stream
         ref, ref_latent = gen.clip_reference(image)
@@ -200,18 +253,57 @@ class FlashHeadSession:
             COLOR_STRENGTH,
             ref_latent=ref_latent,
         )
-        self.audio = FlashHeadAudio(
-            gen.audio,
+        self.audio = self._new_audio()
+        self.audio.push(torch.zeros(AUDIO_LAG))
+        ratio = AUDIO_SAMPLE_RATE // self.audio.rate  # the window's 8 s, 3 s for a rewind and the filter
+        self.heard = CutInHistory(
+            AUDIO_SAMPLE_RATE // self.audio.f.fps, (self.audio.window.numel() + 3 * self.audio.rate) * ratio
+        )
+        self.heard.push(torch.zeros(AUDIO_LAG))
+        self.index = 0
+        self.next_frame = 0
+        self.last_latent = None
+        self.cut_ins = 0
+        self.streams += 1
+
+    def _new_audio(self):
+        from cadence.model.flashhead_stream import FlashHeadAudio
+
+        return FlashHeadAudio(
+            self.gen.audio,
             rate_in=AUDIO_SAMPLE_RATE,
             clip_frames=self.clip_frames,
             motion_frames=self.motion_frames,
             window=self.model.fcfg.audio_window,
         )
-        self.audio.push(torch.zeros(AUDIO_LAG))
-        self.index = 0
-        self.next_frame = 0
-        self.last_latent = None
-        self.streams += 1
+
+    # ---- the speech cut-in -----------------------------------------------------------------------------
+    @classmethod
+    def cut_in_frames(cls, gen) -> tuple[int, int]:
+        """(the most frames the next clip may start before the last one's end, the motion frames it needs): the
+        session keeps its last two clips' frames (``Engine.cut_in``)."""
+        new, motion = gen.cfg.video_frames_per_chunk, gen.rules.stream.motion_frames
+        return CLIPS_KEPT * new - motion, motion
+
+    def rewind(self, frames: int) -> None:
+        """A cut-in: the next clip starts ``frames`` frames before the end of the last one (frame k). Its motion
+        latents are the re-encoded ``motion_frames`` frames before k as they were sent (uint8), its audio window
+        is the stream's up to k (:class:`CutInHistory`), and the frames from k on are forgotten."""
+        from cadence.model.flashhead_stream import encode
+
+        shown = self.heard.frames
+        if frames <= 0 or shown is None or frames + self.motion_frames > shown.shape[0]:
+            have = 0 if shown is None else shown.shape[0]
+            raise InputError(
+                f"rewind {frames}: the session keeps {have} frames, {self.motion_frames} needed before the cut"
+            )
+        keep = shown.shape[0] - frames
+        before = shown[keep - self.motion_frames : keep].to(self.model.device)
+        video = before.permute(3, 0, 1, 2).float() / 127.5 - 1.0  # [3, N, H, W] in [-1, 1]
+        self.clips.motion = encode(self.clips.codec, video, self.clips.encode_generator).float()
+        self.heard.rewind(frames)
+        self.audio = self.heard.rebuild(self._new_audio())
+        self.cut_ins += 1
 
     def set_prompt(self, prompt) -> list[int]:
         """Prompt-free: nothing to change (audio and the reference image drive it)."""
@@ -233,7 +325,8 @@ class FlashHeadSession:
         """One clip from its chunk's 48 kHz samples: uint8 frames [T, H, W, 3] on the model's device (its
         denoised latent in ``last_latent``). ``runner``: the engine's graph runner (its switch, warm-up count,
         capture function and counters; the model pass is captured here, not by the runner)."""
-        windows = self.audio.push(audio.detach().to("cpu", torch.float32))
+        samples = audio.detach().to("cpu", torch.float32)
+        windows = self.audio.push(samples)
         if len(windows) != 1:  # the lag covers the resampler's hold-back; anything else is a broken clock
             raise RuntimeError(
                 f"chunk {self.index}: its audio completed {len(windows)} clips (expected 1): the resampler held "
@@ -244,7 +337,9 @@ class FlashHeadSession:
         self.last_latent = self.clips.last_latent
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
-        return ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        out = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        self.heard.push(samples, out, CLIPS_KEPT)
+        return out
 
     def prime_decoder(self) -> bool:
         return False
