@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("soxr")
 pytest.importorskip("transformers")
 
+from cadence.config import get_preset  # noqa: E402
 from cadence.engine.build import build_engine  # noqa: E402
 from cadence.engine.flashhead import AUDIO_LAG  # noqa: E402
-from cadence.config import get_preset  # noqa: E402
 from cadence.engine.recipe import DEFAULT_MODEL, session_rules  # noqa: E402
 from cadence.engine.session import session_type  # noqa: E402
 from cadence.engine.spec import FastPath  # noqa: E402
@@ -44,9 +44,9 @@ def eng():
 def voice(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     t = torch.arange(n) / 48000
-    return 0.3 * torch.sin(2 * torch.pi * 180 * t) * (1 + torch.sin(2 * torch.pi * 3 * t)) + 0.05 * torch.randn(
-        n, generator=g
-    )
+    return 0.3 * torch.sin(2 * torch.pi * 180 * t) * (
+        1 + torch.sin(2 * torch.pi * 3 * t)
+    ) + 0.05 * torch.randn(n, generator=g)
 
 
 def session(eng):
@@ -57,7 +57,9 @@ def session(eng):
 
 def test_only_the_clip_sessions_cut_in(eng):
     assert eng.cut_in() == (2 * F - MOTION, MOTION)  # two clips kept, 9 frames of motion before the cut
-    kv = session_type(session_rules(get_preset(DEFAULT_MODEL)))  # the CPU default (`character`): the chunk grid
+    kv = session_type(
+        session_rules(get_preset(DEFAULT_MODEL))
+    )  # the CPU default (`character`): the chunk grid
     assert not hasattr(kv, "cut_in_frames") and not hasattr(kv, "rewind")
 
 

@@ -90,6 +90,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "worker's measured chunk time on CUDA)",
     )
     p.add_argument(
+        "--no-cut-in",
+        dest="cut_in",
+        action="store_false",
+        help="self-started server: no speech cut-in for the clip streams (the chunk grid only)",
+    )
+    p.add_argument(
         "--ray",
         default=None,
         metavar="local|auto|ADDRESS",
@@ -629,6 +635,8 @@ def _start_server(args, n: int, memory_fit: str = "error"):
     )
     print(resolve(spec, groups[0]).describe().text(), file=sys.stderr)  # what group 0 builds
     extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
+    if not getattr(args, "cut_in", True):
+        extra["cut_in"] = False
     cluster = None
     if args.ray:
         fleet, cluster = _fleet(args, n)
@@ -836,6 +844,8 @@ def _chunk_figures(ok: list) -> dict:
         "sessions_preopened": sum(bool(r.get("worker_preopened")) for r in rep),
         "chunks_skipped": sum(r.get("chunks", {}).get("skipped", 0) for r in rep),
         "chunks_audio_only": sum(r.get("chunks", {}).get("audio_only", 0) for r in rep),
+        "cut_ins": sum(r.get("chunks", {}).get("cut_ins", 0) for r in rep),
+        "cut_in_fallback_frames": sum(r.get("chunks", {}).get("cut_in_fallback_frames", 0) for r in rep),
         # the worker's own time per chunk (request -> frames), and what it would be serial (diffusion + decode)
         # or perfectly overlapped (the slower stage): the one engine overlaps decode with the next diffusion
         "worker_work_ms_p50": _p50([(r.get("worker") or {}).get("work_ms_p50") for r in rep]),
