@@ -155,13 +155,6 @@ def _add_serve(sub) -> None:
         default=100.0,
         help="plan each chunk this long before it is due (default: 100)",
     )
-    s.add_argument(
-        "--no-cut-in",
-        dest="cut_in",
-        action="store_false",
-        help="the clip streams (flashhead-*, flashtalk) wait for the next clip boundary to start speech instead of "
-        "cutting in at the first frame still replaceable",
-    )
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_flags(s)
     add_serve_flags(s, sharing=True)

@@ -90,12 +90,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "worker's measured chunk time on CUDA)",
     )
     p.add_argument(
-        "--no-cut-in",
-        dest="cut_in",
-        action="store_false",
-        help="self-started server: no speech cut-in for the clip streams (the chunk grid only)",
-    )
-    p.add_argument(
         "--ray",
         default=None,
         metavar="local|auto|ADDRESS",
@@ -932,7 +926,8 @@ def _record(args, n: int, cfg: dict, res: dict, ok: list, groups_note: str = "")
         + ("-ray" if args.ray else "")
         + ("-mps" if args.mps else "")
         + (f"-{args.fast_decoder}" if args.fast_decoder else "")
-        + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else ""),
+        + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else "")
+        + ("-no-cut-in" if not getattr(args, "cut_in", True) else ""),
         out_dir=results_dir(args),
         world=_world(args, cfg),
         headline=headline,

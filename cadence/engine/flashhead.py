@@ -48,6 +48,7 @@ from collections import OrderedDict
 import torch
 
 from cadence.config import AUDIO_SAMPLE_RATE
+from cadence.engine.cut_in import CLIPS_KEPT, ClipCutIn, cut_in_history
 from cadence.engine.flashtalk import AUDIO_LAG
 from cadence.errors import ConfigError, InputError
 
@@ -66,59 +67,6 @@ def clip_codec(vae):
     if getattr(vae, "wan", None) is not None and getattr(vae, "taehv", None) is None:
         return WanClipCodec(vae.wan)
     return None
-
-
-#: Clips whose frames the session keeps for a cut-in (``FlashHeadSession.rewind``).
-CLIPS_KEPT = 2
-
-
-class CutInHistory:
-    """What a clip stream keeps to start a clip inside the last ones (a speech cut-in): the 48 kHz samples it
-    was given (the session's lag first: the last ``keep_samples``, cut in whole video frames of ``per_frame``)
-    and the frames it made (uint8 [n, H, W, 3], the last ``clips`` clips').
-
-    ``rebuild`` gives a fresh audio window (``FlashTalkAudio``'s kind) the state it would have had after these
-    samples, with the clips made up to the end of the last whole clip: the window ends there, the rest is
-    pending. Fed from the stream's start it is the same state (tested); cut, the resampler's first few output
-    samples differ, more than the window's length (8 s) before its end when ``keep_samples`` exceeds the window
-    by the rewind plus the filter."""
-
-    def __init__(self, per_frame: int, keep_samples: int):
-        self.per_frame, self.keep = per_frame, keep_samples
-        self.samples = torch.zeros(0)
-        self.start = 0  # the stream sample of samples[0]
-        self.frames: torch.Tensor | None = None
-        self.made = 0  # video frames made (the audio behind them: lag + made x per_frame samples)
-
-    def push(self, samples: torch.Tensor, frames: torch.Tensor | None = None, clips: int = 2) -> None:
-        self.samples = torch.cat([self.samples, samples.float()])
-        over = (self.samples.numel() - self.keep) // self.per_frame * self.per_frame
-        if over > 0:
-            self.samples, self.start = self.samples[over:], self.start + over
-        if frames is not None:
-            self.made += frames.shape[0]
-            kept = frames if self.frames is None else torch.cat([self.frames, frames])
-            self.frames = kept[-clips * frames.shape[0] :]
-
-    def rewind(self, frames: int) -> None:
-        """Forget the last ``frames`` frames and their samples."""
-        self.samples = self.samples[: self.samples.numel() - frames * self.per_frame]
-        self.frames = self.frames[: self.frames.shape[0] - frames]
-        self.made -= frames
-
-    def rebuild(self, audio):
-        """``audio`` (fresh) as if it had been given these samples and made a clip of every whole slice up to the
-        frames made: the window ends at frame ``made`` of the stream, what follows is pending."""
-        ratio = audio.resampler.rate_in // audio.rate  # 48 -> 16 kHz: 3 (whole frames: a multiple of it)
-        out = audio.resampler.push(self.samples)
-        end = self.made * self.per_frame // ratio - self.start // ratio
-        done = out[: max(0, end)].double()
-        size = audio.window.numel()
-        take = min(size, done.numel())
-        if take:
-            audio.window = torch.cat([audio.window[: size - take], done[done.numel() - take :]])
-        audio.pending = out[max(0, end) :]
-        return audio
 
 
 class ReferenceLatents:
@@ -178,7 +126,7 @@ class GraphedPass:
         return self.call(x, t, ref, *(a for kv in ctx.kv for a in kv))
 
 
-class FlashHeadSession:
+class FlashHeadSession(ClipCutIn):
     """One FlashHead stream (module docstring), driven through the engine's session interface
     (``cadence.engine.session.StreamSession``)."""
 
@@ -255,10 +203,7 @@ class FlashHeadSession:
         )
         self.audio = self._new_audio()
         self.audio.push(torch.zeros(AUDIO_LAG))
-        ratio = AUDIO_SAMPLE_RATE // self.audio.rate  # the window's 8 s, 3 s for a rewind and the filter
-        self.heard = CutInHistory(
-            AUDIO_SAMPLE_RATE // self.audio.f.fps, (self.audio.window.numel() + 3 * self.audio.rate) * ratio
-        )
+        self.heard = cut_in_history(self.audio)
         self.heard.push(torch.zeros(AUDIO_LAG))
         self.index = 0
         self.next_frame = 0
@@ -277,33 +222,14 @@ class FlashHeadSession:
             window=self.model.fcfg.audio_window,
         )
 
-    # ---- the speech cut-in -----------------------------------------------------------------------------
-    @classmethod
-    def cut_in_frames(cls, gen) -> tuple[int, int]:
-        """(the most frames the next clip may start before the last one's end, the motion frames it needs): the
-        session keeps its last two clips' frames (``Engine.cut_in``)."""
-        new, motion = gen.cfg.video_frames_per_chunk, gen.rules.stream.motion_frames
-        return CLIPS_KEPT * new - motion, motion
-
-    def rewind(self, frames: int) -> None:
-        """A cut-in: the next clip starts ``frames`` frames before the end of the last one (frame k). Its motion
-        latents are the re-encoded ``motion_frames`` frames before k as they were sent (uint8), its audio window
-        is the stream's up to k (:class:`CutInHistory`), and the frames from k on are forgotten."""
+    def _encode_motion(self, video: torch.Tensor) -> torch.Tensor:
+        """A cut-in's motion latents from its frames [3, N, H, W] in [-1, 1] (``ClipCutIn.rewind``)."""
         from cadence.model.flashhead_stream import encode
 
-        shown = self.heard.frames
-        if frames <= 0 or shown is None or frames + self.motion_frames > shown.shape[0]:
-            have = 0 if shown is None else shown.shape[0]
-            raise InputError(
-                f"rewind {frames}: the session keeps {have} frames, {self.motion_frames} needed before the cut"
-            )
-        keep = shown.shape[0] - frames
-        before = shown[keep - self.motion_frames : keep].to(self.model.device)
-        video = before.permute(3, 0, 1, 2).float() / 127.5 - 1.0  # [3, N, H, W] in [-1, 1]
-        self.clips.motion = encode(self.clips.codec, video, self.clips.encode_generator).float()
-        self.heard.rewind(frames)
-        self.audio = self.heard.rebuild(self._new_audio())
-        self.cut_ins += 1
+        return encode(self.clips.codec, video, self.clips.encode_generator).float()
+
+    def _set_motion(self, motion: torch.Tensor) -> None:
+        self.clips.motion = motion
 
     def set_prompt(self, prompt) -> list[int]:
         """Prompt-free: nothing to change (audio and the reference image drive it)."""

@@ -465,6 +465,13 @@ def add_serve_flags(parser, sharing: bool = False, capacity_default: str = "auto
         choices=["auto", "pipe", "shm"],
         help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)",
     )
+    parser.add_argument(
+        "--no-cut-in",
+        dest="cut_in",
+        action="store_false",
+        help="the clip streams (flashhead-*, flashtalk) start speech at the next clip boundary instead of "
+        "cutting in at the first frame still replaceable (ServeConfig.cut_in)",
+    )
     if sharing:
         _add_sharing_flags(parser, capacity_default)
 

@@ -207,17 +207,8 @@ class LiveSession(ClosesInBackground):
         self.planner = ChunkPlanner(
             self.timing, lead=lead, latency=latency, interval=interval, max_in_flight=self.cfg.max_in_flight
         )
-        self.scheduler = ChunkScheduler(
-            sid,
-            self.timing,
-            self.planner,
-            agent,
-            self.buffer,
-            self.clock,
-            group.send,
-            self.stats,
-            cut_in=cut_in_of(self.cfg, group),
-        )
+        pieces = (self.planner, agent, self.buffer, self.clock, group.send, self.stats)
+        self.scheduler = ChunkScheduler(sid, self.timing, *pieces, cut_in=cut_in_of(self.cfg, group))
         self.feed = MediaFeed(
             self.buffer,
             self.clock,
