@@ -170,7 +170,7 @@ async def _simulate(cut: CutIn | None, utterances: int = 5, every: float = 0.37)
 @pytest.mark.timeout(60)
 def test_speech_reaches_the_screen_a_frame_after_the_lead_with_the_cut_in():
     grid, p_grid, cuts_grid, _, heard_grid, said = asyncio.run(_simulate(None))
-    cut, p_cut, cuts, shown, heard, _ = asyncio.run(_simulate(LITE_FAST))
+    cut, p_cut, cuts, shown, heard, _ = asyncio.run(_simulate(LITE))
     assert p_grid.cut_ins == 0 and not cuts_grid  # the chunk grid never cuts in
     assert len(grid) == len(cut) == len(said) and p_cut.cut_ins == len(said) == len(cuts)
     lead = p_cut.lead * 1e3
@@ -188,4 +188,18 @@ def test_speech_reaches_the_screen_a_frame_after_the_lead_with_the_cut_in():
             assert (c, i) == plan._covering(k)[0], k
 
 
-LITE_FAST = CutIn(max_rewind=39, motion_frames=9)
+def test_a_session_cuts_in_only_on_a_clip_streams_group_with_the_switch_on():
+    from types import SimpleNamespace
+
+    from cadence.serve.config import ServeConfig
+    from cadence.serve.session import cut_in_of
+
+    def group(cut):
+        return SimpleNamespace(info=SimpleNamespace(cut_in=cut))
+
+    on, off = ServeConfig(), ServeConfig(cut_in=False)
+    assert cut_in_of(on, group((39, 9))) == CutIn(39, 9)
+    assert cut_in_of(on, group([39, 9])) == CutIn(39, 9)  # a fleet group's info, through JSON
+    assert cut_in_of(off, group((39, 9))) is None  # --no-cut-in
+    assert cut_in_of(on, group(None)) is None  # the chunk grid's engines (the CPU default `character`)
+    assert cut_in_of(on, SimpleNamespace(info=None)) is None  # not ready yet

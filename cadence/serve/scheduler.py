@@ -12,6 +12,13 @@ plan (0..one chunk period), then ``lead`` until that chunk is due, where its fir
 cannot be below one chunk's latency (plan -> frames back) or every chunk would be late, so the agent
 latency is at least one chunk's work and on average lead + half a chunk period. The planner follows the
 worker's measured latency, so the lead is no longer than needed.
+
+The clip streams' cut-in (``cut_in``: what the group's engine can do, ``WorkerInfo.cut_in``, unless switched off):
+a clip is 0.96 s (FlashHead Lite) to 1.12 s, so half a chunk period is most of that latency. While speech is
+queued and the clips planned ahead are silent, the scheduler (it looks every frame) plans the next clip to start
+at the first frame still replaceable instead (``ChunkPlanner.cut_in``, ``AVBuffer.cut``; the request's
+``rewind`` tells the session), so the speech plays about lead + a frame after it arrives. A session with
+``cut_in`` None (every chunk-grid family) never takes that path: its pacing is the grid's alone.
 """
 
 from __future__ import annotations
