@@ -22,6 +22,14 @@ future (the clock never stops). Audio goes silent only where no chunk was planne
 event loop). When the worker is slower than real time, ``ChunkPlanner`` asks it only for the chunks
 it can return in time and plays the others' audio with the last frame held: fewer fresh frames per
 second, never a frozen face behind a growing queue, the audio whole.
+
+A clip stream's speech cut-in (``cut_in_point``, ``ChunkPlanner.cut_in``, ``AVBuffer.cut``) starts a chunk at a
+frame k inside the chunks already planned: from k on its frames and samples replace theirs (only silence is
+ever replaced), and every later chunk starts on the grid moved by k's offset (``ChunkPlanner.shift``; the
+buffer keeps each cut as a segment: (first chunk, its first frame)). The tracks still read one media index
+for both halves, so a frame and its audio still come from the same chunk; while the cut-in's frames are not
+back, the frames queued before it stand in (counted). Without a cut (every chunk-grid family) the arithmetic
+is the plain grid's above, to the bit.
 """
 
 from __future__ import annotations

@@ -496,7 +496,7 @@ class LiveSession(ClosesInBackground):
         newest = self.buffer.newest_video
         if newest is None or self.video is None:
             return 0.0
-        frames = (newest + 1) * self.timing.frames_per_chunk - self.video.next_index
+        frames = self.buffer.chunk_start(newest) + self.timing.frames_per_chunk - self.video.next_index
         return max(0.0, frames * 1e3 / self.timing.fps)
 
     def _counts(self) -> dict:
