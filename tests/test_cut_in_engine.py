@@ -108,3 +108,36 @@ def test_a_rewind_past_what_the_session_keeps_is_refused(eng):
     s.step(voice(F * SPF))
     with pytest.raises(InputError, match="keeps 24 frames"):
         s.rewind(F - MOTION + 1)  # the 9 frames before the cut would start before the first clip
+
+
+def test_a_long_stream_keeps_11_s_and_rebuilds_the_same_window():
+    """Past 11 s the history is cut (whole frames); the resampler restarted there differs in its first samples,
+    more than the 8 s window before its end even two Pro clips (2.24 s) back, and elsewhere by float32 rounding
+    only (soxr works in blocks, and a restart moves their boundaries: measured <= 3.6e-7 on a signal of
+    amplitude ~0.7, bound 1e-6). What it holds back may differ (here 163 samples of 16 kHz): the pending samples
+    agree where both have them, and each is less than the one frame of lag (640) the session's clips rely on."""
+    from types import SimpleNamespace
+
+    from cadence.engine.cut_in import cut_in_history
+    from cadence.model.flashtalk import FlashTalkAudio
+
+    def fresh():
+        return FlashTalkAudio(SimpleNamespace(sample_rate=16000, fps=25), 48000, 33, 5)
+
+    cut, whole = cut_in_history(fresh()), cut_in_history(fresh())
+    whole.keep = 10**9
+    frame = torch.zeros(28, 2, 2, 3, dtype=torch.uint8)
+    for h in (cut, whole):
+        h.push(torch.zeros(AUDIO_LAG))
+    audio = voice(14 * 28 * SPF)  # 14 clips of 28 frames: 15.7 s
+    for i in range(14):
+        for h in (cut, whole):
+            h.push(audio[i * 28 * SPF : (i + 1) * 28 * SPF], frame)
+    assert cut.samples.numel() <= 11 * 48000 and cut.start > 0 and cut.start % SPF == 0
+    for h in (cut, whole):
+        h.rewind(56)
+    a, b = cut.rebuild(fresh()), whole.rebuild(fresh())
+    assert torch.allclose(a.window, b.window, rtol=0, atol=1e-6)
+    n = min(a.pending.numel(), b.pending.numel())
+    assert torch.allclose(a.pending[:n], b.pending[:n], rtol=0, atol=1e-6)
+    assert 0 < a.pending.numel() < 640 and 0 < b.pending.numel() < 640
