@@ -72,6 +72,10 @@ class ChunkScheduler:
         self.wake = asyncio.Event()
         self.cut_in = cut_in  # None: the chunk grid only (every family but the clip streams, or switched off)
         self.made_from = self.made_to = 0  # the frames [from, to) the worker was asked for, without a gap
+        self._queued: tuple[int, float] = (
+            0,
+            0.0,
+        )  # the agent's queued speech when last seen to change, and when
 
     def _plan_chunk(self, plan: Plan, now: float, rewind: int = 0) -> None:
         """Take the chunk's audio from the agent into the buffer and, if it is generated, send it."""
@@ -115,7 +119,7 @@ class ChunkScheduler:
         before it that the clip's motion needs and none of the audio it replaces is speech
         (:func:`cadence.serve.pacing.cut_in_point`). Returns whether it planned one."""
         t0, p = self.clock.t0, self.planner
-        if t0 is None or self.agent.queued_samples <= 0 or p.in_flight >= p.max_in_flight:
+        if t0 is None or not self._speech_ready(now) or p.in_flight >= p.max_in_flight:
             return False
         end = p.start_frame(p.next_chunk)
         k = cut_in_point(
@@ -132,6 +136,17 @@ class ChunkScheduler:
         self.buffer.cut(plan.chunk, k)
         self._plan_chunk(plan, now, rewind=self.made_to - k)
         return True
+
+    def _speech_ready(self, now: float) -> bool:
+        """Whether the queued speech can start a cut-in clip: a whole chunk of it, or less that has not grown for
+        a frame (an utterance given whole). Speech still arriving in pieces (a TTS streaming in real time) waits:
+        taken now, the clip's audio would be its first piece and silence, a gap inside the utterance."""
+        q = self.agent.queued_samples
+        if q != self._queued[0]:
+            self._queued = (q, now)
+        return q >= self.timing.samples_per_chunk or (
+            q > 0 and now - self._queued[1] >= 1.0 / self.timing.fps
+        )
 
     def _finite(self, window):
         """The last guard before the worker: every sample finite and within [-1, 1] (the agents refuse or
