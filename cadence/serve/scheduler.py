@@ -72,10 +72,8 @@ class ChunkScheduler:
         self.wake = asyncio.Event()
         self.cut_in = cut_in  # None: the chunk grid only (every family but the clip streams, or switched off)
         self.made_from = self.made_to = 0  # the frames [from, to) the worker was asked for, without a gap
-        self._queued: tuple[int, float] = (
-            0,
-            0.0,
-        )  # the agent's queued speech when last seen to change, and when
+        # the agent's queued speech samples when last seen to change, and when (``_speech_ready``)
+        self._queued: tuple[int, float] = (0, 0.0)
 
     def _plan_chunk(self, plan: Plan, now: float, rewind: int = 0) -> None:
         """Take the chunk's audio from the agent into the buffer and, if it is generated, send it."""
