@@ -437,6 +437,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout,
         max_duration_s=args.max_duration,
         lead_ms=args.lead_ms,
+        cut_in=args.cut_in,
         api_key=_api_key(args),
         insecure_no_auth=args.insecure_no_auth,
         deployment=deployment,

@@ -201,3 +201,29 @@ def test_cli_generate_and_bench_pipeline(tiny_family, tmp_path, capsys):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_cut_in_clip_starts_from_the_frames_sent_before_it(eng, inputs):
+    """FlashTalk's cut-in (``ClipCutIn.rewind``; FlashHead's in tests/test_cut_in_engine.py): the next clip ``r``
+    frames before the last one's end (frame k) has the re-encode of the 5 frames sent before k as its motion
+    latents, its audio window is the lagged stream resampled up to k, exactly, and the frames before k stay."""
+    from cadence.model.wav2vec2 import Resampler
+
+    img, audio = inputs
+    new, motion, spf = eng.gen.cfg.video_frames_per_chunk, eng.gen.rules.stream.motion_frames, 1920
+    assert eng.cut_in() == (2 * new - motion, motion)
+    s = eng.gen.session(ft.reference_image(img, SIZE)[:, 0], "a person talking", 5)
+    sent = torch.cat([s.step(audio[: new * spf]), s.step(audio[new * spf : 2 * new * spf])])
+    r = 7
+    k = 2 * new - r
+    s.rewind(r)
+    vae = eng.gen.vae.wan
+    before = sent[k - motion : k].permute(3, 0, 1, 2).float() / 127.5 - 1.0
+    assert torch.equal(s.motion, vae.normalize_latents(vae.encode(before.to(vae.param_dtype())).float()))
+    whole = Resampler(48000, 16000).push(torch.cat([torch.zeros(AUDIO_LAG), audio[: k * spf]]))
+    assert torch.equal(s.audio.window[-k * 640 :], whole[: k * 640].double())
+    assert torch.equal(s.audio.pending, whole[k * 640 :])
+    out = s.step(audio[2 * new * spf : 3 * new * spf])
+    assert out.shape[0] == new and s.heard.made == k + new and s.cut_ins == 1
+    kept, first = s.heard.frames, k + new - s.heard.frames.shape[0]
+    assert torch.equal(kept[: k - first], sent[first:k]) and torch.equal(kept[k - first :], out)

@@ -81,3 +81,32 @@ def test_pipecat_drives_flashhead_lite_at_its_25_fps():
     assert svc.voiced_out_s == pytest.approx(voiced_seconds(speech, TTS_RATE), abs=0.1)
     rep = svc.report()
     assert rep["agent"] == "pipecat" and rep["agent_segments"] == 1 and rep["agent_audio_to_frame_ms"], rep
+
+
+@pytest.mark.parametrize("cut_in", [True, False])
+def test_speech_cuts_in_at_the_first_replaceable_frame(cut_in):
+    """The speech cut-in through the real server and worker (``ServeConfig.cut_in``; the pure arithmetic and the
+    scheduler on a fake worker are in tests/test_serve_cut_in.py): speech pushed while silent clips are queued
+    plays lead + up to a few frames after it arrives (the clip started at the first replaceable frame), on the
+    grid lead + up to one clip (0.96 s) later, at the next clip boundary."""
+    from cadence.media import synthetic_speech
+    from cadence.serve.agent import wav_bytes
+
+    over = {"model": {"weights": str(TINY_DIR)}, "stream": {"height": 64, "width": 64}}
+    spec = EngineSpec(model="flashhead-lite", overrides=over)
+    srv = ServerThread(ServeConfig(engine=spec, port=0, cut_in=cut_in)).start()
+    try:
+        speech = wav_bytes(synthetic_speech(0.5).numpy())
+        res = asyncio.run(run_client(srv.url, 3.5, agent="say", speak_wav=speech, speak_after_s=1.3))
+    finally:
+        srv.stop()
+    assert res.error is None, res.error
+    rep = res.report
+    (ms,) = rep["agent_audio_to_frame_ms"]
+    assert rep["chunks"]["cut_ins"] == int(cut_in) and rep["underruns"]["audio"] == 0
+    if (
+        cut_in
+    ):  # the first replaceable frame: one clip's latency as the lead covers it, + the look and a frame
+        assert ms < rep["lead_ms"] + 150, rep
+    else:  # the next clip boundary: lead .. lead + 960 ms
+        assert ms > rep["lead_ms"] - 40, rep

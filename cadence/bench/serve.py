@@ -629,6 +629,8 @@ def _start_server(args, n: int, memory_fit: str = "error"):
     )
     print(resolve(spec, groups[0]).describe().text(), file=sys.stderr)  # what group 0 builds
     extra = {"lead_ms": args.lead_ms} if args.lead_ms is not None else {}
+    if not getattr(args, "cut_in", True):
+        extra["cut_in"] = False
     cluster = None
     if args.ray:
         fleet, cluster = _fleet(args, n)
@@ -836,6 +838,8 @@ def _chunk_figures(ok: list) -> dict:
         "sessions_preopened": sum(bool(r.get("worker_preopened")) for r in rep),
         "chunks_skipped": sum(r.get("chunks", {}).get("skipped", 0) for r in rep),
         "chunks_audio_only": sum(r.get("chunks", {}).get("audio_only", 0) for r in rep),
+        "cut_ins": sum(r.get("chunks", {}).get("cut_ins", 0) for r in rep),
+        "cut_in_fallback_frames": sum(r.get("chunks", {}).get("cut_in_fallback_frames", 0) for r in rep),
         # the worker's own time per chunk (request -> frames), and what it would be serial (diffusion + decode)
         # or perfectly overlapped (the slower stage): the one engine overlaps decode with the next diffusion
         "worker_work_ms_p50": _p50([(r.get("worker") or {}).get("work_ms_p50") for r in rep]),
@@ -922,7 +926,8 @@ def _record(args, n: int, cfg: dict, res: dict, ok: list, groups_note: str = "")
         + ("-ray" if args.ray else "")
         + ("-mps" if args.mps else "")
         + (f"-{args.fast_decoder}" if args.fast_decoder else "")
-        + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else ""),
+        + (f"-dec{args.decode_gpu}" if args.decode_gpu is not None else "")
+        + ("-no-cut-in" if not getattr(args, "cut_in", True) else ""),
         out_dir=results_dir(args),
         world=_world(args, cfg),
         headline=headline,

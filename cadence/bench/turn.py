@@ -273,6 +273,7 @@ def main(argv: list[str]) -> int:
                 agent_model=args.agent_model,
                 agent_tts_model="stand-in" if stand_in else args.agent_tts_model,
                 frame_transport=args.frame_transport,
+                cut_in=args.cut_in,
             )
         ).start(timeout=start_timeout + 60)
         stack.callback(srv.stop)

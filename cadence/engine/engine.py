@@ -561,6 +561,13 @@ class Engine:
             mem["cuda_mb"] = torch.cuda.memory_allocated(self.placement.diffusion_device) / 2**20
         return mem
 
+    def cut_in(self) -> tuple[int, int] | None:
+        """What the session kind can do for a speech cut-in (``ChunkRequest.rewind``): (the most frames a chunk
+        may start before the end of the last one, the frames before that point its motion needs), or None (the
+        chunk grid's K/V streams: a chunk always follows the last one)."""
+        fn = getattr(self.gen.session_type, "cut_in_frames", None)
+        return fn(self.gen) if fn is not None else None
+
     def describe(self) -> dict:
         """What this engine runs (the fast paths applied, placement, graphs, reuse)."""
         return {
@@ -675,12 +682,14 @@ class Engine:
         prompt=None,
         t_plan: float | None = None,
         decode: bool = True,
+        rewind: int = 0,
     ) -> None:
         """Run chunk ``index``'s diffusion now (this thread) from its audio window (float32
         [audio_samples_per_chunk], numpy or torch) and hand it to the decoder. ``out``: the caller's host
         buffer (uint8 [T, H, W, 3]) for its frames. ``prompt``: a new prompt (string or embedding [L,
         text_dim]) from this chunk on. ``t_plan``: when the caller planned it (monotonic; default now).
-        ``decode=False``: the step only (the follower ranks of a tensor-parallel group: rank 0 decodes)."""
+        ``decode=False``: the step only (the follower ranks of a tensor-parallel group: rank 0 decodes).
+        ``rewind`` > 0: a cut-in (``cut_in``): the chunk starts that many frames before the last one's end."""
         sess, dec, st = self.session, self._dec, self.state
         if st is None or sess is None or (decode and dec is None):
             raise RuntimeError(
@@ -699,6 +708,10 @@ class Engine:
         a = audio.float().to(sess.model.device)
         if prompt is not None:
             sess.set_prompt(prompt)
+        if rewind:
+            if not hasattr(sess, "rewind"):
+                raise InputError(f"{type(sess).__name__} cannot start a chunk inside the last one (rewind)")
+            sess.rewind(int(rewind))
         job = self._step(sess, index, a, t_recv, t_plan, tag)
         st.submitted += 1
         if not decode:

@@ -48,6 +48,7 @@ from collections import OrderedDict
 import torch
 
 from cadence.config import AUDIO_SAMPLE_RATE
+from cadence.engine.cut_in import CLIPS_KEPT, ClipCutIn, cut_in_history
 from cadence.engine.flashtalk import AUDIO_LAG
 from cadence.errors import ConfigError, InputError
 
@@ -125,7 +126,7 @@ class GraphedPass:
         return self.call(x, t, ref, *(a for kv in ctx.kv for a in kv))
 
 
-class FlashHeadSession:
+class FlashHeadSession(ClipCutIn):
     """One FlashHead stream (module docstring), driven through the engine's session interface
     (``cadence.engine.session.StreamSession``)."""
 
@@ -184,7 +185,7 @@ class FlashHeadSession:
             )
 
     def _start(self, image: torch.Tensor, seed: int) -> None:
-        from cadence.model.flashhead_stream import FlashHeadAudio, FlashHeadClips
+        from cadence.model.flashhead_stream import FlashHeadClips
 
         gen, s = self.gen, self.cfg.stream
         ref, ref_latent = gen.clip_reference(image)
@@ -200,18 +201,35 @@ class FlashHeadSession:
             COLOR_STRENGTH,
             ref_latent=ref_latent,
         )
-        self.audio = FlashHeadAudio(
-            gen.audio,
+        self.audio = self._new_audio()
+        self.audio.push(torch.zeros(AUDIO_LAG))
+        self.heard = cut_in_history(self.audio)
+        self.heard.push(torch.zeros(AUDIO_LAG))
+        self.index = 0
+        self.next_frame = 0
+        self.last_latent = None
+        self.cut_ins = 0
+        self.streams += 1
+
+    def _new_audio(self):
+        from cadence.model.flashhead_stream import FlashHeadAudio
+
+        return FlashHeadAudio(
+            self.gen.audio,
             rate_in=AUDIO_SAMPLE_RATE,
             clip_frames=self.clip_frames,
             motion_frames=self.motion_frames,
             window=self.model.fcfg.audio_window,
         )
-        self.audio.push(torch.zeros(AUDIO_LAG))
-        self.index = 0
-        self.next_frame = 0
-        self.last_latent = None
-        self.streams += 1
+
+    def _encode_motion(self, video: torch.Tensor) -> torch.Tensor:
+        """A cut-in's motion latents from its frames [3, N, H, W] in [-1, 1] (``ClipCutIn.rewind``)."""
+        from cadence.model.flashhead_stream import encode
+
+        return encode(self.clips.codec, video, self.clips.encode_generator).float()
+
+    def _set_motion(self, motion: torch.Tensor) -> None:
+        self.clips.motion = motion
 
     def set_prompt(self, prompt) -> list[int]:
         """Prompt-free: nothing to change (audio and the reference image drive it)."""
@@ -233,7 +251,8 @@ class FlashHeadSession:
         """One clip from its chunk's 48 kHz samples: uint8 frames [T, H, W, 3] on the model's device (its
         denoised latent in ``last_latent``). ``runner``: the engine's graph runner (its switch, warm-up count,
         capture function and counters; the model pass is captured here, not by the runner)."""
-        windows = self.audio.push(audio.detach().to("cpu", torch.float32))
+        samples = audio.detach().to("cpu", torch.float32)
+        windows = self.audio.push(samples)
         if len(windows) != 1:  # the lag covers the resampler's hold-back; anything else is a broken clock
             raise RuntimeError(
                 f"chunk {self.index}: its audio completed {len(windows)} clips (expected 1): the resampler held "
@@ -244,7 +263,9 @@ class FlashHeadSession:
         self.last_latent = self.clips.last_latent
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
-        return ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        out = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        self.heard.push(samples, out, CLIPS_KEPT)
+        return out
 
     def prime_decoder(self) -> bool:
         return False

@@ -44,6 +44,7 @@ from collections import OrderedDict
 import torch
 
 from cadence.config import AUDIO_SAMPLE_RATE
+from cadence.engine.cut_in import CLIPS_KEPT, ClipCutIn, cut_in_history
 from cadence.errors import ConfigError, InputError
 
 log = logging.getLogger("cadence.engine")
@@ -57,7 +58,7 @@ COLOR_STRENGTH = 1.0
 # ---- the session ---------------------------------------------------------------------------------------
 
 
-class ClipSession:
+class ClipSession(ClipCutIn):
     """One stream of a clip stream (see the module docstring). The engine's session interface
     (``StreamSession``): ``reset`` / ``reseed`` / ``set_prompt`` / ``step`` (-> uint8 frames, ``yields_pixels``) /
     ``decode`` (identity: the frames are already pixels) / ``prime_decoder`` (nothing to prime)."""
@@ -126,23 +127,38 @@ class ClipSession:
         return emb
 
     def _start(self, image: torch.Tensor, prompt, seed: int) -> None:
-        from cadence.model.flashtalk import FlashTalkAudio
-
         emb = self._embed(prompt)
         self.tokens, self.cond, self.ref, self.motion = self.gen.clip_reference(image)
         self._set_context(emb)
         self.noise_gen.manual_seed(seed)
-        self.audio = FlashTalkAudio(
+        self.audio = self._new_audio()
+        self.audio.push(torch.zeros(AUDIO_LAG))
+        self.heard = cut_in_history(self.audio)
+        self.heard.push(torch.zeros(AUDIO_LAG))
+        self.cut_ins = 0
+        self.index = 0
+        self.next_frame = 0
+        self.last_latent = None
+        self.streams += 1
+
+    def _new_audio(self):
+        from cadence.model.flashtalk import FlashTalkAudio
+
+        return FlashTalkAudio(
             self.gen.audio,
             rate_in=AUDIO_SAMPLE_RATE,
             clip_frames=self.clip_frames,
             motion_frames=self.motion_frames,
         )
-        self.audio.push(torch.zeros(AUDIO_LAG))
-        self.index = 0
-        self.next_frame = 0
-        self.last_latent = None
-        self.streams += 1
+
+    def _encode_motion(self, video: torch.Tensor) -> torch.Tensor:
+        """A cut-in's motion latents from its frames [3, N, H, W] in [-1, 1] (``ClipCutIn.rewind``), as
+        ``next_clip_frames`` encodes a clip's last frames."""
+        vae = self.gen.vae.wan
+        return vae.normalize_latents(vae.encode(video.to(vae.param_dtype())).float())
+
+    def _set_motion(self, motion: torch.Tensor) -> None:
+        self.motion = motion
 
     def _set_context(self, emb: torch.Tensor) -> None:
         dev = self.model.device
@@ -162,7 +178,8 @@ class ClipSession:
         denoised latent in ``last_latent``). ``runner`` is not used (no CUDA graphs for a clip)."""
         from cadence.model import flashtalk as ft
 
-        clips = self.audio.push(audio.detach().to("cpu", torch.float32))
+        samples = audio.detach().to("cpu", torch.float32)
+        clips = self.audio.push(samples)
         if len(clips) != 1:  # the lag covers the resampler's hold-back; anything else is a broken clock
             raise RuntimeError(
                 f"chunk {self.index}: its audio completed {len(clips)} clips (expected 1): the resampler held "
@@ -178,7 +195,9 @@ class ClipSession:
         self.last_latent = latent
         self.next_frame += self.cfg.stream.latent_frames_per_chunk
         self.index += 1
-        return ((frames.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        out = ((frames.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        self.heard.push(samples, out, CLIPS_KEPT)
+        return out
 
     def prime_decoder(self) -> bool:
         return False

@@ -44,13 +44,15 @@ class OpenSession:
 @dataclass(frozen=True)
 class ChunkRequest:
     """Generate chunk ``index`` of session ``sid`` from its audio window; ``t_plan`` is when the
-    scheduler planned it (monotonic s); ``slot`` a shared-memory frame slot lent for the answer."""
+    scheduler planned it (monotonic s); ``slot`` a shared-memory frame slot lent for the answer; ``rewind`` > 0:
+    a cut-in, the chunk starts that many frames before the end of the last one made (``WorkerInfo.cut_in``)."""
 
     sid: str
     index: int
     audio: np.ndarray
     t_plan: float
     slot: int | None = None
+    rewind: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ class WorkerInfo:
     gpu_memory: dict | None = None
     """Rank 0's GPU once the worker is ready (built, warmed up): ``{"total_mb", "free_mb"}`` (None on the CPU):
     how many more groups fit on it (``cadence.serve.sharing.memory_fit``)."""
+    cut_in: tuple[int, int] | None = None
+    """A clip stream's cut-in (``Engine.cut_in``): (the most frames a chunk may start before the end of the last
+    one made, the frames before that point its motion needs); None: the chunk grid only."""
 
     @classmethod
     def of(cls, d: dict) -> WorkerInfo:

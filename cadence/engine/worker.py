@@ -204,6 +204,7 @@ class _Commands:
             t_plan=msg.t_plan,
             decode=self.rank0,
             prompt=prompt,
+            rewind=msg.rewind,
         )
         del out
 
@@ -373,6 +374,7 @@ def _start_rank0(spec: WorkerSpec, pipe: _Pipe):  # pragma: no cover - other pro
             frames_per_chunk=cfg.video_frames_per_chunk,
             audio_samples_per_chunk=cfg.audio_samples_per_chunk,
             gpu_memory=_gpu_memory(devices[0]),
+            cut_in=eng.cut_in(),
         )
     )
     return eng, ring, peers, default_image, ready
@@ -404,7 +406,7 @@ def _rank0_messages(conn, peers) -> Callable[[], object]:  # pragma: no cover - 
         if peers is not None:
             # the followers need the command, not the shared-memory slot rank 0 writes its frames to
             peers.bcast(
-                ChunkRequest(msg.sid, msg.index, msg.audio, msg.t_plan)
+                ChunkRequest(msg.sid, msg.index, msg.audio, msg.t_plan, rewind=msg.rewind)
                 if isinstance(msg, ChunkRequest)
                 else msg
             )

@@ -45,6 +45,7 @@ class MediaSettings:
     lead_ms: float = 100.0
     lead_auto: bool = True
     lead_margin: float = 0.15
+    cut_in: bool = True
     agent_endpoint: object | None = None
     """The ``talk`` agent's endpoint (``cadence.serve.converse.AgentEndpoint``; its key is read from the
     group node's environment, ``CADENCE_AGENT_API_KEY``)."""
@@ -66,6 +67,7 @@ class MediaSettings:
             lead_ms=cfg.lead_ms,
             lead_auto=cfg.lead_auto,
             lead_margin=cfg.lead_margin,
+            cut_in=cfg.cut_in,
             agent_endpoint=agent_endpoint(cfg),
             ice=ice,
         )

@@ -72,6 +72,11 @@ class ServeConfig:
     (``cadence.serve.pacing.ChunkPlanner``)."""
     lead_margin: float = 0.15
     """Auto lead = measured chunk time x (1 + lead_margin) + 20 ms."""
+    cut_in: bool = True
+    """The speech cut-in of the clip streams (FlashHead, FlashTalk: ``WorkerInfo.cut_in``): speech that arrives
+    while silent clips are queued starts a clip at the first frame still replaceable instead of after them
+    (``cadence.serve.scheduler.ChunkScheduler``). False (``--no-cut-in``): the chunk grid only, as every other
+    family."""
     max_in_flight: int = 2
     """Chunks at the worker at once, per session."""
     max_image_bytes: int = 10 * 1024 * 1024
@@ -459,6 +464,13 @@ def add_serve_flags(parser, sharing: bool = False, capacity_default: str = "auto
         default="auto",
         choices=["auto", "pipe", "shm"],
         help="frames from the worker: pipe, shared memory, or auto (shm for chunks >= 1 MiB)",
+    )
+    parser.add_argument(
+        "--no-cut-in",
+        dest="cut_in",
+        action="store_false",
+        help="the clip streams (flashhead-*, flashtalk) start speech at the next clip boundary instead of "
+        "cutting in at the first frame still replaceable (ServeConfig.cut_in)",
     )
     if sharing:
         _add_sharing_flags(parser, capacity_default)

@@ -22,6 +22,14 @@ future (the clock never stops). Audio goes silent only where no chunk was planne
 event loop). When the worker is slower than real time, ``ChunkPlanner`` asks it only for the chunks
 it can return in time and plays the others' audio with the last frame held: fewer fresh frames per
 second, never a frozen face behind a growing queue, the audio whole.
+
+A clip stream's speech cut-in (``cut_in_point``, ``ChunkPlanner.cut_in``, ``AVBuffer.cut``) starts a chunk at a
+frame k inside the chunks already planned: from k on its frames and samples replace theirs (only silence is
+ever replaced), and every later chunk starts on the grid moved by k's offset (``ChunkPlanner.shift``; the
+buffer keeps each cut as a segment: (first chunk, its first frame)). The tracks still read one media index
+for both halves, so a frame and its audio still come from the same chunk; while the cut-in's frames are not
+back, the frames queued before it stand in (counted). Without a cut (every chunk-grid family) the arithmetic
+is the plain grid's above, to the bit.
 """
 
 from __future__ import annotations
@@ -112,6 +120,11 @@ class MediaTiming:
         return sample // self.samples_per_frame
 
 
+def first_frame_after(t: float, t0: float, fps: int) -> int:
+    """The first video frame due at or after host time ``t`` on the media clock started at ``t0``."""
+    return max(0, math.ceil((t - t0) * fps - 1e-9))
+
+
 def next_video_frame(
     k: int, now: float, t0: float, timing: MediaTiming, max_lag_frames: int = 2
 ) -> tuple[int, float, int]:
@@ -145,6 +158,30 @@ def next_audio_frame(
     return n, 0.0, 0
 
 
+@dataclass(frozen=True)
+class CutIn:
+    """What a clip stream's session can do (``WorkerInfo.cut_in``): start a clip up to ``max_rewind`` frames
+    before the end of the last clip it made, from the ``motion_frames`` frames before that point."""
+
+    max_rewind: int
+    motion_frames: int
+
+
+def cut_in_point(
+    k: int, end: int, made_from: int, made_to: int, cut: CutIn, not_before: int = 0
+) -> int | None:
+    """Where a cut-in clip starts: frame ``k`` (the first one still replaceable) when it is before ``end`` (the
+    first frame not yet planned), the worker made every frame from ``k - motion_frames`` to ``end`` in one run
+    (``made_from``/``made_to``: its clips' frames, without a gap), ``end - k`` is within ``max_rewind``, and ``k``
+    is at or after ``not_before`` (the last cut-in's clip is kept whole). None: no cut-in (the next chunk on the
+    grid is as early)."""
+    if k >= end or made_to != end or k - cut.motion_frames < made_from or k < not_before:
+        return None
+    if end - k > cut.max_rewind:
+        return None
+    return k
+
+
 @dataclass
 class Plan:
     """The scheduler's decision for one chunk: generate it (send its audio window to the worker), or play
@@ -155,6 +192,8 @@ class Plan:
     start: float  # when the worker is expected to begin it (monotonic s)
     expected_done: float  # when its frames are expected back
     prestart: bool = False  # planned before the media clock started (with the next one, at once)
+    start_frame: int | None = None  # its first video frame (None: chunk x frames per chunk)
+    cut_in: bool = False  # it starts inside chunks already planned (``ChunkPlanner.cut_in``)
 
 
 @dataclass
@@ -187,10 +226,12 @@ class ChunkPlanner:
     prestart: int = 2
     history: int = 24
     next_chunk: int = 0
+    shift: int = 0  # frames: chunk c (from the last cut-in on) starts at frame c x F + shift (``cut_in``)
     busy_until: float = 0.0
     in_flight: int = 0
     skipped: int = 0
     audio_only: int = 0
+    cut_ins: int = 0
     base_lead: float = field(init=False)
     latency_tail: float = field(init=False)  # a high quantile (p90) of recent latencies: what the lead covers
     _lat: list[float] = field(default_factory=list)
@@ -207,6 +248,14 @@ class ChunkPlanner:
         that it can work back to back on every chunk it can make (fresh frames at its full rate)."""
         return self.latency_tail * 1.1 + 0.02 + max(0.0, self.interval - self.timing.chunk_seconds)
 
+    def start_frame(self, c: int) -> int:
+        """The first video frame of chunk ``c`` (planned from the last cut-in on)."""
+        return c * self.timing.frames_per_chunk + self.shift
+
+    def chunk_due(self, t0: float, c: int) -> float:
+        """When chunk ``c``'s first frame is due: ``timing.chunk_due`` moved by the cut-ins' shift."""
+        return self.timing.chunk_due(t0, c) + self.shift / self.timing.fps
+
     def poll(self, now: float, t0: float | None) -> tuple[Plan | None, float | None]:
         """``(plan, wait)``: a chunk to plan now (wait 0), or wait this long (None: until an event, i.e.
         the clock starting)."""
@@ -215,11 +264,11 @@ class ChunkPlanner:
             if c < self.prestart:
                 return self._plan(c, now, None), 0.0
             return None, None
-        if now > self.timing.chunk_due(t0, c + 1):  # fell behind (a stalled loop): what is past is gone
-            skip_to = int((now - t0) / self.timing.chunk_seconds) + 1
+        if now > self.chunk_due(t0, c + 1):  # fell behind (a stalled loop): what is past is gone
+            skip_to = int((now - t0 - self.shift / self.timing.fps) / self.timing.chunk_seconds) + 1
             self.skipped += skip_to - c
             c = self.next_chunk = skip_to
-        at = self.timing.plan_time(t0, c, self.lead)
+        at = self.chunk_due(t0, c) - self.lead
         if now < at:
             return None, at - now
         return self._plan(c, now, t0), 0.0
@@ -227,14 +276,33 @@ class ChunkPlanner:
     def _plan(self, c: int, now: float, t0: float | None) -> Plan:
         start = max(now, self.busy_until)
         done = start + self.latency
-        ok = self.in_flight < self.max_in_flight and (t0 is None or done <= self.timing.chunk_due(t0, c))
+        ok = self.in_flight < self.max_in_flight and (t0 is None or done <= self.chunk_due(t0, c))
         self.next_chunk = c + 1
         if ok:
             self.busy_until = start + self.interval
             self.in_flight += 1
         else:
             self.audio_only += 1
-        return Plan(c, ok, start, done, prestart=t0 is None)
+        return Plan(c, ok, start, done, prestart=t0 is None, start_frame=self.start_frame(c))
+
+    def cut_in_frame(self, now: float, t0: float) -> int:
+        """The first frame a clip planned now can still replace: when the worker is free (``busy_until``), plus
+        one clip's latency as the lead covers it (its recent p90 x 1.1 + 20 ms), on the media clock."""
+        ready = max(now, self.busy_until) + self.latency_tail * 1.1 + 0.02
+        return first_frame_after(ready, t0, self.timing.fps)
+
+    def cut_in(self, now: float, t0: float, k: int) -> Plan:
+        """Plan the next chunk to start at frame ``k`` (before the planned grid's end: a cut-in) and every
+        chunk after it on the grid moved by ``k``'s offset (``shift``). Always generated: the caller checked
+        that a chunk may be sent (``in_flight < max_in_flight``)."""
+        c = self.next_chunk
+        self.shift = k - c * self.timing.frames_per_chunk
+        start = max(now, self.busy_until)
+        self.next_chunk = c + 1
+        self.busy_until = start + self.interval
+        self.in_flight += 1
+        self.cut_ins += 1
+        return Plan(c, True, start, start + self.latency, start_frame=k, cut_in=True)
 
     def observe(self, now: float, plan: Plan, interval: float | None = None) -> None:
         """A generated chunk came back at ``now``: ``plan`` was its plan; ``interval`` the worker's own
@@ -383,11 +451,57 @@ class AVBuffer:
     video_fresh: int = 0  # video frames sent from a generated chunk, not blank (what the viewer gets)
     video_blank: int = 0  # generated frames that were blank (one colour: a NaN decodes to black), replaced
     late_chunks: int = 0  # generated chunks whose frames came back after all of them were due
+    cut_in_fallback: int = (
+        0  # frames after a cut-in played from the clip queued before it (the cut-in's late)
+    )
+    last_fallback: bool = (
+        False  # the last video frame read was such a frame (not the cut-in's: no speech yet)
+    )
     _last: np.ndarray | None = None
     _blank: dict[int, frozenset] = field(default_factory=dict)  # per chunk: its blank frames
     _min_needed: int = 0
     _video_chunk: int | None = None
     _audio_chunk: int | None = None
+    #: the cut-ins, oldest first: (first chunk, its first frame); chunk c of a segment starts at
+    #: first frame + (c - first chunk) x F. None before the first: chunk c starts at c x F (the grid)
+    segments: list[tuple[int, int]] = field(default_factory=list)
+
+    def cut(self, c: int, frame: int) -> None:
+        """Chunk ``c`` and the chunks after it start at frame ``frame`` (a cut-in): from ``frame`` on they replace
+        the chunks planned before ``c``; those keep the frames and samples before it, and stand in for the
+        cut-in's video while its frames are not back (never a frozen face)."""
+        if self.segments and (c <= self.segments[-1][0] or frame < self.segments[-1][1]):
+            raise ValueError(
+                f"cut-in at chunk {c} frame {frame} goes back before the last {self.segments[-1]}"
+            )
+        self.segments.append((c, frame))
+
+    def chunk_start(self, c: int) -> int:
+        """Chunk ``c``'s first video frame."""
+        f = self.timing.frames_per_chunk
+        for first, frame in reversed(self.segments):
+            if c >= first:
+                return frame + (c - first) * f
+        return c * f
+
+    def _covering(self, k: int) -> list[tuple[int, int]]:
+        """The chunks that hold frame ``k``, newest first: (chunk, frame within it). One on the plain grid; a
+        frame at or after a cut-in also lies in the chunk of each segment before it that reaches it."""
+        f = self.timing.frames_per_chunk
+        if not self.segments:
+            return [divmod(k, f)]
+        out = []
+        bounds = [(0, 0)] + self.segments
+        for s in range(len(bounds) - 1, -1, -1):
+            first, frame = bounds[s]
+            if k < frame:
+                continue
+            c, i = divmod(k - frame, f)
+            c += first
+            if s + 1 < len(bounds) and c >= bounds[s + 1][0]:  # that chunk belongs to the next segment
+                continue
+            out.append((c, i))
+        return out
 
     def put_audio(self, c: int, audio: np.ndarray) -> None:
         """Chunk ``c``'s audio window (at plan time)."""
@@ -432,16 +546,27 @@ class AVBuffer:
     def silence_from(self, sample: int) -> int:
         """Silence every planned audio sample from stream sample ``sample`` on (an interrupted agent: the
         speech already planned into chunks not yet played stops at once). Returns the samples silenced."""
-        spc = self.timing.samples_per_chunk
+        spc, spf = self.timing.samples_per_chunk, self.timing.samples_per_frame
         n = 0
         for c, a in list(self.audio.items()):
-            start = max(0, sample - c * spc)
+            start = max(0, sample - self.chunk_start(c) * spf)
             if start < spc:
                 a = a.copy()
                 n += spc - start
                 a[start:] = 0.0
                 self.audio[c] = a
         return n
+
+    def silent_from(self, frame: int, end: int) -> bool:
+        """Whether every audio sample planned for frames [``frame``, ``end``) is silence (what a cut-in there may
+        replace without dropping a sample the agent gave)."""
+        spf = self.timing.samples_per_frame
+        for k in range(frame, end):
+            c, i = self._covering(k)[0]
+            a = self.audio.get(c)
+            if a is not None and np.any(a[i * spf : (i + 1) * spf]):
+                return False
+        return True
 
     def has_chunk(self, c: int) -> bool:
         return c in self.video
@@ -459,7 +584,9 @@ class AVBuffer:
         pixel one colour, what a non-finite model output decodes to: ``video_blank``). So the fresh count,
         and every figure made from it (the status's fps, the page, ``/metrics``, the report), counts
         neither a held frame nor a black one."""
-        c, i = self.timing.frame_chunk(k)
+        c, i = self._pick(k)
+        self.last_fallback = bool(self.segments) and c < self._covering(k)[0][0]
+        self.cut_in_fallback += self.last_fallback
         ch = self.video.get(c)
         self._video_chunk = c
         self._gc()
@@ -475,6 +602,15 @@ class AVBuffer:
         self.video_fresh += 1
         return f, True
 
+    def _pick(self, k: int) -> tuple[int, int]:
+        """The chunk frame ``k`` is read from: the newest that holds it and has its frames here (a cut-in's
+        while it is back, else what was queued before it), or the newest when none is here."""
+        got = self._covering(k)
+        for c, i in got:
+            if c in self.video:
+                return c, i
+        return got[0]
+
     def audio_frame(self, n: int) -> tuple[np.ndarray, bool]:
         """Audio frame ``n`` (float32 [960]) and whether it is complete (False: silence filled in)."""
         t = self.timing
@@ -483,9 +619,10 @@ class AVBuffer:
         out = np.zeros(size, np.float32)
         complete = True
         pos = start
+        first = None
         while pos < start + size:
-            c, off = divmod(pos, t.samples_per_chunk)
-            take = min(start + size - pos, t.samples_per_chunk - off)
+            c, off, take = self._audio_at(pos, start + size - pos)
+            first = c if first is None else first
             ch = self.audio.get(c)
             if ch is None:
                 complete = False
@@ -494,9 +631,22 @@ class AVBuffer:
             pos += take
         if not complete:
             self.audio_underruns += 1
-        self._audio_chunk = start // t.samples_per_chunk
+        self._audio_chunk = first
         self._gc()
         return out, complete
+
+    def _audio_at(self, pos: int, want: int) -> tuple[int, int, int]:
+        """Stream sample ``pos``: (its chunk, its offset in that chunk's audio, how many samples from there on,
+        at most ``want``, come from the same chunk: up to its end or the next cut-in's first sample)."""
+        spf, spc = self.timing.samples_per_frame, self.timing.samples_per_chunk
+        if not self.segments:
+            c, off = divmod(pos, spc)
+            return c, off, min(want, spc - off)
+        c, _ = self._covering(pos // spf)[0]
+        off = pos - self.chunk_start(c) * spf
+        later = [f * spf for _, f in self.segments if f * spf > pos]
+        end = min([self.chunk_start(c) * spf + spc] + later)
+        return c, off, min(want, end - pos)
 
     def _gc(self) -> None:
         # a track that never started (a video-only client) does not hold chunks back
@@ -510,6 +660,10 @@ class AVBuffer:
                     del store[old]
         for old in [k for k in self._blank if k not in self.video]:
             del self._blank[old]
+        while (
+            len(self.segments) > 1 and self.segments[1][0] <= self._min_needed
+        ):  # only the newest one is read
+            del self.segments[0]
 
 
 def _probe(frame: np.ndarray) -> np.ndarray:

@@ -39,7 +39,7 @@ from cadence.engine.messages import (
 )
 from cadence.media.pcm import clean
 from cadence.serve.agent import Agent
-from cadence.serve.pacing import AVBuffer, ChunkPlanner, MediaTiming, steal_slowdown
+from cadence.serve.pacing import AVBuffer, ChunkPlanner, CutIn, MediaTiming, steal_slowdown
 from cadence.serve.ports import SessionGroup, SessionHost, SessionSettings, WorkerSpeed
 from cadence.serve.rtc import (
     AudioOut,
@@ -100,6 +100,17 @@ def worker_speed(cfg: SessionSettings, chunk_seconds: float, group: SessionGroup
     if tail is not None:
         lead = max(lead, min(group.latency_profile.lead(slow), 3 * chunk_seconds + 0.02), tail)
     return WorkerSpeed(lead, latency, interval / 1e3 if interval else min(latency, chunk_seconds))
+
+
+def cut_in_of(cfg: SessionSettings, group: SessionGroup) -> CutIn | None:
+    """The speech cut-in a session on ``group`` uses (``cadence.serve.pacing.cut_in_point``): what the group's
+    engine can do (``WorkerInfo.cut_in``: the clip streams), unless switched off (``cut_in`` False); None: the
+    chunk grid only."""
+    info = group.info
+    got = getattr(info, "cut_in", None) if info is not None else None
+    if not got or not getattr(cfg, "cut_in", True):
+        return None
+    return CutIn(int(got[0]), int(got[1]))
 
 
 class ClosesInBackground:
@@ -196,9 +207,8 @@ class LiveSession(ClosesInBackground):
         self.planner = ChunkPlanner(
             self.timing, lead=lead, latency=latency, interval=interval, max_in_flight=self.cfg.max_in_flight
         )
-        self.scheduler = ChunkScheduler(
-            sid, self.timing, self.planner, agent, self.buffer, self.clock, group.send, self.stats
-        )
+        pieces = (self.planner, agent, self.buffer, self.clock, group.send, self.stats)
+        self.scheduler = ChunkScheduler(sid, self.timing, *pieces, cut_in=cut_in_of(self.cfg, group))
         self.feed = MediaFeed(
             self.buffer,
             self.clock,
@@ -378,8 +388,11 @@ class LiveSession(ClosesInBackground):
         if not plan.prestart:  # the group's profile, across its sessions (the two prestart chunks queue)
             self.group.latency_profile.add_latency(lat / 1e3)
         t0 = self.clock.t0
-        late = t0 is not None and now > self.timing.chunk_due(t0, c)
-        budget = (self.timing.chunk_due(t0, c) - t_plan) * 1e3 if t0 is not None else None
+        due = None if t0 is None else self.timing.chunk_due(t0, c)
+        if due is not None and self.buffer.segments:  # after a cut-in: the chunk's own first frame
+            due = self.timing.video_due(t0, self.buffer.chunk_start(c))
+        late = due is not None and now > due
+        budget = (due - t_plan) * 1e3 if due is not None else None
         before = self._counts()
         self.buffer.put_video(c, frames)
         self.first_chunk.set()
@@ -391,7 +404,11 @@ class LiveSession(ClosesInBackground):
     def on_video_frame(self, k: int, fresh: bool, skipped: int, now: float) -> None:
         t0 = self.clock.t0
         lag = now - self.timing.video_due(t0, k) if t0 is not None else None
-        if self.stats.video_frame(k, fresh, skipped, now, lag) and self.state in ("starting", "connecting"):
+        marks = not self.buffer.last_fallback  # a frame queued before a cut-in is not its speech
+        if self.stats.video_frame(k, fresh, skipped, now, lag, marks=marks) and self.state in (
+            "starting",
+            "connecting",
+        ):
             self.state = "streaming"
 
     def on_audio_frame(self, n: int, complete: bool, skipped: int, now: float) -> None:
@@ -479,7 +496,7 @@ class LiveSession(ClosesInBackground):
         newest = self.buffer.newest_video
         if newest is None or self.video is None:
             return 0.0
-        frames = (newest + 1) * self.timing.frames_per_chunk - self.video.next_index
+        frames = self.buffer.chunk_start(newest) + self.timing.frames_per_chunk - self.video.next_index
         return max(0.0, frames * 1e3 / self.timing.fps)
 
     def _counts(self) -> dict:
@@ -534,6 +551,8 @@ class LiveSession(ClosesInBackground):
                     "done": self.stats.chunks_done,
                     "skipped": p.skipped,
                     "audio_only": p.audio_only,
+                    "cut_ins": p.cut_ins,
+                    "cut_in_fallback_frames": self.buffer.cut_in_fallback,
                     "late_dropped": self.buffer.late_chunks,
                     "in_flight": p.in_flight,
                 },

@@ -123,8 +123,12 @@ class SessionStats:
             m.deadline_misses_total.inc()
         self.timeline.chunk(now, latency_ms, counts, tm.memory or None)
 
-    def video_frame(self, k: int, fresh: bool, skipped: int, now: float, lag: float | None) -> bool:
-        """A video frame was sent; returns True when it is the session's first fresh frame."""
+    def video_frame(
+        self, k: int, fresh: bool, skipped: int, now: float, lag: float | None, marks: bool = True
+    ) -> bool:
+        """A video frame was sent; returns True when it is the session's first fresh frame. ``marks`` False: it
+        is not the frame its media instant was planned with (a clip queued before a cut-in that is late), so no
+        agent segment starts on it."""
         self.video_frames_sent += 1
         self.video_frames_skipped += skipped
         if lag is not None:
@@ -139,7 +143,7 @@ class SessionStats:
             self.ttff_ms = (now - self.t_created) * 1e3
             self.first_frame_wall = time.time()
             self.metrics.ttff_hist.observe(self.ttff_ms)
-        while self._pending_marks and self._pending_marks[0][0] <= k:
+        while marks and self._pending_marks and self._pending_marks[0][0] <= k:
             _, t_agent, kind = self._pending_marks.pop(0)
             ms = (now - t_agent) * 1e3
             if kind == "mic":
