@@ -204,6 +204,81 @@ def test_shipped_table_is_well_formed():
         assert ab.why_not(e["backend"], CPU, 128, e["storage"]) != "unknown"
 
 
+def _short_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "attention_short.py"
+    spec = importlib.util.spec_from_file_location("attention_short", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SHORT_RECORDS = ("2026-12-03-nvidia-h200-short-w57-tp4.json", "2026-12-03-nvidia-h200-short-w14-tp2.json")
+
+
+def test_short_query_rows_are_the_records_rows():
+    """The table's triton_short / triton_short_head rows are exactly what scripts/attention_short.py makes of
+    the recorded rounds (each row names its record): per-token only at W57 TP=4 (worst round beats cuDNN
+    bf16's best), not at W14 TP=2 (within noise); per-head at both (kept out of auto by their scales)."""
+    from pathlib import Path
+
+    script, doc = _short_script(), ab.table()
+    perf = Path(__file__).resolve().parents[1] / "docs" / "perf" / "attention"
+    made = {}
+    for name in SHORT_RECORDS:
+        rows = script.table_rows(json.loads((perf / name).read_text()), name)
+        assert rows == [e for e in doc["entries"] if e["source"] == name]
+        assert all(r["speedup_min_max"][0] > 1.0 and r["rounds"] >= 5 for r in rows)
+        made[name] = {(r["heads"], r["backend"]) for r in rows}
+    assert made == {
+        SHORT_RECORDS[0]: {(16, "triton_short"), (16, "triton_short_head")},
+        SHORT_RECORDS[1]: {(20, "triton_short_head")},
+    }
+
+
+def test_short_query_rows_replace_their_records_rows(tmp_path):
+    """--table-into: a record's old rows go, its new ones come (none where no variant beat cuDNN bf16 in
+    every round); rows of other records stay."""
+    script = _short_script()
+    rec = {
+        "device": "NVIDIA H200",
+        "command": "x",
+        "shape": {"heads": 2, "q": 8, "kv": 64, "head_dim": 32},
+        "results": {
+            "sweep": [{"name": "short-token-s1", "config": {"split": 1}, "err_exact": 0.05}],
+            "rounds": {
+                "times_ms": {"cudnn_bf16": [1.0] * 5, "short-token-s1": [1.1] * 5},
+                "vs_cudnn_bf16": {
+                    "short-token-s1": dict(variant="short-token-s1", median=0.91, lo=0.9, hi=0.92, rounds=5,
+                                           verdict="slower"),
+                },
+            },
+        },
+    }  # fmt: skip
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    table = tmp_path / "table.json"
+    table.write_text(
+        json.dumps({"sources": {}, "entries": [entry("triton_short", 1.3), entry("triton", 1.0)]})
+    )
+    for e in (doc := json.loads(table.read_text()))["entries"][:1]:
+        e["source"] = "r.json"
+    table.write_text(json.dumps(doc))
+    assert script.table_into(str(table), [str(tmp_path / "r.json")]) == []
+    assert [e["backend"] for e in json.loads(table.read_text())["entries"]] == ["triton"]
+    ratios = rec["results"]["rounds"]["vs_cudnn_bf16"]["short-token-s1"]
+    ratios.update(median=1.2, lo=1.1, hi=1.3, verdict="faster")
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    (row,) = script.table_into(str(table), [str(tmp_path / "r.json")])
+    assert (row["backend"], row["config"], row["gpu"], row["ms"]) == (
+        "triton_short",
+        {"split": 1},
+        "nvidia-h200",
+        1.1,
+    )
+
+
 def test_auto_takes_the_first_runnable_backend_of_the_ranking(monkeypatch, caplog):
     """auto on a (pretend) GPU shape with a table entry: fa3 first but not importable here -> the next
     entry, triton, with the table's kernel config; one log line names what was skipped."""
