@@ -258,13 +258,9 @@ def test_short_query_rows_replace_their_records_rows(tmp_path):
         },
     }  # fmt: skip
     (tmp_path / "r.json").write_text(json.dumps(rec))
+    old = dict(entry("triton_short", 1.3), source="r.json")  # a row of this record: replaced
     table = tmp_path / "table.json"
-    table.write_text(
-        json.dumps({"sources": {}, "entries": [entry("triton_short", 1.3), entry("triton", 1.0)]})
-    )
-    for e in (doc := json.loads(table.read_text()))["entries"][:1]:
-        e["source"] = "r.json"
-    table.write_text(json.dumps(doc))
+    table.write_text(json.dumps({"sources": {}, "entries": [old, entry("triton", 1.0)]}))
     assert script.table_into(str(table), [str(tmp_path / "r.json")]) == []
     assert [e["backend"] for e in json.loads(table.read_text())["entries"]] == ["triton"]
     ratios = rec["results"]["rounds"]["vs_cudnn_bf16"]["short-token-s1"]
