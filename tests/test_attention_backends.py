@@ -236,6 +236,9 @@ def test_short_query_rows_are_the_records_rows():
         SHORT_RECORDS[0]: {(16, "triton_short"), (16, "triton_short_head")},
         SHORT_RECORDS[1]: {(20, "triton_short_head")},
     }
+    for heads, first in ((16, "triton_short"), (20, "triton")):  # what auto tries first with FP8 K/V
+        ranked = ab.ranking("nvidia-h200", heads, 748, 15708, 128, "fp8")
+        assert [e["backend"] for e in ranked if ab._scales(e["backend"], "fp8") != "head"][0] == first
 
 
 def test_short_query_rows_replace_their_records_rows(tmp_path):
