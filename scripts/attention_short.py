@@ -16,7 +16,14 @@ as the ring writes them (per-token scales; per-head scales for the ``triton_head
    (``cadence.bench.rounds``: >= 5 rounds, the order rotating), each ratio as median (min-max) and its verdict:
    a variant is faster only where its worst round beats cuDNN bf16's best.
 
-Writes ``<out-dir>/attention/<date>-<device>-short-<shape>.json`` per shape and prints one table. The kernel:
+Writes ``<out-dir>/attention/<date>-<device>-short-<shape>.json`` per shape and prints one table.
+
+    PYTHONPATH=. python3 scripts/attention_short.py --table-into cadence/kernels/attention_table.json REC.json...
+
+turns records into the rows of the table ``auto`` reads (backends ``triton_short`` / ``triton_short_head``): per
+record and layout, the short-kernel variant of the rounds with the best median ratio among those whose verdict
+is "faster" (its worst round beats cuDNN bf16's best); a layout with none gets no row. The rows replace the
+table's rows of the same record (its file name is each row's ``source``). The kernel:
 ``cadence.kernels.ring_attention.short_attention``; what it changes and the predictions:
 docs/perf/attention/NOTES.md ("The short-query kernel").
 """
@@ -262,6 +269,66 @@ def table(shape: str, res: dict) -> list[str]:
     return lines
 
 
+# ---- the rows of the table auto reads ------------------------------------------------------------------------
+BACKENDS = {"token": "triton_short", "head": "triton_short_head"}
+
+
+def table_rows(doc: dict, source: str) -> list[dict]:
+    """attention_table.json rows of one record: per layout, the short-kernel variant faster than cuDNN bf16 in
+    every round with the best median ratio (none: no row)."""
+    import statistics
+
+    sh, res = doc["shape"], doc["results"]
+    sweep_rows = {r["name"]: r for r in res["sweep"]}
+    times, ratios = res["rounds"]["times_ms"], res["rounds"]["vs_cudnn_bf16"]
+    gpu = doc["device"].lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    rows = []
+    for lay, backend in BACKENDS.items():
+        faster = [
+            r for name, r in ratios.items() if name.startswith(f"short-{lay}-") and r["verdict"] == "faster"
+        ]
+        if not faster:
+            continue
+        best = max(faster, key=lambda r: r["median"])
+        swept = sweep_rows[best["variant"]]
+        rows.append(
+            dict(
+                gpu=gpu,
+                heads=sh["heads"],
+                q_tokens=sh["q"],
+                kv_tokens=sh["kv"],
+                head_dim=sh["head_dim"],
+                storage="fp8",
+                backend=backend,
+                config={k: v for k, v in swept["config"].items() if v is not None},
+                ms=round(statistics.median(times[best["variant"]]), 4),
+                speedup_vs_cudnn_bf16=round(best["median"], 3),
+                speedup_min_max=[round(best["lo"], 3), round(best["hi"], 3)],
+                rounds=best["rounds"],
+                rel_err=round(swept["err_exact"], 4),
+                source=source,
+            )
+        )
+    return rows
+
+
+def table_into(table_path: str, records: list[str]) -> list[dict]:
+    """Replace ``table_path``'s rows of these records with the rows made from them; returns the new rows."""
+    doc = json.loads(Path(table_path).read_text())
+    new = []
+    for rec in records:
+        d, src = json.loads(Path(rec).read_text()), Path(rec).name
+        doc["entries"] = [e for e in doc["entries"] if e.get("source") != src]
+        doc["sources"][src] = (
+            f"{d['device']} | git not recorded | torch {d.get('torch')} | triton {d.get('triton')} | "
+            f"`{d['command']}` (interleaved rounds vs cuDNN bf16; rows: scripts/attention_short.py --table-into)"
+        )
+        new += table_rows(d, src)
+    doc["entries"] += new
+    Path(table_path).write_text(json.dumps(doc, indent=1) + "\n")
+    return new
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -276,8 +343,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="a tiny shape on any device (the CPU under TRITON_INTERPRET=1)"
     )
+    p.add_argument(
+        "--table-into",
+        nargs="+",
+        metavar=("TABLE", "RECORD"),
+        help="no run: the table auto reads, then records of this script whose rows replace their old ones",
+    )
     a = p.parse_args(argv)
     a.argv = argv
+    if a.table_into:
+        if len(a.table_into) < 2:
+            p.error("--table-into needs the table and at least one record")
+        for r in table_into(a.table_into[0], a.table_into[1:]):
+            print(
+                f"{r['source']}: {r['backend']} {r['config']} {r['speedup_vs_cudnn_bf16']}x {r['speedup_min_max']}"
+            )
+        return 0
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lines, passed = [], True
     for shape in a.shapes.split(","):

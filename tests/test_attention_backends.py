@@ -204,6 +204,80 @@ def test_shipped_table_is_well_formed():
         assert ab.why_not(e["backend"], CPU, 128, e["storage"]) != "unknown"
 
 
+def _short_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "attention_short.py"
+    spec = importlib.util.spec_from_file_location("attention_short", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SHORT_RECORDS = ("2026-12-03-nvidia-h200-short-w57-tp4.json", "2026-12-03-nvidia-h200-short-w14-tp2.json")
+
+
+def test_short_query_rows_are_the_records_rows():
+    """The table's triton_short / triton_short_head rows are exactly what scripts/attention_short.py makes of
+    the recorded rounds (each row names its record): per-token only at W57 TP=4 (worst round beats cuDNN
+    bf16's best), not at W14 TP=2 (within noise); per-head at both (kept out of auto by their scales)."""
+    from pathlib import Path
+
+    script, doc = _short_script(), ab.table()
+    perf = Path(__file__).resolve().parents[1] / "docs" / "perf" / "attention"
+    made = {}
+    for name in SHORT_RECORDS:
+        rows = script.table_rows(json.loads((perf / name).read_text()), name)
+        assert rows == [e for e in doc["entries"] if e["source"] == name]
+        assert all(r["speedup_min_max"][0] > 1.0 and r["rounds"] >= 5 for r in rows)
+        made[name] = {(r["heads"], r["backend"]) for r in rows}
+    assert made == {
+        SHORT_RECORDS[0]: {(16, "triton_short"), (16, "triton_short_head")},
+        SHORT_RECORDS[1]: {(20, "triton_short_head")},
+    }
+    for heads, first in ((16, "triton_short"), (20, "triton")):  # what auto tries first with FP8 K/V
+        ranked = ab.ranking("nvidia-h200", heads, 748, 15708, 128, "fp8")
+        assert [e["backend"] for e in ranked if ab._scales(e["backend"], "fp8") != "head"][0] == first
+
+
+def test_short_query_rows_replace_their_records_rows(tmp_path):
+    """--table-into: a record's old rows go, its new ones come (none where no variant beat cuDNN bf16 in
+    every round); rows of other records stay."""
+    script = _short_script()
+    rec = {
+        "device": "NVIDIA H200",
+        "command": "x",
+        "shape": {"heads": 2, "q": 8, "kv": 64, "head_dim": 32},
+        "results": {
+            "sweep": [{"name": "short-token-s1", "config": {"split": 1}, "err_exact": 0.05}],
+            "rounds": {
+                "times_ms": {"cudnn_bf16": [1.0] * 5, "short-token-s1": [1.1] * 5},
+                "vs_cudnn_bf16": {
+                    "short-token-s1": dict(variant="short-token-s1", median=0.91, lo=0.9, hi=0.92, rounds=5,
+                                           verdict="slower"),
+                },
+            },
+        },
+    }  # fmt: skip
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    old = dict(entry("triton_short", 1.3), source="r.json")  # a row of this record: replaced
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"sources": {}, "entries": [old, entry("triton", 1.0)]}))
+    assert script.table_into(str(table), [str(tmp_path / "r.json")]) == []
+    assert [e["backend"] for e in json.loads(table.read_text())["entries"]] == ["triton"]
+    ratios = rec["results"]["rounds"]["vs_cudnn_bf16"]["short-token-s1"]
+    ratios.update(median=1.2, lo=1.1, hi=1.3, verdict="faster")
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    (row,) = script.table_into(str(table), [str(tmp_path / "r.json")])
+    assert (row["backend"], row["config"], row["gpu"], row["ms"]) == (
+        "triton_short",
+        {"split": 1},
+        "nvidia-h200",
+        1.1,
+    )
+
+
 def test_auto_takes_the_first_runnable_backend_of_the_ranking(monkeypatch, caplog):
     """auto on a (pretend) GPU shape with a table entry: fa3 first but not importable here -> the next
     entry, triton, with the table's kernel config; one log line names what was skipped."""
@@ -227,6 +301,87 @@ def test_auto_leaves_per_head_fp8_scales_to_an_explicit_choice(monkeypatch):
     p = ab.plan("auto", CPU, fp8=True, interpreter=True, **SHAPE)
     assert p.scales != "head" and p.backend in ("triton", "reference")
     assert p.why == "fallback" or p.why.startswith("default")
+
+
+def test_auto_takes_the_short_query_kernel_where_ranked_but_never_its_per_head_form(monkeypatch):
+    """The table ranks triton_short_head first and triton_short next (as measured at W57 TP=4): auto skips
+    the per-head one (the lip-sync eval judged per-head scales different from the reference) and runs the
+    per-token short-query kernel with the table's config, its layout the ring's per-token FP8 one."""
+    cfg = {"ws": True}
+    monkeypatch.setattr(
+        ab, "_ranked", lambda *a: [entry("triton_short_head", 1.59), entry("triton_short", 1.23, config=cfg)]
+    )
+    p = ab.plan("auto", CPU, fp8=True, interpreter=True, **SHAPE)
+    if not TRITON:
+        assert p.backend == "reference"
+        return
+    assert (p.backend, p.config, p.why) == ("triton_short", cfg, "table: test")
+    assert (p.v_transposed, p.scales, p.length_on_device) == (True, "token", True)
+
+
+def test_short_query_backend_that_cannot_run_falls_back_with_one_log_line(monkeypatch, caplog):
+    """triton_short / triton_short_head asked for where Triton cannot run: the next backend (triton, then
+    the reference), one log line naming why, however many caches ask; never asked for with bf16."""
+    monkeypatch.setattr(ra, "triton_usable", lambda *a, **k: (False, "triton is not importable"))
+    with caplog.at_level(logging.INFO, logger=ra.log.name):
+        plans = [ab.plan(b, CPU, fp8=True, interpreter=True, **SHAPE) for b in ("triton_short",) * 3]
+        head = ab.plan("triton_short_head", CPU, fp8=True, interpreter=True, **SHAPE)
+    assert {p.backend for p in plans} == {"reference"} and head.backend == "reference"
+    lines = attention_logs(caplog)
+    assert len(lines) == 2, lines
+    assert "using reference; triton_short: triton is not importable; triton:" in lines[0]
+    assert "triton_short_head: triton is not importable" in lines[1]
+    assert ab.why_not("triton_short", CPU, HEAD_DIM, "bf16") == "triton_short reads fp8 K/V"
+
+
+def _quantised(h, m, n, d, head_scales, seed):
+    """Unquantised q, k, v [tokens, H, D] and the ring's FP8 buffers of them (V transposed; per-token q
+    scales; per-token or per-head K/V scales), n_alloc rows with n written."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, h, d, generator=g) for s in (m, n, n))
+    v[::7] *= 0.1  # uneven value scales across tokens
+    n_alloc = n + 28
+    Q, QS = torch.zeros(h, m, d, dtype=ra.FP8), torch.ones(h, m)
+    K, VT = torch.zeros(h, n_alloc, d, dtype=ra.FP8), torch.zeros(h, d, n_alloc, dtype=ra.FP8)
+    if head_scales:
+        KS = ra.head_amax_bound(k, rotate=False) * ra.HEAD_HEADROOM / ra.FP8_MAX
+        VS = ra.head_amax_bound(v, rotate=False) * ra.HEAD_HEADROOM / ra.FP8_MAX
+    else:
+        KS, VS = torch.ones(h, n_alloc), torch.ones(h, n_alloc)
+    z = torch.zeros(1, dtype=torch.int32)
+    ra.rope_quant_write(q, None, None, Q, QS, z)
+    ra.rope_quant_write(k, None, None, K, KS, z)
+    ra.rope_quant_write(v, None, None, VT, VS, z, transpose_out=True)
+    return (q, k, v), (Q, QS, K, KS, VT, VS)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton_short", "triton_short_head"])
+@pytest.mark.parametrize("config", [{}, {"split": 3}], ids=["split-auto", "split-3"])
+def test_short_query_backend_matches_the_reference_path(backend, config):
+    """The backend through the registry (plan -> its kernel's attend, the ring's call) against the plain
+    PyTorch reference (``ReferenceKernel``: dequantise, float32 softmax) on the same FP8 buffers, the visible
+    length read from the device and shorter than the buffer. Tolerance: under the interpreter the kernel's
+    FP8 casts truncate (tests/test_ring_kernels.py): 0.12 against the reference on the same buffers and 0.15
+    against exact attention of the unquantised inputs (0.04 / 0.08 on a GPU, FP8 P in the P.V product); seen
+    here 0.068-0.073 and 0.100-0.127 (the per-head reference itself is 0.106 from exact: one scale per head
+    over tokens a tenth of the others)."""
+    h, m, n, d, n_valid = 2, 40, 100, 32, 90
+    p = ab.plan(backend, CPU, heads=h, q_tokens=m, kv_tokens=n, head_dim=d, fp8=True, interpreter=True)
+    assert (p.backend, p.v_transposed, p.length_on_device) == (backend, True, True)
+    assert p.scales == ("head" if backend.endswith("_head") else "token")
+    (q, k, v), bufs = _quantised(h, m, n, d, p.scales == "head", seed=20)
+    nv = torch.tensor([n_valid], dtype=torch.int32)
+    out = p.kernel.attend(*bufs, nv, None, p.layout, config, torch.float32)
+    ref = ab.REFERENCE.attend(*bufs, nv, n_valid, p.layout, {}, torch.float32)
+    exact = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k[:n_valid].transpose(0, 1), v[:n_valid].transpose(0, 1)
+    ).transpose(0, 1)
+    assert out.shape == (m, h, d) and torch.isfinite(out).all()
+    interp = ra.interpreting()
+    assert rel(out, ref) < (0.12 if interp else 0.04)
+    assert rel(out, exact) < (0.15 if interp else 0.08)
+    assert rel(out, exact) > 1e-3  # it really reads FP8
 
 
 # ---- per-head vs per-token scales: what FA3's descales (and 'triton_head') cost ------------------------------
@@ -339,6 +494,8 @@ CASES = [
     pytest.param("fp8", "triton", True, 1, 0.3, marks=pytest.mark.slow),  # interpreted: ~5 s each
     pytest.param("fp8", "triton_head", True, 1, 0.3, marks=pytest.mark.slow),
     ("fp8", "triton_head", True, 0, 0.3),  # no image sink: the first chunk sets the scales
+    ("fp8", "triton_short", True, 1, 0.3),  # the short-query kernel: the ring's layouts, its own call
+    pytest.param("fp8", "triton_short_head", True, 0, 0.3, marks=pytest.mark.slow),
     ("fp8", "fa3", None, 1, 0.1),
     ("fp8", "fa3", True, 1, 0.3),
     ("fp8", "fa3", None, 0, 0.1),

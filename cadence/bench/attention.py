@@ -12,7 +12,8 @@ unquantised inputs, and every variant's relative L2 error is against it. The var
 * every backend of the registry (``cadence.kernels.attention_registry``) over each storage it reads, in the
   layout a ring read by it stores, written by the ring's own write kernel, through the backend's own call:
   ``sdpa_default_bf16``, ``sdpa_cudnn_bf16`` (the bar: every speedup is against it, same run), ``triton_fp8``
-  (per-token scales, V^T), ``triton_head_fp8`` (per-head scales), ``triton_bf16``, ``fa3_fp8`` (per-head
+  (per-token scales, V^T), ``triton_head_fp8`` (per-head scales), ``triton_short_fp8`` /
+  ``triton_short_head_fp8`` (the short-query kernel, per-token / per-head), ``triton_bf16``, ``fa3_fp8`` (per-head
   descales, V [H, N, D], the length on the device) and ``fa3_bf16``; each kernel's default config, or with
   ``--sweep`` its whole config space (``AttentionKernel.configs``: Triton block shapes x warps x stages x key
   splits and the dual / pv_bf16 / ws variants; FA3's num_splits);

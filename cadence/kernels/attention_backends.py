@@ -14,6 +14,12 @@ triton        bf16 V [H, N, D]; FP8 V^T         Cadence's Triton flash attention
               scales
 triton_head   FP8 V^T [H, D, N], per-(layer,    the same kernel without per-key scale    device
               head) K/V scales                  work (``ring_attention`` SCALES=2)
+triton_short  FP8 V^T [H, D, N], per-(token,    Cadence's short-query Triton kernel      device
+              head) scales                      (``ring_attention.short_attention``:
+                                                persistent grid over (rows, head, key
+                                                split) items, for few queries)
+triton_short  FP8 V^T [H, D, N], per-(layer,    the short-query kernel, per-head         device
+_head         head) K/V scales                  scales
 fa3           bf16 or FP8 V [H, N, D], FP8      FlashAttention-3 (``fa3-fwd`` wheel,     device
               per-(layer, head) scales          ``cadence.kernels.fa3_adapter``)
 auto          the first backend of the measured ranking at the shape that can run here
@@ -238,6 +244,54 @@ def _triton_fp8_variants() -> list[dict]:
     return out
 
 
+class ShortKernel(TritonKernel):
+    """The short-query form of the Triton kernel (``ring_attention.short_attention``): same ring layout, same
+    result, its work cut into (row block, head, key split) items over a persistent grid; the key split is
+    picked on the host from the query rows, heads and the buffer's length (never the device's visible length:
+    graph-safe)."""
+
+    def __init__(self):
+        super().__init__({}, variants=False)
+
+    def probe(self, device, head_dim, storage, layout, config, m) -> str:
+        """One call at the ring's query count on CUDA: a config the compiler rejects falls back here."""
+        if device.type != "cuda":
+            return ""
+        n = 4 * (config.get("block_n") or 128)
+        q = torch.zeros(1, m, head_dim, device=device, dtype=ra.FP8)
+        k = torch.zeros(1, n, head_dim, device=device, dtype=ra.FP8)
+        vt = torch.zeros(1, head_dim, n, device=device, dtype=ra.FP8)
+        qs = torch.ones(1, m, device=device)
+        ks = torch.ones(1, device=device) if layout.scales == "head" else torch.ones(1, n, device=device)
+        nv = torch.tensor([n - 3], dtype=torch.int32, device=device)
+        try:
+            out = ra.short_attention(q, qs, k, ks, vt, ks, nv, **config)
+            torch.cuda.synchronize(device)
+        except Exception as e:
+            return f"the short-query config {config} does not run ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+        return (
+            ""
+            if torch.isfinite(out.float()).all()
+            else f"the short-query config {config} gave non-finite output"
+        )
+
+    def configs(self, device, storage, sweep, ctas) -> list[dict]:
+        """The host-picked split (and, swept, the splits, warp specialisation and tiles of
+        scripts/attention_short.py's rounds)."""
+        if not sweep:
+            return [dict()]
+        out = [dict()] + [dict(split=s) for s in (1, 2, 4)] + [dict(ws=True)]
+        if device.type == "cuda":
+            out += [dict(programs_per_sm=p) for p in (1, 3)]
+            out += [dict(block_m=64, block_n=64, num_warps=4), dict(block_m=128, block_n=128, num_warps=8)]
+        return out
+
+    def attend(self, q, qs, k, ks, v, vs, n_valid, n, layout, config, out_dtype):
+        return ra.short_attention(
+            q, qs, k, ks, v, vs, n_valid, v_transposed=layout.v_transposed, out_dtype=out_dtype, **config
+        )
+
+
 class FA3Kernel(Kernel):
     """FlashAttention-3 through ``cadence.kernels.fa3_adapter`` (the optional ``fa3-fwd`` wheel)."""
 
@@ -308,6 +362,8 @@ TRITON = TritonKernel(
     variants=True,
 )
 TRITON_HEAD = TritonKernel({"fp8": [(64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)]}, variants=True)
+TRITON_SHORT = ShortKernel()
+TRITON_SHORT_HEAD = ShortKernel()
 FA3 = FA3Kernel()
 REFERENCE = ReferenceKernel()
 
@@ -378,9 +434,10 @@ def plan(
     storage = "fp8" if fp8 else "bf16"
     if requested == "auto":
         found = _ranked(device, heads, q_tokens, kv_tokens, head_dim, storage)
-        # per-head FP8 scales ('fa3' FP8, 'triton_head') only when asked for: on keys with uneven channel
-        # gains their error measured 3.7x the per-token one (docs/perf/attention/NOTES.md), and no lip-sync
-        # eval has judged them yet; auto keeps per-token FP8 (or bf16) numerics
+        # per-head FP8 scales ('fa3' FP8, 'triton_head', 'triton_short_head') only when asked for: on keys
+        # with uneven channel gains their error measured 3.7x the per-token one, and the lip-sync eval found
+        # per-head scales differ from the reference beyond the rerun spread (docs/perf/attention/NOTES.md);
+        # auto keeps per-token FP8 (or bf16) numerics
         found = [e for e in found if _scales(e["backend"], storage) != "head"]
         ranked = [(e["backend"], e.get("config", {}), f"table: {e.get('source', '?')}") for e in found]
         candidates = ranked + [(registry.DEFAULT[storage], {}, "default (no table entry for this shape)")]

@@ -145,6 +145,14 @@ for _b in (
         f"{_KERNELS}:TRITON_HEAD", bench={"fp8": "triton_head_fp8"},
     ),
     AttentionBackend(
+        "triton_short", "Cadence's short-query Triton kernel (few queries, many keys), FP8 with per-token scales",
+        {"fp8": _TRITON_FP8}, f"{_KERNELS}:TRITON_SHORT", bench={"fp8": "triton_short_fp8"},
+    ),
+    AttentionBackend(
+        "triton_short_head", "the short-query kernel, FP8 with per-head scales", {"fp8": _HEAD_FP8},
+        f"{_KERNELS}:TRITON_SHORT_HEAD", bench={"fp8": "triton_short_head_fp8"},
+    ),
+    AttentionBackend(
         "fa3", "FlashAttention-3 from the optional fa3-fwd wheel, cadence[fa3]: bf16, or FP8 with per-head scales",
         {"bf16": BF16_ON_DEVICE, "fp8": Layout(False, "head", True, q_scales="head")}, f"{_KERNELS}:FA3",
         bench={"bf16": "fa3_bf16", "fp8": "fa3_fp8"},
