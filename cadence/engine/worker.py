@@ -53,6 +53,7 @@ from cadence.engine.messages import (
 )
 from cadence.engine.recipe import WorkerSpec
 from cadence.engine.spec import DEFAULT_PROMPT
+from cadence.errors import one_line
 
 log = logging.getLogger("cadence.serve")
 
@@ -311,7 +312,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
     try:
         eng, ring, peers, default_image, ready = _start_rank0(spec, pipe)
     except Exception as e:
-        pipe.send(Error(None, f"worker start failed: {type(e).__name__}: {e}"))
+        pipe.send(Error(None, one_line(f"worker start failed: {type(e).__name__}: {e}")))
         raise
     pipe.send(ready)
     try:
