@@ -664,3 +664,40 @@ def test_serve_says_what_is_wrong_with_the_sharing_words_in_one_line(capsys, wor
         assert err.strip().splitlines() == [f"error: {says}"], err
     else:
         assert "invalid choice: 'lots'" in err
+
+
+def test_workers_sharing_a_gpu_keep_a_fair_share_of_the_cores_as_torch_threads():
+    from cadence.engine.placement import gpu_worker_threads
+    from cadence.engine.recipe import EngineSpec
+    from cadence.serve.config import LOCAL
+
+    assert gpu_worker_threads(4, 16, 16) == 1 and gpu_worker_threads(4, 16, 4) == 4  # never above torch's own
+    assert gpu_worker_threads(4, 16, 5) == 3 and gpu_worker_threads(4, 2, 16) == 1
+    shared = ServeConfig(engine=EngineSpec(model="tiny"), groups=("cuda:0",) * 4 + ("cuda:1",))
+    src = LOCAL.group_source(shared)
+    assert [g.spec.cpu_share for g in src.groups] == [5] * 5  # five worker processes on this machine
+    alone = ServeConfig(engine=EngineSpec(model="tiny"), groups=("cuda:0", "cuda:1"))
+    assert [g.spec.cpu_share for g in LOCAL.group_source(alone).groups] == [1, 1]  # torch's default kept
+
+
+def test_a_cuda_worker_sets_its_share_of_threads_at_start_and_an_explicit_count_wins(monkeypatch):
+    import signal
+
+    import torch
+
+    from cadence.engine import worker
+
+    set_to = []
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (the test process keeps its own handlers)
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 16)
+
+    def spec(threads, share):
+        fast = SimpleNamespace(threads=threads)
+        return SimpleNamespace(recipe=SimpleNamespace(device="cuda:0", fast=fast), cpu_share=share)
+
+    worker._setup_process(spec(0, 16), "t")
+    worker._setup_process(spec(0, 1), "t")  # alone on its GPU: torch's default
+    worker._setup_process(spec(2, 16), "t")  # --worker-threads 2
+    assert set_to == [1, 2]

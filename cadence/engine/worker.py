@@ -51,6 +51,7 @@ from cadence.engine.messages import (
     SwitchPrompt,
     WorkerInfo,
 )
+from cadence.engine.placement import gpu_worker_threads
 from cadence.engine.recipe import WorkerSpec
 from cadence.engine.spec import DEFAULT_PROMPT
 from cadence.errors import one_line
@@ -257,6 +258,10 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
     )
     if spec.recipe.fast.threads > 0:
         torch.set_num_threads(spec.recipe.fast.threads)
+    elif spec.cpu_share > 1 and spec.recipe.device.startswith("cuda"):  # workers sharing a GPU: a fair share
+        torch.set_num_threads(
+            gpu_worker_threads(torch.get_num_threads(), os.cpu_count() or 1, spec.cpu_share)
+        )
 
 
 def _device_name(device: str) -> str:
