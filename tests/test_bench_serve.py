@@ -161,6 +161,11 @@ def test_viewers_spread_over_processes_by_default_only_where_there_are_cores():
     probe = CpuProbe(os.getpid())
     sum(i * i for i in range(300_000))  # some CPU work of this process's own
     assert 0 < probe.done() <= 2.0 and CpuProbe(None).done() is None
+    from cadence.bench.serve import parse
+
+    assert parse(["--viewer-procs", "3"]).viewer_procs == 3 and parse([]).viewer_procs is None
+    with pytest.raises(SystemExit):
+        parse(["--viewer-procs", "0"])
 
 
 @pytest.mark.slow  # (24 s on the 2-core machine: two sessions' groups, two spawned viewer processes)

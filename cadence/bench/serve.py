@@ -133,8 +133,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--seconds must be within 1..3600, got {a.seconds}")
     if a.find_capacity and len(a.sessions) > 1:
         p.error("give --sessions N,N,... or --find-capacity, not both")
-    if a.viewer_procs is not None and a.viewer_procs < 1:
-        p.error(f"--viewer-procs must be >= 1, got {a.viewer_procs}")
     if a.max_n < 1:
         p.error(f"--max-n must be >= 1, got {a.max_n}")
     if a.ray and (a.find_capacity or len(a.sessions) > 1):
@@ -173,7 +171,7 @@ def _add_session_flags(p) -> None:
     )
     p.add_argument(
         "--viewer-procs",
-        type=int,
+        type=_procs,
         default=None,
         metavar="K",
         help="run the viewers in K processes of their own (default: up to 4 viewers a process, at most a "
@@ -185,6 +183,17 @@ def _add_session_flags(p) -> None:
         default=None,
         help="the fresh fps every session must hold (default: the stream's fps - 0.5)",
     )
+
+
+def _procs(text: str) -> int:
+    """``--viewer-procs``: a count >= 1."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be a count >= 1, got {text!r}")
+    return k
 
 
 def _counts(text: str) -> list[int]:
@@ -456,7 +465,7 @@ def _watch(args, n: int, url: str, server_pid: int | None) -> tuple[dict, list, 
         cfg, results = asyncio.run(_drive(url, n, **kw))
         viewers = [mine.done()]
     else:
-        cfg, results, viewers = drive_spread(url, n, procs, kw, timeout_s=args.seconds + 300)
+        cfg, results, viewers = drive_spread(_drive, url, n, procs, kw, timeout_s=args.seconds + 300)
     # (the server in the viewers' own process: one figure for both sides' work)
     shared = procs <= 1 and server_pid == os.getpid()
     return cfg, results, {"server": server.done(), "viewers": viewers, "server_with_viewers": shared}

@@ -61,26 +61,24 @@ class CpuProbe:
         return round((c1 - self.c0) / wall, 3)
 
 
-def _viewer_main(url: str, n: int, kw: dict, conn) -> None:  # pragma: no cover - the viewer process
-    """One viewer process: ``n`` viewers (``cadence.bench.serve._drive``); sends back (cfg, results, its CPU
-    seconds per wall second), or ("error", its one line)."""
+def _viewer_main(drive, url: str, n: int, kw: dict, conn) -> None:  # pragma: no cover - the viewer process
+    """One viewer process: ``n`` viewers (``drive``: ``cadence.bench.serve._drive``, passed by reference); sends
+    back (cfg, results, its CPU seconds per wall second), or ("error", its one line)."""
     import logging
     import sys
-
-    from cadence.bench.serve import _drive
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     probe = CpuProbe(os.getpid())
     try:
-        cfg, results = asyncio.run(_drive(url, n, **kw))
+        cfg, results = asyncio.run(drive(url, n, **kw))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
         return
     conn.send((cfg, results, probe.done()))
 
 
-def drive_spread(url: str, n: int, procs: int, kw: dict, timeout_s: float) -> tuple[dict, list, list]:
-    """``n`` viewers in ``procs`` spawned processes (process j runs viewers j, j + procs, ...): (the server's
+def drive_spread(drive, url: str, n: int, procs: int, kw: dict, timeout_s: float) -> tuple[dict, list, list]:
+    """``drive``'s ``n`` viewers in ``procs`` spawned processes (process j runs viewers j, j + procs, ...): (the server's
     /config, each viewer's ``ClientResult`` in viewer order, each process's CPU seconds per wall second).
     RuntimeError (one line) when a process fails or does not answer within ``timeout_s``."""
     ctx = mp.get_context("spawn")
@@ -88,7 +86,9 @@ def drive_spread(url: str, n: int, procs: int, kw: dict, timeout_s: float) -> tu
     running = []
     for j, count in enumerate(counts):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_viewer_main, args=(url, count, kw, child), name=f"cadence-bench-viewers-{j}")
+        p = ctx.Process(
+            target=_viewer_main, args=(drive, url, count, kw, child), name=f"cadence-bench-viewers-{j}"
+        )
         p.start()
         child.close()
         running.append((p, parent))
