@@ -32,3 +32,29 @@ class UsageParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see '{self.prog} --help')\n")
+
+
+#: What CUDA appends to every error it raises (where to look it up, how to debug it): cut from a line a user
+#: reads, which keeps only what went wrong.
+_CUDA_BOILERPLATE = (
+    "Search for `cuda",
+    "CUDA kernel errors might be asynchronously reported",
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING",
+    "Compile with `TORCH_USE_CUDA_DSA`",
+)
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line: CUDA's boilerplate sentences cut off, the rest's lines joined with spaces."""
+    cut = len(text)
+    for marker in _CUDA_BOILERPLATE:
+        at = text.find(marker)
+        if at >= 0:
+            cut = min(cut, at)
+    return " ".join(text[:cut].split())
+
+
+def out_of_memory(text: str) -> bool:
+    """Whether an error's text says a device ran out of memory (CUDA's, torch's OutOfMemoryError)."""
+    low = text.lower()
+    return "out of memory" in low or "outofmemoryerror" in low

@@ -146,3 +146,41 @@ def test_a_sweep_on_one_server_records_every_n_and_the_capacity(tmp_path, capsys
     (share,) = three["shares"]
     assert share["placement"] == "cpu" and share["groups"] == 3 and not share["enforced"]
     assert "the largest N at which every session holds the target" in out.out
+
+
+def test_viewers_spread_over_processes_by_default_only_where_there_are_cores():
+    import os
+
+    from cadence.bench.serve_viewers import CpuProbe, cpu_s, default_viewer_procs
+
+    assert default_viewer_procs(16, cores=16) == 4 and default_viewer_procs(9, cores=16) == 3
+    assert default_viewer_procs(3, cores=16) == 1 and default_viewer_procs(16, cores=2) == 1
+    assert default_viewer_procs(16, cores=128) == 4 and default_viewer_procs(1, cores=128) == 1
+    before = cpu_s(os.getpid())
+    assert before is not None and before > 0 and cpu_s(None) is None and cpu_s(2**22 + 7) is None
+    probe = CpuProbe(os.getpid())
+    sum(i * i for i in range(300_000))  # some CPU work of this process's own
+    assert 0 < probe.done() <= 2.0 and CpuProbe(None).done() is None
+    from cadence.bench.serve import parse
+
+    assert parse(["--viewer-procs", "3"]).viewer_procs == 3 and parse([]).viewer_procs is None
+    with pytest.raises(SystemExit):
+        parse(["--viewer-procs", "0"])
+
+
+@pytest.mark.slow  # (24 s on the 2-core machine: two sessions' groups, two spawned viewer processes)
+def test_bench_serve_with_two_viewer_processes_records_each_sides_cpu(tmp_path, capsys):
+    """Two sessions watched from two viewer processes (``--viewer-procs 2``): every session's result comes back
+    in order, and the record names the server's CPU use and each viewer process's."""
+    from cadence.cli import main
+
+    argv = ["bench", "serve", "--preset", "tiny", "--sessions", "2", "--seconds", "2", "--viewer-procs", "2"]
+    rc = main([*argv, "--out-dir", str(tmp_path)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    (path,) = (tmp_path / "serve").glob("*-cpu-tiny-tp1-s2.json")
+    r = json.loads(path.read_text())["results"]
+    assert r["errors"] == 0 and len(r["sessions_fresh_fps"]) == 2 and min(r["sessions_fresh_fps"]) > 0, r
+    cpu = r["cpu"]
+    assert len(cpu["viewers"]) == 2 and all(0 < v < 4 for v in cpu["viewers"]), cpu
+    assert cpu["server"] is not None and cpu["server"] > 0 and cpu["server_with_viewers"] is False, cpu

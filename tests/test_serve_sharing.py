@@ -1,5 +1,5 @@
 """Several sessions per GPU (``cadence serve --sessions-per-gpu N``): the groups' placement, the memory check,
-the capacity measured under load and the admission that keeps to it (503 with a true Retry-After, on a fake
+the capacity measured under load, a further group that runs out of memory at start left out, and the admission that keeps to it (503 with a true Retry-After, on a fake
 clock), the MPS daemon (a stand-in binary), and, in the slow tier, two worker groups on one device (the CPU,
 the tiny preset) streaming two sessions at once, each from its own state."""
 
@@ -27,7 +27,7 @@ from cadence.engine.messages import (
     OpenSession,
 )
 from cadence.engine.placement import Placement, Sharing, gpu_groups
-from cadence.errors import ConfigError, InputError
+from cadence.errors import ConfigError, InputError, one_line, out_of_memory
 from cadence.serve.config import ServeConfig, placements_from_args, serve_groups
 from cadence.serve.sharing import MEMORY_MARGIN, ShareRules, capacity_of, memory_error, memory_fit
 
@@ -262,6 +262,8 @@ class _FakeGroup:
         )
         self.sent: list = []
         self.started_at: float | None = None
+        self.fail: str | None = None  # the worker's start fails with this error (a test injects it)
+        self.stopped = False
 
     stopping = False
 
@@ -278,12 +280,15 @@ class _FakeGroup:
         self.started_at = loop.time()
         if self.env.get("CUDA_MPS_PIPE_DIRECTORY") == "/broken":  # a daemon that serves no client
             loop.call_later(0.05, setattr, self, "start_error", "CUDA error: MPS client failed to connect")
+        elif self.fail is not None:
+            loop.call_later(0.05, setattr, self, "start_error", self.fail)
         else:
             loop.call_later(0.05, self.ready.set)
 
     async def stop(self, timeout: float = 10.0):
         self.ready.clear()
         self.start_error = None
+        self.stopped = True
 
     def send(self, msg):
         self.sent.append(msg)
@@ -353,6 +358,96 @@ def test_the_first_group_of_a_shared_gpu_starts_alone_and_the_others_only_if_the
         assert src.shares[0].capacity is None  # 'groups': not measured
 
     asyncio.run(main())
+
+
+#: What a worker that ran out of memory at start reports (its text as ``cadence.engine.worker`` sends it).
+_OOM = (
+    "worker start failed: AcceleratorError: CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in "
+    "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.\nCUDA kernel "
+    "errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect."
+    "\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable "
+    "device-side assertions.\n"
+)
+
+
+def test_a_further_group_out_of_memory_at_start_is_left_out_and_the_rest_serve(caplog):
+    from cadence.serve.workers import LocalGroups
+
+    def mem():
+        return {"total_mb": 100_000.0, "free_mb": 90_000.0}  # 8 more fit, by the estimate
+
+    async def main():
+        gpu = _Gpu(0.002)
+        groups = [_FakeGroup(i, "cuda:0", gpu, mem()) for i in range(5)] + [_FakeGroup(5, "cuda:1", gpu)]
+        src = LocalGroups(
+            list(groups),
+            object,
+            sharing=Sharing(tuple(Placement.of(g.device) for g in groups)),
+            rules=ShareRules("measure", capacity_s=0.2),
+        )
+        for g in groups[2], groups[4]:  # their warm-ups ran out of the GPU's memory
+            g.fail = one_line(_OOM)
+        with caplog.at_level(logging.WARNING, logger="cadence.serve"):
+            await src.start(lambda g, m: None, None, 10.0)
+        assert [g.index for g in src.groups] == [0, 1, 3, 5]
+        assert groups[2].stopped and groups[4].stopped and groups[2].share is None
+        (share,) = src.shares
+        assert [g.index for g in share.groups] == [0, 1, 3] and share.left_out == 2
+        # the capacity is measured on the 3 that serve, and admission keeps to it
+        assert 1 <= share.capacity <= 3 and len(share.measured["chunks_per_s"]) == 3
+        assert share.describe()["groups"] == 3 and share.describe()["left_out"] == 2
+        lines = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+        assert len(lines) == 2 and all("\n" not in line for line in lines)
+        assert "worker 2 (cuda:0) left out: it ran out of GPU memory" in lines[0]
+        assert "CUDA error: out of memory" in lines[0] and "cudaErrorMemoryAllocation" not in lines[0]
+        assert lines[1].endswith("3 group(s) serve on cuda:0")
+        assert sum(g.free for g in src.groups) == share.capacity + 1  # (cuda:1's own group besides)
+
+    asyncio.run(main())
+
+
+def test_the_first_groups_failure_or_any_other_failure_still_stops_the_start_in_one_line():
+    from cadence.serve.workers import LocalGroups
+
+    async def start(groups):
+        src = LocalGroups(
+            groups, object, sharing=Sharing(tuple(g.device for g in groups)), rules=ShareRules(capacity_s=0.2)
+        )
+        await src.start(lambda g, m: None, None, 10.0)
+
+    async def main():
+        gpu = _Gpu(0.002)
+        mem = {"total_mb": 100_000.0, "free_mb": 90_000.0}
+        groups = [_FakeGroup(i, "cuda:0", gpu, mem) for i in range(3)]
+        groups[0].fail = one_line(_OOM)  # the first: nothing to measure others by
+        with pytest.raises(RuntimeError) as e:
+            await start(groups)
+        assert (
+            str(e.value)
+            == "worker 0 (cuda:0): worker start failed: AcceleratorError: CUDA error: out of memory"
+        )
+        assert groups[1].started_at is None
+        groups = [_FakeGroup(i, "cuda:0", gpu, mem) for i in range(3)]
+        groups[2].fail = "worker start failed: ValueError: frame ring shape [1] != the engine's [2]"
+        with pytest.raises(RuntimeError, match=r"^worker 2 \(cuda:0\): worker start failed: ValueError"):
+            await start(groups)
+
+    asyncio.run(main())
+
+
+def test_an_error_line_keeps_what_went_wrong_and_drops_cudas_boilerplate():
+    assert one_line(_OOM) == "worker start failed: AcceleratorError: CUDA error: out of memory"
+    assert one_line("a\n  b\n") == "a b"
+    assert out_of_memory(_OOM) and out_of_memory(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+    )
+    assert not out_of_memory("CUDA error: MPS client failed to connect")
+    from cadence.engine.messages import Error
+    from cadence.serve.workers import WorkerGroup
+
+    g = WorkerGroup(3, SimpleNamespace())  # the web side keeps one line, whatever the worker sent
+    g._dispatch(Error(None, _OOM))
+    assert g.start_error == "worker start failed: AcceleratorError: CUDA error: out of memory"
 
 
 # ---- MPS ---------------------------------------------------------------------------------------------------
@@ -569,3 +664,40 @@ def test_serve_says_what_is_wrong_with_the_sharing_words_in_one_line(capsys, wor
         assert err.strip().splitlines() == [f"error: {says}"], err
     else:
         assert "invalid choice: 'lots'" in err
+
+
+def test_workers_sharing_a_gpu_keep_a_fair_share_of_the_cores_as_torch_threads():
+    from cadence.engine.placement import gpu_worker_threads
+    from cadence.engine.recipe import EngineSpec
+    from cadence.serve.config import LOCAL
+
+    assert gpu_worker_threads(4, 16, 16) == 1 and gpu_worker_threads(4, 16, 4) == 4  # never above torch's own
+    assert gpu_worker_threads(4, 16, 5) == 3 and gpu_worker_threads(4, 2, 16) == 1
+    shared = ServeConfig(engine=EngineSpec(model="tiny"), groups=("cuda:0",) * 4 + ("cuda:1",))
+    src = LOCAL.group_source(shared)
+    assert [g.spec.cpu_share for g in src.groups] == [5] * 5  # five worker processes on this machine
+    alone = ServeConfig(engine=EngineSpec(model="tiny"), groups=("cuda:0", "cuda:1"))
+    assert [g.spec.cpu_share for g in LOCAL.group_source(alone).groups] == [1, 1]  # torch's default kept
+
+
+def test_a_cuda_worker_sets_its_share_of_threads_at_start_and_an_explicit_count_wins(monkeypatch):
+    import signal
+
+    import torch
+
+    from cadence.engine import worker
+
+    set_to = []
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (the test process keeps its own handlers)
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 16)
+
+    def spec(threads, share):
+        fast = SimpleNamespace(threads=threads)
+        return SimpleNamespace(recipe=SimpleNamespace(device="cuda:0", fast=fast), cpu_share=share)
+
+    worker._setup_process(spec(0, 16), "t")
+    worker._setup_process(spec(0, 1), "t")  # alone on its GPU: torch's default
+    worker._setup_process(spec(2, 16), "t")  # --worker-threads 2
+    assert set_to == [1, 2]

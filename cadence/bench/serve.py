@@ -170,11 +170,30 @@ def _add_session_flags(p) -> None:
         "sweep)",
     )
     p.add_argument(
+        "--viewer-procs",
+        type=_procs,
+        default=None,
+        metavar="K",
+        help="run the viewers in K processes of their own (default: up to 4 viewers a process, at most a "
+        "quarter of the cores; 1: in this process)",
+    )
+    p.add_argument(
         "--target-fps",
         type=float,
         default=None,
         help="the fresh fps every session must hold (default: the stream's fps - 0.5)",
     )
+
+
+def _procs(text: str) -> int:
+    """``--viewer-procs``: a count >= 1."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be a count >= 1, got {text!r}")
+    return k
 
 
 def _counts(text: str) -> list[int]:
@@ -396,9 +415,10 @@ class _StartFailed(Exception):
     """The self-started server could not be built or started (its one line)."""
 
 
-def _run(args, n: int, url: str | None, groups_note: str = "") -> dict:
-    """``n`` clients against ``url`` (None: a server started here for them, stopped after): printed and
-    recorded; ``{"results", "errors", "cfg"}``. ``_StartFailed`` when the server cannot start."""
+def _run(args, n: int, url: str | None, groups_note: str = "", server_pid: int | None = None) -> dict:
+    """``n`` clients against ``url`` (None: a server started here for them, stopped after; else
+    ``server_pid``, when known, is its process): printed and recorded; ``{"results", "errors", "cfg"}``.
+    ``_StartFailed`` when the server cannot start."""
     from cadence.errors import CadenceError
 
     srv = cluster = None
@@ -408,29 +428,47 @@ def _run(args, n: int, url: str | None, groups_note: str = "") -> dict:
         except (CadenceError, RuntimeError) as e:
             raise _StartFailed(" ".join(str(e).split())) from None
         url = srv.url
+        server_pid = srv.proc.pid if isinstance(srv, ServerProcess) else os.getpid()
     try:
-        cfg, results = asyncio.run(
-            _drive(
-                url,
-                n,
-                args.seconds,
-                args.speak_after,
-                args.speak_every,
-                args.speak_jitter,
-                args.progress_every,
-                args.video_codec,
-            )
-        )
+        cfg, results, cpu = _watch(args, n, url, server_pid)
     finally:
         if srv is not None:
             srv.stop()
         if cluster is not None:
             cluster.shutdown()  # its fleet's groups removed, then the cluster
     res, ok, errors = _results(args, n, cfg, results, srv is not None or args.url is None, url)
+    res["cpu"] = cpu
     _print_results(args, n, cfg, res, ok, errors)
     if not args.no_record:
         _record(args, n, cfg, res, ok, groups_note)
     return {"results": res, "errors": errors, "cfg": cfg}
+
+
+def _watch(args, n: int, url: str, server_pid: int | None) -> tuple[dict, list, dict]:
+    """The ``n`` viewers watch ``url`` (in this process, or spread over ``--viewer-procs`` processes:
+    ``cadence.bench.serve_viewers``): (the server's /config, the viewers' results, each side's CPU seconds per
+    wall second: ``server`` (None: not known), ``viewers`` (one per viewer process))."""
+    from cadence.bench.serve_viewers import CpuProbe, default_viewer_procs, drive_spread
+
+    procs = min(n, args.viewer_procs or default_viewer_procs(n))
+    kw = {
+        "seconds": args.seconds,
+        "speak_after": args.speak_after,
+        "speak_every": args.speak_every,
+        "speak_jitter": args.speak_jitter,
+        "progress_every": args.progress_every,
+        "video_codec": args.video_codec,
+    }
+    server = CpuProbe(server_pid)
+    if procs <= 1:
+        mine = CpuProbe(os.getpid())
+        cfg, results = asyncio.run(_drive(url, n, **kw))
+        viewers = [mine.done()]
+    else:
+        cfg, results, viewers = drive_spread(_drive, url, n, procs, kw, timeout_s=args.seconds + 300)
+    # (the server in the viewers' own process: one figure for both sides' work)
+    shared = procs <= 1 and server_pid == os.getpid()
+    return cfg, results, {"server": server.done(), "viewers": viewers, "server_with_viewers": shared}
 
 
 def search_capacity(trial: Callable[[int], bool], max_n: int, start: int = 1) -> tuple[int, dict[int, bool]]:
@@ -479,6 +517,7 @@ def _sweep(args) -> int:
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
         url = srv.url
+    pid = srv.proc.pid if isinstance(srv, ServerProcess) else (os.getpid() if srv is not None else None)
     try:
         if url is not None:  # what the one server holds: its groups, the capacity it measured
             sh = _sharing(_get_config(url))
@@ -492,7 +531,7 @@ def _sweep(args) -> int:
             try:
                 if url is not None:
                     _wait_idle(url)
-                r = _run(args, n, url, note)["results"]
+                r = _run(args, n, url, note, pid)["results"]
             except _StartFailed as e:
                 print(f"  {n} session(s): the server did not start ({e})", file=sys.stderr)
                 rows.append({"sessions": n, "holds_target": False, "error": str(e)})

@@ -122,3 +122,13 @@ class Sharing:
     def describe(self) -> str:
         """One line: 'cuda:0 x4, cuda:1 x4' (a placement and its groups)."""
         return ", ".join(f"{p} x{len(ix)}" for p, ix in self.by_placement.items())
+
+
+def gpu_worker_threads(default: int, cores: int, processes: int) -> int:
+    """torch intra-op threads for a CUDA worker among ``processes`` worker processes on a machine of ``cores``
+    cores: torch's ``default`` (its count of the cores, per process), at most the fair share ``cores //
+    processes``, at least 1. A GPU worker's own CPU work is small (its kernels run on the GPU; two Python
+    threads drive them), but each of its intra-op threads can spin on a core after a CPU op: 16 groups sharing
+    one GPU at torch's 4 each were 64 threads on 16 cores, beside the web process that paces and encodes every
+    session's video."""
+    return max(1, min(default, cores // max(1, processes)))

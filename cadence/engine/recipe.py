@@ -623,3 +623,7 @@ class WorkerSpec:
     """The frame ring to attach ({'name', 'shape', 'slots'}), or None: frames travel through the pipe."""
     tp_port: int | None = None
     """Rendezvous port of a tensor-parallel group."""
+    cpu_share: int = 1
+    """The worker processes on this machine whose GPUs are shared (``--sessions-per-gpu``): a CUDA worker
+    without ``fast.threads`` keeps at most its fair share of the cores as torch threads
+    (``cadence.engine.placement.gpu_worker_threads``); 1: torch's default."""

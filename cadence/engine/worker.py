@@ -51,8 +51,10 @@ from cadence.engine.messages import (
     SwitchPrompt,
     WorkerInfo,
 )
+from cadence.engine.placement import gpu_worker_threads
 from cadence.engine.recipe import WorkerSpec
 from cadence.engine.spec import DEFAULT_PROMPT
+from cadence.errors import one_line
 
 log = logging.getLogger("cadence.serve")
 
@@ -256,6 +258,10 @@ def _setup_process(spec: WorkerSpec, label: str) -> None:
     )
     if spec.recipe.fast.threads > 0:
         torch.set_num_threads(spec.recipe.fast.threads)
+    elif spec.cpu_share > 1 and spec.recipe.device.startswith("cuda"):  # workers sharing a GPU: a fair share
+        torch.set_num_threads(
+            gpu_worker_threads(torch.get_num_threads(), os.cpu_count() or 1, spec.cpu_share)
+        )
 
 
 def _device_name(device: str) -> str:
@@ -311,7 +317,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:  # pragma: no cover - other pro
     try:
         eng, ring, peers, default_image, ready = _start_rank0(spec, pipe)
     except Exception as e:
-        pipe.send(Error(None, f"worker start failed: {type(e).__name__}: {e}"))
+        pipe.send(Error(None, one_line(f"worker start failed: {type(e).__name__}: {e}")))
         raise
     pipe.send(ready)
     try:

@@ -14,6 +14,7 @@ The rest of the fields are the server's own: listening, sessions, limits, access
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import ipaddress
 from dataclasses import dataclass, field
@@ -368,8 +369,11 @@ class Local:
         from cadence.serve.workers import LocalGroups, WorkerGroup
 
         groups = []
+        # workers of a shared GPU keep a fair share of the cores as torch threads (``WorkerSpec.cpu_share``)
+        procs = sum(len(Placement.of(p).devices) for p in cfg.groups) if cfg.sharing.shared else 1
         for i, placement in enumerate(cfg.groups):
             spec, shm = worker_spec(cfg, placement)
+            spec = dataclasses.replace(spec, cpu_share=procs)
             shape = frame_shape(spec.recipe.config)
             groups.append(WorkerGroup(i, spec, frame_shape=shape, slots=cfg.max_in_flight + 1, shm=shm))
         return LocalGroups(groups, LiveSession, sharing=cfg.sharing, rules=cfg.share_rules)

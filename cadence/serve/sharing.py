@@ -10,7 +10,9 @@ be read off one group alone:
   the CUDA context; plus anything else already on the GPU, so the figure errs high). Each further group needs
   that footprint plus ``MEMORY_MARGIN``; :func:`memory_fit` says how many fit in what is free, and a server
   asked for more stops with one line naming the number that fits (:func:`memory_error`), before it starts the
-  others (``ShareRules.memory_fit`` 'trim' starts only those instead: the benchmark's sweeps).
+  others (``ShareRules.memory_fit`` 'trim' starts only those instead: the benchmark's sweeps). The estimate is
+  of a steady footprint: further groups warming up together can peak above it, so one that runs out of memory
+  at start is left out with one line and the server serves with the others (``LocalGroups._start_further``).
 * **Capacity.** A group's warm-up measures its sustained chunk time alone on the GPU, which overstates its
   speed once k groups share it. So once every group is ready, the groups of each shared GPU stream flat out
   together for ``capacity_s`` (every group its own default session, ``max_in_flight`` chunks in flight, the

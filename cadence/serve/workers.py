@@ -15,7 +15,8 @@ The session manager gets its groups from a *source* (the ``GroupSource`` of :mod
 
 Groups that share a GPU (``cadence serve --sessions-per-gpu N``; ``cadence.serve.sharing`` has the rules and
 the arithmetic): :class:`LocalGroups` starts the first group of each shared GPU alone, checks from its
-memory figures that the others fit (one error line, or only those that fit), starts the others, then lets
+memory figures that the others fit (one error line, or only those that fit), starts the others (one that runs
+out of memory at start anyway, several warm-ups peaking at once, is left out with one line), then lets
 the groups of each shared device stream flat out together (:func:`measure_throughput`) and keeps the
 sessions admitted on it to what that throughput holds at real time (:class:`SharedDevice`). With ``--mps``
 the workers run under a private MPS daemon (``cadence.serve.mps``).
@@ -55,6 +56,7 @@ from cadence.engine.placement import Placement, Sharing
 from cadence.engine.recipe import WorkerSpec
 from cadence.engine.shm import FrameRing
 from cadence.engine.spec import DEFAULT_PROMPT
+from cadence.errors import one_line, out_of_memory
 from cadence.net import free_port
 from cadence.serve.lines import worker_ready_line
 from cadence.serve.pacing import LatencyProfile
@@ -285,8 +287,8 @@ class WorkerGroup:
                     log.info("worker %d: %s", self.index, note)
                 return
             case Error(sid=None, message=text) if not self.ready.is_set() and self.start_error is None:
-                self.start_error = text
-                log.error("worker %d: %s", self.index, text)
+                self.start_error = one_line(text)
+                log.error("worker %d: %s", self.index, self.start_error)
             case Died():
                 self.ready.clear()
         if self.on_message is not None:
@@ -349,6 +351,7 @@ class SharedDevice:
         self.enforced = True
         self.measured: dict | None = None
         self.memory: dict | None = None
+        self.left_out = 0  # further groups that ran out of memory at start (``LocalGroups._leave_out``)
 
     def busy(self) -> int:
         """Its groups holding a session (or held for one being admitted)."""
@@ -376,6 +379,7 @@ class SharedDevice:
             "busy": self.busy(),
             "measured": self.measured,
             "memory": self.memory,
+            "left_out": self.left_out,
         }
 
 
@@ -512,7 +516,8 @@ class LocalGroups:
     async def start(self, route: Callable, metrics, timeout_s: float) -> None:
         """Start every group; return when all are ready (RuntimeError: one failed, did not fit its GPU's
         memory, or the timeout). The first group of each shared GPU starts alone: its memory figures say how
-        many more fit (``ShareRules.memory_fit``), then the others start; then each shared device's capacity
+        many more fit (``ShareRules.memory_fit``), then the others start (one that runs out of memory is left
+        out: ``_start_further``); then each shared device's capacity
         is measured (``ShareRules.measures``). Each of the two starts has ``timeout_s``. (The manager exports
         this machine's groups to ``metrics``.)"""
         if self.rules.mps and any(g.device.startswith("cuda") for g in self.groups):
@@ -532,7 +537,7 @@ class LocalGroups:
             await self._without_mps(first, e)  # (a daemon that started but serves no client)
             await self._start(first, timeout_s)
         self._fit_memory()
-        await self._start([g for g in self.groups if id(g) in later], timeout_s)
+        await self._start_further([g for g in self.groups if id(g) in later], timeout_s)
         if self.mps is not None:
             log.info("MPS: servers %s", await asyncio.to_thread(self.mps.servers))
         await self._measure_capacity()
@@ -561,6 +566,50 @@ class LocalGroups:
             if loop.time() > deadline:
                 raise RuntimeError(f"worker processes not ready within {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
+
+    async def _start_further(self, groups: list[WorkerGroup], timeout_s: float) -> None:
+        """Start the further groups of the shared GPUs, all at once. One that fails because its GPU ran out of
+        memory is left out (one log line; the server starts with the others: their warm-ups peak together,
+        above the first group's steady footprint that :func:`memory_fit` counted); any other failure, or the
+        timeout, is a RuntimeError (one line), as for the first groups."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for g in groups:
+            g.start()
+        pending = list(groups)
+        while pending:
+            failed = [g for g in pending if g.start_error]
+            hard = [g for g in failed if not out_of_memory(g.start_error)]
+            if hard:
+                raise RuntimeError("; ".join(f"worker {g.index} ({g.device}): {g.start_error}" for g in hard))
+            for g in failed:
+                await self._leave_out(g)
+            pending = [g for g in pending if not g.ready.is_set() and g not in failed]
+            if pending and loop.time() > deadline:
+                raise RuntimeError(f"worker processes not ready within {timeout_s:.0f} s")
+            if pending:
+                await asyncio.sleep(0.05)
+
+    async def _leave_out(self, g: WorkerGroup) -> None:
+        """A further group that ran out of memory at start: stopped, taken off its device and the server's
+        groups (so the capacity measured next and admission count only those that serve); one log line."""
+        why = g.start_error
+        await g.stop(timeout=2.0)
+        self.groups.remove(g)
+        share = g.share
+        if share is not None:
+            share.groups.remove(g)
+            share.left_out += 1
+            g.share = None
+        left = len(share.groups) if share is not None else 0
+        log.warning(
+            "worker %d (%s) left out: it ran out of GPU memory at start (%s); %d group(s) serve on %s",
+            g.index,
+            g.device,
+            why,
+            left,
+            share.placement if share is not None else g.device,
+        )
 
     def _fit_memory(self) -> None:
         """Each shared GPU, its first group up: do the others fit? RuntimeError (one line) or, with 'trim', only
