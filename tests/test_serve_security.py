@@ -502,13 +502,17 @@ def test_parallel_64_megapixel_pngs_are_refused_without_decoding(srv, op, sdp):
     assert peak.peak - rss0 < 200, (rss0, peak.peak)
     assert _rss_mb() - rss0 < 50, (rss0, _rss_mb())
     assert threading.active_count() == threads0, (threads0, [t.name for t in threading.enumerate()])
-    # an allowed large image (16 MP: ~64 MB of grey + RGB pixels while it decodes): decoded, memory back
+    # an allowed large image (16 MP: ~64 MB of grey + RGB pixels while it decodes): decoded, memory back. Its
+    # baseline is this process settled just before it (cycles collected, heap trimmed), not rss0: what the
+    # 24 refused uploads and their client threads left behind (within the 50 MB above) is not the decode's
+    # (once, late in a whole-suite run, rss0 + 54.9 MB here; the file alone passes)
+    base = _settled_rss_mb(0.0, timeout=0.3)
     with _PeakRss() as peak:
         r = op.post("/sessions", data={"sdp": sdp}, files={"image": ("ok.png", ok)})
     assert r.status_code == 201, r.text
     op.delete(f"/sessions/{r.json()['session_id']}")
-    assert peak.peak - rss0 < 200, (rss0, peak.peak)
-    assert _settled_rss_mb(rss0 + 50) - rss0 < 50, (rss0, _rss_mb())
+    assert peak.peak - base < 200, (base, peak.peak)
+    assert _settled_rss_mb(base + 50) - base < 50, (base, _rss_mb())
     assert threading.active_count() == threads0
 
 
