@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from cadence.config import AUDIO_SAMPLE_RATE
 from cadence.errors import InputError
 
 #: Clips whose frames the session keeps for a cut-in (``FlashHeadSession.rewind``).
 CLIPS_KEPT = 2
+#: A clip session runs its audio one video frame (25 fps) behind the engine's clock: the resampler's hold-back.
+AUDIO_LAG = AUDIO_SAMPLE_RATE // 25
 
 
 class CutInHistory:
@@ -79,9 +82,43 @@ def cut_in_history(audio) -> CutInHistory:
 
 
 class ClipCutIn:
-    """The cut-in of a clip session (mixed in): needs ``motion_frames``, ``heard`` (a :class:`CutInHistory` the
-    session pushes every clip's samples and frames to), ``model``, ``_new_audio()`` (a fresh audio window),
-    ``_encode_motion(video)`` and ``_set_motion(latents)``."""
+    """What every clip session (FlashHead, FlashTalk) shares, the cut-in among them (mixed in): needs ``cfg``,
+    ``audio`` (its window), ``index``, ``next_frame``, ``decode_device``, ``motion_frames``, ``heard`` (a
+    :class:`CutInHistory` every clip's samples and frames go to, :meth:`_clip_out`), ``model``, ``_new_audio()``
+    (a fresh audio window), ``_encode_motion(video)`` and ``_set_motion(latents)``."""
+
+    def _check_image(self, image: torch.Tensor) -> None:
+        h, w = self.cfg.stream.height, self.cfg.stream.width
+        if tuple(image.shape) != (3, h, w):
+            raise InputError(
+                f"reference image must be [3, {h}, {w}] for {self.cfg.name}, got {list(image.shape)}"
+            )
+
+    def _clip_audio(self, samples: torch.Tensor):
+        """The one clip's audio windows a chunk's 48 kHz ``samples`` (float32, on the host) complete."""
+        clips = self.audio.push(samples)
+        if len(clips) != 1:  # the lag covers the resampler's hold-back; anything else is a broken clock
+            raise RuntimeError(
+                f"chunk {self.index}: its audio completed {len(clips)} clips (expected 1): the resampler held "
+                f"back more than the session's {AUDIO_LAG}-sample lag"
+            )
+        return clips[0]
+
+    def _clip_out(self, samples: torch.Tensor, video: torch.Tensor) -> torch.Tensor:
+        """The clip's video [3, T, H, W] in [-1, 1] as uint8 frames [T, H, W, 3], kept with its samples for a
+        cut-in; the stream's clock moves on by one chunk."""
+        self.next_frame += self.cfg.stream.latent_frames_per_chunk
+        self.index += 1
+        out = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+        self.heard.push(samples, out, CLIPS_KEPT)
+        return out
+
+    def prime_decoder(self) -> bool:
+        return False
+
+    def decode(self, frames: torch.Tensor) -> torch.Tensor:
+        """The step's frames, already pixels: moved to the decode device."""
+        return frames.to(self.decode_device)
 
     @classmethod
     def cut_in_frames(cls, gen) -> tuple[int, int]:

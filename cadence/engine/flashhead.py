@@ -48,9 +48,8 @@ from collections import OrderedDict
 import torch
 
 from cadence.config import AUDIO_SAMPLE_RATE
-from cadence.engine.cut_in import CLIPS_KEPT, ClipCutIn, cut_in_history
-from cadence.engine.flashtalk import AUDIO_LAG
-from cadence.errors import ConfigError, InputError
+from cadence.engine.cut_in import AUDIO_LAG, ClipCutIn, cut_in_history
+from cadence.errors import ConfigError
 
 log = logging.getLogger("cadence.engine")
 
@@ -177,13 +176,6 @@ class FlashHeadSession(ClipCutIn):
             raise RuntimeError(f"reseed() before the first chunk only (this session made {self.index})")
         self.clips.reseed(seed)
 
-    def _check_image(self, image: torch.Tensor) -> None:
-        h, w = self.cfg.stream.height, self.cfg.stream.width
-        if tuple(image.shape) != (3, h, w):
-            raise InputError(
-                f"reference image must be [3, {h}, {w}] for {self.cfg.name}, got {list(image.shape)}"
-            )
-
     def _start(self, image: torch.Tensor, seed: int) -> None:
         from cadence.model.flashhead_stream import FlashHeadClips
 
@@ -252,24 +244,8 @@ class FlashHeadSession(ClipCutIn):
         denoised latent in ``last_latent``). ``runner``: the engine's graph runner (its switch, warm-up count,
         capture function and counters; the model pass is captured here, not by the runner)."""
         samples = audio.detach().to("cpu", torch.float32)
-        windows = self.audio.push(samples)
-        if len(windows) != 1:  # the lag covers the resampler's hold-back; anything else is a broken clock
-            raise RuntimeError(
-                f"chunk {self.index}: its audio completed {len(windows)} clips (expected 1): the resampler held "
-                f"back more than the session's {AUDIO_LAG}-sample lag"
-            )
+        windows = self._clip_audio(samples)
         self.clips.denoiser = self._denoiser(runner)
-        video = self.clips.next(windows[0])
+        video = self.clips.next(windows)
         self.last_latent = self.clips.last_latent
-        self.next_frame += self.cfg.stream.latent_frames_per_chunk
-        self.index += 1
-        out = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
-        self.heard.push(samples, out, CLIPS_KEPT)
-        return out
-
-    def prime_decoder(self) -> bool:
-        return False
-
-    def decode(self, frames: torch.Tensor) -> torch.Tensor:
-        """The step's frames, already pixels: moved to the decode device."""
-        return frames.to(self.decode_device)
+        return self._clip_out(samples, video)

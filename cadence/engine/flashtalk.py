@@ -44,13 +44,12 @@ from collections import OrderedDict
 import torch
 
 from cadence.config import AUDIO_SAMPLE_RATE
-from cadence.engine.cut_in import CLIPS_KEPT, ClipCutIn, cut_in_history
+from cadence.engine.cut_in import AUDIO_LAG, ClipCutIn, cut_in_history
 from cadence.errors import ConfigError, InputError
 
 log = logging.getLogger("cadence.engine")
 
 #: 48 kHz samples of silence the clip session's audio starts with (one video frame at 25 fps, see the module).
-AUDIO_LAG = AUDIO_SAMPLE_RATE // 25
 #: The colour match strength FlashTalk ships (``color_correction_strength``).
 COLOR_STRENGTH = 1.0
 
@@ -107,13 +106,6 @@ class ClipSession(ClipCutIn):
         if self.index:
             raise RuntimeError(f"reseed() before the first chunk only (this session made {self.index})")
         self.noise_gen.manual_seed(seed)
-
-    def _check_image(self, image: torch.Tensor) -> None:
-        h, w = self.cfg.stream.height, self.cfg.stream.width
-        if tuple(image.shape) != (3, h, w):
-            raise InputError(
-                f"reference image must be [3, {h}, {w}] for {self.cfg.name}, got {list(image.shape)}"
-            )
 
     def _embed(self, prompt) -> torch.Tensor:
         m = self.cfg.model
@@ -179,13 +171,7 @@ class ClipSession(ClipCutIn):
         from cadence.model import flashtalk as ft
 
         samples = audio.detach().to("cpu", torch.float32)
-        clips = self.audio.push(samples)
-        if len(clips) != 1:  # the lag covers the resampler's hold-back; anything else is a broken clock
-            raise RuntimeError(
-                f"chunk {self.index}: its audio completed {len(clips)} clips (expected 1): the resampler held "
-                f"back more than the session's {AUDIO_LAG}-sample lag"
-            )
-        windows = clips[0].to(self.cond)
+        windows = self._clip_audio(samples).to(self.cond)
         latent = ft.sample_clip(
             self.model, self.noise_gen, self.motion, self.cond, self.context, windows, self.timesteps
         )
@@ -193,18 +179,7 @@ class ClipSession(ClipCutIn):
             self.gen.vae.wan, latent, self.ref, self.motion_frames, strength=COLOR_STRENGTH
         )
         self.last_latent = latent
-        self.next_frame += self.cfg.stream.latent_frames_per_chunk
-        self.index += 1
-        out = ((frames.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
-        self.heard.push(samples, out, CLIPS_KEPT)
-        return out
-
-    def prime_decoder(self) -> bool:
-        return False
-
-    def decode(self, frames: torch.Tensor) -> torch.Tensor:
-        """The step's frames, already pixels: moved to the decode device."""
-        return frames.to(self.decode_device)
+        return self._clip_out(samples, frames)
 
 
 class ClipReferences:
