@@ -181,26 +181,32 @@ class TritonKernel(Kernel):
             return "FP8 MMA needs compute capability >= 8.9"
         return "" if ok else why
 
+    #: How a probe names the kernel, and how many key tiles its one call reads.
+    probe_name, probe_tiles = "Triton", 2
+
     def probe(self, device, head_dim, storage, layout, config, m) -> str:
-        """Compile (and run once, tiny) the config on CUDA: a config the compiler rejects falls back here."""
+        """Compile (and run once, tiny: ``probe_tiles`` key tiles, ``m`` query rows) the config on CUDA, at
+        set-up, never in a step: a config the compiler rejects falls back here."""
         if device.type != "cuda":
             return ""
         dt = ra.FP8 if storage == "fp8" else torch.bfloat16
-        n = 2 * (config.get("block_n") or 128)
+        n = self.probe_tiles * (config.get("block_n") or 128)
         q = torch.zeros(1, m, head_dim, device=device, dtype=dt)
         k = torch.zeros(1, n, head_dim, device=device, dtype=dt)
         vt = torch.zeros(1, head_dim, n, device=device, dtype=dt) if layout.v_transposed else k.clone()
         qs = torch.ones(1, m, device=device)
         ks = torch.ones(1, device=device) if layout.scales == "head" else torch.ones(1, n, device=device)
         nv = torch.tensor([n - 3], dtype=torch.int32, device=device)
+        name = f"the {self.probe_name} config {config}"
         try:
-            out = ra.ring_attention(q, qs, k, ks, vt, ks, nv, v_transposed=layout.v_transposed, **config)
+            out = self._probe_call(q, qs, k, ks, vt, nv, layout, config)
             torch.cuda.synchronize(device)
         except Exception as e:
-            return f"the Triton config {config} does not run ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
-        return (
-            "" if torch.isfinite(out.float()).all() else f"the Triton config {config} gave non-finite output"
-        )
+            return f"{name} does not run ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+        return "" if torch.isfinite(out.float()).all() else f"{name} gave non-finite output"
+
+    def _probe_call(self, q, qs, k, ks, vt, nv, layout, config) -> torch.Tensor:
+        return ra.ring_attention(q, qs, k, ks, vt, ks, nv, v_transposed=layout.v_transposed, **config)
 
     def configs(self, device, storage, sweep, ctas) -> list[dict]:
         """Block shapes x key splits (x the dual / pv_bf16 / ws / register / cluster variants with FP8); one
@@ -253,27 +259,10 @@ class ShortKernel(TritonKernel):
     def __init__(self):
         super().__init__({}, variants=False)
 
-    def probe(self, device, head_dim, storage, layout, config, m) -> str:
-        """One call at the ring's query count on CUDA: a config the compiler rejects falls back here."""
-        if device.type != "cuda":
-            return ""
-        n = 4 * (config.get("block_n") or 128)
-        q = torch.zeros(1, m, head_dim, device=device, dtype=ra.FP8)
-        k = torch.zeros(1, n, head_dim, device=device, dtype=ra.FP8)
-        vt = torch.zeros(1, head_dim, n, device=device, dtype=ra.FP8)
-        qs = torch.ones(1, m, device=device)
-        ks = torch.ones(1, device=device) if layout.scales == "head" else torch.ones(1, n, device=device)
-        nv = torch.tensor([n - 3], dtype=torch.int32, device=device)
-        try:
-            out = ra.short_attention(q, qs, k, ks, vt, ks, nv, **config)
-            torch.cuda.synchronize(device)
-        except Exception as e:
-            return f"the short-query config {config} does not run ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
-        return (
-            ""
-            if torch.isfinite(out.float()).all()
-            else f"the short-query config {config} gave non-finite output"
-        )
+    probe_name, probe_tiles = "short-query", 4
+
+    def _probe_call(self, q, qs, k, ks, vt, nv, layout, config) -> torch.Tensor:
+        return ra.short_attention(q, qs, k, ks, vt, ks, nv, **config)
 
     def configs(self, device, storage, sweep, ctas) -> list[dict]:
         """The host-picked split (and, swept, the splits, warp specialisation and tiles of
