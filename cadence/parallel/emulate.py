@@ -26,6 +26,9 @@ all-gather     out <- every rank's rows, rank order          every slot of out <
 reduce-scatter out <- sum over ranks of block r of inp       out <- the sum of inp's w blocks: inp read
                                                              once, out written (the local arithmetic of
                                                              a reduce-scatter whose partials were local)
+all-to-all     out block j <- rank j's block r of its inp      every block of out <- this rank's block r
+(FP8 reduce)   (``comm_fp8``: unrecorded, inside one          of its inp (its shard then sums w equal
+               recorded ``two_shot_fp8`` all-reduce)           partials; the all-gather above repeats it)
 ============== ============================================ =========================================
 
 The symmetric-memory comm modes need peers: on an emulated group every row-parallel all-reduce runs the
@@ -44,7 +47,10 @@ and all-gather cost like NCCL's all-reduce per bus byte, with its fixed cost (co
 it); small messages (the q/k norms' [N, 1] sums) cost the fit's fixed cost (an upper bound: NCCL's
 low-latency protocol is not in the fit). Modes without figures (rs_ag, chunked, tiles) are estimated as
 two-shot (their measured times at M = 748 were within a few us of it or slower; docs/perf/fused/NOTES.md).
-Beside the total, ``total_ms_symm_halves`` prices the reduce-scatters / all-gathers as halves of the
+A ``two_shot_fp8`` all-reduce (:mod:`cadence.parallel.comm_fp8`) is priced as built: its all-to-all and
+all-gather of e4m3 rows + scales, each at the NCCL fit, plus its local kernels at an HBM rate
+(:func:`fp8_reduce_parts`); ``total_ms_fp8`` prices every big all-reduce of any run in that mode and in the
+symmetric-memory variants (models, not built). Beside the total, ``total_ms_symm_halves`` prices the reduce-scatters / all-gathers as halves of the
 two-shot all-reduce (what they would cost over symmetric memory, by the same model; not built, not
 measured).
 
@@ -221,9 +227,9 @@ def fp8_gather_two_shot_us(nbytes: int, world: int) -> float:
 HBM_BYTES_S = 4.2e12
 
 
-def fp8_reduce_parts(shape, world: int, block: int | None = None) -> dict:
+def fp8_reduce_parts(shape, world: int, block: int | None = None, itemsize: int = 2) -> dict:
     """The pieces of one ``two_shot_fp8`` all-reduce (:mod:`cadence.parallel.comm_fp8`) of a [.., N] tensor of
-    2-byte elements over `world` ranks, in us:
+    `itemsize`-byte elements (bf16: 2) over `world` ranks, in us:
 
     * ``wire_bytes``: the packed e4m3 rows + float32 scales (per half of the two-shot);
     * ``link_symm_us``: those bytes at the two-shot fit (fixed + per bus byte): what a symmetric-memory FP8
@@ -248,8 +254,8 @@ def fp8_reduce_parts(shape, world: int, block: int | None = None) -> dict:
     two, nccl = fit("two_shot"), fit("nccl")
     link_symm = two.fixed_us + two.us_per_mb * wire / 1e6 * bus_factor("all_reduce", "two_shot", world)
     half = nccl.fixed_us + nccl.us_per_mb * wire / 1e6 * bus_factor("all_gather", "nccl", world)
-    quant = (2 * elems + wire) / HBM_BYTES_S * 1e6
-    local = quant + (wire + wire / world) / HBM_BYTES_S * 1e6 + (wire + 2 * elems) / HBM_BYTES_S * 1e6
+    quant = (itemsize * elems + wire) / HBM_BYTES_S * 1e6
+    local = quant + (wire + wire / world) / HBM_BYTES_S * 1e6 + (wire + itemsize * elems) / HBM_BYTES_S * 1e6
     return {
         "wire_bytes": wire,
         "link_symm_us": link_symm,
@@ -265,13 +271,17 @@ def fp8_reduce_parts(shape, world: int, block: int | None = None) -> dict:
 
 def _fp8_alternatives(c: dict, us: float, world: int) -> dict[str, float]:
     """The FP8 reduce's variants for one recorded collective, us each: a ``two_shot_fp8`` all-reduce at its
-    variants; any other all-reduce of a 2-D-or-more 2-byte tensor over 1 MB priced as if it were one; the
+    variants; any other all-reduce of a 2-D-or-more tensor over 1 MB priced as if it were one; the
     rest (small sums, reduce-scatters, all-gathers) at `us`, as recorded."""
     big = c["kind"] == "all_reduce" and c["nbytes"] > 1_000_000 and len(c["shape"]) >= 2
     if not (big or c["algo"] == FP8_ALGO):
         return dict.fromkeys(FP8_VARIANTS, us)
-    parts = fp8_reduce_parts(c["shape"], world)
+    parts = fp8_reduce_parts(c["shape"], world, itemsize=_itemsize(c))
     return {k: parts[k + "_us"] for k in FP8_VARIANTS}
+
+
+def _itemsize(c: dict) -> int:
+    return max(c["nbytes"] // max(math.prod(c["shape"]), 1), 1)
 
 
 FP8_ALGO = "two_shot_fp8"
@@ -283,7 +293,7 @@ def _row_us(c: dict, world: int) -> tuple[float, str, int]:
     ``two_shot_fp8`` all-reduce is priced as this build runs it (``fp8_reduce_parts``' as_built: two NCCL
     exchanges of the packed e4m3 rows + the local kernels)."""
     if c["kind"] == "all_reduce" and c["algo"] == FP8_ALGO:
-        parts = fp8_reduce_parts(c["shape"], world)
+        parts = fp8_reduce_parts(c["shape"], world, itemsize=_itemsize(c))
         return parts["as_built_us"], "nccl", parts["wire_bytes"]
     return estimate_us(c["kind"], c["algo"], c["nbytes"], world), link_algo(c["kind"], c["algo"]), c["nbytes"]
 
