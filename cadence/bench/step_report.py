@@ -358,6 +358,15 @@ def tp_rows(r: dict, emulated: bool) -> list[tuple[str, str]]:
             + "   (all-reduces > 1 MB with an e4m3 all-gather half: a model)",
         ),
     ]
+    f8 = est.get("total_ms_fp8")
+    if f8:  # cadence.parallel.emulate.fp8_reduce_parts: all-reduces > 1 MB as two_shot_fp8, per variant
+        rows.append(
+            (
+                "  FP8 two-shot",
+                f"as built {f8['as_built']:.2f} / symm {f8['symm']:.2f} / symm fused {f8['symm_fused']:.2f} / "
+                f"quant in epilogue {f8['symm_epilogue']:.2f} ms   (all-reduces > 1 MB; models but 'as built')",
+            )
+        )
     for a, f in est.get("links_used", {}).items():
         lo, hi = f["measured_bytes"]
         ext = f"; extrapolated for {', '.join(f['extrapolated_for'])}" if f["extrapolated_for"] else ""

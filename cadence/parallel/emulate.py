@@ -26,6 +26,9 @@ all-gather     out <- every rank's rows, rank order          every slot of out <
 reduce-scatter out <- sum over ranks of block r of inp       out <- the sum of inp's w blocks: inp read
                                                              once, out written (the local arithmetic of
                                                              a reduce-scatter whose partials were local)
+all-to-all     out block j <- rank j's block r of its inp      every block of out <- this rank's block r
+(FP8 reduce)   (``comm_fp8``: unrecorded, inside one          of its inp (its shard then sums w equal
+               recorded ``two_shot_fp8`` all-reduce)           partials; the all-gather above repeats it)
 ============== ============================================ =========================================
 
 The symmetric-memory comm modes need peers: on an emulated group every row-parallel all-reduce runs the
@@ -44,7 +47,10 @@ and all-gather cost like NCCL's all-reduce per bus byte, with its fixed cost (co
 it); small messages (the q/k norms' [N, 1] sums) cost the fit's fixed cost (an upper bound: NCCL's
 low-latency protocol is not in the fit). Modes without figures (rs_ag, chunked, tiles) are estimated as
 two-shot (their measured times at M = 748 were within a few us of it or slower; docs/perf/fused/NOTES.md).
-Beside the total, ``total_ms_symm_halves`` prices the reduce-scatters / all-gathers as halves of the
+A ``two_shot_fp8`` all-reduce (:mod:`cadence.parallel.comm_fp8`) is priced as built: its all-to-all and
+all-gather of e4m3 rows + scales, each at the NCCL fit, plus its local kernels at an HBM rate
+(:func:`fp8_reduce_parts`); ``total_ms_fp8`` prices every big all-reduce of any run in that mode and in the
+symmetric-memory variants (models, not built). Beside the total, ``total_ms_symm_halves`` prices the reduce-scatters / all-gathers as halves of the
 two-shot all-reduce (what they would cost over symmetric memory, by the same model; not built, not
 measured).
 
@@ -93,6 +99,10 @@ class EmulatedGroup(TPGroup):
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         torch.sum(inp.view(self.world, *out.shape), dim=0, out=out)
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        blk = inp.view(self.world, -1, *inp.shape[1:])[self.rank]
+        out.view(self.world, *blk.shape).copy_(blk.unsqueeze(0).expand(self.world, *blk.shape))
 
 
 # ---- the link figures ------------------------------------------------------------------------------------
@@ -211,13 +221,96 @@ def fp8_gather_two_shot_us(nbytes: int, world: int) -> float:
     return f.fixed_us + f.us_per_mb * (half + half / 2) / 1e6
 
 
+#: HBM read + write rate the FP8 reduce's local kernels are priced at: docs/benchmarks.md's device copy on one
+#: H200 (the same figure as cadence.bench.floors.HBM_BYTES_S). An estimate from a bandwidth, not a timing of
+#: those kernels (the eager reference path runs several kernels per step, slower than this).
+HBM_BYTES_S = 4.2e12
+
+
+def fp8_reduce_parts(shape, world: int, block: int | None = None, itemsize: int = 2) -> dict:
+    """The pieces of one ``two_shot_fp8`` all-reduce (:mod:`cadence.parallel.comm_fp8`) of a [.., N] tensor of
+    `itemsize`-byte elements (bf16: 2) over `world` ranks, in us:
+
+    * ``wire_bytes``: the packed e4m3 rows + float32 scales (per half of the two-shot);
+    * ``link_symm_us``: those bytes at the two-shot fit (fixed + per bus byte): what a symmetric-memory FP8
+      two-shot would move (a model: not built; the fit's cost per byte is the bf16 two-shot's);
+    * ``link_nccl_us``: this build's exchanges, an all-to-all and an all-gather of the packed rows, each at the
+      NCCL fit with (w-1)/w bus bytes and its own fixed cost (all-to-all priced as a reduce-scatter);
+    * ``local_us``: the local kernels at :data:`HBM_BYTES_S`, one pass each: quantise the partial (read bf16,
+      write packed), sum + requantise the shard (read the w received shards, write one), dequantise the
+      gathered rows (read packed, write bf16); ``quantise_us`` the first alone (what stays if the sum and the
+      dequantisation run inside the collective's own kernels, as the bf16 two-shot's adds do);
+    * ``as_built_us`` = link_nccl + local; ``symm_us`` = link_symm + local; ``symm_fused_us`` = link_symm +
+      quantise (sum and dequantisation in the collective's kernels); ``symm_epilogue_us`` = link_symm (the
+      quantisation in the GEMM's epilogue as well)."""
+    from cadence.parallel.comm_fp8 import packed_row_bytes
+
+    n = int(shape[-1])
+    m = math.prod(int(s) for s in shape[:-1])
+    elems, wire = m * n, m * packed_row_bytes(n, block)
+    if world <= 1:
+        return {"wire_bytes": wire, **dict.fromkeys(("link_symm_us", "link_nccl_us", "local_us"), 0.0),
+                **dict.fromkeys(("quantise_us", "as_built_us", "symm_us", "symm_fused_us", "symm_epilogue_us"), 0.0)}  # fmt: skip
+    two, nccl = fit("two_shot"), fit("nccl")
+    link_symm = two.fixed_us + two.us_per_mb * wire / 1e6 * bus_factor("all_reduce", "two_shot", world)
+    half = nccl.fixed_us + nccl.us_per_mb * wire / 1e6 * bus_factor("all_gather", "nccl", world)
+    quant = (itemsize * elems + wire) / HBM_BYTES_S * 1e6
+    local = quant + (wire + wire / world) / HBM_BYTES_S * 1e6 + (wire + itemsize * elems) / HBM_BYTES_S * 1e6
+    return {
+        "wire_bytes": wire,
+        "link_symm_us": link_symm,
+        "link_nccl_us": 2 * half,
+        "local_us": local,
+        "quantise_us": quant,
+        "as_built_us": 2 * half + local,
+        "symm_us": link_symm + local,
+        "symm_fused_us": link_symm + quant,
+        "symm_epilogue_us": link_symm,
+    }
+
+
+def _fp8_alternatives(c: dict, us: float, world: int) -> dict[str, float]:
+    """The FP8 reduce's variants for one recorded collective, us each: a ``two_shot_fp8`` all-reduce at its
+    variants; any other all-reduce of a 2-D-or-more tensor over 1 MB priced as if it were one; the
+    rest (small sums, reduce-scatters, all-gathers) at `us`, as recorded."""
+    big = c["kind"] == "all_reduce" and c["nbytes"] > 1_000_000 and len(c["shape"]) >= 2
+    if not (big or c["algo"] == FP8_ALGO):
+        return dict.fromkeys(FP8_VARIANTS, us)
+    parts = fp8_reduce_parts(c["shape"], world, itemsize=_itemsize(c))
+    return {k: parts[k + "_us"] for k in FP8_VARIANTS}
+
+
+def _itemsize(c: dict) -> int:
+    return max(c["nbytes"] // max(math.prod(c["shape"]), 1), 1)
+
+
+FP8_ALGO = "two_shot_fp8"
+FP8_VARIANTS = ("as_built", "symm", "symm_fused", "symm_epilogue")
+
+
+def _row_us(c: dict, world: int) -> tuple[float, str, int]:
+    """(us of one, the link figure used, the bytes that figure is applied to) for a recorded collective. A
+    ``two_shot_fp8`` all-reduce is priced as this build runs it (``fp8_reduce_parts``' as_built: two NCCL
+    exchanges of the packed e4m3 rows + the local kernels)."""
+    if c["kind"] == "all_reduce" and c["algo"] == FP8_ALGO:
+        parts = fp8_reduce_parts(c["shape"], world, itemsize=_itemsize(c))
+        return parts["as_built_us"], "nccl", parts["wire_bytes"]
+    return estimate_us(c["kind"], c["algo"], c["nbytes"], world), link_algo(c["kind"], c["algo"]), c["nbytes"]
+
+
 def _links_used(rows: list[dict]) -> dict:
     """Per link figure used: the fit, the tensor sizes it was measured at, and which collectives fall outside
     that range (their estimate extrapolates the fit)."""
     out = {}
     for a in sorted({r["link_algo"] for r in rows}):
         lo, hi = measured_range(a)
-        outside = sorted({r["label"] for r in rows if r["link_algo"] == a and not lo <= r["nbytes"] <= hi})
+        outside = sorted(
+            {
+                r["label"]
+                for r in rows
+                if r["link_algo"] == a and not lo <= r.get("link_bytes", r["nbytes"]) <= hi
+            }
+        )
         out[a] = {**vars(fit(a)), "measured_bytes": [lo, hi], "extrapolated_for": outside}
     return out
 
@@ -229,30 +322,36 @@ def comm_estimate(summary: list[dict], world: int) -> dict:
     Alternatives, same list: ``total_ms_symm_halves`` (every reduce-scatter / all-gather priced by
     :func:`half_two_shot_us`), ``total_ms_cheapest`` (every all-reduce in the algorithm the table prices
     lowest for its size), ``total_ms_fp8_gather`` (every all-reduce over 1 MB as :func:`fp8_gather_two_shot_us`,
-    a model)."""
+    a model), ``total_ms_fp8`` (variant -> ms: every all-reduce over 1 MB as a ``two_shot_fp8`` one in each
+    variant of :func:`fp8_reduce_parts`; ``fp8`` says which figures those use)."""
     rows, by_kind, alt, cheap, fp8g = [], {}, 0.0, 0.0, 0.0
+    fp8 = dict.fromkeys(FP8_VARIANTS, 0.0)
     for c in summary:
-        us = estimate_us(c["kind"], c["algo"], c["nbytes"], world)
+        us, la, link_bytes = _row_us(c, world)
         ms = us * c["count"] / 1e3
-        la = link_algo(c["kind"], c["algo"])
         lo, hi = measured_range(la)
         rows.append(
-            {**c, "link_algo": la, "est_us": us, "est_ms": ms, "extrapolated": not lo <= c["nbytes"] <= hi}
-        )
+            {**c, "link_algo": la, "est_us": us, "est_ms": ms, "link_bytes": link_bytes,
+             "extrapolated": not lo <= link_bytes <= hi}
+        )  # fmt: skip
         by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + ms
+        for k, v in _fp8_alternatives(c, us, world).items():
+            fp8[k] += v * c["count"] / 1e3
         if c["kind"] != "all_reduce":
             alt += half_two_shot_us(c["nbytes"], world) * c["count"] / 1e3
             cheap, fp8g = cheap + ms, fp8g + ms
             continue
         alt += ms
         cheap += cheapest_all_reduce(c["nbytes"], world)[1] * c["count"] / 1e3
-        big = c["nbytes"] > 1_000_000
+        big = c["nbytes"] > 1_000_000 and c["algo"] != FP8_ALGO
         fp8g += (fp8_gather_two_shot_us(c["nbytes"], world) if big else us) * c["count"] / 1e3
     return {
         "total_ms": sum(r["est_ms"] for r in rows),
         "total_ms_symm_halves": alt,
         "total_ms_cheapest": cheap,
         "total_ms_fp8_gather": fp8g,
+        "total_ms_fp8": fp8,
+        "fp8": _fp8_figures(),
         "by_kind_ms": by_kind,
         "collectives": rows,
         "fits": {a: vars(fit(a)) for a in sorted({r["link_algo"] for r in rows})},
@@ -262,6 +361,25 @@ def comm_estimate(summary: list[dict], world: int) -> dict:
         "assumed": "no overlap with compute; link bandwidth and fixed cost per collective as measured at "
         f"{LINKS_WORLD} GPUs; reduce-scatter / all-gather as NCCL all-reduce per bus byte; a collective "
         "outside its figure's measured sizes (extrapolated) at the fit's fixed cost + slope",
+    }
+
+
+def _fp8_figures() -> dict:
+    """What the FP8 reduce's estimates use (``comm_estimate``'s ``fp8``)."""
+    from cadence.parallel.comm_fp8 import BLOCK
+
+    return {
+        "block": BLOCK,
+        "wire": "per token: N e4m3 bytes + 4 N / block bytes of float32 scales, per half",
+        "as_built": "all-to-all + all-gather of the packed rows, each at the nccl fit ((w-1)/w bus bytes, "
+        "its fixed cost) + local kernels",
+        "symm": "the packed rows at the two_shot fit (a symmetric-memory FP8 two-shot: not built) + local "
+        "kernels",
+        "symm_fused": "two_shot fit at the packed rows + the quantisation pass only (sum and dequantisation "
+        "inside the collective's kernels: not built)",
+        "symm_epilogue": "two_shot fit at the packed rows alone (quantisation in the GEMM epilogue: not built)",
+        "local_kernels": f"bytes read + written at {HBM_BYTES_S / 1e12:.1f} TB/s (HBM copy rate, "
+        "docs/benchmarks.md), one pass per step; not timed",
     }
 
 
@@ -280,12 +398,17 @@ def time_standins(summary: list[dict], device: torch.device, reps: int = 5) -> f
         full = torch.zeros(shape, dtype=dt, device=device)
         part = torch.zeros((shape[0] // world, *shape[1:]), dtype=dt, device=device) if shape else None
         n = max(int(round(c["count"])), 0)
-        work.append((c["kind"], full, part, n))
+        kind = "fp8" if c["kind"] == "all_reduce" and c["algo"] == FP8_ALGO else c["kind"]
+        work.append((kind, full, part, n))
 
     def body():
+        from cadence.parallel.comm_fp8 import fp8_all_reduce
+
         for kind, full, part, n in work:
             for _ in range(n):
-                if kind == "all_reduce":
+                if kind == "fp8":  # the FP8 reduce's local arithmetic around the exchanges' stand-ins
+                    fp8_all_reduce(full, g)
+                elif kind == "all_reduce":
                     g._all_reduce(full)
                 elif kind == "all_gather":
                     g._all_gather(full, part)

@@ -22,6 +22,9 @@ after. Small sums (the q/k norms': :func:`small_all_reduce`) take the one-shot o
 ``"chunked"``   the GEMM split along N into c chunks (``"chunked4"``: c = 4; plain ``"chunked"``: 2) on
                 the main stream; each finished chunk is two-shot all-reduced on a side stream.
                 Measured in docs/benchmarks.md's spirit: assume nothing, ``cadence bench fused`` times it.
+``"two_shot_fp8"`` the sum with e4m3 payloads (:mod:`cadence.parallel.comm_fp8`: quantise per 128-column
+                block, all-to-all + float32 sum, requantise, all-gather; ~half the bytes of bf16, two
+                e4m3 roundings). Runs on any group (gloo too); opt-in: "auto" never picks it.
 ``"auto"``      :func:`choose_mode` per shape (env CADENCE_TP_COMM=<mode> overrides "auto" process-wide,
                 e.g. CADENCE_TP_COMM=nccl as a kill switch).
 
@@ -69,7 +72,9 @@ from cadence.telemetry.spans import region
 
 log = logging.getLogger(__name__)
 
-MODES = ("nccl", "two_shot", "one_shot", "rs_ag", "chunked", "tiles")
+MODES = ("nccl", "two_shot", "one_shot", "rs_ag", "chunked", "tiles", "two_shot_fp8")
+#: modes the chooser ("auto") never picks, whatever a table says: they change the numbers (opt-in only)
+NOT_AUTO = ("two_shot_fp8",)
 DEFAULT_CHUNKS = 2
 AUTO_TWO_SHOT_MAX_M = 8192  # built-in default when no measured table: two-shot up to this M on CUDA
 REPO = Path(__file__).resolve().parents[2]
@@ -402,7 +407,7 @@ def choose_mode(
                 continue
             if d <= math.log(2) and (best is None or d < best[0]):
                 best = (d, e)
-        if best is not None and best[1].get("best_mode"):
+        if best is not None and best[1].get("best_mode") and best[1]["best_mode"] not in NOT_AUTO:
             e = best[1]
             mode = e["best_mode"]
             try:
@@ -944,6 +949,13 @@ def row_parallel(
     algo = name + (str(chunks) if name == "chunked" else "")
     bias0 = bias_in_epilogue(bias, tg)
     after = bias_after(bias)
+    if name == "two_shot_fp8":  # any group (an emulated one: its exchanges are the stand-ins)
+        from cadence.parallel.comm_fp8 import fp8_all_reduce
+
+        y = gemm_bias(linear, x2, bias0)
+        with region("allreduce"):
+            y = fp8_all_reduce(y.contiguous(), tg, label)
+        return _finish(y, after, x.dtype, lead, n)
     if name != "nccl" and tg.world > 1 and m > 0 and tg.emulated:
         return _finish(_nccl(linear, x2, tg, label, algo, bias0), after, x.dtype, lead, n)
     y = None

@@ -169,6 +169,12 @@ class TPGroup:
     def _reduce_scatter(self, out, inp):
         raise NotImplementedError
 
+    def _all_to_all(self, out, inp):
+        """out's block j [rows, ...] <- rank j's block `rank` of its inp [world * rows, ...] (both contiguous,
+        any dtype: FP8 payloads move as uint8). Unrecorded: the caller records what it stands for
+        (cadence.parallel.comm_fp8 records one all-reduce)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world={self.world}, rank={self.rank})"
 
@@ -196,6 +202,9 @@ class DistGroup(TPGroup):
     def _reduce_scatter(self, out, inp):
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         fn(out, inp, op=dist.ReduceOp.SUM, group=self.process_group)
+
+    def _all_to_all(self, out, inp):
+        dist.all_to_all_single(out, inp, group=self.process_group)
 
 
 def as_group(group) -> TPGroup:
