@@ -55,6 +55,7 @@ import sys
 import torch
 
 from cadence.bench.common import add_size_flags, median, p99, print_table, record, size_overrides
+from cadence.bench.pipeline_clips import CLIP_ATTENTION, split_row
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import PipelineConfig
 from cadence.engine.flags import add_engine_flags, spec_from_args
@@ -117,6 +118,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="planning lead for the deadline: chunk i's frames are due lead + i chunks after chunk 0's "
         "diffusion start (default: as cadence serve's auto lead, the warm-up's paced chunk latency x 1.15 "
         "+ 20 ms, at least one chunk of media)",
+    )
+    p.add_argument(
+        "--clip-attention",
+        default="reference",
+        choices=CLIP_ATTENTION,
+        help="a clip stream's (FlashHead's) whole-clip self-attention: a candidate fast path "
+        "(cadence.bench.pipeline_clips; default: the model's own, complex RoPE + SDPA)",
     )
     p.add_argument(
         "--no-overlap",
@@ -368,6 +376,9 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     image, audio = _inputs(cfg, n)
     deadline_ms = 1e3 * cfg.chunk_seconds
     skip = min(n - 2, cfg.stream.window_chunks + 1)
+    clip_attention = _clip_attention(args, eng)
+    if clip_attention is None:
+        return 2
     warm = _warm_up(eng, recipe, rank0)
     lead_ms, lead_from = args.lead_ms, "--lead-ms"
     if lead_ms is None:
@@ -376,6 +387,10 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
         lead_from = "auto (warm-up paced chunk x 1.15 + 20 ms)" if paced else "one chunk"
     run = Run(eng, cfg, image, audio, deadline_ms, skip, lead_ms)
     outs, res = run.steady(n)
+    if run.split is not None:
+        res["clip_split_ms"], res["clip_split"] = run.split
+    if clip_attention:
+        res["clip_attention"] = clip_attention
     res.update(
         lead_from=lead_from,
         prewarm=warm is not None,
@@ -409,7 +424,7 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
             n, args.prompt_switch_every, recipe.prompt_switch
         )
         runs[f"a new prompt (same length) every {args.prompt_switch_every} chunks"] = outs3
-    res["per_chunk"] = per_chunk(outs)
+    res["per_chunk"] = per_chunk(outs, getattr(run, "clips", None))
     if info is not None:
         res["tp_comm"] = recipe.fast.comm
     if not rank0:
@@ -421,6 +436,29 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     if not args.no_record:
         _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms, lead_ms)
     return 0
+
+
+def _clip_attention(args, eng) -> dict | None:
+    """``--clip-attention`` applied to a clip stream's DiT (``cadence.bench.pipeline_clips``): the JSON's record
+    ({} for another model at the default; None after an ``error:`` line: a candidate for a model without the
+    seam)."""
+    from cadence.bench.pipeline_clips import apply_clip_attention
+
+    if not hasattr(type(eng.gen.model), "clip_attention"):
+        if args.clip_attention == "reference":
+            return {}
+        print(
+            f"error: --clip-attention is for clip streams (FlashHead), not {eng.gen.cfg.name}",
+            file=sys.stderr,
+        )
+        return None
+    rec = apply_clip_attention(eng, args.clip_attention)
+    print(
+        f"clip attention: {rec['name']}, "
+        + (f"applied ({rec.get('note')})" if rec["applied"] else f"not applied ({rec.get('why')})"),
+        file=sys.stderr,
+    )
+    return rec
 
 
 def _inputs(cfg, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,13 +485,17 @@ def _warm_up(eng, recipe, rank0: bool):
     return warm
 
 
-def per_chunk(outs: list) -> list[dict]:
-    """Each chunk's stage times and step kind (the JSON's ``per_chunk``)."""
+def per_chunk(outs: list, clips: list[dict] | None = None) -> list[dict]:
+    """Each chunk's stage times and step kind (the JSON's ``per_chunk``), with its clip's phases (``split``, ms)
+    when the stream's clips were split."""
     keys = ("diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")
-    return [
+    rows = [
         dict(i=o.index, **{f: round(getattr(o.timings, f), 3) for f in keys}, step=o.timings.step)
         for o in outs
     ]
+    for row, phases in zip(rows, clips or []):
+        row["split"] = {k: round(v, 3) for k, v in phases.items()}
+    return rows
 
 
 def _cuda_devices(eng) -> list[torch.device]:
@@ -484,6 +526,7 @@ class Run:
     def __init__(self, eng, cfg, image, audio, deadline_ms: float, skip: int, lead_ms: float):
         self.eng, self.cfg, self.image, self.audio = eng, cfg, image, audio
         self.deadline_ms, self.skip, self.lead_ms = deadline_ms, skip, lead_ms
+        self.split: tuple[dict, dict] | None = None  # the steady stream's clip split (a clip stream's)
 
     def stream(self, n: int, prompts=None) -> tuple[list, dict]:
         reset_peak_memory(self.eng)
@@ -498,8 +541,18 @@ class Run:
         return outs, res
 
     def steady(self, n: int) -> tuple[list, dict]:
-        """The steady stream: one prompt throughout."""
-        outs, res = self.stream(n)
+        """The steady stream: one prompt throughout; a clip stream's phases timed (``split``:
+        ``cadence.bench.pipeline_clips.split_summary``) and added to each chunk's ``per_chunk`` entry."""
+        from cadence.bench.pipeline_clips import attach_split, detach_split, split_summary
+
+        split = attach_split(self.eng)
+        try:
+            outs, res = self.stream(n)
+        finally:
+            detach_split(self.eng)
+        if split is not None:
+            self.clips = split.take()
+            self.split = split_summary(self.clips, outs, self.skip)
         lr = self.eng.last_run
         first = lr.first_chunk or {}
         res.update(session=lr.session, open_ms=lr.open_ms, first_chunk_step=first.get("step"))
@@ -579,6 +632,17 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
             "diffusion / decode / host copy",
             f"{res['diffusion_ms']:.1f} / {res['decode_ms']:.1f} / {res['host_copy_ms']:.2f} ms",
         ),
+        *([split_row(res["clip_split_ms"])] if "clip_split_ms" in res else []),
+        *(
+            [
+                (
+                    "clip attention",
+                    f"{ca['name']}: {ca.get('note') if ca['applied'] else 'not applied, ' + str(ca.get('why'))}",
+                )
+            ]
+            if (ca := res.get("clip_attention"))
+            else []
+        ),
         ("graphs", str(res["graphs"])),
         (
             "peak GPU memory",
@@ -642,6 +706,7 @@ def _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms: float,
             "fp8" if fast.fp8_linears else "",
             "compile" if fast.compile else "",
             "capfill" if fast.capture_filling else "",
+            f"attn{args.clip_attention}" if args.clip_attention != "reference" else "",
             f"w{args.window}" if args.window else "",
             "" if recipe.warmup else "noprewarm",
             f"l{args.layers}" if args.layers else "",
