@@ -55,7 +55,7 @@ import sys
 import torch
 
 from cadence.bench.common import add_size_flags, median, p99, print_table, record, size_overrides
-from cadence.bench.pipeline_clips import CLIP_ATTENTION, split_row
+from cadence.bench.pipeline_clips import CLIP_ATTENTION, CLIP_ENCODE, split_row
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import PipelineConfig
 from cadence.engine.flags import add_engine_flags, spec_from_args
@@ -125,6 +125,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         choices=CLIP_ATTENTION,
         help="a clip stream's (FlashHead's) whole-clip self-attention: a candidate fast path "
         "(cadence.bench.pipeline_clips; default: the model's own, complex RoPE + SDPA)",
+    )
+    p.add_argument(
+        "--clip-encode",
+        default="reference",
+        choices=CLIP_ENCODE,
+        help="a clip stream's motion-frame re-encode (FlashHead Pro's Wan encoder): 'compile' = channels-last + "
+        "torch.compile of the encoder (cadence.bench.pipeline_clips; default: eager, as built)",
     )
     p.add_argument(
         "--no-overlap",
@@ -376,8 +383,8 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     image, audio = _inputs(cfg, n)
     deadline_ms = 1e3 * cfg.chunk_seconds
     skip = min(n - 2, cfg.stream.window_chunks + 1)
-    clip_attention = _clip_attention(args, eng)
-    if clip_attention is None:
+    clip_fast = _clip_fast(args, eng)
+    if clip_fast is None:
         return 2
     warm = _warm_up(eng, recipe, rank0)
     lead_ms, lead_from = args.lead_ms, "--lead-ms"
@@ -389,8 +396,7 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     outs, res = run.steady(n)
     if run.split is not None:
         res["clip_split_ms"], res["clip_split"] = run.split
-    if clip_attention:
-        res["clip_attention"] = clip_attention
+    res.update(clip_fast)
     res.update(
         lead_from=lead_from,
         prewarm=warm is not None,
@@ -438,27 +444,33 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     return 0
 
 
-def _clip_attention(args, eng) -> dict | None:
-    """``--clip-attention`` applied to a clip stream's DiT (``cadence.bench.pipeline_clips``): the JSON's record
-    ({} for another model at the default; None after an ``error:`` line: a candidate for a model without the
-    seam)."""
-    from cadence.bench.pipeline_clips import apply_clip_attention
+def _clip_fast(args, eng) -> dict | None:
+    """``--clip-attention`` and ``--clip-encode`` applied to a clip stream's DiT and codec
+    (``cadence.bench.pipeline_clips``), one line each: the JSON's records (``clip_attention``,
+    ``clip_encode``; {} for another model at the defaults; None after an ``error:`` line: a candidate asked
+    of a model without the seam)."""
+    from cadence.bench.pipeline_clips import apply_clip_attention, apply_clip_encode
 
     if not hasattr(type(eng.gen.model), "clip_attention"):
-        if args.clip_attention == "reference":
+        asked = [f for f in ("clip_attention", "clip_encode") if getattr(args, f) != "reference"]
+        if not asked:
             return {}
-        print(
-            f"error: --clip-attention is for clip streams (FlashHead), not {eng.gen.cfg.name}",
-            file=sys.stderr,
-        )
+        flag = "--" + asked[0].replace("_", "-")
+        print(f"error: {flag} is for clip streams (FlashHead), not {eng.gen.cfg.name}", file=sys.stderr)
         return None
-    rec = apply_clip_attention(eng, args.clip_attention)
-    print(
-        f"clip attention: {rec['name']}, "
-        + (f"applied ({rec.get('note')})" if rec["applied"] else f"not applied ({rec.get('why')})"),
-        file=sys.stderr,
-    )
-    return rec
+    out = {
+        "clip_attention": apply_clip_attention(eng, args.clip_attention),
+        "clip_encode": apply_clip_encode(eng, args.clip_encode),
+    }
+    for key, rec in out.items():
+        how = (
+            f"applied ({rec.get('note', 'as built')})"
+            if rec["applied"]
+            else f"not applied ({rec.get('why')})"
+        )
+        print(f"{key.replace('_', ' ')}: {rec['name']}, {how}", file=sys.stderr)
+        rec.pop("report", None)
+    return out
 
 
 def _inputs(cfg, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -633,16 +645,7 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
             f"{res['diffusion_ms']:.1f} / {res['decode_ms']:.1f} / {res['host_copy_ms']:.2f} ms",
         ),
         *([split_row(res["clip_split_ms"])] if "clip_split_ms" in res else []),
-        *(
-            [
-                (
-                    "clip attention",
-                    f"{ca['name']}: {ca.get('note') if ca['applied'] else 'not applied, ' + str(ca.get('why'))}",
-                )
-            ]
-            if (ca := res.get("clip_attention"))
-            else []
-        ),
+        *[_fast_row(res, k) for k in ("clip_attention", "clip_encode") if res.get(k)],
         ("graphs", str(res["graphs"])),
         (
             "peak GPU memory",
@@ -684,6 +687,13 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
     return rows
 
 
+def _fast_row(res: dict, key: str) -> tuple[str, str]:
+    """The printed row of a clip candidate's record (``--clip-attention``, ``--clip-encode``)."""
+    r = res[key]
+    how = r.get("note", "as built") if r["applied"] else f"not applied, {r.get('why')}"
+    return key.replace("_", " "), f"{r['name']}: {how}"
+
+
 def _ms(v) -> str:
     return "n/a" if v is None else f"{v:.1f} ms"
 
@@ -707,6 +717,7 @@ def _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms: float,
             "compile" if fast.compile else "",
             "capfill" if fast.capture_filling else "",
             f"attn{args.clip_attention}" if args.clip_attention != "reference" else "",
+            "enccompile" if args.clip_encode == "compile" else "",
             f"w{args.window}" if args.window else "",
             "" if recipe.warmup else "noprewarm",
             f"l{args.layers}" if args.layers else "",

@@ -257,3 +257,44 @@ def apply_clip_attention(eng, name: str) -> dict:
         return dict(rec, why=f"relative error {err:.3g} > {budget}", check_error=err)
     model.clip_attention = fn
     return dict(rec, applied=True, note=note, check_error=round(err, 5), budget=budget)
+
+
+# ---- the motion frames' encode -----------------------------------------------------------------------------
+#: ``--clip-encode`` choices: 'reference' (the Wan encoder eager, as built) or 'compile' (channels-last +
+#: ``torch.compile`` of ``encoder.forward``, the Wan decoder's ``compile`` mode applied to the encoder).
+CLIP_ENCODE = ("reference", "compile")
+
+
+def apply_clip_encode(eng, name: str, backend: str = "inductor") -> dict:
+    """``--clip-encode`` on the clip codec's Wan VAE encoder (Pro's; the motion frames' re-encode every clip):
+    what applied, for the JSON. 'compile' wraps ``encoder.forward`` in ``cadence.runtime.vae_fast``'s guarded
+    compile (falls back to eager for good, one log line, the causal memory restored, when a call raises);
+    ``backend``: torch.compile's (tests: 'aot_eager')."""
+    rec = {"name": name, "applied": name == "reference"}
+    if name == "reference":
+        return rec
+    codec = getattr(eng.gen, "clip_codec", None)
+    vae = getattr(codec, "vae", None)
+    if vae is None or not hasattr(vae, "encoder") or not hasattr(vae, "enc_slots"):
+        return dict(rec, why="the clip codec has no Wan VAE encoder (Pro's codec only)")
+    from cadence.runtime.vae_fast import (
+        DecoderFastReport,
+        _GuardedForward,
+        _raise_compile_limits,
+        channels_last,
+    )
+
+    enc = vae.encoder
+    channels_last(enc)
+    channels_last(vae.quant_conv)
+    rep = DecoderFastReport("compile")
+    try:
+        _raise_compile_limits()
+        guarded = _GuardedForward(enc, enc.forward, rep)
+        if backend != "inductor":
+            guarded.compiled = torch.compile(guarded.eager, dynamic=False, backend=backend)
+        enc.forward = guarded
+    except Exception as e:  # pragma: no cover - no dynamo here
+        log.warning("clip encode compile unavailable (%s): eager", e)
+        return dict(rec, why=f"{type(e).__name__}: {e}")
+    return dict(rec, applied=True, note="channels_last + torch.compile of encoder.forward", report=rep)
