@@ -268,8 +268,9 @@ CLIP_ENCODE = ("reference", "compile")
 def apply_clip_encode(eng, name: str, backend: str = "inductor") -> dict:
     """``--clip-encode`` on the clip codec's Wan VAE encoder (Pro's; the motion frames' re-encode every clip):
     what applied, for the JSON. 'compile' wraps ``encoder.forward`` in ``cadence.runtime.vae_fast``'s guarded
-    compile (falls back to eager for good, one log line, the causal memory restored, when a call raises);
-    ``backend``: torch.compile's (tests: 'aot_eager')."""
+    compile (falls back to eager for good, one log line, the causal memory restored, when a call raises; on
+    the CPU channels-last only, as the decoder's modes); ``backend``: torch.compile's (tests: 'aot_eager',
+    which also runs on the CPU)."""
     rec = {"name": name, "applied": name == "reference"}
     if name == "reference":
         return rec
@@ -288,6 +289,11 @@ def apply_clip_encode(eng, name: str, backend: str = "inductor") -> dict:
     channels_last(enc)
     channels_last(vae.quant_conv)
     rep = DecoderFastReport("compile")
+    if (
+        backend == "inductor" and not enc.conv_in.weight.is_cuda
+    ):  # as the decoder's modes: compile on CUDA only
+        log.info("clip encode compile needs CUDA: channels-last only")
+        return dict(rec, applied=True, note="channels_last only (compile needs CUDA)", report=rep)
     try:
         _raise_compile_limits()
         guarded = _GuardedForward(enc, enc.forward, rep)
