@@ -55,7 +55,7 @@ import sys
 import torch
 
 from cadence.bench.common import add_size_flags, median, p99, print_table, record, size_overrides
-from cadence.bench.pipeline_clips import CLIP_ATTENTION, CLIP_ENCODE, split_row
+from cadence.bench.pipeline_clips import add_clip_flags, split_row
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import PipelineConfig
 from cadence.engine.flags import add_engine_flags, spec_from_args
@@ -119,20 +119,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "diffusion start (default: as cadence serve's auto lead, the warm-up's paced chunk latency x 1.15 "
         "+ 20 ms, at least one chunk of media)",
     )
-    p.add_argument(
-        "--clip-attention",
-        default="reference",
-        choices=CLIP_ATTENTION,
-        help="a clip stream's (FlashHead's) whole-clip self-attention: a candidate fast path "
-        "(cadence.bench.pipeline_clips; default: the model's own, complex RoPE + SDPA)",
-    )
-    p.add_argument(
-        "--clip-encode",
-        default="reference",
-        choices=CLIP_ENCODE,
-        help="a clip stream's motion-frame re-encode (FlashHead Pro's Wan encoder): 'compile' = channels-last + "
-        "torch.compile of the encoder (cadence.bench.pipeline_clips; default: eager, as built)",
-    )
+    add_clip_flags(p)  # --clip-attention, --clip-encode (cadence.bench.pipeline_clips)
     p.add_argument(
         "--no-overlap",
         action="store_true",

@@ -304,3 +304,21 @@ def apply_clip_encode(eng, name: str, backend: str = "inductor") -> dict:
         log.warning("clip encode compile unavailable (%s): eager", e)
         return dict(rec, why=f"{type(e).__name__}: {e}")
     return dict(rec, applied=True, note="channels_last + torch.compile of encoder.forward", report=rep)
+
+
+def add_clip_flags(p) -> None:
+    """``bench pipeline``'s clip-stream candidates: ``--clip-attention``, ``--clip-encode``."""
+    p.add_argument(
+        "--clip-attention",
+        default="reference",
+        choices=CLIP_ATTENTION,
+        help="a clip stream's (FlashHead's) whole-clip self-attention: a candidate fast path "
+        "(cadence.bench.pipeline_clips; default: the model's own, complex RoPE + SDPA)",
+    )
+    p.add_argument(
+        "--clip-encode",
+        default="reference",
+        choices=CLIP_ENCODE,
+        help="a clip stream's motion-frame re-encode (FlashHead Pro's Wan encoder): 'compile' = channels-last + "
+        "torch.compile of the encoder (cadence.bench.pipeline_clips; default: eager, as built)",
+    )
