@@ -213,3 +213,18 @@ def test_clip_encode_without_a_wan_encoder_is_not_applied():
     eng.gen.clip_codec = object()  # e.g. Lite's LTX codec: no Wan encoder
     rec = apply_clip_encode(eng, "compile")
     assert not rec["applied"] and "Wan VAE encoder" in rec["why"]
+
+
+def test_clip_attention_rope_takes_the_blocks_compiled_rope():
+    """With the blocks' elementwise ops compiled (``apply_compile``; ``aot_eager`` here), ``rope`` uses their
+    compiled ``apply_rope`` (``apply_rope_real`` traced), not an eager copy: the same pass to 1e-5."""
+    from cadence.bench.pipeline_clips import apply_clip_attention
+    from cadence.runtime.compile import apply_compile
+
+    model = _model()
+    want = _pass(model)
+    assert apply_compile(model, backend="aot_eager").enabled
+    rec = apply_clip_attention(_Eng(model), "rope")
+    assert rec["applied"] and rec["note"] == "RoPE compiled", rec
+    got = _pass(model)
+    assert float((got - want).norm() / want.norm()) < 1e-5

@@ -19,8 +19,8 @@ complex float32 RoPE, then torch SDPA's default dispatch), each with the RoPE fi
   when ``--compile`` applied; otherwise ``apply_rope_real`` eager), then SDPA as before;
 * ``cudnn``: ``rope`` + SDPA pinned to its cuDNN backend;
 * ``fa3``: ``rope`` + FlashAttention-3 bf16 (``cadence.kernels.fa3_adapter``, the optional wheel);
-* ``fp8``: the RoPE and an FP8 e4m3 quantisation per (token, head) in one compiled function, then Cadence's
-  Triton FP8 flash attention (``cadence.kernels.ring_attention.ring_attention``, V^T);
+* ``fp8``: the RoPE (``apply_rope_real``) and an FP8 e4m3 quantisation per (token, head) in one compiled
+  function, then Cadence's Triton FP8 flash attention (``cadence.kernels.ring_attention.ring_attention``, V^T);
 * ``fa3_fp8``: the same with one scale per head, then FA3's FP8 forward.
 
 Each is checked once when applied against float32 attention on a small random input (budget: the registry's
@@ -99,11 +99,12 @@ def split_row(s: dict) -> tuple[str, str]:
 def _rope_fn(model):
     """The blocks' RoPE in one pass: their compiled ``apply_rope`` (``apply_rope_real``) when compile applied,
     else ``apply_rope_real`` eager."""
+    from cadence.model.layers import PLAIN_OPS
     from cadence.model.rope import apply_rope_real
 
-    ops = model.blocks[0].ops
-    if type(ops).__name__ == "FusedOps":
-        return ops.apply_rope, "compiled"
+    rope = model.blocks[0].ops.apply_rope  # a fused-quantisation wrapper hands this to its compiled base
+    if rope is not PLAIN_OPS.apply_rope:
+        return rope, "compiled"
     return apply_rope_real, "eager"
 
 
@@ -180,7 +181,13 @@ def make_clip_attention(name: str, model, cuda: bool):
 
         return attend, f"RoPE {how}"
     per = "token" if name == "fp8" else "head"
-    prep = _Compiled(_prep_fp8(rope, per, v_transposed=name == "fp8"), f"{name} RoPE + quantisation", cuda)
+    # the plain real-arithmetic RoPE inside this one compiled function (not the blocks' compiled op: a compiled
+    # op with its own compile gate does not nest in another trace), so inductor fuses rotation and quantisation
+    from cadence.model.rope import apply_rope_real
+
+    prep = _Compiled(
+        _prep_fp8(apply_rope_real, per, v_transposed=name == "fp8"), f"{name} RoPE + quantisation", cuda
+    )
 
     def attend_fp8(q, k, v, cos, sin):
         q8, qs, k8, ks, v8, vs = prep(q, k, v, cos, sin)
