@@ -55,6 +55,7 @@ import sys
 import torch
 
 from cadence.bench.common import add_size_flags, median, p99, print_table, record, size_overrides
+from cadence.bench.pipeline_clips import add_clip_flags, split_row
 from cadence.bench.results import add_record_flags, results_dir
 from cadence.config import PipelineConfig
 from cadence.engine.flags import add_engine_flags, spec_from_args
@@ -118,6 +119,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "diffusion start (default: as cadence serve's auto lead, the warm-up's paced chunk latency x 1.15 "
         "+ 20 ms, at least one chunk of media)",
     )
+    add_clip_flags(p)  # --clip-attention, --clip-encode (cadence.bench.pipeline_clips)
     p.add_argument(
         "--no-overlap",
         action="store_true",
@@ -368,6 +370,9 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     image, audio = _inputs(cfg, n)
     deadline_ms = 1e3 * cfg.chunk_seconds
     skip = min(n - 2, cfg.stream.window_chunks + 1)
+    clip_fast = _clip_fast(args, eng)
+    if clip_fast is None:
+        return 2
     warm = _warm_up(eng, recipe, rank0)
     lead_ms, lead_from = args.lead_ms, "--lead-ms"
     if lead_ms is None:
@@ -376,6 +381,9 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
         lead_from = "auto (warm-up paced chunk x 1.15 + 20 ms)" if paced else "one chunk"
     run = Run(eng, cfg, image, audio, deadline_ms, skip, lead_ms)
     outs, res = run.steady(n)
+    if run.split is not None:
+        res["clip_split_ms"], res["clip_split"] = run.split
+    res.update(clip_fast)
     res.update(
         lead_from=lead_from,
         prewarm=warm is not None,
@@ -409,7 +417,7 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
             n, args.prompt_switch_every, recipe.prompt_switch
         )
         runs[f"a new prompt (same length) every {args.prompt_switch_every} chunks"] = outs3
-    res["per_chunk"] = per_chunk(outs)
+    res["per_chunk"] = per_chunk(outs, getattr(run, "clips", None))
     if info is not None:
         res["tp_comm"] = recipe.fast.comm
     if not rank0:
@@ -421,6 +429,35 @@ def _measure(args, info, recipe, eng, device, rank0) -> int:
     if not args.no_record:
         _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms, lead_ms)
     return 0
+
+
+def _clip_fast(args, eng) -> dict | None:
+    """``--clip-attention`` and ``--clip-encode`` applied to a clip stream's DiT and codec
+    (``cadence.bench.pipeline_clips``), one line each: the JSON's records (``clip_attention``,
+    ``clip_encode``; {} for another model at the defaults; None after an ``error:`` line: a candidate asked
+    of a model without the seam)."""
+    from cadence.bench.pipeline_clips import apply_clip_attention, apply_clip_encode
+
+    if not hasattr(type(eng.gen.model), "clip_attention"):
+        asked = [f for f in ("clip_attention", "clip_encode") if getattr(args, f) != "reference"]
+        if not asked:
+            return {}
+        flag = "--" + asked[0].replace("_", "-")
+        print(f"error: {flag} is for clip streams (FlashHead), not {eng.gen.cfg.name}", file=sys.stderr)
+        return None
+    out = {
+        "clip_attention": apply_clip_attention(eng, args.clip_attention),
+        "clip_encode": apply_clip_encode(eng, args.clip_encode),
+    }
+    for key, rec in out.items():
+        how = (
+            f"applied ({rec.get('note', 'as built')})"
+            if rec["applied"]
+            else f"not applied ({rec.get('why')})"
+        )
+        print(f"{key.replace('_', ' ')}: {rec['name']}, {how}", file=sys.stderr)
+        rec.pop("report", None)
+    return out
 
 
 def _inputs(cfg, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,13 +484,17 @@ def _warm_up(eng, recipe, rank0: bool):
     return warm
 
 
-def per_chunk(outs: list) -> list[dict]:
-    """Each chunk's stage times and step kind (the JSON's ``per_chunk``)."""
+def per_chunk(outs: list, clips: list[dict] | None = None) -> list[dict]:
+    """Each chunk's stage times and step kind (the JSON's ``per_chunk``), with its clip's phases (``split``, ms)
+    when the stream's clips were split."""
     keys = ("diffusion_ms", "decode_ms", "host_copy_ms", "latency_ms")
-    return [
+    rows = [
         dict(i=o.index, **{f: round(getattr(o.timings, f), 3) for f in keys}, step=o.timings.step)
         for o in outs
     ]
+    for row, phases in zip(rows, clips or []):
+        row["split"] = {k: round(v, 3) for k, v in phases.items()}
+    return rows
 
 
 def _cuda_devices(eng) -> list[torch.device]:
@@ -484,6 +525,7 @@ class Run:
     def __init__(self, eng, cfg, image, audio, deadline_ms: float, skip: int, lead_ms: float):
         self.eng, self.cfg, self.image, self.audio = eng, cfg, image, audio
         self.deadline_ms, self.skip, self.lead_ms = deadline_ms, skip, lead_ms
+        self.split: tuple[dict, dict] | None = None  # the steady stream's clip split (a clip stream's)
 
     def stream(self, n: int, prompts=None) -> tuple[list, dict]:
         reset_peak_memory(self.eng)
@@ -498,8 +540,18 @@ class Run:
         return outs, res
 
     def steady(self, n: int) -> tuple[list, dict]:
-        """The steady stream: one prompt throughout."""
-        outs, res = self.stream(n)
+        """The steady stream: one prompt throughout; a clip stream's phases timed (``split``:
+        ``cadence.bench.pipeline_clips.split_summary``) and added to each chunk's ``per_chunk`` entry."""
+        from cadence.bench.pipeline_clips import attach_split, detach_split, split_summary
+
+        split = attach_split(self.eng)
+        try:
+            outs, res = self.stream(n)
+        finally:
+            detach_split(self.eng)
+        if split is not None:
+            self.clips = split.take()
+            self.split = split_summary(self.clips, outs, self.skip)
         lr = self.eng.last_run
         first = lr.first_chunk or {}
         res.update(session=lr.session, open_ms=lr.open_ms, first_chunk_step=first.get("step"))
@@ -579,6 +631,8 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
             "diffusion / decode / host copy",
             f"{res['diffusion_ms']:.1f} / {res['decode_ms']:.1f} / {res['host_copy_ms']:.2f} ms",
         ),
+        *([split_row(res["clip_split_ms"])] if "clip_split_ms" in res else []),
+        *[_fast_row(res, k) for k in ("clip_attention", "clip_encode") if res.get(k)],
         ("graphs", str(res["graphs"])),
         (
             "peak GPU memory",
@@ -620,6 +674,13 @@ def _rows(res: dict, eng, info, recipe, lead_ms: float, lead_from: str, warm) ->
     return rows
 
 
+def _fast_row(res: dict, key: str) -> tuple[str, str]:
+    """The printed row of a clip candidate's record (``--clip-attention``, ``--clip-encode``)."""
+    r = res[key]
+    how = r.get("note", "as built") if r["applied"] else f"not applied, {r.get('why')}"
+    return key.replace("_", " "), f"{r['name']}: {how}"
+
+
 def _ms(v) -> str:
     return "n/a" if v is None else f"{v:.1f} ms"
 
@@ -642,6 +703,8 @@ def _record(args, info, recipe, eng, cfg, device, res, runs, deadline_ms: float,
             "fp8" if fast.fp8_linears else "",
             "compile" if fast.compile else "",
             "capfill" if fast.capture_filling else "",
+            f"attn{args.clip_attention}" if args.clip_attention != "reference" else "",
+            "enccompile" if args.clip_encode == "compile" else "",
             f"w{args.window}" if args.window else "",
             "" if recipe.warmup else "noprewarm",
             f"l{args.layers}" if args.layers else "",

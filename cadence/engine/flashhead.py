@@ -148,6 +148,8 @@ class FlashHeadSession(ClipCutIn):
             )
         gen.clip_codec = codec
         gen.clip_reference = ReferenceLatents(codec, gen.model.device, gen.rules.stream.clip_frames)
+        # a ``cadence.model.flashhead_stream.ClipSplit`` a benchmark sets: every clip's phases timed (None: off)
+        gen.clip_split = None
 
     def __init__(self, gen, image: torch.Tensor, prompt, seed: int, decode_device=None):
         cfg, model = gen.cfg, gen.model
@@ -242,10 +244,19 @@ class FlashHeadSession(ClipCutIn):
     def step(self, audio: torch.Tensor, runner=None) -> torch.Tensor:
         """One clip from its chunk's 48 kHz samples: uint8 frames [T, H, W, 3] on the model's device (its
         denoised latent in ``last_latent``). ``runner``: the engine's graph runner (its switch, warm-up count,
-        capture function and counters; the model pass is captured here, not by the runner)."""
+        capture function and counters; the model pass is captured here, not by the runner). With the
+        generator's ``clip_split`` set, the clip's phases are marked (``audio`` ... ``frames``)."""
+        split = self.gen.clip_split
+        if split is not None:
+            split.begin()
         samples = audio.detach().to("cpu", torch.float32)
         windows = self._clip_audio(samples)
+        if split is not None:
+            split.mark("audio")
         self.clips.denoiser = self._denoiser(runner)
-        video = self.clips.next(windows)
+        video = self.clips.next(windows, split)
         self.last_latent = self.clips.last_latent
-        return self._clip_out(samples, video)
+        out = self._clip_out(samples, video)
+        if split is not None:
+            split.end("frames")
+        return out

@@ -126,6 +126,21 @@ class FlashHeadBlock(Block):
         return ops.gate_residual(x, self.ffn(h), mod.ffn.gate)
 
 
+class ClipSequence(FullSequence):
+    """The whole clip's self-attention (``FullSequence``: no mask), through ``attend_fn(q, k, v, cos, sin) ->
+    [B, N, H * D]`` when one is given (a fast path swapped in from outside: :attr:`FlashHeadDiT.clip_attention`),
+    else ``FullSequence``'s reference (the complex float32 RoPE, then the attention seam's torch SDPA)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, attend_fn=None):
+        super().__init__(cos, sin)
+        self.attend_fn = attend_fn
+
+    def attend(self, layer: int, q, k, v, commit: bool) -> torch.Tensor:
+        if self.attend_fn is None:
+            return super().attend(layer, q, k, v, commit)
+        return self.attend_fn(q, k, v, self.cos, self.sin)
+
+
 @dataclass
 class AudioContext:
     """One clip's audio, ready for every pass: per block the (k, v) of its audio tokens, and the latent frames."""
@@ -143,6 +158,9 @@ class FlashHeadDiT(nn.Module):
     time_embedding = WanDiT.time_embedding
     dtype = WanDiT.dtype
     device = WanDiT.device
+    #: The whole clip's self-attention with its RoPE, ``(q, k, v [B, N, H, D], cos, sin [N, D / 2]) -> [B, N, H * D]``
+    #: (:class:`ClipSequence`); None: the reference. Set from outside (a benchmark's candidate fast path).
+    clip_attention = None
 
     def __init__(self, cfg: FlashHeadConfig, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -191,7 +209,7 @@ class FlashHeadDiT(nn.Module):
         tokens = self.patch_embed(self.patchify(inp))
         temb, temb6 = self.time_embedding(t.reshape(-1).expand(b))
         cos, sin = self.rope.cos_sin(torch.arange(f // pt, device=inp.device), h // ph, w // pw)
-        seq = FullSequence(cos, sin)
+        seq = ClipSequence(cos, sin, self.clip_attention)
         for i, blk in enumerate(self.blocks):
             tokens = blk(tokens, temb6, seq, i, False, ctx.kv[i], ctx.frames)
         return self.unpatchify(self.head(tokens, temb), f, h, w)

@@ -44,6 +44,7 @@ the posterior mean, as their ``WanVAE.encode``: nothing is drawn.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,68 @@ from cadence.model.flashtalk import FlashTalkAudio, match_colors, reference_imag
 NUM_TIMESTEPS = 1000
 #: The seed of the reference latent's posterior draw under a sampled codec (module docstring).
 REFERENCE_SEED = 0
+
+
+class ClipSplit:
+    """Where one clip's time goes: the step marks the end of each phase in order (:meth:`begin`, :meth:`mark`,
+    :meth:`end`), so the phases are contiguous and add up to the time from ``begin`` to ``end``.
+
+    On CUDA each mark is an event recorded on the current stream (no host sync: the events are read by
+    :meth:`take` after the device has finished them), so a phase is the device's time between two marks,
+    including any idle gap while the host prepared the next launches; on the CPU it is the host clock
+    (``time.perf_counter``). A phase marked more than once in a clip adds up. Phases of the FlashHead step
+    (``cadence.engine.flashhead``): ``audio`` (the chunk's samples to the clip's wav2vec2 windows),
+    ``audio_proj`` (the audio projection and its K/V), ``pass_1`` .. ``pass_n`` (each DiT pass with the
+    sampler's draw and arithmetic before the next), ``decode``, ``colour`` (the CIELAB match), ``encode``
+    (the motion frames' re-encode), ``frames`` (uint8 frames, kept for a cut-in)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._open: list | None = None
+        self._done: list[list] = []
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def begin(self) -> None:
+        """A clip starts (a clip begun and not ended is dropped)."""
+        self._open = [("", self._now())]
+
+    def mark(self, phase: str) -> None:
+        """The phase ``phase`` ends here (nothing outside a clip)."""
+        if self._open is not None:
+            self._open.append((phase, self._now()))
+
+    def end(self, phase: str) -> None:
+        """The clip's last phase ends here; the clip is kept for :meth:`take`."""
+        self.mark(phase)
+        if self._open is not None:
+            self._done.append(self._open)
+        self._open = None
+
+    def take(self) -> list[dict[str, float]]:
+        """The clips ended since the last call, each {phase: ms} in the phases' order, then forgotten (on
+        CUDA this waits for each clip's last event)."""
+        out = []
+        for marks in self._done:
+            if self.cuda:
+                marks[-1][1].synchronize()
+            phases: dict[str, float] = {}
+            for (_, a), (name, b) in zip(marks, marks[1:]):
+                ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+                phases[name] = phases.get(name, 0.0) + ms
+            out.append(phases)
+        self._done = []
+        return out
+
+
+def _mark(split: ClipSplit | None, phase: str) -> None:
+    if split is not None:
+        split.mark(phase)
 
 
 def flashhead_timesteps(steps: int = 4, shift: float = 5.0) -> torch.Tensor:
@@ -136,6 +199,7 @@ def sample_clip(
     ref_latent: torch.Tensor,
     audio,
     timesteps: torch.Tensor,
+    split: ClipSplit | None = None,
 ) -> torch.Tensor:
     """One clip's denoised latent [C, F, h, w] float32.
 
@@ -143,7 +207,7 @@ def sample_clip(
     re-noising draw, float32, in their order, on its device) or those draws (len(timesteps) tensors);
     motion [C, M, h, w]: the latents the clip starts from (pinned); ref_latent [C, F, h, w]; audio: the clip's
     ``model.audio_context(windows)`` (or the windows [1, frames, W, layers, dim]); timesteps:
-    :func:`flashhead_timesteps` (the passes', then 0)."""
+    :func:`flashhead_timesteps` (the passes', then 0); split: marks ``pass_1`` .. ``pass_n`` (:class:`ClipSplit`)."""
     c, f, h, w = ref_latent.shape
     m, dev, dt = motion.shape[1], ref_latent.device, model.dtype
 
@@ -163,6 +227,7 @@ def sample_clip(
         t_next = (timesteps[i + 1 : i + 2].to(dev) / NUM_TIMESTEPS).to(dt).float()
         x0 = latent - v * t_i
         latent = (1 - t_next) * x0 + t_next * draw(i + 1)
+        _mark(split, f"pass_{i + 1}")
     latent[:, :m] = motion
     return latent
 
@@ -175,12 +240,18 @@ def next_clip(
     motion_frames: int,
     strength: float = 1.0,
     generator: torch.Generator | None = None,
+    split: ClipSplit | None = None,
 ):
     """A denoised clip -> (its whole video [3, T, H, W] float32 after the colour match, the next clip's motion
     latents from its last ``motion_frames`` frames, a sampled codec's draw from ``generator``). ``reference``
-    [3, 1, H, W] in [-1, 1]."""
-    video = match_colors(codec.decode(latent).float(), reference, strength)
-    return video, encode(codec, video[:, -motion_frames:], generator).float()
+    [3, 1, H, W] in [-1, 1]; split: marks ``decode``, ``colour``, ``encode`` (:class:`ClipSplit`)."""
+    video = codec.decode(latent).float()
+    _mark(split, "decode")
+    video = match_colors(video, reference, strength)
+    _mark(split, "colour")
+    motion = encode(codec, video[:, -motion_frames:], generator).float()
+    _mark(split, "encode")
+    return video, motion
 
 
 def to_pixels(video: torch.Tensor) -> torch.Tensor:
@@ -268,13 +339,17 @@ class FlashHeadClips:
         self.encode_generator.manual_seed(seed + 1)
 
     @torch.no_grad()
-    def next(self, windows: torch.Tensor) -> torch.Tensor:
+    def next(self, windows: torch.Tensor, split: ClipSplit | None = None) -> torch.Tensor:
         """The clip of ``windows`` [clip_frames, W, layers, dim]: its new frames [3, clip_frames -
-        motion_frames, H, W] in [-1, 1] (float32); the motion latents move on."""
+        motion_frames, H, W] in [-1, 1] (float32); the motion latents move on. ``split``: the phases marked
+        (``audio_proj``, the passes, ``decode``, ``colour``, ``encode``: :class:`ClipSplit`)."""
         ctx = self.model.audio_context(windows[None].to(self.model.device))
-        latent = sample_clip(self.denoiser, self.generator, self.motion, self.ref_latent, ctx, self.timesteps)
+        _mark(split, "audio_proj")
+        latent = sample_clip(
+            self.denoiser, self.generator, self.motion, self.ref_latent, ctx, self.timesteps, split
+        )
         video, self.motion = next_clip(
-            self.codec, latent, self.ref, self.motion_frames, self.strength, self.encode_generator
+            self.codec, latent, self.ref, self.motion_frames, self.strength, self.encode_generator, split
         )
         self.last_latent = latent
         return video[:, self.motion_frames :]
