@@ -80,10 +80,15 @@ def variants(smoke: bool) -> list[tuple[str, str, dict]]:
     for lay in ("token", "head"):
         for s in splits:
             out.append((f"short-{lay}-s{s or 'auto'}", lay, {"fn": "short", "split": s}))
+    # the changes of docs/perf/attention/NOTES.md "Per-token against per-head", before the older sweep's losers
+    out += [
+        (f"short-token-chunk{c // 1024}k", "token", {"fn": "short", "unit_chunk": c}) for c in (16384, 4096)
+    ]
+    out += [("short-head-lmma", "head", {"fn": "short", "l_mma": True})]
     if smoke:
         return out + [("short-token-tileunit", "token", {"fn": "short", "v_unit": False})]
     for lay in ("token", "head"):
-        for bm, bn, w in ((64, 64, 4), (128, 128, 8), (128, 64, 8)):
+        for bm, bn, w in ((64, 64, 4), (128, 128, 8)):
             out.append(
                 (
                     f"short-{lay}-{bm}x{bn}w{w}",

@@ -298,19 +298,28 @@ def test_short_attention_float32_exact(n_valid, split):
     assert rel(out, ra.ring_attention_reference(*bufs, n_valid)) < 1e-5
 
 
-@pytest.mark.parametrize("v_unit", [True, False], ids=["item-unit", "tile-unit"])
-def test_short_attention_fp8_per_token_within_budget(v_unit):
+@pytest.mark.parametrize(
+    "v_unit,unit_chunk",
+    [(True, 1024), (True, 16), (False, 1024)],
+    ids=["item-unit", "item-unit-chunk16", "tile-unit"],
+)
+def test_short_attention_fp8_per_token_within_budget(v_unit, unit_chunk):
     """FP8 Q/K/V with per-token scales, P in FP8: the budgets of test_ring_attention_fp8_within_budget against
     the float32 attention of the unquantised inputs and against the reference on the same quantised buffers.
     With one accumulator unit per item (v_unit) P is scaled by v_scale_j / max over the item's keys rather than
-    over the tile's: small-scale tokens' P values sit lower in e4m3's range, within the same budget."""
+    over the tile's: small-scale tokens' P values sit lower in e4m3's range, within the same budget. unit_chunk 16:
+    the item's unit found over many chunks (200 keys, 2 splits: 7 chunks each), the same unit as one chunk."""
     g = torch.Generator().manual_seed(11)
     m, n, h, d = 64, 200, 2, 32
     q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
     v[::7] *= 0.1  # tokens with a tenth of the others' v scale: what the unit per item must carry
     bufs = _buffers(q, k, v, ra.FP8)
     nv = torch.tensor([n], dtype=torch.int32).to(DEV)
-    out = ra.short_attention(*bufs, nv, split=2, v_unit=v_unit, out_dtype=torch.float32)
+    out = ra.short_attention(
+        *bufs, nv, split=2, v_unit=v_unit, unit_chunk=unit_chunk, out_dtype=torch.float32
+    )
+    if unit_chunk != 1024:  # the same unit, so the same result as the default chunk
+        assert rel(out, ra.short_attention(*bufs, nv, split=2, out_dtype=torch.float32)) < 1e-6
     exact = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     ).transpose(0, 1)
@@ -321,14 +330,21 @@ def test_short_attention_fp8_per_token_within_budget(v_unit):
     assert rel(out, exact) > 1e-3
 
 
-def test_short_attention_head_scales_within_budget():
-    """Per-head K/V scales (the triton_head layout): the same budgets."""
+@pytest.mark.parametrize("l_mma", [False, True], ids=["l-sum", "l-mma"])
+def test_short_attention_head_scales_within_budget(l_mma):
+    """Per-head K/V scales (the triton_head layout): the same budgets. l_mma: the row sums l taken by a dot of the
+    FP8 P with a column of ones (the numerators P.V used, rounded to FP8) instead of summing the unrounded P:
+    within the same budgets, and within FP8's rounding of P of the summed form (l moves by at most ~3%, the
+    half-step of e4m3, and far less on average over 150 keys)."""
     g = torch.Generator().manual_seed(12)
     m, n, h, d = 64, 200, 2, 32
     q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
     bufs = _head_buffers(q, k, v)
     nv = torch.tensor([150], dtype=torch.int32).to(DEV)
-    out = ra.short_attention(*bufs, nv, out_dtype=torch.float32)
+    out = ra.short_attention(*bufs, nv, l_mma=l_mma, split=2, out_dtype=torch.float32)
+    if l_mma:
+        summed = ra.short_attention(*bufs, nv, split=2, out_dtype=torch.float32)
+        assert 0 < rel(out, summed) < 0.02
     exact = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k[:150].transpose(0, 1), v[:150].transpose(0, 1)
     ).transpose(0, 1)

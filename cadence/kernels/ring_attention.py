@@ -429,6 +429,8 @@ def short_attention(
     programs_per_sm: int = 2,
     v_unit: bool = True,
     ws: bool = False,
+    unit_chunk: int = 1024,
+    l_mma: bool = False,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
@@ -438,9 +440,11 @@ def short_attention(
     key split), ``split`` chosen by :func:`short_splits` unless given, run by a persistent grid of
     ``programs_per_sm`` programs per SM (``short_attn_kernel``: the items of one head's key range run together,
     sharing its K/V tiles through L2), the splits merged by one combine launch. ``v_unit`` (per-token scales):
-    one accumulator unit per item instead of a per-tile maximum and rescale; ``ws``: Triton's warp
-    specialisation of the key loop. P stays FP8 for the P.V product. Returns [M, H, D] in out_dtype (or
-    ``out``)."""
+    one accumulator unit per item instead of a per-tile maximum and rescale, found ``unit_chunk`` scales at a
+    time (a power of two); ``ws``: Triton's warp specialisation of the key loop; ``l_mma`` (FP8 with per-head
+    scales; ignored otherwise): the softmax's row sums by the tensor cores, P (FP8) times a column of ones,
+    instead of a sum over P's elements. P stays FP8 for the P.V product. Returns
+    [M, H, D] in out_dtype (or ``out``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     kern = _kernels()
@@ -472,13 +476,16 @@ def short_attention(
     extra = {} if interp else dict(num_warps=num_warps or (4 if bm <= 64 else 8), num_stages=num_stages or 3)
     qs_s = (qs.stride(0), qs.stride(1)) if qs.dim() == 2 else (qs.stride(0), 0)
     qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634
+    if unit_chunk < 16 or unit_chunk & (unit_chunk - 1):
+        raise ValueError(f"unit_chunk must be a power of two >= 16, got {unit_chunk}")
+    l_mma = bool(l_mma and scales == 2)
     # fmt: off
     kern.short_attn_kernel[(min(n_items, programs),)](
         q_desc, qs, k_desc, ks, v_desc, vs, n_valid, o, lse,
         *qs_s, *_scale_strides(ks), *_scale_strides(vs), *o_strides, *lse.stride(), m, h, per, n_items, qk_scale,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, SCALES=scales, V_TRANS=v_transposed,
         V_UNIT=bool(v_unit and scales == 1), WS=bool(ws), DOT_F32=interp, PREC="ieee" if k.dtype == torch.float32 else "tf32",
-        **extra,
+        UNIT_CHUNK=unit_chunk, L_MMA=l_mma, **extra,
     )
     # fmt: on
     if split > 1:
