@@ -80,11 +80,16 @@ def variants(smoke: bool) -> list[tuple[str, str, dict]]:
     for lay in ("token", "head"):
         for s in splits:
             out.append((f"short-{lay}-s{s or 'auto'}", lay, {"fn": "short", "split": s}))
-    # the changes of docs/perf/attention/NOTES.md "Per-token against per-head", before the older sweep's losers
+    # docs/perf/attention/NOTES.md "Per-token against per-head": the new options first (best predicted first);
+    # the older sweep's stage and programs-per-SM variants (25-45% slower at both shapes on 2026-12-03) left out
     out += [
-        (f"short-token-chunk{c // 1024}k", "token", {"fn": "short", "unit_chunk": c}) for c in (16384, 4096)
+        ("short-token-lazy2-chunk16k", "token", {"fn": "short", "lazy": 2.0, "unit_chunk": 16384}),
+        ("short-token-lazy2", "token", {"fn": "short", "lazy": 2.0}),
+        ("short-token-chunk16k", "token", {"fn": "short", "unit_chunk": 16384}),
+        ("short-token-chunk4k", "token", {"fn": "short", "unit_chunk": 4096}),
+        ("short-head-lazy2", "head", {"fn": "short", "lazy": 2.0}),
+        ("short-head-lmma", "head", {"fn": "short", "l_mma": True}),
     ]
-    out += [("short-head-lmma", "head", {"fn": "short", "l_mma": True})]
     if smoke:
         return out + [("short-token-tileunit", "token", {"fn": "short", "v_unit": False})]
     for lay in ("token", "head"):
@@ -96,11 +101,7 @@ def variants(smoke: bool) -> list[tuple[str, str, dict]]:
                     {"fn": "short", "block_m": bm, "block_n": bn, "num_warps": w},
                 )
             )
-        for st in (2, 4):
-            out.append((f"short-{lay}-stages{st}", lay, {"fn": "short", "num_stages": st}))
         out.append((f"short-{lay}-ws", lay, {"fn": "short", "ws": True}))
-        out.append((f"short-{lay}-pps1", lay, {"fn": "short", "programs_per_sm": 1}))
-        out.append((f"short-{lay}-pps3", lay, {"fn": "short", "programs_per_sm": 3}))
     out.append(("short-token-tileunit", "token", {"fn": "short", "v_unit": False}))
     return out
 

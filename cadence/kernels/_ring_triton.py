@@ -588,12 +588,64 @@ def _v_unit(VS, svsh, svsn, h, n_lo, n_hi, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _lazy_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c,
+               BLOCK_N: tl.constexpr, SCALES: tl.constexpr, DOT_F32: tl.constexpr, MASK: tl.constexpr,
+               PREC: tl.constexpr, L_MMA: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
+    """``attn_tile`` (FP8, per-head scales or V_UNIT) with a lazy rescale: the running maximum moves only when a
+    row's tile maximum exceeds it by more than TAU (log2 units) anywhere in the block, so most tiles skip the
+    rescale of acc and l (one block-wide maximum instead); P is then at most 2^TAU of the scale it had, so its
+    FP8 factor is 2^(8 - TAU) (per-head) or the unit 2^TAU larger (c, ``_short_item``)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    valid = offs_n < n_hi
+    if SCALES == 1:
+        if MASK:
+            ks = tl.load(KS + h * sksh + offs_n * sksn, mask=valid, other=0.0)
+            vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
+        else:
+            ks = tl.load(KS + h * sksh + offs_n * sksn)
+            vs = tl.load(VS + h * svsh + offs_n * svsn)
+        s = s * ks[None, :]
+    if MASK:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_tile = tl.max(s, axis=1) * r
+    if tl.max(m_tile - m_i, axis=0) > TAU:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        if L_MMA:
+            l_i = l_i * alpha[:, None]
+        else:
+            l_i = l_i * alpha
+        m_i = m_new
+    if SCALES == 2:
+        p = tl.math.exp2(s * r[:, None] - (m_i - (8.0 - TAU))[:, None])
+    else:
+        p = tl.math.exp2(s * r[:, None] - (m_i + c)[:, None])
+    if not L_MMA:
+        l_i = l_i + tl.sum(p, axis=1)
+    if SCALES == 1:
+        p = p * vs[None, :]
+    pv = p.to(tl.float8e4nv)
+    if L_MMA:
+        l_i = _l_by_mma(pv, l_i, tl.full([pv.shape[0]], 1.0, tl.float32), BLOCK_N, DOT_F32, PREC)
+    if DOT_F32:
+        acc = tl.dot(pv.to(tl.float32), v.to(tl.float32), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(pv, v, acc)
+    return m_i, l_i, acc, c
+
+
+@triton.jit
 def _short_tile(q, r, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c,
                 HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, SCALES: tl.constexpr,
                 V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, DOT_F32: tl.constexpr, MASK: tl.constexpr,
-                PREC: tl.constexpr, L_MMA: tl.constexpr):  # fmt: skip
-    """One key tile of an item: K / V loaded, then ``attn_tile``."""
+                PREC: tl.constexpr, L_MMA: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
+    """One key tile of an item: K / V loaded, then ``attn_tile`` (``_lazy_tile`` with TAU > 0)."""
     k, v = _load_kv(k_desc, v_desc, h, start, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
+    if TAU > 0:
+        return _lazy_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c, BLOCK_N,
+                          SCALES, DOT_F32, MASK, PREC, L_MMA, TAU)  # fmt: skip
     return attn_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c, BLOCK_N,
                      QUANT, SCALES, False, DOT_F32, MASK, PREC, V_UNIT, L_MMA)  # fmt: skip
 
@@ -604,7 +656,7 @@ def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, s
                 HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                 SCALES: tl.constexpr, V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, WS: tl.constexpr,
                 DOT_F32: tl.constexpr, PREC: tl.constexpr, L_MMA: tl.constexpr,
-                UNIT_CHUNK: tl.constexpr):  # fmt: skip
+                UNIT_CHUNK: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
     """One item: BLOCK_M query rows from `row` of head h over the keys [n_lo, n_hi), written as split sp.
     V_UNIT (per-token scales): c = log2 of a unit fixed for the item (its max v scale / 256) is subtracted in the
     exponent, so P and l are kept divided by the unit (it cancels in acc / l; the log-sum-exp adds it back) and
@@ -624,17 +676,17 @@ def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, s
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     c = 1.0
     if V_UNIT:  # c: log2 of the item's unit (attn_tile)
-        c = _v_unit(VS, svsh, svsn, h, n_lo, n_hi, UNIT_CHUNK)
+        c = _v_unit(VS, svsh, svsn, h, n_lo, n_hi, UNIT_CHUNK) + TAU
     n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
     # fmt: off
     for start in tl.range(n_lo, n_full, BLOCK_N, warp_specialize=WS):
         m_i, l_i, acc, c = _short_tile(q, r, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h,
                                        start, n_hi, m_i, l_i, acc, c, HEAD_D, BLOCK_N, QUANT, SCALES, V_TRANS,
-                                       V_UNIT, DOT_F32, False, PREC, L_MMA)
+                                       V_UNIT, DOT_F32, False, PREC, L_MMA, TAU)
     if n_full < n_hi:
         m_i, l_i, acc, c = _short_tile(q, r, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h,
                                        n_full, n_hi, m_i, l_i, acc, c, HEAD_D, BLOCK_N, QUANT, SCALES, V_TRANS,
-                                       V_UNIT, DOT_F32, True, PREC, L_MMA)
+                                       V_UNIT, DOT_F32, True, PREC, L_MMA, TAU)
     if L_MMA:
         l_i = tl.sum(l_i, axis=1)
     if V_UNIT:  # P and l were kept divided by the unit: acc / l as is, the log-sum-exp with log2(unit) back
@@ -650,7 +702,7 @@ def short_attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, OB, LSE, sqsh,
                       HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                       SCALES: tl.constexpr, V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, WS: tl.constexpr,
                       DOT_F32: tl.constexpr, PREC: tl.constexpr, L_MMA: tl.constexpr,
-                      UNIT_CHUNK: tl.constexpr):  # fmt: skip
+                      UNIT_CHUNK: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
     """Persistent attention for few query rows: program p runs items p, p + P, p + 2P, ... (P programs, a few
     per SM), item = (row block, head, key split) with the row block fastest, so the programs running together
     read the same head's key range (its K/V tiles shared through L2). FP8 (QUANT) with per-token (SCALES 1) or
@@ -670,5 +722,5 @@ def short_attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, OB, LSE, sqsh,
         _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, sksn, svsh,
                     svsn, sos, soh, som, sod, sls, slh, slm, M, qk_scale, h, (item % mblocks) * BLOCK_M, sp, n_lo,
                     n_hi, HEAD_D, BLOCK_M, BLOCK_N, QUANT, SCALES, V_TRANS, V_UNIT, WS, DOT_F32, PREC, L_MMA,
-                    UNIT_CHUNK)
+                    UNIT_CHUNK, TAU)
         # fmt: on
