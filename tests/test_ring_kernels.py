@@ -333,7 +333,9 @@ def test_short_attention_fp8_per_token_within_budget(v_unit, unit_chunk, lazy):
 
 
 @pytest.mark.parametrize(
-    "l_mma,lazy", [(False, 0.0), (True, 0.0), (False, 2.0)], ids=["l-sum", "l-mma", "lazy2"]
+    "l_mma,lazy",
+    [(False, 0.0), (True, 0.0), (False, 2.0), (True, 2.0)],
+    ids=["l-sum", "l-mma", "lazy2", "lazy2-l-mma"],
 )
 def test_short_attention_head_scales_within_budget(l_mma, lazy):
     """Per-head K/V scales (the triton_head layout): the same budgets. l_mma: the row sums l taken by a dot of the
@@ -348,7 +350,7 @@ def test_short_attention_head_scales_within_budget(l_mma, lazy):
     nv = torch.tensor([150], dtype=torch.int32).to(DEV)
     out = ra.short_attention(*bufs, nv, l_mma=l_mma, lazy=lazy, split=2, out_dtype=torch.float32)
     if l_mma:
-        summed = ra.short_attention(*bufs, nv, split=2, out_dtype=torch.float32)
+        summed = ra.short_attention(*bufs, nv, lazy=lazy, split=2, out_dtype=torch.float32)
         assert 0 < rel(out, summed) < 0.02
     exact = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k[:150].transpose(0, 1), v[:150].transpose(0, 1)

@@ -259,19 +259,15 @@ def attn_tile(
     the V^T tile for FP8). Logits in base 2 are t = (q . k) * r_i (* k_scale_j with per-token scales);
     the running max is kept in those units, so the exponent is one multiply-add per element. V_UNIT: c_prev is
     log2 of a unit fixed for the key range, subtracted in the exponent (``_short_item``). L_MMA (FP8, per-head
-    scales): l_i is [BLOCK_M, 16], the row sums taken by the tensor cores, P (as rounded to FP8 for P.V) times a
-    column of ones (a constant tile, hoisted out of the loop), instead of 64 adds per thread and tile; l is then
-    the sum of the very numerators P.V used."""
+    scales): l_i [BLOCK_M, 16], the row sums by the tensor cores (``_l_by_mma``), not 64 adds per thread."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     offs_n = start + tl.arange(0, BLOCK_N)
     valid = offs_n < n_hi
     if SCALES == 1:
         if MASK:
             ks = tl.load(KS + h * sksh + offs_n * sksn, mask=valid, other=0.0)
-            vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
         else:
             ks = tl.load(KS + h * sksh + offs_n * sksn)
-            vs = tl.load(VS + h * svsh + offs_n * svsn)
         s = s * ks[None, :]
     if MASK:
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -288,6 +284,10 @@ def attn_tile(
     if not L_MMA:
         l_i = l_i * alpha + tl.sum(p, axis=1)
     if SCALES == 1:
+        if MASK:
+            vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
+        else:
+            vs = tl.load(VS + h * svsh + offs_n * svsn)
         p, alpha, c_prev = _p_times_v_scale(p, alpha, c_prev, vs, V_UNIT)
     if QUANT:
         if PV_BF16:
@@ -310,7 +310,9 @@ def attn_tile(
 
 @triton.jit
 def _l_by_mma(pv, l_i, alpha, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """l_i [BLOCK_M, 16] rescaled by alpha plus P @ [1, 0, ..., 0] (its columns summed once, after the loop)."""
+    """l_i [BLOCK_M, 16] rescaled by alpha plus P @ [1, 0, ..., 0] (its columns summed once, after the loop): P
+    as rounded to FP8 for P.V times a column of ones (a constant tile the compiler hoists out of the loop), so l
+    is the sum of the very numerators P.V used."""
     w = (tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0) + tl.zeros([BLOCK_N, 16], tl.float32)).to(
         pv.dtype
     )
