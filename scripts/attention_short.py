@@ -23,7 +23,13 @@ Writes ``<out-dir>/attention/<date>-<device>-short-<shape>.json`` per shape and 
 turns records into the rows of the table ``auto`` reads (backends ``triton_short`` / ``triton_short_head``): per
 record and layout, the short-kernel variant of the rounds with the best median ratio among those whose verdict
 is "faster" (its worst round beats cuDNN bf16's best); a layout with none gets no row. The rows replace the
-table's rows of the same record (its file name is each row's ``source``). The kernel:
+table's rows of the same record (its file name is each row's ``source``).
+
+    TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python3 scripts/attention_short.py --sass
+
+compiles the kernel's configurations (``SASS_CONFIGS``) for sm_90 with the triton installed here, no GPU needed,
+and prints per configuration the registers, stack (spills), shared memory, TTGIR layout conversions and the key
+loop's instructions by kind (``cuobjdump`` of the cubin). The kernel:
 ``cadence.kernels.ring_attention.short_attention``; what it changes and the predictions:
 docs/perf/attention/NOTES.md ("The short-query kernel").
 """
