@@ -9,9 +9,10 @@ as the ring writes them (per-token scales; per-head scales for the ``triton_head
 1. **check**: every variant's output against the float32 attention of the unquantised inputs and against the
    float32 reference on the same quantised buffers (``ring_attention_reference``), within the FP8 budgets of
    tests/test_ring_kernels.py (0.08 / 0.04 on the GPU), the output poisoned with NaN first;
-2. **sweep**: each variant timed alone (median of CUDA-graph replays), the short kernel's splits, tiles, stages,
-   programs per SM and accumulator unit, beside the ring kernel's own best configurations (``triton``,
-   ``triton_head``); a variant that fails to compile or misses the budget is reported, not timed;
+2. **sweep**: each variant timed alone (median of CUDA-graph replays), the short kernel's splits, lazy rescale,
+   unit chunk, tensor-core row sums, tiles, warp specialisation and accumulator unit, beside the ring kernel's
+   own best configurations (``triton``, ``triton_head``); a variant that fails to compile or misses the budget
+   is reported, not timed;
 3. **rounds**: cuDNN bf16 (torch SDPA, cuDNN backend, bf16 inputs) and the best few variants interleaved
    (``cadence.bench.rounds``: >= 5 rounds, the order rotating), each ratio as median (min-max) and its verdict:
    a variant is faster only where its worst round beats cuDNN bf16's best.
