@@ -9,9 +9,10 @@ as the ring writes them (per-token scales; per-head scales for the ``triton_head
 1. **check**: every variant's output against the float32 attention of the unquantised inputs and against the
    float32 reference on the same quantised buffers (``ring_attention_reference``), within the FP8 budgets of
    tests/test_ring_kernels.py (0.08 / 0.04 on the GPU), the output poisoned with NaN first;
-2. **sweep**: each variant timed alone (median of CUDA-graph replays), the short kernel's splits, tiles, stages,
-   programs per SM and accumulator unit, beside the ring kernel's own best configurations (``triton``,
-   ``triton_head``); a variant that fails to compile or misses the budget is reported, not timed;
+2. **sweep**: each variant timed alone (median of CUDA-graph replays), the short kernel's splits, lazy rescale,
+   unit chunk, tensor-core row sums, tiles, warp specialisation and accumulator unit, beside the ring kernel's
+   own best configurations (``triton``, ``triton_head``); a variant that fails to compile or misses the budget
+   is reported, not timed;
 3. **rounds**: cuDNN bf16 (torch SDPA, cuDNN backend, bf16 inputs) and the best few variants interleaved
    (``cadence.bench.rounds``: >= 5 rounds, the order rotating), each ratio as median (min-max) and its verdict:
    a variant is faster only where its worst round beats cuDNN bf16's best.
@@ -23,7 +24,13 @@ Writes ``<out-dir>/attention/<date>-<device>-short-<shape>.json`` per shape and 
 turns records into the rows of the table ``auto`` reads (backends ``triton_short`` / ``triton_short_head``): per
 record and layout, the short-kernel variant of the rounds with the best median ratio among those whose verdict
 is "faster" (its worst round beats cuDNN bf16's best); a layout with none gets no row. The rows replace the
-table's rows of the same record (its file name is each row's ``source``). The kernel:
+table's rows of the same record (its file name is each row's ``source``).
+
+    TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python3 scripts/attention_short.py --sass
+
+compiles the kernel's configurations (``SASS_CONFIGS``) for sm_90 with the triton installed here, no GPU needed,
+and prints per configuration the registers, stack (spills), shared memory, TTGIR layout conversions and the key
+loop's instructions by kind (``cuobjdump`` of the cubin). The kernel:
 ``cadence.kernels.ring_attention.short_attention``; what it changes and the predictions:
 docs/perf/attention/NOTES.md ("The short-query kernel").
 """
@@ -80,10 +87,20 @@ def variants(smoke: bool) -> list[tuple[str, str, dict]]:
     for lay in ("token", "head"):
         for s in splits:
             out.append((f"short-{lay}-s{s or 'auto'}", lay, {"fn": "short", "split": s}))
+    # docs/perf/attention/NOTES.md "Per-token against per-head": the new options first (best predicted first);
+    # the older sweep's stage and programs-per-SM variants (25-45% slower at both shapes on 2026-12-03) left out
+    out += [
+        ("short-token-lazy2-chunk4k", "token", {"fn": "short", "lazy": 2.0, "unit_chunk": 4096}),
+        ("short-token-lazy2", "token", {"fn": "short", "lazy": 2.0}),
+        ("short-token-chunk4k", "token", {"fn": "short", "unit_chunk": 4096}),
+        ("short-head-lazy2-lmma", "head", {"fn": "short", "lazy": 2.0, "l_mma": True}),
+        ("short-head-lmma", "head", {"fn": "short", "l_mma": True}),
+        ("short-head-lazy2", "head", {"fn": "short", "lazy": 2.0}),
+    ]
     if smoke:
         return out + [("short-token-tileunit", "token", {"fn": "short", "v_unit": False})]
     for lay in ("token", "head"):
-        for bm, bn, w in ((64, 64, 4), (128, 128, 8), (128, 64, 8)):
+        for bm, bn, w in ((64, 64, 4), (128, 128, 8)):
             out.append(
                 (
                     f"short-{lay}-{bm}x{bn}w{w}",
@@ -91,11 +108,7 @@ def variants(smoke: bool) -> list[tuple[str, str, dict]]:
                     {"fn": "short", "block_m": bm, "block_n": bn, "num_warps": w},
                 )
             )
-        for st in (2, 4):
-            out.append((f"short-{lay}-stages{st}", lay, {"fn": "short", "num_stages": st}))
         out.append((f"short-{lay}-ws", lay, {"fn": "short", "ws": True}))
-        out.append((f"short-{lay}-pps1", lay, {"fn": "short", "programs_per_sm": 1}))
-        out.append((f"short-{lay}-pps3", lay, {"fn": "short", "programs_per_sm": 3}))
     out.append(("short-token-tileunit", "token", {"fn": "short", "v_unit": False}))
     return out
 
@@ -329,6 +342,126 @@ def table_into(table_path: str, records: list[str]) -> list[dict]:
     return new
 
 
+# ---- what the compiler makes of a configuration, on any machine (no GPU needed) -----------------------------
+SASS_CONFIGS = {
+    "token": dict(scales=1),
+    "head": dict(scales=2),
+    "token-lazy2": dict(scales=1, TAU=2.0),
+    "token-chunk4k": dict(scales=1, UNIT_CHUNK=4096),
+    "token-chunk16k": dict(scales=1, UNIT_CHUNK=16384),
+    "token-lazy2-chunk4k": dict(scales=1, TAU=2.0, UNIT_CHUNK=4096),
+    "head-lazy2": dict(scales=2, TAU=2.0),
+    "head-lmma": dict(scales=2, L_MMA=True),
+    "head-lazy2-lmma": dict(scales=2, TAU=2.0, L_MMA=True),
+}
+SASS_OPS = (
+    "FMUL",
+    "FFMA",
+    "FADD",
+    "FMNMX",
+    "MUFU",
+    "F2FP",
+    "SHFL",
+    "LDS",
+    "LDGSTS",
+    "DEPBAR",
+    "BAR",
+    "SYNCS",
+)
+
+
+def compile_sm90(scales: int, bm: int = 64, bn: int = 128, warps: int = 4, stages: int = 3, **const):
+    """short_attn_kernel compiled for sm_90 with the triton installed here (no GPU needed), its arguments
+    specialised as a launch at the W57 TP=4 shape would (split 4; strides of 1 constant, multiples of 16 marked)."""
+    import triton
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import native_specialize_impl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from cadence.kernels import _ring_triton as kt
+    from cadence.kernels import ring_attention as ra
+
+    h, m, n, d, split = SHAPES["w57-tp4"], M, -(-N // 128) * 128, D, 4
+    ks = torch.ones(h, n) if scales == 1 else torch.ones(h)
+    z = torch.zeros
+    args = dict(
+        q_desc=TensorDescriptor.from_tensor(z(h, m, d, dtype=ra.FP8), [1, bm, d]),
+        k_desc=TensorDescriptor.from_tensor(z(h, n, d, dtype=ra.FP8), [1, bn, d]),
+        v_desc=TensorDescriptor.from_tensor(z(h, d, n, dtype=ra.FP8), [1, d, bn]),
+        QS=torch.ones(h, m), KS=ks, VS=ks, NVALID=z(1, dtype=torch.int32), OB=z(16), LSE=z(16),
+        sqsh=m, sqsm=1, sksh=n if scales == 1 else 1, sksn=1 if scales == 1 else 0, svsh=n if scales == 1 else 1,
+        svsn=1 if scales == 1 else 0, sos=h * m * d, soh=m * d, som=d, sod=1, sls=h * m, slh=m, slm=1, M=m, H=h,
+        n_per_split=-(-n // split // bn) * bn, n_items=-(-m // bm) * h * split, qk_scale=0.1,
+    )  # fmt: skip
+    const = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=True, SCALES=scales, V_TRANS=True, V_UNIT=scales == 1,
+                 WS=False, DOT_F32=False, PREC="tf32", L_MMA=False, UNIT_CHUNK=1024, TAU=0.0) | const  # fmt: skip
+    sig, attrs = {}, {}
+    for i, a in enumerate(kt.short_attn_kernel.arg_names):
+        if a in const:
+            sig[a] = "constexpr"
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, args[a], False, True, True)
+        if ty == "constexpr":
+            sig[a], const[a] = ty, spec
+        else:
+            sig[a] = ty
+            attrs[(i,)] = BaseBackend.parse_attr(spec) if isinstance(spec, str) else []
+    src = ASTSource(kt.short_attn_kernel, sig, const, attrs)
+    opts = dict(num_warps=warps, num_stages=stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=opts)
+
+
+def sass_counts(kernel) -> dict:
+    """Registers, stack, shared memory and the key loop's instructions by kind (the loop: the innermost backward
+    branch around both MMAs; with a branch inside, both of its sides)."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, t) in enumerate(ins):
+        b = re.search(r"BRA (0x[0-9a-f]+)", t)
+        if (
+            b
+            and int(b.group(1), 16) < a
+            and sum("GMMA" in x for _, x in ins[at[int(b.group(1), 16)] : i]) >= 2
+        ):
+            loops.append([x for _, x in ins[at[int(b.group(1), 16)] : i + 1]])
+    body = min(loops, key=len)
+    first = next(a for a, x in ins if x == body[0])
+    skips = [  # forward branches inside the loop: the instructions a tile can jump over (lazy: the rescale)
+        at[int(b, 16)] - at[first] - k
+        for k, x in enumerate(body)
+        for b in re.findall(r"@!?P\d BRA (0x[0-9a-f]+)", x)
+    ]
+    skip = max([k for k in skips if 0 < k < len(body)], default=0)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+    return dict(
+        regs=int(re.search(r"REG:(\d+)", res).group(1)),
+        stack=int(re.search(r"STACK:(\d+)", res).group(1)),
+        shared_kb=round(kernel.metadata.shared / 1024, 1),
+        convert_layout=kernel.asm["ttgir"].count("ttg.convert_layout"),
+        loop=len(body),
+        skippable=skip,
+        **{k: ops[k] for k in SASS_OPS},
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     import sys
 
@@ -349,8 +482,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("TABLE", "RECORD"),
         help="no run: the table auto reads, then records of this script whose rows replace their old ones",
     )
+    p.add_argument(
+        "--sass",
+        action="store_true",
+        help="no run: compile the configurations of SASS_CONFIGS for sm_90 here and print their key loops",
+    )
     a = p.parse_args(argv)
     a.argv = argv
+    if a.sass:
+        for name, cfg in SASS_CONFIGS.items():
+            print(f"{name:16}", json.dumps(sass_counts(compile_sm90(**cfg))), flush=True)
+        return 0
     if a.table_into:
         if len(a.table_into) < 2:
             p.error("--table-into needs the table and at least one record")

@@ -298,19 +298,30 @@ def test_short_attention_float32_exact(n_valid, split):
     assert rel(out, ra.ring_attention_reference(*bufs, n_valid)) < 1e-5
 
 
-@pytest.mark.parametrize("v_unit", [True, False], ids=["item-unit", "tile-unit"])
-def test_short_attention_fp8_per_token_within_budget(v_unit):
+@pytest.mark.parametrize(
+    "v_unit,unit_chunk,lazy",
+    [(True, 1024, 0.0), (True, 16, 0.0), (True, 1024, 2.0), (False, 1024, 0.0)],
+    ids=["item-unit", "item-unit-chunk16", "item-unit-lazy2", "tile-unit"],
+)
+def test_short_attention_fp8_per_token_within_budget(v_unit, unit_chunk, lazy):
     """FP8 Q/K/V with per-token scales, P in FP8: the budgets of test_ring_attention_fp8_within_budget against
     the float32 attention of the unquantised inputs and against the reference on the same quantised buffers.
     With one accumulator unit per item (v_unit) P is scaled by v_scale_j / max over the item's keys rather than
-    over the tile's: small-scale tokens' P values sit lower in e4m3's range, within the same budget."""
+    over the tile's: small-scale tokens' P values sit lower in e4m3's range, within the same budget. unit_chunk 16:
+    the item's unit found over many chunks (200 keys, 2 splits: 7 chunks each), the same unit as one chunk. lazy 2:
+    the running maximum moved only past 2 (log2 units) and the unit 4x larger (P's FP8 factor 64 rather than 256):
+    the same budgets."""
     g = torch.Generator().manual_seed(11)
     m, n, h, d = 64, 200, 2, 32
     q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
     v[::7] *= 0.1  # tokens with a tenth of the others' v scale: what the unit per item must carry
     bufs = _buffers(q, k, v, ra.FP8)
     nv = torch.tensor([n], dtype=torch.int32).to(DEV)
-    out = ra.short_attention(*bufs, nv, split=2, v_unit=v_unit, out_dtype=torch.float32)
+    out = ra.short_attention(
+        *bufs, nv, split=2, v_unit=v_unit, unit_chunk=unit_chunk, lazy=lazy, out_dtype=torch.float32
+    )
+    if unit_chunk != 1024:  # the same unit, so the same result as the default chunk
+        assert rel(out, ra.short_attention(*bufs, nv, split=2, out_dtype=torch.float32)) < 1e-6
     exact = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     ).transpose(0, 1)
@@ -321,20 +332,68 @@ def test_short_attention_fp8_per_token_within_budget(v_unit):
     assert rel(out, exact) > 1e-3
 
 
-def test_short_attention_head_scales_within_budget():
-    """Per-head K/V scales (the triton_head layout): the same budgets."""
+@pytest.mark.parametrize(
+    "l_mma,lazy",
+    [(False, 0.0), (True, 0.0), (False, 2.0), (True, 2.0)],
+    ids=["l-sum", "l-mma", "lazy2", "lazy2-l-mma"],
+)
+def test_short_attention_head_scales_within_budget(l_mma, lazy):
+    """Per-head K/V scales (the triton_head layout): the same budgets. l_mma: the row sums l taken by a dot of the
+    FP8 P with a column of ones (the numerators P.V used, rounded to FP8) instead of summing the unrounded P:
+    within the same budgets, and within FP8's rounding of P of the summed form (l moves by at most ~3%, the
+    half-step of e4m3, and far less on average over 150 keys). lazy 2: the running maximum moved only past 2 (log2
+    units), P's FP8 factor 64: the same budgets."""
     g = torch.Generator().manual_seed(12)
     m, n, h, d = 64, 200, 2, 32
     q, k, v = (torch.randn(s, h, d, generator=g).to(DEV) for s in (m, n, n))
     bufs = _head_buffers(q, k, v)
     nv = torch.tensor([150], dtype=torch.int32).to(DEV)
-    out = ra.short_attention(*bufs, nv, out_dtype=torch.float32)
+    out = ra.short_attention(*bufs, nv, l_mma=l_mma, lazy=lazy, split=2, out_dtype=torch.float32)
+    if l_mma:
+        summed = ra.short_attention(*bufs, nv, lazy=lazy, split=2, out_dtype=torch.float32)
+        assert 0 < rel(out, summed) < 0.02
     exact = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k[:150].transpose(0, 1), v[:150].transpose(0, 1)
     ).transpose(0, 1)
     interp = ra.interpreting()
     assert rel(out, exact) < (0.15 if interp else 0.08)
     assert rel(out, ra.ring_attention_reference(*bufs, 150)) < (0.12 if interp else 0.04)
+
+
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_short_attention_lazy_rescale_moves_late(layout):
+    """lazy 2 where the largest logit of every row comes in an item's last tile (key 190 of 200, logits ~11 against
+    ~1): the running maximum must move there (had it not, P would be ~2^16 past FP8's 448 and l wrong), within the
+    FP8 budgets of the exact attention."""
+    g = torch.Generator().manual_seed(14)
+    m, n, h, d = 64, 200, 2, 32
+    u = torch.randn(h, d, generator=g)
+    u = u / u.norm(dim=-1, keepdim=True) * d**0.5
+    q = torch.randn(m, h, d, generator=g) + u
+    k, v = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    k[190] = 2 * u
+    q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
+    bufs = _buffers(q, k, v, ra.FP8) if layout == "token" else _head_buffers(q, k, v)
+    nv = torch.tensor([n], dtype=torch.int32).to(DEV)
+    out = ra.short_attention(*bufs, nv, split=1, lazy=2.0, out_dtype=torch.float32)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    ).transpose(0, 1)
+    interp = ra.interpreting()
+    assert rel(out, exact) < (0.15 if interp else 0.08)
+    assert rel(out, ra.ring_attention_reference(*bufs, n)) < (0.12 if interp else 0.04)
+
+
+def test_short_attention_options_checked():
+    """A unit chunk that is not a power of two, or a rescale threshold outside [0, 8): one clear error."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(s, 1, 32, generator=g).to(DEV) for s in (8, 40, 40))
+    bufs = _buffers(q, k, v, ra.FP8)
+    nv = torch.tensor([40], dtype=torch.int32).to(DEV)
+    with pytest.raises(ValueError, match="unit_chunk"):
+        ra.short_attention(*bufs, nv, unit_chunk=1000)
+    with pytest.raises(ValueError, match="lazy"):
+        ra.short_attention(*bufs, nv, lazy=8.0)
 
 
 def test_short_splits_fill_the_programs():

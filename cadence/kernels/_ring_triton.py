@@ -253,11 +253,13 @@ def attn_tile(
     MASK: tl.constexpr,
     PREC: tl.constexpr,
     V_UNIT: tl.constexpr = False,
+    L_MMA: tl.constexpr = False,
 ):
     """One key tile for one block of query rows. k [BLOCK_N, D]; v [BLOCK_N, D] (a transposed view of
     the V^T tile for FP8). Logits in base 2 are t = (q . k) * r_i (* k_scale_j with per-token scales);
     the running max is kept in those units, so the exponent is one multiply-add per element. V_UNIT: c_prev is
-    log2 of a unit fixed for the key range, subtracted in the exponent (``_short_item``)."""
+    log2 of a unit fixed for the key range, subtracted in the exponent (``_short_item``). L_MMA (FP8, per-head
+    scales): l_i [BLOCK_M, 16], the row sums by the tensor cores (``_l_by_mma``), not 64 adds per thread."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     offs_n = start + tl.arange(0, BLOCK_N)
     valid = offs_n < n_hi
@@ -279,9 +281,14 @@ def attn_tile(
     else:
         p = tl.math.exp2(s * r[:, None] - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if not L_MMA:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     if SCALES == 1:
-        p, alpha, c_prev = _p_times_v_scale(p, alpha, c_prev, VS, svsh, svsn, h, offs_n, valid, MASK, V_UNIT)
+        if MASK:
+            vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
+        else:
+            vs = tl.load(VS + h * svsh + offs_n * svsn)
+        p, alpha, c_prev = _p_times_v_scale(p, alpha, c_prev, vs, V_UNIT)
     if QUANT:
         if PV_BF16:
             pv = p.to(tl.bfloat16)
@@ -292,6 +299,8 @@ def attn_tile(
     else:
         pv = p.to(v.dtype)
         vv = v
+    if L_MMA:
+        l_i = _l_by_mma(pv, l_i, alpha, BLOCK_N, DOT_F32, PREC)
     if DOT_F32:
         pv = pv.to(tl.float32)
         vv = vv.to(tl.float32)
@@ -300,16 +309,24 @@ def attn_tile(
 
 
 @triton.jit
-def _p_times_v_scale(
-    p, alpha, c_prev, VS, svsh, svsn, h, offs_n, valid, MASK: tl.constexpr, V_UNIT: tl.constexpr
-):
-    """Per-token V scales: P (<= 1) times v_scale_j / max_tile(v_scale) * 256 stays in FP8's normal range; the
-    accumulator is kept in units of this tile's max_tile(v_scale) / 256 (c), so moving from the previous tile's
-    unit to this one folds into the usual alpha rescale. V_UNIT: the unit is the item's, already out of P."""
-    if MASK:
-        vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
-    else:
-        vs = tl.load(VS + h * svsh + offs_n * svsn)
+def _l_by_mma(pv, l_i, alpha, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """l_i [BLOCK_M, 16] rescaled by alpha plus P @ [1, 0, ..., 0] (its columns summed once, after the loop): P
+    as rounded to FP8 for P.V times a column of ones (a constant tile the compiler hoists out of the loop), so l
+    is the sum of the very numerators P.V used."""
+    w = (tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0) + tl.zeros([BLOCK_N, 16], tl.float32)).to(
+        pv.dtype
+    )
+    if DOT_F32:
+        return tl.dot(pv.to(tl.float32), w.to(tl.float32), l_i * alpha[:, None], input_precision=PREC)
+    return tl.dot(pv, w, l_i * alpha[:, None])
+
+
+@triton.jit
+def _p_times_v_scale(p, alpha, c_prev, vs, V_UNIT: tl.constexpr):
+    """Per-token V scales (vs: the tile's, 0 past the valid keys): P (<= 1) times v_scale_j / max_tile(v_scale) *
+    256 stays in FP8's normal range; the accumulator is kept in units of this tile's max_tile(v_scale) / 256 (c),
+    so moving from the previous tile's unit to this one folds into the usual alpha rescale. V_UNIT: the unit is
+    the item's, already out of P."""
     if V_UNIT:
         p = p * vs[None, :]
     else:
@@ -562,7 +579,8 @@ def combine_kernel(
 # ---- the short-query kernel: a persistent grid over (row block, head, key split) items ----------------------
 @triton.jit
 def _v_unit(VS, svsh, svsn, h, n_lo, n_hi, CHUNK: tl.constexpr):
-    """log2 of the accumulator's unit for one item's keys [n_lo, n_hi): log2(max v scale / 256)."""
+    """log2 of the accumulator's unit for one item's keys [n_lo, n_hi): log2(max v scale / 256). Each chunk is
+    one load and one block-wide maximum (shared memory, barriers) in series: a larger CHUNK, fewer rounds."""
     vmax = 1e-30
     for start in range(n_lo, n_hi, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -572,16 +590,80 @@ def _v_unit(VS, svsh, svsn, h, n_lo, n_hi, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, sksn, svsh, svsn, sos, soh, som,
-                sod, sls, slh, slm, M, qk_scale, h, row, sp, n_lo, n_hi,
+def _lazy_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c,
+               BLOCK_N: tl.constexpr, SCALES: tl.constexpr, DOT_F32: tl.constexpr, MASK: tl.constexpr,
+               PREC: tl.constexpr, L_MMA: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
+    """``attn_tile`` (FP8, per-head scales or V_UNIT) with a lazy rescale: the running maximum moves only when a
+    row's tile maximum exceeds it by more than TAU (log2 units) anywhere in the block, so most tiles skip the
+    rescale of acc and l (one block-wide maximum instead); P is then at most 2^TAU of the scale it had, so its
+    FP8 factor is 2^(8 - TAU) (per-head) or the unit 2^TAU larger (c, ``_short_item``)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    valid = offs_n < n_hi
+    if SCALES == 1:
+        if MASK:
+            ks = tl.load(KS + h * sksh + offs_n * sksn, mask=valid, other=0.0)
+            vs = tl.load(VS + h * svsh + offs_n * svsn, mask=valid, other=0.0)
+        else:
+            ks = tl.load(KS + h * sksh + offs_n * sksn)
+            vs = tl.load(VS + h * svsh + offs_n * svsn)
+        s = s * ks[None, :]
+    if MASK:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_tile = tl.max(s, axis=1) * r
+    if tl.max(m_tile - m_i, axis=0) > TAU:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        if L_MMA:
+            l_i = l_i * alpha[:, None]
+        else:
+            l_i = l_i * alpha
+        m_i = m_new
+    if SCALES == 2:
+        p = tl.math.exp2(s * r[:, None] - (m_i - (8.0 - TAU))[:, None])
+    else:
+        p = tl.math.exp2(s * r[:, None] - (m_i + c)[:, None])
+    if not L_MMA:
+        l_i = l_i + tl.sum(p, axis=1)
+    if SCALES == 1:
+        p = p * vs[None, :]
+    pv = p.to(tl.float8e4nv)
+    if L_MMA:
+        l_i = _l_by_mma(pv, l_i, tl.full([pv.shape[0]], 1.0, tl.float32), BLOCK_N, DOT_F32, PREC)
+    if DOT_F32:
+        acc = tl.dot(pv.to(tl.float32), v.to(tl.float32), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(pv, v, acc)
+    return m_i, l_i, acc, c
+
+
+@triton.jit
+def _short_tile(q, r, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c,
+                HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, SCALES: tl.constexpr,
+                V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, DOT_F32: tl.constexpr, MASK: tl.constexpr,
+                PREC: tl.constexpr, L_MMA: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
+    """One key tile of an item: K / V loaded, then ``attn_tile`` (``_lazy_tile`` with TAU > 0)."""
+    k, v = _load_kv(k_desc, v_desc, h, start, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
+    if TAU > 0:
+        return _lazy_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c, BLOCK_N,
+                          SCALES, DOT_F32, MASK, PREC, L_MMA, TAU)  # fmt: skip
+    return attn_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c, BLOCK_N,
+                     QUANT, SCALES, False, DOT_F32, MASK, PREC, V_UNIT, L_MMA)  # fmt: skip
+
+
+@triton.jit
+def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, sksn, svsh, svsn,
+                sos, soh, som, sod, sls, slh, slm, M, qk_scale, h, row, sp, n_lo, n_hi,
                 HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                 SCALES: tl.constexpr, V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, WS: tl.constexpr,
-                DOT_F32: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                DOT_F32: tl.constexpr, PREC: tl.constexpr, L_MMA: tl.constexpr,
+                UNIT_CHUNK: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
     """One item: BLOCK_M query rows from `row` of head h over the keys [n_lo, n_hi), written as split sp.
     V_UNIT (per-token scales): c = log2 of a unit fixed for the item (its max v scale / 256) is subtracted in the
     exponent, so P and l are kept divided by the unit (it cancels in acc / l; the log-sum-exp adds it back) and
     P times v_scale_j is at most 256 with no per-tile maximum, no change of unit, and the v scales used as loaded
-    (no layout conversion of a computed vector)."""
+    (no layout conversion of a computed vector); the unit read UNIT_CHUNK scales at a time."""
     offs = row + tl.arange(0, BLOCK_M)
     mm = offs < M
     q = q_desc.load([h, row, 0]).reshape(BLOCK_M, HEAD_D)
@@ -589,21 +671,26 @@ def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, s
         q = q.to(tl.float32)
     r = _row_factor(QS, sqsh, sqsm, KS, sksh, h, offs, mm, qk_scale, QUANT, SCALES, BLOCK_M)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if L_MMA:  # l by the tensor cores (attn_tile): its sum over the 16 columns at the end
+        l_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     c = 1.0
     if V_UNIT:  # c: log2 of the item's unit (attn_tile)
-        c = _v_unit(VS, svsh, svsn, h, n_lo, n_hi, 1024)
+        c = _v_unit(VS, svsh, svsn, h, n_lo, n_hi, UNIT_CHUNK) + TAU
     n_full = n_lo + tl.maximum(n_hi - n_lo, 0) // BLOCK_N * BLOCK_N
     # fmt: off
     for start in tl.range(n_lo, n_full, BLOCK_N, warp_specialize=WS):
-        k, v = _load_kv(k_desc, v_desc, h, start, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
-        m_i, l_i, acc, c = attn_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, start, n_hi, m_i, l_i, acc, c,
-                                     BLOCK_N, QUANT, SCALES, False, DOT_F32, False, PREC, V_UNIT)
+        m_i, l_i, acc, c = _short_tile(q, r, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h,
+                                       start, n_hi, m_i, l_i, acc, c, HEAD_D, BLOCK_N, QUANT, SCALES, V_TRANS,
+                                       V_UNIT, DOT_F32, False, PREC, L_MMA, TAU)
     if n_full < n_hi:
-        k, v = _load_kv(k_desc, v_desc, h, n_full, HEAD_D, BLOCK_N, V_TRANS, DOT_F32)
-        m_i, l_i, acc, c = attn_tile(q, r, k, v, KS, VS, sksh, sksn, svsh, svsn, h, n_full, n_hi, m_i, l_i, acc, c,
-                                     BLOCK_N, QUANT, SCALES, False, DOT_F32, True, PREC, V_UNIT)
+        m_i, l_i, acc, c = _short_tile(q, r, k_desc, v_desc, KS, VS, sksh, sksn, svsh, svsn, h,
+                                       n_full, n_hi, m_i, l_i, acc, c, HEAD_D, BLOCK_N, QUANT, SCALES, V_TRANS,
+                                       V_UNIT, DOT_F32, True, PREC, L_MMA, TAU)
+    if L_MMA:
+        l_i = tl.sum(l_i, axis=1)
     if V_UNIT:  # P and l were kept divided by the unit: acc / l as is, the log-sum-exp with log2(unit) back
         m_i = m_i + c
         c = 1.0
@@ -612,17 +699,19 @@ def _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, s
 
 
 @triton.jit
-def short_attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, OB, LSE, sqsh, sqsm, sksh, sksn, svsh, svsn,
-                      sos, soh, som, sod, sls, slh, slm, M, H, n_per_split, n_items, qk_scale,
+def short_attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, OB, LSE, sqsh, sqsm, sksh,
+                      sksn, svsh, svsn, sos, soh, som, sod, sls, slh, slm, M, H, n_per_split, n_items, qk_scale,
                       HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                       SCALES: tl.constexpr, V_TRANS: tl.constexpr, V_UNIT: tl.constexpr, WS: tl.constexpr,
-                      DOT_F32: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                      DOT_F32: tl.constexpr, PREC: tl.constexpr, L_MMA: tl.constexpr,
+                      UNIT_CHUNK: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
     """Persistent attention for few query rows: program p runs items p, p + P, p + 2P, ... (P programs, a few
     per SM), item = (row block, head, key split) with the row block fastest, so the programs running together
     read the same head's key range (its K/V tiles shared through L2). FP8 (QUANT) with per-token (SCALES 1) or
     per-head (2) scales, or float storage, as ``attn_kernel``; V_UNIT: one accumulator unit per item
-    (``attn_tile``); WS: Triton's warp specialisation of the key loop. Each item writes its split's partial (o,
-    base-2 log-sum-exp), merged by ``combine_kernel`` (one split: o straight into [M, H, D])."""
+    (``attn_tile``); WS: Triton's warp specialisation of the key loop; L_MMA: the softmax's row sums by the
+    tensor cores (``attn_tile``). Each item writes its split's partial (o, base-2 log-sum-exp), merged by
+    ``combine_kernel`` (one split: o straight into [M, H, D])."""
     n_valid = tl.load(NVALID)
     mblocks = tl.cdiv(M, BLOCK_M)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
@@ -632,7 +721,8 @@ def short_attn_kernel(q_desc, QS, k_desc, KS, v_desc, VS, NVALID, OB, LSE, sqsh,
         n_lo = sp * n_per_split
         n_hi = tl.minimum(n_valid, n_lo + n_per_split)
         # fmt: off
-        _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, sksn, svsh, svsn, sos, soh, som,
-                    sod, sls, slh, slm, M, qk_scale, h, (item % mblocks) * BLOCK_M, sp, n_lo, n_hi,
-                    HEAD_D, BLOCK_M, BLOCK_N, QUANT, SCALES, V_TRANS, V_UNIT, WS, DOT_F32, PREC)
+        _short_item(q_desc, QS, k_desc, KS, v_desc, VS, OB, LSE, sqsh, sqsm, sksh, sksn, svsh,
+                    svsn, sos, soh, som, sod, sls, slh, slm, M, qk_scale, h, (item % mblocks) * BLOCK_M, sp, n_lo,
+                    n_hi, HEAD_D, BLOCK_M, BLOCK_N, QUANT, SCALES, V_TRANS, V_UNIT, WS, DOT_F32, PREC, L_MMA,
+                    UNIT_CHUNK, TAU)
         # fmt: on

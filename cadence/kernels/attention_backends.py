@@ -265,11 +265,13 @@ class ShortKernel(TritonKernel):
         return ra.short_attention(q, qs, k, ks, vt, ks, nv, **config)
 
     def configs(self, device, storage, sweep, ctas) -> list[dict]:
-        """The host-picked split (and, swept, the splits, warp specialisation and tiles of
-        scripts/attention_short.py's rounds)."""
+        """The host-picked split (and, swept, the splits, warp specialisation, lazy rescale (with the unit found
+        4,096 scales at a time, or the per-head row sums by the tensor cores: ignored with per-token scales) and
+        tiles of scripts/attention_short.py's rounds)."""
         if not sweep:
             return [dict()]
         out = [dict()] + [dict(split=s) for s in (1, 2, 4)] + [dict(ws=True)]
+        out += [dict(lazy=2.0, unit_chunk=4096), dict(lazy=2.0, l_mma=True)]
         if device.type == "cuda":
             out += [dict(programs_per_sm=p) for p in (1, 3)]
             out += [dict(block_m=64, block_n=64, num_warps=4), dict(block_m=128, block_n=128, num_warps=8)]

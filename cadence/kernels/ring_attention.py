@@ -411,6 +411,21 @@ def short_splits(units: int, tiles: int, programs: int, max_split: int = 16) -> 
     return best
 
 
+def _short_options(scales: int, v_unit: bool, unit_chunk: int, l_mma: bool, lazy: float) -> dict:
+    """The short kernel's scale-dependent constexprs from :func:`short_attention`'s options (checked)."""
+    if unit_chunk < 16 or unit_chunk & (unit_chunk - 1):
+        raise ValueError(f"unit_chunk must be a power of two >= 16, got {unit_chunk}")
+    if not 0.0 <= lazy < 8.0:
+        raise ValueError(f"lazy (the rescale threshold, log2 units) must be in [0, 8), got {lazy}")
+    v_unit = bool(v_unit and scales == 1)
+    return dict(
+        V_UNIT=v_unit,
+        UNIT_CHUNK=unit_chunk,
+        L_MMA=bool(l_mma and scales == 2),
+        TAU=float(lazy) if scales == 2 or v_unit else 0.0,
+    )
+
+
 def short_attention(
     q: torch.Tensor,
     qs: torch.Tensor,
@@ -429,6 +444,9 @@ def short_attention(
     programs_per_sm: int = 2,
     v_unit: bool = True,
     ws: bool = False,
+    unit_chunk: int = 1024,
+    l_mma: bool = False,
+    lazy: float = 0.0,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
@@ -438,9 +456,13 @@ def short_attention(
     key split), ``split`` chosen by :func:`short_splits` unless given, run by a persistent grid of
     ``programs_per_sm`` programs per SM (``short_attn_kernel``: the items of one head's key range run together,
     sharing its K/V tiles through L2), the splits merged by one combine launch. ``v_unit`` (per-token scales):
-    one accumulator unit per item instead of a per-tile maximum and rescale; ``ws``: Triton's warp
-    specialisation of the key loop. P stays FP8 for the P.V product. Returns [M, H, D] in out_dtype (or
-    ``out``)."""
+    one accumulator unit per item instead of a per-tile maximum and rescale, found ``unit_chunk`` scales at a
+    time (a power of two); ``ws``: Triton's warp specialisation of the key loop; ``l_mma`` (FP8 with per-head
+    scales; ignored otherwise): the softmax's row sums by the tensor cores, P (FP8) times a column of ones,
+    instead of a sum over P's elements; ``lazy`` (FP8, per-head scales or ``v_unit``; 0 = off): the running
+    maximum moved only when some row's tile maximum passes it by more than ``lazy`` (log2 units), so most tiles
+    skip rescaling the accumulator, P's FP8 factor that much lower (``_lazy_tile``). P stays FP8 for the P.V
+    product. Returns [M, H, D] in out_dtype (or ``out``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     kern = _kernels()
@@ -477,8 +499,8 @@ def short_attention(
         q_desc, qs, k_desc, ks, v_desc, vs, n_valid, o, lse,
         *qs_s, *_scale_strides(ks), *_scale_strides(vs), *o_strides, *lse.stride(), m, h, per, n_items, qk_scale,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, QUANT=quant, SCALES=scales, V_TRANS=v_transposed,
-        V_UNIT=bool(v_unit and scales == 1), WS=bool(ws), DOT_F32=interp, PREC="ieee" if k.dtype == torch.float32 else "tf32",
-        **extra,
+        WS=bool(ws), DOT_F32=interp, PREC="ieee" if k.dtype == torch.float32 else "tf32",
+        **_short_options(scales, v_unit, unit_chunk, l_mma, lazy), **extra,
     )
     # fmt: on
     if split > 1:
