@@ -257,6 +257,25 @@ def test_tiny_model_stream_unchanged_with_the_fold(world, use_triton, dtype, mon
     assert max(errs) < 1e-5
 
 
+def test_compiled_ops_give_the_fold_its_sums(monkeypatch):
+    """With ``apply_compile`` (traced with aot_eager here: the plumbing, not Inductor's code) the one-rank fold
+    takes both sums from the compiled ``sum_squares_pair``, and the stream equals the separate compiled norms."""
+    from cadence.runtime.compile import apply_compile, remove_compile
+
+    model = _model(1)
+    assert apply_compile(model, backend="aot_eager").enabled
+    calls = []
+    ops = model.blocks[0].self_attn.norm_q.ops
+    real = ops.sum_squares_pair
+    monkeypatch.setattr(ops, "sum_squares_pair", lambda q, k: calls.append(1) or real(q, k), raising=False)
+    got = _latents(CFG, model, monkeypatch, True, False, "fp8", n=2)
+    assert calls  # (the monkeypatch above was undone inside _latents; the calls were counted)
+    unfold_qk_norms(model)
+    ref = _latents(CFG, model, monkeypatch, False, False, "fp8", n=2)
+    remove_compile(model)
+    assert max(rel(a, b) for a, b in zip(got, ref)) < 1e-5
+
+
 def test_unpaired_tp_sums_and_other_caches_take_the_plain_path(monkeypatch):
     """With ``CADENCE_TP_QK_PAIR=0`` each sharded norm reduces its own sum (``reduced_sums``); a cache that does
     not fold (the naive one) gets the plain forward, bitwise."""
