@@ -15,7 +15,18 @@ import pathlib
 import sys
 
 #: parts each change should move (docs/perf/step/NOTES.md, issue 36 part 2)
-WATCH = ("timestep", "linear", "qk_norm", "audio_embed", "norm_mod", "res_norm", "residual", "rope", "gaps")
+WATCH = (
+    "timestep",
+    "linear",
+    "qk_norm",
+    "cache",
+    "audio_embed",
+    "norm_mod",
+    "res_norm",
+    "residual",
+    "rope",
+    "gaps",
+)
 
 
 def load(perf: pathlib.Path) -> list[tuple[str, dict, dict | None]]:
@@ -29,6 +40,8 @@ def load(perf: pathlib.Path) -> list[tuple[str, dict, dict | None]]:
         prof = json.loads(pf.read_text())["results"] if pf.exists() else None
         env = {k: v for k, v in (r.get("step_env") or {}).items() if v is not None}
         tag = "before" if env else "after"
+        if "-attn" in f.stem:  # a run with another ring backend (--attention): its own row, no reference pair
+            tag += " " + f.stem[f.stem.index("-attn") + 1 :]
         model = "flashtalk" if "flashtalk" in f.name else d["preset"]
         runs.append((f"{model} tp{d['tp']} {tag}", r, prof))
     return runs

@@ -37,6 +37,10 @@ Storage, per layer (one allocation per tensor for all layers, made once)::
   visible keys are always a prefix [0, n): a length, not a mask, and only while the ring fills. On
   the FP8 Triton path that length is read on the device, so a filling step launches exactly what a
   steady step launches (``length_on_device``: one CUDA graph for both).
+* **The q/k norms in the write** (``folds_qk_norm``: the Triton write, ``CADENCE_QK_NORM_IN_WRITE`` not 0):
+  the self-attention hands over q and k before their RMS norms, with the norms' sums of squares and weights
+  (``cadence.cache.qk_fold``, installed on the model by :meth:`RingCache.from_config`), and the write applies
+  them on its way in: no separate apply kernels, no normed copy of q and k in memory.
 * **No host syncs.** The write slot, its first row and the valid length are device tensors advanced
   on the device in ``begin_chunk``; RoPE tables of the current chunk live in static buffers updated
   in place. Python ints are host bookkeeping only (the bf16 path slices its prefix view with one).
@@ -83,6 +87,14 @@ FP8_DTYPE = ra.FP8
 SINK_POLICIES = ("absolute", "follow")
 STORAGE = ("bf16", "fp8")
 ALIGN = 128
+
+
+def qk_norm_in_write() -> bool:
+    """``CADENCE_QK_NORM_IN_WRITE`` (default 1): a ring with the Triton write takes the self-attention's q/k
+    norms' apply into that write (``cadence.cache.qk_fold``); 0: the separate norms (the reference)."""
+    import os
+
+    return os.environ.get("CADENCE_QK_NORM_IN_WRITE", "1") != "0"
 
 
 def quantize_fp8(x: torch.Tensor, per: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +191,9 @@ class RingCache(SelfAttentionCache):
                 level=logging.WARNING if self.device.type == "cuda" else logging.INFO,
             )
         self.plan = self._plan(attention, use_triton, model_dtype)
+        #: take the self-attention's q/k norms into the write (``attend``'s `qk_norm`; ``cadence.cache.qk_fold``):
+        #: on the Triton write by default, off with CADENCE_QK_NORM_IN_WRITE=0 (the separate norms, the reference)
+        self.folds_qk_norm = self.use_triton and qk_norm_in_write()
         self.layout, self.kernel = self.plan.layout, self.plan.kernel  # what the write stores, what reads it
         self._allocate(N, FP8_DTYPE if fp8 else model_dtype)
         self.reset()
@@ -256,10 +271,12 @@ class RingCache(SelfAttentionCache):
         use_triton: bool | None = None,
         attention: str | None = None,
     ) -> RingCache:
-        """The ring for ``cfg`` and this (rank's) model; ``attention`` defaults to ``cfg.stream.attention``."""
+        """The ring for ``cfg`` and this (rank's) model; ``attention`` defaults to ``cfg.stream.attention``.
+        Where the ring takes the q/k norms into its write (``folds_qk_norm``), the model's self-attentions are
+        made to hand them over (``cadence.cache.qk_fold.fold_qk_norms``; with other caches they run as before)."""
         m, s = cfg.model, cfg.stream
         heads = model.blocks[0].self_attn.heads  # heads of this rank under tensor parallelism
-        return cls(
+        ring = cls(
             m.num_layers,
             s.window_chunks,
             cfg.token_grid,
@@ -277,6 +294,11 @@ class RingCache(SelfAttentionCache):
             frame_sink_chunks=getattr(s, "frame_sink_chunks", 0),
             attention=attention or getattr(s, "attention", "auto"),
         )
+        if ring.folds_qk_norm:
+            from cadence.cache.qk_fold import fold_qk_norms
+
+            fold_qk_norms(model)
+        return ring
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -375,13 +397,14 @@ class RingCache(SelfAttentionCache):
     def _head_scales(self) -> bool:
         return self.plan.scales == "head"
 
-    def _store_k(self, layer: int, k: torch.Tensor, cos, sin, row0) -> None:
-        """k [n, H, D] un-rotated -> rotated (quantised) into rows row0.. of layer's K."""
+    def _store_k(self, layer: int, k: torch.Tensor, cos, sin, row0, norm=None) -> None:
+        """k [n, H, D] un-rotated -> rotated (quantised) into rows row0.. of layer's K (`norm`: k is the
+        norm's input, normed first; the reference path only)."""
         if self.use_triton:
             ra.rope_quant_write(k, cos, sin, self.k[layer], self.k_scale[layer], row0)
             return
         hs = self.k_scale[layer] if self._head_scales else None
-        vals, scale = ra.rope_quant_reference(k, cos, sin, self.storage == "fp8", self.k.dtype, hs)
+        vals, scale = ra.rope_quant_reference(k, cos, sin, self.storage == "fp8", self.k.dtype, hs, norm)
         self._index_copy(self.k[layer], 1, row0, vals, k.shape[0])
         if hs is None:
             self._index_copy(self.k_scale[layer], 1, row0, scale, k.shape[0])
@@ -429,22 +452,35 @@ class RingCache(SelfAttentionCache):
         return torch.arange(n, device=self.device)
 
     # ---- the step -------------------------------------------------------------------------------
-    def attend(self, layer: int, q, k, v, commit: bool) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, commit: bool, qk_norm=None) -> torch.Tensor:
         """q, k, v [1, M, H, D] before RoPE -> [1, M, H*D]. Writes the chunk's rotated (FP8) K/V into
-        its slot (the sink rows for the sink) first, then attends over the visible prefix."""
+        its slot (the sink rows for the sink) first, then attends over the visible prefix.
+
+        `qk_norm` (q's and k's :class:`cadence.kernels.ring_attention.RowNorm`): q and k are the q/k norms'
+        inputs; the write applies the norms (folded into it where :meth:`_folds` says it can, else the
+        norms' own math first)."""
         is_sink = self.cur[2]
         m = q.shape[1]
         with region("cache"):
+            if qk_norm is not None and not self._folds(is_sink):
+                q, k, qk_norm = qk_norm[0].apply(q), qk_norm[1].apply(k), None
             if is_sink and self.sink_raw is not None and commit:
                 self.sink_raw[layer].copy_(k[0])
                 self._has_sink = True
-            qr, qs = self._write(layer, q[0], k[0], v[0], is_sink, commit)
+            qr, qs = self._write(layer, q[0], k[0], v[0], is_sink, commit, qk_norm)
         with region("attention"):
             return self._attention(layer, qr, qs, m, q.dtype).reshape(1, m, -1)
 
-    def _write(self, layer: int, q, k, v, is_sink: bool, commit: bool):
+    def _folds(self, is_sink: bool) -> bool:
+        """Whether this pass's write can take the q/k norms in: not the sink's pass (its raw keys are kept
+        normed), nor a write that reads the normed q or k for its per-head scales."""
+        head_q = self.storage == "fp8" and self.layout.q_scales == "head"
+        return not (is_sink or head_q or (self._head_scales and not self.sink_tokens))
+
+    def _write(self, layer: int, q, k, v, is_sink: bool, commit: bool, qk_norm=None):
         """The pass's writes: q rotated (quantised) into the scratch, k and v into the ring rows (one
-        fused launch on the Triton path). Returns the attention's (queries, query scales)."""
+        fused launch on the Triton path; `qk_norm`: q and k normed in it). Returns the attention's
+        (queries, query scales)."""
         m = q.shape[0]
         cos, sin = self.cos[:m], self.sin[:m]
         row0 = self.zero if is_sink else self.row0
@@ -460,13 +496,15 @@ class RingCache(SelfAttentionCache):
         if self.use_triton:
             ra.qkv_write(
                 q, k, v, cos, sin, self.q_rot, q_scale, self.k[layer], self.k_scale[layer],
-                self.v[layer], self.v_scale[layer], self.zero, row0, self.plan.v_transposed,
+                self.v[layer], self.v_scale[layer], self.zero, row0, self.plan.v_transposed, qk_norm,
             )  # fmt: skip
             qr, qs = self.q_rot[:, :m], (self.q_head_scale if head_q else self.q_scale[:, :m])
         else:
-            self._store_k(layer, k, cos, sin, row0)
+            qn, kn = qk_norm if qk_norm is not None else (None, None)
+            self._store_k(layer, k, cos, sin, row0, kn)
             self._store_v(layer, v, row0)
-            qr, qs = ra.rope_quant_reference(q, cos, sin, fp8, self.q_rot.dtype, q_scale if head_q else None)
+            hq = q_scale if head_q else None
+            qr, qs = ra.rope_quant_reference(q, cos, sin, fp8, self.q_rot.dtype, hq, qn)
             if head_q:
                 qs = self.q_head_scale
         if head and commit and not self.sink_tokens:

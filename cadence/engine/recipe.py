@@ -111,6 +111,12 @@ KERNEL_SWITCHES: tuple[EnvSwitch, ...] = (
         "audio K/V: once per chunk, or every pass (pass)",
     ),
     EnvSwitch(
+        "CADENCE_QK_NORM_IN_WRITE",
+        "1",
+        "cadence.cache.ring",
+        "1: the self-attention's q/k norms applied in the ring's Triton write; 0: the separate norms (reference)",
+    ),
+    EnvSwitch(
         "CADENCE_FP8_QUANT",
         "auto",
         "cadence.quant.fp8",

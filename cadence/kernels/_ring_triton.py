@@ -32,8 +32,16 @@ def _write_one(
     BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr,
     MODE: tl.constexpr,
+    SS,
+    sss,
+    NW,
+    NORM_DIM,
+    NORM_EPS,
+    NORM: tl.constexpr,
 ):
-    """Rows [pid*BLOCK_T, ...) of head h of X [T, H, D] (last dim contiguous): rotate interleaved
+    """Rows [pid*BLOCK_T, ...) of head h of X [T, H, D] (last dim contiguous): with NORM, first the RMS
+    norm's apply (x * rsqrt(SS[t] / NORM_DIM + NORM_EPS) * NW[h*D + d], in float32: SS the row's sum of
+    squares over the norm's full width, NW this rank's slice of its weight); rotate interleaved
     pairs, quantise (MODE 1: per row, amax/448, scale stored; MODE 2: by the head's given scale), clamp
     to +-448, cast and store at rows ROW0 + t of OUT (MODE 0: store as is)."""
     HALF: tl.constexpr = D // 2
@@ -41,6 +49,10 @@ def _write_one(
     tm = t < T
     d = tl.arange(0, D)
     x = tl.load(X + t[:, None] * sxt + h * sxh + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        ss = tl.load(SS + t * sss, mask=tm, other=0.0)
+        w = tl.load(NW + h * D + d).to(tl.float32)
+        x = x * tl.rsqrt(ss / NORM_DIM + NORM_EPS)[:, None] * w[None, :]
     if ROTATE:
         i = tl.arange(0, HALF)
         c = tl.load(COS + t[:, None] * HALF + i[None, :], mask=tm[:, None], other=1.0)
@@ -105,6 +117,12 @@ def rope_quant_kernel(
         BLOCK_T,
         ROTATE,
         MODE,
+        X,
+        0,
+        X,
+        1.0,
+        0.0,
+        False,
     )
 
 
@@ -145,13 +163,23 @@ def qkv_write_kernel(
     ZERO,
     ROW0,
     T,
+    QSS,
+    sqss,
+    QW,
+    KSS,
+    skss,
+    KW,
+    NORM_DIM,
+    NORM_EPS,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     Q_MODE: tl.constexpr,
     KV_MODE: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One launch for a pass's three writes: axis 2 picks q (rotated, into the query scratch at row 0),
-    k (rotated, into the cache at ROW0) or v (into the cache at ROW0, no rotation)."""
+    k (rotated, into the cache at ROW0) or v (into the cache at ROW0, no rotation). With NORM, q and k
+    are first RMS-normed (their norms' apply: sums of squares QSS / KSS, weights QW / KW; ``_write_one``)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     which = tl.program_id(2)
@@ -177,6 +205,12 @@ def qkv_write_kernel(
             BLOCK_T,
             True,
             Q_MODE,
+            QSS,
+            sqss,
+            QW,
+            NORM_DIM,
+            NORM_EPS,
+            NORM,
         )
     elif which == 1:
         _write_one(
@@ -200,6 +234,12 @@ def qkv_write_kernel(
             BLOCK_T,
             True,
             KV_MODE,
+            KSS,
+            skss,
+            KW,
+            NORM_DIM,
+            NORM_EPS,
+            NORM,
         )
     else:
         _write_one(
@@ -223,6 +263,12 @@ def qkv_write_kernel(
             BLOCK_T,
             False,
             KV_MODE,
+            V,
+            0,
+            V,
+            1.0,
+            0.0,
+            False,
         )
 
 

@@ -18,7 +18,8 @@ Storage (per layer, H heads of D channels, N = sink + ring tokens):
 ``rope_quant_write`` (one fused kernel): RoPE (optional), then per (token, head) amax, scale, clamp to
 +-448 (torch 2.11 turns overflow into NaN), cast, store at rows ``row0 + t`` of the buffer, where
 ``row0`` is a device int tensor; or quantise by a given per-head scale. Also used for queries (into a
-scratch buffer). ``qkv_write``: the same for a pass's q, k and v in one launch.
+scratch buffer). ``qkv_write``: the same for a pass's q, k and v in one launch, optionally applying the q/k
+RMS norms first (:class:`RowNorm`: the rows' sums of squares, the weight; ``cadence.cache.qk_fold``).
 
 ``ring_attention``: flash attention of FP8 (or bf16) queries over the buffer as it is (TMA tensor
 descriptors, unmasked main loop, one masked tail tile), written straight into the ``[M, H, D]`` layout
@@ -43,6 +44,7 @@ import functools
 import logging
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -94,6 +96,33 @@ def head_amax_bound(x: torch.Tensor, rotate: bool) -> torch.Tensor:
     return amax * math.sqrt(2.0) if rotate else amax
 
 
+@dataclass(frozen=True)
+class RowNorm:
+    """The apply half of an RMS norm over a row's channels, for a write to fold in (``qkv_write``'s `norm`):
+    ``x * rsqrt(ss / dim + eps) * weight``. `ss`: the rows' float32 sums of squares over the norm's full
+    width `dim` ([T] or any shape of T elements; under tensor parallelism the all-reduced sum, of which
+    this rank holds `weight.numel()` of the `dim` channels), `weight`: the channels this write sees, in
+    [H, D] order. :meth:`apply` is the separate norm's own math (``cadence.model.layers.rms_scale``): what
+    the fold replaces, for the paths that need the normed tensor itself."""
+
+    ss: torch.Tensor
+    weight: torch.Tensor
+    dim: int
+    eps: float
+
+    def rows(self) -> torch.Tensor:
+        """The sums as a [T] view (a copy only if no view can be made)."""
+        return self.ss.reshape(-1)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H, D] -> the normed x in x's dtype (the separate norm's output), same shape."""
+        from cadence.model.layers import rms_scale
+
+        flat = x.flatten(-2)
+        ss = self.rows().reshape(*flat.shape[:-1], 1)
+        return rms_scale(flat, ss, self.weight, self.dim, self.eps).unflatten(-1, x.shape[-2:])
+
+
 def rope_quant_reference(
     x: torch.Tensor,
     cos: torch.Tensor | None,
@@ -101,11 +130,15 @@ def rope_quant_reference(
     quant: bool,
     out_dtype: torch.dtype,
     head_scale: torch.Tensor | None = None,
+    norm: RowNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H, D] -> (values [H, T, D] in out_dtype, scales [H, T] float32): rotate, then quantise
-    per (token, head) when `quant` (by the given per-head scales [H] with `head_scale`; scales 1 when not
-    quantising)."""
+    """x [T, H, D] -> (values [H, T, D] in out_dtype, scales [H, T] float32): with `norm`, first the RMS
+    norm's apply in float32 (the folded write's math); rotate, then quantise per (token, head) when
+    `quant` (by the given per-head scales [H] with `head_scale`; scales 1 when not quantising)."""
     xf = x.float()
+    if norm is not None:
+        inv = torch.rsqrt(norm.rows() / norm.dim + norm.eps)
+        xf = xf * inv[:, None, None] * norm.weight.float().reshape(xf.shape[1:])
     if cos is not None:
         xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
         xf = torch.view_as_real(xc * torch.complex(cos, sin)[:, None, :]).flatten(-2)
@@ -241,14 +274,22 @@ def qkv_write(
     zero: torch.Tensor,
     row0: torch.Tensor,
     v_transposed: bool,
+    norm: tuple[RowNorm, RowNorm] | None = None,
 ) -> None:
     """One launch: q rotated (and quantised) into q_out rows 0.., k rotated and v as is into the
     cache rows row0.. (v_out [H, D, N] when v_transposed). All outputs FP8 or all float; each scale
-    [H, N] (per token, written) or [H] (per head, read), as in ``rope_quant_write``; k and v share a mode."""
+    [H, N] (per token, written) or [H] (per head, read), as in ``rope_quant_write``; k and v share a mode.
+    `norm` (q's, k's; one full width and eps): q and k are the norms' inputs, and each is RMS-normed
+    in float32 before its rotation (the q/k norms' apply folded into this write)."""
     kern = _kernels().qkv_write_kernel
     q, k, v = _rows(q), _rows(k), _rows(v)
     t, h, d = q.shape
     bt = _block_t()
+    nq, nk = norm if norm is not None else (None, None)
+    if norm is not None and (nq.dim, nq.eps, nq.rows().numel(), nk.rows().numel()) != (nk.dim, nk.eps, t, t):
+        raise ValueError("q/k norms folded into the write need one full width and eps, and a sum per token")
+    qss, kss = (nq.rows(), nk.rows()) if norm is not None else (q, k)
+    qw, kw = (_weight(nq, h * d), _weight(nk, h * d)) if norm is not None else (q, k)
     kern[(triton_cdiv(t, bt), h, 3)](
         q,
         q.stride(0),
@@ -276,11 +317,30 @@ def qkv_write(
         zero,
         row0,
         t,
+        qss,
+        qss.stride(0) if norm is not None else 0,
+        qw,
+        kss,
+        kss.stride(0) if norm is not None else 0,
+        kw,
+        float(nq.dim) if norm is not None else 1.0,
+        float(nq.eps) if norm is not None else 0.0,
         D=d,
         BLOCK_T=bt,
         Q_MODE=_mode(q_out, q_scale),
         KV_MODE=_mode(k_out, k_scale),
+        NORM=norm is not None,
     )
+
+
+def _weight(n: RowNorm, width: int) -> torch.Tensor:
+    """A norm's weight as the kernel reads it: [H*D] contiguous (one clear error for another width)."""
+    if n.weight.numel() != width or n.dim < width or n.rows().dtype != torch.float32:
+        raise ValueError(
+            f"q/k norm folded into the write: weight of {n.weight.numel()} for {width} channels, full width "
+            f"{n.dim}, sums {n.rows().dtype} (need the channels this write sees, float32 sums)"
+        )
+    return n.weight.reshape(-1).contiguous()
 
 
 def triton_cdiv(a: int, b: int) -> int:

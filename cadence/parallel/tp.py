@@ -146,6 +146,12 @@ class ShardedRMSNorm(nn.Module):
         self.which = which
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_scale(x, self.reduced_sums(x), self.weight, self.full_dim, self.eps)
+
+    def reduced_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """x's float32 sum of squares over all `full_dim` channels [.., 1]: the paired one where the qkv
+        projection reduced it, else the local sum all-reduced here. The apply half is ``forward``'s, or the
+        ring cache's write where it takes the norm in (``cadence.cache.qk_fold``)."""
         ss = self.pair.take(self.which, x) if self.pair is not None else None
         if ss is None:
             from cadence.parallel.fused import small_all_reduce
@@ -153,7 +159,7 @@ class ShardedRMSNorm(nn.Module):
             ss = self.ops.sum_squares(x)
             with region("allreduce"):
                 small_all_reduce(ss, self.group, self.label)
-        return self.ops.rms_scale(x, ss, self.weight, self.full_dim, self.eps)
+        return ss
 
 
 def _signature(t: torch.Tensor) -> tuple:
