@@ -93,6 +93,12 @@ KERNEL_SWITCHES: tuple[EnvSwitch, ...] = (
         "1: each residual add + the norm after it one compiled kernel; 0: their two halves (the reference)",
     ),
     EnvSwitch(
+        "CADENCE_FP8_COMM_BLOCK",
+        "128",
+        "cadence.parallel.comm_fp8",
+        "columns per float32 scale of comm mode two_shot_fp8's e4m3 payloads (one per row where the width is not a multiple)",
+    ),
+    EnvSwitch(
         "CADENCE_COMPILE_ROPE",
         "1",
         "cadence.runtime.compile",
